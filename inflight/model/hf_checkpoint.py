@@ -1,0 +1,89 @@
+"""A Hugging Face checkpoint directory: config.json, safetensors shards, tokenizer, generation config."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer as BackendTokenizer
+
+from inflight.model.config import ModelConfig, config_from_hf
+from inflight.model.tokenizer import SpecialTokens, Tokenizer
+
+
+class HFCheckpoint:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {path} has no config.json")
+        self.raw_config = self._json("config.json")
+        self.generation_config = self._json("generation_config.json", {})
+
+    def _json(self, name: str, default: Any = None) -> Any:
+        file = self.path / name
+        if not file.is_file():
+            if default is None:
+                raise ValueError(f"model directory {self.path} has no {name}")
+            return default
+        return json.loads(file.read_text(encoding="utf-8"))
+
+    def config(self) -> ModelConfig:
+        return config_from_hf(self.raw_config)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"model directory {self.path} has no *.safetensors weights")
+        for name in files:
+            with safe_open(str(self.path / name), framework="pt") as shard:
+                for key in shard.keys():
+                    yield key, shard.get_tensor(key)
+
+    def tokenizer(self) -> Tokenizer:
+        if not (self.path / "tokenizer.json").is_file():
+            raise ValueError(f"model directory {self.path} has no tokenizer.json")
+        backend = BackendTokenizer.from_file(str(self.path / "tokenizer.json"))
+        tok_config = self._json("tokenizer_config.json", {})
+        template = tok_config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_file = self.path / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+        bos, eos = _token_text(tok_config.get("bos_token")), _token_text(tok_config.get("eos_token"))
+        eos_ids = _ids(self.generation_config.get("eos_token_id"))
+        eos_ids += _ids(self.raw_config.get("eos_token_id"))
+        if eos is not None and backend.token_to_id(eos) is not None:
+            eos_ids.append(backend.token_to_id(eos))
+        decoder = json.loads((self.path / "tokenizer.json").read_text(encoding="utf-8")).get("decoder")
+        return Tokenizer(
+            backend,
+            SpecialTokens(bos=bos, eos=eos, eos_ids=list(dict.fromkeys(eos_ids))),
+            chat_template=template,
+            byte_level="ByteLevel" in json.dumps(decoder),
+        )
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The sampling settings generation_config.json recommends (temperature, top_p, top_k)."""
+        gen = self.generation_config
+        return {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
+
+
+def _token_text(token: Any) -> str | None:
+    if isinstance(token, dict):
+        return token.get("content")
+    return token
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]

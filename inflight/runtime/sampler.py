@@ -1,0 +1,120 @@
+"""Per-row sampling: every row of a step carries its own parameters.
+
+Greedy rows take the argmax. Sampled rows apply temperature, top-k, top-p and min-p, then draw by
+racing exponential noise (argmax of p / E with E ~ Exp(1), which samples from p). A row with a seed
+draws its noise from a generator seeded by (seed, output position) alone, so it picks the same
+tokens whatever else shares the step. Log-probabilities are those of the raw distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inflight.runtime.request import SamplingParams
+
+_SEED_STRIDE = 1_000_003  # mixes (seed, position) into one generator seed
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    params: SamplingParams
+    position: int  # index of the output token being drawn (0 for the first)
+
+
+@dataclass
+class SampledRow:
+    token_id: int
+    logprob: float | None = None
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None) -> None:
+        self._generator = torch.Generator()
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledRow]:
+        logits = logits.float()
+        biased = self._apply_bias(logits, rows)
+        tokens = torch.argmax(biased, dim=-1)
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            tokens[index] = self._draw(biased[index], [rows[i] for i in sampled])
+        tokens_host = tokens.tolist()
+        out = [SampledRow(token_id=t) for t in tokens_host]
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if wanted:
+            index = torch.tensor(wanted, device=logits.device)
+            logprobs = torch.log_softmax(logits[index], dim=-1)
+            chosen = logprobs.gather(1, tokens[index].unsqueeze(1)).squeeze(1).tolist()
+            most = max(rows[i].params.logprobs for i in wanted)
+            top_values, top_ids = logprobs.topk(most, dim=-1) if most else (None, None)
+            for j, i in enumerate(wanted):
+                n = rows[i].params.logprobs
+                out[i].logprob = chosen[j]
+                out[i].top_ids = top_ids[j, :n].tolist() if n else []
+                out[i].top_logprobs = top_values[j, :n].tolist() if n else []
+        return out
+
+    @staticmethod
+    def _apply_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        entries = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias.items()]
+        if not entries:
+            return logits
+        biased = logits.clone()
+        row_ids, token_ids, biases = zip(*entries, strict=True)
+        biased.index_put_(
+            (torch.tensor(row_ids), torch.tensor(token_ids)),
+            torch.tensor(biases, dtype=logits.dtype),
+            accumulate=True,
+        )
+        return biased
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        device = logits.device
+        temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+        scaled = logits / temperature.unsqueeze(1)
+        top_k = [r.params.top_k for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        min_p = [r.params.min_p for r in rows]
+        if any(k > 0 for k in top_k) or any(p < 1 for p in top_p) or any(p > 0 for p in min_p):
+            scaled = _filter(scaled, top_k, top_p, min_p)
+        probs = torch.softmax(scaled, dim=-1)
+        noise = torch.empty_like(probs)
+        for i, row in enumerate(rows):
+            generator = self._generator
+            if row.params.seed is not None:
+                generator = torch.Generator(device=device)
+                generator.manual_seed(
+                    (row.params.seed * _SEED_STRIDE + row.position) % (2**63)
+                )
+            noise[i].exponential_(generator=generator)
+        return torch.argmax(probs / noise, dim=-1)
+
+
+def _filter(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
+) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, top-p nucleus and min-p floor."""
+    device = logits.device
+    vocab = logits.shape[-1]
+    ordered, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
+    k = torch.tensor([v if v > 0 else vocab for v in top_k], device=device).unsqueeze(1)
+    drop = ranks >= k
+    probs = torch.softmax(ordered.masked_fill(drop, float("-inf")), dim=-1)
+    # Keep a token while the mass strictly before it is below top_p: the top token always stays.
+    before = probs.cumsum(dim=-1) - probs
+    drop |= before >= torch.tensor(top_p, device=device).unsqueeze(1)
+    drop |= probs < probs[:, :1] * torch.tensor(min_p, device=device).unsqueeze(1)
+    drop[:, 0] = False
+    mask = torch.empty_like(drop).scatter_(1, order, drop)
+    return logits.masked_fill(mask, float("-inf"))

@@ -1,0 +1,164 @@
+"""The stepped-execution contract between a scheduler and the runtime (no torch here).
+
+A scheduler drives a `SteppedExecution` one tick at a time: it `admit`s requests, which become
+residents reached through a stable `ResidentRef(slot, epoch)`; every `step` is one forward pass
+that prefills seated joiners (in chunks, within the token budget) and decodes one token for every
+other resident; a resident that finishes is evicted in the step that finishes it, and its
+`FinishedSnapshot` is reported in that step's `StepResult`. The runtime never calls back into the
+scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+from inflight.runtime.request import GenerationRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentRef:
+    """A resident's identity: a slot that never moves while it lives, and that slot's epoch.
+
+    Each reuse of a slot bumps its epoch, so a ref kept past its resident's eviction is stale and
+    every use of it fails loudly.
+    """
+
+    slot: int
+    epoch: int
+
+
+class StaleResidentRef(LookupError):
+    pass
+
+
+class AdmissionAnswer(Enum):
+    ADMITTED = "admitted"
+    NO_CAPACITY = "no_capacity"  # transient: nothing was modified; ask again after an eviction
+    REJECTED = "rejected"  # permanent: the request itself is invalid for this runtime
+
+
+@dataclass(frozen=True)
+class Admission:
+    answer: AdmissionAnswer
+    ref: ResidentRef | None = None
+    reason: str = ""
+
+
+class FinishReason(Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context capacity
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+    token: str  # the token's text (a partial UTF-8 character shows as U+FFFD)
+    bytes: bytes
+
+
+@dataclass(frozen=True)
+class LogprobEntry:
+    """The chosen token's log-probability and the most likely alternatives, best first."""
+
+    token_id: int
+    logprob: float
+    token: str
+    bytes: bytes
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass
+class TokenDelta:
+    """What one resident produced in one step: new token ids and the text they released.
+
+    Text may lag tokens: bytes of an unfinished UTF-8 character, or text that could still turn out
+    to begin a stop string, are held back until they are settled.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[LogprobEntry] | None = None
+
+
+@dataclass
+class FinishedSnapshot:
+    """Everything a resident produced, taken at the step that evicted it."""
+
+    request: GenerationRequest
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    stop_reason: str | int | None  # the stop string or stop token id that ended it, if any
+    logprobs: list[LogprobEntry] | None
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    stop_reason: str | int | None
+    logprobs: tuple[LogprobEntry, ...] | None
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One resident's share of a step: `query_len` tokens computed after `past_len` in KV."""
+
+    ref: ResidentRef
+    query_len: int
+    past_len: int
+    samples: bool  # whether this step samples a token for it (decode, or the last prefill chunk)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.query_len > 1 or not self.samples
+
+
+@dataclass
+class StepResult:
+    """One unit of commit.
+
+    `deltas` holds every resident that produced tokens or text this step, including those that
+    finished; `finished` holds the snapshot of each resident evicted this step (cancelled ones
+    too). Their refs are stale once the step returns.
+    """
+
+    step_id: int
+    work: list[ScheduledSequence] = field(default_factory=list)
+    deltas: dict[ResidentRef, TokenDelta] = field(default_factory=dict)
+    finished: dict[ResidentRef, FinishedSnapshot] = field(default_factory=dict)
+
+
+class SteppedExecution(Protocol):
+    def residents(self) -> list[ResidentRef]:
+        """Live residents, in the order they were seated."""
+        ...
+
+    def admit(self, request: GenerationRequest) -> Admission:
+        """Seat a request as a resident, or say why not; NO_CAPACITY modifies nothing."""
+        ...
+
+    def step(self, cancelled: Collection[ResidentRef] = ()) -> StepResult:
+        """Run one tick. Residents in `cancelled` are evicted as CANCELLED before it runs."""
+        ...
+
+    def materialize(self, snapshot: FinishedSnapshot) -> CompletionOutput:
+        """Turn a finished snapshot into the output returned to the caller."""
+        ...
+
+    def finish(self) -> None:
+        """End the execution once no residents remain."""
+        ...
+
+    def abort(self) -> list[ResidentRef]:
+        """Evict every resident (after a failed step); returns the refs it evicted."""
+        ...

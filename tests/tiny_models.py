@@ -1,0 +1,115 @@
+"""Tiny random-weight checkpoints of each supported family, written as real HF directories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "In-flight batching admits new requests into a batch that is already generating.",
+    "Paris is the capital of France; Berlin is the capital of Germany.",
+    "Numbers like 12345 and symbols like {}[]() appear in code.",
+    "def add(a, b):\n    return a + b\n",
+] * 20
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VOCAB = 320
+
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=0,
+    eos_token_id=2,
+)
+
+
+def _family(name: str):
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    return {
+        # Llama 3 style: RoPE scaling with all three frequency bands in use, untied head.
+        "llama": (
+            LlamaConfig,
+            LlamaForCausalLM,
+            dict(
+                tie_word_embeddings=False,
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 10000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            ),
+        ),
+        "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=None, head_dim=16)),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=32, tie_word_embeddings=False)),
+    }[name]
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def write_tokenizer(path: Path) -> None:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|endoftext|>",
+                "eos_token": "<|im_end|>",
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
+
+
+def make_tiny_model(family: str, path: Path, seed: int = 0):
+    """Write a tiny random checkpoint of `family` to `path`; returns the HF model (float32)."""
+    config_cls, model_cls, extra = _family(family)
+    torch.manual_seed(seed)
+    config = config_cls(**{**COMMON, **extra})
+    model = model_cls(config).eval()
+    # Larger weights than the default init spread the logits, so greedy picks are clear-cut.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path)
+    return model

@@ -158,7 +158,8 @@ class LLM:
                     "pass one, or one per prompt"
                 )
         return [
-            GenerationRequest(self._tokenize(p), sp) for p, sp in zip(items, param_list, strict=True)
+            GenerationRequest(self._tokenize(p), sp)
+            for p, sp in zip(items, param_list, strict=True)
         ]
 
     def _tokenize(self, prompt: Prompt) -> list[int]:

@@ -3,3 +3,59 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import FAMILIES, make_tiny_model  # noqa: E402
+
+
+def assert_no_leaks(runtime) -> None:
+    """Every KV block and resident slot is free again (DESIGN invariant 11)."""
+    assert runtime.blocks.num_free == runtime.blocks.num_blocks, "KV blocks leaked"
+    assert runtime.slots.num_free == runtime.slots.capacity, "resident slots leaked"
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    for family in FAMILIES:
+        make_tiny_model(family, root / family)
+    return {family: root / family for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The embedded default model (SmolLM2-135M-Instruct GGUF), loaded once for the session."""
+    from inflight import LLM
+
+    instance = LLM(max_batch_size=8, max_model_len=1024)
+    yield instance
+    instance.close()
+
+
+@pytest.fixture
+def smollm(llm):
+    """The default model's runtime, checked for leaks after the test."""
+    runtime = llm._runtime
+    assert_no_leaks(runtime)
+    yield runtime
+    assert_no_leaks(runtime)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm():
+    """HF transformers' own load of the same GGUF: the numerical reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from inflight.model.loader import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()

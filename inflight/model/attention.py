@@ -18,7 +18,9 @@ import torch.nn.functional as F
 
 @dataclass
 class AttentionMetadata:
-    query_start_loc: torch.Tensor  # [B + 1] int32: offsets of each sequence's queries in the packed run
+    query_start_loc: (
+        torch.Tensor
+    )  # [B + 1] int32: offsets of each sequence's queries in the packed run
     seq_lens: torch.Tensor  # [B] int32: past + query length, the keys each sequence attends over
     block_tables: torch.Tensor  # [B, max_blocks] int32: the KV blocks of each sequence, in order
     slot_mapping: torch.Tensor  # [T] int64: the KV slot each packed token writes
@@ -43,7 +45,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Store k, v [T, Hkv, D] at meta.slot_mapping, then attend q [T, Hq, D]; returns [T, Hq, D]."""
+        """Store k, v [T, Hkv, D] at meta.slot_mapping, then attend q [T, Hq, D] -> [T, Hq, D]."""
         ...
 
 

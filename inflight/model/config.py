@@ -71,7 +71,8 @@ class ModelConfig:
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
-    # transformers 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`.
+    # transformers 5 writes `rope_parameters` (theta inside); older configs write `rope_theta`
+    # and `rope_scaling`.
     params = dict(cfg.get("rope_parameters") or {})
     scaling = cfg.get("rope_scaling") or {}
     params = {**scaling, **params}
@@ -124,4 +125,3 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         qk_norm=family == "qwen3",
         sliding_window=sliding,
     )
-

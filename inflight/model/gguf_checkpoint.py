@@ -21,8 +21,19 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 QUANT_TYPES = frozenset(
     GGMLQuantizationType[name]
     for name in (
-        "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+        "F32",
+        "F16",
+        "BF16",
+        "Q8_0",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
     )
 )
 
@@ -71,7 +82,8 @@ class GGUFCheckpoint:
         self.arch = self._str("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise ValueError(
-                f"unsupported GGUF architecture {self.arch!r}; supported: {', '.join(ARCHITECTURES)}"
+                f"unsupported GGUF architecture {self.arch!r}; "
+                f"supported: {', '.join(ARCHITECTURES)}"
             )
         self.tensor_names = {t.name for t in self.reader.tensors}
 
@@ -167,12 +179,16 @@ class GGUFCheckpoint:
         else:
             raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: gpt2, llama")
         backend.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
+            [
+                AddedToken(t, special=True, normalized=False)
+                for t, k in zip(tokens, types, strict=True)
+                if k == _CONTROL
+            ]
         )
         backend.add_tokens(
             [
                 AddedToken(t, special=False, normalized=False)
-                for t, k in zip(tokens, types)
+                for t, k in zip(tokens, types, strict=True)
                 if k == _USER_DEFINED
             ]
         )
@@ -212,7 +228,8 @@ class GGUFCheckpoint:
             models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in ("llama-bpe", "llama3"))
         )
         splits = [
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in _PRE_SPLITS[pre]
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+            for pattern in _PRE_SPLITS[pre]
         ]
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
@@ -226,7 +243,7 @@ class GGUFCheckpoint:
         # A SentencePiece BPE vocabulary lists no merges: a token t = l + r with both halves in the
         # vocabulary is a merge, and merges apply in the order of the merged token's score.
         candidates = []
-        for merged, score in zip(tokens, scores):
+        for merged, score in zip(tokens, scores, strict=True):
             for cut in range(1, len(merged)):
                 left, right = merged[:cut], merged[cut:]
                 if left in vocab and right in vocab:

@@ -1,4 +1,4 @@
-"""A Hugging Face checkpoint directory: config.json, safetensors shards, tokenizer, generation config."""
+"""A Hugging Face checkpoint directory: config, safetensors shards, tokenizer, generation config."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class HFCheckpoint:
             raise ValueError(f"model directory {self.path} has no *.safetensors weights")
         for name in files:
             with safe_open(str(self.path / name), framework="pt") as shard:
-                for key in shard.keys():
+                for key in shard.keys():  # noqa: SIM118 (a safetensors handle is no dict)
                     yield key, shard.get_tensor(key)
 
     def tokenizer(self) -> Tokenizer:
@@ -58,12 +58,17 @@ class HFCheckpoint:
         jinja_file = self.path / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text(encoding="utf-8")
-        bos, eos = _token_text(tok_config.get("bos_token")), _token_text(tok_config.get("eos_token"))
+        bos, eos = (
+            _token_text(tok_config.get("bos_token")),
+            _token_text(tok_config.get("eos_token")),
+        )
         eos_ids = _ids(self.generation_config.get("eos_token_id"))
         eos_ids += _ids(self.raw_config.get("eos_token_id"))
         if eos is not None and backend.token_to_id(eos) is not None:
             eos_ids.append(backend.token_to_id(eos))
-        decoder = json.loads((self.path / "tokenizer.json").read_text(encoding="utf-8")).get("decoder")
+        decoder = json.loads((self.path / "tokenizer.json").read_text(encoding="utf-8")).get(
+            "decoder"
+        )
         return Tokenizer(
             backend,
             SpecialTokens(bos=bos, eos=eos, eos_ids=list(dict.fromkeys(eos_ids))),

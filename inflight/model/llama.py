@@ -78,7 +78,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -102,9 +104,7 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        x = x + self.self_attn(
-            self.input_layernorm(x), positions, rotary, kv_cache, meta, backend
-        )
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -28,7 +28,9 @@ class RaggedBatch:
     logits_indices: torch.Tensor  # [R]: packed index of each sampling row's last token
 
 
-def build_ragged_batch(rows: Sequence[RowInput], block_size: int, device: torch.device) -> RaggedBatch:
+def build_ragged_batch(
+    rows: Sequence[RowInput], block_size: int, device: torch.device
+) -> RaggedBatch:
     """Rows must come decode-first: the leading rows of one query token form the decode group."""
     if not rows:
         raise ValueError("a step needs at least one row")
@@ -45,7 +47,9 @@ def build_ragged_batch(rows: Sequence[RowInput], block_size: int, device: torch.
             raise ValueError("a row must compute at least one token")
         seq_len = row.past_len + n
         if -(-seq_len // block_size) > len(row.block_table):
-            raise ValueError(f"a row of {seq_len} tokens overflows its {len(row.block_table)} blocks")
+            raise ValueError(
+                f"a row of {seq_len} tokens overflows its {len(row.block_table)} blocks"
+            )
         input_ids.extend(row.token_ids)
         for pos in range(row.past_len, seq_len):
             positions.append(pos)
@@ -59,7 +63,9 @@ def build_ragged_batch(rows: Sequence[RowInput], block_size: int, device: torch.
     while num_decodes < len(rows) and query_lens[num_decodes] == 1:
         num_decodes += 1
     width = -(-max(seq_lens) // block_size)
-    tables = [list(r.block_table[:width]) + [0] * (width - min(width, len(r.block_table))) for r in rows]
+    tables = [
+        list(r.block_table[:width]) + [0] * (width - min(width, len(r.block_table))) for r in rows
+    ]
 
     def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)

@@ -49,6 +49,9 @@ def allocate_kv_cache(
 ) -> list[KVCache]:
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
         for _ in range(config.num_layers)
     ]

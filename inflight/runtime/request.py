@@ -1,4 +1,4 @@
-"""What a caller asks the runtime for: sampling parameters and a tokenized request (no torch here)."""
+"""What a caller asks the runtime for: sampling parameters and a tokenized prompt (torch-free)."""
 
 from __future__ import annotations
 

@@ -74,15 +74,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: RaggedBatch) -> torch.Tensor:
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
+        hidden = self.model(
+            batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend
+        )
         return self.model.compute_logits(hidden[batch.logits_indices])
 
 
 class Runtime:
-    def __init__(self, model: str | Path | None = None, config: RuntimeConfig | None = None) -> None:
+    def __init__(
+        self, model: str | Path | None = None, config: RuntimeConfig | None = None
+    ) -> None:
         config = config or RuntimeConfig()
         self.config = config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(
+            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        )
         dtype_name = config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = getattr(torch, dtype_name)
         self.checkpoint = open_checkpoint(model)

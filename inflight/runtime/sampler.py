@@ -93,9 +93,7 @@ class Sampler:
             generator = self._generator
             if row.params.seed is not None:
                 generator = torch.Generator(device=device)
-                generator.manual_seed(
-                    (row.params.seed * _SEED_STRIDE + row.position) % (2**63)
-                )
+                generator.manual_seed((row.params.seed * _SEED_STRIDE + row.position) % (2**63))
             noise[i].exponential_(generator=generator)
         return torch.argmax(probs / noise, dim=-1)
 

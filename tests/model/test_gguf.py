@@ -1,0 +1,217 @@
+"""GGUF loading: dequantization, llama.cpp's q/k permutation, metadata config and tokenizer."""
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from inflight.model.gguf_checkpoint import GGUFCheckpoint
+from inflight.model.loader import open_checkpoint
+from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.runtime.runtime import Runtime, RuntimeConfig
+
+from tiny_models import CHAT_TEMPLATE, VOCAB, write_tokenizer
+
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 64, 128, 4, 2, 2
+
+# Which stored type each kind of tensor gets, so that one file covers the common quantizations.
+QTYPE = {
+    "token_embd": Q.Q8_0,
+    "attn_q": Q.Q4_0,
+    "attn_k": Q.Q4_1,
+    "attn_v": Q.Q8_0,
+    "attn_output": Q.BF16,
+    "ffn_gate": Q.Q4_1,
+    "ffn_up": Q.F16,
+    "ffn_down": Q.Q4_0,
+    "output": Q.F16,
+}
+
+
+def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to q/k rows (the loader must undo it)."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def _hf_to_gguf_name(name: str) -> str:
+    name = name.removeprefix("model.")
+    fixed = {
+        "embed_tokens.weight": "token_embd.weight",
+        "norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if name in fixed:
+        return fixed[name]
+    _, layer, *rest = name.split(".")
+    part = ".".join(rest[:-1])
+    table = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    return f"blk.{layer}.{table[part]}.{rest[-1]}"
+
+
+def write_tiny_gguf(tmp_path, arch: str = "llama", extra_tensor=None):
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=FFN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+            max_position_embeddings=512,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        )
+    )
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    write_tokenizer(tmp_path)
+    tok = json.loads((tmp_path / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = [None] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    specials = {a["content"] for a in tok["added_tokens"]}
+    tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens))]
+    types = [3 if t in specials else 5 if t.startswith("<unused") else 1 for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS)
+    w.add_context_length(512)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    w.add_chat_template(CHAT_TEMPLATE)
+    for name, param in hf.state_dict().items():
+        if "rotary" in name:
+            continue
+        arr = param.detach().numpy().astype(np.float32)
+        gname = _hf_to_gguf_name(name)
+        kind = gname.split(".")[-2]
+        if kind == "attn_q":
+            arr = _llama_cpp_permute(arr, HEADS)
+        elif kind == "attn_k":
+            arr = _llama_cpp_permute(arr, KV_HEADS)
+        qtype = QTYPE.get(kind, Q.F32)
+        if qtype == Q.F32:
+            w.add_tensor(gname, arr)
+        elif qtype == Q.F16:
+            w.add_tensor(gname, arr.astype(np.float16))
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+    if extra_tensor is not None:
+        w.add_tensor(*extra_tensor[:2], raw_dtype=extra_tensor[2])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_quantized_llama_gguf_matches_transformers(tmp_path):
+    path = write_tiny_gguf(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    runtime = Runtime(path, RuntimeConfig(max_batch_size=1, max_model_len=128))
+    ids = runtime.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    out = runtime.handle_request(
+        GenerationRequest(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    ).result()
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(24):
+            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert list(out.token_ids) == seq[len(ids) :]
+    # Same dequantized weights as transformers' own GGUF loader, permutation undone.
+    ours = dict(GGUFCheckpoint(path).weights(runtime.checkpoint.config))
+    ref = hf.state_dict()
+    for name in (
+        "layers.0.self_attn.q_proj.weight",
+        "layers.1.self_attn.k_proj.weight",
+        "embed_tokens.weight",
+        "layers.0.self_attn.o_proj.weight",
+    ):
+        torch.testing.assert_close(ours[name], ref["model." + name], rtol=0, atol=0)
+
+
+def test_gguf_tokenizer_and_chat_template_from_metadata(tmp_path):
+    path = write_tiny_gguf(tmp_path)
+    ck = open_checkpoint(path)
+    from tokenizers import Tokenizer
+
+    reference = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    for text in ["The quick brown fox", "def add(a, b):\n    return a + b", "<|im_start|>user"]:
+        assert ck.tokenizer.encode(text, add_special_tokens=False) == reference.encode(text).ids
+    rendered = ck.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert ck.tokenizer.eos_token_ids == [2]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.BF16])
+def test_k_quant_tensors_dequantize_to_gguf_reference(tmp_path, qtype):
+    rows, cols = 4, 256
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(rows, cols // block_elems * block_bytes), dtype=np.uint8)
+    path = write_tiny_gguf(tmp_path, extra_tensor=("extra.weight", raw, qtype))
+    reader = gguf.GGUFReader(str(path))
+    tensor = next(t for t in reader.tensors if t.name == "extra.weight")
+    ours = GGUFCheckpoint._dequantize(tensor)
+    expected = gguf.quants.dequantize(raw, qtype)
+    assert ours.shape == (rows, cols)
+    # Random bytes may spell inf/NaN scales; those must come through in the same places.
+    np.testing.assert_array_equal(ours, expected.astype(np.float32))
+
+
+def test_unsupported_quantization_is_named(tmp_path):
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[Q.IQ4_NL]
+    raw = np.zeros((2, 64 // block_elems * block_bytes), dtype=np.uint8)
+    path = write_tiny_gguf(tmp_path, extra_tensor=("extra.weight", raw, Q.IQ4_NL))
+    reader = gguf.GGUFReader(str(path))
+    tensor = next(t for t in reader.tensors if t.name == "extra.weight")
+    with pytest.raises(ValueError, match="IQ4_NL"):
+        GGUFCheckpoint._dequantize(tensor)
+
+
+def test_unsupported_gguf_architecture_is_named(tmp_path):
+    path = write_tiny_gguf(tmp_path, arch="gemma")
+    with pytest.raises(ValueError, match="gemma"):
+        open_checkpoint(path)
+
+
+def test_default_model_facts():
+    ck = open_checkpoint()
+    assert ck.config.family == "llama" and ck.config.tie_word_embeddings
+    reader = gguf.GGUFReader(str(ck.path))
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["token_embd.weight"] == Q.Q8_0
+    assert types["blk.0.attn_q.weight"] == Q.Q4_1

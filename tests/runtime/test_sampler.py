@@ -1,0 +1,93 @@
+"""Per-row sampling over synthetic logits."""
+
+import math
+
+import torch
+
+from inflight.runtime.request import SamplingParams
+from inflight.runtime.sampler import Sampler, SamplingRow
+
+
+def _row(position=0, **params):
+    return SamplingRow(SamplingParams(**params), position)
+
+
+def _logits(rows=1, vocab=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=g) * 3
+
+
+def test_greedy_rows_take_the_argmax_beside_sampled_rows():
+    logits = _logits(3)
+    out = Sampler(seed=1)(logits, [_row(temperature=0), _row(temperature=1.0), _row(temperature=0)])
+    assert out[0].token_id == int(logits[0].argmax())
+    assert out[2].token_id == int(logits[2].argmax())
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = _logits(2)
+    for _ in range(20):
+        out = Sampler()(logits, [_row(temperature=2.0, top_k=1), _row(temperature=2.0, top_p=1e-6)])
+        assert [o.token_id for o in out] == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_and_min_p_restrict_the_support():
+    logits = _logits(1, vocab=100)
+    top5 = set(logits[0].topk(5).indices.tolist())
+    probs = torch.softmax(logits[0], dim=-1)
+    allowed_min_p = {i for i in range(100) if probs[i] >= 0.2 * probs.max()}
+    sampler = Sampler(seed=3)
+    for _ in range(200):
+        assert sampler(logits, [_row(top_k=5)])[0].token_id in top5
+        assert sampler(logits, [_row(min_p=0.2)])[0].token_id in allowed_min_p
+
+
+def test_top_p_keeps_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    seen = {Sampler(seed=s)(logits, [_row(top_p=0.8)])[0].token_id for s in range(300)}
+    assert seen == {0, 1}  # 0.5 + 0.3 reaches 0.8: the rest is cut
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    sampler = Sampler(seed=0)
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        counts[sampler(torch.log(probs)[None], [_row()])[0].token_id] += 1
+    assert torch.allclose(counts / 3000, probs, atol=0.03)
+
+
+def test_logit_bias_applies_to_its_row_only():
+    logits = _logits(2)
+    target = int(logits[0].argmin())
+    out = Sampler()(logits, [_row(temperature=0, logit_bias={target: 100}), _row(temperature=0)])
+    assert out[0].token_id == target
+    assert out[1].token_id == int(logits[1].argmax())
+
+
+def test_seeded_row_draws_the_same_whatever_shares_the_step():
+    logits = _logits(4)
+    alone = Sampler()(logits[2:3], [_row(position=7, seed=42)])[0].token_id
+    for other_seed in range(10):
+        rows = [_row(), _row(seed=other_seed), _row(position=7, seed=42), _row(temperature=0)]
+        assert Sampler()(logits, rows)[2].token_id == alone
+    # A different position (the next output token) draws fresh noise.
+    draws = {Sampler()(logits[2:3], [_row(position=p, seed=42)])[0].token_id for p in range(40)}
+    assert len(draws) > 1
+
+
+def test_logprobs_are_raw_sorted_and_consistent():
+    logits = _logits(2)
+    out = Sampler()(logits, [_row(temperature=0.7, logprobs=5), _row(temperature=0)])
+    ref = torch.log_softmax(logits[0], dim=-1)
+    entry = out[0]
+    assert math.isclose(entry.logprob, ref[entry.token_id].item(), abs_tol=1e-6)
+    assert entry.top_ids == ref.topk(5).indices.tolist()
+    assert entry.top_logprobs == sorted(entry.top_logprobs, reverse=True)
+    assert all(lp <= 0 for lp in entry.top_logprobs)
+    assert out[1].logprob is None and out[1].top_ids is None
+
+
+def test_logprobs_zero_gives_only_the_chosen_token():
+    out = Sampler()(_logits(1), [_row(temperature=0, logprobs=0)])
+    assert out[0].logprob is not None and out[0].top_ids == []

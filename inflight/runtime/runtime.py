@@ -18,11 +18,36 @@ from inflight.runtime.request import GenerationRequest
 from inflight.runtime.sampler import Sampler
 from inflight.runtime.session import GenerationSession
 from inflight.runtime.slots import ResidentSlots
-from inflight.runtime.stepped import AdmissionAnswer, CompletionOutput, TokenDelta
+from inflight.runtime.stepped import (
+    AdmissionAnswer,
+    CompletionOutput,
+    ExecutionCapabilities,
+    TokenDelta,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 4096
+
+# Every sampling parameter is applied per row (sampler, detokenizer, stop checks, KV reservation).
+PER_ROW_FIELDS = frozenset(
+    f"params.{name}"
+    for name in (
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "logprobs",
+        "logit_bias",
+        "skip_special_tokens",
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -118,6 +143,15 @@ class Runtime:
     @property
     def model_name(self) -> str:
         return self.checkpoint.name
+
+    @property
+    def capabilities(self) -> ExecutionCapabilities:
+        return ExecutionCapabilities(
+            stepped=True,
+            seated_admission=True,
+            max_batch_size=self.slots.capacity,
+            per_row_fields=PER_ROW_FIELDS,
+        )
 
     def new_session(self) -> GenerationSession:
         """The execution for one batch; a runtime runs one at a time."""

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.detokenizer import IncrementalDetokenizer
-from inflight.runtime.request import GenerationRequest
+from inflight.runtime.request import UNSERVED_OPTIONS, GenerationRequest, unserved_options
 from inflight.runtime.sampler import SampledRow, SamplingRow
 from inflight.runtime.stepped import (
     Admission,
@@ -150,6 +150,11 @@ class GenerationSession:
     # -- admission stages -----------------------------------------------------------------------
 
     def build_admission_intent(self, request: GenerationRequest) -> AdmissionIntent:
+        unserved = unserved_options(request)
+        if unserved:
+            raise ValueError(
+                f"{UNSERVED_OPTIONS[unserved[0]]} is not supported by this runtime yet"
+            )
         prompt, params = request.prompt_token_ids, request.params
         vocab = self._rt.vocab_size
         limit = self._rt.max_model_len

@@ -138,6 +138,23 @@ class StepResult:
     finished: dict[ResidentRef, FinishedSnapshot] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ExecutionCapabilities:
+    """What a runtime declares to the scheduler that drives it.
+
+    `stepped`: it can run one tick at a time (false, e.g., for a runtime spread over several
+    ranks that would each need every stepped command). `seated_admission`: a request can join a
+    batch that is already generating. `max_batch_size`: the most residents it can hold.
+    `per_row_fields`: request fields it applies per row, which therefore never keep two
+    requests from sharing a step (dotted names such as "params.temperature").
+    """
+
+    stepped: bool
+    seated_admission: bool
+    max_batch_size: int
+    per_row_fields: frozenset[str] = frozenset()
+
+
 class SteppedExecution(Protocol):
     def residents(self) -> list[ResidentRef]:
         """Live residents, in the order they were seated."""
@@ -162,3 +179,12 @@ class SteppedExecution(Protocol):
     def abort(self) -> list[ResidentRef]:
         """Evict every resident (after a failed step); returns the refs it evicted."""
         ...
+
+
+class ExecutionFactory(Protocol):
+    """A runtime as a scheduler sees it: its capabilities, and a new execution per batch."""
+
+    @property
+    def capabilities(self) -> ExecutionCapabilities: ...
+
+    def new_session(self) -> SteppedExecution: ...

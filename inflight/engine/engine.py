@@ -1,0 +1,431 @@
+"""`RequestEngine`: the in-flight batching actor.
+
+One actor thread owns the runtime. `submit()` and `cancel()` work from any thread and never wait
+for it: submit posts to a bounded command queue behind an admission gate, cancel sets a flag. The
+actor founds a batch with the head of its FIFO, then ticks: each tick seats as many queued heads as
+may join (strict FCFS; a head that may not join waits and blocks those behind it), runs one step of
+the execution, and commits the step's result, publishing the outcome of every resident the step
+evicted. A drained batch never admits: the next head founds a new one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from enum import Enum
+
+from inflight.engine.channel import StreamChannel, StreamChunk
+from inflight.engine.compatibility import BatchCompatibility, is_founder_only, is_guided
+from inflight.engine.config import EngineConfig
+from inflight.engine.coordinator import Outcome, RequestCoordinator
+from inflight.engine.errors import SubmitError
+from inflight.engine.metrics import EngineMetrics
+from inflight.engine.record import RequestHandle, RequestRecord, TerminalStatus
+from inflight.runtime.request import UNSERVED_OPTIONS, GenerationRequest, unserved_options
+from inflight.runtime.stepped import (
+    AdmissionAnswer,
+    CompletionOutput,
+    ExecutionFactory,
+    FinishReason,
+    ResidentRef,
+    SteppedExecution,
+    StepResult,
+)
+
+log = logging.getLogger(__name__)
+
+_BLOCKING_PATH = "use the blocking path (start without --enable-in-flight-batching)"
+# What a caller can do instead of each request option this engine refuses at submit().
+REFUSED_AT_SUBMIT = {
+    "n": "submit n separate requests",
+    "lora_name": "serve a checkpoint with the adapter merged, without --enable-in-flight-batching",
+    "generate_audio": _BLOCKING_PATH,
+    "save_system_prompt_kv_cache": "the context cache covers shared prefixes; or " + _BLOCKING_PATH,
+    "past_trajectory": _BLOCKING_PATH,
+}
+
+
+class ShutdownMode(Enum):
+    DRAIN = "drain"  # finish every accepted request, then stop
+    CANCEL = "cancel"  # stop queued requests and residents as soon as possible
+
+
+class CommandQueue:
+    """Submitted records on their way to the actor: bounded, never blocks, never grows."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: deque[RequestRecord] = deque()
+        self._lock = threading.Lock()
+
+    def try_push(self, record: RequestRecord) -> bool:
+        with self._lock:
+            if len(self._items) >= self.capacity:
+                return False
+            self._items.append(record)
+            return True
+
+    def pop_batch(self, limit: int) -> list[RequestRecord]:
+        with self._lock:
+            return [self._items.popleft() for _ in range(min(limit, len(self._items)))]
+
+
+class RequestEngine:
+    """Submit requests from any thread; one actor thread runs them in in-flight batches.
+
+    Refusals: a request option this engine does not serve is a ValueError naming the alternative
+    (permanent: counted in neither `submitted` nor `refused`); backpressure (too many requests in
+    flight, a full command queue) and shutdown are a SubmitError (transient). Dropping the last
+    reference to the engine shuts it down in CANCEL mode.
+    """
+
+    def __init__(self, execution_factory: ExecutionFactory, config: EngineConfig | None = None):
+        config = config or EngineConfig()
+        caps = execution_factory.capabilities
+        if not caps.stepped:
+            raise RuntimeError(
+                "this runtime cannot run stepped execution (e.g. it spans several ranks); "
+                "it stays on the blocking path"
+            )
+        if config.max_batch_size > 1 and not caps.seated_admission:
+            raise RuntimeError(
+                "this deployment cannot seat a request mid-flight; use max_batch_size=1"
+            )
+        if config.max_batch_size > caps.max_batch_size:
+            raise RuntimeError(
+                f"max_batch_size {config.max_batch_size} exceeds the runtime's capacity of "
+                f"{caps.max_batch_size} residents"
+            )
+        self.config = config
+        self.metrics = EngineMetrics()
+        self._actor = _Actor(execution_factory, config, self.metrics)
+        weakref.finalize(self, self._actor.shutdown, ShutdownMode.CANCEL)
+
+    def submit(
+        self, request: GenerationRequest, channel: StreamChannel | None = None
+    ) -> RequestHandle:
+        """Accept a request (its tokens stream into `channel`, or a new one); never waits."""
+        refused = [o for o in unserved_options(request) if o in REFUSED_AT_SUBMIT]
+        if refused:
+            option = refused[0]
+            raise ValueError(
+                f"{UNSERVED_OPTIONS[option]} is not served under in-flight batching; "
+                f"{REFUSED_AT_SUBMIT[option]}"
+            )
+        return self._actor.submit(request, channel or StreamChannel())
+
+    def cancel(self, request_id: int) -> None:
+        """Cancel by id; an unknown or finished id is ignored. Never waits."""
+        self._actor.cancel(request_id)
+
+    def shutdown(self, mode: ShutdownMode = ShutdownMode.DRAIN) -> None:
+        """Stop accepting, then DRAIN (finish everything accepted) or CANCEL; waits for the actor.
+        Only the first call's mode counts."""
+        self._actor.shutdown(mode)
+
+    def __enter__(self) -> RequestEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown(ShutdownMode.DRAIN)
+
+    @property
+    def queued(self) -> int:
+        """Requests in the actor's FIFO (those still in the command queue are not counted)."""
+        return len(self._actor.queued)
+
+    @property
+    def resident(self) -> int:
+        return self._actor.resident_count
+
+    @property
+    def running(self) -> bool:
+        return not self._actor.shutdown_called
+
+
+class _Actor:
+    """The engine's state and its thread; held by the facade, never the other way round."""
+
+    def __init__(
+        self, factory: ExecutionFactory, config: EngineConfig, metrics: EngineMetrics
+    ) -> None:
+        self.factory = factory
+        self.config = config
+        self.metrics = metrics
+        self.compatibility = BatchCompatibility(factory.capabilities.per_row_fields)
+        self.commands = CommandQueue(config.command_queue_capacity)
+        self.queued: deque[RequestRecord] = deque()  # the actor's FIFO
+        self.ledger = RequestCoordinator()
+        self.resident_count = 0
+        self.wake = threading.Event()
+        self.stop_mode: ShutdownMode | None = None
+        self.shutdown_called = False
+        self._gate = threading.Lock()  # "accepting" and a push are one decision
+        self._accepting = True
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._registry: weakref.WeakValueDictionary[int, RequestRecord] = (
+            weakref.WeakValueDictionary()
+        )
+        self._registry_lock = threading.Lock()
+        self._shutdown_lock = threading.Lock()
+        self._founder: GenerationRequest | None = None
+        self.thread = threading.Thread(target=self._run, name="inflight-engine", daemon=True)
+        self.thread.start()
+
+    # -- caller threads -------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest, channel: StreamChannel) -> RequestHandle:
+        with self._pending_lock:
+            if self._pending >= self.config.max_pending_requests:
+                self.metrics.add("refused")
+                raise SubmitError("too many requests in flight; retry later")
+            self._pending += 1
+        record = RequestRecord(next(self._ids), request, channel)
+        with self._registry_lock:
+            self._registry[record.id] = record
+        with self._gate:
+            accepting = self._accepting
+            posted = accepting and self.commands.try_push(record)
+            if posted:
+                self.metrics.add("submitted")
+        if not posted:
+            with self._registry_lock:
+                self._registry.pop(record.id, None)
+            with self._pending_lock:
+                self._pending -= 1
+            self.metrics.add("refused")
+            if not accepting:
+                raise SubmitError(
+                    "the engine is shutting down and no longer accepts requests",
+                    shutting_down=True,
+                )
+            raise SubmitError("command queue is full; retry later")
+        self.wake.set()
+        return RequestHandle(record, self.wake.set)
+
+    def cancel(self, request_id: int) -> None:
+        with self._registry_lock:
+            record = self._registry.get(request_id)
+        if record is not None and not record.published:
+            record.channel.cancel()
+            self.wake.set()
+
+    def shutdown(self, mode: ShutdownMode) -> None:
+        if threading.current_thread() is self.thread:
+            raise RuntimeError("shutdown() called from the engine's own thread would deadlock")
+        with self._shutdown_lock:
+            if not self.shutdown_called:
+                self.shutdown_called = True
+                with self._gate:
+                    self._accepting = False
+                # The mode lives here, not in a queued command, so a full queue cannot turn a
+                # cancelling shutdown into a drain.
+                self.stop_mode = mode
+                self.wake.set()
+        self.thread.join()
+
+    # -- the actor thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._drain_commands()
+                if self.stop_mode is ShutdownMode.CANCEL:
+                    break
+                if self.queued:
+                    self._run_batch()
+                    continue
+                if self.stop_mode is ShutdownMode.DRAIN:
+                    # Catch a submit accepted just before the gate closed.
+                    self._drain_commands()
+                    if self.queued:
+                        continue
+                    break
+                self.wake.wait(self.config.idle_wait)
+                self.wake.clear()
+        except BaseException:
+            log.exception("the engine's actor stopped on an unexpected error")
+            raise
+        finally:
+            self._abandon_everything()
+
+    def _drain_commands(self) -> None:
+        self.queued.extend(self.commands.pop_batch(self.commands.capacity))
+        self._retire_cancelled_queued()
+        if self.stop_mode is ShutdownMode.CANCEL:
+            for _, record in self.ledger.residents():
+                record.channel.cancel()
+
+    def _retire_cancelled_queued(self) -> None:
+        if any(r.cancel_requested for r in self.queued):
+            keep: deque[RequestRecord] = deque()
+            for record in self.queued:
+                if record.cancel_requested:
+                    self._terminate(record, TerminalStatus.CANCELLED)
+                else:
+                    keep.append(record)
+            self.queued = keep
+
+    def _run_batch(self) -> None:
+        """Found a batch with the queue head and tick until no resident remains."""
+        head = self.queued[0]
+        try:
+            execution = self.factory.new_session()
+        except Exception as exc:
+            log.exception("the runtime could not start a batch")
+            self.queued.popleft()
+            self._terminate(head, TerminalStatus.FAILED, error=f"the runtime refused: {exc}")
+            return
+        self._founder = head.request
+        answer = self._admit(execution, founder=True)
+        if answer is AdmissionAnswer.NO_CAPACITY:
+            self.queued.popleft()
+            self._terminate(
+                head, TerminalStatus.FAILED, error="the runtime has no capacity for this request"
+            )
+        while len(self.ledger):
+            self._drain_commands()
+            self._admit_joiners(execution)
+            cancelled = [ref for ref, record in self.ledger.residents() if record.cancel_requested]
+            try:
+                result = execution.step(cancelled)
+                streams = {ref: self.ledger.owner(ref) for ref in result.deltas}
+                outcomes = self.ledger.commit(result, execution)
+            except Exception as exc:
+                log.exception("a step failed; failing its batch")
+                self._fail_batch(execution, f"the step failed: {exc}")
+                return
+            self._publish(result, streams, outcomes)
+            for record in self.ledger.retire_missing(execution.residents()):
+                self._terminate(record, TerminalStatus.FAILED, error="the runtime lost the request")
+            self.resident_count = len(self.ledger)
+        try:
+            execution.finish()
+        except Exception:
+            log.exception("finishing a drained batch failed")
+
+    def _admit_joiners(self, execution: SteppedExecution) -> None:
+        """Seat queued heads in FCFS order while they may join and the batch has room."""
+        while self.queued and len(self.ledger) < self.config.max_batch_size:
+            if self.stop_mode is not None:
+                return  # under shutdown, queued requests found later batches instead
+            stall = self._head_may_join(self.queued[0].request)
+            if stall is not None:
+                self.metrics.add(stall)
+                return
+            if self._admit(execution, founder=False) is AdmissionAnswer.NO_CAPACITY:
+                self.metrics.add("stalls_no_capacity")
+                return
+
+    def _head_may_join(self, head: GenerationRequest) -> str | None:
+        """None, or the stall counter naming why the head cannot join the running batch."""
+        founder = self._founder
+        assert founder is not None
+        if not self.compatibility.compatible(founder, head):
+            return "stalls_incompatible"
+        if is_guided(founder) or is_guided(head):
+            return "stalls_guided"
+        if is_founder_only(founder) or is_founder_only(head):
+            return "stalls_founder_only"
+        return None
+
+    def _admit(self, execution: SteppedExecution, founder: bool) -> AdmissionAnswer:
+        record = self.queued[0]
+        try:
+            admission = execution.admit(record.request)
+        except Exception as exc:
+            log.exception("admission of request %d raised", record.id)
+            self.queued.popleft()
+            self._terminate(record, TerminalStatus.FAILED, error=str(exc))
+            return AdmissionAnswer.REJECTED
+        if admission.answer is AdmissionAnswer.ADMITTED:
+            self.queued.popleft()
+            assert admission.ref is not None
+            self.ledger.add(admission.ref, record)
+            self.resident_count = len(self.ledger)
+            waited = time.monotonic() - record.submitted_at
+            self.metrics.record_queue_latency(int(waited * 1e6))
+            if not founder:
+                self.metrics.add("admitted_mid_flight")
+        elif admission.answer is AdmissionAnswer.REJECTED:
+            self.queued.popleft()
+            self._terminate(record, TerminalStatus.FAILED, error=admission.reason)
+        return admission.answer
+
+    def _publish(
+        self,
+        result: StepResult,
+        streams: dict[ResidentRef, RequestRecord],
+        outcomes: list[Outcome],
+    ) -> None:
+        for ref, delta in result.deltas.items():
+            record = streams[ref]
+            record.channel.push(
+                StreamChunk(
+                    token_ids=tuple(delta.token_ids),
+                    text=delta.text,
+                    logprobs=None if delta.logprobs is None else tuple(delta.logprobs),
+                    prompt_tokens=len(record.request.prompt_token_ids),
+                )
+            )
+        for outcome in outcomes:
+            self._terminate(outcome.record, outcome.status, outcome.output, outcome.error)
+
+    def _fail_batch(self, execution: SteppedExecution, message: str) -> None:
+        try:
+            execution.abort()
+        except Exception:
+            log.exception("aborting a failed batch raised")
+        for record in self.ledger.take_all():
+            self._terminate(record, TerminalStatus.FAILED, error=message)
+        self.resident_count = 0
+        try:
+            execution.finish()
+        except Exception:
+            log.exception("finishing a failed batch raised")
+
+    def _terminate(
+        self,
+        record: RequestRecord,
+        status: TerminalStatus,
+        output: CompletionOutput | None = None,
+        error: str = "",
+    ) -> None:
+        """The single exit of every accepted request: one outcome, published before the stream
+        closes; a request that did not complete always gets its stream cancelled."""
+        if record.published:
+            return
+        with self._pending_lock:
+            self._pending -= 1
+        self.metrics.add(status.value)
+        with self._registry_lock:
+            self._registry.pop(record.id, None)
+        if status is TerminalStatus.COMPLETED:
+            assert output is not None
+            record.channel.push(
+                StreamChunk(
+                    finished=True,
+                    reason=FinishReason(output.finish_reason),
+                    prompt_tokens=output.prompt_tokens,
+                )
+            )
+        record.publish(status, output, error)
+        if status is TerminalStatus.COMPLETED:
+            record.channel.finish()
+        else:
+            record.channel.cancel()
+
+    def _abandon_everything(self) -> None:
+        abandoned = list(self.queued) + self.commands.pop_batch(self.commands.capacity)
+        abandoned += self.ledger.take_all()
+        self.queued.clear()
+        for record in abandoned:
+            self._terminate(record, TerminalStatus.CANCELLED)
+        if abandoned:
+            log.warning("shutdown cancelled %d request(s) that never ran", len(abandoned))

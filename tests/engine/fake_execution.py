@@ -1,0 +1,167 @@
+"""A fake `SteppedExecution` for engine tests: one token per resident per step, no model.
+
+A resident finishes after `params.max_tokens` tokens (default 3). Behaviours are switched on per
+factory to make it refuse, reject, throw, lose residents or ignore cancel flags.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from inflight.runtime.request import GenerationRequest
+from inflight.runtime.slots import ResidentSlots
+from inflight.runtime.stepped import (
+    Admission,
+    AdmissionAnswer,
+    CompletionOutput,
+    ExecutionCapabilities,
+    FinishedSnapshot,
+    FinishReason,
+    ResidentRef,
+    ScheduledSequence,
+    StepResult,
+    TokenDelta,
+)
+
+
+@dataclass
+class FakeFactory:
+    max_batch_size: int = 8
+    # max_tokens varies per request in these tests; everything else must match (as in V0).
+    per_row_fields: frozenset[str] = frozenset({"params.max_tokens"})
+    stepped: bool = True
+    seated_admission: bool = True
+    step_delay: float = 0.0
+    no_capacity_answers: int = 0  # answer NO_CAPACITY to this many joiner admissions first
+    reject_all: bool = False
+    reject_if: Callable[[GenerationRequest], bool] | None = None
+    raise_on_admit: bool = False
+    fail_steps: int = 0  # the next N steps raise
+    refuse_founding: bool = False  # new_session raises
+    ignore_cancel: bool = False
+    lose_joiners: bool = False  # joiners vanish after their first step without being reported
+    on_step: Callable[[FakeExecution], None] | None = None
+    sessions: int = 0
+    admitted: list[GenerationRequest] = field(default_factory=list)
+    steps: int = 0
+    slots: ResidentSlots | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.slots = ResidentSlots(self.max_batch_size)
+
+    @property
+    def capabilities(self) -> ExecutionCapabilities:
+        return ExecutionCapabilities(
+            stepped=self.stepped,
+            seated_admission=self.seated_admission,
+            max_batch_size=self.max_batch_size,
+            per_row_fields=self.per_row_fields,
+        )
+
+    def new_session(self) -> FakeExecution:
+        if self.refuse_founding:
+            raise RuntimeError("the fake refuses to found")
+        self.sessions += 1
+        return FakeExecution(self)
+
+
+@dataclass
+class _Resident:
+    ref: ResidentRef
+    request: GenerationRequest
+    tokens: list[int] = field(default_factory=list)
+    joiner: bool = False
+    steps: int = 0
+
+
+class FakeExecution:
+    def __init__(self, factory: FakeFactory) -> None:
+        self.factory = factory
+        self.live: dict[ResidentRef, _Resident] = {}
+        self.finished = False
+
+    def residents(self) -> list[ResidentRef]:
+        return list(self.live)
+
+    def admit(self, request: GenerationRequest) -> Admission:
+        f = self.factory
+        if f.raise_on_admit:
+            raise RuntimeError("admission blew up")
+        if f.reject_all or (f.reject_if and f.reject_if(request)):
+            return Admission(AdmissionAnswer.REJECTED, reason="the fake rejects this request")
+        joiner = bool(self.live)
+        if joiner and f.no_capacity_answers > 0:
+            f.no_capacity_answers -= 1
+            return Admission(AdmissionAnswer.NO_CAPACITY, reason="fake has no room yet")
+        ref = f.slots.acquire()
+        if ref is None:
+            return Admission(AdmissionAnswer.NO_CAPACITY, reason="no slot")
+        self.live[ref] = _Resident(ref, request, joiner=joiner)
+        f.admitted.append(request)
+        return Admission(AdmissionAnswer.ADMITTED, ref=ref)
+
+    def step(self, cancelled: Collection[ResidentRef] = ()) -> StepResult:
+        f = self.factory
+        if f.step_delay:
+            time.sleep(f.step_delay)
+        f.steps += 1
+        if f.fail_steps > 0:
+            f.fail_steps -= 1
+            raise RuntimeError("the fake step failed")
+        result = StepResult(step_id=f.steps)
+        if not f.ignore_cancel:
+            for ref in cancelled:
+                f.slots.check(ref)
+                result.finished[ref] = self._evict(self.live[ref], FinishReason.CANCELLED)
+        if f.on_step is not None:
+            f.on_step(self)
+        for ref, r in list(self.live.items()):
+            r.steps += 1
+            if f.lose_joiners and r.joiner and r.steps > 1:
+                del self.live[ref]
+                f.slots.release(ref)
+                continue
+            result.work.append(ScheduledSequence(ref, 1, len(r.tokens), True))
+            token = len(r.tokens) + 1
+            r.tokens.append(token)
+            result.deltas[ref] = TokenDelta([token], f"<{token}>")
+            if len(r.tokens) >= (r.request.params.max_tokens or 3):
+                result.finished[ref] = self._evict(r, FinishReason.LENGTH)
+        return result
+
+    def _evict(self, r: _Resident, reason: FinishReason) -> FinishedSnapshot:
+        del self.live[r.ref]
+        self.factory.slots.release(r.ref)
+        return FinishedSnapshot(
+            request=r.request,
+            token_ids=list(r.tokens),
+            text="".join(f"<{t}>" for t in r.tokens),
+            finish_reason=reason,
+            stop_reason=None,
+            logprobs=None,
+            prompt_tokens=len(r.request.prompt_token_ids),
+        )
+
+    def materialize(self, snapshot: FinishedSnapshot) -> CompletionOutput:
+        return CompletionOutput(
+            text=snapshot.text,
+            token_ids=tuple(snapshot.token_ids),
+            finish_reason=snapshot.finish_reason.value,
+            stop_reason=None,
+            logprobs=None,
+            prompt_tokens=snapshot.prompt_tokens,
+        )
+
+    def finish(self) -> None:
+        assert not self.live, "finish() with residents"
+        self.finished = True
+
+    def abort(self) -> list[ResidentRef]:
+        refs = list(self.live)
+        for ref in refs:
+            self._evict(self.live[ref], FinishReason.ERROR)
+        return refs

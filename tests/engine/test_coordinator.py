@@ -1,0 +1,96 @@
+"""RequestCoordinator: two-pass all-or-nothing commits and stale-ref checks."""
+
+import pytest
+
+from inflight.engine.channel import StreamChannel
+from inflight.engine.coordinator import RequestCoordinator
+from inflight.engine.record import RequestRecord, TerminalStatus
+from inflight.runtime.request import GenerationRequest
+from inflight.runtime.stepped import (
+    CompletionOutput,
+    FinishedSnapshot,
+    FinishReason,
+    ResidentRef,
+    StaleResidentRef,
+    StepResult,
+)
+
+
+class Materializer:
+    def __init__(self, fail_on=None):
+        self.fail_on = fail_on
+        self.calls = []
+
+    def materialize(self, snapshot):
+        self.calls.append(snapshot.token_ids)
+        if snapshot.token_ids == self.fail_on:
+            raise RuntimeError("materialize failed")
+        return CompletionOutput("t", tuple(snapshot.token_ids), "length", None, None, 1)
+
+
+def _record(i):
+    return RequestRecord(i, GenerationRequest([1]), StreamChannel())
+
+
+def _snap(tokens, reason=FinishReason.LENGTH):
+    return FinishedSnapshot(GenerationRequest([1]), tokens, "t", reason, None, None, 1)
+
+
+def _ledger():
+    ledger = RequestCoordinator()
+    refs = [ResidentRef(0, 1), ResidentRef(1, 1), ResidentRef(2, 1)]
+    records = [_record(i + 1) for i in range(3)]
+    for ref, record in zip(refs, records, strict=True):
+        ledger.add(ref, record)
+    return ledger, refs, records
+
+
+def test_commit_retires_the_finished_and_keeps_survivors():
+    ledger, refs, records = _ledger()
+    outcomes = ledger.commit(StepResult(1, finished={refs[1]: _snap([5])}), Materializer())
+    assert [o.record for o in outcomes] == [records[1]]
+    assert outcomes[0].status is TerminalStatus.COMPLETED and outcomes[0].output.token_ids == (5,)
+    assert [r for _, r in ledger.residents()] == [records[0], records[2]]
+
+
+def test_cancelled_and_errored_are_never_materialized():
+    ledger, refs, records = _ledger()
+    m = Materializer()
+    records[2].channel.cancel()  # a cancel that landed while the step finished it naturally
+    outcomes = ledger.commit(
+        StepResult(
+            1,
+            finished={
+                refs[0]: _snap([1], FinishReason.CANCELLED),
+                refs[1]: _snap([2], FinishReason.ERROR),
+                refs[2]: _snap([3]),
+            },
+        ),
+        m,
+    )
+    assert [o.status for o in outcomes] == [
+        TerminalStatus.CANCELLED,
+        TerminalStatus.FAILED,
+        TerminalStatus.CANCELLED,
+    ]
+    assert m.calls == []
+    assert len(ledger) == 0
+
+
+def test_commit_is_all_or_nothing_when_materialize_throws():
+    ledger, refs, _ = _ledger()
+    with pytest.raises(RuntimeError):
+        ledger.commit(
+            StepResult(1, finished={refs[0]: _snap([1]), refs[1]: _snap([2])}),
+            Materializer(fail_on=[2]),
+        )
+    assert len(ledger) == 3
+
+
+def test_stale_epoch_ref_throws_without_touching_the_table():
+    ledger, refs, _ = _ledger()
+    with pytest.raises(StaleResidentRef):
+        ledger.commit(StepResult(1, finished={ResidentRef(0, 2): _snap([1])}), Materializer())
+    with pytest.raises(StaleResidentRef):
+        ledger.owner(ResidentRef(1, 0))
+    assert len(ledger) == 3

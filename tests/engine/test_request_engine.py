@@ -1,0 +1,430 @@
+"""RequestEngine against a fake SteppedExecution (reference §7, requestEngineTests)."""
+
+import gc
+import threading
+import time
+
+import pytest
+from fake_execution import FakeFactory
+
+from inflight.engine import (
+    EngineConfig,
+    RequestCancelled,
+    RequestEngine,
+    RequestFailed,
+    ShutdownMode,
+    StreamChannel,
+    SubmitError,
+)
+from inflight.runtime.request import GenerationRequest, SamplingParams
+
+
+def req(tokens=3, prompt=(1, 2, 3), **kw):
+    params = kw.pop("params", None) or SamplingParams(max_tokens=tokens, **kw.pop("sp", {}))
+    return GenerationRequest(list(prompt), params, **kw)
+
+
+def engine(factory=None, **config):
+    factory = factory or FakeFactory()
+    cfg = EngineConfig(**{"max_batch_size": 1, "idle_wait": 0.01, **config})
+    return RequestEngine(factory, cfg)
+
+
+def wait_until(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.002)
+
+
+# -- submission ----------------------------------------------------------------------------------
+
+
+def test_submit_returns_at_once_while_the_actor_is_busy():
+    e = engine(FakeFactory(step_delay=0.3))
+    first = e.submit(req(tokens=3))
+    wait_until(lambda: e.resident == 1)
+    start = time.monotonic()
+    second = e.submit(req(tokens=1))
+    assert time.monotonic() - start < 0.2
+    assert first.get(timeout=10).token_ids == (1, 2, 3)
+    assert second.get(timeout=10).text == "<1>"
+    e.shutdown()
+
+
+def test_ids_are_nonzero_and_increasing():
+    e = engine()
+    ids = [e.submit(req(tokens=1)).id for _ in range(5)]
+    assert ids[0] > 0 and ids == sorted(ids) and len(set(ids)) == 5
+    e.shutdown()
+
+
+def test_batch_of_one_runs_fcfs_each_founding_its_batch():
+    factory = FakeFactory()
+    e = engine(factory)
+    handles = [e.submit(req(tokens=2, prompt=(i,))) for i in range(4)]
+    for h in handles:
+        h.get(timeout=5)
+    assert [r.prompt_token_ids for r in factory.admitted] == [(0,), (1,), (2,), (3,)]
+    assert factory.sessions == 4
+    assert e.metrics.admitted_mid_flight == 0
+    e.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("option", "needle"),
+    [
+        ({"lora_name": "adapter"}, "LoRA"),
+        ({"n": 2}, "separate requests"),
+        ({"generate_audio": True}, "blocking path"),
+        ({"save_system_prompt_kv_cache": True}, "context cache"),
+        ({"past_trajectory": [1]}, "blocking path"),
+    ],
+)
+def test_unserved_options_are_permanent_refusals(option, needle):
+    e = engine()
+    with pytest.raises(ValueError, match=needle):
+        e.submit(req(**option))
+    assert e.metrics.submitted == 0 and e.metrics.refused == 0
+    e.shutdown()
+
+
+def test_full_command_queue_is_a_submit_error():
+    factory = FakeFactory(step_delay=0.5)
+    e = engine(factory, command_queue_capacity=2)
+    e.submit(req(tokens=2))
+    wait_until(lambda: e.resident == 1)
+    e.submit(req())
+    e.submit(req())
+    with pytest.raises(SubmitError, match="command queue is full"):
+        e.submit(req())
+    assert e.metrics.refused == 1 and e.metrics.submitted == 3
+    e.shutdown(ShutdownMode.CANCEL)
+
+
+def test_backlog_is_bounded_by_pending_requests_not_queue_size():
+    factory = FakeFactory(step_delay=0.2)
+    e = engine(factory, max_pending_requests=3, command_queue_capacity=64)
+    handles = [e.submit(req(tokens=2)) for _ in range(3)]
+    with pytest.raises(SubmitError, match="too many requests in flight"):
+        e.submit(req())
+    handles[0].get(timeout=5)
+    e.submit(req(tokens=1)).get(timeout=5)  # a finished request frees its reservation
+    e.shutdown()
+
+
+# -- cancellation --------------------------------------------------------------------------------
+
+
+def test_cancelled_queued_request_releases_caller_and_never_runs():
+    factory = FakeFactory(step_delay=0.1)
+    e = engine(factory)
+    busy = e.submit(req(tokens=5))
+    queued = e.submit(req(prompt=(9,)))
+    queued.cancel()
+    start = time.monotonic()
+    with pytest.raises(RequestCancelled):
+        queued.get()
+    assert time.monotonic() - start < 0.05
+    busy.get(timeout=5)
+    wait_until(lambda: e.metrics.cancelled == 1)
+    assert all(r.prompt_token_ids != (9,) for r in factory.admitted)
+    e.shutdown()
+    assert e.metrics.cancelled == 1 and e.metrics.completed == 1
+
+
+def test_cancel_by_id_works_with_a_full_queue():
+    factory = FakeFactory(step_delay=0.2)
+    e = engine(factory, command_queue_capacity=2)
+    busy = e.submit(req(tokens=3))
+    wait_until(lambda: e.resident == 1)
+    a, b = e.submit(req()), e.submit(req())
+    with pytest.raises(SubmitError):
+        e.submit(req())
+    e.cancel(a.id)
+    e.cancel(busy.id)
+    e.cancel(123456)  # unknown ids are ignored
+    with pytest.raises(RequestCancelled):
+        busy.get(timeout=5)
+    with pytest.raises(RequestCancelled):
+        a.get(timeout=5)
+    assert b.get(timeout=5).token_ids == (1, 2, 3)
+    e.shutdown()
+
+
+def test_cancelled_resident_ends_at_next_step_as_cancelled():
+    factory = FakeFactory(step_delay=0.02)
+    e = engine(factory)
+    h = e.submit(req(tokens=1000))
+    chunks = h.stream()
+    assert chunks.wait_pop(timeout=5) is not None  # it is resident and decoding
+    h.cancel()
+    with pytest.raises(RequestCancelled):
+        h.get()
+    wait_until(lambda: h.ready())
+    assert e.metrics.cancelled == 1 and e.metrics.completed == 0
+    wait_until(lambda: e.resident == 0)
+    assert factory.slots.num_free == factory.slots.capacity
+    e.shutdown()
+
+
+def test_caller_channel_is_the_handle_channel_and_sees_a_queued_cancel():
+    e = engine(FakeFactory(step_delay=0.1))
+    e.submit(req(tokens=3))
+    channel = StreamChannel()
+    h = e.submit(req(), channel=channel)
+    assert h.stream() is channel
+    h.cancel()
+    assert channel.is_cancelled
+    wait_until(h.ready)
+    e.shutdown()
+
+
+def test_cancel_wins_over_a_step_that_finishes_the_sequence():
+    handles = []
+
+    def cancel_mid_step(execution):
+        # The cancel lands after the step polled the flags, in the step that finishes it.
+        if execution.factory.steps == 2:
+            handles[0].cancel()
+
+    e = engine(FakeFactory(on_step=cancel_mid_step, step_delay=0.01))
+    handles.append(e.submit(req(tokens=2)))
+    with pytest.raises(RequestCancelled):
+        handles[0].get(timeout=5)
+    wait_until(handles[0].ready)
+    assert e.metrics.cancelled == 1 and e.metrics.completed == 0
+    e.shutdown()
+
+
+# -- failures ------------------------------------------------------------------------------------
+
+
+def test_failed_step_is_an_error_with_a_terminal_channel():
+    e = engine(FakeFactory(fail_steps=1))
+    h = e.submit(req())
+    with pytest.raises(RequestFailed, match="step failed"):
+        h.get(timeout=5)
+    assert h.stream().is_cancelled
+    e.shutdown()
+
+
+def test_a_throwing_step_does_not_kill_the_actor():
+    e = engine(FakeFactory(fail_steps=1))
+    with pytest.raises(RequestFailed):
+        e.submit(req()).get(timeout=5)
+    assert e.submit(req(tokens=2)).get(timeout=5).token_ids == (1, 2)
+    assert (e.metrics.failed, e.metrics.completed) == (1, 1)
+    e.shutdown()
+
+
+def test_refused_or_throwing_founding_is_an_error():
+    factory = FakeFactory(refuse_founding=True)
+    e = engine(factory)
+    with pytest.raises(RequestFailed, match="refused"):
+        e.submit(req()).get(timeout=5)
+    factory.refuse_founding = False
+    factory.raise_on_admit = True
+    with pytest.raises(RequestFailed, match="blew up"):
+        e.submit(req()).get(timeout=5)
+    factory.raise_on_admit = False
+    assert e.submit(req()).get(timeout=5)
+    assert (e.metrics.failed, e.metrics.completed) == (2, 1)
+    e.shutdown()
+
+
+# -- shutdown ------------------------------------------------------------------------------------
+
+
+def test_drain_lets_queued_requests_finish():
+    e = engine(FakeFactory(step_delay=0.01))
+    handles = [e.submit(req(tokens=3)) for _ in range(5)]
+    e.shutdown(ShutdownMode.DRAIN)
+    assert all(h.get(timeout=0).token_ids == (1, 2, 3) for h in handles)
+    assert e.metrics.completed == 5
+
+
+def test_cancel_shutdown_wakes_parked_callers():
+    e = engine(FakeFactory(step_delay=0.05))
+    handles = [e.submit(req(tokens=10000)) for _ in range(3)]
+    results = []
+
+    def wait(h):
+        try:
+            h.get()
+        except RequestCancelled:
+            results.append("cancelled")
+
+    threads = [threading.Thread(target=wait, args=(h,)) for h in handles]
+    for t in threads:
+        t.start()
+    e.shutdown(ShutdownMode.CANCEL)
+    for t in threads:
+        t.join(timeout=5)
+    assert results == ["cancelled"] * 3
+    assert e.metrics.cancelled == 3 and e.metrics.completed == 0
+
+
+def test_submit_after_shutdown_is_a_submit_error():
+    e = engine()
+    e.shutdown()
+    assert not e.running
+    with pytest.raises(SubmitError, match="shutting down") as info:
+        e.submit(req())
+    assert info.value.shutting_down
+
+
+def test_dropping_the_engine_shuts_it_down():
+    e = engine(FakeFactory(step_delay=0.01))
+    h = e.submit(req(tokens=100000))
+    thread = e._actor.thread
+    del e
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    with pytest.raises(RequestCancelled):
+        h.get(timeout=1)
+
+
+def test_submit_racing_shutdown_never_strands_or_cancels_accepted_requests():
+    for _ in range(200):
+        e = engine(FakeFactory(), max_batch_size=2)
+        accepted, refused = [], []
+        barrier = threading.Barrier(2)
+
+        def submitter(e=e, accepted=accepted, refused=refused, barrier=barrier):
+            barrier.wait()
+            for _ in range(5):
+                try:
+                    accepted.append(e.submit(req(tokens=1)))
+                except SubmitError:
+                    refused.append(1)
+
+        t = threading.Thread(target=submitter)
+        t.start()
+        barrier.wait()
+        e.shutdown(ShutdownMode.DRAIN)
+        t.join()
+        assert len(accepted) + len(refused) == 5
+        for h in accepted:
+            assert h.get(timeout=0).token_ids == (1,)
+        assert e.metrics.completed == len(accepted) and e.metrics.cancelled == 0
+
+
+def test_handle_outlives_its_engine():
+    e = engine()
+    h = e.submit(req(tokens=2))
+    e.shutdown()
+    del e
+    gc.collect()
+    assert h.ready() and h.get().token_ids == (1, 2)
+    h.cancel()  # after the outcome: nothing happens
+    assert h.get().token_ids == (1, 2)
+
+
+def test_cancel_shutdown_with_a_full_queue_still_reaches_the_batch():
+    factory = FakeFactory(step_delay=0.05)
+    e = engine(factory, command_queue_capacity=2)
+    running = e.submit(req(tokens=10**9))
+    wait_until(lambda: e.resident == 1)
+    e.submit(req())
+    e.submit(req())
+    start = time.monotonic()
+    e.shutdown(ShutdownMode.CANCEL)
+    assert time.monotonic() - start < 5
+    with pytest.raises(RequestCancelled):
+        running.get(timeout=0)
+    assert e.metrics.cancelled == 3 and e.metrics.completed == 0
+
+
+def test_concurrent_shutdowns_join_once():
+    e = engine(FakeFactory(step_delay=0.01))
+    handles = [e.submit(req(tokens=5)) for _ in range(3)]
+    threads = [threading.Thread(target=e.shutdown) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=5)
+    e.shutdown(ShutdownMode.CANCEL)  # later calls do nothing (the first mode won)
+    assert all(h.get(timeout=0) for h in handles)
+    assert e.metrics.completed == 3
+
+
+def test_shutdown_from_the_actor_thread_is_refused():
+    errors = []
+    holder = {}
+
+    def on_step(execution):
+        try:
+            holder["engine"].shutdown()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    e = engine(FakeFactory(on_step=on_step))
+    holder["engine"] = e
+    e.submit(req(tokens=1)).get(timeout=5)
+    assert errors and "deadlock" in errors[0]
+    holder.clear()
+    e.shutdown()
+
+
+# -- concurrency and configuration ---------------------------------------------------------------
+
+
+def test_eight_threads_times_twenty_five_submits_all_complete():
+    e = engine(FakeFactory(), max_batch_size=4)
+    outputs, lock = [], threading.Lock()
+
+    def worker():
+        for _ in range(25):
+            while True:
+                try:
+                    h = e.submit(req(tokens=2))
+                    break
+                except SubmitError:
+                    time.sleep(0.001)
+            out = h.get(timeout=10)
+            with lock:
+                outputs.append(out)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(outputs) == 200 and all(o.token_ids == (1, 2) for o in outputs)
+    e.shutdown()
+    m = e.metrics
+    assert m.completed == m.submitted == 200 and m.failed == m.cancelled == 0
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({"idle_wait": 0}, "idle_wait"),
+        ({"max_pending_requests": 0}, "max_pending_requests"),
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"command_queue_capacity": -1}, "command_queue_capacity"),
+    ],
+)
+def test_bad_configuration_is_rejected(config, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**config)
+
+
+def test_construction_refusals():
+    with pytest.raises(RuntimeError, match="stepped"):
+        RequestEngine(FakeFactory(stepped=False), EngineConfig())
+    with pytest.raises(RuntimeError, match="mid-flight"):
+        RequestEngine(FakeFactory(seated_admission=False), EngineConfig(max_batch_size=2))
+    with pytest.raises(RuntimeError, match="capacity"):
+        RequestEngine(FakeFactory(max_batch_size=2), EngineConfig(max_batch_size=3))
+
+
+def test_the_engine_layer_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, inflight.engine; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

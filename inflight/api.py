@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from inflight.engine import (
+    EngineConfig,
+    RequestEngine,
+    RequestFailed,
+    RequestHandle,
+    ShutdownMode,
+    SubmitError,
+)
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime, RuntimeConfig
-from inflight.runtime.stepped import CompletionOutput, LogprobEntry
+from inflight.runtime.stepped import CompletionOutput, ExecutionCapabilities, LogprobEntry
 
 Message = dict[str, Any]
 # A prompt is raw text, a chat conversation (a list of messages), or pre-tokenized ids.
@@ -29,23 +38,34 @@ class StreamDelta:
     prompt_tokens: int
 
 
+def ifb_unsupported_reason(capabilities: ExecutionCapabilities) -> str | None:
+    """Why this deployment cannot run under in-flight batching, or None. Decided once, at load."""
+    if not capabilities.stepped:
+        return "the runtime cannot run stepped execution (it spans several ranks)"
+    return None
+
+
 class LLM:
     """A loaded model you can generate from.
 
     `model` is a Hugging Face checkpoint directory or a `.gguf` file; None loads the embedded
-    default, SmolLM2-135M-Instruct. Requests run one at a time, each to completion (the
-    blocking path).
+    default, SmolLM2-135M-Instruct. By default requests run one at a time, each to completion (the
+    blocking path). With `enable_in_flight_batching=True` a `RequestEngine` serves them: up to
+    `max_batch_size` generate together, a queued request joins the running batch as soon as it
+    may, and callers on several threads overlap.
     """
 
     def __init__(
         self,
         model: str | Path | None = None,
         *,
+        enable_in_flight_batching: bool = False,
         max_batch_size: int = 8,
         max_model_len: int | None = None,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         max_num_tokens: int = 2048,
+        max_pending_requests: int = 256,
         dtype: str | None = None,
         device: str | None = None,
         seed: int | None = None,
@@ -60,11 +80,31 @@ class LLM:
             device=device,
             seed=seed,
         )
+        engine_config = EngineConfig(
+            max_batch_size=max_batch_size, max_pending_requests=max_pending_requests
+        )
         self._runtime: Runtime | None = Runtime(model, config)
         self._lock = threading.Lock()  # the blocking path serves one request at a time
+        self._engine: RequestEngine | None = None
+        if enable_in_flight_batching:
+            reason = ifb_unsupported_reason(self._runtime.capabilities)
+            try:
+                if reason is not None:
+                    raise RuntimeError(reason)
+                self._engine = RequestEngine(self._runtime, engine_config)
+            except RuntimeError as exc:
+                raise ValueError(
+                    f"in-flight batching is not supported for this deployment: {exc}; "
+                    "start without --enable-in-flight-batching to use the blocking path"
+                ) from exc
         self.tokenizer = self._runtime.tokenizer
         self.model_name = self._runtime.model_name
         self.max_model_len = self._runtime.max_model_len
+        self.max_batch_size = max_batch_size
+
+    @property
+    def in_flight_batching(self) -> bool:
+        return self._engine is not None
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -77,9 +117,23 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
-        """Generate for one prompt or a list of them; returns one output per prompt, in order."""
+        """Generate for one prompt or a list of them; returns one output per prompt, in order.
+
+        Under in-flight batching every prompt is submitted at once (waiting, not failing, when
+        the engine pushes back) and they generate together.
+        """
         requests = self._requests(prompts, params)
-        return [self._run(request) for request in requests]
+        if self._engine is None:
+            return [self._run(request) for request in requests]
+        handles: list[RequestHandle] = []
+        try:
+            for request in requests:
+                handles.append(self._submit(request))
+            return [_result(handle) for handle in handles]
+        finally:
+            for handle in handles:
+                if not handle.ready():
+                    handle.cancel()
 
     def chat(
         self,
@@ -95,12 +149,26 @@ class LLM:
     def generate_stream(
         self, prompt: Prompt, params: SamplingParams | None = None
     ) -> Iterator[StreamDelta]:
-        """Yield the output as it is generated; closing the iterator cancels the request."""
+        """Yield the output as it is generated, then one last delta with `finished` set.
+
+        Closing the iterator before the end cancels the request."""
         (request,) = self._requests(prompt, params)
-        return self._stream(request)
+        if self._engine is None:
+            return self._stream_blocking(request)
+        return self._stream_engine(request)
+
+    def get_scheduling_metrics(self) -> dict[str, int] | None:
+        """The engine's counters and gauges; None on the blocking path."""
+        if self._engine is None:
+            return None
+        values = self._engine.metrics.snapshot()
+        values.update(queued=self._engine.queued, resident=self._engine.resident)
+        return values
 
     def close(self) -> None:
-        """Release the model; the LLM cannot generate afterwards. Safe to call twice."""
+        """Finish what was accepted (drain), then release the model. Safe to call twice."""
+        if self._engine is not None:
+            self._engine.shutdown(ShutdownMode.DRAIN)
         with self._lock:
             self._runtime = None
 
@@ -121,24 +189,54 @@ class LLM:
         with self._lock:
             return self._live().handle_request(request).result()
 
-    def _stream(self, request: GenerationRequest) -> Iterator[StreamDelta]:
+    def _submit(self, request: GenerationRequest) -> RequestHandle:
+        """Submit, waiting while the engine pushes back; only shutdown is an error here."""
+        assert self._engine is not None
+        delay = 0.001
+        while True:
+            try:
+                return self._engine.submit(request)
+            except SubmitError as exc:
+                if exc.shutting_down:
+                    raise RuntimeError("this LLM is closed") from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+
+    def _stream_blocking(self, request: GenerationRequest) -> Iterator[StreamDelta]:
         prompt_tokens = len(request.prompt_token_ids)
         with self._lock:
             run = self._live().handle_request(request)
-            finished = False
             for delta in run:
-                out = run.output
-                finished = out is not None
                 yield StreamDelta(
                     delta.text,
                     tuple(delta.token_ids),
-                    finished,
-                    out.finish_reason if out else None,
+                    False,
+                    None,
                     None if delta.logprobs is None else tuple(delta.logprobs),
                     prompt_tokens,
                 )
-            if not finished:
-                yield StreamDelta("", (), True, run.output.finish_reason, None, prompt_tokens)
+            yield StreamDelta("", (), True, run.output.finish_reason, None, prompt_tokens)
+
+    def _stream_engine(self, request: GenerationRequest) -> Iterator[StreamDelta]:
+        handle = self._submit(request)
+        ended_cleanly = False
+        try:
+            for chunk in handle.stream():
+                ended_cleanly = chunk.finished
+                yield StreamDelta(
+                    chunk.text,
+                    chunk.token_ids,
+                    chunk.finished,
+                    None if chunk.reason is None else chunk.reason.value,
+                    chunk.logprobs,
+                    len(request.prompt_token_ids),
+                )
+            # Raise what ended the stream if it did not complete (or an error behind a clean end).
+            _result(handle)
+        finally:
+            # A stream that ended cleanly is never cancelled: that could record it as cancelled.
+            if not ended_cleanly:
+                handle.cancel()
 
     def _requests(
         self,
@@ -157,10 +255,14 @@ class LLM:
                     f"got {len(param_list)} SamplingParams for {len(items)} prompts; "
                     "pass one, or one per prompt"
                 )
-        return [
+        requests = [
             GenerationRequest(self._tokenize(p), sp)
             for p, sp in zip(items, param_list, strict=True)
         ]
+        runtime = self._live()
+        for request in requests:
+            runtime.check_request(request)  # bad input fails here, before anything is queued
+        return requests
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         tokenizer = self.tokenizer
@@ -199,3 +301,11 @@ def _check_messages(messages: Any) -> None:
     for m in messages:
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"each chat message must be a dict with a 'role', got {m!r}")
+
+
+def _result(handle: RequestHandle) -> CompletionOutput:
+    """The handle's output; a request the runtime refused raises ValueError with its reason."""
+    try:
+        return handle.get()
+    except RequestFailed as exc:
+        raise ValueError(str(exc)) from exc

@@ -59,3 +59,13 @@ def hf_smollm():
     return AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()
+
+
+@pytest.fixture(scope="session")
+def ifb_llm():
+    """The default model under in-flight batching, batch 4."""
+    from inflight import LLM
+
+    instance = LLM(enable_in_flight_batching=True, max_batch_size=4, max_model_len=1024)
+    yield instance
+    instance.close()

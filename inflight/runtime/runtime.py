@@ -14,9 +14,9 @@ from inflight.model.llama import LlamaForCausalLM
 from inflight.model.loader import build_model, open_checkpoint
 from inflight.runtime.batch_builder import RaggedBatch
 from inflight.runtime.kv_cache import BlockPool, allocate_kv_cache
-from inflight.runtime.request import GenerationRequest
+from inflight.runtime.request import UNSERVED_OPTIONS, GenerationRequest, unserved_options
 from inflight.runtime.sampler import Sampler
-from inflight.runtime.session import GenerationSession
+from inflight.runtime.session import AdmissionIntent, GenerationSession
 from inflight.runtime.slots import ResidentSlots
 from inflight.runtime.stepped import (
     AdmissionAnswer,
@@ -152,6 +152,50 @@ class Runtime:
             max_batch_size=self.slots.capacity,
             per_row_fields=PER_ROW_FIELDS,
         )
+
+    def check_request(self, request: GenerationRequest) -> AdmissionIntent:
+        """Validate a request against this runtime (ValueError naming the problem) and size what
+        it needs. Reads only what never changes after load, so any thread may call it."""
+        unserved = unserved_options(request)
+        if unserved:
+            raise ValueError(
+                f"{UNSERVED_OPTIONS[unserved[0]]} is not supported by this runtime yet"
+            )
+        prompt, params = request.prompt_token_ids, request.params
+        vocab = self.vocab_size
+        limit = self.max_model_len
+        if not prompt:
+            raise ValueError("prompt is empty: at least one token is needed")
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
+        if len(prompt) >= limit:
+            raise ValueError(
+                f"prompt is {len(prompt)} tokens; max_model_len is {limit}, which leaves room "
+                f"for prompts of at most {limit - 1} tokens"
+            )
+        for name, ids in (
+            ("logit_bias", params.logit_bias.keys()),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name} token id {bad} is outside the vocabulary (size {vocab})")
+        room = limit - len(prompt)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({limit})"
+            )
+        max_new = room if params.max_tokens is None else params.max_tokens
+        # The last output token is never fed back, so its KV is never written.
+        blocks = self.blocks.blocks_for(len(prompt) + max_new - 1)
+        if blocks > self.blocks.num_blocks:
+            raise ValueError(
+                f"request needs {blocks} KV blocks but the whole cache holds "
+                f"{self.blocks.num_blocks}; lower max_tokens or raise the KV cache size"
+            )
+        return AdmissionIntent(request, max_new, blocks)
 
     def new_session(self) -> GenerationSession:
         """The execution for one batch; a runtime runs one at a time."""

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.detokenizer import IncrementalDetokenizer
-from inflight.runtime.request import UNSERVED_OPTIONS, GenerationRequest, unserved_options
+from inflight.runtime.request import GenerationRequest
 from inflight.runtime.sampler import SampledRow, SamplingRow
 from inflight.runtime.stepped import (
     Admission,
@@ -150,46 +150,7 @@ class GenerationSession:
     # -- admission stages -----------------------------------------------------------------------
 
     def build_admission_intent(self, request: GenerationRequest) -> AdmissionIntent:
-        unserved = unserved_options(request)
-        if unserved:
-            raise ValueError(
-                f"{UNSERVED_OPTIONS[unserved[0]]} is not supported by this runtime yet"
-            )
-        prompt, params = request.prompt_token_ids, request.params
-        vocab = self._rt.vocab_size
-        limit = self._rt.max_model_len
-        if not prompt:
-            raise ValueError("prompt is empty: at least one token is needed")
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
-        if len(prompt) >= limit:
-            raise ValueError(
-                f"prompt is {len(prompt)} tokens; max_model_len is {limit}, which leaves room "
-                f"for prompts of at most {limit - 1} tokens"
-            )
-        for name, ids in (
-            ("logit_bias", params.logit_bias.keys()),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                raise ValueError(f"{name} token id {bad} is outside the vocabulary (size {vocab})")
-        room = limit - len(prompt)
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len ({limit})"
-            )
-        max_new = room if params.max_tokens is None else params.max_tokens
-        # The last output token is never fed back, so its KV is never written.
-        blocks = self._rt.blocks.blocks_for(len(prompt) + max_new - 1)
-        if blocks > self._rt.blocks.num_blocks:
-            raise ValueError(
-                f"request needs {blocks} KV blocks but the whole cache holds "
-                f"{self._rt.blocks.num_blocks}; lower max_tokens or raise the KV cache size"
-            )
-        return AdmissionIntent(request, max_new, blocks)
+        return self._rt.check_request(request)
 
     def reserve_admission(self, intent: AdmissionIntent) -> Reservation | None:
         if self._rt.blocks.num_free < intent.blocks_needed or not self._rt.slots.num_free:

@@ -1,0 +1,191 @@
+"""The Python API under in-flight batching, end to end on the embedded default model."""
+
+import threading
+import time
+
+import pytest
+
+from conftest import assert_no_leaks
+from inflight import LLM, SamplingParams
+from inflight.api import ifb_unsupported_reason
+from inflight.engine import RequestCancelled
+from inflight.runtime.request import GenerationRequest
+from inflight.runtime.stepped import ExecutionCapabilities
+
+PROMPTS = [
+    "The capital of France is",
+    "List three fruits:",
+    "Once upon a time,",
+    "Explain gravity in one sentence.",
+    "Write a haiku about the sea.",
+    "1, 2, 3, 4,",
+    "The best way to learn Python is",
+    "A recipe for pancakes:",
+]
+
+
+def _mixed_params(i):
+    """16 requests: half greedy, half sampled, with varied lengths, stops and logprobs."""
+    common = dict(max_tokens=[6, 14, 22, 30][i % 4], logprobs=[None, 0, 2, 5][i % 4])
+    if i % 3 == 0:
+        common["stop"] = ["\n\n", "."]
+    if i % 2 == 0:
+        return SamplingParams(temperature=0, **common)
+    return SamplingParams(temperature=[0.5, 0.9, 1.3][i % 3], top_p=0.9, seed=i, **common)
+
+
+@pytest.mark.slow
+def test_sixteen_concurrent_mixed_requests_match_single_runs(ifb_llm, llm):
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
+    params = [_mixed_params(i) for i in range(16)]
+    before = ifb_llm.get_scheduling_metrics()
+    outputs = ifb_llm.generate(prompts, params)
+    after = ifb_llm.get_scheduling_metrics()
+    assert after["admitted_mid_flight"] - before["admitted_mid_flight"] > 0
+    assert after["completed"] - before["completed"] == 16
+    for prompt, p, out in zip(prompts, params, outputs, strict=True):
+        alone = llm.generate(prompt, p)[0]  # the blocking path, same weights
+        if p.temperature == 0 or p.seed is not None:
+            assert out.token_ids == alone.token_ids, prompt
+            assert out.text == alone.text
+        assert len(out.token_ids) <= p.max_tokens
+        if p.logprobs is not None:
+            assert len(out.logprobs) == len(out.token_ids)
+            assert all(len(e.top) == p.logprobs and e.logprob <= 0 for e in out.logprobs)
+    _wait_idle(ifb_llm)
+    assert_no_leaks(ifb_llm._runtime)
+
+
+def _wait_idle(llm):
+    deadline = time.monotonic() + 10
+    while llm.get_scheduling_metrics()["resident"] or llm.get_scheduling_metrics()["queued"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_callers_on_several_threads_overlap(ifb_llm):
+    before = ifb_llm.get_scheduling_metrics()["admitted_mid_flight"]
+    results = {}
+
+    def call(i):
+        results[i] = ifb_llm.generate(PROMPTS[i], SamplingParams(temperature=0, max_tokens=12))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(results) == 6 and all(r[0].token_ids for r in results.values())
+    assert ifb_llm.get_scheduling_metrics()["admitted_mid_flight"] > before
+
+
+class StepCounter:
+    """Wraps the runtime's sessions to count steps (the test's view of ticks)."""
+
+    def __init__(self, runtime, monkeypatch):
+        self.steps = 0
+        original = runtime.new_session
+
+        def counting_session():
+            session = original()
+            step = session.step
+
+            def counted(*args, **kwargs):
+                result = step(*args, **kwargs)
+                self.steps += 1
+                return result
+
+            session.step = counted
+            return session
+
+        monkeypatch.setattr(runtime, "new_session", counting_session)
+
+
+@pytest.mark.slow
+def test_cancelling_a_resident_ends_it_within_two_steps(ifb_llm, monkeypatch):
+    counter = StepCounter(ifb_llm._runtime, monkeypatch)
+    _wait_idle(ifb_llm)
+    engine = ifb_llm._engine
+    request = ifb_llm._requests("Tell me a very long story.", SamplingParams(max_tokens=500))[0]
+    handle = engine.submit(request)
+    stream = handle.stream()
+    for _ in range(3):
+        assert stream.wait_pop(timeout=30) is not None
+    cancelled_at = counter.steps
+    handle.cancel()
+    with pytest.raises(RequestCancelled):
+        handle.get()
+    deadline = time.monotonic() + 10
+    while not handle.ready():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert counter.steps - cancelled_at <= 2
+    assert stream.is_cancelled
+    _wait_idle(ifb_llm)
+    assert_no_leaks(ifb_llm._runtime)
+
+
+@pytest.mark.slow
+def test_closing_a_stream_cancels_but_a_clean_end_does_not(ifb_llm):
+    _wait_idle(ifb_llm)
+    cancelled = ifb_llm.get_scheduling_metrics()["cancelled"]
+    deltas = list(ifb_llm.generate_stream("Hello", SamplingParams(max_tokens=5, temperature=0)))
+    assert deltas[-1].finished and deltas[-1].finish_reason in ("stop", "length")
+    assert ifb_llm.get_scheduling_metrics()["cancelled"] == cancelled
+    full = ifb_llm.generate("Hello", SamplingParams(max_tokens=5, temperature=0))[0]
+    assert "".join(d.text for d in deltas) == full.text
+    stream = ifb_llm.generate_stream("Tell me a long story.", SamplingParams(max_tokens=400))
+    next(stream)
+    stream.close()
+    deadline = time.monotonic() + 10
+    while ifb_llm.get_scheduling_metrics()["cancelled"] == cancelled:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    _wait_idle(ifb_llm)
+    assert_no_leaks(ifb_llm._runtime)
+
+
+@pytest.mark.slow
+def test_bad_input_is_a_value_error_before_submit(ifb_llm):
+    submitted = ifb_llm.get_scheduling_metrics()["submitted"]
+    with pytest.raises(ValueError, match="max_model_len"):
+        ifb_llm.generate("word " * 1100, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="LoRA|n > 1"):
+        ifb_llm._engine.submit(ifb_llm._requests("hi", SamplingParams())[0].__class__([1, 2], n=2))
+    assert ifb_llm.get_scheduling_metrics()["submitted"] == submitted
+
+
+def test_blocking_path_has_no_scheduling_metrics(tiny_dirs):
+    llm = LLM(tiny_dirs["qwen2"], max_model_len=64)
+    assert llm.get_scheduling_metrics() is None and not llm.in_flight_batching
+    llm.close()
+
+
+def test_deployment_gate(tiny_dirs, monkeypatch):
+    assert ifb_unsupported_reason(ExecutionCapabilities(True, True, 4)) is None
+    reason = ifb_unsupported_reason(ExecutionCapabilities(False, True, 4))
+    assert "stepped" in reason
+    from inflight.runtime.runtime import Runtime
+
+    monkeypatch.setattr(
+        Runtime, "capabilities", property(lambda self: ExecutionCapabilities(False, True, 4))
+    )
+    with pytest.raises(ValueError, match="stepped.*start without --enable-in-flight-batching"):
+        LLM(tiny_dirs["qwen2"], max_model_len=64, enable_in_flight_batching=True)
+    # Without the flag the same deployment serves on the blocking path: no silent fallback either way.
+    llm = LLM(tiny_dirs["qwen2"], max_model_len=64)
+    assert llm.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+    llm.close()
+
+
+def test_close_drains_accepted_requests(tiny_dirs):
+    llm = LLM(
+        tiny_dirs["llama"], max_model_len=128, enable_in_flight_batching=True, max_batch_size=2
+    )
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    handles = [llm._submit(r) for r in llm._requests(["a", "b", "c", "d"], params)]
+    llm.close()
+    assert all(len(h.get(timeout=0).token_ids) == 20 for h in handles)
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate("x")

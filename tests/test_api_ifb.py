@@ -5,12 +5,12 @@ import time
 
 import pytest
 
-from conftest import assert_no_leaks
 from inflight import LLM, SamplingParams
 from inflight.api import ifb_unsupported_reason
 from inflight.engine import RequestCancelled
-from inflight.runtime.request import GenerationRequest
 from inflight.runtime.stepped import ExecutionCapabilities
+
+from conftest import assert_no_leaks
 
 PROMPTS = [
     "The capital of France is",
@@ -173,7 +173,7 @@ def test_deployment_gate(tiny_dirs, monkeypatch):
     )
     with pytest.raises(ValueError, match="stepped.*start without --enable-in-flight-batching"):
         LLM(tiny_dirs["qwen2"], max_model_len=64, enable_in_flight_batching=True)
-    # Without the flag the same deployment serves on the blocking path: no silent fallback either way.
+    # Without the flag the same deployment serves on the blocking path; never a silent fallback.
     llm = LLM(tiny_dirs["qwen2"], max_model_len=64)
     assert llm.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
     llm.close()

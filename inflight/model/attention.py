@@ -3,8 +3,8 @@
 A step packs the new tokens of every sequence into one flat run of T tokens. Decode rows (one
 query token each) come first, then prefill chunks; `AttentionMetadata` says where each sequence's
 queries start, how much of it is already in the KV cache, which KV blocks hold it and where each
-new token's key and value go. The KV cache of one layer is a pair of tensors shaped
-[num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is block * block_size + offset.
+new token's key and value go. A token's KV slot is block * block_size + offset; how a layer's
+cache tensors are laid out is the backend's choice (`kv_cache_shape`).
 """
 
 from __future__ import annotations
@@ -25,17 +25,26 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32: the KV blocks of each sequence, in order
     slot_mapping: torch.Tensor  # [T] int64: the KV slot each packed token writes
     num_decodes: int  # the first rows have exactly one query token each
+    block_size: int
     max_query_len: int
     max_seq_len: int
     # Host copies, so that a backend needing Python ints never waits on the device.
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # Per sequence: the first KV slot when its blocks form one contiguous run, else None.
+    contiguous_kv_host: list[int | None]
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class AttentionBackend(Protocol):
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        """The shape of one layer's key (and value) cache tensor."""
+        ...
+
     def forward(
         self,
         q: torch.Tensor,
@@ -50,7 +59,18 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttentionBackend:
-    """The reference backend: plain torch ops, runs anywhere, used on CPU and as the test oracle."""
+    """The reference backend: plain torch ops, runs anywhere, used on CPU and as the test oracle.
+
+    The cache is head-major, [num_kv_heads, num_blocks * block_size, head_dim], so that a
+    sequence whose blocks form one contiguous run is, for every head, one contiguous stretch of
+    memory, read in place; a sequence with scattered blocks is gathered first. Each sequence
+    attends on its own, so its result never depends on what else shares the step.
+    """
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (num_kv_heads, num_blocks * block_size, head_dim)
 
     def forward(
         self,
@@ -62,70 +82,55 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
-        start = nd
-        for row in range(nd, len(meta.query_lens_host)):
-            qlen, seq_len = meta.query_lens_host[row], meta.seq_lens_host[row]
-            blocks = meta.block_tables[row, : -(-seq_len // block_size)]
-            keys = k_cache[blocks].flatten(0, 1)[:seq_len]
-            values = v_cache[blocks].flatten(0, 1)[:seq_len]
+        start = 0
+        for row, (qlen, seq_len) in enumerate(
+            zip(meta.query_lens_host, meta.seq_lens_host, strict=True)
+        ):
+            first = meta.contiguous_kv_host[row]
+            if first is not None:
+                keys = k_cache[:, first : first + seq_len]
+                values = v_cache[:, first : first + seq_len]
+            else:
+                slots = _slots(meta, row, seq_len)
+                keys, values = k_cache[:, slots], v_cache[:, slots]
             out[start : start + qlen] = _attend(
                 q[start : start + qlen], keys, values, seq_len - qlen, scale
             )
             start += qlen
         return out
 
-    @staticmethod
-    def _decode(
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        # One padded SDPA call for all decode rows; keys past each row's length are masked out.
-        nd = q.shape[0]
-        block_size = k_cache.shape[1]
-        max_len = max(meta.seq_lens_host[:nd])
-        blocks = meta.block_tables[:nd, : -(-max_len // block_size)]
-        keys = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # [nd, Hkv, L, D]
-        values = v_cache[blocks].flatten(1, 2).transpose(1, 2)
-        length = keys.shape[2]
-        mask = torch.arange(length, device=q.device) < meta.seq_lens[:nd, None].to(q.device)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [nd, Hq, 1, D]
-            keys,
-            values,
-            attn_mask=mask[:, None, None, :],
-            scale=scale,
-            enable_gqa=True,
-        )
-        return out.squeeze(2)
+
+def _slots(meta: AttentionMetadata, row: int, seq_len: int) -> torch.Tensor:
+    """The KV slots of a sequence's first `seq_len` tokens, from its block table."""
+    block_size = meta.block_size
+    blocks = meta.block_tables[row, : -(-seq_len // block_size)].to(torch.int64)
+    offsets = torch.arange(block_size, device=blocks.device)
+    return (blocks[:, None] * block_size + offsets).flatten()[:seq_len]
 
 
 def _attend(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int, scale: float
 ) -> torch.Tensor:
-    """Causal attention of q [Q, Hq, D] over keys/values [past + Q, Hkv, D]."""
-    qlen, seq_len = q.shape[0], keys.shape[0]
-    if past == 0:
+    """Causal attention of q [Q, Hq, D] over keys/values [Hkv, past + Q, D]."""
+    qlen, seq_len = q.shape[0], keys.shape[1]
+    if qlen == 1:
+        mask, causal = None, False  # one query sees every key
+    elif past == 0:
         mask, causal = None, True
     else:
         rows = torch.arange(qlen, device=q.device)[:, None] + past
         mask, causal = torch.arange(seq_len, device=q.device)[None, :] <= rows, False
+    # 4-D [1, heads, tokens, dim]: the fused CPU kernel takes nothing else.
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        keys.transpose(0, 1),
-        values.transpose(0, 1),
+        q.transpose(0, 1).unsqueeze(0),
+        keys.unsqueeze(0),
+        values.unsqueeze(0),
         attn_mask=mask,
         is_causal=causal,
         scale=scale,
         enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)

@@ -18,6 +18,24 @@ from inflight.model.config import ModelConfig
 from inflight.model.rope import RotaryEmbedding
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose float32 CPU weight can be prepacked into oneDNN's blocked layout, which
+    runs the small-batch matmuls of decoding about twice as fast as the plain layout."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Replace the weight by its packed form (after loading; CPU float32 only)."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        del self.weight
+        self.register_parameter("weight", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -40,10 +58,10 @@ class Attention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -75,12 +93,10 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
-        )
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -128,9 +144,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(config, max_positions)
+        self.packed_head: torch.Tensor | None = None
 
     def forward(
         self,
@@ -147,8 +164,24 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        if self.packed_head is not None:
+            return torch.ops.mkldnn._linear_pointwise(
+                hidden, self.packed_head, None, "none", [], ""
+            )
+        return F.linear(hidden, self.embed_tokens.weight)
+
+    def pack_for_cpu(self) -> None:
+        """Prepack every matmul weight for oneDNN (CPU, float32), after the weights are loaded."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is None:
+            # Tied head: the embedding keeps its plain weight for lookups; the head gets a copy.
+            self.packed_head = torch.ops.mkldnn._reorder_linear_weight(
+                self.embed_tokens.weight.detach(), None
+            )
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

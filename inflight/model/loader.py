@@ -70,4 +70,6 @@ def build_model(
     model = model.to_empty(device=device).to(dtype)
     model.rotary.compute(device)
     model.load_weights(checkpoint.weights())
+    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        model.pack_for_cpu()
     return model.eval()

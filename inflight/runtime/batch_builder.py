@@ -59,6 +59,12 @@ def build_ragged_batch(
         seq_lens.append(seq_len)
         if row.samples:
             logits_indices.append(starts[-1] - 1)
+    contiguous = []
+    for row, seq_len in zip(rows, seq_lens, strict=True):
+        used = row.block_table[: -(-seq_len // block_size)]
+        first = used[0]
+        runs = all(b == first + i for i, b in enumerate(used))
+        contiguous.append(first * block_size if runs else None)
     num_decodes = 0
     while num_decodes < len(rows) and query_lens[num_decodes] == 1:
         num_decodes += 1
@@ -76,10 +82,12 @@ def build_ragged_batch(
         block_tables=tensor(tables, torch.int32),
         slot_mapping=tensor(slots, torch.int64),
         num_decodes=num_decodes,
+        block_size=block_size,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         query_lens_host=query_lens,
         seq_lens_host=seq_lens,
+        contiguous_kv_host=contiguous,
     )
     return RaggedBatch(
         input_ids=tensor(input_ids, torch.int64),

@@ -133,8 +133,11 @@ class Runtime:
             -self.max_model_len // config.block_size
         )
         model_nn = build_model(self.checkpoint, self.dtype, self.device, self.max_model_len)
-        kv = allocate_kv_cache(model_config, num_blocks, config.block_size, self.dtype, self.device)
-        self.runner = ModelRunner(model_nn, kv, TorchAttentionBackend())
+        backend = TorchAttentionBackend()
+        kv = allocate_kv_cache(
+            model_config, num_blocks, config.block_size, backend, self.dtype, self.device
+        )
+        self.runner = ModelRunner(model_nn, kv, backend)
         self.blocks = BlockPool(num_blocks, config.block_size)
         self.slots = ResidentSlots(config.max_batch_size)
         self.sampler = Sampler(config.seed)

@@ -1,0 +1,1 @@
+"""The HTTP server and the `inflight` command line."""

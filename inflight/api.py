@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,7 +12,6 @@ from typing import Any
 from inflight.engine import (
     EngineConfig,
     RequestEngine,
-    RequestFailed,
     RequestHandle,
     ShutdownMode,
     SubmitError,
@@ -69,6 +68,7 @@ class LLM:
         dtype: str | None = None,
         device: str | None = None,
         seed: int | None = None,
+        show_progress: bool = False,
     ) -> None:
         config = RuntimeConfig(
             max_batch_size=max_batch_size,
@@ -83,7 +83,7 @@ class LLM:
         engine_config = EngineConfig(
             max_batch_size=max_batch_size, max_pending_requests=max_pending_requests
         )
-        self._runtime: Runtime | None = Runtime(model, config)
+        self._runtime: Runtime | None = Runtime(model, config, show_progress)
         self._lock = threading.Lock()  # the blocking path serves one request at a time
         self._engine: RequestEngine | None = None
         if enable_in_flight_batching:
@@ -129,7 +129,7 @@ class LLM:
         try:
             for request in requests:
                 handles.append(self._submit(request))
-            return [_result(handle) for handle in handles]
+            return [handle.get() for handle in handles]
         finally:
             for handle in handles:
                 if not handle.ready():
@@ -148,14 +148,38 @@ class LLM:
 
     def generate_stream(
         self, prompt: Prompt, params: SamplingParams | None = None
-    ) -> Iterator[StreamDelta]:
+    ) -> GenerationStream:
         """Yield the output as it is generated, then one last delta with `finished` set.
 
         Closing the iterator before the end cancels the request."""
         (request,) = self._requests(prompt, params)
+        return self.start(request, wait_for_room=True)
+
+    def prepare(self, prompt: Prompt, params: SamplingParams | None = None) -> GenerationRequest:
+        """Tokenize and validate one prompt (ValueError naming the problem); queues nothing."""
+        (request,) = self._requests(prompt, params)
+        return request
+
+    def start(self, request: GenerationRequest, *, wait_for_room: bool = False) -> GenerationStream:
+        """Start a prepared request. Under in-flight batching it is submitted at once; a full
+        engine raises SubmitError (retry later), unless `wait_for_room`, which waits for room
+        instead. On the blocking path the request runs as the stream is iterated."""
         if self._engine is None:
-            return self._stream_blocking(request)
-        return self._stream_engine(request)
+            cancelled = threading.Event()
+            return GenerationStream(
+                self._run_blocking(request, cancelled), cancelled.set, lambda: 0.0
+            )
+        handle = self._submit(request) if wait_for_room else self._engine.submit(request)
+        return GenerationStream(
+            _follow(handle, len(request.prompt_token_ids)),
+            handle.cancel,
+            lambda: handle.queue_time,
+        )
+
+    def kv_cache_usage(self) -> tuple[int, int]:
+        """(KV blocks in use, KV blocks in all)."""
+        blocks = self._live().blocks
+        return blocks.num_blocks - blocks.num_free, blocks.num_blocks
 
     def get_scheduling_metrics(self) -> dict[str, int] | None:
         """The engine's counters and gauges; None on the blocking path."""
@@ -202,41 +226,28 @@ class LLM:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
 
-    def _stream_blocking(self, request: GenerationRequest) -> Iterator[StreamDelta]:
+    def _run_blocking(
+        self, request: GenerationRequest, cancelled: threading.Event
+    ) -> Generator[StreamDelta, None, CompletionOutput | None]:
         prompt_tokens = len(request.prompt_token_ids)
         with self._lock:
             run = self._live().handle_request(request)
-            for delta in run:
-                yield StreamDelta(
-                    delta.text,
-                    tuple(delta.token_ids),
-                    False,
-                    None,
-                    None if delta.logprobs is None else tuple(delta.logprobs),
-                    prompt_tokens,
-                )
+            try:
+                for delta in run:
+                    if cancelled.is_set():
+                        return None
+                    yield StreamDelta(
+                        delta.text,
+                        tuple(delta.token_ids),
+                        False,
+                        None,
+                        None if delta.logprobs is None else tuple(delta.logprobs),
+                        prompt_tokens,
+                    )
+            finally:
+                run.close()  # frees the request when it stopped early; nothing otherwise
             yield StreamDelta("", (), True, run.output.finish_reason, None, prompt_tokens)
-
-    def _stream_engine(self, request: GenerationRequest) -> Iterator[StreamDelta]:
-        handle = self._submit(request)
-        ended_cleanly = False
-        try:
-            for chunk in handle.stream():
-                ended_cleanly = chunk.finished
-                yield StreamDelta(
-                    chunk.text,
-                    chunk.token_ids,
-                    chunk.finished,
-                    None if chunk.reason is None else chunk.reason.value,
-                    chunk.logprobs,
-                    len(request.prompt_token_ids),
-                )
-            # Raise what ended the stream if it did not complete (or an error behind a clean end).
-            _result(handle)
-        finally:
-            # A stream that ended cleanly is never cancelled: that could record it as cancelled.
-            if not ended_cleanly:
-                handle.cancel()
+            return run.output
 
     def _requests(
         self,
@@ -303,9 +314,64 @@ def _check_messages(messages: Any) -> None:
             raise ValueError(f"each chat message must be a dict with a 'role', got {m!r}")
 
 
-def _result(handle: RequestHandle) -> CompletionOutput:
-    """The handle's output; a request the runtime refused raises ValueError with its reason."""
+def _follow(
+    handle: RequestHandle, prompt_tokens: int
+) -> Generator[StreamDelta, None, CompletionOutput]:
+    """The engine's chunks for one request, as deltas; cancels it if abandoned before the end."""
+    ended_cleanly = False
     try:
+        for chunk in handle.stream():
+            ended_cleanly = chunk.finished
+            yield StreamDelta(
+                chunk.text,
+                chunk.token_ids,
+                chunk.finished,
+                None if chunk.reason is None else chunk.reason.value,
+                chunk.logprobs,
+                prompt_tokens,
+            )
+        # Raises what ended the stream if it did not complete (or an error behind a clean end).
         return handle.get()
-    except RequestFailed as exc:
-        raise ValueError(str(exc)) from exc
+    finally:
+        # A stream that ended cleanly is never cancelled: that could record it as cancelled.
+        if not ended_cleanly:
+            handle.cancel()
+
+
+class GenerationStream(Iterator[StreamDelta]):
+    """A started request, delta by delta; the last delta has `finished` set, after which `output`
+    holds the whole CompletionOutput.
+
+    `cancel()` may be called from any thread, also while another thread is waiting for the next
+    delta: the stream then ends early. `close()` (from the iterating thread) cancels a stream
+    that has not finished and releases it.
+    """
+
+    def __init__(
+        self,
+        deltas: Generator[StreamDelta, None, CompletionOutput | None],
+        cancel: Callable[[], None],
+        queue_time: Callable[[], float | None],
+    ) -> None:
+        self._deltas = deltas
+        self._cancel = cancel
+        self.queue_time = queue_time  # seconds the engine queued it (None: not seated yet)
+        self.finished = False
+        self.output: CompletionOutput | None = None
+
+    def __next__(self) -> StreamDelta:
+        try:
+            delta = next(self._deltas)
+        except StopIteration as end:
+            self.output = end.value
+            raise StopIteration from None
+        self.finished = delta.finished
+        return delta
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self._cancel()
+
+    def close(self) -> None:
+        self.cancel()
+        self._deltas.close()

@@ -9,15 +9,12 @@ from pathlib import Path
 
 import pytest
 
+# Helpers shared by tests: tests/helpers.py, tests/tiny_models.py, tests/engine/fake_execution.py.
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "engine"))
 
+from helpers import assert_no_leaks  # noqa: E402
 from tiny_models import FAMILIES, make_tiny_model  # noqa: E402
-
-
-def assert_no_leaks(runtime) -> None:
-    """Every KV block and resident slot is free again (DESIGN invariant 11)."""
-    assert runtime.blocks.num_free == runtime.blocks.num_blocks, "KV blocks leaked"
-    assert runtime.slots.num_free == runtime.slots.capacity, "resident slots leaked"
 
 
 @pytest.fixture(scope="session")

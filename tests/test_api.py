@@ -6,7 +6,7 @@ import pytest
 
 from inflight import LLM, SamplingParams
 
-from conftest import assert_no_leaks
+from helpers import assert_no_leaks
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 

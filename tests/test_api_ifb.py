@@ -10,7 +10,7 @@ from inflight.api import ifb_unsupported_reason
 from inflight.engine import RequestCancelled
 from inflight.runtime.stepped import ExecutionCapabilities
 
-from conftest import assert_no_leaks
+from helpers import assert_no_leaks
 
 PROMPTS = [
     "The capital of France is",

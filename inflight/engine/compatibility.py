@@ -32,6 +32,7 @@ BATCH_FIELDS = (
     "params.seed",  # compared as "has a seed": seeded rows switch the batch to stable sampling
     "params.max_tokens",
     "params.logprobs",
+    "params.prompt_logprobs",
     "params.skip_special_tokens",
     "params.ignore_eos",
     "n",

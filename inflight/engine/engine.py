@@ -349,8 +349,8 @@ class _Actor:
             assert admission.ref is not None
             self.ledger.add(admission.ref, record)
             self.resident_count = len(self.ledger)
-            waited = time.monotonic() - record.submitted_at
-            self.metrics.record_queue_latency(int(waited * 1e6))
+            record.admitted_at = time.monotonic()
+            self.metrics.record_queue_latency(int((record.admitted_at - record.submitted_at) * 1e6))
             if not founder:
                 self.metrics.add("admitted_mid_flight")
         elif admission.answer is AdmissionAnswer.REJECTED:

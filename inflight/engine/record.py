@@ -27,6 +27,7 @@ class RequestRecord:
         self.request = request
         self.channel = channel
         self.submitted_at = time.monotonic()
+        self.admitted_at: float | None = None  # when the actor seated it (founder or joiner)
         self.status: TerminalStatus | None = None
         self.output: CompletionOutput | None = None
         self.error = ""
@@ -66,6 +67,12 @@ class RequestHandle:
 
     def stream(self) -> StreamChannel:
         return self._record.channel
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from submit() until the actor seated the request; None if it never was."""
+        record = self._record
+        return None if record.admitted_at is None else record.admitted_at - record.submitted_at
 
     def ready(self) -> bool:
         """Whether an outcome has been published."""

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from inflight.model.config import ModelConfig
 from inflight.model.gguf_checkpoint import GGUFCheckpoint
@@ -63,13 +64,20 @@ def open_checkpoint(model: str | Path | None = None) -> Checkpoint:
 
 
 def build_model(
-    checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, max_positions: int
+    checkpoint: Checkpoint,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    show_progress: bool = False,
 ) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(checkpoint.config, max_positions)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.compute(device)
-    model.load_weights(checkpoint.weights())
+    weights = checkpoint.weights()
+    if show_progress:
+        weights = tqdm(weights, desc=f"loading {checkpoint.name}", unit=" tensors")
+    model.load_weights(weights)
     if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
         model.pack_for_cpu()
     return model.eval()

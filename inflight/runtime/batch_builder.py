@@ -17,7 +17,8 @@ class RowInput:
     token_ids: Sequence[int]
     past_len: int
     block_table: Sequence[int]
-    samples: bool  # select this row's last-token logits
+    samples: bool  # select this row's last token's hidden state
+    scores: bool = False  # select every token's hidden state (scoring a prompt)
 
 
 @dataclass
@@ -25,7 +26,9 @@ class RaggedBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [R]: packed index of each sampling row's last token
+    # Packed indices of the tokens whose hidden states the step keeps: every token of a scoring
+    # row, else the last token of a sampling row; in row order.
+    logits_indices: torch.Tensor
 
 
 def build_ragged_batch(
@@ -57,7 +60,9 @@ def build_ragged_batch(
         starts.append(starts[-1] + n)
         query_lens.append(n)
         seq_lens.append(seq_len)
-        if row.samples:
+        if row.scores:
+            logits_indices.extend(range(starts[-2], starts[-1]))
+        elif row.samples:
             logits_indices.append(starts[-1] - 1)
     contiguous = []
     for row, seq_len in zip(rows, seq_lens, strict=True):

@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit the deployment's context (HTTP 413)."""
+
+
 MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
@@ -18,7 +24,9 @@ class SamplingParams:
     `max_tokens=None` generates until EOS, a stop, or the context capacity. `temperature=0` is
     greedy. `top_k` of 0 or -1 and `top_p=1` turn those filters off. `logprobs=N` returns the
     chosen token's log-probability and the N most likely alternatives at each step (0: the chosen
-    one only). Log-probabilities are those of the model's raw distribution.
+    one only); `prompt_logprobs=N` does the same for every prompt token after the first, and with
+    it `max_tokens=0` scores the prompt without generating. Log-probabilities are those of the
+    model's raw distribution.
     """
 
     max_tokens: int | None = None
@@ -32,6 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
 
@@ -47,8 +56,14 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        least = 0 if self.prompt_logprobs is not None else 1
+        if self.max_tokens is not None and (
+            not _is_int(self.max_tokens) or self.max_tokens < least
+        ):
+            raise ValueError(
+                f"max_tokens must be an integer >= 1 (0 only to score a prompt, with "
+                f"prompt_logprobs), got {self.max_tokens!r}"
+            )
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -64,6 +79,13 @@ class SamplingParams:
         ):
             raise ValueError(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
+                f"got {self.prompt_logprobs!r}"
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {list(self.stop)!r}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -14,7 +14,13 @@ from inflight.model.llama import LlamaForCausalLM
 from inflight.model.loader import build_model, open_checkpoint
 from inflight.runtime.batch_builder import RaggedBatch
 from inflight.runtime.kv_cache import BlockPool, allocate_kv_cache
-from inflight.runtime.request import UNSERVED_OPTIONS, GenerationRequest, unserved_options
+from inflight.runtime.request import (
+    UNSERVED_OPTIONS,
+    GenerationRequest,
+    PromptTooLongError,
+    SamplingParams,
+    unserved_options,
+)
 from inflight.runtime.sampler import Sampler
 from inflight.runtime.session import AdmissionIntent, GenerationSession
 from inflight.runtime.slots import ResidentSlots
@@ -29,25 +35,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
-# Every sampling parameter is applied per row (sampler, detokenizer, stop checks, KV reservation).
-PER_ROW_FIELDS = frozenset(
-    f"params.{name}"
-    for name in (
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-        "include_stop_str_in_output",
-        "logprobs",
-        "logit_bias",
-        "skip_special_tokens",
-    )
-)
+# Each resident carries its own SamplingParams: the sampler, detokenizer, stop checks and KV
+# reservation all work per row, so no sampling parameter keeps two requests from sharing a step.
+PER_ROW_FIELDS = frozenset(f"params.{f.name}" for f in fields(SamplingParams))
 
 
 @dataclass(frozen=True)
@@ -88,7 +78,7 @@ class RuntimeConfig:
 
 
 class ModelRunner:
-    """Runs the model over one ragged batch and returns the logits of its sampling rows."""
+    """Runs the model over one ragged batch; keeps the hidden states the step asked for."""
 
     def __init__(
         self, model: LlamaForCausalLM, kv_caches: list[KVCache], backend: AttentionBackend
@@ -99,15 +89,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: RaggedBatch) -> torch.Tensor:
+        """Final hidden states of the tokens in `batch.logits_indices`, in that order."""
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend
         )
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        return hidden[batch.logits_indices]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
 
 
 class Runtime:
     def __init__(
-        self, model: str | Path | None = None, config: RuntimeConfig | None = None
+        self,
+        model: str | Path | None = None,
+        config: RuntimeConfig | None = None,
+        show_progress: bool = False,
     ) -> None:
         config = config or RuntimeConfig()
         self.config = config
@@ -132,7 +130,9 @@ class Runtime:
         num_blocks = config.num_kv_blocks or config.max_batch_size * -(
             -self.max_model_len // config.block_size
         )
-        model_nn = build_model(self.checkpoint, self.dtype, self.device, self.max_model_len)
+        model_nn = build_model(
+            self.checkpoint, self.dtype, self.device, self.max_model_len, show_progress
+        )
         backend = TorchAttentionBackend()
         kv = allocate_kv_cache(
             model_config, num_blocks, config.block_size, backend, self.dtype, self.device
@@ -173,7 +173,7 @@ class Runtime:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
         if len(prompt) >= limit:
-            raise ValueError(
+            raise PromptTooLongError(
                 f"prompt is {len(prompt)} tokens; max_model_len is {limit}, which leaves room "
                 f"for prompts of at most {limit - 1} tokens"
             )
@@ -192,7 +192,7 @@ class Runtime:
             )
         max_new = room if params.max_tokens is None else params.max_tokens
         # The last output token is never fed back, so its KV is never written.
-        blocks = self.blocks.blocks_for(len(prompt) + max_new - 1)
+        blocks = self.blocks.blocks_for(len(prompt) + max(max_new - 1, 0))
         if blocks > self.blocks.num_blocks:
             raise ValueError(
                 f"request needs {blocks} KV blocks but the whole cache holds "

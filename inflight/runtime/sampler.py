@@ -8,6 +8,7 @@ tokens whatever else shares the step. Log-probabilities are those of the raw dis
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,24 @@ class Sampler:
                 out[i].top_ids = top_ids[j, :n].tolist() if n else []
                 out[i].top_logprobs = top_values[j, :n].tolist() if n else []
         return out
+
+    @torch.no_grad()
+    def score(self, logits: torch.Tensor, targets: Sequence[int], top_n: int) -> list[SampledRow]:
+        """The log-probability of each given next token, and the top_n alternatives."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])
+        chosen_host = chosen.squeeze(1).tolist()
+        if top_n:
+            values, ids = logprobs.topk(top_n, dim=-1)
+            values_host, ids_host = values.tolist(), ids.tolist()
+        else:
+            values_host = ids_host = [[] for _ in targets]
+        return [
+            SampledRow(token, lp, top_ids, top_lps)
+            for token, lp, top_ids, top_lps in zip(
+                targets, chosen_host, ids_host, values_host, strict=True
+            )
+        ]
 
     @staticmethod
     def _apply_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -6,6 +6,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.detokenizer import IncrementalDetokenizer
 from inflight.runtime.request import GenerationRequest
@@ -26,6 +28,9 @@ from inflight.runtime.stepped import (
 
 if TYPE_CHECKING:
     from inflight.runtime.runtime import Runtime
+
+# Prompt positions scored per LM-head call: bounds the [positions, vocab] logits held at once.
+_SCORE_SLICE = 128
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class Resident:
     detokenizer: IncrementalDetokenizer
     output: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] | None = None
+    prompt_logprobs: list[LogprobEntry | None] | None = None
     computed: int = 0  # tokens (prompt, then output) whose KV is written
 
     @property
@@ -110,18 +116,35 @@ class GenerationSession:
             return result
         result.work = work
         batch = build_ragged_batch(rows, self._rt.blocks.block_size, self._rt.device)
-        logits = self._rt.runner.execute(batch)
-        sampling = [
-            SamplingRow(self._residents[w.ref].request.params, len(self._residents[w.ref].output))
-            for w in work
-            if w.samples
-        ]
-        sampled = iter(self._rt.sampler(logits, sampling))
+        hidden = self._rt.runner.execute(batch)
+        # Hidden rows come in work order: all of a scoring row's tokens, else a sampler's last.
+        sample_rows, offset = [], 0
+        for w in work:
+            kept = w.query_len if w.scores else int(w.samples)
+            if w.scores:
+                self._score(self._residents[w.ref], w, hidden[offset : offset + kept])
+            if w.samples:
+                sample_rows.append(offset + kept - 1)
+            offset += kept
+        sampled = iter(())
+        if sample_rows:
+            logits = self._rt.runner.logits(hidden[sample_rows])
+            rows_params = [
+                SamplingRow(
+                    self._residents[w.ref].request.params, len(self._residents[w.ref].output)
+                )
+                for w in work
+                if w.samples
+            ]
+            sampled = iter(self._rt.sampler(logits, rows_params))
         for w in work:
             resident = self._residents[w.ref]
             resident.computed += w.query_len
             if w.samples:
                 self._accept(resident, next(sampled), result)
+            elif not resident.prefilling and resident.max_new_tokens == 0:
+                # A scoring-only request (max_tokens=0) ends once its prompt is computed.
+                result.finished[w.ref] = self._evict(resident, FinishReason.LENGTH, None)
         return result
 
     def materialize(self, snapshot: FinishedSnapshot) -> CompletionOutput:
@@ -132,6 +155,9 @@ class GenerationSession:
             stop_reason=snapshot.stop_reason,
             logprobs=None if snapshot.logprobs is None else tuple(snapshot.logprobs),
             prompt_tokens=snapshot.prompt_tokens,
+            prompt_logprobs=None
+            if snapshot.prompt_logprobs is None
+            else tuple(snapshot.prompt_logprobs),
         )
 
     def finish(self) -> None:
@@ -176,6 +202,7 @@ class GenerationSession:
                 params.include_stop_str_in_output,
             ),
             logprobs=None if params.logprobs is None else [],
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         return reservation.ref
 
@@ -197,10 +224,24 @@ class GenerationSession:
                 continue
             n = min(len(r.prompt) - r.computed, budget)
             budget -= n
-            last = r.computed + n == len(r.prompt)
-            rows.append(RowInput(r.prompt[r.computed : r.computed + n], r.computed, r.blocks, last))
-            work.append(ScheduledSequence(r.ref, n, r.computed, last))
+            samples = r.computed + n == len(r.prompt) and r.max_new_tokens > 0
+            scores = r.prompt_logprobs is not None
+            chunk = r.prompt[r.computed : r.computed + n]
+            rows.append(RowInput(chunk, r.computed, r.blocks, samples, scores))
+            work.append(ScheduledSequence(r.ref, n, r.computed, samples, scores))
         return rows, work
+
+    def _score(self, r: Resident, w: ScheduledSequence, hidden: torch.Tensor) -> None:
+        """Log-probabilities of the prompt tokens this chunk predicts (position p predicts p+1)."""
+        prompt = r.prompt
+        count = min(w.query_len, len(prompt) - 1 - w.past_len)
+        top_n = r.request.params.prompt_logprobs
+        for start in range(0, count, _SCORE_SLICE):
+            end = min(count, start + _SCORE_SLICE)
+            logits = self._rt.runner.logits(hidden[start:end])
+            targets = prompt[w.past_len + start + 1 : w.past_len + end + 1]
+            for row in self._rt.sampler.score(logits, targets, top_n):
+                r.prompt_logprobs.append(self._logprob_entry(row))
 
     def _accept(self, r: Resident, sampled: SampledRow, result: StepResult) -> None:
         token = sampled.token_id
@@ -256,6 +297,7 @@ class GenerationSession:
             stop_reason=stop_reason,
             logprobs=r.logprobs,
             prompt_tokens=len(r.prompt),
+            prompt_logprobs=r.prompt_logprobs,
         )
 
     def _check_open(self) -> None:

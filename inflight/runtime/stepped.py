@@ -97,6 +97,7 @@ class FinishedSnapshot:
     stop_reason: str | int | None  # the stop string or stop token id that ended it, if any
     logprobs: list[LogprobEntry] | None
     prompt_tokens: int
+    prompt_logprobs: list[LogprobEntry | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,8 @@ class CompletionOutput:
     stop_reason: str | int | None
     logprobs: tuple[LogprobEntry, ...] | None
     prompt_tokens: int
+    # One entry per prompt token (None for the first, which nothing predicts), when asked for.
+    prompt_logprobs: tuple[LogprobEntry | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ class ScheduledSequence:
     query_len: int
     past_len: int
     samples: bool  # whether this step samples a token for it (decode, or the last prefill chunk)
+    scores: bool = False  # whether it scores these prompt tokens (prompt logprobs)
 
     @property
     def is_prefill(self) -> bool:

@@ -4,8 +4,6 @@ import contextlib
 import time
 
 import pytest
-from fake_execution import FakeFactory
-from test_request_engine import req, wait_until
 
 from inflight.engine import (
     EngineConfig,
@@ -15,6 +13,9 @@ from inflight.engine import (
     ShutdownMode,
     SubmitError,
 )
+
+from fake_execution import FakeFactory
+from test_request_engine import req, wait_until
 
 
 def engine(factory, batch=2, **config):

@@ -21,6 +21,7 @@ DIFFERENT = {
     "params.seed": {"seed": 7},
     "params.max_tokens": {"max_tokens": 9},
     "params.logprobs": {"logprobs": 2},
+    "params.prompt_logprobs": {"prompt_logprobs": 1},
     "params.skip_special_tokens": {"skip_special_tokens": False},
     "params.ignore_eos": {"ignore_eos": True},
 }

@@ -5,7 +5,6 @@ import threading
 import time
 
 import pytest
-from fake_execution import FakeFactory
 
 from inflight.engine import (
     EngineConfig,
@@ -17,6 +16,8 @@ from inflight.engine import (
     SubmitError,
 )
 from inflight.runtime.request import GenerationRequest, SamplingParams
+
+from fake_execution import FakeFactory
 
 
 def req(tokens=3, prompt=(1, 2, 3), **kw):

@@ -19,25 +19,24 @@ def _hf_last_logits(hf, ids):
         return hf(torch.tensor([ids])).logits[0, -1]
 
 
+def _last_logits(runtime, row):
+    runner = runtime.runner
+    batch = build_ragged_batch([row], runtime.blocks.block_size, runtime.device)
+    return runner.logits(runner.execute(batch))[0]
+
+
 def _check_logits(runtime, hf, ids, decode_steps=16):
     """Prefill, then decode `decode_steps` tokens (the reference's greedy picks) through the paged
     KV cache; the last-position logits match the reference at every step."""
     blocks = runtime.blocks.allocate(runtime.blocks.blocks_for(len(ids) + decode_steps))
-    bs = runtime.blocks.block_size
     try:
-        ours = runtime.runner.execute(
-            build_ragged_batch([RowInput(ids, 0, blocks, True)], bs, runtime.device)
-        )[0]
+        ours = _last_logits(runtime, RowInput(ids, 0, blocks, True))
         ref = _hf_last_logits(hf, ids)
         assert (ours - ref).abs().max().item() < TOL
         seq = list(ids)
         for _ in range(decode_steps):
             seq.append(int(ref.argmax()))
-            ours = runtime.runner.execute(
-                build_ragged_batch(
-                    [RowInput(seq[-1:], len(seq) - 1, blocks, True)], bs, runtime.device
-                )
-            )[0]
+            ours = _last_logits(runtime, RowInput(seq[-1:], len(seq) - 1, blocks, True))
             ref = _hf_last_logits(hf, seq)
             assert (ours - ref).abs().max().item() < TOL
     finally:

@@ -6,7 +6,7 @@ from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime, RuntimeConfig
 from inflight.runtime.stepped import AdmissionAnswer, FinishReason, ResidentRef, StaleResidentRef
 
-from conftest import assert_no_leaks
+from helpers import assert_no_leaks
 
 PROMPTS = [
     "Hi",

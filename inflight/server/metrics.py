@@ -1,0 +1,96 @@
+"""Prometheus metrics of the server, and of the engine and KV cache behind it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from inflight.api import LLM
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ENGINE_COUNTERS = (
+    "submitted",
+    "refused",
+    "stalls_incompatible",
+    "stalls_guided",
+    "stalls_founder_only",
+    "stalls_no_capacity",
+    "admitted_mid_flight",
+    "completed",
+    "cancelled",
+    "failed",
+)
+
+
+class ServerMetrics:
+    def __init__(self, llm: LLM) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("inflight_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.queue_time = Histogram(
+            "inflight_request_queue_seconds",
+            "Time from arrival until the request is being served",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "inflight_time_to_first_token_seconds",
+            "Time from admission to the first output token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "inflight_inter_token_latency_seconds",
+            "Time between consecutive output tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_latency = Histogram(
+            "inflight_e2e_request_latency_seconds",
+            "Time from admission to the end of the request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        r.register(_EngineCollector(llm))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's counters and the KV cache's occupancy at scrape time."""
+
+    def __init__(self, llm: LLM) -> None:
+        self._llm = llm
+
+    def collect(self) -> Iterator[Metric]:
+        used, total = self._llm.kv_cache_usage()
+        yield GaugeMetricFamily("inflight_kv_blocks_used", "KV cache blocks in use", value=used)
+        yield GaugeMetricFamily("inflight_kv_blocks_total", "KV cache blocks in all", value=total)
+        yield GaugeMetricFamily(
+            "inflight_kv_cache_usage_ratio", "Share of KV blocks in use", value=used / total
+        )
+        values = self._llm.get_scheduling_metrics()
+        if values is None:
+            return
+        for name in _ENGINE_COUNTERS:
+            yield CounterMetricFamily(
+                f"inflight_engine_{name}", f"Engine counter {name}", value=values[name]
+            )
+        for name in ("queued", "resident"):
+            yield GaugeMetricFamily(
+                f"inflight_engine_{name}", f"Engine gauge {name}", value=values[name]
+            )
+        yield GaugeMetricFamily(
+            "inflight_engine_queue_latency_avg_seconds",
+            "Mean time from submit to admission",
+            value=values["queue_latency_avg_us"] / 1e6,
+        )
+        yield GaugeMetricFamily(
+            "inflight_engine_queue_latency_max_seconds",
+            "Longest time from submit to admission",
+            value=values["queue_latency_max_us"] / 1e6,
+        )

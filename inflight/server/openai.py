@@ -1,0 +1,305 @@
+"""OpenAI request mapping and response shapes (chat completions and text completions)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from inflight.api import StreamDelta
+from inflight.model.tokenizer import Tokenizer
+from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.runtime.stepped import CompletionOutput, LogprobEntry
+from inflight.server.client import Run
+from inflight.server.errors import ServerError
+from inflight.server.protocol import ChatMessage, CompletionRequest, SamplingFields, TextPart
+
+
+def sampling_params(
+    body: SamplingFields,
+    defaults: SamplingParams,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    skip_special_tokens: bool = True,
+) -> SamplingParams:
+    """The request's sampling fields over the model's defaults; a bad value is a 400."""
+    bias: dict[int, float] = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit():
+            raise ServerError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        bias[int(key)] = value
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=defaults.temperature if body.temperature is None else body.temperature,
+            top_p=defaults.top_p if body.top_p is None else body.top_p,
+            top_k=defaults.top_k if body.top_k is None else body.top_k,
+            min_p=defaults.min_p if body.min_p is None else body.min_p,
+            seed=body.seed,
+            stop=[body.stop] if isinstance(body.stop, str) else (body.stop or []),
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=bias,
+            skip_special_tokens=skip_special_tokens,
+        )
+    except ValueError as exc:
+        raise ServerError(400, str(exc), str(exc).split(" ", 1)[0]) from exc
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat messages for the template: text content only."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            for part in content:
+                if not isinstance(part, TextPart):
+                    raise ServerError(
+                        400,
+                        f"content of type {part.type!r} is not supported; this model reads text",
+                        f"messages.{i}.content",
+                    )
+            content = "".join(p.text for p in content)
+        if m.tool_calls or m.role == "tool":
+            raise ServerError(400, "tool calls are not supported yet", f"messages.{i}")
+        role = "system" if m.role == "developer" else m.role
+        out.append({"role": role, "content": content or ""})
+    return out
+
+
+def completion_prompts(prompt: Any) -> list[str | dict[str, Any]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ServerError(400, "prompt is empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
+
+
+def _chat_logprob(entry: LogprobEntry) -> dict[str, Any]:
+    return {
+        "token": entry.token,
+        "logprob": entry.logprob,
+        "bytes": list(entry.bytes),
+        "top_logprobs": [
+            {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)} for t in entry.top
+        ],
+    }
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class ChatReply:
+    def __init__(self, model: str, logprobs: bool) -> None:
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.logprobs = logprobs
+
+    def whole(self, output: CompletionOutput) -> dict[str, Any]:
+        logprobs = None
+        if self.logprobs:
+            logprobs = {"content": [_chat_logprob(e) for e in output.logprobs or ()]}
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": output.text},
+                    "logprobs": logprobs,
+                    "finish_reason": output.finish_reason,
+                }
+            ],
+            "usage": _usage(output.prompt_tokens, len(output.token_ids)),
+        }
+
+    def _chunk(self, delta: dict[str, Any], **choice: Any) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None, **choice}
+            ],
+        }
+
+    async def stream(self, run: Run, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        """Role, content deltas, the finish reason, usage (if asked for)."""
+        yield self._chunk({"role": "assistant", "content": ""})
+        finish_reason, completion_tokens, prompt_tokens = None, 0, 0
+        async for delta in run:
+            prompt_tokens = delta.prompt_tokens
+            completion_tokens += len(delta.token_ids)
+            if delta.finished:
+                finish_reason = delta.finish_reason
+                continue
+            if not delta.text and not (self.logprobs and delta.logprobs):
+                continue
+            extra = {}
+            if self.logprobs and delta.logprobs:
+                extra["logprobs"] = {"content": [_chat_logprob(e) for e in delta.logprobs]}
+            yield self._chunk({"content": delta.text}, **extra)
+        yield self._chunk({}, finish_reason=finish_reason)
+        if include_usage:
+            chunk = self._chunk({})
+            chunk["choices"] = []
+            chunk["usage"] = _usage(prompt_tokens, completion_tokens)
+            yield chunk
+
+
+class CompletionReply:
+    def __init__(self, model: str, tokenizer: Tokenizer, body: CompletionRequest) -> None:
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.tokenizer = tokenizer
+        self.body = body
+
+    def _prompt_text(self, request: GenerationRequest) -> str:
+        return self.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False)
+
+    def _logprobs(
+        self, entries: list[LogprobEntry | None], text_start: int
+    ) -> dict[str, list[Any]]:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        offset = text_start
+        for entry in entries:
+            if entry is None:  # the first prompt token: nothing predicts it
+                continue
+            tokens.append(entry.token)
+            token_logprobs.append(entry.logprob)
+            top.append({t.token: t.logprob for t in entry.top} if self.body.logprobs else None)
+            offsets.append(offset)
+            offset += len(entry.token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    def _echo_logprobs(
+        self, request: GenerationRequest, output: CompletionOutput
+    ) -> dict[str, list[Any]]:
+        """Prompt tokens (the first with a null logprob) followed by the generated ones."""
+        prompt_entries = list(output.prompt_logprobs or ())
+        result = self._logprobs(
+            prompt_entries[1:],
+            len(self.tokenizer.decode(request.prompt_token_ids[:1], skip_special_tokens=False)),
+        )
+        first = self.tokenizer.decode(request.prompt_token_ids[:1], skip_special_tokens=False)
+        generated = self._logprobs(list(output.logprobs or ()), len(self._prompt_text(request)))
+        return {
+            "tokens": [first, *result["tokens"], *generated["tokens"]],
+            "token_logprobs": [None, *result["token_logprobs"], *generated["token_logprobs"]],
+            "top_logprobs": [None, *result["top_logprobs"], *generated["top_logprobs"]],
+            "text_offset": [0, *result["text_offset"], *generated["text_offset"]],
+        }
+
+    def _choice(self, index: int, request: GenerationRequest, output: CompletionOutput) -> dict:
+        text = output.text
+        logprobs = None
+        if self.body.echo:
+            text = self._prompt_text(request) + text
+            if self.body.logprobs is not None:
+                logprobs = self._echo_logprobs(request, output)
+        elif self.body.logprobs is not None:
+            logprobs = self._logprobs(list(output.logprobs or ()), 0)
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": output.finish_reason,
+            "stop_reason": output.stop_reason,
+        }
+
+    def whole(
+        self, requests: list[GenerationRequest], outputs: list[CompletionOutput]
+    ) -> dict[str, Any]:
+        choices = [
+            self._choice(i, r, o) for i, (r, o) in enumerate(zip(requests, outputs, strict=True))
+        ]
+        prompt_tokens = sum(o.prompt_tokens for o in outputs)
+        completion_tokens = sum(len(o.token_ids) for o in outputs)
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": _usage(prompt_tokens, completion_tokens),
+        }
+
+    def _chunk(self, index: int, text: str, **extra: Any) -> dict[str, Any]:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None, **extra}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+    async def stream(
+        self, requests: list[GenerationRequest], runs: list[Run], include_usage: bool
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Each prompt's deltas, interleaved as they come, tagged with the prompt's index."""
+        queue: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, run: Run) -> None:
+            try:
+                async for delta in run:
+                    await queue.put((index, delta))
+                await queue.put((index, None))
+            except BaseException as exc:  # handed to the consumer, which re-raises it
+                await queue.put((index, exc))
+
+        tasks = [asyncio.ensure_future(pump(i, run)) for i, run in enumerate(runs)]
+        usage = [0, 0]
+        try:
+            if self.body.echo:
+                for i, request in enumerate(requests):
+                    yield self._chunk(i, self._prompt_text(request))
+            running = len(runs)
+            while running:
+                index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                usage[1] += len(item.token_ids)
+                if item.finished:
+                    usage[0] += item.prompt_tokens
+                    yield self._chunk(index, "", finish_reason=item.finish_reason)
+                elif item.text or item.token_ids:
+                    logprobs = None
+                    if self.body.logprobs is not None and item.logprobs:
+                        logprobs = self._logprobs(list(item.logprobs), 0)
+                    yield self._chunk(index, item.text, logprobs=logprobs)
+            if include_usage:
+                chunk = self._chunk(0, "")
+                chunk["choices"] = []
+                chunk["usage"] = _usage(*usage)
+                yield chunk
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

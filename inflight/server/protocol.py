@@ -1,0 +1,193 @@
+"""Request bodies of the OpenAI and Anthropic APIs, as strict pydantic models.
+
+Unknown fields are a 400 (a misspelt parameter must not be silently ignored). Fields the engine
+does not serve yet are accepted by the schema and refused with a message naming them
+(`unsupported()`), so a client learns exactly which option to drop.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+NonNegativeInt = Annotated[int, Field(ge=0)]
+Temperature = Annotated[float, Field(ge=0, le=2)]
+TopP = Annotated[float, Field(gt=0, le=1)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- OpenAI ------------------------------------------------------------------------------------
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class OtherPart(BaseModel):
+    """A content part of another type (image, audio, file): accepted by the schema, refused."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart | OtherPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(Strict):
+    """Fields shared by chat and text completions (including vLLM's extensions)."""
+
+    model: str | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    suffix: str | None = None
+
+
+# -- Anthropic ---------------------------------------------------------------------------------
+
+
+class AnthropicTextBlock(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. cache_control, citations
+    type: Literal["text"]
+    text: str
+
+
+class AnthropicOtherBlock(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class AnthropicMessage(Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[AnthropicTextBlock | AnthropicOtherBlock]
+
+
+class AnthropicCountTokensRequest(Strict):
+    model: str
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
+    system: str | list[AnthropicTextBlock] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+class AnthropicMessagesRequest(AnthropicCountTokensRequest):
+    max_tokens: Annotated[int, Field(ge=1)]
+    stop_sequences: list[str] | None = None
+    temperature: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+
+
+def unsupported(body: BaseModel) -> tuple[str, str] | None:
+    """(field, message) for the first option of this request the engine does not serve."""
+    checks: list[tuple[str, bool, str]] = []
+    if isinstance(body, SamplingFields):
+        checks += [
+            ("n", body.n != 1, "n other than 1 is not supported; send n separate requests"),
+            (
+                "presence_penalty",
+                bool(body.presence_penalty),
+                "presence_penalty is not supported; leave it at 0",
+            ),
+            (
+                "frequency_penalty",
+                bool(body.frequency_penalty),
+                "frequency_penalty is not supported; leave it at 0",
+            ),
+            (
+                "repetition_penalty",
+                body.repetition_penalty not in (None, 1.0),
+                "repetition_penalty is not supported; leave it at 1",
+            ),
+        ]
+    if isinstance(body, ChatCompletionRequest):
+        format_type = (body.response_format or {}).get("type", "text")
+        checks += [
+            (
+                "response_format",
+                format_type != "text",
+                f"response_format {format_type!r} (guided decoding) is not supported yet",
+            ),
+            ("tools", bool(body.tools), "tool calling is not supported yet"),
+            (
+                "tool_choice",
+                body.tool_choice not in (None, "none", "auto"),
+                "tool_choice is not supported yet",
+            ),
+            (
+                "modalities",
+                any(m != "text" for m in body.modalities or []),
+                "only text output is supported",
+            ),
+            ("audio", body.audio is not None, "audio output is not supported"),
+        ]
+    if isinstance(body, CompletionRequest):
+        checks += [
+            ("best_of", body.best_of not in (None, 1), "best_of other than 1 is not supported"),
+            ("suffix", body.suffix is not None, "suffix (insertion) is not supported"),
+        ]
+    if isinstance(body, AnthropicCountTokensRequest):
+        checks += [
+            ("tools", bool(body.tools), "tool use is not supported yet"),
+            (
+                "thinking",
+                bool(body.thinking) and body.thinking.get("type") != "disabled",
+                "extended thinking is not supported",
+            ),
+        ]
+    return next(((field, message) for field, bad, message in checks if bad), None)

@@ -4,9 +4,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import assert_no_leaks
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime, RuntimeConfig
+
+from helpers import assert_no_leaks
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q
 
 serve: $(STAMP)
-	$(VENV)/bin/inflight chat "Hello! Who are you?"
+	$(VENV)/bin/inflight serve --enable-in-flight-batching $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -12,6 +12,7 @@ import pytest
 # Helpers shared by tests: tests/helpers.py, tests/tiny_models.py, tests/engine/fake_execution.py.
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "engine"))
+sys.path.insert(0, str(Path(__file__).parent / "server"))
 
 from helpers import assert_no_leaks  # noqa: E402
 from tiny_models import FAMILIES, make_tiny_model  # noqa: E402
@@ -64,5 +65,15 @@ def ifb_llm():
     from inflight import LLM
 
     instance = LLM(enable_in_flight_batching=True, max_batch_size=4, max_model_len=1024)
+    yield instance
+    instance.close()
+
+
+@pytest.fixture(scope="session")
+def server_llm():
+    """The default model under in-flight batching (batch 4, short context) for the server."""
+    from inflight import LLM
+
+    instance = LLM(enable_in_flight_batching=True, max_batch_size=4, max_model_len=512)
     yield instance
     instance.close()

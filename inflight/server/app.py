@@ -6,8 +6,7 @@ import hmac
 import json
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,7 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inflight.runtime.request import SamplingParams
-from inflight.runtime.stepped import CompletionOutput, LogprobEntry
+from inflight.runtime.stepped import CompletionOutput
 from inflight.server import anthropic, openai
 from inflight.server.client import EngineClient, Run
 from inflight.server.errors import ServerError, error_response, openai_error_payload
@@ -53,6 +52,8 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="inflight", lifespan=lifespan)
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(_ApiKey, key=settings.api_key)
 
     def is_anthropic(request: Request) -> bool:
         return request.url.path.startswith("/v1/messages")
@@ -76,19 +77,6 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     async def on_crash(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
         return error_response(ServerError(500, "internal server error"), is_anthropic(request))
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]):
-        if settings.api_key and request.url.path.startswith("/v1/"):
-            offered = request.headers.get("x-api-key", "")
-            bearer = request.headers.get("authorization", "")
-            if bearer.lower().startswith("bearer "):
-                offered = offered or bearer[7:]
-            if not hmac.compare_digest(offered.encode(), settings.api_key.encode()):
-                return error_response(
-                    ServerError(401, "invalid or missing API key"), is_anthropic(request)
-                )
-        return await call_next(request)
 
     def check(body: BaseModel, model: str | None) -> None:
         if model is not None and model != settings.served_model_name:
@@ -282,8 +270,29 @@ async def _openai_events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator
     yield "data: [DONE]\n\n"
 
 
-def logprob_token_bytes(entry: LogprobEntry) -> list[int]:
-    return list(entry.bytes)
+class _ApiKey:
+    """Every /v1/ request must carry the key, as `Authorization: Bearer` or `x-api-key`.
+
+    A plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which hides a client's
+    disconnect from the endpoint)."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            headers = dict(scope.get("headers") or [])
+            offered = headers.get(b"x-api-key", b"")
+            bearer = headers.get(b"authorization", b"")
+            if not offered and bearer[:7].lower() == b"bearer ":
+                offered = bearer[7:]
+            if not hmac.compare_digest(offered, self.key):
+                error = ServerError(401, "invalid or missing API key")
+                response = error_response(error, scope["path"].startswith("/v1/messages"))
+                await response(scope, _no_receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _BodyLimit:
@@ -330,6 +339,3 @@ class _TooLarge(Exception):
 
 async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
-
-
-__all__ = ["ServerSettings", "build_app", "uuid"]

@@ -224,7 +224,8 @@ class Run:
             if generation is not None:
                 generation.cancel()  # nothing happens if it ended cleanly
                 if self._pending is not None:
-                    await asyncio.wrap_future(self._pending, loop=loop)
+                    # Let the worker return; what it returns (or raises) no longer matters.
+                    await asyncio.wait([asyncio.wrap_future(self._pending, loop=loop)])
                 await loop.run_in_executor(self._client._pool, generation.close)
             self._client.gate.release()
         metrics = self._client.metrics

@@ -1,0 +1,61 @@
+"""A real uvicorn server on loopback, in a background thread, for the server tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import uvicorn
+
+from inflight.server.app import ServerSettings, build_app
+from inflight.server.client import EngineClient
+from inflight.server.metrics import ServerMetrics
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve(
+    llm,
+    *,
+    max_queued_requests=16,
+    queue_timeout=30.0,
+    max_input_len=None,
+    api_key=None,
+    lifespan="off",
+    name="test-model",
+    max_body_bytes=8 * 1024 * 1024,
+):
+    """Serve `llm`; yields the base URL. With lifespan "off" the LLM outlives the server."""
+    client = EngineClient(
+        llm,
+        max_queued_requests=max_queued_requests,
+        queue_timeout=queue_timeout,
+        max_input_len=max_input_len,
+        metrics=ServerMetrics(llm),
+    )
+    settings = ServerSettings(
+        served_model_name=name, api_key=api_key, max_body_bytes=max_body_bytes
+    )
+    app = build_app(client, settings)
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan)
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", client
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)

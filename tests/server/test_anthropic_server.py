@@ -1,0 +1,136 @@
+"""The Anthropic Messages API over a real uvicorn server, driven by the official client."""
+
+import threading
+import time
+
+import anthropic
+import httpx
+import pytest
+
+from inflight import SamplingParams
+
+from server_harness import serve
+
+pytestmark = pytest.mark.slow
+
+# The 2.x client has no sampling arguments any more; they travel in the body.
+GREEDY = {"extra_body": {"temperature": 0}}
+
+MODEL = "test-model"
+MESSAGES = [{"role": "user", "content": "Name a primary color."}]
+
+
+@pytest.fixture(scope="module")
+def server(server_llm):
+    with serve(server_llm, max_queued_requests=4) as (url, _):
+        yield url
+
+
+@pytest.fixture
+def client(server):
+    return anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0)
+
+
+def test_message_equals_python_api(client, server_llm):
+    expected = server_llm.chat(
+        [{"role": "system", "content": "Be brief."}, *MESSAGES],
+        SamplingParams(temperature=0, max_tokens=20),
+    )[0]
+    message = client.messages.create(
+        model=MODEL, system="Be brief.", messages=MESSAGES, max_tokens=20, **GREEDY
+    )
+    assert message.content[0].type == "text"
+    assert message.content[0].text == expected.text
+    assert (
+        message.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[expected.finish_reason]
+    )
+    assert message.usage.input_tokens == expected.prompt_tokens
+    assert message.usage.output_tokens == len(expected.token_ids)
+
+
+def test_stop_sequence_is_reported(client, server_llm):
+    free = server_llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=30))[0]
+    word = free.text.split()[1]
+    message = client.messages.create(
+        model=MODEL, messages=MESSAGES, max_tokens=30, stop_sequences=[word], **GREEDY
+    )
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == word
+    assert message.content[0].text == free.text[: free.text.index(word)]
+
+
+def test_stream_event_order(client, server_llm):
+    expected = server_llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=12))[0]
+    with client.messages.stream(model=MODEL, messages=MESSAGES, max_tokens=12, **GREEDY) as stream:
+        events = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert events[0] == "message_start" and events[1] == "content_block_start"
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(events[2:-3]) <= {"text", "content_block_delta", "ping"}
+    assert final.content[0].text == expected.text
+    assert final.usage.output_tokens == len(expected.token_ids)
+
+
+def test_count_tokens(client, server_llm):
+    counted = client.messages.count_tokens(model=MODEL, messages=MESSAGES, system="Be brief.")
+    rendered = server_llm.prepare([{"role": "system", "content": "Be brief."}, *MESSAGES])
+    assert counted.input_tokens == len(rendered.prompt_token_ids)
+
+
+def test_errors_use_the_anthropic_body(server):
+    r = httpx.post(server + "/v1/messages", json={"model": MODEL, "messages": MESSAGES})
+    assert r.status_code == 400
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in body["error"]["message"]
+    r = httpx.post(
+        server + "/v1/messages", json={"model": "claude-x", "messages": MESSAGES, "max_tokens": 5}
+    )
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.post(
+        server + "/v1/messages",
+        json={
+            "model": MODEL,
+            "max_tokens": 5,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+                        }
+                    ],
+                }
+            ],
+        },
+    )
+    assert r.status_code == 400 and "image" in r.json()["error"]["message"]
+
+
+def test_overload_is_529(server_llm):
+    with serve(server_llm, max_queued_requests=0) as (url, _):
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 120, "stream": True}
+        opened, stop = [], threading.Event()
+
+        def hold():
+            with httpx.stream("POST", url + "/v1/messages", json=body, timeout=120) as r:
+                opened.append(r.status_code)
+                for _ in r.iter_lines():
+                    if stop.is_set():
+                        break
+
+        threads = [threading.Thread(target=hold) for _ in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(opened) < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        c = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+        with pytest.raises(anthropic.APIStatusError) as info:
+            c.messages.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        assert info.value.status_code == 529
+        assert info.value.body["error"]["type"] == "overloaded_error"
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)

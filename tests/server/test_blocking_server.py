@@ -1,0 +1,83 @@
+"""The server on the blocking path: one generation slot and a bounded wait queue."""
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from inflight import LLM
+
+from server_harness import serve
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def blocking_llm(tiny_dirs):
+    llm = LLM(tiny_dirs["llama"], max_model_len=512)
+    yield llm
+    llm.close()
+
+
+def _long(url, results, max_tokens=400):
+    body = {"messages": MESSAGES, "max_tokens": max_tokens, "ignore_eos": True}
+    results.append(httpx.post(url + "/v1/chat/completions", json=body, timeout=120).status_code)
+
+
+def test_one_slot_a_bounded_queue_then_429(blocking_llm):
+    with serve(blocking_llm, max_queued_requests=1, queue_timeout=60) as (url, client):
+        health = httpx.get(url + "/health").json()
+        assert health["scheduling"] is None
+        assert health["capabilities"]["in_flight_batching"] is False
+        assert health["capabilities"]["max_num_seqs"] == 1
+        results = []
+        threads = [threading.Thread(target=_long, args=(url, results)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while not (client.gate.active == 1 and client.gate.waiting == 1):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        for t in threads:
+            t.join(timeout=120)
+        assert results == [200, 200]
+
+
+def test_queue_timeout_is_a_429(blocking_llm):
+    with serve(blocking_llm, max_queued_requests=2, queue_timeout=0.2) as (url, client):
+        results = []
+        first = threading.Thread(target=_long, args=(url, results, 450))
+        first.start()
+        deadline = time.monotonic() + 10
+        while client.gate.active == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+        assert r.status_code == 429 and "timed out" in r.json()["error"]["message"]
+        first.join(timeout=120)
+        assert results == [200]
+
+
+def test_shutdown_drains_accepted_requests(tiny_dirs):
+    llm = LLM(
+        tiny_dirs["qwen2"], max_model_len=512, enable_in_flight_batching=True, max_batch_size=2
+    )
+    results = []
+    with serve(llm, lifespan="on") as (url, client):
+        threads = [threading.Thread(target=_long, args=(url, results, 200)) for _ in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while client.gate.active < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+    # Leaving the block stopped the server: every accepted request still completed.
+    for t in threads:
+        t.join(timeout=120)
+    assert results == [200, 200, 200]
+    assert llm.get_scheduling_metrics()["completed"] == 3
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate("x")

@@ -1,0 +1,289 @@
+"""The OpenAI API over a real uvicorn server, driven by the official `openai` client."""
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from inflight import SamplingParams
+
+from server_harness import serve
+
+pytestmark = pytest.mark.slow
+
+MODEL = "test-model"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(server_llm):
+    with serve(server_llm, max_queued_requests=4) as (url, client):
+        yield url, client
+
+
+@pytest.fixture
+def oa(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def _idle(llm, timeout=10):
+    deadline = time.monotonic() + timeout
+    while llm.get_scheduling_metrics()["resident"] or llm.get_scheduling_metrics()["queued"]:
+        assert time.monotonic() < deadline, "engine did not go idle"
+        time.sleep(0.02)
+
+
+def test_greedy_chat_equals_python_api(oa, server_llm):
+    expected = server_llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=24))[0]
+    reply = oa.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24)
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].finish_reason == expected.finish_reason
+    assert reply.usage.prompt_tokens == expected.prompt_tokens
+    assert reply.usage.completion_tokens == len(expected.token_ids)
+    stream = oa.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected.text
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_sse_sequence_is_role_content_finish_usage_done(server):
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "temperature": 0,
+        "max_tokens": 6,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", server[0] + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    content = chunks[1:-2]
+    assert content and all("content" in c["choices"][0]["delta"] for c in content)
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
+    assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_logprobs_agree_with_python_api(oa, server_llm):
+    expected = server_llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=8, logprobs=3))[0]
+    reply = oa.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3
+    )
+    content = reply.choices[0].logprobs.content
+    assert [c.token for c in content] == [e.token for e in expected.logprobs]
+    for got, want in zip(content, expected.logprobs, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert [t.token for t in got.top_logprobs] == [t.token for t in want.top]
+        assert got.bytes == list(want.bytes)
+
+
+def test_completions_score_prompts_like_an_eval_harness(oa, server_llm):
+    prompt = "The quick brown fox jumps over the lazy dog"
+    reply = oa.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    choice = reply.choices[0]
+    assert choice.text == prompt
+    ids = server_llm.tokenizer.encode(prompt)
+    scored = server_llm.generate(
+        {"prompt_token_ids": ids}, SamplingParams(max_tokens=0, prompt_logprobs=1)
+    )[0]
+    assert choice.logprobs.token_logprobs[0] is None
+    want = [e.logprob for e in scored.prompt_logprobs[1:]]
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-5)
+    assert len(choice.logprobs.tokens) == len(ids)
+    # Token-id prompts and several prompts in one request.
+    many = oa.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=3, temperature=0)
+    assert sorted(c.index for c in many.choices) == [0, 1]
+    assert many.usage.prompt_tokens == len(ids) + 3
+
+
+def test_models_lists_the_served_model(oa, server_llm):
+    models = oa.models.list().data
+    assert [m.id for m in models] == [MODEL]
+
+
+def test_client_disconnect_cancels_inside_the_engine(server, server_llm):
+    _idle(server_llm)
+    url = server[0]
+    cancelled = server_llm.get_scheduling_metrics()["cancelled"]
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(4):
+            next(lines)
+    # The connection is closed: the request must leave its seat within 2 s.
+    deadline = time.monotonic() + 2
+    while httpx.get(url + "/health").json()["scheduling"]["cancelled"] == cancelled:
+        assert time.monotonic() < deadline, "disconnect did not cancel within 2 s"
+        time.sleep(0.05)
+    _idle(server_llm)
+    assert server_llm.kv_cache_usage()[0] == 0
+
+
+def test_non_streaming_disconnect_cancels_too(server, server_llm):
+    _idle(server_llm)
+    url = server[0]
+    cancelled = server_llm.get_scheduling_metrics()["cancelled"]
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/chat/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 3
+    while server_llm.get_scheduling_metrics()["cancelled"] == cancelled:
+        assert time.monotonic() < deadline, "disconnect did not cancel"
+        time.sleep(0.05)
+    _idle(server_llm)
+    assert server_llm.kv_cache_usage()[0] == 0
+
+
+def test_429_with_retry_after_when_leases_run_out(server_llm):
+    _idle(server_llm)
+    # batch 4 + queue 0 = four leases.
+    with serve(server_llm, max_queued_requests=0) as (url, _):
+        body = {
+            "model": MODEL,
+            "messages": MESSAGES,
+            "max_tokens": 150,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        opened, stop = [], threading.Event()
+
+        def hold():
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+                opened.append(r.status_code)
+                for _ in r.iter_lines():
+                    if stop.is_set():
+                        break
+
+        threads = [threading.Thread(target=hold) for _ in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(opened) < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.RateLimitError) as info:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        assert info.value.response.headers["retry-after"] == "1"
+        assert info.value.body["type"] == "server_overloaded"
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+        assert opened == [200] * 4
+        ok = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        assert ok.choices[0].message.content is not None
+    _idle(server_llm)
+
+
+def test_health_counts_mid_flight_joins_and_metrics_parse(server, server_llm):
+    url = server[0]
+    before = httpx.get(url + "/health").json()
+    assert before["capabilities"]["in_flight_batching"] is True
+    assert before["capabilities"]["max_num_seqs"] == 4
+    oa = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    threads = [
+        threading.Thread(
+            target=oa.chat.completions.create,
+            kwargs=dict(model=MODEL, messages=MESSAGES, max_tokens=10 + 5 * i, temperature=0),
+        )
+        for i in range(4)
+    ]
+    for t in threads:
+        t.start()
+        time.sleep(0.3)  # staggered, so later ones join a running batch
+    for t in threads:
+        t.join(timeout=120)
+    after = httpx.get(url + "/health").json()["scheduling"]
+    assert after["completed"] - before["scheduling"]["completed"] == 4
+    assert after["admitted_mid_flight"] > before["scheduling"]["admitted_mid_flight"]
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+    for name in (
+        "inflight_requests",
+        "inflight_time_to_first_token_seconds",
+        "inflight_inter_token_latency_seconds",
+        "inflight_request_queue_seconds",
+        "inflight_kv_blocks_used",
+        "inflight_engine_admitted_mid_flight",
+    ):
+        assert name in families, name
+    completed = [
+        s.value
+        for s in families["inflight_requests"].samples
+        if s.name == "inflight_requests_total" and s.labels == {"outcome": "completed"}
+    ]
+    assert completed and completed[0] >= 4
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"messages": MESSAGES, "foo": 1}, 400, "foo"),
+        ({"messages": []}, 400, "messages"),
+        ({"messages": MESSAGES, "n": 2}, 400, "n"),
+        ({"messages": MESSAGES, "temperature": 3}, 400, "temperature"),
+        ({"messages": MESSAGES, "top_p": 0}, 400, "top_p"),
+        ({"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
+        ({"messages": MESSAGES, "presence_penalty": 0.5}, 400, "presence_penalty"),
+        (
+            {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+        ),
+        ({"messages": MESSAGES, "model": "gpt-4"}, 404, "model"),
+        ({"messages": [{"role": "user", "content": "word " * 600}]}, 413, None),
+    ],
+)
+def test_errors_use_the_openai_body(server, body, status, param):
+    r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status and error["message"]
+    if param is not None:
+        assert error["param"] is not None and error["param"].startswith(param)
+
+
+def test_oversized_body_is_413(server_llm):
+    with serve(server_llm, max_body_bytes=1000) as (url, _):
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "x" * 2000}]},
+        )
+        assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+
+def test_api_key(server_llm):
+    with serve(server_llm, api_key="sekret") as (url, _):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "nope"}):
+            r = httpx.get(url + "/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sekret"}).is_success
+        assert httpx.get(url + "/v1/models", headers={"x-api-key": "sekret"}).is_success
+        assert httpx.get(url + "/health").is_success  # health stays open for load balancers
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+        assert client.models.list().data[0].id == MODEL

@@ -1,0 +1,124 @@
+"""Online serving benchmark: the HTTP server with in-flight batching against the blocking path.
+
+Starts `inflight serve` (once per mode) on a free port with the default model, offers Poisson
+arrivals at several rates from streaming clients, and prints output tok/s, time to first token and
+inter-token latency (p50/p99) per rate and mode; writes JSON.
+
+    .venv/bin/python bench/serve_load.py [--rates 0.5 1 2] [--requests 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import httpx
+
+from inflight.bench.online import run_load
+from inflight.model.loader import open_checkpoint
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(ifb: bool, batch: int, port: int) -> subprocess.Popen:
+    args = [
+        sys.executable,
+        "-m",
+        "inflight.server.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "bench",
+        "--max-batch-size",
+        str(batch),
+        "--max-queued-requests",
+        "64",
+        "--max-kv-cache-capacity",
+        "1024",
+        "--log-level",
+        "warning",
+    ]
+    if ifb:
+        args.append("--enable-in-flight-batching")
+    server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).is_success:
+                return server
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or server.poll() is not None:
+            server.kill()
+            raise RuntimeError("the server did not start")
+        time.sleep(0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0])
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--out", default="bench/out/serve_load.json")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    tokenizer = open_checkpoint().tokenizer
+    corpus = tokenizer.encode("The history of science is the study of how knowledge grew. " * 60)
+    rng = random.Random(0)
+    prompts, outputs = [], []
+    for _ in range(args.requests):
+        length = rng.randint(64, 128)
+        start = rng.randint(0, len(corpus) - length)
+        prompts.append(corpus[start : start + length])
+        outputs.append(rng.randint(32, 64))
+
+    results: dict[str, list[dict]] = {}
+    for mode in ("ifb", "blocking"):
+        port = _free_port()
+        server = _start(mode == "ifb", args.batch, port)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            asyncio.run(run_load(url, "bench", prompts[:2], [4, 4], rate=10))  # warm-up
+            results[mode] = []
+            for rate in args.rates:
+                r = asyncio.run(run_load(url, "bench", prompts, outputs, rate))
+                results[mode].append(r.as_dict())
+                print(
+                    f"{mode:<9} rate {rate:4.1f}/s  {r.output_tok_s:6.1f} tok/s  "
+                    f"TTFT p50 {r.ttft_p50:6.2f}s p99 {r.ttft_p99:6.2f}s  "
+                    f"ITL p50 {r.itl_p50 * 1000:6.0f}ms p99 {r.itl_p99 * 1000:6.0f}ms  "
+                    f"({r.ok}/{r.requests} ok)",
+                    flush=True,
+                )
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    out = {
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+        "requests": args.requests,
+        "batch": args.batch,
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -22,7 +22,7 @@ from inflight.engine.channel import StreamChannel, StreamChunk
 from inflight.engine.compatibility import BatchCompatibility, is_founder_only, is_guided
 from inflight.engine.config import EngineConfig
 from inflight.engine.coordinator import Outcome, RequestCoordinator
-from inflight.engine.errors import SubmitError
+from inflight.engine.errors import RequestCancelled, RequestFailed, SubmitError
 from inflight.engine.metrics import EngineMetrics
 from inflight.engine.record import RequestHandle, RequestRecord, TerminalStatus
 from inflight.runtime.request import UNSERVED_OPTIONS, GenerationRequest, unserved_options
@@ -117,6 +117,14 @@ class RequestEngine:
                 f"{REFUSED_AT_SUBMIT[option]}"
             )
         return self._actor.submit(request, channel or StreamChannel())
+
+    def handle_request(self, request: GenerationRequest) -> CompletionOutput | None:
+        """Submit and wait, for callers written against a blocking API: the output, or None when
+        the request was refused, cancelled or failed. Never raises."""
+        try:
+            return self.submit(request).get()
+        except (ValueError, SubmitError, RequestCancelled, RequestFailed):
+            return None
 
     def cancel(self, request_id: int) -> None:
         """Cancel by id; an unknown or finished id is ignored. Never waits."""

@@ -429,3 +429,12 @@ def test_the_engine_layer_does_not_import_torch():
 
     code = "import sys, inflight.engine; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_handle_request_keeps_its_blocking_contract():
+    e = engine(FakeFactory(fail_steps=1))
+    assert e.handle_request(req()) is None  # the step failed: None, no exception
+    assert e.handle_request(req(tokens=2)).token_ids == (1, 2)
+    assert e.handle_request(req(lora_name="x")) is None  # refused: None, no exception
+    e.shutdown()
+    assert e.handle_request(req()) is None  # after shutdown

@@ -51,7 +51,8 @@ class LLM:
     default, SmolLM2-135M-Instruct. By default requests run one at a time, each to completion (the
     blocking path). With `enable_in_flight_batching=True` a `RequestEngine` serves them: up to
     `max_batch_size` generate together, a queued request joins the running batch as soon as it
-    may, and callers on several threads overlap.
+    may, and callers on several threads overlap. `context_cache=True` reuses the KV of prompt
+    prefixes computed before (the prompt's uncached tail is all that is prefilled).
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         max_num_tokens: int = 2048,
         max_pending_requests: int = 256,
+        context_cache: bool = False,
         dtype: str | None = None,
         device: str | None = None,
         seed: int | None = None,
@@ -76,6 +78,7 @@ class LLM:
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             max_num_tokens=max_num_tokens,
+            context_cache=context_cache,
             dtype=dtype,
             device=device,
             seed=seed,
@@ -181,13 +184,22 @@ class LLM:
         blocks = self._live().blocks
         return blocks.num_blocks - blocks.num_free, blocks.num_blocks
 
-    def get_scheduling_metrics(self) -> dict[str, int] | None:
-        """The engine's counters and gauges; None on the blocking path."""
+    def get_scheduling_metrics(self) -> dict[str, float] | None:
+        """The engine's counters and gauges, and the context cache's as `context_cache_*`;
+        None on the blocking path."""
         if self._engine is None:
             return None
-        values = self._engine.metrics.snapshot()
+        values: dict[str, float] = dict(self._engine.metrics.snapshot())
         values.update(queued=self._engine.queued, resident=self._engine.resident)
+        for key, value in (self.get_context_cache_metrics() or {}).items():
+            values[f"context_cache_{key}"] = value
         return values
+
+    def get_context_cache_metrics(self) -> dict[str, float] | None:
+        """Lookups, looked-up and hit prompt tokens, hit ratio, evictions, cached blocks; None
+        when the context cache is off."""
+        cache = self._live().context_cache
+        return None if cache is None else cache.snapshot()
 
     def close(self) -> None:
         """Finish what was accepted (drain), then release the model. Safe to call twice."""

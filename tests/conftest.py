@@ -77,3 +77,11 @@ def server_llm():
     instance = LLM(enable_in_flight_batching=True, max_batch_size=4, max_model_len=512)
     yield instance
     instance.close()
+
+
+@pytest.fixture(scope="session")
+def smollm_cached():
+    """A second runtime on the default model, with the context cache on."""
+    from inflight.runtime.runtime import Runtime, RuntimeConfig
+
+    return Runtime(None, RuntimeConfig(max_batch_size=4, max_model_len=1024, context_cache=True))

@@ -189,3 +189,25 @@ def test_close_drains_accepted_requests(tiny_dirs):
     assert all(len(h.get(timeout=0).token_ids) == 20 for h in handles)
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate("x")
+
+
+def test_context_cache_reuse_metrics_under_ifb(tiny_dirs):
+    llm = LLM(
+        tiny_dirs["qwen3"],
+        max_model_len=512,
+        enable_in_flight_batching=True,
+        max_batch_size=2,
+        context_cache=True,
+        block_size=8,
+    )
+    prefix = {"prompt_token_ids": list(range(10, 90))}
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    first = llm.generate(prefix, params)[0]
+    second = llm.generate(prefix, params)[0]
+    assert first.cached_tokens == 0 and second.cached_tokens == 72
+    assert second.token_ids == first.token_ids
+    metrics = llm.get_scheduling_metrics()
+    assert metrics["context_cache_lookups"] == 2
+    assert metrics["context_cache_hit_tokens"] == 72
+    assert metrics["context_cache_hit_ratio"] == pytest.approx(72 / 160)
+    llm.close()

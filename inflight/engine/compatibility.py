@@ -35,6 +35,8 @@ BATCH_FIELDS = (
     "params.prompt_logprobs",
     "params.skip_special_tokens",
     "params.ignore_eos",
+    "params.reuse_context",
+    "params.cache_generated_tokens",
     "n",
     "lora_name",
 )

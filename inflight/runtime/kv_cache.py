@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from inflight.model.attention import AttentionBackend, KVCache
@@ -9,10 +11,14 @@ from inflight.model.config import ModelConfig
 
 
 class BlockPool:
-    """Free-list bookkeeping of KV blocks; a block belongs to at most one resident at a time.
+    """Reference-counted KV blocks.
 
+    A block in use has a reference count >= 1 (more than one when residents share a cached
+    prefix). A block whose count drops to 0 becomes free; if it was published under a content
+    digest (see `ContextCache`), it keeps the digest and stays findable until it is reused:
+    such blocks are reused least-recently-freed first, after the blocks that hold nothing.
     Allocation prefers one contiguous run of blocks (first fit), which lets the CPU attention
-    backend read a sequence's KV in place; any free blocks do when no run is long enough.
+    backend read a sequence's KV in place.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -20,36 +26,81 @@ class BlockPool:
             raise ValueError("the KV cache needs at least one block of at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: set[int] = set(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._digest: list[bytes | None] = [None] * num_blocks
+        self._empty: set[int] = set(range(num_blocks))  # free, holding nothing findable
+        self._cached: OrderedDict[int, None] = OrderedDict()  # free, findable; oldest first
+        self._published: dict[bytes, int] = {}
+        self.evictions = 0  # cached blocks reused for other content
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._empty) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks findable by digest (in use or free)."""
+        return len(self._published)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     def allocate(self, count: int) -> list[int] | None:
-        """`count` blocks, or None (and nothing taken) when fewer are free."""
-        if count > len(self._free):
+        """`count` blocks for new content, or None (and nothing taken) when fewer are free."""
+        if count > self.num_free:
             return None
-        free = sorted(self._free)
+        empty = sorted(self._empty)
+        run = min(count, len(empty))
         blocks = next(
             (
-                free[i : i + count]
-                for i in range(len(free) - count + 1)
-                if free[i + count - 1] - free[i] == count - 1
+                empty[i : i + run]
+                for i in range(len(empty) - run + 1)
+                if empty[i + run - 1] - empty[i] == run - 1
             ),
-            free[:count],
+            empty[:run],
         )
-        self._free.difference_update(blocks)
+        self._empty.difference_update(blocks)
+        while len(blocks) < count:
+            block, _ = self._cached.popitem(last=False)
+            del self._published[self._digest[block]]
+            self._digest[block] = None
+            self.evictions += 1
+            blocks.append(block)
+        for block in blocks:
+            self._refs[block] = 1
         return blocks
 
+    def in_use(self, block: int) -> bool:
+        return self._refs[block] > 0
+
+    def lookup(self, digest: bytes) -> int | None:
+        return self._published.get(digest)
+
+    def lease(self, block: int) -> None:
+        """Take one more reference to a published block (reviving it if it was free)."""
+        if self._refs[block] == 0:
+            del self._cached[block]
+        self._refs[block] += 1
+
+    def publish(self, block: int, digest: bytes) -> bool:
+        """Make a block findable by its content digest; False if that content is already."""
+        if digest in self._published or self._digest[block] is not None:
+            return False
+        self._published[digest] = block
+        self._digest[block] = digest
+        return True
+
     def release(self, blocks: list[int]) -> None:
-        for block in blocks:
-            if block in self._free or not 0 <= block < self.num_blocks:
-                raise RuntimeError(f"KV block {block} released twice")
-            self._free.add(block)
+        """Drop one reference to each block; the last blocks of a sequence are reused first."""
+        for block in reversed(blocks):
+            if self._refs[block] < 1:
+                raise RuntimeError(f"KV block {block} released more often than taken")
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if self._digest[block] is None:
+                    self._empty.add(block)
+                else:
+                    self._cached[block] = None
 
 
 def allocate_kv_cache(

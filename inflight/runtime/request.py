@@ -43,6 +43,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    # With the context cache on: look the prompt's prefix up (else compute it all), and make
+    # blocks holding generated tokens findable too (else only the prompt's).
+    reuse_context: bool = True
+    cache_generated_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

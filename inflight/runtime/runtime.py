@@ -13,6 +13,7 @@ from inflight.model.attention import AttentionBackend, KVCache, TorchAttentionBa
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.loader import build_model, open_checkpoint
 from inflight.runtime.batch_builder import RaggedBatch
+from inflight.runtime.context_cache import ContextCache
 from inflight.runtime.kv_cache import BlockPool, allocate_kv_cache
 from inflight.runtime.request import (
     UNSERVED_OPTIONS,
@@ -55,6 +56,7 @@ class RuntimeConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     max_num_tokens: int = 2048
+    context_cache: bool = False  # reuse the KV of prompt prefixes computed before
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
     device: str | None = None  # default: cuda when available
     seed: int | None = None
@@ -139,6 +141,7 @@ class Runtime:
         )
         self.runner = ModelRunner(model_nn, kv, backend)
         self.blocks = BlockPool(num_blocks, config.block_size)
+        self.context_cache = ContextCache(self.blocks) if config.context_cache else None
         self.slots = ResidentSlots(config.max_batch_size)
         self.sampler = Sampler(config.seed)
         self._session: GenerationSession | None = None

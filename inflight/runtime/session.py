@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
+from inflight.runtime.context_cache import chain_digest
 from inflight.runtime.detokenizer import IncrementalDetokenizer
 from inflight.runtime.request import GenerationRequest
 from inflight.runtime.sampler import SampledRow, SamplingRow
@@ -47,6 +48,8 @@ class Reservation:
     intent: AdmissionIntent
     ref: ResidentRef
     blocks: list[int]
+    cached_blocks: int = 0  # leading blocks leased from the context cache
+    digests: tuple[bytes, ...] = ()  # their chain digests
 
 
 @dataclass
@@ -60,6 +63,8 @@ class Resident:
     logprobs: list[LogprobEntry] | None = None
     prompt_logprobs: list[LogprobEntry | None] | None = None
     computed: int = 0  # tokens (prompt, then output) whose KV is written
+    cached_tokens: int = 0  # prompt tokens whose KV came from the context cache
+    digests: list[bytes] = field(default_factory=list)  # chain digests of its full blocks
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -140,6 +145,8 @@ class GenerationSession:
         for w in work:
             resident = self._residents[w.ref]
             resident.computed += w.query_len
+            if self._rt.context_cache is not None:
+                self._publish(resident)
             if w.samples:
                 self._accept(resident, next(sampled), result)
             elif not resident.prefilling and resident.max_new_tokens == 0:
@@ -158,6 +165,7 @@ class GenerationSession:
             prompt_logprobs=None
             if snapshot.prompt_logprobs is None
             else tuple(snapshot.prompt_logprobs),
+            cached_tokens=snapshot.cached_tokens,
         )
 
     def finish(self) -> None:
@@ -179,16 +187,30 @@ class GenerationSession:
         return self._rt.check_request(request)
 
     def reserve_admission(self, intent: AdmissionIntent) -> Reservation | None:
-        if self._rt.blocks.num_free < intent.blocks_needed or not self._rt.slots.num_free:
+        """Take a slot and every KV block the request can need, leasing its cached prefix; or
+        None, having changed nothing."""
+        pool, cache = self._rt.blocks, self._rt.context_cache
+        hits: list[int] = []
+        digests: list[bytes] = []
+        if cache is not None and intent.request.params.reuse_context:
+            hits, digests = cache.match(intent.request.prompt_token_ids)
+        fresh = intent.blocks_needed - len(hits)
+        revived = sum(1 for block in hits if not pool.in_use(block))
+        if pool.num_free - revived < fresh or not self._rt.slots.num_free:
             return None
         ref = self._rt.slots.acquire()
-        blocks = self._rt.blocks.allocate(intent.blocks_needed)
+        for block in hits:
+            pool.lease(block)
+        blocks = pool.allocate(fresh)
         assert ref is not None and blocks is not None
-        return Reservation(intent, ref, blocks)
+        return Reservation(intent, ref, hits + blocks, len(hits), tuple(digests))
 
     def seat(self, reservation: Reservation) -> ResidentRef:
         request = reservation.intent.request
         params = request.params
+        cached = reservation.cached_blocks * self._rt.blocks.block_size
+        if self._rt.context_cache is not None and params.reuse_context:
+            self._rt.context_cache.record_lookup(len(request.prompt_token_ids), cached)
         self._residents[reservation.ref] = Resident(
             ref=reservation.ref,
             request=request,
@@ -203,6 +225,9 @@ class GenerationSession:
             ),
             logprobs=None if params.logprobs is None else [],
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
+            computed=cached,
+            cached_tokens=cached,
+            digests=list(reservation.digests),
         )
         return reservation.ref
 
@@ -242,6 +267,20 @@ class GenerationSession:
             targets = prompt[w.past_len + start + 1 : w.past_len + end + 1]
             for row in self._rt.sampler.score(logits, targets, top_n):
                 r.prompt_logprobs.append(self._logprob_entry(row))
+
+    def _publish(self, r: Resident) -> None:
+        """Make the resident's newly completed blocks findable (this step has written them)."""
+        bs = self._rt.blocks.block_size
+        known = (*r.prompt, *r.output)
+        while len(r.digests) < r.computed // bs:
+            i = len(r.digests)
+            if (i + 1) * bs > len(r.prompt) and not r.request.params.cache_generated_tokens:
+                return
+            digest = chain_digest(r.digests[-1] if r.digests else b"", known[i * bs : (i + 1) * bs])
+            self._rt.blocks.publish(
+                r.blocks[i], digest
+            )  # already cached elsewhere: ours stays private
+            r.digests.append(digest)
 
     def _accept(self, r: Resident, sampled: SampledRow, result: StepResult) -> None:
         token = sampled.token_id
@@ -298,6 +337,7 @@ class GenerationSession:
             logprobs=r.logprobs,
             prompt_tokens=len(r.prompt),
             prompt_logprobs=r.prompt_logprobs,
+            cached_tokens=r.cached_tokens,
         )
 
     def _check_open(self) -> None:

@@ -98,6 +98,7 @@ class FinishedSnapshot:
     logprobs: list[LogprobEntry] | None
     prompt_tokens: int
     prompt_logprobs: list[LogprobEntry | None] | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class CompletionOutput:
     prompt_tokens: int
     # One entry per prompt token (None for the first, which nothing predicts), when asked for.
     prompt_logprobs: tuple[LogprobEntry | None, ...] | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the context cache
 
 
 @dataclass(frozen=True)

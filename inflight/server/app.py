@@ -209,6 +209,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
             "active_requests": client.gate.active,
             "queued_requests": scheduling["queued"] if scheduling else client.gate.waiting,
             "scheduling": scheduling,
+            "context_cache": llm.get_context_cache_metrics(),
             "capabilities": {
                 "chat": True,
                 "completions": True,
@@ -217,6 +218,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
                 "in_flight_batching": llm.in_flight_batching,
                 "max_num_seqs": llm.max_batch_size if llm.in_flight_batching else 1,
                 "max_model_len": llm.max_model_len,
+                "context_reuse": llm.get_context_cache_metrics() is not None,
             },
         }
 

@@ -45,6 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_batch_size=args.max_batch_size,
             max_model_len=args.max_kv_cache_capacity,
             max_num_tokens=args.max_num_tokens,
+            context_cache=args.enable_context_reuse,
             show_progress=True,
         )
     except ValueError as exc:
@@ -67,6 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
     print(
         f"inflight: serving {name} at http://{args.host}:{args.port}/v1 "
         f"({mode}; max_model_len {llm.max_model_len}; queue {args.max_queued_requests}"
+        f"{'; context cache' if args.enable_context_reuse else ''}"
         f"{'; API key required' if args.api_key else ''})",
         flush=True,
     )

@@ -73,6 +73,17 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "inflight_kv_cache_usage_ratio", "Share of KV blocks in use", value=used / total
         )
+        cache = self._llm.get_context_cache_metrics()
+        if cache is not None:
+            for name in ("lookups", "lookup_tokens", "hit_tokens", "evictions"):
+                yield CounterMetricFamily(
+                    f"inflight_context_cache_{name}", f"Context cache {name}", value=cache[name]
+                )
+            yield GaugeMetricFamily(
+                "inflight_context_cache_hit_ratio",
+                "Share of looked-up prompt tokens found in the context cache",
+                value=cache["hit_ratio"],
+            )
         values = self._llm.get_scheduling_metrics()
         if values is None:
             return

@@ -94,11 +94,12 @@ def _chat_logprob(entry: LogprobEntry) -> dict[str, Any]:
     }
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -126,7 +127,7 @@ class ChatReply:
                     "finish_reason": output.finish_reason,
                 }
             ],
-            "usage": _usage(output.prompt_tokens, len(output.token_ids)),
+            "usage": _usage(output.prompt_tokens, len(output.token_ids), output.cached_tokens),
         }
 
     def _chunk(self, delta: dict[str, Any], **choice: Any) -> dict[str, Any]:
@@ -238,13 +239,14 @@ class CompletionReply:
         ]
         prompt_tokens = sum(o.prompt_tokens for o in outputs)
         completion_tokens = sum(len(o.token_ids) for o in outputs)
+        cached_tokens = sum(o.cached_tokens for o in outputs)
         return {
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": _usage(prompt_tokens, completion_tokens),
+            "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
         }
 
     def _chunk(self, index: int, text: str, **extra: Any) -> dict[str, Any]:

@@ -81,3 +81,29 @@ def test_shutdown_drains_accepted_requests(tiny_dirs):
     assert llm.get_scheduling_metrics()["completed"] == 3
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate("x")
+
+
+def test_context_cache_in_health_metrics_and_usage(tiny_dirs):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    llm = LLM(
+        tiny_dirs["qwen3"],
+        max_model_len=512,
+        enable_in_flight_batching=True,
+        max_batch_size=2,
+        context_cache=True,
+        block_size=8,
+    )
+    with serve(llm) as (url, _):
+        body = {"prompt": list(range(10, 90)), "max_tokens": 2, "ignore_eos": True}
+        httpx.post(url + "/v1/completions", json=body).raise_for_status()
+        second = httpx.post(url + "/v1/completions", json=body).json()
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 72
+        health = httpx.get(url + "/health").json()
+        assert health["capabilities"]["context_reuse"] is True
+        assert health["context_cache"]["hit_tokens"] == 72
+        families = {
+            f.name for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+        }
+        assert {"inflight_context_cache_hit_tokens", "inflight_context_cache_hit_ratio"} <= families
+    llm.close()

@@ -1,0 +1,69 @@
+"""`ContextCache`: reuse of the KV of token prefixes another request already computed.
+
+Full blocks are identified by a chain digest: each block's digest covers its parent's digest
+and its own token ids, so equal digests mean equal prefixes. A block is published (made
+findable) only after the step that wrote it has run, so a request seated in the same tick never
+sees it. A published block outlives its resident: it stays findable while free, until the pool
+reuses it for other content (see `BlockPool`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from inflight.runtime.kv_cache import BlockPool
+
+
+def chain_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
+    h = hashlib.sha256(parent)
+    h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    return h.digest()
+
+
+@dataclass
+class ContextCacheMetrics:
+    lookups: int = 0  # admissions that looked their prompt up
+    lookup_tokens: int = 0  # prompt tokens those lookups covered
+    hit_tokens: int = 0  # prompt tokens found in the cache (not recomputed)
+
+
+class ContextCache:
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.metrics = ContextCacheMetrics()
+
+    def match(self, prompt: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """Published blocks holding the longest cached prefix of `prompt`, and their digests.
+
+        The prompt's last token is never matched: its logits must be computed."""
+        bs = self.pool.block_size
+        blocks: list[int] = []
+        digests: list[bytes] = []
+        parent = b""
+        for i in range((len(prompt) - 1) // bs):
+            digest = chain_digest(parent, prompt[i * bs : (i + 1) * bs])
+            block = self.pool.lookup(digest)
+            if block is None:
+                break
+            blocks.append(block)
+            digests.append(digest)
+            parent = digest
+        return blocks, digests
+
+    def record_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
+        self.metrics.lookups += 1
+        self.metrics.lookup_tokens += prompt_tokens
+        self.metrics.hit_tokens += hit_tokens
+
+    def snapshot(self) -> dict[str, float]:
+        m = self.metrics
+        return {
+            "lookups": m.lookups,
+            "lookup_tokens": m.lookup_tokens,
+            "hit_tokens": m.hit_tokens,
+            "hit_ratio": m.hit_tokens / m.lookup_tokens if m.lookup_tokens else 0.0,
+            "evictions": self.pool.evictions,
+            "cached_blocks": self.pool.num_cached,
+        }

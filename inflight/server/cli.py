@@ -88,6 +88,86 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_throughput(args: argparse.Namespace) -> int:
+    import json
+    import platform
+    from datetime import date
+    from pathlib import Path
+
+    import torch
+
+    from inflight.bench import offline
+    from inflight.model.loader import open_checkpoint
+
+    torch.set_num_threads(args.threads)
+    tokenizer = open_checkpoint(args.model).tokenizer
+    work = offline.make_workload(tokenizer, args.num_prompts, args.prompt_len, args.output_len)
+    runs = {
+        "inflight": lambda: offline.run_inflight(
+            args.model, work, args.batch, max_num_tokens=args.max_num_tokens
+        ),
+        "hf-static": lambda: offline.run_hf_static(args.model, work, tokenizer.eos_token_ids[0]),
+        "hf-continuous": lambda: offline.run_hf_continuous(args.model, work),
+        "llama-server": lambda: offline.run_llama_server(
+            args.llama_server, args.model, work, args.threads
+        ),
+    }
+    results = {}
+    for name in args.engines:
+        if name == "llama-server" and not args.llama_server:
+            print("llama-server: skipped (pass --llama-server PATH)", flush=True)
+            continue
+        results[name] = runs[name]()
+        print(f"{name:<14} {results[name]:8.1f} output tok/s", flush=True)
+    peers = [v for k, v in results.items() if k != "inflight"]
+    if "inflight" in results and peers:
+        print(f"inflight / best peer: {results['inflight'] / max(peers):.2f}x")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "date": date.today().isoformat(),
+                    "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+                    "workload": vars(args) | {"run": None},
+                    "output_tok_s": results,
+                },
+                indent=2,
+                default=str,
+            )
+        )
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from inflight.bench.offline import make_workload
+    from inflight.bench.online import run_load
+    from inflight.model.loader import open_checkpoint
+
+    tokenizer = open_checkpoint(args.tokenizer_model).tokenizer
+    work = make_workload(tokenizer, args.num_prompts, args.prompt_len, args.output_len)
+    for rate in args.rates:
+        r = asyncio.run(
+            run_load(
+                args.url,
+                args.served_model,
+                work.prompts,
+                [work.output_len] * len(work.prompts),
+                rate,
+            )
+        )
+        print(
+            f"rate {rate:5.2f}/s  {r.output_tok_s:7.1f} output tok/s  "
+            f"TTFT p50 {r.ttft_p50:6.2f}s p99 {r.ttft_p99:6.2f}s  "
+            f"ITL p50 {r.itl_p50 * 1000:6.0f}ms p99 {r.itl_p99 * 1000:6.0f}ms  "
+            f"({r.ok}/{r.requests} ok)",
+            flush=True,
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inflight", description="inflight LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -148,6 +228,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     serve.set_defaults(run=_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    through = bench.add_parser("throughput", help="offline: every request at once, beside peers")
+    through.add_argument("--model", default=None)
+    through.add_argument("--num-prompts", type=_positive, default=16)
+    through.add_argument("--prompt-len", type=_positive, default=100)
+    through.add_argument("--output-len", type=_positive, default=64)
+    through.add_argument("--batch", type=_positive, default=16)
+    through.add_argument("--max-num-tokens", type=_positive, default=2048)
+    through.add_argument("--threads", type=_positive, default=os.cpu_count() or 1)
+    through.add_argument(
+        "--engines",
+        nargs="+",
+        default=["inflight"],
+        choices=["inflight", "hf-static", "hf-continuous", "llama-server"],
+    )
+    through.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server")
+    through.add_argument("--out", default=None, help="write the results as JSON here")
+    through.set_defaults(run=_bench_throughput)
+    online = bench.add_parser("serve", help="online: Poisson arrivals against a running server")
+    online.add_argument("--url", default="http://127.0.0.1:8000")
+    online.add_argument("--served-model", required=True)
+    online.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="checkpoint whose tokenizer builds the prompts (default: SmolLM2)",
+    )
+    online.add_argument("--rates", type=float, nargs="+", default=[1.0])
+    online.add_argument("--num-prompts", type=_positive, default=16)
+    online.add_argument("--prompt-len", type=_positive, default=100)
+    online.add_argument("--output-len", type=_positive, default=64)
+    online.set_defaults(run=_bench_serve)
 
     chat = sub.add_parser("chat", help="answer one message and exit")
     chat.add_argument("message")

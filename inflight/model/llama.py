@@ -15,7 +15,7 @@ from torch import nn
 
 from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from inflight.model.config import ModelConfig
-from inflight.model.rope import RotaryEmbedding
+from inflight.model.rope import Angles, RotaryEmbedding, rotate
 
 
 class Linear(nn.Linear):
@@ -71,8 +71,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        angles: Angles,
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
@@ -84,7 +83,7 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = rotate(q, k, angles)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
@@ -114,13 +113,12 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        angles: Angles,
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, backend)
+        x = x + self.self_attn(self.input_layernorm(x), angles, kv_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -159,8 +157,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every packed token."""
         x = self.embed_tokens(input_ids)
+        angles = self.rotary.angles(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv_cache, meta, backend)
+            x = layer(x, angles, kv_cache, meta, backend)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

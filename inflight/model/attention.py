@@ -10,7 +10,7 @@ cache tensors are laid out is the backend's choice (`kv_cache_shape`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,8 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     # Per sequence: the first KV slot when its blocks form one contiguous run, else None.
     contiguous_kv_host: list[int | None]
+    # What the backend derived from the rest, once per step (see AttentionBackend.plan).
+    plan: Any = None
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -43,6 +45,10 @@ class AttentionBackend(Protocol):
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[int, ...]:
         """The shape of one layer's key (and value) cache tensor."""
+        ...
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Derive, once per step, what every layer's `forward` needs (kept in `meta.plan`)."""
         ...
 
     def forward(
@@ -71,6 +77,9 @@ class TorchAttentionBackend:
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[int, ...]:
         return (num_kv_heads, num_blocks * block_size, head_dim)
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Nothing to derive: every sequence is attended on its own."""
 
     def forward(
         self,

@@ -147,8 +147,9 @@ class GGUFCheckpoint:
         shape = [int(d) for d in reversed(tensor.shape)]
         return np.array(values, dtype=np.float32).reshape(shape)  # a copy: the file is read-only
 
-    def weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Hugging Face-named float32 tensors, with llama.cpp's q/k row permutation undone."""
+        config = self.config()
         for tensor in self.reader.tensors:
             base, _, suffix = tensor.name.rpartition(".")
             if base == "rope_freqs":

@@ -12,7 +12,6 @@ import torch
 from tqdm import tqdm
 
 from inflight.model.config import ModelConfig
-from inflight.model.gguf_checkpoint import GGUFCheckpoint
 from inflight.model.hf_checkpoint import HFCheckpoint
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.tokenizer import Tokenizer
@@ -37,26 +36,29 @@ class Checkpoint:
     config: ModelConfig
     tokenizer: Tokenizer
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    _source: HFCheckpoint | GGUFCheckpoint | None = None
+    # Where weights come from: an HF or GGUF checkpoint, or anything with `weights()`.
+    _source: Any = None
 
     @property
     def name(self) -> str:
         return self.path.stem if self.path.is_file() else self.path.name
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if isinstance(self._source, GGUFCheckpoint):
-            return self._source.weights(self.config)
         return self._source.weights()
 
 
-def open_checkpoint(model: str | Path | None = None) -> Checkpoint:
+def open_checkpoint(model: str | Path | Checkpoint | None = None) -> Checkpoint:
     """Read config and tokenizer; weights are read later, by `build_model`."""
+    if isinstance(model, Checkpoint):
+        return model
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ValueError(f"model path {str(path)!r} does not exist")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model file {path} is not a .gguf file")
+        from inflight.model.gguf_checkpoint import GGUFCheckpoint  # needs the gguf package
+
         gguf = GGUFCheckpoint(path)
         return Checkpoint(path, gguf.config(), gguf.tokenizer(), {}, gguf)
     hf = HFCheckpoint(path)

@@ -11,7 +11,7 @@ import torch
 
 from inflight.model.attention import AttentionBackend, KVCache, TorchAttentionBackend
 from inflight.model.llama import LlamaForCausalLM
-from inflight.model.loader import build_model, open_checkpoint
+from inflight.model.loader import Checkpoint, build_model, open_checkpoint
 from inflight.runtime.batch_builder import RaggedBatch
 from inflight.runtime.context_cache import ContextCache
 from inflight.runtime.kv_cache import BlockPool, allocate_kv_cache
@@ -59,6 +59,7 @@ class RuntimeConfig:
     context_cache: bool = False  # reuse the KV of prompt prefixes computed before
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
     device: str | None = None  # default: cuda when available
+    attention_backend: str | None = None  # "torch" or "triton"; default: triton on CUDA
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -75,8 +76,22 @@ class RuntimeConfig:
                 f"max_num_tokens ({self.max_num_tokens}) must be at least max_batch_size "
                 f"({self.max_batch_size}): every resident decodes one token per step"
             )
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be torch or triton, got {self.attention_backend!r}"
+            )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+def _attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
+    if (name or ("triton" if device.type == "cuda" else "torch")) == "torch":
+        return TorchAttentionBackend()
+    if device.type != "cuda":
+        raise ValueError("the triton attention backend needs a CUDA device")
+    from inflight.model.triton_attention import TritonAttentionBackend  # needs triton
+
+    return TritonAttentionBackend()
 
 
 class ModelRunner:
@@ -92,6 +107,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: RaggedBatch) -> torch.Tensor:
         """Final hidden states of the tokens in `batch.logits_indices`, in that order."""
+        self.backend.plan(batch.meta)
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend
         )
@@ -105,7 +121,7 @@ class ModelRunner:
 class Runtime:
     def __init__(
         self,
-        model: str | Path | None = None,
+        model: str | Path | Checkpoint | None = None,
         config: RuntimeConfig | None = None,
         show_progress: bool = False,
     ) -> None:
@@ -135,7 +151,7 @@ class Runtime:
         model_nn = build_model(
             self.checkpoint, self.dtype, self.device, self.max_model_len, show_progress
         )
-        backend = TorchAttentionBackend()
+        backend = _attention_backend(config.attention_backend, self.device)
         kv = allocate_kv_cache(
             model_config, num_blocks, config.block_size, backend, self.dtype, self.device
         )
@@ -143,7 +159,7 @@ class Runtime:
         self.blocks = BlockPool(num_blocks, config.block_size)
         self.context_cache = ContextCache(self.blocks) if config.context_cache else None
         self.slots = ResidentSlots(config.max_batch_size)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.device)
         self._session: GenerationSession | None = None
 
     @property

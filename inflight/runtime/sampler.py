@@ -33,8 +33,8 @@ class SampledRow:
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None) -> None:
-        self._generator = torch.Generator()
+    def __init__(self, seed: int | None = None, device: torch.device | None = None) -> None:
+        self._generator = torch.Generator(device=device or "cpu")
         if seed is None:
             self._generator.seed()
         else:
@@ -107,13 +107,12 @@ class Sampler:
         if any(k > 0 for k in top_k) or any(p < 1 for p in top_p) or any(p > 0 for p in min_p):
             scaled = _filter(scaled, top_k, top_p, min_p)
         probs = torch.softmax(scaled, dim=-1)
-        noise = torch.empty_like(probs)
+        noise = torch.empty_like(probs).exponential_(generator=self._generator)
         for i, row in enumerate(rows):
-            generator = self._generator
             if row.params.seed is not None:
                 generator = torch.Generator(device=device)
                 generator.manual_seed((row.params.seed * _SEED_STRIDE + row.position) % (2**63))
-            noise[i].exponential_(generator=generator)
+                noise[i].exponential_(generator=generator)
         return torch.argmax(probs / noise, dim=-1)
 
 

@@ -24,6 +24,8 @@ DIFFERENT = {
     "params.prompt_logprobs": {"prompt_logprobs": 1},
     "params.skip_special_tokens": {"skip_special_tokens": False},
     "params.ignore_eos": {"ignore_eos": True},
+    "params.reuse_context": {"reuse_context": False},
+    "params.cache_generated_tokens": {"cache_generated_tokens": False},
 }
 
 

@@ -152,7 +152,7 @@ def test_quantized_llama_gguf_matches_transformers(tmp_path):
             seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
     assert list(out.token_ids) == seq[len(ids) :]
     # Same dequantized weights as transformers' own GGUF loader, permutation undone.
-    ours = dict(GGUFCheckpoint(path).weights(runtime.checkpoint.config))
+    ours = dict(GGUFCheckpoint(path).weights())
     ref = hf.state_dict()
     for name in (
         "layers.0.self_attn.q_proj.weight",

@@ -1,0 +1,176 @@
+"""GPU throughput on the nano-vllm workload: inflight beside HF transformers' `generate_batch`.
+
+Workload: `--requests` requests (256), prompt lengths uniform in [100, 1024], output lengths
+uniform in [100, 1024], random token ids, EOS ignored, seed 0; every request handed over at
+once. Models: random-weight, bf16, built on the device in the shapes of Qwen3-0.6B and
+Llama-3.1-8B (nothing can be downloaded there). Prints output tok/s per engine and the ratio;
+writes JSON to $OUT (or bench/out).
+
+    python3 bench/gpu_throughput.py [--shapes qwen3-0.6b llama-3.1-8b] [--hf qwen3-0.6b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from inflight.bench.random_model import SHAPES, random_checkpoint
+from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.runtime.runtime import Runtime, RuntimeConfig
+
+
+def workload(requests: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(1, vocab) for _ in range(rng.randint(100, 1024))], rng.randint(100, 1024))
+        for _ in range(requests)
+    ]
+
+
+def _submit_all(engine, items: list[tuple[list[int], int]]) -> float:
+    """Output tok/s of handing every request to the engine at once."""
+    start = time.perf_counter()
+    handles = [
+        engine.submit(
+            GenerationRequest(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        )
+        for p, n in items
+    ]
+    produced = sum(len(h.get().token_ids) for h in handles)
+    return produced / (time.perf_counter() - start)
+
+
+def run_inflight(shape: str, work: list[tuple[list[int], int]], args: argparse.Namespace) -> dict:
+    from inflight.engine import EngineConfig, RequestEngine
+
+    device = torch.device("cuda")
+    runtime = Runtime(
+        random_checkpoint(shape, device),
+        RuntimeConfig(
+            device="cuda",
+            max_batch_size=args.batch,
+            max_model_len=2048 + 16,
+            max_num_tokens=args.max_num_tokens,
+            block_size=args.block_size,
+        ),
+    )
+    engine = RequestEngine(
+        runtime,
+        EngineConfig(
+            max_batch_size=args.batch,
+            max_pending_requests=len(work) + 8,
+            command_queue_capacity=len(work) + 8,
+        ),
+    )
+    _submit_all(engine, [(work[0][0][:32], 8)])  # warm-up: compiles the kernels
+    tok_s = _submit_all(engine, work)
+    engine.shutdown()
+    return {"output_tok_s": tok_s}
+
+
+def run_hf(shape: str, work: list[tuple[list[int], int]]) -> dict:
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    c = SHAPES[shape]
+    common = dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        tie_word_embeddings=c.tie_word_embeddings,
+        max_position_embeddings=4096,
+    )
+    config_cls, model_cls = (
+        (Qwen3Config, Qwen3ForCausalLM) if c.family == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+    )
+    with torch.device("cuda"):
+        model = model_cls(config_cls(**common)).to(torch.bfloat16).eval()
+    model.set_attn_implementation("paged|sdpa")
+    generation = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(num_blocks=len(work) * 9, max_batch_tokens=8192)
+    model.generate_batch(
+        [work[0][0][:32]],
+        generation_config=generation,
+        max_new_tokens=8,
+        continuous_batching_config=cb,
+    )
+    # generate_batch takes one max_new_tokens for every request: each runs to the longest output
+    # length. That is more uniform (kinder to batching) than the workload's lengths; the
+    # throughput counts the tokens it produced.
+    start = time.perf_counter()
+    out = model.generate_batch(
+        [p for p, _ in work],
+        generation_config=generation,
+        max_new_tokens=max(n for _, n in work),
+        continuous_batching_config=cb,
+    )
+    elapsed = time.perf_counter() - start
+    produced = sum(len(r.generated_tokens) for r in out.values())
+    del model
+    torch.cuda.empty_cache()
+    return {"output_tok_s": produced / elapsed, "note": "every request ran to the longest length"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
+    parser.add_argument(
+        "--hf",
+        nargs="*",
+        default=["qwen3-0.6b"],
+        help="shapes to also run through transformers' generate_batch",
+    )
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--max-num-tokens", type=int, default=8192)
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    results: dict[str, dict] = {}
+    for shape in args.shapes:
+        work = workload(args.requests, SHAPES[shape].vocab_size)
+        results[shape] = {"inflight": run_inflight(shape, work, args)}
+        print(shape, "inflight", results[shape]["inflight"], flush=True)
+        if shape in args.hf:
+            results[shape]["transformers"] = run_hf(shape, work)
+            print(shape, "transformers", results[shape]["transformers"], flush=True)
+    print(f"\n{'shape':<14}{'inflight tok/s':>16}{'transformers tok/s':>20}{'ratio':>8}")
+    for shape, r in results.items():
+        ours = r["inflight"]["output_tok_s"]
+        theirs = r.get("transformers", {}).get("output_tok_s")
+        ratio = f"{ours / theirs:8.1f}" if theirs else "       -"
+        print(f"{shape:<14}{ours:16.0f}{(theirs or float('nan')):20.0f}{ratio}")
+    out = Path(os.environ.get("OUT", "bench/out")) / "gpu_throughput.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "date": date.today().isoformat(),
+                "device": torch.cuda.get_device_name(),
+                "args": vars(args),
+                "results": results,
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Random-weight checkpoints of real model shapes, built in memory (nothing is downloaded)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import models
+
+from inflight.model.config import ModelConfig, RopeConfig
+from inflight.model.loader import Checkpoint
+from inflight.model.tokenizer import SpecialTokens, Tokenizer
+
+SHAPES = {
+    "qwen3-0.6b": ModelConfig(
+        family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, rope=RopeConfig(theta=1_000_000.0),
+        tie_word_embeddings=True, qk_norm=True,
+    ),
+    "llama-3.1-8b": ModelConfig(
+        family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        rope=RopeConfig(theta=500_000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
+                        high_freq_factor=4.0, original_max_position_embeddings=8192),
+    ),
+}  # fmt: skip
+
+
+class RandomWeights:
+    """Normal(0, 0.02) matrices and unit norms, generated on `device` as they are loaded."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, seed: int = 0) -> None:
+        self.config = config
+        self.device = device
+        self.seed = seed
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        c = self.config
+        gen = torch.Generator(device=self.device).manual_seed(self.seed)
+
+        def matrix(rows: int, cols: int) -> torch.Tensor:
+            w = torch.empty(rows, cols, device=self.device, dtype=torch.bfloat16)
+            return w.normal_(0.0, 0.02, generator=gen)
+
+        def ones(size: int) -> torch.Tensor:
+            return torch.ones(size, device=self.device, dtype=torch.bfloat16)
+
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        yield "embed_tokens.weight", matrix(c.vocab_size, c.hidden_size)
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            yield p + "input_layernorm.weight", ones(c.hidden_size)
+            yield p + "post_attention_layernorm.weight", ones(c.hidden_size)
+            yield p + "self_attn.q_proj.weight", matrix(q, c.hidden_size)
+            yield p + "self_attn.k_proj.weight", matrix(kv, c.hidden_size)
+            yield p + "self_attn.v_proj.weight", matrix(kv, c.hidden_size)
+            yield p + "self_attn.o_proj.weight", matrix(c.hidden_size, q)
+            if c.qk_norm:
+                yield p + "self_attn.q_norm.weight", ones(c.head_dim)
+                yield p + "self_attn.k_norm.weight", ones(c.head_dim)
+            yield p + "mlp.gate_proj.weight", matrix(c.intermediate_size, c.hidden_size)
+            yield p + "mlp.up_proj.weight", matrix(c.intermediate_size, c.hidden_size)
+            yield p + "mlp.down_proj.weight", matrix(c.hidden_size, c.intermediate_size)
+        yield "norm.weight", ones(c.hidden_size)
+        if not c.tie_word_embeddings:
+            yield "lm_head.weight", matrix(c.vocab_size, c.hidden_size)
+
+
+def numbered_tokenizer(vocab_size: int) -> Tokenizer:
+    """A word-level tokenizer naming every id ("t0", "t1", ...): enough to decode any output."""
+    vocab = {f"t{i} ": i for i in range(vocab_size)}
+    backend = BackendTokenizer(models.WordLevel(vocab, unk_token="t0 "))
+    return Tokenizer(backend, SpecialTokens(eos_ids=[0]), chat_template=None, byte_level=False)
+
+
+def random_checkpoint(shape: str, device: torch.device, seed: int = 0) -> Checkpoint:
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}")
+    config = SHAPES[shape]
+    return Checkpoint(
+        path=Path(f"{shape}-random"),
+        config=config,
+        tokenizer=numbered_tokenizer(config.vocab_size),
+        _source=RandomWeights(config, device, seed),
+    )

@@ -1,0 +1,36 @@
+"""Host-side planning of a step's prefill attention for the CUDA backend (CPU-testable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PREFILL_BLOCK_M = 64  # queries per prefill program
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Program p attends queries [starts[p], starts[p] + BLOCK_M) of chunk rows[p]."""
+
+    programs: int
+    rows: torch.Tensor  # [programs] int32: the ragged batch row of each program
+    starts: torch.Tensor  # [programs] int32: its first query, counted within the row's chunk
+    query_lens: torch.Tensor  # [rows] int32: every row's query length
+
+
+def plan_prefill(
+    query_lens: list[int], num_decodes: int, device: torch.device, block_m: int = PREFILL_BLOCK_M
+) -> PrefillPlan:
+    """Cover every query of the rows after the decode rows with BLOCK_M-sized programs."""
+    rows: list[int] = []
+    starts: list[int] = []
+    for row in range(num_decodes, len(query_lens)):
+        for start in range(0, query_lens[row], block_m):
+            rows.append(row)
+            starts.append(start)
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return PrefillPlan(len(rows), tensor(rows), tensor(starts), tensor(query_lens))

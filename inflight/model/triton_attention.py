@@ -1,0 +1,171 @@
+"""The CUDA attention backend: Triton kernels over the paged KV cache.
+
+Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] per layer (a block holds every
+head's keys for `block_size` consecutive positions). Two kernels:
+
+- decode: one program per (decode row, KV head) walks the row's blocks with an online softmax,
+  for all the query heads that share that KV head at once;
+- prefill: one program per (BLOCK_M queries of a prefill chunk, query head) attends over the
+  chunk's past (read through the block table) and, causally, over the chunk itself. Which
+  program serves which queries is planned on the host once per step (`attention_plan.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from inflight.model.attention import AttentionMetadata, KVCache
+from inflight.model.attention_plan import PREFILL_BLOCK_M, PrefillPlan, plan_prefill
+
+DECODE_BLOCK_N = 64  # keys per decode iteration
+PREFILL_BLOCK_N = 64
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, Out, block_tables, seq_lens, scale,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens + row)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + g
+    q = tl.load(
+        Q + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=(g < GROUP)[:, None],
+        other=0.0,
+    )
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        tok = start + n
+        valid = tok < seq_len
+        block = tl.load(block_tables + row * stride_bt + tok // BLOCK_SIZE, mask=valid, other=0)
+        offs = block.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        k = tl.load(K + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(
+        Out + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=(g < GROUP)[:, None],
+    )
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K, V, Out, block_tables, query_start, seq_lens, query_lens, prog_rows, prog_starts, scale,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    prog = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    row = tl.load(prog_rows + prog)
+    q_start = tl.load(prog_starts + prog)  # first query of this program, within the chunk
+    q_len = tl.load(query_lens + row)
+    seq_len = tl.load(seq_lens + row)
+    past = seq_len - q_len
+    first = tl.load(query_start + row)
+    m = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    n = tl.arange(0, BLOCK_N)
+    q_idx = q_start + m
+    q_valid = q_idx < q_len
+    q = tl.load(
+        Q + (first + q_idx)[:, None] * stride_qt + head * stride_qh + d[None, :],
+        mask=q_valid[:, None],
+        other=0.0,
+    )
+    q_pos = past + q_idx  # absolute positions: query i sees keys 0..q_pos[i]
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    end = tl.minimum(seq_len, past + q_start + BLOCK_M)
+    for start in range(0, end, BLOCK_N):
+        tok = start + n
+        valid = tok < end
+        block = tl.load(block_tables + row * stride_bt + tok // BLOCK_SIZE, mask=valid, other=0)
+        offs = block.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        k = tl.load(K + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        visible = (tok[None, :] <= q_pos[:, None]) & valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(
+        Out + (first + q_idx)[:, None] * stride_ot + head * stride_oh + d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=q_valid[:, None],
+    )
+
+
+class TritonAttentionBackend:
+    """Paged attention for CUDA devices (bf16 or fp16 caches)."""
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        meta.plan = plan_prefill(meta.query_lens_host, meta.num_decodes, meta.slot_mapping.device)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        group = q.shape[1] // num_kv_heads
+        strides = (
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            meta.block_tables.stride(0), out.stride(0), out.stride(1),
+        )  # fmt: skip
+        rows = meta.num_decodes
+        if rows:
+            _decode_kernel[(rows, num_kv_heads)](
+                q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, scale, *strides,
+                GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+                HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=DECODE_BLOCK_N,
+            )  # fmt: skip
+        plan: PrefillPlan | None = meta.plan
+        if plan is not None and plan.programs:
+            _prefill_kernel[(plan.programs, q.shape[1])](
+                q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc,
+                meta.seq_lens, plan.query_lens, plan.rows, plan.starts, scale, *strides,
+                GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+                BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
+            )  # fmt: skip
+        return out

@@ -1,0 +1,32 @@
+"""Host-side planning of the CUDA backend's prefill programs (runs on the CPU)."""
+
+import pytest
+import torch
+
+from inflight.model.attention_plan import plan_prefill
+from inflight.runtime.runtime import Runtime, RuntimeConfig
+
+
+def test_programs_cover_every_prefill_query_once():
+    query_lens = [1, 1, 1, 130, 64, 1, 65]  # three decode rows, then prefill chunks
+    plan = plan_prefill(query_lens, num_decodes=3, device=torch.device("cpu"), block_m=64)
+    covered = []
+    for row, start in zip(plan.rows.tolist(), plan.starts.tolist(), strict=True):
+        assert row >= 3  # decode rows have their own kernel
+        covered += [(row, q) for q in range(start, min(start + 64, query_lens[row]))]
+    expected = [(row, q) for row in range(3, 7) for q in range(query_lens[row])]
+    assert sorted(covered) == expected and len(covered) == len(set(covered))
+    assert plan.programs == 3 + 1 + 1 + 2
+    assert plan.query_lens.tolist() == query_lens
+
+
+def test_a_decode_only_step_has_no_prefill_programs():
+    plan = plan_prefill([1, 1, 1], num_decodes=3, device=torch.device("cpu"))
+    assert plan.programs == 0
+
+
+def test_triton_backend_needs_cuda(tiny_dirs):
+    with pytest.raises(ValueError, match="CUDA"):
+        Runtime(tiny_dirs["llama"], RuntimeConfig(device="cpu", attention_backend="triton"))
+    with pytest.raises(ValueError, match="attention_backend"):
+        RuntimeConfig(attention_backend="flash")

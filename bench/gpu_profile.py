@@ -1,0 +1,101 @@
+"""Where a decode step's time goes on the GPU machine: host Python against device time.
+
+Seats `--batch` residents of random prompts on a random-weight model, runs their prefill, then
+profiles `--steps` decode steps with cProfile (host) and times the forward alone with CUDA
+events (device).
+
+    python3 bench/gpu_profile.py [--shape qwen3-0.6b] [--batch 256] [--prompt 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import random
+import time
+
+import torch
+
+from inflight.bench.random_model import random_checkpoint
+from inflight.runtime.batch_builder import build_ragged_batch
+from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.runtime.runtime import Runtime, RuntimeConfig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="qwen3-0.6b")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    runtime = Runtime(
+        random_checkpoint(args.shape, device),
+        RuntimeConfig(
+            device="cuda", max_batch_size=args.batch, max_model_len=2048, max_num_tokens=16384
+        ),
+    )
+    rng = random.Random(0)
+    session = runtime.new_session()
+    for _ in range(args.batch):
+        prompt = [rng.randrange(1, 100000) for _ in range(args.prompt)]
+        session.admit(
+            GenerationRequest(
+                prompt, SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+            )
+        )
+    while any(r.prefilling for r in session._residents.values()):
+        session.step()
+    for _ in range(3):
+        session.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        session.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - start) / args.steps * 1000
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.steps):
+        session.step()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
+    print(text.getvalue()[-4000:])
+
+    # Device time of the forward alone, on the same rows.
+    rows, _ = session._plan()
+    batch = build_ragged_batch(rows, runtime.blocks.block_size, device)
+    runner = runtime.runner
+    runner.execute(batch)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(10):
+        runner.logits(runner.execute(batch))
+    end.record()
+    torch.cuda.synchronize()
+    print(
+        f"decode step, whole (host included): {step_ms:.2f} ms at batch {args.batch}, "
+        f"{args.batch / step_ms * 1000:.0f} tok/s"
+    )
+    print(f"forward + LM head only, device time: {begin.elapsed_time(end) / 10:.2f} ms")
+    t = time.perf_counter()
+    for _ in range(10):
+        build_ragged_batch(rows, runtime.blocks.block_size, device)
+    print(f"build_ragged_batch: {(time.perf_counter() - t) / 10 * 1000:.2f} ms")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            runner.logits(runner.execute(batch))
+        torch.cuda.synchronize()
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
+    )
+
+
+if __name__ == "__main__":
+    main()

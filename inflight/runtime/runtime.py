@@ -9,11 +9,17 @@ from pathlib import Path
 
 import torch
 
-from inflight.model.attention import AttentionBackend, KVCache, TorchAttentionBackend
+from inflight.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVCache,
+    TorchAttentionBackend,
+)
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.loader import Checkpoint, build_model, open_checkpoint
 from inflight.runtime.batch_builder import RaggedBatch
 from inflight.runtime.context_cache import ContextCache
+from inflight.runtime.cuda_graphs import DecodeGraphs, DecodeInputs, graph_buckets
 from inflight.runtime.kv_cache import BlockPool, allocate_kv_cache
 from inflight.runtime.request import (
     UNSERVED_OPTIONS,
@@ -60,6 +66,7 @@ class RuntimeConfig:
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
     device: str | None = None  # default: cuda when available
     attention_backend: str | None = None  # "torch" or "triton"; default: triton on CUDA
+    cuda_graphs: bool = True  # capture decode steps (CUDA with the triton backend only)
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -95,18 +102,40 @@ def _attention_backend(name: str | None, device: torch.device) -> AttentionBacke
 
 
 class ModelRunner:
-    """Runs the model over one ragged batch; keeps the hidden states the step asked for."""
+    """Runs the model over one ragged batch; keeps the hidden states the step asked for.
+
+    With `cuda_graphs`, decode-only steps replay captured CUDA graphs (see `cuda_graphs.py`).
+    """
 
     def __init__(
-        self, model: LlamaForCausalLM, kv_caches: list[KVCache], backend: AttentionBackend
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[KVCache],
+        backend: AttentionBackend,
+        graph_inputs: DecodeInputs | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
+        self.graphs: DecodeGraphs | None = None
+        if graph_inputs is not None:
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(
+                    self._forward, graph_inputs, graph_buckets(graph_inputs.input_ids.shape[0])
+                )
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
 
     @torch.inference_mode()
     def execute(self, batch: RaggedBatch) -> torch.Tensor:
         """Final hidden states of the tokens in `batch.logits_indices`, in that order."""
+        if self.graphs is not None:
+            hidden = self.graphs.run(batch)
+            if hidden is not None:
+                return hidden
         self.backend.plan(batch.meta)
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend
@@ -152,10 +181,30 @@ class Runtime:
             self.checkpoint, self.dtype, self.device, self.max_model_len, show_progress
         )
         backend = _attention_backend(config.attention_backend, self.device)
-        kv = allocate_kv_cache(
-            model_config, num_blocks, config.block_size, backend, self.dtype, self.device
+        graphs = (
+            config.cuda_graphs
+            and self.device.type == "cuda"
+            and not isinstance(backend, TorchAttentionBackend)
         )
-        self.runner = ModelRunner(model_nn, kv, backend)
+        # With graphs, one extra block (never handed out) takes the writes of padding rows.
+        kv = allocate_kv_cache(
+            model_config,
+            num_blocks + (1 if graphs else 0),
+            config.block_size,
+            backend,
+            self.dtype,
+            self.device,
+        )
+        graph_inputs = None
+        if graphs:
+            graph_inputs = DecodeInputs(
+                config.max_batch_size,
+                -(-self.max_model_len // config.block_size),
+                config.block_size,
+                scratch_block=num_blocks,
+                device=self.device,
+            )
+        self.runner = ModelRunner(model_nn, kv, backend, graph_inputs)
         self.blocks = BlockPool(num_blocks, config.block_size)
         self.context_cache = ContextCache(self.blocks) if config.context_cache else None
         self.slots = ResidentSlots(config.max_batch_size)

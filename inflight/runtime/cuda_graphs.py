@@ -1,0 +1,120 @@
+"""CUDA graphs for decode steps: one captured forward per bucketed batch size.
+
+A decode-only step of B rows replays the graph of the smallest bucket >= B. Its inputs live in
+static buffers: the step's rows are copied in, and the bucket's spare rows are pointed at a
+scratch KV block that no resident owns (they decode a dummy token there, and their output is
+dropped), so a replay never touches a resident's KV beyond its own rows.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable
+
+import torch
+
+from inflight.model.attention import AttentionMetadata
+from inflight.runtime.batch_builder import RaggedBatch
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to (and including) max_batch."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
+    sizes += list(range(16, max_batch, 16))
+    return sorted({*sizes, max_batch})
+
+
+def pick_bucket(buckets: list[int], rows: int) -> int | None:
+    """The smallest bucket holding `rows` rows, or None when none does."""
+    i = bisect_left(buckets, rows)
+    return buckets[i] if i < len(buckets) else None
+
+
+def is_decode_only(batch: RaggedBatch) -> bool:
+    meta = batch.meta
+    return meta.num_decodes == len(meta.query_lens_host) == len(batch.logits_indices)
+
+
+class DecodeInputs:
+    """The static input buffers of the captured graphs (any device; filled before each replay)."""
+
+    def __init__(
+        self, max_batch: int, max_blocks: int, block_size: int, scratch_block: int, device
+    ) -> None:
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+
+    def fill(self, batch: RaggedBatch, bucket: int) -> None:
+        """Copy a decode step's rows in; park the bucket's spare rows on the scratch block."""
+        rows = len(batch.input_ids)
+        meta = batch.meta
+        width = meta.block_tables.shape[1]
+        self.input_ids[:rows].copy_(batch.input_ids)
+        self.positions[:rows].copy_(batch.positions)
+        self.slot_mapping[:rows].copy_(meta.slot_mapping)
+        self.block_tables[:rows, :width].copy_(meta.block_tables)
+        self.seq_lens[:rows].copy_(meta.seq_lens)
+        if bucket > rows:
+            self.input_ids[rows:bucket] = 0
+            self.positions[rows:bucket] = 0
+            self.slot_mapping[rows:bucket] = self.scratch_block * self.block_size
+            self.block_tables[rows:bucket, 0] = self.scratch_block
+            self.seq_lens[rows:bucket] = 1
+
+    def metadata(self, bucket: int) -> AttentionMetadata:
+        """Attention metadata over the first `bucket` rows of the buffers (decode rows only)."""
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: bucket + 1],
+            seq_lens=self.seq_lens[:bucket],
+            block_tables=self.block_tables[:bucket],
+            slot_mapping=self.slot_mapping[:bucket],
+            num_decodes=bucket,
+            block_size=self.block_size,
+            max_query_len=1,
+            max_seq_len=0,  # unknown at capture; the decode kernel reads seq_lens instead
+            query_lens_host=[1] * bucket,
+            seq_lens_host=[],
+            contiguous_kv_host=[],
+        )
+
+
+class DecodeGraphs:
+    """Captured decode forwards, one per bucket; `run` replays the right one."""
+
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        inputs: DecodeInputs,
+        buckets: list[int],
+    ) -> None:
+        self.inputs = inputs
+        self.buckets = buckets
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pool = torch.cuda.graph_pool_handle()
+        for bucket in reversed(buckets):  # the largest first, so the rest reuse its memory
+            meta = inputs.metadata(bucket)
+            ids, positions = inputs.input_ids[:bucket], inputs.positions[:bucket]
+            forward(ids, positions, meta)  # warm-up (and Triton compilation) outside the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = forward(ids, positions, meta)
+            self._graphs[bucket] = (graph, hidden)
+        torch.cuda.synchronize()
+
+    def run(self, batch: RaggedBatch) -> torch.Tensor | None:
+        """Final hidden states of the step's rows, or None when no graph fits it."""
+        if not is_decode_only(batch):
+            return None
+        bucket = pick_bucket(self.buckets, len(batch.input_ids))
+        if bucket is None:
+            return None
+        self.inputs.fill(batch, bucket)
+        graph, hidden = self._graphs[bucket]
+        graph.replay()
+        return hidden[: len(batch.input_ids)]

@@ -67,6 +67,8 @@ class RuntimeConfig:
     device: str | None = None  # default: cuda when available
     attention_backend: str | None = None  # "torch" or "triton"; default: triton on CUDA
     cuda_graphs: bool = True  # capture decode steps (CUDA with the triton backend only)
+    # Complete each step while the device runs the next (default: on CUDA, off on the CPU).
+    overlap: bool | None = None
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -209,6 +211,9 @@ class Runtime:
         self.context_cache = ContextCache(self.blocks) if config.context_cache else None
         self.slots = ResidentSlots(config.max_batch_size)
         self.sampler = Sampler(config.seed, self.device)
+        self.overlap = self.device.type == "cuda" if config.overlap is None else config.overlap
+        # Each slot's latest sampled token, where the next step reads it without a host trip.
+        self.last_tokens = torch.zeros(config.max_batch_size, dtype=torch.int64, device=self.device)
         self._session: GenerationSession | None = None
 
     @property
@@ -259,8 +264,9 @@ class Runtime:
                 f"max_model_len ({limit})"
             )
         max_new = room if params.max_tokens is None else params.max_tokens
-        # The last output token is never fed back, so its KV is never written.
-        blocks = self.blocks.blocks_for(len(prompt) + max(max_new - 1, 0))
+        # KV for every token, the last output token's too: with overlap, the step launched
+        # before the request is seen to finish still feeds that token back.
+        blocks = self.blocks.blocks_for(len(prompt) + max_new)
         if blocks > self.blocks.num_blocks:
             raise ValueError(
                 f"request needs {blocks} KV blocks but the whole cache holds "

@@ -32,6 +32,32 @@ class SampledRow:
     top_logprobs: list[float] | None = None
 
 
+@dataclass
+class Sampled:
+    """One step's picks: `tokens` stay on the device (the next step may read them there); the
+    host copies are complete once `ready` has fired."""
+
+    tokens: torch.Tensor
+    host: list[torch.Tensor | None]  # tokens, chosen logprobs, top values, top ids
+    wanted: list[int]  # rows that asked for logprobs
+    top_n: list[int]
+    ready: torch.cuda.Event | None
+
+
+def _to_host(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    if tensor is None or tensor.device.type == "cpu":
+        return tensor
+    return tensor.to("cpu", non_blocking=True)
+
+
+def _event(device: torch.device) -> torch.cuda.Event | None:
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 class Sampler:
     def __init__(self, seed: int | None = None, device: torch.device | None = None) -> None:
         self._generator = torch.Generator(device=device or "cpu")
@@ -40,29 +66,49 @@ class Sampler:
         else:
             self._generator.manual_seed(seed)
 
-    @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledRow]:
+        return self.fetch(self.sample(logits, rows))
+
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> Sampled:
+        """Pick every row's token on the device, and start copying the results to the host."""
         logits = logits.float()
         biased = self._apply_bias(logits, rows)
         tokens = torch.argmax(biased, dim=-1)
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if sampled:
-            index = torch.tensor(sampled, device=logits.device)
-            tokens[index] = self._draw(biased[index], [rows[i] for i in sampled])
-        tokens_host = tokens.tolist()
-        out = [SampledRow(token_id=t) for t in tokens_host]
+        drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if drawn:
+            index = torch.tensor(drawn, device=logits.device)
+            tokens[index] = self._draw(biased[index], [rows[i] for i in drawn])
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        top_n = [rows[i].params.logprobs for i in wanted]
+        chosen = top_values = top_ids = None
         if wanted:
             index = torch.tensor(wanted, device=logits.device)
             logprobs = torch.log_softmax(logits[index], dim=-1)
-            chosen = logprobs.gather(1, tokens[index].unsqueeze(1)).squeeze(1).tolist()
-            most = max(rows[i].params.logprobs for i in wanted)
-            top_values, top_ids = logprobs.topk(most, dim=-1) if most else (None, None)
-            for j, i in enumerate(wanted):
-                n = rows[i].params.logprobs
-                out[i].logprob = chosen[j]
-                out[i].top_ids = top_ids[j, :n].tolist() if n else []
-                out[i].top_logprobs = top_values[j, :n].tolist() if n else []
+            chosen = logprobs.gather(1, tokens[index].unsqueeze(1)).squeeze(1)
+            if max(top_n):
+                top_values, top_ids = logprobs.topk(max(top_n), dim=-1)
+        return Sampled(
+            tokens=tokens,
+            host=[_to_host(t) for t in (tokens, chosen, top_values, top_ids)],
+            wanted=wanted,
+            top_n=top_n,
+            ready=_event(logits.device),
+        )
+
+    @staticmethod
+    def fetch(sampled: Sampled) -> list[SampledRow]:
+        """The sampled rows on the host (waits for the device)."""
+        if sampled.ready is not None:
+            sampled.ready.synchronize()
+        tokens, chosen, top_values, top_ids = (
+            None if t is None else t.tolist() for t in sampled.host
+        )
+        out = [SampledRow(token_id=t) for t in tokens]
+        for j, (i, n) in enumerate(zip(sampled.wanted, sampled.top_n, strict=True)):
+            out[i].logprob = chosen[j]
+            out[i].top_ids = top_ids[j][:n] if n else []
+            out[i].top_logprobs = top_values[j][:n] if n else []
         return out
 
     @torch.no_grad()

@@ -12,7 +12,7 @@ from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.context_cache import chain_digest
 from inflight.runtime.detokenizer import IncrementalDetokenizer
 from inflight.runtime.request import GenerationRequest
-from inflight.runtime.sampler import SampledRow, SamplingRow
+from inflight.runtime.sampler import Sampled, SampledRow, SamplingRow
 from inflight.runtime.stepped import (
     Admission,
     AdmissionAnswer,
@@ -53,6 +53,15 @@ class Reservation:
 
 
 @dataclass
+class LaunchedStep:
+    """A step whose forward pass and sampling are queued on the device."""
+
+    step_id: int
+    work: list[ScheduledSequence]
+    sampled: Sampled | None
+
+
+@dataclass
 class Resident:
     ref: ResidentRef
     request: GenerationRequest
@@ -62,7 +71,9 @@ class Resident:
     output: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] | None = None
     prompt_logprobs: list[LogprobEntry | None] | None = None
-    computed: int = 0  # tokens (prompt, then output) whose KV is written
+    computed: int = 0  # tokens (prompt, then output) whose KV launched steps write
+    committed: int = 0  # of those, the ones whose step has completed
+    pending: int = 0  # tokens sampled on the device, not yet seen by the host
     cached_tokens: int = 0  # prompt tokens whose KV came from the context cache
     digests: list[bytes] = field(default_factory=list)  # chain digests of its full blocks
 
@@ -82,6 +93,11 @@ class GenerationSession:
     `reserve_admission` takes a slot and every KV block the request can need, prompt plus
     max_tokens (a shortfall is NO_CAPACITY, having taken nothing), and `seat` makes it a resident,
     whose prompt is prefilled in place by the following steps.
+
+    With `overlap`, a step is completed one call later: `step()` launches step N+1 on the
+    device, then completes step N on the host while the device computes. Step N+1 reads the
+    tokens step N sampled from the device; a resident that step N finishes has one wasted row
+    in step N+1 (its KV reservation covers it), and its outcome is reported by the second call.
     """
 
     def __init__(self, runtime: Runtime) -> None:
@@ -89,6 +105,7 @@ class GenerationSession:
         self._residents: dict[ResidentRef, Resident] = {}
         self._step_id = 0
         self._finished = False
+        self._inflight: LaunchedStep | None = None
 
     # -- SteppedExecution -----------------------------------------------------------------------
 
@@ -111,16 +128,35 @@ class GenerationSession:
 
     def step(self, cancelled: Collection[ResidentRef] = ()) -> StepResult:
         self._check_open()
-        self._step_id += 1
-        result = StepResult(step_id=self._step_id)
+        finished = {}
         for ref in cancelled:
             self._rt.slots.check(ref)
-            result.finished[ref] = self._evict(self._residents[ref], FinishReason.CANCELLED, None)
+            finished[ref] = self._evict(self._residents[ref], FinishReason.CANCELLED, None)
+        launched = self._launch()
+        if self._rt.overlap:
+            launched, self._inflight = self._inflight, launched
+        result = StepResult(step_id=launched.step_id if launched else self._step_id)
+        result.finished.update(finished)
+        if launched is not None:
+            self._complete(launched, result)
+        return result
+
+    def _launch(self) -> LaunchedStep | None:
+        """Plan the next step and queue its forward pass and sampling on the device."""
         rows, work = self._plan()
         if not rows:
-            return result
-        result.work = work
+            return None
+        self._step_id += 1
         batch = build_ragged_batch(rows, self._rt.blocks.block_size, self._rt.device)
+        # Decode rows whose last token is still on the device read it from there.
+        pending = [
+            (i, self._residents[w.ref].ref.slot)
+            for i, w in enumerate(work)
+            if self._residents[w.ref].pending
+        ]
+        if pending:
+            positions, slots = zip(*pending, strict=True)
+            batch.input_ids[list(positions)] = self._rt.last_tokens[list(slots)]
         hidden = self._rt.runner.execute(batch)
         # Hidden rows come in work order: all of a scoring row's tokens, else a sampler's last.
         sample_rows, offset = [], 0
@@ -131,28 +167,40 @@ class GenerationSession:
             if w.samples:
                 sample_rows.append(offset + kept - 1)
             offset += kept
-        sampled = iter(())
+        sampled = None
         if sample_rows:
+            samplers = [self._residents[w.ref] for w in work if w.samples]
             logits = self._rt.runner.logits(hidden[sample_rows])
-            rows_params = [
-                SamplingRow(
-                    self._residents[w.ref].request.params, len(self._residents[w.ref].output)
-                )
-                for w in work
-                if w.samples
-            ]
-            sampled = iter(self._rt.sampler(logits, rows_params))
+            sampled = self._rt.sampler.sample(
+                logits,
+                [SamplingRow(r.request.params, len(r.output) + r.pending) for r in samplers],
+            )
+            slots = torch.tensor([r.ref.slot for r in samplers], device=self._rt.device)
+            self._rt.last_tokens[slots] = sampled.tokens
+            for r in samplers:
+                r.pending += 1
         for w in work:
-            resident = self._residents[w.ref]
-            resident.computed += w.query_len
+            self._residents[w.ref].computed += w.query_len
+        return LaunchedStep(self._step_id, work, sampled)
+
+    def _complete(self, launched: LaunchedStep, result: StepResult) -> None:
+        """Take a launched step's results in: new tokens, stops, evictions, published blocks."""
+        result.work = launched.work
+        picks = iter(self._rt.sampler.fetch(launched.sampled) if launched.sampled else ())
+        for w in launched.work:
+            pick = next(picks) if w.samples else None
+            resident = self._residents.get(w.ref)
+            if resident is None:
+                continue  # evicted since this step was launched: its row was wasted work
+            resident.committed += w.query_len
             if self._rt.context_cache is not None:
                 self._publish(resident)
-            if w.samples:
-                self._accept(resident, next(sampled), result)
+            if pick is not None:
+                resident.pending -= 1
+                self._accept(resident, pick, result)
             elif not resident.prefilling and resident.max_new_tokens == 0:
                 # A scoring-only request (max_tokens=0) ends once its prompt is computed.
                 result.finished[w.ref] = self._evict(resident, FinishReason.LENGTH, None)
-        return result
 
     def materialize(self, snapshot: FinishedSnapshot) -> CompletionOutput:
         return CompletionOutput(
@@ -171,11 +219,13 @@ class GenerationSession:
     def finish(self) -> None:
         if self._residents:
             raise RuntimeError(f"finish() with {len(self._residents)} residents still live")
+        self._settle()
         if not self._finished:
             self._finished = True
             self._rt.session_closed(self)
 
     def abort(self) -> list[ResidentRef]:
+        self._settle()
         refs = list(self._residents)
         for ref in refs:
             self._evict(self._residents[ref], FinishReason.ERROR, None)
@@ -226,6 +276,7 @@ class GenerationSession:
             logprobs=None if params.logprobs is None else [],
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
             computed=cached,
+            committed=cached,
             cached_tokens=cached,
             digests=list(reservation.digests),
         )
@@ -240,7 +291,8 @@ class GenerationSession:
         rows: list[RowInput] = []
         work: list[ScheduledSequence] = []
         for r in decodes:
-            rows.append(RowInput((r.output[-1],), r.computed, r.blocks, True))
+            token = 0 if r.pending else r.output[-1]  # a pending token is read on the device
+            rows.append(RowInput((token,), r.computed, r.blocks, True))
             work.append(ScheduledSequence(r.ref, 1, r.computed, True))
         for r in self._residents.values():
             if budget <= 0:
@@ -272,7 +324,7 @@ class GenerationSession:
         """Make the resident's newly completed blocks findable (this step has written them)."""
         bs = self._rt.blocks.block_size
         known = (*r.prompt, *r.output)
-        while len(r.digests) < r.computed // bs:
+        while len(r.digests) < min(r.committed, len(known)) // bs:
             i = len(r.digests)
             if (i + 1) * bs > len(r.prompt) and not r.request.params.cache_generated_tokens:
                 return
@@ -339,6 +391,12 @@ class GenerationSession:
             prompt_logprobs=r.prompt_logprobs,
             cached_tokens=r.cached_tokens,
         )
+
+    def _settle(self) -> None:
+        """Wait for a launched step nobody will complete (its residents are all gone)."""
+        if self._inflight is not None and self._inflight.sampled is not None:
+            self._rt.sampler.fetch(self._inflight.sampled)
+        self._inflight = None
 
     def _check_open(self) -> None:
         if self._finished:

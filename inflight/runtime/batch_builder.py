@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from inflight.model.attention import AttentionMetadata
@@ -34,52 +35,51 @@ class RaggedBatch:
 def build_ragged_batch(
     rows: Sequence[RowInput], block_size: int, device: torch.device
 ) -> RaggedBatch:
-    """Rows must come decode-first: the leading rows of one query token form the decode group."""
+    """Rows must come decode-first: the leading rows of one query token form the decode group.
+
+    Host work is a few operations per row; everything per token or per block is vectorized."""
     if not rows:
         raise ValueError("a step needs at least one row")
+    query_lens = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
+    past = np.fromiter((r.past_len for r in rows), np.int64, len(rows))
+    if query_lens.min() < 1:
+        raise ValueError("a row must compute at least one token")
+    seq_lens = past + query_lens
+    needed = -(-seq_lens // block_size)
+    have = np.fromiter((len(r.block_table) for r in rows), np.int64, len(rows))
+    if (needed > have).any():
+        i = int(np.argmax(needed > have))
+        raise ValueError(f"a row of {seq_lens[i]} tokens overflows its {have[i]} blocks")
+    width = int(needed.max())
+    tables = np.zeros((len(rows), width), np.int64)
+    for i, row in enumerate(rows):
+        used = row.block_table[: needed[i]]
+        tables[i, : len(used)] = used
+    starts = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(query_lens, out=starts[1:])
+    total = int(starts[-1])
+    row_of = np.repeat(np.arange(len(rows)), query_lens)
+    positions = np.arange(total) - np.repeat(starts[:-1] - past, query_lens)
+    slots = tables[row_of, positions // block_size] * block_size + positions % block_size
     input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    starts = [0]
-    query_lens: list[int] = []
-    seq_lens: list[int] = []
     logits_indices: list[int] = []
-    for row in rows:
-        n = len(row.token_ids)
-        if n < 1:
-            raise ValueError("a row must compute at least one token")
-        seq_len = row.past_len + n
-        if -(-seq_len // block_size) > len(row.block_table):
-            raise ValueError(
-                f"a row of {seq_len} tokens overflows its {len(row.block_table)} blocks"
-            )
+    for i, row in enumerate(rows):
         input_ids.extend(row.token_ids)
-        for pos in range(row.past_len, seq_len):
-            positions.append(pos)
-            slots.append(row.block_table[pos // block_size] * block_size + pos % block_size)
-        starts.append(starts[-1] + n)
-        query_lens.append(n)
-        seq_lens.append(seq_len)
         if row.scores:
-            logits_indices.extend(range(starts[-2], starts[-1]))
+            logits_indices.extend(range(starts[i], starts[i + 1]))
         elif row.samples:
-            logits_indices.append(starts[-1] - 1)
-    contiguous = []
-    for row, seq_len in zip(rows, seq_lens, strict=True):
-        used = row.block_table[: -(-seq_len // block_size)]
-        first = used[0]
-        runs = all(b == first + i for i, b in enumerate(used))
-        contiguous.append(first * block_size if runs else None)
-    num_decodes = 0
-    while num_decodes < len(rows) and query_lens[num_decodes] == 1:
-        num_decodes += 1
-    width = -(-max(seq_lens) // block_size)
-    tables = [
-        list(r.block_table[:width]) + [0] * (width - min(width, len(r.block_table))) for r in rows
+            logits_indices.append(starts[i + 1] - 1)
+    # A sequence reads its KV in place when its used blocks are consecutive.
+    columns = np.arange(width)
+    consecutive = (tables == tables[:, :1] + columns) | (columns >= needed[:, None])
+    contiguous = [
+        int(tables[i, 0]) * block_size if ok else None
+        for i, ok in enumerate(consecutive.all(axis=1).tolist())
     ]
+    num_decodes = int(np.argmin(query_lens == 1)) if (query_lens != 1).any() else len(rows)
 
-    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
+    def tensor(values: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=dtype).to(device)
 
     meta = AttentionMetadata(
         query_start_loc=tensor(starts, torch.int32),
@@ -88,10 +88,10 @@ def build_ragged_batch(
         slot_mapping=tensor(slots, torch.int64),
         num_decodes=num_decodes,
         block_size=block_size,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_host=query_lens,
-        seq_lens_host=seq_lens,
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        query_lens_host=query_lens.tolist(),
+        seq_lens_host=seq_lens.tolist(),
         contiguous_kv_host=contiguous,
     )
     return RaggedBatch(

@@ -63,8 +63,8 @@ def main() -> None:
         session.step()
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
-    print(text.getvalue()[-4000:])
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    print(text.getvalue()[-6000:])
 
     # Device time of the forward alone, on the same rows.
     rows, _ = session._plan()

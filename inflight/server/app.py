@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -250,8 +251,6 @@ async def _started(run: Run) -> Run:
 
 
 async def _gather(calls: list[Awaitable[CompletionOutput]]) -> list[CompletionOutput]:
-    import asyncio
-
     tasks = [asyncio.ensure_future(c) for c in calls]
     try:
         return list(await asyncio.gather(*tasks))

@@ -176,53 +176,36 @@ class CompletionReply:
     def _prompt_text(self, request: GenerationRequest) -> str:
         return self.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False)
 
-    def _logprobs(
-        self, entries: list[LogprobEntry | None], text_start: int
-    ) -> dict[str, list[Any]]:
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        offset = text_start
-        for entry in entries:
-            if entry is None:  # the first prompt token: nothing predicts it
-                continue
-            tokens.append(entry.token)
-            token_logprobs.append(entry.logprob)
-            top.append({t.token: t.logprob for t in entry.top} if self.body.logprobs else None)
-            offsets.append(offset)
-            offset += len(entry.token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": top,
-            "text_offset": offsets,
-        }
+    def _row(self, entry: LogprobEntry) -> tuple[str, float | None, dict[str, float] | None]:
+        top = {t.token: t.logprob for t in entry.top} if self.body.logprobs else None
+        return entry.token, entry.logprob, top
 
-    def _echo_logprobs(
-        self, request: GenerationRequest, output: CompletionOutput
-    ) -> dict[str, list[Any]]:
-        """Prompt tokens (the first with a null logprob) followed by the generated ones."""
-        prompt_entries = list(output.prompt_logprobs or ())
-        result = self._logprobs(
-            prompt_entries[1:],
-            len(self.tokenizer.decode(request.prompt_token_ids[:1], skip_special_tokens=False)),
-        )
-        first = self.tokenizer.decode(request.prompt_token_ids[:1], skip_special_tokens=False)
-        generated = self._logprobs(list(output.logprobs or ()), len(self._prompt_text(request)))
+    @staticmethod
+    def _logprobs(rows: list[tuple[str, float | None, dict[str, float] | None]]) -> dict:
+        """The legacy completions logprobs object over (token, logprob, top) rows."""
+        offsets, offset = [], 0
+        for token, _, _ in rows:
+            offsets.append(offset)
+            offset += len(token)
         return {
-            "tokens": [first, *result["tokens"], *generated["tokens"]],
-            "token_logprobs": [None, *result["token_logprobs"], *generated["token_logprobs"]],
-            "top_logprobs": [None, *result["top_logprobs"], *generated["top_logprobs"]],
-            "text_offset": [0, *result["text_offset"], *generated["text_offset"]],
+            "tokens": [token for token, _, _ in rows],
+            "token_logprobs": [lp for _, lp, _ in rows],
+            "top_logprobs": [top for _, _, top in rows],
+            "text_offset": offsets,
         }
 
     def _choice(self, index: int, request: GenerationRequest, output: CompletionOutput) -> dict:
         text = output.text
         logprobs = None
+        rows = [self._row(e) for e in output.logprobs or ()]
         if self.body.echo:
             text = self._prompt_text(request) + text
-            if self.body.logprobs is not None:
-                logprobs = self._echo_logprobs(request, output)
-        elif self.body.logprobs is not None:
-            logprobs = self._logprobs(list(output.logprobs or ()), 0)
+            # The prompt's tokens come first; nothing predicts the first one (null logprob).
+            first = self.tokenizer.decode(request.prompt_token_ids[:1], skip_special_tokens=False)
+            prompt = [self._row(e) for e in (output.prompt_logprobs or ())[1:]]
+            rows = [(first, None, None), *prompt, *rows]
+        if self.body.logprobs is not None:
+            logprobs = self._logprobs(rows)
         return {
             "index": index,
             "text": text,
@@ -294,7 +277,7 @@ class CompletionReply:
                 elif item.text or item.token_ids:
                     logprobs = None
                     if self.body.logprobs is not None and item.logprobs:
-                        logprobs = self._logprobs(list(item.logprobs), 0)
+                        logprobs = self._logprobs([self._row(e) for e in item.logprobs])
                     yield self._chunk(index, item.text, logprobs=logprobs)
             if include_usage:
                 chunk = self._chunk(0, "")

@@ -100,6 +100,9 @@ class LLM:
                     f"in-flight batching is not supported for this deployment: {exc}; "
                     "start without --enable-in-flight-batching to use the blocking path"
                 ) from exc
+        # Counters stay readable after close().
+        self._blocks = self._runtime.blocks
+        self._context_cache = self._runtime.context_cache
         self.tokenizer = self._runtime.tokenizer
         self.model_name = self._runtime.model_name
         self.max_model_len = self._runtime.max_model_len
@@ -181,7 +184,7 @@ class LLM:
 
     def kv_cache_usage(self) -> tuple[int, int]:
         """(KV blocks in use, KV blocks in all)."""
-        blocks = self._live().blocks
+        blocks = self._blocks
         return blocks.num_blocks - blocks.num_free, blocks.num_blocks
 
     def get_scheduling_metrics(self) -> dict[str, float] | None:
@@ -198,7 +201,7 @@ class LLM:
     def get_context_cache_metrics(self) -> dict[str, float] | None:
         """Lookups, looked-up and hit prompt tokens, hit ratio, evictions, cached blocks; None
         when the context cache is off."""
-        cache = self._live().context_cache
+        cache = self._context_cache
         return None if cache is None else cache.snapshot()
 
     def close(self) -> None:

@@ -59,3 +59,34 @@ def serve(
     finally:
         server.should_exit = True
         thread.join(timeout=60)
+
+
+@contextmanager
+def held_streams(url: str, path: str, body: dict, count: int):
+    """Open `count` streaming requests and keep them open (yields their status codes);
+    they are read to the end or dropped when the block exits."""
+    import httpx
+
+    opened: list[int] = []
+    stop = threading.Event()
+
+    def hold() -> None:
+        with httpx.stream("POST", url + path, json=body, timeout=120) as response:
+            opened.append(response.status_code)
+            for _ in response.iter_lines():
+                if stop.is_set():
+                    break
+
+    threads = [threading.Thread(target=hold) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while len(opened) < count:
+        assert time.monotonic() < deadline, "streams did not open"
+        time.sleep(0.02)
+    try:
+        yield opened
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=120)

@@ -1,15 +1,12 @@
 """The Anthropic Messages API over a real uvicorn server, driven by the official client."""
 
-import threading
-import time
-
 import anthropic
 import httpx
 import pytest
 
 from inflight import SamplingParams
 
-from server_harness import serve
+from server_harness import held_streams, serve
 
 pytestmark = pytest.mark.slow
 
@@ -110,27 +107,9 @@ def test_errors_use_the_anthropic_body(server):
 def test_overload_is_529(server_llm):
     with serve(server_llm, max_queued_requests=0) as (url, _):
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 120, "stream": True}
-        opened, stop = [], threading.Event()
-
-        def hold():
-            with httpx.stream("POST", url + "/v1/messages", json=body, timeout=120) as r:
-                opened.append(r.status_code)
-                for _ in r.iter_lines():
-                    if stop.is_set():
-                        break
-
-        threads = [threading.Thread(target=hold) for _ in range(4)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 30
-        while len(opened) < 4:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        c = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
-        with pytest.raises(anthropic.APIStatusError) as info:
-            c.messages.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        with held_streams(url, "/v1/messages", body, 4):  # batch 4 + queue 0 = four leases
+            c = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+            with pytest.raises(anthropic.APIStatusError) as info:
+                c.messages.create(model=MODEL, messages=MESSAGES, max_tokens=2)
         assert info.value.status_code == 529
         assert info.value.body["error"]["type"] == "overloaded_error"
-        stop.set()
-        for t in threads:
-            t.join(timeout=120)

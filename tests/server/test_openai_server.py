@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inflight import SamplingParams
 
-from server_harness import serve
+from server_harness import held_streams, serve
 
 pytestmark = pytest.mark.slow
 
@@ -162,7 +162,6 @@ def test_non_streaming_disconnect_cancels_too(server, server_llm):
 
 def test_429_with_retry_after_when_leases_run_out(server_llm):
     _idle(server_llm)
-    # batch 4 + queue 0 = four leases.
     with serve(server_llm, max_queued_requests=0) as (url, _):
         body = {
             "model": MODEL,
@@ -171,31 +170,16 @@ def test_429_with_retry_after_when_leases_run_out(server_llm):
             "stream": True,
             "ignore_eos": True,
         }
-        opened, stop = [], threading.Event()
-
-        def hold():
-            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
-                opened.append(r.status_code)
-                for _ in r.iter_lines():
-                    if stop.is_set():
-                        break
-
-        threads = [threading.Thread(target=hold) for _ in range(4)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 30
-        while len(opened) < 4:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        with pytest.raises(openai.RateLimitError) as info:
+        # batch 4 + queue 0 = four leases.
+        with (
+            held_streams(url, "/v1/chat/completions", body, 4) as opened,
+            pytest.raises(openai.RateLimitError) as info,
+        ):
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        assert opened == [200] * 4
         assert info.value.response.headers["retry-after"] == "1"
         assert info.value.body["type"] == "server_overloaded"
-        stop.set()
-        for t in threads:
-            t.join(timeout=120)
-        assert opened == [200] * 4
         ok = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
         assert ok.choices[0].message.content is not None
     _idle(server_llm)

@@ -24,6 +24,36 @@ PREFILL_BLOCK_N = 64
 
 
 @triton.jit
+def _attend_keys(
+    q, q_pos, K, V, block_table, kv_head, start, end, m_i, l_i, acc, scale,
+    stride_kb, stride_ks, stride_kh,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax update over keys [start, start + BLOCK_N) (those below `end`), read
+    through the sequence's block table; with CAUSAL, query i sees keys up to q_pos[i] (without,
+    q_pos is not read)."""
+    d = tl.arange(0, HEAD_DIM)
+    tok = start + tl.arange(0, BLOCK_N)
+    valid = tok < end
+    block = tl.load(block_table + tok // BLOCK_SIZE, mask=valid, other=0)
+    offs = block.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+    k = tl.load(K + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * scale
+    if CAUSAL:
+        s = tl.where((tok[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
+    else:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     Q, K, V, Out, block_tables, seq_lens, scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
@@ -35,7 +65,6 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens + row)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
-    n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + g
     q = tl.load(
         Q + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
@@ -46,20 +75,11 @@ def _decode_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     for start in range(0, seq_len, BLOCK_N):
-        tok = start + n
-        valid = tok < seq_len
-        block = tl.load(block_tables + row * stride_bt + tok // BLOCK_SIZE, mask=valid, other=0)
-        offs = block.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        k = tl.load(K + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _attend_keys(
+            q, seq_len, K, V, block_tables + row * stride_bt, kv_head, start, seq_len,
+            m_i, l_i, acc, scale, stride_kb, stride_ks, stride_kh,
+            CAUSAL=False, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
+        )  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(
         Out + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -86,7 +106,6 @@ def _prefill_kernel(
     first = tl.load(query_start + row)
     m = tl.arange(0, BLOCK_M)
     d = tl.arange(0, HEAD_DIM)
-    n = tl.arange(0, BLOCK_N)
     q_idx = q_start + m
     q_valid = q_idx < q_len
     q = tl.load(
@@ -100,21 +119,11 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     end = tl.minimum(seq_len, past + q_start + BLOCK_M)
     for start in range(0, end, BLOCK_N):
-        tok = start + n
-        valid = tok < end
-        block = tl.load(block_tables + row * stride_bt + tok // BLOCK_SIZE, mask=valid, other=0)
-        offs = block.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        k = tl.load(K + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
-        visible = (tok[None, :] <= q_pos[:, None]) & valid[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _attend_keys(
+            q, q_pos, K, V, block_tables + row * stride_bt, kv_head, start, end,
+            m_i, l_i, acc, scale, stride_kb, stride_ks, stride_kh,
+            CAUSAL=True, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
+        )  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(
         Out + (first + q_idx)[:, None] * stride_ot + head * stride_oh + d[None, :],

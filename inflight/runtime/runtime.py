@@ -106,7 +106,7 @@ def _attention_backend(name: str | None, device: torch.device) -> AttentionBacke
 class ModelRunner:
     """Runs the model over one ragged batch; keeps the hidden states the step asked for.
 
-    With `cuda_graphs`, decode-only steps replay captured CUDA graphs (see `cuda_graphs.py`).
+    Given graph inputs, decode-only steps replay captured CUDA graphs (see `cuda_graphs.py`).
     """
 
     def __init__(
@@ -139,10 +139,7 @@ class ModelRunner:
             if hidden is not None:
                 return hidden
         self.backend.plan(batch.meta)
-        hidden = self.model(
-            batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend
-        )
-        return hidden[batch.logits_indices]
+        return self._forward(batch.input_ids, batch.positions, batch.meta)[batch.logits_indices]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -107,7 +107,9 @@ def test_cancelling_a_resident_ends_it_within_two_steps(ifb_llm, monkeypatch):
     counter = StepCounter(ifb_llm._runtime, monkeypatch)
     _wait_idle(ifb_llm)
     engine = ifb_llm._engine
-    request = ifb_llm._requests("Tell me a very long story.", SamplingParams(max_tokens=500))[0]
+    request = ifb_llm._requests(
+        "Tell me a very long story.", SamplingParams(max_tokens=500, ignore_eos=True)
+    )[0]
     handle = engine.submit(request)
     stream = handle.stream()
     for _ in range(3):
@@ -135,7 +137,9 @@ def test_closing_a_stream_cancels_but_a_clean_end_does_not(ifb_llm):
     assert ifb_llm.get_scheduling_metrics()["cancelled"] == cancelled
     full = ifb_llm.generate("Hello", SamplingParams(max_tokens=5, temperature=0))[0]
     assert "".join(d.text for d in deltas) == full.text
-    stream = ifb_llm.generate_stream("Tell me a long story.", SamplingParams(max_tokens=400))
+    stream = ifb_llm.generate_stream(
+        "Tell me a long story.", SamplingParams(max_tokens=400, ignore_eos=True)
+    )
     next(stream)
     stream.close()
     deadline = time.monotonic() + 10

@@ -106,8 +106,10 @@ def test_errors_use_the_anthropic_body(server):
 
 def test_overload_is_529(server_llm):
     with serve(server_llm, max_queued_requests=0) as (url, _):
-        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 120, "stream": True}
-        with held_streams(url, "/v1/messages", body, 4):  # batch 4 + queue 0 = four leases
+        # The leases are shared by both APIs; OpenAI's `ignore_eos` keeps the holders from
+        # ending early on a sampled EOS.
+        body = {"messages": MESSAGES, "max_tokens": 300, "stream": True, "ignore_eos": True}
+        with held_streams(url, "/v1/chat/completions", body, 4):  # batch 4 + queue 0 = 4 leases
             c = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
             with pytest.raises(anthropic.APIStatusError) as info:
                 c.messages.create(model=MODEL, messages=MESSAGES, max_tokens=2)

@@ -67,7 +67,7 @@ def main() -> None:
     print(text.getvalue()[-6000:])
 
     # Device time of the forward alone, on the same rows.
-    rows, _ = session._plan()
+    rows, _, _ = session._plan()
     batch = build_ragged_batch(rows, runtime.blocks.block_size, device)
     runner = runtime.runner
     runner.execute(batch)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from inflight.runtime.stepped import FinishReason, LogprobEntry
 
 
-@dataclass(frozen=True)
+# Built for every row of every step: slots and no `frozen`, whose __init__ costs ~10x.
+@dataclass(slots=True)
 class StreamChunk:
     """New tokens and text of one step; the terminal chunk has `finished` and a reason."""
 

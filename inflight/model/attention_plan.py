@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from inflight.model.transfer import to_device
+
 PREFILL_BLOCK_M = 64  # queries per prefill program
 
 
@@ -31,6 +33,6 @@ def plan_prefill(
             starts.append(start)
 
     def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=device)
+        return to_device(values, torch.int32, device)
 
     return PrefillPlan(len(rows), tensor(rows), tensor(starts), tensor(query_lens))

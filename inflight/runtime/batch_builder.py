@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
 
 from inflight.model.attention import AttentionMetadata
+from inflight.model.transfer import to_device
 
 
-@dataclass(frozen=True)
+# Built for every row of every step: slots and no `frozen`, whose __init__ costs ~10x.
+@dataclass(slots=True)
 class RowInput:
     """One resident's work in a step: `token_ids` computed after `past_len` tokens already in KV."""
 
@@ -53,22 +56,24 @@ def build_ragged_batch(
     width = int(needed.max())
     tables = np.zeros((len(rows), width), np.int64)
     for i, row in enumerate(rows):
-        used = row.block_table[: needed[i]]
-        tables[i, : len(used)] = used
+        tables[i, : needed[i]] = row.block_table[: needed[i]]
     starts = np.zeros(len(rows) + 1, np.int64)
     np.cumsum(query_lens, out=starts[1:])
     total = int(starts[-1])
     row_of = np.repeat(np.arange(len(rows)), query_lens)
     positions = np.arange(total) - np.repeat(starts[:-1] - past, query_lens)
     slots = tables[row_of, positions // block_size] * block_size + positions % block_size
-    input_ids: list[int] = []
-    logits_indices: list[int] = []
-    for i, row in enumerate(rows):
-        input_ids.extend(row.token_ids)
-        if row.scores:
-            logits_indices.extend(range(starts[i], starts[i + 1]))
-        elif row.samples:
-            logits_indices.append(starts[i + 1] - 1)
+    input_ids = np.fromiter(chain.from_iterable(r.token_ids for r in rows), np.int64, total)
+    if any(r.scores for r in rows):
+        logits_indices = []
+        for i, row in enumerate(rows):
+            if row.scores:
+                logits_indices.extend(range(starts[i], starts[i + 1]))
+            elif row.samples:
+                logits_indices.append(starts[i + 1] - 1)
+    else:
+        samples = np.fromiter((r.samples for r in rows), bool, len(rows))
+        logits_indices = starts[1:][samples] - 1
     # A sequence reads its KV in place when its used blocks are consecutive.
     columns = np.arange(width)
     consecutive = (tables == tables[:, :1] + columns) | (columns >= needed[:, None])
@@ -79,7 +84,7 @@ def build_ragged_batch(
     num_decodes = int(np.argmin(query_lens == 1)) if (query_lens != 1).any() else len(rows)
 
     def tensor(values: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.as_tensor(values, dtype=dtype).to(device)
+        return to_device(values, dtype, device)
 
     meta = AttentionMetadata(
         query_start_loc=tensor(starts, torch.int32),

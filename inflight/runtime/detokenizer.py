@@ -42,6 +42,10 @@ class IncrementalDetokenizer:
         chunk = self._stream.step(self._backend, token_id)
         if not chunk:
             return "", None
+        if not self._stop:  # nothing to hold back: this path runs for every row of every step
+            self.text += chunk
+            self._released = len(self.text)
+            return chunk, None
         searched_from = max(0, len(self.text) - self._longest_stop + 1)
         self.text += chunk
         matched = self._match_stop(searched_from)

@@ -6,8 +6,10 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from inflight.model.transfer import to_device
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.context_cache import chain_digest
 from inflight.runtime.detokenizer import IncrementalDetokenizer
@@ -61,13 +63,15 @@ class LaunchedStep:
     sampled: Sampled | None
 
 
-@dataclass
+@dataclass(slots=True)
 class Resident:
     ref: ResidentRef
     request: GenerationRequest
     blocks: list[int]
     max_new_tokens: int
     detokenizer: IncrementalDetokenizer
+    block_table: np.ndarray  # `blocks` as an array: never changes while the resident lives
+    prompt_len: int
     output: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] | None = None
     prompt_logprobs: list[LogprobEntry | None] | None = None
@@ -83,7 +87,7 @@ class Resident:
 
     @property
     def prefilling(self) -> bool:
-        return self.computed < len(self.prompt)
+        return self.computed < self.prompt_len
 
 
 class GenerationSession:
@@ -143,44 +147,45 @@ class GenerationSession:
 
     def _launch(self) -> LaunchedStep | None:
         """Plan the next step and queue its forward pass and sampling on the device."""
-        rows, work = self._plan()
+        rows, work, residents = self._plan()
         if not rows:
             return None
         self._step_id += 1
-        batch = build_ragged_batch(rows, self._rt.blocks.block_size, self._rt.device)
+        device = self._rt.device
+        batch = build_ragged_batch(rows, self._rt.blocks.block_size, device)
         # Decode rows whose last token is still on the device read it from there.
-        pending = [
-            (i, self._residents[w.ref].ref.slot)
-            for i, w in enumerate(work)
-            if self._residents[w.ref].pending
-        ]
+        pending = [(i, r.ref.slot) for i, r in enumerate(residents) if r.pending]
         if pending:
             positions, slots = zip(*pending, strict=True)
-            batch.input_ids[list(positions)] = self._rt.last_tokens[list(slots)]
+            batch.input_ids[to_device(positions, torch.int64, device)] = self._rt.last_tokens[
+                to_device(slots, torch.int64, device)
+            ]
         hidden = self._rt.runner.execute(batch)
         # Hidden rows come in work order: all of a scoring row's tokens, else a sampler's last.
         sample_rows, offset = [], 0
-        for w in work:
+        for r, w in zip(residents, work, strict=True):
             kept = w.query_len if w.scores else int(w.samples)
             if w.scores:
-                self._score(self._residents[w.ref], w, hidden[offset : offset + kept])
+                self._score(r, w, hidden[offset : offset + kept])
             if w.samples:
                 sample_rows.append(offset + kept - 1)
             offset += kept
         sampled = None
         if sample_rows:
-            samplers = [self._residents[w.ref] for w in work if w.samples]
-            logits = self._rt.runner.logits(hidden[sample_rows])
+            samplers = [r for r, w in zip(residents, work, strict=True) if w.samples]
+            if len(sample_rows) < hidden.shape[0]:  # some rows were kept for scoring
+                hidden = hidden[to_device(sample_rows, torch.int64, device)]
+            logits = self._rt.runner.logits(hidden)
             sampled = self._rt.sampler.sample(
                 logits,
                 [SamplingRow(r.request.params, len(r.output) + r.pending) for r in samplers],
             )
-            slots = torch.tensor([r.ref.slot for r in samplers], device=self._rt.device)
+            slots = to_device([r.ref.slot for r in samplers], torch.int64, device)
             self._rt.last_tokens[slots] = sampled.tokens
             for r in samplers:
                 r.pending += 1
-        for w in work:
-            self._residents[w.ref].computed += w.query_len
+        for r, w in zip(residents, work, strict=True):
+            r.computed += w.query_len
         return LaunchedStep(self._step_id, work, sampled)
 
     def _complete(self, launched: LaunchedStep, result: StepResult) -> None:
@@ -266,6 +271,8 @@ class GenerationSession:
             request=request,
             blocks=reservation.blocks,
             max_new_tokens=reservation.intent.max_new_tokens,
+            block_table=np.asarray(reservation.blocks, dtype=np.int64),
+            prompt_len=len(request.prompt_token_ids),
             detokenizer=IncrementalDetokenizer(
                 self._rt.tokenizer,
                 request.prompt_token_ids,
@@ -284,29 +291,32 @@ class GenerationSession:
 
     # -- stepping -------------------------------------------------------------------------------
 
-    def _plan(self) -> tuple[list[RowInput], list[ScheduledSequence]]:
-        """Decode rows for every prefilled resident, then prefill chunks within the token budget."""
-        decodes = [r for r in self._residents.values() if not r.prefilling]
+    def _plan(self) -> tuple[list[RowInput], list[ScheduledSequence], list[Resident]]:
+        """Decode rows for every prefilled resident, then prefill chunks within the token budget;
+        with the resident of each row."""
+        decodes = [r for r in self._residents.values() if r.computed >= r.prompt_len]
         budget = self._rt.max_num_tokens - len(decodes)
         rows: list[RowInput] = []
         work: list[ScheduledSequence] = []
         for r in decodes:
             token = 0 if r.pending else r.output[-1]  # a pending token is read on the device
-            rows.append(RowInput((token,), r.computed, r.blocks, True))
+            rows.append(RowInput((token,), r.computed, r.block_table, True))
             work.append(ScheduledSequence(r.ref, 1, r.computed, True))
+        prefills = []
         for r in self._residents.values():
             if budget <= 0:
                 break
-            if not r.prefilling:
+            if r.computed >= r.prompt_len:
                 continue
-            n = min(len(r.prompt) - r.computed, budget)
+            n = min(r.prompt_len - r.computed, budget)
             budget -= n
-            samples = r.computed + n == len(r.prompt) and r.max_new_tokens > 0
+            samples = r.computed + n == r.prompt_len and r.max_new_tokens > 0
             scores = r.prompt_logprobs is not None
             chunk = r.prompt[r.computed : r.computed + n]
-            rows.append(RowInput(chunk, r.computed, r.blocks, samples, scores))
+            rows.append(RowInput(chunk, r.computed, r.block_table, samples, scores))
             work.append(ScheduledSequence(r.ref, n, r.computed, samples, scores))
-        return rows, work
+            prefills.append(r)
+        return rows, work, decodes + prefills
 
     def _score(self, r: Resident, w: ScheduledSequence, hidden: torch.Tensor) -> None:
         """Log-probabilities of the prompt tokens this chunk predicts (position p predicts p+1)."""

@@ -3,7 +3,8 @@
 1. Kernels: a ragged step mixing decode rows and prefill chunks with a past, over scattered KV
    blocks; relative error of the Triton output against the torch backend computed in float32,
    with the output memory poisoned (NaN) beforehand so every element must be written.
-2. End to end: greedy tokens of 8 prompts through a random-weight Qwen3-0.6B-shaped model in
+2. Fused RMSNorm (+ residual) and SiLU-mul kernels against the torch formulas they replace.
+3. End to end: greedy tokens of 8 prompts through a random-weight Qwen3-0.6B-shaped model in
    bf16, Triton backend against torch backend on the same weights; a divergence is reported
    with the reference's top-2 logit gap at that point (a near-tie, or a bug).
 
@@ -132,12 +133,51 @@ def check_end_to_end(device: torch.device, seed: int) -> tuple[bool, str]:
     return ok, f"{same}/8 identical for 32 tokens" + ("; " + "; ".join(lines) if lines else "")
 
 
+def check_fused_ops(device: torch.device, seed: int) -> tuple[bool, str]:
+    """The fused RMSNorm (+ residual add) and SiLU-mul kernels against the torch formulas they
+    replace, in bf16: within two bf16 rounding steps (a reduction order or an exp may round
+    differently once, and the product rounds again), every element written."""
+    from inflight.model import triton_ops
+
+    torch.manual_seed(seed)
+    _poison_allocator(device)
+    x, res = (torch.randn(77, 1024, device=device, dtype=torch.bfloat16) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(1024, device=device)).to(torch.bfloat16)
+    gate_up = 4 * torch.randn(77, 2 * 3072, device=device, dtype=torch.bfloat16)
+
+    def ref_norm(v: torch.Tensor) -> torch.Tensor:
+        f = v.float()
+        return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6)).to(v.dtype)
+
+    normed, summed = triton_ops.rms_norm(x, weight, 1e-6, res)
+    plain, _ = triton_ops.rms_norm(x, weight, 1e-6)
+    gate, up = gate_up.split(3072, dim=-1)
+    pairs = {
+        "norm": (plain, ref_norm(x)),
+        "add+norm": (normed, ref_norm(x + res)),
+        "sum": (summed, x + res),
+        "silu*up": (triton_ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up),
+    }
+    worst, ok = [], True
+    for name, (got, want) in pairs.items():
+        # One bf16 step at the value's magnitude: 2^-7 relative.
+        ulps = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)) * 128
+        ok &= bool(torch.isfinite(got).all()) and ulps.max().item() <= 2.01
+        worst.append(f"{name} {ulps.max().item():.2f} ulp")
+    return ok, ", ".join(worst)
+
+
 def main() -> int:
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     failed = False
     rows = []
-    for name, check in (("kernels", check_kernels), ("greedy end to end", check_end_to_end)):
+    checks = (
+        ("kernels", check_kernels),
+        ("fused ops", check_fused_ops),
+        ("greedy end to end", check_end_to_end),
+    )
+    for name, check in checks:
         for seed in (0, 1):
             start = time.perf_counter()
             ok, detail = check(device, seed)

@@ -15,6 +15,7 @@ import io
 import pstats
 import random
 import time
+import traceback
 
 import torch
 
@@ -95,6 +96,17 @@ def main() -> None:
     print(
         prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
     )
+    # A hidden synchronization makes the host wait for the step in flight: find any.
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            session.step()
+        print("steps ran without a device synchronization outside the sampled-token fetch")
+    except RuntimeError:
+        print("a step synchronized with the device:")
+        traceback.print_exc(limit=-6)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ gate/up are stored fused (`qkv_proj`, `gate_up_proj`) so that each is one matmul
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,14 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+@functools.cache
+def _triton_ops() -> ModuleType:
+    """The fused CUDA kernels, imported on first use: CPU machines need not have Triton."""
+    from inflight.model import triton_ops
+
+    return triton_ops
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -43,10 +53,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return _triton_ops().rms_norm(x, self.weight, self.eps)[0]
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norm of `x + residual`, and that sum (the next residual) — one kernel on CUDA."""
+        if x.is_cuda:
+            return _triton_ops().rms_norm(x, self.weight, self.eps, residual)
+        summed = x + residual
+        return self.forward(summed), summed
 
 
 class Attention(nn.Module):
@@ -98,7 +119,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:
+            return self.down_proj(_triton_ops().silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -113,13 +137,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         angles: Angles,
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), angles, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output before its residual add, and the residual stream: each residual
+        add is fused into the norm that follows it."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, angles, kv_cache, meta, backend)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 # Hugging Face parameter name suffix -> (fused parameter, index of the shard inside it).
@@ -158,9 +190,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm, for every packed token."""
         x = self.embed_tokens(input_ids)
         angles = self.rotary.angles(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, angles, kv_cache, meta, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, angles, kv_cache, meta, backend)
+        return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

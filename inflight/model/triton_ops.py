@@ -1,0 +1,76 @@
+"""Fused elementwise kernels for CUDA: each replaces a chain of small kernels per layer.
+
+They compute what the torch reference modules compute, in the same precision at each stage
+(statistics in float32, one rounding to the activation dtype where the reference rounds).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X, R, OUT, RES_OUT, W, stride_x, stride_r, stride_o, stride_ro, size, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < size
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # The residual sum is rounded to the activation dtype, as `x + residual` is.
+        x = (x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)).to(x.dtype)
+        tl.store(RES_OUT + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / size + eps)
+    normed = (xf * rstd).to(x.dtype)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    tl.store(OUT + row * stride_o + cols, (w.to(tl.float32) * normed.to(tl.float32)), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm over the last dim of x [..., size] (of `x + residual` when given); returns the
+    normalized rows and the sum (None without a residual)."""
+    size = x.shape[-1]
+    x2 = x.reshape(-1, size)
+    out = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if residual is not None else out
+    r2 = residual.reshape(-1, size) if residual is not None else x2
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, out, res_out, weight, x2.stride(0), r2.stride(0), out.stride(0),
+            res_out.stride(0), size, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(size),
+        )  # fmt: skip
+    normed = out.view(x.shape)
+    return normed, (res_out.view(x.shape) if residual is not None else None)
+
+
+@triton.jit
+def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, size, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < size
+    gate = tl.load(GU + row * stride_gu + cols, mask=mask, other=0.0)
+    up = tl.load(GU + row * stride_gu + size + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    # silu(gate) is rounded to the activation dtype before the product, as F.silu(gate) * up is.
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    tl.store(OUT + row * stride_o + cols, act.to(tl.float32) * up.to(tl.float32), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2 * size] holding gate then up."""
+    tokens, size = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(tokens, size, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    if tokens:
+        _silu_mul_kernel[(tokens, triton.cdiv(size, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), size, BLOCK=block
+        )
+    return out

@@ -90,14 +90,31 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        self.store(k, v, kv_cache, meta)
+        out = torch.empty_like(q)
+        self.attend_rows(q, kv_cache, meta, scale, out, 0)
+        return out
+
+    @staticmethod
+    def store(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> None:
         k_cache, v_cache = kv_cache
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-        out = torch.empty_like(q)
-        start = 0
-        for row, (qlen, seq_len) in enumerate(
-            zip(meta.query_lens_host, meta.seq_lens_host, strict=True)
-        ):
+
+    @staticmethod
+    def attend_rows(
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+        first_row: int,
+    ) -> None:
+        """Attend the rows from `first_row` on, one sequence at a time, into `out`."""
+        k_cache, v_cache = kv_cache
+        start = sum(meta.query_lens_host[:first_row])
+        for row in range(first_row, len(meta.query_lens_host)):
+            qlen, seq_len = meta.query_lens_host[row], meta.seq_lens_host[row]
             first = meta.contiguous_kv_host[row]
             if first is not None:
                 keys = k_cache[:, first : first + seq_len]
@@ -109,7 +126,6 @@ class TorchAttentionBackend:
                 q[start : start + qlen], keys, values, seq_len - qlen, scale
             )
             start += qlen
-        return out
 
 
 def _slots(meta: AttentionMetadata, row: int, seq_len: int) -> torch.Tensor:

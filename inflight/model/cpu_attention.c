@@ -1,0 +1,95 @@
+/* Paged decode attention for the CPU, float32.
+
+   Each decode row has one query token per head. The key and value caches are head-major,
+   [kv_heads, slots, head_dim], and a row's tokens live in the slots its block table names. One
+   task per (row, kv head): the query heads of its GQA group read every key and value once.
+   Scores for the whole context are kept, then softmaxed, then used to sum the values: each
+   row's result depends on that row alone, in a fixed order of operations. Dot products, the
+   softmax sum and the weighted sum accumulate in double, so the result is float32 attention
+   rounded about once, closer to exact than a float32 accumulation. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+int decode_attention(
+    const float *q, int64_t q_stride_t, int64_t q_stride_h,
+    const float *k_cache, const float *v_cache, int64_t kv_stride_h,
+    const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+    int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+    int64_t max_seq_len, float scale,
+    float *out, int64_t out_stride_t, int64_t out_stride_h, int threads)
+{
+    const int64_t group = q_heads / kv_heads;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        double *scores = malloc(sizeof(double) * group * max_seq_len);
+        double *acc = malloc(sizeof(double) * group * head_dim);
+        if (scores == NULL || acc == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t h = 0; h < kv_heads; h++) {
+                if (scores == NULL || acc == NULL) continue;
+                const int64_t len = seq_lens[r];
+                const int32_t *table = block_tables + r * bt_stride;
+                const float *keys = k_cache + h * kv_stride_h;
+                const float *values = v_cache + h * kv_stride_h;
+                const float *qh = q + r * q_stride_t + h * group * q_stride_h;
+                /* Block by block: no division per token to find its slot. */
+                for (int64_t b = 0, t0 = 0; t0 < len; b++, t0 += block_size) {
+                    const float *block = keys + (int64_t)table[b] * block_size * head_dim;
+                    const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+                    for (int64_t o = 0; o < n; o++) {
+                        const float *key = block + o * head_dim;
+                        for (int64_t g = 0; g < group; g++) {
+                            const float *qg = qh + g * q_stride_h;
+                            double dot = 0.0;
+#pragma omp simd reduction(+ : dot)
+                            for (int64_t i = 0; i < head_dim; i++) dot += (double)qg[i] * key[i];
+                            scores[g * max_seq_len + t0 + o] = dot * scale;
+                        }
+                    }
+                }
+                for (int64_t g = 0; g < group; g++) {
+                    double *s = scores + g * max_seq_len;
+                    double top = s[0];
+                    for (int64_t t = 1; t < len; t++) top = s[t] > top ? s[t] : top;
+                    double total = 0.0;
+#pragma omp simd reduction(+ : total)
+                    for (int64_t t = 0; t < len; t++) {
+                        s[t] = expf((float)(s[t] - top));
+                        total += s[t];
+                    }
+                    const double inverse = 1.0 / total;
+#pragma omp simd
+                    for (int64_t t = 0; t < len; t++) s[t] *= inverse;
+                    for (int64_t i = 0; i < head_dim; i++) acc[g * head_dim + i] = 0.0;
+                }
+                for (int64_t b = 0, t0 = 0; t0 < len; b++, t0 += block_size) {
+                    const float *block = values + (int64_t)table[b] * block_size * head_dim;
+                    const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+                    for (int64_t o = 0; o < n; o++) {
+                        const float *value = block + o * head_dim;
+                        for (int64_t g = 0; g < group; g++) {
+                            const double p = scores[g * max_seq_len + t0 + o];
+                            double *a = acc + g * head_dim;
+#pragma omp simd
+                            for (int64_t i = 0; i < head_dim; i++) a[i] += p * value[i];
+                        }
+                    }
+                }
+                for (int64_t g = 0; g < group; g++) {
+                    float *o = out + r * out_stride_t + (h * group + g) * out_stride_h;
+                    for (int64_t i = 0; i < head_dim; i++) o[i] = (float)acc[g * head_dim + i];
+                }
+            }
+        }
+        free(scores);
+        free(acc);
+    }
+    return failed;
+}

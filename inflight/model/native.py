@@ -1,0 +1,74 @@
+"""CPU kernels written in C, built with gcc on first use and loaded with ctypes.
+
+No torch headers are involved, so a build takes about a second; the shared object is cached
+under `$XDG_CACHE_HOME/inflight` (default `~/.cache/inflight`), keyed by a digest of the source
+and the flags.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+# -ffp-contract=off: results that must be bit-identical across batch sizes rely on the float
+# ops the source spells out, not on what the compiler fuses in each inlined copy of a loop.
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+
+
+def check_cpu(what: str) -> None:
+    """Raise unless this CPU has AVX2 and FMA (what the kernels are compiled for)."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    # No /proc/cpuinfo (not Linux): fall back on what PyTorch dispatches to.
+    if not flags and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        return
+    missing = [f for f in ("avx2", "fma") if f not in flags]
+    if missing:
+        raise RuntimeError(f"{what} needs a CPU with {' and '.join(missing).upper()}")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "inflight"
+
+
+def build(source: Path, what: str) -> ctypes.CDLL:
+    """The compiled library of `source`, built now unless cached."""
+    check_cpu(what)
+    text = source.read_bytes()
+    digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}-{digest}.so"
+    if not target.exists():
+        gcc = shutil.which("gcc")
+        if gcc is None:
+            raise RuntimeError(f"{what} needs gcc to build its kernel; none on PATH")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Build under a temporary name, then rename: concurrent processes each build their own
+        # copy and the rename makes whichever lands last the (identical) cached file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            result = subprocess.run(
+                [gcc, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True
+            )
+            if result.returncode != 0:
+                raise RuntimeError(f"building {source.name} failed:\n{result.stderr}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return ctypes.CDLL(str(target))

@@ -68,6 +68,7 @@ class LLM:
         max_pending_requests: int = 256,
         context_cache: bool = False,
         dtype: str | None = None,
+        quantization: str | None = None,
         device: str | None = None,
         seed: int | None = None,
         show_progress: bool = False,
@@ -80,6 +81,7 @@ class LLM:
             max_num_tokens=max_num_tokens,
             context_cache=context_cache,
             dtype=dtype,
+            quantization=quantization,
             device=device,
             seed=seed,
         )

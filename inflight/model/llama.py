@@ -17,14 +17,23 @@ from torch import nn
 
 from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from inflight.model.config import ModelConfig
+from inflight.model.int8_linear import (
+    BLOCK,
+    QuantizedWeight,
+    int8_linear,
+    load_kernel,
+    quantize_weight,
+)
 from inflight.model.rope import Angles, RotaryEmbedding, rotate
 
 
 class Linear(nn.Linear):
     """nn.Linear whose float32 CPU weight can be prepacked into oneDNN's blocked layout, which
-    runs the small-batch matmuls of decoding about twice as fast as the plain layout."""
+    runs the small-batch matmuls of decoding about twice as fast as the plain layout, or
+    quantized to int8 for the AVX2 kernel of `int8_linear`, faster again."""
 
     packed: torch.Tensor | None = None
+    quantized: QuantizedWeight | None = None
 
     def pack(self) -> None:
         """Replace the weight by its packed form (after loading; CPU float32 only)."""
@@ -32,7 +41,16 @@ class Linear(nn.Linear):
         del self.weight
         self.register_parameter("weight", None)
 
+    def quantize_int8(self) -> None:
+        """Replace the weight by its int8 form (after loading; CPU float32 only, in_features a
+        multiple of 32)."""
+        self.quantized = quantize_weight(self.weight.detach())
+        del self.weight
+        self.register_parameter("weight", None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return int8_linear(x, self.quantized, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -178,6 +196,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(config, max_positions)
         self.packed_head: torch.Tensor | None = None
+        self.quantized_head: QuantizedWeight | None = None
 
     def forward(
         self,
@@ -198,22 +217,38 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden)
+        if self.quantized_head is not None:
+            return int8_linear(hidden, self.quantized_head)
         if self.packed_head is not None:
             return torch.ops.mkldnn._linear_pointwise(
                 hidden, self.packed_head, None, "none", [], ""
             )
         return F.linear(hidden, self.embed_tokens.weight)
 
-    def pack_for_cpu(self) -> None:
-        """Prepack every matmul weight for oneDNN (CPU, float32), after the weights are loaded."""
+    def pack_for_cpu(self, quantization: str | None = None) -> None:
+        """Prepack every matmul weight for oneDNN (CPU, float32), after the weights are loaded.
+
+        quantization="int8" quantizes instead every matmul whose in_features is a multiple of
+        32, the head included, for the int8 kernel (weights and activations in blocks of 32;
+        see int8_linear.py); the others stay packed float32."""
+        if quantization not in (None, "int8"):
+            raise ValueError(f"unknown CPU quantization {quantization!r}; expected None or 'int8'")
+        int8 = quantization == "int8"
+        if int8:
+            load_kernel()  # a missing compiler or CPU feature shows here, not mid-generation
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack()
+                if int8 and module.in_features % BLOCK == 0:
+                    module.quantize_int8()
+                else:
+                    module.pack()
         if self.lm_head is None:
             # Tied head: the embedding keeps its plain weight for lookups; the head gets a copy.
-            self.packed_head = torch.ops.mkldnn._reorder_linear_weight(
-                self.embed_tokens.weight.detach(), None
-            )
+            head = self.embed_tokens.weight.detach()
+            if int8 and head.shape[1] % BLOCK == 0:
+                self.quantized_head = quantize_weight(head)
+            else:
+                self.packed_head = torch.ops.mkldnn._reorder_linear_weight(head, None)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

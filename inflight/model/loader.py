@@ -71,7 +71,16 @@ def build_model(
     device: torch.device,
     max_positions: int,
     show_progress: bool = False,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
+    """quantization="int8": int8 matmuls on the CPU float32 path (see `pack_for_cpu`)."""
+    cpu_float32 = (
+        device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    )
+    if quantization is not None and not cpu_float32:
+        raise ValueError(
+            f"quantization={quantization!r} needs the CPU float32 path, got {device} {dtype}"
+        )
     with torch.device("meta"):
         model = LlamaForCausalLM(checkpoint.config, max_positions)
     model = model.to_empty(device=device).to(dtype)
@@ -80,6 +89,6 @@ def build_model(
     if show_progress:
         weights = tqdm(weights, desc=f"loading {checkpoint.name}", unit=" tensors")
     model.load_weights(weights)
-    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        model.pack_for_cpu()
+    if cpu_float32:
+        model.pack_for_cpu(quantization)
     return model.eval()

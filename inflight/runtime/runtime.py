@@ -64,8 +64,12 @@ class RuntimeConfig:
     max_num_tokens: int = 2048
     context_cache: bool = False  # reuse the KV of prompt prefixes computed before
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    # "int8": int8 weights (and per-token int8 activations) for the CPU float32 path's matmuls.
+    quantization: str | None = None
     device: str | None = None  # default: cuda when available
-    attention_backend: str | None = None  # "torch" or "triton"; default: triton on CUDA
+    # "torch", "cpu" or "triton"; default: triton on CUDA, cpu (its native decode kernel) for
+    # float32 on the CPU where it builds, else torch.
+    attention_backend: str | None = None
     cuda_graphs: bool = True  # capture decode steps (CUDA with the triton backend only)
     # Complete each step while the device runs the next (default: on CUDA, off on the CPU).
     overlap: bool | None = None
@@ -85,17 +89,35 @@ class RuntimeConfig:
                 f"max_num_tokens ({self.max_num_tokens}) must be at least max_batch_size "
                 f"({self.max_batch_size}): every resident decodes one token per step"
             )
-        if self.attention_backend not in (None, "torch", "triton"):
+        if self.attention_backend not in (None, "torch", "cpu", "triton"):
             raise ValueError(
-                f"attention_backend must be torch or triton, got {self.attention_backend!r}"
+                f"attention_backend must be torch, cpu or triton, got {self.attention_backend!r}"
             )
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
 
-def _attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    if (name or ("triton" if device.type == "cuda" else "torch")) == "torch":
+def _attention_backend(
+    name: str | None, device: torch.device, dtype: torch.dtype
+) -> AttentionBackend:
+    native_cpu = device.type == "cpu" and dtype == torch.float32
+    chosen = name or ("triton" if device.type == "cuda" else "cpu" if native_cpu else "torch")
+    if chosen == "torch":
         return TorchAttentionBackend()
+    if chosen == "cpu":
+        if not native_cpu:
+            raise ValueError("the cpu attention backend runs float32 on the CPU only")
+        from inflight.model.cpu_attention import CpuAttentionBackend
+
+        try:
+            return CpuAttentionBackend()
+        except RuntimeError as exc:
+            if name is not None:
+                raise ValueError(f"the cpu attention backend is unavailable: {exc}") from exc
+            log.warning("the CPU attention kernel is unavailable (%s); using torch's", exc)
+            return TorchAttentionBackend()
     if device.type != "cuda":
         raise ValueError("the triton attention backend needs a CUDA device")
     from inflight.model.triton_attention import TritonAttentionBackend  # needs triton
@@ -177,9 +199,14 @@ class Runtime:
             -self.max_model_len // config.block_size
         )
         model_nn = build_model(
-            self.checkpoint, self.dtype, self.device, self.max_model_len, show_progress
+            self.checkpoint,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            show_progress,
+            config.quantization,
         )
-        backend = _attention_backend(config.attention_backend, self.device)
+        backend = _attention_backend(config.attention_backend, self.device, self.dtype)
         graphs = (
             config.cuda_graphs
             and self.device.type == "cuda"

@@ -46,6 +46,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_model_len=args.max_kv_cache_capacity,
             max_num_tokens=args.max_num_tokens,
             context_cache=args.enable_context_reuse,
+            quantization=args.quantization,
             show_progress=True,
         )
     except ValueError as exc:
@@ -69,6 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
         f"inflight: serving {name} at http://{args.host}:{args.port}/v1 "
         f"({mode}; max_model_len {llm.max_model_len}; queue {args.max_queued_requests}"
         f"{'; context cache' if args.enable_context_reuse else ''}"
+        f"{'; int8 weights' if args.quantization else ''}"
         f"{'; API key required' if args.api_key else ''})",
         flush=True,
     )
@@ -106,6 +108,9 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         "inflight": lambda: offline.run_inflight(
             args.model, work, args.batch, max_num_tokens=args.max_num_tokens
         ),
+        "inflight-int8": lambda: offline.run_inflight(
+            args.model, work, args.batch, max_num_tokens=args.max_num_tokens, quantization="int8"
+        ),
         "hf-static": lambda: offline.run_hf_static(args.model, work, tokenizer.eos_token_ids[0]),
         "hf-continuous": lambda: offline.run_hf_continuous(args.model, work),
         "llama-server": lambda: offline.run_llama_server(
@@ -119,9 +124,10 @@ def _bench_throughput(args: argparse.Namespace) -> int:
             continue
         results[name] = runs[name]()
         print(f"{name:<14} {results[name]:8.1f} output tok/s", flush=True)
-    peers = [v for k, v in results.items() if k != "inflight"]
-    if "inflight" in results and peers:
-        print(f"inflight / best peer: {results['inflight'] / max(peers):.2f}x")
+    peers = [v for k, v in results.items() if not k.startswith("inflight")]
+    for name in ("inflight", "inflight-int8"):
+        if name in results and peers:
+            print(f"{name} / best peer: {results[name] / max(peers):.2f}x")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(
@@ -225,6 +231,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens computed per step (decode rows plus prefill chunks)",
     )
     serve.add_argument(
+        "--enable-context-reuse",
+        action="store_true",
+        help="reuse the KV of prompt prefixes computed before (prefix cache)",
+    )
+    serve.add_argument(
+        "--quantization",
+        choices=["int8"],
+        default=None,
+        help="int8 weights for the CPU float32 path's matmuls (faster, not bit-exact)",
+    )
+    serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     serve.set_defaults(run=_serve)
@@ -242,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engines",
         nargs="+",
         default=["inflight"],
-        choices=["inflight", "hf-static", "hf-continuous", "llama-server"],
+        choices=["inflight", "inflight-int8", "hf-static", "hf-continuous", "llama-server"],
     )
     through.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server")
     through.add_argument("--out", default=None, help="write the results as JSON here")

@@ -1,0 +1,124 @@
+"""Int8-weight matmul for the CPU: the AVX2 kernel in int8_matmul.c, built by `native` on first use.
+
+Weights are quantized once, symmetrically, in blocks of 32 along K with one float32 scale per
+block; activations are quantized the same way inside every call, per token. See int8_matmul.c for
+the grouped layout that `quantize_weight` writes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inflight.model import native
+
+BLOCK = 32
+_SOURCE = Path(__file__).with_name("int8_matmul.c")
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A [N, K] weight in the kernel's layout: int8 values [N, K] and float32 scales
+    [N, 8 * groups], both permuted within groups of blocks (see int8_matmul.c)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.values.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.values.shape[1]
+
+
+def block_groups(k: int) -> list[int]:
+    """Blocks per group along K: as many 8s as fit, then 4, 2, 1 for the rest."""
+    groups, blocks = [], k // BLOCK
+    for size in (8, 4, 2, 1):
+        groups += [size] * (blocks // size)
+        blocks %= size
+    return groups
+
+
+def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per block of 32 along the last dim, the kernel's arithmetic exactly
+    (q = round-half-even(x * (127 / amax)), scale = amax / 127): values [..., K] int8 and
+    scales [..., K / 32] float32, in plain (unpermuted) order."""
+    blocks = x.float().unflatten(-1, (-1, BLOCK))
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    values = torch.round(blocks * inverse).clamp_(-127, 127).to(torch.int8)
+    return values.flatten(-2), (amax / 127.0).squeeze(-1)
+
+
+def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
+    """Quantize a float [N, K] weight (K a multiple of 32) into the kernel's layout."""
+    if weight.dim() != 2:
+        raise ValueError(f"int8 weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if k == 0 or k % BLOCK:
+        raise ValueError(f"int8 weight needs K (in_features) a multiple of {BLOCK}, got {k}")
+    values, scales = quantize_blocks(weight.detach())
+    packed_values, packed_scales = [], []
+    start = 0
+    for g in block_groups(k):
+        lanes = 8 // g
+        # [N, block i, register r, chunk in lane c, byte j] -> [N, r, i, c, j]: int32 lane l
+        # of register r then holds chunks of block l // lanes only.
+        group = values[:, start * BLOCK : (start + g) * BLOCK].reshape(n, g, g, lanes, 4)
+        packed_values.append(group.permute(0, 2, 1, 3, 4).reshape(n, g * BLOCK))
+        packed_scales.append(scales[:, start : start + g].repeat_interleave(lanes, dim=1))
+        start += g
+    return QuantizedWeight(
+        torch.cat(packed_values, dim=1).contiguous(), torch.cat(packed_scales, dim=1).contiguous()
+    )
+
+
+@functools.cache
+def load_kernel() -> ctypes.CDLL:
+    """The compiled kernel, built on first use and cached across processes; raises RuntimeError
+    when this CPU lacks AVX2 or FMA, or when gcc is missing or fails."""
+    lib = native.build(_SOURCE, "the int8 CPU matmul")
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.int8_linear.argtypes = [p, i64, i64, p, p, i64, p, p, ctypes.c_int]
+    lib.int8_linear.restype = ctypes.c_int
+    return lib
+
+
+def int8_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] float32 (CPU) @ weight^T (+ bias) -> [..., N] float32."""
+    k, n = weight.in_features, weight.out_features
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
+        raise ValueError(
+            f"int8_linear needs float32 CPU input [..., {k}], got {x.dtype} "
+            f"{tuple(x.shape)} on {x.device}"
+        )
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
+        raise ValueError(f"int8_linear bias must be float32 [{n}], got {bias.dtype} {bias.shape}")
+    if bias is not None:
+        bias = bias.contiguous()  # held here: the kernel reads it through a raw pointer
+    x2 = x.reshape(-1, k).contiguous()
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    if x2.shape[0]:
+        status = load_kernel().int8_linear(
+            x2.data_ptr(),
+            x2.shape[0],
+            k,
+            weight.values.data_ptr(),
+            weight.scales.data_ptr(),
+            n,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"int8 kernel failed with status {status} (K={k}, N={n})")
+    return out.reshape(*x.shape[:-1], n)

@@ -1,0 +1,281 @@
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with int8 weights and int8 activations, AVX2.
+
+Both operands are quantized symmetrically in blocks of 32 along K with one float32 scale per
+block; the activations are quantized here, per row, on every call. Blocks are dotted in integers
+and scaled into float32 accumulators.
+
+Integer dot. AVX2 has no int8 dot product into int32 (no VNNI), and the usual maddubs route
+(sign + maddubs + madd per 32 products) keeps Zen 3's two vector multiply pipes busy for 1.5
+cycles. Here the activations are stored as int16 and each 32-byte weight load is split into two
+int16 registers in place: the odd bytes by masking the even ones out, the even bytes by shifting
+them into the high half. Both come out multiplied by 256, which the activation scales undo
+exactly (a power of two); 32 products then cost two madd on the multiply pipes and two adds on
+the others. Sums fit: 32 products of at most 127 * 127 * 256 per int32 lane and group.
+
+Layout. Converting and scaling every block separately would cost three more float ops per 32
+products, so K is cut into groups of g blocks (g = 8, then 4, 2, 1 for the tail) and each group is
+stored so that int32 lane l of every 32-byte register holds 4-byte chunks of block l / (8 / g)
+only: the lanes then sum whole blocks, and one convert + multiply + fma per group scales up to 8
+blocks at once. In a group of g blocks (g registers), byte j of chunk c of block i sits at
+r * 32 + (i * (8 / g) + c % (8 / g)) * 4 + j with r = c / (8 / g). Weight scales are stored
+expanded, 8 floats per group (lane l: the scale of its block). int8_linear.py lays weights out so.
+The activations of MR consecutive tokens are interleaved register by register (each 32 int16:
+the values facing the even weight bytes, then those facing the odd ones), so that a register tile
+reads one contiguous stream instead of MR rows that can collide in the same L1 sets.
+
+Determinism. Every output is computed by the same instruction sequence whatever M, N, the tile
+it falls in or the thread that runs it: the integer sums are exact and the float ops per output
+(one fma per group, then a fixed horizontal sum, then the bias) never depend on its neighbours.
+Build with -ffp-contract=off so that the compiler cannot fuse differently in different tiles.
+*/
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MR 4 /* tokens per register tile */
+#define NR 2 /* weight rows per register tile */
+#define CHUNK_BYTES (128 * 1024) /* int8 weight rows per cache tile, well within L2 */
+/* Weight rows prefetched ahead of the tile reading them: the first token tile over a unit
+   streams its rows from memory, which the hardware prefetcher alone leaves exposed (30% of the
+   time of the head at M = 16). Prefetches past the end of the weights are harmless hints. */
+#define AHEAD 8
+#define MAX_GROUPS 1024 /* K up to about 256k */
+#define INLINE static inline __attribute__((always_inline))
+
+typedef struct {
+    int count;
+    int sizes[MAX_GROUPS]; /* blocks per group */
+} Groups;
+
+static int make_groups(int64_t k, Groups *groups) {
+    int64_t blocks = k / 32;
+    groups->count = 0;
+    for (int g = 8; g >= 1; g /= 2) {
+        while (blocks >= g) {
+            if (groups->count == MAX_GROUPS) return -1;
+            groups->sizes[groups->count++] = g;
+            blocks -= g;
+        }
+    }
+    return 0;
+}
+
+/* Quantizes one row of x: values into its slot of the interleaved tile layout (register stride
+   MR * 32 int16), 8 scales per group into xd, divided by 256 to undo the weights' scaling. */
+static void quantize_row(const float *x, const Groups *groups, int16_t *xq, float *xd) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    /* per 128-bit half (two 4-element chunks): even elements' pairs first, then odd ones' */
+    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    int32_t pairs[16]; /* per 2 chunks c, c + 1: even c, even c + 1, odd c, odd c + 1 */
+    for (int gi = 0; gi < groups->count; gi++) {
+        const int g = groups->sizes[gi], lanes = 8 / g, shift = __builtin_ctz(lanes);
+        for (int i = 0; i < g; i++, x += 32) {
+            __m256 v[4], m = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(x + 8 * j);
+                m = _mm256_max_ps(m, _mm256_and_ps(v[j], abs_mask));
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            const float amax = _mm_cvtss_f32(h);
+            const __m256 inv = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+            __m256i q[4];
+            for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+            /* packs works per 128-bit half; the 0xd8 permute restores element order */
+            const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8);
+            const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8);
+            _mm256_storeu_si256((__m256i *)pairs, _mm256_shuffle_epi8(lo, split));
+            _mm256_storeu_si256((__m256i *)pairs + 1, _mm256_shuffle_epi8(hi, split));
+            for (int c = 0; c < 8; c++) {
+                const int lane = i * lanes + (c & (lanes - 1));
+                int16_t *dst = xq + (c >> shift) * MR * 32 + 2 * lane;
+                memcpy(dst, &pairs[(c / 2) * 4 + c % 2], 4);
+                memcpy(dst + 16, &pairs[(c / 2) * 4 + 2 + c % 2], 4);
+            }
+            for (int l = 0; l < lanes; l++) xd[i * lanes + l] = amax / 127.0f / 256.0f;
+        }
+        xq += g * MR * 32;
+        xd += 8;
+    }
+}
+
+/* Integer sums of one group for a full MR x NR tile. Written in assembly because GCC spills one
+   of the eight accumulators around the loop, which puts a store-to-load round trip on every
+   step and costs half the speed. */
+static inline void dot_group_full(int regs, int64_t k, const int8_t *w, const int16_t *xq,
+                                  __m256i s[MR][NR]) {
+    const __m256i odd = _mm256_set1_epi16((short)0xff00);
+    /* locals rather than s itself, which lives in memory and would be stored on every step */
+    __m256i s00 = s[0][0], s01 = s[0][1], s10 = s[1][0], s11 = s[1][1];
+    __m256i s20 = s[2][0], s21 = s[2][1], s30 = s[3][0], s31 = s[3][1];
+    for (int r = 0; r < regs; r++, w += 32, xq += MR * 32) {
+        __m256i l0, h0, l1, h1, t;
+        __asm__(
+            "prefetcht0 (%[w0],%[ahead])\n\t"
+            "prefetcht0 (%[w1],%[ahead])\n\t"
+            "vmovdqu (%[w0]), %[h0]\n\t"
+            "vpsllw $8, %[h0], %[l0]\n\t"
+            "vpand %[odd], %[h0], %[h0]\n\t"
+            "vmovdqu (%[w1]), %[h1]\n\t"
+            "vpsllw $8, %[h1], %[l1]\n\t"
+            "vpand %[odd], %[h1], %[h1]\n\t"
+#define TOKEN(off, sa, sb)                                                                   \
+    "vpmaddwd " off "(%[x]), %[l0], %[t]\n\t"                                               \
+    "vpaddd %[t], %[" sa "], %[" sa "]\n\t"                                                  \
+    "vpmaddwd " off "(%[x]), %[l1], %[t]\n\t"                                               \
+    "vpaddd %[t], %[" sb "], %[" sb "]\n\t"                                                  \
+    "vpmaddwd " off "+32(%[x]), %[h0], %[t]\n\t"                                            \
+    "vpaddd %[t], %[" sa "], %[" sa "]\n\t"                                                  \
+    "vpmaddwd " off "+32(%[x]), %[h1], %[t]\n\t"                                            \
+    "vpaddd %[t], %[" sb "], %[" sb "]\n\t"
+            TOKEN("0", "s00", "s01") TOKEN("64", "s10", "s11") TOKEN("128", "s20", "s21")
+                TOKEN("192", "s30", "s31")
+#undef TOKEN
+            : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11),
+              [s20] "+x"(s20), [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31),
+              [l0] "=&x"(l0), [h0] "=&x"(h0),
+              [l1] "=&x"(l1), [h1] "=&x"(h1), [t] "=&x"(t)
+            /* the "m" operands tell the compiler which memory the step reads */
+            : [w0] "r"(w), [w1] "r"(w + k), [x] "r"(xq), [odd] "m"(odd), [ahead] "r"(AHEAD * k),
+              "m"(*(const int8_t(*)[32])w), "m"(*(const int8_t(*)[32])(w + k)),
+              "m"(*(const int16_t(*)[MR * 32])xq));
+    }
+    s[0][0] = s00, s[0][1] = s01, s[1][0] = s10, s[1][1] = s11;
+    s[2][0] = s20, s[2][1] = s21, s[3][0] = s30, s[3][1] = s31;
+}
+
+/* The same sums for a partial tile (the last tokens or the last row): exact integers, so they
+   equal what a full tile would give. mr and nr are constants after inlining, so the loops
+   unroll and s stays in registers. */
+INLINE void dot_group(const int mr, const int nr, int regs, int64_t k, const int8_t *w,
+                      const int16_t *xq, __m256i s[MR][NR]) {
+    const __m256i odd = _mm256_set1_epi16((short)0xff00);
+    for (int r = 0; r < regs; r++, w += 32, xq += MR * 32) {
+        __m256i lo[NR], hi[NR];
+        for (int n = 0; n < nr; n++) {
+            _mm_prefetch((const char *)(w + (n + AHEAD) * k), _MM_HINT_T0);
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + n * k));
+            lo[n] = _mm256_slli_epi16(v, 8);
+            hi[n] = _mm256_and_si256(v, odd);
+        }
+        for (int m = 0; m < mr; m++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + m * 32));
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(xq + m * 32 + 16));
+            for (int n = 0; n < nr; n++) {
+                s[m][n] = _mm256_add_epi32(s[m][n], _mm256_madd_epi16(a, lo[n]));
+                s[m][n] = _mm256_add_epi32(s[m][n], _mm256_madd_epi16(b, hi[n]));
+            }
+        }
+    }
+}
+
+/* Horizontal sums of 8 vectors, lane i of the result from v[i] alone, in a fixed order. */
+INLINE __m256 hsum8(const __m256 v[8]) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* One register tile: mr tokens (interleaved at xq, scales at xd) x nr weight rows, all of K.
+   Partial tiles reduce through the same 8-wide sum as full ones, padded with zeros. */
+INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, int64_t n_total,
+                 const int8_t *w, const float *ws, const int16_t *xq, const float *xd,
+                 const float *bias, float *y) {
+    const int64_t sg = 8 * (int64_t)groups->count;
+    __m256 acc[MR * NR];
+    for (int i = 0; i < MR * NR; i++) acc[i] = _mm256_setzero_ps();
+    for (int gi = 0; gi < groups->count; gi++) {
+        const int g = groups->sizes[gi];
+        __m256i s[MR][NR];
+        for (int m = 0; m < mr; m++)
+            for (int n = 0; n < nr; n++) s[m][n] = _mm256_setzero_si256();
+        if (mr == MR && nr == NR)
+            dot_group_full(g, k, w, xq, s);
+        else
+            dot_group(mr, nr, g, k, w, xq, s);
+        for (int m = 0; m < mr; m++) {
+            const __m256 dx = _mm256_loadu_ps(xd + m * sg);
+            for (int n = 0; n < nr; n++) {
+                const __m256 d = _mm256_mul_ps(dx, _mm256_loadu_ps(ws + n * sg));
+                acc[m * NR + n] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m][n]), d, acc[m * NR + n]);
+            }
+        }
+        w += 32 * g;
+        xq += g * MR * 32;
+        ws += 8;
+        xd += 8;
+    }
+    float out[MR * NR];
+    _mm256_storeu_ps(out, hsum8(acc));
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++)
+            y[m * n_total + n] = out[m * NR + n] + (bias ? bias[n] : 0.0f);
+}
+
+#define TILE_CASE(a, b)                                                                      \
+    case (a) * NR + (b) - 1:                                                                 \
+        tile(a, b, groups, k, n_total, w, ws, xq, xd, bias, y);                              \
+        break;
+
+static void run_tile(int mr, int nr, const Groups *groups, int64_t k, int64_t n_total,
+                     const int8_t *w, const float *ws, const int16_t *xq, const float *xd,
+                     const float *bias, float *y) {
+    switch (mr * NR + nr - 1) {
+        TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(2, 1) TILE_CASE(2, 2)
+        TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(4, 1) TILE_CASE(4, 2)
+    }
+}
+
+/* Returns 0, or -1 for a K the layout cannot hold, -2 when out of memory. */
+int int8_linear(const float *x, int64_t m_total, int64_t k, const int8_t *w, const float *ws,
+                int64_t n_total, const float *bias, float *y, int threads) {
+    Groups groups;
+    if (k <= 0 || k % 32 || make_groups(k, &groups)) return -1;
+    if (threads < 1) threads = 1;
+    const int64_t sg = 8 * (int64_t)groups.count;
+    const int64_t m_tiles = (m_total + MR - 1) / MR;
+    /* sizes rounded up to the alignment, as aligned_alloc requires */
+    const size_t xq_bytes = ((size_t)(m_tiles * MR * k) * sizeof(int16_t) + 63) & ~(size_t)63;
+    const size_t xd_bytes = ((size_t)(m_total * sg) * sizeof(float) + 63) & ~(size_t)63;
+    int16_t *xq = aligned_alloc(64, xq_bytes);
+    float *xd = aligned_alloc(64, xd_bytes);
+    if (!xq || !xd) {
+        free(xq), free(xd);
+        return -2;
+    }
+    /* Work units of weight rows: small enough that every thread gets several (taken
+       dynamically, so a thread that the OS preempts does not hold up the others; the results do
+       not depend on who computes what), at most a chunk that stays in L2 while every token tile
+       passes over it. A token tile stays in L1 while the unit's row tiles stream by. */
+    const int64_t fit = CHUNK_BYTES / k / NR > 0 ? CHUNK_BYTES / k / NR : 1;
+    const int64_t share = (n_total + 4 * threads * NR - 1) / (4 * threads * NR);
+    const int64_t unit = (share < fit ? share : fit) * NR;
+    const int64_t units = (n_total + unit - 1) / unit;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < m_total; m++)
+            quantize_row(x + m * k, &groups, xq + (m / MR) * MR * k + (m % MR) * 32,
+                         xd + m * sg);
+        /* implicit barrier: every row is quantized before any tile reads it */
+#pragma omp for schedule(dynamic) nowait /* the end of the parallel region waits anyway */
+        for (int64_t u = 0; u < units; u++) {
+            const int64_t n0 = u * unit, n1 = n0 + unit < n_total ? n0 + unit : n_total;
+            for (int64_t m = 0; m < m_total; m += MR) {
+                const int mr = m_total - m < MR ? (int)(m_total - m) : MR;
+                for (int64_t n = n0; n < n1; n += NR) {
+                    const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
+                    run_tile(mr, nr, &groups, k, n_total, w + n * k, ws + n * sg, xq + m * k,
+                             xd + m * sg, bias ? bias + n : NULL, y + m * n_total + n);
+                }
+            }
+        }
+    }
+    free(xq), free(xd);
+    return 0;
+}

@@ -1,0 +1,84 @@
+"""Decode attention on the CPU: the native kernel against the per-row torch reference path.
+
+One layer's decode attention for `--rows` rows of SmolLM2's shape (9 query heads, 3 KV heads,
+head dim 64) over scattered paged KV, at several context lengths. Prints ms per layer and writes
+JSON to bench/out/cpu_attention.json.
+
+    .venv/bin/python bench/cpu_attention.py [--rows 16] [--contexts 150 600 1500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from inflight.model.attention import TorchAttentionBackend
+from inflight.model.cpu_attention import CpuAttentionBackend, decode_attention
+from inflight.runtime.batch_builder import RowInput, build_ragged_batch
+
+
+def best_ms(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1000
+
+
+def time_context(rows: int, context: int, repeats: int, seed: int = 0) -> dict:
+    """Best-of-`repeats` ms of one layer's decode attention, both paths, for one context."""
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    need = -(-(context + 1) // block_size)
+    blocks = list(range(rows * need))
+    random.Random(seed).shuffle(blocks)
+    inputs = [RowInput([0], context, blocks[i * need : (i + 1) * need], True) for i in range(rows)]
+    meta = build_ragged_batch(inputs, block_size, torch.device("cpu")).meta
+    q = torch.randn(rows, heads, dim)
+    cache = tuple(torch.randn(kv_heads, len(blocks) * block_size, dim) for _ in range(2))
+    out = torch.empty(q.shape)
+    lib = CpuAttentionBackend()._lib
+    torch_ms = best_ms(
+        lambda: TorchAttentionBackend.attend_rows(q, cache, meta, dim**-0.5, out, 0), repeats
+    )
+    native_ms = best_ms(lambda: decode_attention(lib, q, cache, meta, dim**-0.5, out), repeats)
+    return {"context": context, "torch_ms": torch_ms, "native_ms": native_ms}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[150, 600, 1500])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    results = []
+    print(f"{'context':>8} {'torch ms':>9} {'native ms':>10} {'speedup':>8}")
+    for context in args.contexts:
+        r = time_context(args.rows, context, args.repeats)
+        results.append(r)
+        speedup = r["torch_ms"] / r["native_ms"]
+        print(f"{context:>8} {r['torch_ms']:>9.2f} {r['native_ms']:>10.2f} {speedup:>7.1f}x")
+    out_path = Path("bench/out/cpu_attention.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(
+        json.dumps(
+            {
+                "date": date.today().isoformat(),
+                "threads": torch.get_num_threads(),
+                "rows": args.rows,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

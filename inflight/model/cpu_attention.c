@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 int decode_attention(
     const float *q, int64_t q_stride_t, int64_t q_stride_h,
@@ -92,4 +93,23 @@ int decode_attention(
         free(acc);
     }
     return failed;
+}
+
+/* Store the step's new keys and values, k and v [tokens, kv_heads, head_dim] (any token and
+   head strides), at their slots of the head-major caches. */
+void store_kv(const float *k, int64_t k_stride_t, int64_t k_stride_h, const float *v,
+              int64_t v_stride_t, int64_t v_stride_h, float *k_cache, float *v_cache,
+              int64_t kv_stride_h, const int64_t *slots, int64_t tokens, int64_t kv_heads,
+              int64_t head_dim)
+{
+    for (int64_t t = 0; t < tokens; t++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const float *ks = k + t * k_stride_t + h * k_stride_h;
+            const float *vs = v + t * v_stride_t + h * v_stride_h;
+            float *kd = k_cache + h * kv_stride_h + slots[t] * head_dim;
+            float *vd = v_cache + h * kv_stride_h + slots[t] * head_dim;
+            memcpy(kd, ks, sizeof(float) * head_dim);
+            memcpy(vd, vs, sizeof(float) * head_dim);
+        }
+    }
 }

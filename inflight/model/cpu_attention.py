@@ -29,6 +29,8 @@ def _library() -> ctypes.CDLL:
         p, i64, i64, ctypes.c_int,
     ]  # fmt: skip
     lib.decode_attention.restype = ctypes.c_int
+    lib.store_kv.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, p, i64, i64, i64]
+    lib.store_kv.restype = None
     return lib
 
 
@@ -47,12 +49,27 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        self.store(k, v, kv_cache, meta)
+        store_kv(self._lib, k, v, kv_cache, meta)
         out = torch.empty(q.shape, dtype=q.dtype)
         if meta.num_decodes:
             decode_attention(self._lib, q, kv_cache, meta, scale, out)
         self.attend_rows(q, kv_cache, meta, scale, out, meta.num_decodes)
         return out
+
+
+def store_kv(
+    lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+) -> None:
+    """The step's new k, v [T, Hkv, D] into their slots (one copy per token and head)."""
+    k_cache, v_cache = kv_cache
+    if k.stride(2) != 1 or v.stride(2) != 1 or not k_cache.is_contiguous():
+        raise ValueError("store_kv needs unit-stride head dims and contiguous caches")
+    slots = meta.slot_mapping.contiguous()
+    lib.store_kv(
+        k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), slots.data_ptr(),
+        k.shape[0], k.shape[1], k.shape[2],
+    )  # fmt: skip
 
 
 def decode_attention(

@@ -7,6 +7,7 @@ gate/up are stored fused (`qkv_proj`, `gate_up_proj`) so that each is one matmul
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Iterable
 from types import ModuleType
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inflight.model import cpu_ops
 from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from inflight.model.config import ModelConfig
 from inflight.model.int8_linear import (
@@ -64,6 +66,13 @@ def _triton_ops() -> ModuleType:
     return triton_ops
 
 
+def _cpu_ops(x: torch.Tensor) -> ctypes.CDLL | None:
+    """The fused CPU ops for a float32 CPU tensor with unit inner stride, where they built."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.stride(-1) != 1:
+        return None
+    return cpu_ops.library()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -73,6 +82,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             return _triton_ops().rms_norm(x, self.weight, self.eps)[0]
+        if x.dim() == 2 and (lib := _cpu_ops(x)) is not None:
+            return cpu_ops.rms_norm(lib, x, self.weight, self.eps)[0]
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -84,6 +95,8 @@ class RMSNorm(nn.Module):
         """The norm of `x + residual`, and that sum (the next residual) — one kernel on CUDA."""
         if x.is_cuda:
             return _triton_ops().rms_norm(x, self.weight, self.eps, residual)
+        if x.dim() == 2 and residual.stride(-1) == 1 and (lib := _cpu_ops(x)) is not None:
+            return cpu_ops.rms_norm(lib, x, self.weight, self.eps, residual)
         summed = x + residual
         return self.forward(summed), summed
 
@@ -122,7 +135,10 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, k, angles)
+        if (lib := _cpu_ops(q)) is not None:
+            q, k = cpu_ops.rope(lib, q, *angles), cpu_ops.rope(lib, k, *angles)
+        else:
+            q, k = rotate(q, k, angles)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
@@ -140,6 +156,8 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if gate_up.is_cuda:
             return self.down_proj(_triton_ops().silu_mul(gate_up))
+        if (lib := _cpu_ops(gate_up)) is not None:
+            return self.down_proj(cpu_ops.silu_mul(lib, gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -1,0 +1,71 @@
+/* Fused elementwise ops for the CPU float32 path: each replaces a chain of small torch ops
+   (whose dispatch, at decode batch sizes, costs more than their arithmetic). Rows are
+   independent and computed in a fixed order, whatever the batch. */
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* Small calls run on the calling thread: waking the pool costs more than they do. */
+#define PARALLEL_MIN 65536
+
+/* out = w * (s * rsqrt(mean(s^2) + eps)) with s = x, or s = x + residual (then stored in
+   res_out, the next residual). */
+void rms_norm(const float *x, int64_t x_stride, const float *residual, int64_t r_stride,
+              float *out, float *res_out, const float *w, int64_t rows, int64_t size, float eps,
+              int threads)
+{
+#pragma omp parallel for num_threads(threads) if (rows * size >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float *o = out + r * size;
+        const float *s = xr;
+        if (residual != NULL) {
+            const float *rr = residual + r * r_stride;
+            float *so = res_out + r * size;
+#pragma omp simd
+            for (int64_t i = 0; i < size; i++) so[i] = xr[i] + rr[i];
+            s = so;
+        }
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < size; i++) squares += s[i] * s[i];
+        const float scale = 1.0f / sqrtf(squares / (float)size + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < size; i++) o[i] = w[i] * (s[i] * scale);
+    }
+}
+
+/* out[r] = silu(gate) * up, where row r of gate_up holds gate then up. */
+void silu_mul(const float *gate_up, int64_t stride, float *out, int64_t rows, int64_t size,
+              int threads)
+{
+#pragma omp parallel for num_threads(threads) if (rows * size >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * stride, *u = g + size;
+        float *o = out + r * size;
+        for (int64_t i = 0; i < size; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Rotary embedding of one tensor [tokens, heads, dim] (any token and head strides) into a
+   contiguous out, by the token's cos and sin rows [tokens, dim]: the same float operations as
+   x * cos + rotate_half(x) * sin. */
+void rope(const float *x, int64_t stride_t, int64_t stride_h, float *out, const float *cos_,
+          const float *sin_, int64_t tokens, int64_t heads, int64_t dim, int threads)
+{
+    const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(threads) if (tokens * heads * dim >= PARALLEL_MIN)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_ + t * dim, *s = sin_ + t * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *v = x + t * stride_t + h * stride_h;
+            float *o = out + (t * heads + h) * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                o[i] = v[i] * c[i] + (-v[i + half]) * s[i];
+                o[i + half] = v[i + half] * c[i + half] + v[i] * s[i + half];
+            }
+        }
+    }
+}

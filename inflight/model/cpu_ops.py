@@ -1,0 +1,78 @@
+"""Fused elementwise ops for the CPU float32 path (cpu_ops.c): RMSNorm with the residual add
+folded in, SiLU(gate) * up, and the rotary embedding. At decode batch sizes each replaces a
+chain of torch ops whose dispatch costs more than their arithmetic."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from inflight.model import native
+
+log = logging.getLogger(__name__)
+_SOURCE = Path(__file__).with_name("cpu_ops.c")
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built ops, or None (with a warning) where they cannot be built: torch's ops serve."""
+    try:
+        lib = native.build(_SOURCE, "the fused CPU ops")
+    except RuntimeError as exc:
+        log.warning("fused CPU ops unavailable (%s); using torch's", exc)
+        return None
+    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.rms_norm.argtypes = [p, i64, p, i64, p, p, p, i64, i64, f32, i32]
+    lib.silu_mul.argtypes = [p, i64, p, i64, i64, i32]
+    lib.rope.argtypes = [p, i64, i64, p, p, p, i64, i64, i64, i32]
+    for name in ("rms_norm", "silu_mul", "rope"):
+        getattr(lib, name).restype = None
+    return lib
+
+
+def rms_norm(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm of 2-D x [rows, size] (of x + residual when given); the normalized rows and the
+    sum (None without a residual)."""
+    rows, size = x.shape
+    out = torch.empty(rows, size)
+    summed = torch.empty(rows, size) if residual is not None else None
+    lib.rms_norm(
+        x.data_ptr(), x.stride(0),
+        None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0),
+        out.data_ptr(), None if summed is None else summed.data_ptr(),
+        weight.data_ptr(), rows, size, eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return out, summed
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [rows, 2 * size] holding gate then up."""
+    rows, size = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, size)
+    lib.silu_mul(
+        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, size, torch.get_num_threads()
+    )
+    return out
+
+
+def rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, dim] (unit stride in dim) rotated by cos, sin [tokens, (1,) dim]."""
+    tokens, heads, dim = x.shape
+    cos, sin = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
+    out = torch.empty(tokens, heads, dim)
+    lib.rope(
+        x.data_ptr(), x.stride(0), x.stride(1), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        tokens, heads, dim, torch.get_num_threads(),
+    )  # fmt: skip
+    return out

@@ -1,0 +1,57 @@
+"""The fused CPU ops against the torch formulas they replace."""
+
+import torch
+import torch.nn.functional as F
+
+from inflight.model import cpu_ops
+from inflight.model.rope import rotate
+
+
+def _lib():
+    lib = cpu_ops.library()
+    assert lib is not None, "the fused CPU ops did not build"
+    return lib
+
+
+def _norm(x, weight, eps):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def test_rms_norm_with_and_without_residual():
+    torch.manual_seed(0)
+    x, residual = torch.randn(37, 576), torch.randn(37, 576)
+    weight = 1 + 0.1 * torch.randn(576)
+    plain, none = cpu_ops.rms_norm(_lib(), x, weight, 1e-5)
+    torch.testing.assert_close(plain, _norm(x, weight, 1e-5), rtol=1e-6, atol=1e-6)
+    assert none is None
+    normed, summed = cpu_ops.rms_norm(_lib(), x, weight, 1e-5, residual)
+    assert torch.equal(summed, x + residual)
+    torch.testing.assert_close(normed, _norm(x + residual, weight, 1e-5), rtol=1e-6, atol=1e-6)
+    # Big enough for the parallel path; rows are independent of each other.
+    big = torch.randn(300, 576)
+    assert torch.equal(
+        cpu_ops.rms_norm(_lib(), big, weight, 1e-5)[0][7],
+        cpu_ops.rms_norm(_lib(), big[7:8], weight, 1e-5)[0][0],
+    )
+
+
+def test_silu_mul_reads_gate_then_up_from_a_strided_view():
+    torch.manual_seed(1)
+    wide = 4 * torch.randn(21, 2 * 1536 + 8)
+    gate_up = wide[:, : 2 * 1536]
+    gate, up = gate_up.split(1536, dim=-1)
+    torch.testing.assert_close(
+        cpu_ops.silu_mul(_lib(), gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-6
+    )
+
+
+def test_rope_is_bit_identical_to_the_torch_rotation():
+    torch.manual_seed(2)
+    tokens, heads, kv_heads, dim = 13, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    angles = (torch.randn(tokens, 1, dim), torch.randn(tokens, 1, dim))
+    want_q, want_k = rotate(q, k, angles)
+    assert torch.equal(cpu_ops.rope(_lib(), q, *angles), want_q)
+    assert torch.equal(cpu_ops.rope(_lib(), k, *angles), want_k)

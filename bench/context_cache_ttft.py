@@ -10,17 +10,14 @@ batching. Prints TTFT p50/p99 with the context cache off and on, and the ratio; 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import threading
 import time
-from datetime import date
-from pathlib import Path
 
 from inflight import LLM, SamplingParams
 from inflight.bench.online import percentile
+from inflight.bench.report import write_report
 
 SYSTEM = (
     "You are the support assistant of a large library. Answer questions about opening hours, "
@@ -94,19 +91,7 @@ def main() -> None:
         )
     ratio = results["off"]["ttft_p50"] / results["on"]["ttft_p50"]
     print(f"TTFT p50 off / on: {ratio:.2f}x")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps(
-            {
-                "date": date.today().isoformat(),
-                "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
-                "args": vars(args),
-                "results": results,
-                "ratio": ratio,
-            },
-            indent=2,
-        )
-    )
+    write_report(args.out, args=vars(args), results=results, ratio=ratio)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,12 @@ JSON to bench/out/cpu_attention.json.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
-from datetime import date
-from pathlib import Path
 
 import torch
 
+from inflight.bench.report import write_report
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.cpu_attention import CpuAttentionBackend, decode_attention
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
@@ -65,18 +63,11 @@ def main() -> None:
         results.append(r)
         speedup = r["torch_ms"] / r["native_ms"]
         print(f"{context:>8} {r['torch_ms']:>9.2f} {r['native_ms']:>10.2f} {speedup:>7.1f}x")
-    out_path = Path("bench/out/cpu_attention.json")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(
-        json.dumps(
-            {
-                "date": date.today().isoformat(),
-                "threads": torch.get_num_threads(),
-                "rows": args.rows,
-                "results": results,
-            },
-            indent=2,
-        )
+    write_report(
+        "bench/out/cpu_attention.json",
+        threads=torch.get_num_threads(),
+        rows=args.rows,
+        results=results,
     )
 
 

@@ -10,15 +10,13 @@ minus the time to generate the first one, for both engines alike.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 
+from inflight.bench.report import write_report
 from inflight.model.loader import default_model_path
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime, RuntimeConfig
@@ -111,16 +109,7 @@ def main() -> None:
     print(f"{'engine':<14}{'single':>10}{f'batch {args.batch}':>12}")
     for engine in ("inflight", "transformers"):
         print(f"{engine:<14}{rows[engine + '_single']:>10.1f}{rows[engine + '_batched']:>12.1f}")
-    result = {
-        "date": date.today().isoformat(),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
-        "model": path.name,
-        "batch": args.batch,
-        "tokens": args.tokens,
-        "decode_tok_s": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_report(args.out, model=path.name, batch=args.batch, tokens=args.tokens, decode_tok_s=rows)
 
 
 if __name__ == "__main__":

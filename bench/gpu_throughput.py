@@ -12,16 +12,15 @@ writes JSON to $OUT (or bench/out).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 
 from inflight.bench.random_model import SHAPES, random_checkpoint
+from inflight.bench.report import write_report
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime, RuntimeConfig
 
@@ -157,18 +156,11 @@ def main() -> None:
         theirs = r.get("transformers", {}).get("output_tok_s")
         ratio = f"{ours / theirs:8.1f}" if theirs else "       -"
         print(f"{shape:<14}{ours:16.0f}{(theirs or float('nan')):20.0f}{ratio}")
-    out = Path(os.environ.get("OUT", "bench/out")) / "gpu_throughput.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "date": date.today().isoformat(),
-                "device": torch.cuda.get_device_name(),
-                "args": vars(args),
-                "results": results,
-            },
-            indent=2,
-        )
+    write_report(
+        Path(os.environ.get("OUT", "bench/out")) / "gpu_throughput.json",
+        device=torch.cuda.get_device_name(),
+        args=vars(args),
+        results=results,
     )
 
 

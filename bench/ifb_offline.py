@@ -11,16 +11,13 @@ token for each path, and the ratio; writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import threading
 import time
-from datetime import date
-from pathlib import Path
 
 from inflight import LLM, SamplingParams
+from inflight.bench.report import write_report
 
 TEXT = (
     "The history of science is the study of the development of science and scientific "
@@ -105,16 +102,7 @@ def main() -> None:
         )
     ratio = results["ifb"]["output_tok_s"] / results["blocking"]["output_tok_s"]
     print(f"IFB / blocking throughput: {ratio:.2f}x")
-    out = {
-        "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
-        "requests": args.requests,
-        "batch": args.batch,
-        "results": results,
-        "ratio": ratio,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    write_report(args.out, requests=args.requests, batch=args.batch, results=results, ratio=ratio)
 
 
 if __name__ == "__main__":

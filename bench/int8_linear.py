@@ -11,15 +11,12 @@ included), at torch's thread count. The decode-step estimate sums 30 layers of q
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 
+from inflight.bench.report import write_report
 from inflight.model.int8_linear import int8_linear, quantize_weight
 
 LAYERS = 30
@@ -101,21 +98,13 @@ def main() -> None:
             f"int8 {step['int8_s'] * 1e3:.2f} ms, {step['fp32_s'] / step['int8_s']:.2f}x"
         )
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "date": date.today().isoformat(),
-                "machine": platform.processor() or platform.machine(),
-                "cpus": os.cpu_count(),
-                "threads": torch.get_num_threads(),
-                "torch": torch.__version__,
-                "repeats": args.repeats,
-                "rows": rows,
-                "step_matmuls_per_m": {str(m): s for m, s in steps.items()},
-            },
-            indent=2,
-        )
+    write_report(
+        args.out,
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        repeats=args.repeats,
+        rows=rows,
+        step_matmuls_per_m={str(m): s for m, s in steps.items()},
     )
     print(f"wrote {args.out}")
 

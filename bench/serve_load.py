@@ -11,20 +11,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import random
 import socket
 import subprocess
 import sys
 import time
-from datetime import date
-from pathlib import Path
 
 import httpx
 
 from inflight.bench.online import run_load
+from inflight.bench.report import write_report
 from inflight.model.loader import open_checkpoint
 
 
@@ -109,15 +106,7 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait(timeout=60)
-    out = {
-        "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
-        "requests": args.requests,
-        "batch": args.batch,
-        "results": results,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    write_report(args.out, requests=args.requests, batch=args.batch, results=results)
 
 
 if __name__ == "__main__":

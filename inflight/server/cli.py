@@ -91,14 +91,10 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _bench_throughput(args: argparse.Namespace) -> int:
-    import json
-    import platform
-    from datetime import date
-    from pathlib import Path
-
     import torch
 
     from inflight.bench import offline
+    from inflight.bench.report import write_report
     from inflight.model.loader import open_checkpoint
 
     torch.set_num_threads(args.threads)
@@ -129,18 +125,11 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         if name in results and peers:
             print(f"{name} / best peer: {results[name] / max(peers):.2f}x")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(
-            json.dumps(
-                {
-                    "date": date.today().isoformat(),
-                    "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-                    "workload": vars(args) | {"run": None},
-                    "output_tok_s": results,
-                },
-                indent=2,
-                default=str,
-            )
+        write_report(
+            args.out,
+            threads=torch.get_num_threads(),
+            workload=vars(args) | {"run": None},
+            output_tok_s=results,
         )
     return 0
 

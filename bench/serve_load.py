@@ -96,13 +96,7 @@ def main() -> None:
             for rate in args.rates:
                 r = asyncio.run(run_load(url, "bench", prompts, outputs, rate))
                 results[mode].append(r.as_dict())
-                print(
-                    f"{mode:<9} rate {rate:4.1f}/s  {r.output_tok_s:6.1f} tok/s  "
-                    f"TTFT p50 {r.ttft_p50:6.2f}s p99 {r.ttft_p99:6.2f}s  "
-                    f"ITL p50 {r.itl_p50 * 1000:6.0f}ms p99 {r.itl_p99 * 1000:6.0f}ms  "
-                    f"({r.ok}/{r.requests} ok)",
-                    flush=True,
-                )
+                print(f"{mode:<9} {r.summary()}", flush=True)
         finally:
             server.terminate()
             server.wait(timeout=60)

@@ -48,15 +48,9 @@ def smollm(llm):
 @pytest.fixture(scope="session")
 def hf_smollm():
     """HF transformers' own load of the same GGUF: the numerical reference."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from inflight.bench.offline import hf_model
 
-    from inflight.model.loader import default_model_path
-
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    return hf_model(None)
 
 
 @pytest.fixture(scope="session")

@@ -64,7 +64,8 @@ def run_inflight(model: str | None, work: Workload, batch: int, **llm_options) -
     return work.output_tokens / elapsed
 
 
-def _hf_model(model: str | None):
+def hf_model(model: str | None):
+    """HF transformers' own float32 load of the same checkpoint (a directory or a GGUF file)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -80,7 +81,7 @@ def run_hf_static(model: str | None, work: Workload, pad_token_id: int) -> float
     """Output tok/s of HF `generate` over one left-padded batch of every prompt."""
     import torch
 
-    hf = _hf_model(model)
+    hf = hf_model(model)
     width = max(len(p) for p in work.prompts)
     ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in work.prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in work.prompts])
@@ -107,7 +108,7 @@ def run_hf_continuous(model: str | None, work: Workload) -> float:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    hf = _hf_model(model)
+    hf = hf_model(model)
     tokens = max(len(p) for p in work.prompts) + work.output_len
     config = ContinuousBatchingConfig(
         page_size=32,

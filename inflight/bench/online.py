@@ -32,6 +32,15 @@ class LoadResult:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def summary(self) -> str:
+        """One line: offered rate, throughput, latency percentiles, successes."""
+        return (
+            f"rate {self.rate:5.2f}/s  {self.output_tok_s:7.1f} output tok/s  "
+            f"TTFT p50 {self.ttft_p50:6.2f}s p99 {self.ttft_p99:6.2f}s  "
+            f"ITL p50 {self.itl_p50 * 1000:6.0f}ms p99 {self.itl_p99 * 1000:6.0f}ms  "
+            f"({self.ok}/{self.requests} ok)"
+        )
+
 
 def percentile(values: list[float], q: float) -> float:
     if not values:

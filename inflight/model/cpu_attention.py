@@ -95,7 +95,7 @@ def decode_attention(
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
         tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
         rows, q.shape[1], kv_heads, head_dim, meta.block_size,
-        max(meta.seq_lens_host[:rows]), scale,
+        meta.max_seq_len, scale,
         out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:

@@ -153,13 +153,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
                 rate,
             )
         )
-        print(
-            f"rate {rate:5.2f}/s  {r.output_tok_s:7.1f} output tok/s  "
-            f"TTFT p50 {r.ttft_p50:6.2f}s p99 {r.ttft_p99:6.2f}s  "
-            f"ITL p50 {r.itl_p50 * 1000:6.0f}ms p99 {r.itl_p99 * 1000:6.0f}ms  "
-            f"({r.ok}/{r.requests} ok)",
-            flush=True,
-        )
+        print(r.summary(), flush=True)
     return 0
 
 

@@ -23,6 +23,15 @@ class Outcome:
     error: str = ""
 
 
+@dataclass(frozen=True)
+class Commit:
+    """What a committed step means for the requests: the record behind every delta (looked up
+    before the finished ones left the ledger) and the outcomes of those that ended."""
+
+    owners: dict[ResidentRef, RequestRecord]
+    outcomes: list[Outcome]
+
+
 class RequestCoordinator:
     """Resident slot -> (ref, record) for the running batch. Every lookup checks the epoch, so a
     stale ref fails loudly. It has no thread of its own: the actor calls it."""
@@ -47,11 +56,10 @@ class RequestCoordinator:
     def residents(self) -> list[tuple[ResidentRef, RequestRecord]]:
         return list(self._table.values())
 
-    def commit(self, result: StepResult, execution: SteppedExecution) -> list[Outcome]:
+    def commit(self, result: StepResult, execution: SteppedExecution) -> Commit:
         """All or nothing: the first pass checks and materializes and may raise, leaving the
         ledger untouched; the second retires the finished and cannot raise."""
-        for ref in result.deltas:
-            self.owner(ref)
+        owners = {ref: self.owner(ref) for ref in result.deltas}
         staged: list[tuple[ResidentRef, Outcome]] = []
         for ref, snapshot in result.finished.items():
             record = self.owner(ref)
@@ -67,7 +75,7 @@ class RequestCoordinator:
             staged.append((ref, outcome))
         for ref, _ in staged:
             del self._table[ref.slot]
-        return [outcome for _, outcome in staged]
+        return Commit(owners, [outcome for _, outcome in staged])
 
     def retire_missing(self, live: list[ResidentRef]) -> list[RequestRecord]:
         """Records whose resident the execution no longer holds without having reported it."""

@@ -21,7 +21,7 @@ from enum import Enum
 from inflight.engine.channel import StreamChannel, StreamChunk
 from inflight.engine.compatibility import BatchCompatibility, is_founder_only, is_guided
 from inflight.engine.config import EngineConfig
-from inflight.engine.coordinator import Outcome, RequestCoordinator
+from inflight.engine.coordinator import Commit, RequestCoordinator
 from inflight.engine.errors import RequestCancelled, RequestFailed, SubmitError
 from inflight.engine.metrics import EngineMetrics
 from inflight.engine.record import RequestHandle, RequestRecord, TerminalStatus
@@ -31,7 +31,6 @@ from inflight.runtime.stepped import (
     CompletionOutput,
     ExecutionFactory,
     FinishReason,
-    ResidentRef,
     SteppedExecution,
     StepResult,
 )
@@ -303,13 +302,12 @@ class _Actor:
             cancelled = [ref for ref, record in self.ledger.residents() if record.cancel_requested]
             try:
                 result = execution.step(cancelled)
-                streams = {ref: self.ledger.owner(ref) for ref in result.deltas}
-                outcomes = self.ledger.commit(result, execution)
+                committed = self.ledger.commit(result, execution)
             except Exception as exc:
                 log.exception("a step failed; failing its batch")
                 self._fail_batch(execution, f"the step failed: {exc}")
                 return
-            self._publish(result, streams, outcomes)
+            self._publish(result, committed)
             for record in self.ledger.retire_missing(execution.residents()):
                 self._terminate(record, TerminalStatus.FAILED, error="the runtime lost the request")
             self.resident_count = len(self.ledger)
@@ -366,14 +364,9 @@ class _Actor:
             self._terminate(record, TerminalStatus.FAILED, error=admission.reason)
         return admission.answer
 
-    def _publish(
-        self,
-        result: StepResult,
-        streams: dict[ResidentRef, RequestRecord],
-        outcomes: list[Outcome],
-    ) -> None:
+    def _publish(self, result: StepResult, committed: Commit) -> None:
         for ref, delta in result.deltas.items():
-            record = streams[ref]
+            record = committed.owners[ref]
             record.channel.push(
                 StreamChunk(
                     token_ids=tuple(delta.token_ids),
@@ -382,7 +375,7 @@ class _Actor:
                     prompt_tokens=len(record.request.prompt_token_ids),
                 )
             )
-        for outcome in outcomes:
+        for outcome in committed.outcomes:
             self._terminate(outcome.record, outcome.status, outcome.output, outcome.error)
 
     def _fail_batch(self, execution: SteppedExecution, message: str) -> None:

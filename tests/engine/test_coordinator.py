@@ -47,7 +47,7 @@ def _ledger():
 
 def test_commit_retires_the_finished_and_keeps_survivors():
     ledger, refs, records = _ledger()
-    outcomes = ledger.commit(StepResult(1, finished={refs[1]: _snap([5])}), Materializer())
+    outcomes = ledger.commit(StepResult(1, finished={refs[1]: _snap([5])}), Materializer()).outcomes
     assert [o.record for o in outcomes] == [records[1]]
     assert outcomes[0].status is TerminalStatus.COMPLETED and outcomes[0].output.token_ids == (5,)
     assert [r for _, r in ledger.residents()] == [records[0], records[2]]
@@ -67,7 +67,7 @@ def test_cancelled_and_errored_are_never_materialized():
             },
         ),
         m,
-    )
+    ).outcomes
     assert [o.status for o in outcomes] == [
         TerminalStatus.CANCELLED,
         TerminalStatus.FAILED,

@@ -339,9 +339,8 @@ class GenerationSession:
             if (i + 1) * bs > len(r.prompt) and not r.request.params.cache_generated_tokens:
                 return
             digest = chain_digest(r.digests[-1] if r.digests else b"", known[i * bs : (i + 1) * bs])
-            self._rt.blocks.publish(
-                r.blocks[i], digest
-            )  # already cached elsewhere: ours stays private
+            # A block with this digest already cached elsewhere: ours stays private.
+            self._rt.blocks.publish(r.blocks[i], digest)
             r.digests.append(digest)
 
     def _accept(self, r: Resident, sampled: SampledRow, result: StepResult) -> None:

@@ -339,7 +339,7 @@ class GenerationSession:
             if (i + 1) * bs > len(r.prompt) and not r.request.params.cache_generated_tokens:
                 return
             digest = chain_digest(r.digests[-1] if r.digests else b"", known[i * bs : (i + 1) * bs])
-            # A block with this digest already cached elsewhere: ours stays private.
+            # If another block already holds this digest, ours stays private.
             self._rt.blocks.publish(r.blocks[i], digest)
             r.digests.append(digest)
 

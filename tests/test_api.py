@@ -101,6 +101,8 @@ def test_unknown_architecture_and_missing_path(tmp_path):
         LLM(tmp_path / "nope.gguf")
     with pytest.raises(ValueError, match="max_batch_size"):
         LLM(tmp_path, max_batch_size=0)
+    with pytest.raises(ValueError, match="quantization must be int8, q4 or unset, got 'q3'"):
+        LLM(tmp_path, quantization="q3")
 
 
 def test_closed_llm_refuses(tiny_dirs):

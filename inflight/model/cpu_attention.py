@@ -98,5 +98,7 @@ def decode_attention(
         meta.max_seq_len, scale,
         out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads(),
     )  # fmt: skip
+    if status == -1:
+        raise ValueError(f"the CPU attention kernel needs a head_dim multiple of 8, got {head_dim}")
     if status != 0:
         raise MemoryError("the CPU attention kernel could not allocate its scratch buffers")

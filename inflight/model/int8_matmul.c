@@ -13,12 +13,9 @@ exactly (a power of two); 32 products then cost two madd on the multiply pipes a
 the others. Sums fit: 32 products of at most 127 * 127 * 256 per int32 lane and group.
 
 Layout. Converting and scaling every block separately would cost three more float ops per 32
-products, so K is cut into groups of g blocks (g = 8, then 4, 2, 1 for the tail) and each group is
-stored so that int32 lane l of every 32-byte register holds 4-byte chunks of block l / (8 / g)
-only: the lanes then sum whole blocks, and one convert + multiply + fma per group scales up to 8
-blocks at once. In a group of g blocks (g registers), byte j of chunk c of block i sits at
-r * 32 + (i * (8 / g) + c % (8 / g)) * 4 + j with r = c / (8 / g). Weight scales are stored
-expanded, 8 floats per group (lane l: the scale of its block). int8_linear.py lays weights out so.
+products, so K is cut into groups of blocks laid out as block_groups.h describes: one convert +
+multiply + fma per group scales up to 8 blocks at once. Weight scales are stored expanded, 8
+floats per group (lane l: the scale of its block). int8_linear.py lays weights out so.
 The activations of MR consecutive tokens are interleaved register by register (each 32 int16:
 the values facing the even weight bytes, then those facing the odd ones), so that a register tile
 reads one contiguous stream instead of MR rows that can collide in the same L1 sets.
@@ -34,6 +31,9 @@ Build with -ffp-contract=off so that the compiler cannot fuse differently in dif
 #include <stdlib.h>
 #include <string.h>
 
+#include "block_groups.h"
+#include "simd_math.h"
+
 #define MR 4 /* tokens per register tile */
 #define NR 2 /* weight rows per register tile */
 #define CHUNK_BYTES (128 * 1024) /* int8 weight rows per cache tile, well within L2 */
@@ -41,27 +41,6 @@ Build with -ffp-contract=off so that the compiler cannot fuse differently in dif
    streams its rows from memory, which the hardware prefetcher alone leaves exposed (30% of the
    time of the head at M = 16). Prefetches past the end of the weights are harmless hints. */
 #define AHEAD 8
-#define MAX_GROUPS 1024 /* K up to about 256k */
-#define INLINE static inline __attribute__((always_inline))
-
-typedef struct {
-    int count;
-    int sizes[MAX_GROUPS]; /* blocks per group */
-} Groups;
-
-static int make_groups(int64_t k, Groups *groups) {
-    int64_t blocks = k / 32;
-    groups->count = 0;
-    for (int g = 8; g >= 1; g /= 2) {
-        while (blocks >= g) {
-            if (groups->count == MAX_GROUPS) return -1;
-            groups->sizes[groups->count++] = g;
-            blocks -= g;
-        }
-    }
-    return 0;
-}
-
 /* Quantizes one row of x: values into its slot of the interleaved tile layout (register stride
    MR * 32 int16), 8 scales per group into xd, divided by 256 to undo the weights' scaling. */
 static void quantize_row(const float *x, const Groups *groups, int16_t *xq, float *xd) {
@@ -171,13 +150,6 @@ INLINE void dot_group(const int mr, const int nr, int regs, int64_t k, const int
             }
         }
     }
-}
-
-/* Horizontal sums of 8 vectors, lane i of the result from v[i] alone, in a fixed order. */
-INLINE __m256 hsum8(const __m256 v[8]) {
-    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
 /* One register tile: mr tokens (interleaved at xq, scales at xd) x nr weight rows, all of K.

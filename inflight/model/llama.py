@@ -17,25 +17,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from inflight.model import cpu_ops
+from inflight.model import int8_linear as int8
+from inflight.model import q4_linear as q4
 from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from inflight.model.config import ModelConfig
-from inflight.model.int8_linear import (
-    BLOCK,
-    QuantizedWeight,
-    int8_linear,
-    load_kernel,
-    quantize_weight,
-)
+from inflight.model.int8_linear import BLOCK, QuantizedWeight, int8_linear, quantize_weight
+from inflight.model.q4_linear import Q4Weight, q4_linear
 from inflight.model.rope import Angles, RotaryEmbedding, rotate
 
 
 class Linear(nn.Linear):
     """nn.Linear whose float32 CPU weight can be prepacked into oneDNN's blocked layout, which
     runs the small-batch matmuls of decoding about twice as fast as the plain layout, or
-    quantized to int8 for the AVX2 kernel of `int8_linear`, faster again."""
+    quantized for the AVX2 kernels of `int8_linear` and `q4_linear`, faster again."""
 
     packed: torch.Tensor | None = None
-    quantized: QuantizedWeight | None = None
+    quantized: QuantizedWeight | Q4Weight | None = None
 
     def pack(self) -> None:
         """Replace the weight by its packed form (after loading; CPU float32 only)."""
@@ -43,14 +40,17 @@ class Linear(nn.Linear):
         del self.weight
         self.register_parameter("weight", None)
 
-    def quantize_int8(self) -> None:
-        """Replace the weight by its int8 form (after loading; CPU float32 only, in_features a
-        multiple of 32)."""
-        self.quantized = quantize_weight(self.weight.detach())
+    def quantize(self, kind: str) -> None:
+        """Replace the weight by its "int8" or "q4" form (after loading; CPU float32 only,
+        in_features a multiple of 32)."""
+        weight = self.weight.detach()
+        self.quantized = quantize_weight(weight) if kind == "int8" else q4.quantize_q4(weight)
         del self.weight
         self.register_parameter("weight", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.quantized, Q4Weight):
+            return q4_linear(x, self.quantized, self.bias)
         if self.quantized is not None:
             return int8_linear(x, self.quantized, self.bias)
         if self.packed is not None:
@@ -248,22 +248,29 @@ class LlamaForCausalLM(nn.Module):
 
         quantization="int8" quantizes instead every matmul whose in_features is a multiple of
         32, the head included, for the int8 kernel (weights and activations in blocks of 32;
-        see int8_linear.py); the others stay packed float32."""
-        if quantization not in (None, "int8"):
-            raise ValueError(f"unknown CPU quantization {quantization!r}; expected None or 'int8'")
-        int8 = quantization == "int8"
-        if int8:
-            load_kernel()  # a missing compiler or CPU feature shows here, not mid-generation
+        see int8_linear.py); the others stay packed float32. quantization="q4" does the same
+        with 4-bit weights for the decoder layers (GGUF's Q4_1, so a Q4_1 checkpoint keeps its
+        own weights; see q4_linear.py) and int8 for the head, whose errors reach the logits
+        undamped."""
+        if quantization not in (None, "int8", "q4"):
+            raise ValueError(
+                f"unknown CPU quantization {quantization!r}; expected None, 'int8' or 'q4'"
+            )
+        if quantization is not None:
+            # A missing compiler or CPU feature shows here, not mid-generation.
+            int8.load_kernel()
+            if quantization == "q4":
+                q4.load_kernel()
         for module in self.modules():
             if isinstance(module, Linear):
-                if int8 and module.in_features % BLOCK == 0:
-                    module.quantize_int8()
+                if quantization is not None and module.in_features % BLOCK == 0:
+                    module.quantize("int8" if module is self.lm_head else quantization)
                 else:
                     module.pack()
         if self.lm_head is None:
             # Tied head: the embedding keeps its plain weight for lookups; the head gets a copy.
             head = self.embed_tokens.weight.detach()
-            if int8 and head.shape[1] % BLOCK == 0:
+            if quantization is not None and head.shape[1] % BLOCK == 0:
                 self.quantized_head = quantize_weight(head)
             else:
                 self.packed_head = torch.ops.mkldnn._reorder_linear_weight(head, None)

@@ -73,7 +73,8 @@ def build_model(
     show_progress: bool = False,
     quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """quantization="int8": int8 matmuls on the CPU float32 path (see `pack_for_cpu`)."""
+    """quantization="int8" or "q4": quantized matmuls on the CPU float32 path (see
+    `pack_for_cpu`)."""
     cpu_float32 = (
         device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
     )

@@ -1,8 +1,8 @@
 """CPU kernels written in C, built with gcc on first use and loaded with ctypes.
 
 No torch headers are involved, so a build takes about a second; the shared object is cached
-under `$XDG_CACHE_HOME/inflight` (default `~/.cache/inflight`), keyed by a digest of the source
-and the flags.
+under `$XDG_CACHE_HOME/inflight` (default `~/.cache/inflight`), keyed by a digest of the source,
+the local headers it includes and the flags.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -50,6 +51,8 @@ def build(source: Path, what: str) -> ctypes.CDLL:
     """The compiled library of `source`, built now unless cached."""
     check_cpu(what)
     text = source.read_bytes()
+    for header in re.findall(rb'^#include "([^"]+)"', text, re.MULTILINE):
+        text += (source.parent / header.decode()).read_bytes()
     digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{digest}.so"
     if not target.exists():

@@ -64,7 +64,8 @@ class RuntimeConfig:
     max_num_tokens: int = 2048
     context_cache: bool = False  # reuse the KV of prompt prefixes computed before
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
-    # "int8": int8 weights (and per-token int8 activations) for the CPU float32 path's matmuls.
+    # "int8": int8 weights (and per-token int8 activations) for the CPU float32 path's matmuls;
+    # "q4": 4-bit weights (GGUF's Q4_1) for the decoder layers' matmuls and int8 for the head.
     quantization: str | None = None
     device: str | None = None  # default: cuda when available
     # "torch", "cpu" or "triton"; default: triton on CUDA, cpu (its native decode kernel) for
@@ -93,22 +94,25 @@ class RuntimeConfig:
             raise ValueError(
                 f"attention_backend must be torch, cpu or triton, got {self.attention_backend!r}"
             )
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "q4"):
+            raise ValueError(f"quantization must be int8, q4 or unset, got {self.quantization!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
 
 def _attention_backend(
-    name: str | None, device: torch.device, dtype: torch.dtype
+    name: str | None, device: torch.device, dtype: torch.dtype, head_dim: int
 ) -> AttentionBackend:
-    native_cpu = device.type == "cpu" and dtype == torch.float32
+    native_cpu = device.type == "cpu" and dtype == torch.float32 and head_dim % 8 == 0
     chosen = name or ("triton" if device.type == "cuda" else "cpu" if native_cpu else "torch")
     if chosen == "torch":
         return TorchAttentionBackend()
     if chosen == "cpu":
         if not native_cpu:
-            raise ValueError("the cpu attention backend runs float32 on the CPU only")
+            raise ValueError(
+                "the cpu attention backend runs float32 on the CPU with a head_dim multiple "
+                f"of 8 only, got {dtype} on {device} with head_dim {head_dim}"
+            )
         from inflight.model.cpu_attention import CpuAttentionBackend
 
         try:
@@ -206,7 +210,9 @@ class Runtime:
             show_progress,
             config.quantization,
         )
-        backend = _attention_backend(config.attention_backend, self.device, self.dtype)
+        backend = _attention_backend(
+            config.attention_backend, self.device, self.dtype, self.checkpoint.config.head_dim
+        )
         graphs = (
             config.cuda_graphs
             and self.device.type == "cuda"

@@ -70,7 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
         f"inflight: serving {name} at http://{args.host}:{args.port}/v1 "
         f"({mode}; max_model_len {llm.max_model_len}; queue {args.max_queued_requests}"
         f"{'; context cache' if args.enable_context_reuse else ''}"
-        f"{'; int8 weights' if args.quantization else ''}"
+        f"{f'; {args.quantization} weights' if args.quantization else ''}"
         f"{'; API key required' if args.api_key else ''})",
         flush=True,
     )
@@ -107,6 +107,9 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         "inflight-int8": lambda: offline.run_inflight(
             args.model, work, args.batch, max_num_tokens=args.max_num_tokens, quantization="int8"
         ),
+        "inflight-q4": lambda: offline.run_inflight(
+            args.model, work, args.batch, max_num_tokens=args.max_num_tokens, quantization="q4"
+        ),
         "hf-static": lambda: offline.run_hf_static(args.model, work, tokenizer.eos_token_ids[0]),
         "hf-continuous": lambda: offline.run_hf_continuous(args.model, work),
         "llama-server": lambda: offline.run_llama_server(
@@ -121,7 +124,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         results[name] = runs[name]()
         print(f"{name:<14} {results[name]:8.1f} output tok/s", flush=True)
     peers = [v for k, v in results.items() if not k.startswith("inflight")]
-    for name in ("inflight", "inflight-int8"):
+    for name in ("inflight", "inflight-int8", "inflight-q4"):
         if name in results and peers:
             print(f"{name} / best peer: {results[name] / max(peers):.2f}x")
     if args.out:
@@ -220,9 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--quantization",
-        choices=["int8"],
+        choices=["int8", "q4"],
         default=None,
-        help="int8 weights for the CPU float32 path's matmuls (faster, not bit-exact)",
+        help="quantized weights for the CPU float32 path's matmuls (faster, not bit-exact): "
+        "int8, or q4 (4-bit, GGUF's Q4_1: a Q4_1 file keeps its own weights; the head int8)",
     )
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
@@ -242,7 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--engines",
         nargs="+",
         default=["inflight"],
-        choices=["inflight", "inflight-int8", "hf-static", "hf-continuous", "llama-server"],
+        choices=[
+            "inflight",
+            "inflight-int8",
+            "inflight-q4",
+            "hf-static",
+            "hf-continuous",
+            "llama-server",
+        ],
     )
     through.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server")
     through.add_argument("--out", default=None, help="write the results as JSON here")

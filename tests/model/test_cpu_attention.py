@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from inflight.model.attention import TorchAttentionBackend
-from inflight.model.cpu_attention import CpuAttentionBackend
+from inflight.model.cpu_attention import CpuAttentionBackend, decode_attention
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.runtime import Runtime, RuntimeConfig
 
@@ -74,3 +74,9 @@ def test_runtime_picks_it_for_float32_on_the_cpu(tiny_dirs):
         tiny_dirs["llama"], RuntimeConfig(device="cpu", max_model_len=64, attention_backend="torch")
     )
     assert type(reference.runner.backend) is TorchAttentionBackend
+
+
+def test_kernel_rejects_a_head_dim_it_cannot_vectorize():
+    q, k, v, cache, meta = _step([(1, 20), (1, 5)], 4, 2, 12)
+    with pytest.raises(ValueError, match="head_dim multiple of 8, got 12"):
+        decode_attention(CpuAttentionBackend()._lib, q, cache, meta, 0.3, torch.empty(q.shape))

@@ -64,6 +64,20 @@ def test_greedy_batched_equals_alone(smollm):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["int8", "q4"])
+def test_quantized_greedy_batched_equals_alone(quantization):
+    """The quantized kernels quantize each token's activations on their own: a row's tokens
+    never depend on what it is batched with."""
+    runtime = Runtime(None, RuntimeConfig(max_batch_size=8, quantization=quantization))
+    requests = _requests(runtime.tokenizer, temperature=0)
+    alone = [_run_alone(runtime, r) for r in requests]
+    batched = _run_staggered(runtime, requests, JOIN_AT_STEP)
+    for a, b in zip(alone, batched, strict=True):
+        assert a.token_ids == b.token_ids
+    assert_no_leaks(runtime)
+
+
+@pytest.mark.slow
 def test_seeded_sampling_batched_equals_alone(smollm):
     requests = [
         GenerationRequest(

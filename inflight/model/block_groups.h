@@ -1,0 +1,35 @@
+/* The grouping of K shared by the quantized matmul kernels (int8_matmul.c, q4_matmul.c).
+
+   K is cut into blocks of 32 values, each with its own scale, and the blocks into groups of g
+   (8 while they last, then 4, 2, 1): within a group, int32 lane l of every 32-byte register holds
+   4-byte chunks of block l / (8 / g) only, so the lanes sum whole blocks and one float scale
+   step serves the group. Byte j of chunk c of block i sits at
+   r * 32 + (i * (8 / g) + c % (8 / g)) * 4 + j with r = c / (8 / g). */
+
+#ifndef INFLIGHT_BLOCK_GROUPS_H
+#define INFLIGHT_BLOCK_GROUPS_H
+
+#include <stdint.h>
+
+#define MAX_GROUPS 1024 /* K up to about 256k */
+#define INLINE static inline __attribute__((always_inline))
+
+typedef struct {
+    int count;
+    int sizes[MAX_GROUPS]; /* blocks per group */
+} Groups;
+
+static int make_groups(int64_t k, Groups *groups) {
+    int64_t blocks = k / 32;
+    groups->count = 0;
+    for (int g = 8; g >= 1; g /= 2) {
+        while (blocks >= g) {
+            if (groups->count == MAX_GROUPS) return -1;
+            groups->sizes[groups->count++] = g;
+            blocks -= g;
+        }
+    }
+    return 0;
+}
+
+#endif

@@ -1,0 +1,122 @@
+"""4-bit-weight matmul for the CPU: the AVX2 kernel in q4_matmul.c, built by `native` on first use.
+
+Weights are quantized once in blocks of 32 along K as w = d * q + m, q in 0..15, with float32 d
+and m per block: GGUF's Q4_1, so a Q4_1 checkpoint's weights come back as they were stored (up to
+float rounding of d). Activations are quantized to int8 inside every call, per token. See
+q4_matmul.c for the packed layout that `quantize_q4` writes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inflight.model import native
+from inflight.model.int8_linear import BLOCK, block_groups
+
+_SOURCE = Path(__file__).with_name("q4_matmul.c")
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    """A [N, K] weight in the kernel's layout: packed nibbles [N, bytes per row] and float32
+    scales and minimums [N, 8 * groups], permuted within groups of blocks (see q4_matmul.c)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.values.shape[0]
+
+
+def quantize_q4_blocks(
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block of 32 along the last dim: q [..., K] uint8 in 0..15, d and m [..., K / 32]
+    float32, with d = (max - min) / 15, m = min, q = round((w - m) / d) (0 where d is 0)."""
+    blocks = weight.float().unflatten(-1, (-1, BLOCK))
+    low = blocks.amin(-1, keepdim=True)
+    d = (blocks.amax(-1, keepdim=True) - low) / 15.0
+    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round((blocks - low) * inverse).clamp_(0, 15).to(torch.uint8)
+    return q.flatten(-2), d.squeeze(-1), low.squeeze(-1)
+
+
+def quantize_q4(weight: torch.Tensor) -> Q4Weight:
+    """Quantize a float [N, K] weight (K a multiple of 32) into the kernel's layout."""
+    if weight.dim() != 2:
+        raise ValueError(f"4-bit weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if k == 0 or k % BLOCK:
+        raise ValueError(f"4-bit weight needs K (in_features) a multiple of {BLOCK}, got {k}")
+    q, d, low = quantize_q4_blocks(weight.detach())
+    words, scales, mins = [], [], []
+    start = 0
+    for g in block_groups(k):
+        lanes = 8 // g
+        # [N, block i, register r, chunk in lane c, byte j] -> [N, r, i, c, j], as int8_linear.
+        group = q[:, start * BLOCK : (start + g) * BLOCK].reshape(n, g, g, lanes, 4)
+        registers = group.permute(0, 2, 1, 3, 4).reshape(n, g, BLOCK)
+        if g == 1:
+            words.append(registers[:, 0])
+        else:  # register 2i in the low nibbles, 2i + 1 in the high ones
+            words.append((registers[:, 0::2] | (registers[:, 1::2] << 4)).reshape(n, -1))
+        scales.append(d[:, start : start + g].repeat_interleave(lanes, dim=1))
+        mins.append(low[:, start : start + g].repeat_interleave(lanes, dim=1))
+        start += g
+    return Q4Weight(
+        torch.cat(words, dim=1).contiguous(),
+        torch.cat(scales, dim=1).contiguous(),
+        torch.cat(mins, dim=1).contiguous(),
+        k,
+    )
+
+
+@functools.cache
+def load_kernel() -> ctypes.CDLL:
+    """The compiled kernel, built on first use and cached across processes; raises RuntimeError
+    when this CPU lacks AVX2 or FMA, or when gcc is missing or fails."""
+    lib = native.build(_SOURCE, "the 4-bit CPU matmul")
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.q4_linear.argtypes = [p, i64, i64, p, p, p, i64, p, p, ctypes.c_int]
+    lib.q4_linear.restype = ctypes.c_int
+    return lib
+
+
+def q4_linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] float32 (CPU) @ weight^T (+ bias) -> [..., N] float32."""
+    k, n = weight.in_features, weight.out_features
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
+        raise ValueError(
+            f"q4_linear needs float32 CPU input [..., {k}], got {x.dtype} "
+            f"{tuple(x.shape)} on {x.device}"
+        )
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
+        raise ValueError(f"q4_linear bias must be float32 [{n}], got {bias.dtype} {bias.shape}")
+    if bias is not None:
+        bias = bias.contiguous()  # held here: the kernel reads it through a raw pointer
+    x2 = x.reshape(-1, k).contiguous()
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    if x2.shape[0]:
+        status = load_kernel().q4_linear(
+            x2.data_ptr(),
+            x2.shape[0],
+            k,
+            weight.values.data_ptr(),
+            weight.scales.data_ptr(),
+            weight.mins.data_ptr(),
+            n,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"4-bit kernel failed with status {status} (K={k}, N={n})")
+    return out.reshape(*x.shape[:-1], n)

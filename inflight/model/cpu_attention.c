@@ -22,8 +22,6 @@
 
 #include "simd_math.h"
 
-#define AHEAD 16 /* tokens prefetched ahead of the one read */
-
 /* offsets[t]: where token t of a row lives in a head-major cache, in floats from the head's
    start, block by block (no division per token). */
 static void token_offsets(const int32_t *table, int64_t len, int64_t block_size,
@@ -35,16 +33,6 @@ static void token_offsets(const int32_t *table, int64_t len, int64_t block_size,
     }
 }
 
-/* Cache lines of token t's row (head_dim floats at base + offsets[t]), requested ahead: a row's
-   blocks are scattered pages that the hardware prefetcher does not follow, and without this
-   the kernel waits on memory for most of its time once the cache is larger than the L3. */
-static inline void prefetch_token(const float *base, const int64_t *offsets, int64_t t,
-                                  int64_t len, int64_t head_dim) {
-    if (t >= len) return;
-    for (int64_t d = 0; d < head_dim; d += 16)
-        _mm_prefetch((const char *)(base + offsets[t] + d), _MM_HINT_T0);
-}
-
 /* scores[g][t] = scale * q_g . k_t for t < len; the lanes of a last partial chunk repeat its
    last key, and their scores are never read. */
 static void attend_keys(const float *q, int64_t q_stride_h, int64_t group, const float *keys,
@@ -53,10 +41,7 @@ static void attend_keys(const float *q, int64_t q_stride_h, int64_t group, const
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int64_t t0 = 0; t0 < len; t0 += 8) {
         const float *k[8];
-        for (int j = 0; j < 8; j++) {
-            k[j] = keys + offsets[t0 + j < len ? t0 + j : len - 1];
-            prefetch_token(keys, offsets, t0 + AHEAD + j, len, head_dim);
-        }
+        for (int j = 0; j < 8; j++) k[j] = keys + offsets[t0 + j < len ? t0 + j : len - 1];
         for (int64_t g = 0; g < group; g++) {
             const float *qg = q + g * q_stride_h;
             __m256 acc[8];
@@ -101,10 +86,6 @@ static void attend_values(const float *p, const float *values, const int64_t *of
         __m256 odd0 = _mm256_setzero_ps(), odd1 = _mm256_setzero_ps();
         int64_t t = 0;
         for (; t + 1 < len; t += 2) {
-            if (d == 0) {
-                prefetch_token(values, offsets, t + AHEAD, len, head_dim);
-                prefetch_token(values, offsets, t + AHEAD + 1, len, head_dim);
-            }
             const float *v0 = values + offsets[t] + d, *v1 = values + offsets[t + 1] + d;
             const __m256 p0 = _mm256_broadcast_ss(p + t), p1 = _mm256_broadcast_ss(p + t + 1);
             even0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0), even0);

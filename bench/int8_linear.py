@@ -1,9 +1,10 @@
-"""Int8-weight CPU matmul beside the oneDNN-packed float32 one, on SmolLM2-135M's shapes.
+"""Int8- and 4-bit-weight CPU matmuls beside the oneDNN-packed float32 one, on SmolLM2-135M's
+shapes.
 
 Per shape and batch size M: the best time per call over `--repeats` runs of (a) the float32
-path exactly as `Linear.pack()` sets it up and (b) the int8 kernel (activation quantization
-included), at torch's thread count. The decode-step estimate sums 30 layers of qkv + o + gate_up
-+ down and one head.
+path exactly as `Linear.pack()` sets it up, (b) the int8 kernel and (c) the 4-bit kernel
+(activation quantization included), at torch's thread count. The step estimate sums 30 layers of
+qkv + o + gate_up + down and one head; for q4 the head is int8, as `quantization="q4"` runs it.
 
     .venv/bin/python bench/int8_linear.py [--repeats 10] [--budget 0.05] [--m 1 16 128 1600]
 """
@@ -18,6 +19,7 @@ import torch
 
 from inflight.bench.report import write_report
 from inflight.model.int8_linear import int8_linear, quantize_weight
+from inflight.model.q4_linear import q4_linear, quantize_q4
 
 LAYERS = 30
 # name: (K, N), SmolLM2-135M: hidden 576, intermediate 1536, 9 + 2 * 3 heads of 64, vocab 49152.
@@ -62,27 +64,41 @@ def main() -> None:
 
     torch.manual_seed(0)
     rows = []
-    print(f"{'shape':>8} {'K':>5} {'N':>6} {'M':>5} {'fp32 ms':>9} {'int8 ms':>9} {'speedup':>8}")
+    print(
+        f"{'shape':>8} {'K':>5} {'N':>6} {'M':>5} {'fp32 ms':>9} {'int8 ms':>9} {'q4 ms':>9} "
+        f"{'int8 x':>7} {'q4 x':>7}"
+    )
     for name, (k, n) in SHAPES.items():
         weight = torch.randn(n, k) * 0.02
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        quantized = quantize_weight(weight)
+        quantized, q4 = quantize_weight(weight), quantize_q4(weight)
         for m in args.m:
             x = torch.randn(m, k)
-            fp32, int8 = best_times(
+            fp32, int8, four = best_times(
                 [
                     lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(
                         x, p, None, "none", [], ""
                     ),
                     lambda x=x, q=quantized: int8_linear(x, q),
+                    lambda x=x, q=q4: q4_linear(x, q),
                 ],
                 args.budget,
                 args.repeats,
             )
-            rows.append({"shape": name, "k": k, "n": n, "m": m, "fp32_s": fp32, "int8_s": int8})
+            rows.append(
+                {
+                    "shape": name,
+                    "k": k,
+                    "n": n,
+                    "m": m,
+                    "fp32_s": fp32,
+                    "int8_s": int8,
+                    "q4_s": four,
+                }
+            )
             print(
                 f"{name:>8} {k:>5} {n:>6} {m:>5} {fp32 * 1e3:>9.3f} {int8 * 1e3:>9.3f} "
-                f"{fp32 / int8:>7.2f}x"
+                f"{four * 1e3:>9.3f} {fp32 / int8:>6.2f}x {fp32 / four:>6.2f}x"
             )
 
     steps = {}
@@ -92,10 +108,14 @@ def main() -> None:
             key: sum(per[s][key] * (1 if s == "head" else LAYERS) for s in SHAPES)
             for key in ("fp32_s", "int8_s")
         }
+        step["q4_s"] = per["head"]["int8_s"] + LAYERS * sum(
+            per[s]["q4_s"] for s in SHAPES if s != "head"
+        )
         steps[m] = step
         print(
             f"30 layers + head at M={m}: fp32 {step['fp32_s'] * 1e3:.2f} ms, "
-            f"int8 {step['int8_s'] * 1e3:.2f} ms, {step['fp32_s'] / step['int8_s']:.2f}x"
+            f"int8 {step['int8_s'] * 1e3:.2f} ms ({step['fp32_s'] / step['int8_s']:.2f}x), "
+            f"q4 {step['q4_s'] * 1e3:.2f} ms ({step['fp32_s'] / step['q4_s']:.2f}x)"
         )
 
     write_report(

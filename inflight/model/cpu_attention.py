@@ -53,7 +53,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype)
         if meta.num_decodes:
             decode_attention(self._lib, q, kv_cache, meta, scale, out)
-        self.attend_rows(q, kv_cache, meta, scale, out, meta.num_decodes)
+        if meta.num_decodes < len(meta.query_lens_host):
+            self.attend_rows(q, kv_cache, meta, scale, out, meta.num_decodes)
         return out
 
 

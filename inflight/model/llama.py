@@ -128,17 +128,24 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if (lib := _cpu_ops(q)) is not None:
-            q, k = cpu_ops.rope(lib, q, *angles), cpu_ops.rope(lib, k, *angles)
+        tokens, heads = x.shape[0], self.num_heads
+        qkv = self.qkv_proj(x)
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None and (lib := _cpu_ops(qkv)) is not None:
+            # q's and k's heads side by side in the fused projection: one rotation call.
+            qk = qkv[:, :qk_size].view(tokens, heads + self.num_kv_heads, self.head_dim)
+            qk = cpu_ops.rope(lib, qk, *angles)
+            q, k = qk[:, :heads], qk[:, heads:]
         else:
-            q, k = rotate(q, k, angles)
+            q = qkv[:, : self.q_size].view(tokens, heads, self.head_dim)
+            k = qkv[:, self.q_size : qk_size].view(tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if (lib := _cpu_ops(q)) is not None:
+                q, k = cpu_ops.rope(lib, q, *angles), cpu_ops.rope(lib, k, *angles)
+            else:
+                q, k = rotate(q, k, angles)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 

@@ -37,6 +37,7 @@ Build with -ffp-contract=off so that the compiler cannot fuse differently in dif
 #define MR 4 /* tokens per register tile */
 #define NR 2 /* weight rows per register tile */
 #define CHUNK_BYTES (128 * 1024) /* int8 weight rows per cache tile, well within L2 */
+#define M_BLOCK 64 /* tokens per thread's share of a long prompt */
 /* Weight rows prefetched ahead of the tile reading them: the first token tile over a unit
    streams its rows from memory, which the hardware prefetcher alone leaves exposed (30% of the
    time of the head at M = 16). Prefetches past the end of the weights are harmless hints. */
@@ -203,6 +204,22 @@ static void run_tile(int mr, int nr, const Groups *groups, int64_t k, int64_t n_
     }
 }
 
+/* Weight rows [n0, n1) over tokens [m0, m1) (m0 a multiple of MR): each token tile stays in L1
+   while the unit's rows stream by from L2. */
+static void run_unit(int64_t n0, int64_t n1, int64_t m0, int64_t m1, const Groups *groups,
+                     int64_t k, int64_t n_total, const int8_t *w, const float *ws,
+                     const int16_t *xq, const float *xd, const float *bias, float *y) {
+    const int64_t sg = 8 * (int64_t)groups->count;
+    for (int64_t m = m0; m < m1; m += MR) {
+        const int mr = m1 - m < MR ? (int)(m1 - m) : MR;
+        for (int64_t n = n0; n < n1; n += NR) {
+            const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
+            run_tile(mr, nr, groups, k, n_total, w + n * k, ws + n * sg, xq + m * k,
+                     xd + m * sg, bias ? bias + n : NULL, y + m * n_total + n);
+        }
+    }
+}
+
 /* Returns 0, or -1 for a K the layout cannot hold, -2 when out of memory. */
 int int8_linear(const float *x, int64_t m_total, int64_t k, const int8_t *w, const float *ws,
                 int64_t n_total, const float *bias, float *y, int threads) {
@@ -228,24 +245,35 @@ int int8_linear(const float *x, int64_t m_total, int64_t k, const int8_t *w, con
     const int64_t share = (n_total + 4 * threads * NR - 1) / (4 * threads * NR);
     const int64_t unit = (share < fit ? share : fit) * NR;
     const int64_t units = (n_total + unit - 1) / unit;
+    const int64_t m_blocks = (m_total + M_BLOCK - 1) / M_BLOCK;
+    if (m_blocks >= 2 * threads) {
+        /* Many tokens (prefill): each thread takes whole blocks of tokens, quantizes them and
+           runs them over every weight row, so that no thread waits for another's rows (the
+           threads read all the weights each, from the shared L3). */
+#pragma omp parallel for num_threads(threads) schedule(dynamic)
+        for (int64_t mb = 0; mb < m_blocks; mb++) {
+            const int64_t m0 = mb * M_BLOCK, m1 = m0 + M_BLOCK < m_total ? m0 + M_BLOCK : m_total;
+            for (int64_t m = m0; m < m1; m++)
+                quantize_row(x + m * k, &groups, xq + (m / MR) * MR * k + (m % MR) * 32,
+                             xd + m * sg);
+            for (int64_t u = 0; u < units; u++)
+                run_unit(u * unit, u * unit + unit < n_total ? u * unit + unit : n_total, m0, m1,
+                         &groups, k, n_total, w, ws, xq, xd, bias, y);
+        }
+    } else {
+        /* Few tokens (decode): every thread needs every token, so they are quantized first;
+           the threads then share out the weight rows. */
 #pragma omp parallel num_threads(threads)
-    {
+        {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < m_total; m++)
-            quantize_row(x + m * k, &groups, xq + (m / MR) * MR * k + (m % MR) * 32,
-                         xd + m * sg);
-        /* implicit barrier: every row is quantized before any tile reads it */
-#pragma omp for schedule(dynamic) nowait /* the end of the parallel region waits anyway */
-        for (int64_t u = 0; u < units; u++) {
-            const int64_t n0 = u * unit, n1 = n0 + unit < n_total ? n0 + unit : n_total;
-            for (int64_t m = 0; m < m_total; m += MR) {
-                const int mr = m_total - m < MR ? (int)(m_total - m) : MR;
-                for (int64_t n = n0; n < n1; n += NR) {
-                    const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
-                    run_tile(mr, nr, &groups, k, n_total, w + n * k, ws + n * sg, xq + m * k,
-                             xd + m * sg, bias ? bias + n : NULL, y + m * n_total + n);
-                }
-            }
+            for (int64_t m = 0; m < m_total; m++)
+                quantize_row(x + m * k, &groups, xq + (m / MR) * MR * k + (m % MR) * 32,
+                             xd + m * sg);
+            /* implicit barrier: every row is quantized before any tile reads it */
+#pragma omp for schedule(dynamic) nowait /* the region's end waits anyway */
+            for (int64_t u = 0; u < units; u++)
+                run_unit(u * unit, u * unit + unit < n_total ? u * unit + unit : n_total, 0,
+                         m_total, &groups, k, n_total, w, ws, xq, xd, bias, y);
         }
     }
     free(xq), free(xd);

@@ -34,7 +34,7 @@ whatever M, N, its tile or its thread. Build with -ffp-contract=off.
 #define MR 4 /* tokens per register tile */
 #define NR 2 /* weight rows per register tile */
 #define CHUNK_BYTES (64 * 1024) /* packed weight rows per cache tile, well within L2 */
-#define M_BLOCK 64 /* tokens per cache tile: their int8 rows stay in L2 across weight units */
+#define M_BLOCK 64 /* tokens per thread's share of a long prompt */
 #define AHEAD 8 /* weight rows prefetched ahead (see int8_matmul.c) */
 
 /* Packed bytes of one weight row. */
@@ -221,6 +221,24 @@ static void run_tile(int mr, int nr, const Groups *groups, int64_t kq, int64_t n
     }
 }
 
+/* Weight rows [n0, n1) over tokens [m0, m1) (m0 a multiple of MR): each token tile stays in L1
+   while the unit's rows stream by from L2. */
+static void run_unit(int64_t n0, int64_t n1, int64_t m0, int64_t m1, const Groups *groups,
+                     int64_t k, int64_t kq, int64_t n_total, const uint8_t *w, const float *wd,
+                     const float *wm, const int8_t *xq, const float *xe, const float *xs,
+                     const float *bias, float *y) {
+    const int64_t sg = 8 * (int64_t)groups->count;
+    for (int64_t m = m0; m < m1; m += MR) {
+        const int mr = m1 - m < MR ? (int)(m1 - m) : MR;
+        for (int64_t n = n0; n < n1; n += NR) {
+            const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
+            run_tile(mr, nr, groups, kq, n_total, w + n * kq, wd + n * sg, wm + n * sg,
+                     xq + m * k, xe + m * sg, xs + m * sg, bias ? bias + n : NULL,
+                     y + m * n_total + n);
+        }
+    }
+}
+
 /* Returns 0, or -1 for a K the layout cannot hold, -2 when out of memory. */
 int q4_linear(const float *x, int64_t m_total, int64_t k, const uint8_t *w, const float *wd,
               const float *wm, int64_t n_total, const float *bias, float *y, int threads) {
@@ -244,28 +262,34 @@ int q4_linear(const float *x, int64_t m_total, int64_t k, const uint8_t *w, cons
     const int64_t unit = (share < fit ? share : fit) * NR;
     const int64_t units = (n_total + unit - 1) / unit;
     const int64_t m_blocks = (m_total + M_BLOCK - 1) / M_BLOCK;
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < m_total; m++)
-            quantize_row(x + m * k, &groups, xq + (m / MR) * MR * k + (m % MR) * 32, xe + m * sg,
-                         xs + m * sg);
-        /* implicit barrier: every row is quantized before any tile reads it */
-#pragma omp for schedule(dynamic) collapse(2) nowait /* the region's end waits anyway */
+    if (m_blocks >= 2 * threads) {
+        /* Many tokens (prefill): each thread takes whole blocks of tokens, quantizes them and
+           runs them over every weight row, so that no thread waits for another's rows (the
+           threads read all the weights each, from the shared L3). */
+#pragma omp parallel for num_threads(threads) schedule(dynamic)
         for (int64_t mb = 0; mb < m_blocks; mb++) {
-        for (int64_t u = 0; u < units; u++) {
-            const int64_t n0 = u * unit, n1 = n0 + unit < n_total ? n0 + unit : n_total;
-            const int64_t m1 = (mb + 1) * M_BLOCK < m_total ? (mb + 1) * M_BLOCK : m_total;
-            for (int64_t m = mb * M_BLOCK; m < m1; m += MR) {
-                const int mr = m_total - m < MR ? (int)(m_total - m) : MR;
-                for (int64_t n = n0; n < n1; n += NR) {
-                    const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
-                    run_tile(mr, nr, &groups, kq, n_total, w + n * kq, wd + n * sg, wm + n * sg,
-                             xq + m * k, xe + m * sg, xs + m * sg, bias ? bias + n : NULL,
-                             y + m * n_total + n);
-                }
-            }
+            const int64_t m0 = mb * M_BLOCK, m1 = m0 + M_BLOCK < m_total ? m0 + M_BLOCK : m_total;
+            for (int64_t m = m0; m < m1; m++)
+                quantize_row(x + m * k, &groups, xq + (m / MR) * MR * k + (m % MR) * 32,
+                             xe + m * sg, xs + m * sg);
+            for (int64_t u = 0; u < units; u++)
+                run_unit(u * unit, u * unit + unit < n_total ? u * unit + unit : n_total, m0, m1,
+                         &groups, k, kq, n_total, w, wd, wm, xq, xe, xs, bias, y);
         }
+    } else {
+        /* Few tokens (decode): every thread needs every token, so they are quantized first;
+           the threads then share out the weight rows. */
+#pragma omp parallel num_threads(threads)
+        {
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < m_total; m++)
+                quantize_row(x + m * k, &groups, xq + (m / MR) * MR * k + (m % MR) * 32,
+                             xe + m * sg, xs + m * sg);
+            /* implicit barrier: every row is quantized before any tile reads it */
+#pragma omp for schedule(dynamic) nowait /* the region's end waits anyway */
+            for (int64_t u = 0; u < units; u++)
+                run_unit(u * unit, u * unit + unit < n_total ? u * unit + unit : n_total, 0,
+                         m_total, &groups, k, kq, n_total, w, wd, wm, xq, xe, xs, bias, y);
         }
     }
     free(xq), free(xe), free(xs);

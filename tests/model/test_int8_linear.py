@@ -70,6 +70,24 @@ def test_rows_identical_alone_or_batched_and_across_threads():
     assert torch.equal(batched, alone)
 
 
+def test_long_prompts_split_by_tokens_give_the_same_rows():
+    """Enough tokens (203: four blocks of 64, the last partial) that the threads split them
+    instead of the weight rows; each row as the few-token split computes it."""
+    torch.manual_seed(3)
+    x, weight, bias = torch.randn(203, 224), torch.randn(33, 224), torch.randn(33)
+    q = quantize_weight(weight)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        out = int8_linear(x, q, bias)
+        assert torch.equal(out[150:], int8_linear(x[150:], q, bias))
+    finally:
+        torch.set_num_threads(threads)
+    assert (
+        out.double() - _reference(x, weight, bias)
+    ).abs().max().item() <= 1e-5 * out.abs().max().item()
+
+
 def test_bias_is_added_last_and_leading_dims_kept():
     torch.manual_seed(1)
     x, weight, bias = torch.randn(2, 3, 64), torch.randn(10, 64), torch.randn(10)

@@ -83,13 +83,19 @@ def test_rows_identical_alone_or_batched_and_across_threads():
     assert torch.equal(batched, alone)
 
 
-def test_long_prompts_cross_the_token_blocks():
-    """More tokens than one cache tile of them (64), with a partial last register tile."""
+def test_long_prompts_split_by_tokens_give_the_same_rows():
+    """Enough tokens (203: four blocks of 64, the last partial) that the threads split them
+    instead of the weight rows; each row as the few-token split computes it."""
     torch.manual_seed(3)
     x, weight = torch.randn(203, 224), torch.randn(33, 224)
     q = quantize_q4(weight)
-    out = q4_linear(x, q)
-    assert torch.equal(out[150:], q4_linear(x[150:], q))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        out = q4_linear(x, q)
+        assert torch.equal(out[150:], q4_linear(x[150:], q))
+    finally:
+        torch.set_num_threads(threads)
     ref = _dequantize_x(x) @ _dequantize_w(*quantize_q4_blocks(weight)).T
     assert (out.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
+
+# `inflight bench throughput` engines that run inflight itself, by the quantization they use.
+INFLIGHT_ENGINES = {"inflight": None, "inflight-int8": "int8", "inflight-q4": "q4"}
 
 
 def _positive(value: str) -> int:
@@ -101,15 +105,17 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     tokenizer = open_checkpoint(args.model).tokenizer
     work = offline.make_workload(tokenizer, args.num_prompts, args.prompt_len, args.output_len)
     runs = {
-        "inflight": lambda: offline.run_inflight(
-            args.model, work, args.batch, max_num_tokens=args.max_num_tokens
-        ),
-        "inflight-int8": lambda: offline.run_inflight(
-            args.model, work, args.batch, max_num_tokens=args.max_num_tokens, quantization="int8"
-        ),
-        "inflight-q4": lambda: offline.run_inflight(
-            args.model, work, args.batch, max_num_tokens=args.max_num_tokens, quantization="q4"
-        ),
+        name: functools.partial(
+            offline.run_inflight,
+            args.model,
+            work,
+            args.batch,
+            max_num_tokens=args.max_num_tokens,
+            quantization=quantization,
+        )
+        for name, quantization in INFLIGHT_ENGINES.items()
+    }
+    runs |= {
         "hf-static": lambda: offline.run_hf_static(args.model, work, tokenizer.eos_token_ids[0]),
         "hf-continuous": lambda: offline.run_hf_continuous(args.model, work),
         "llama-server": lambda: offline.run_llama_server(
@@ -124,7 +130,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         results[name] = runs[name]()
         print(f"{name:<14} {results[name]:8.1f} output tok/s", flush=True)
     peers = [v for k, v in results.items() if not k.startswith("inflight")]
-    for name in ("inflight", "inflight-int8", "inflight-q4"):
+    for name in INFLIGHT_ENGINES:
         if name in results and peers:
             print(f"{name} / best peer: {results[name] / max(peers):.2f}x")
     if args.out:
@@ -246,14 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engines",
         nargs="+",
         default=["inflight"],
-        choices=[
-            "inflight",
-            "inflight-int8",
-            "inflight-q4",
-            "hf-static",
-            "hf-continuous",
-            "llama-server",
-        ],
+        choices=[*INFLIGHT_ENGINES, "hf-static", "hf-continuous", "llama-server"],
     )
     through.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server")
     through.add_argument("--out", default=None, help="write the results as JSON here")

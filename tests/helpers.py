@@ -1,5 +1,8 @@
 """Assertions and set-ups shared by the tests."""
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from inflight.model.attention import AttentionMetadata, TorchAttentionBackend
@@ -34,3 +37,14 @@ def prefill_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         hidden = model(torch.tensor(ids), torch.arange(tokens), caches, meta, backend)
         return model.compute_logits(hidden)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's (and so the native kernels') thread count set to n inside the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

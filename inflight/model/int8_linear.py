@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,30 +96,45 @@ def int8_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [..., K] float32 (CPU) @ weight^T (+ bias) -> [..., N] float32."""
-    k, n = weight.in_features, weight.out_features
+    return run_kernel(
+        load_kernel().int8_linear, "int8_linear", x, weight.in_features,
+        weight.out_features, (weight.values, weight.scales), bias,
+    )  # fmt: skip
+
+
+def run_kernel(
+    kernel: Callable[..., int],
+    name: str,
+    x: torch.Tensor,
+    k: int,
+    n: int,
+    weight: tuple[torch.Tensor, ...],
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [..., K] float32 (CPU) @ a quantized [N, K] weight^T (+ bias) through a native kernel
+    taking x, M, K, the weight's tensors, N, bias, out and the thread count."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
         raise ValueError(
-            f"int8_linear needs float32 CPU input [..., {k}], got {x.dtype} "
+            f"{name} needs float32 CPU input [..., {k}], got {x.dtype} "
             f"{tuple(x.shape)} on {x.device}"
         )
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
-        raise ValueError(f"int8_linear bias must be float32 [{n}], got {bias.dtype} {bias.shape}")
+        raise ValueError(f"{name} bias must be float32 [{n}], got {bias.dtype} {bias.shape}")
     if bias is not None:
         bias = bias.contiguous()  # held here: the kernel reads it through a raw pointer
     x2 = x.reshape(-1, k).contiguous()
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
     if x2.shape[0]:
-        status = load_kernel().int8_linear(
+        status = kernel(
             x2.data_ptr(),
             x2.shape[0],
             k,
-            weight.values.data_ptr(),
-            weight.scales.data_ptr(),
+            *(t.data_ptr() for t in weight),
             n,
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),
             torch.get_num_threads(),
         )
         if status != 0:
-            raise RuntimeError(f"int8 kernel failed with status {status} (K={k}, N={n})")
+            raise RuntimeError(f"{name} kernel failed with status {status} (K={k}, N={n})")
     return out.reshape(*x.shape[:-1], n)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from inflight.model import native
-from inflight.model.int8_linear import BLOCK, block_groups
+from inflight.model.int8_linear import BLOCK, block_groups, run_kernel
 
 _SOURCE = Path(__file__).with_name("q4_matmul.c")
 
@@ -92,31 +92,7 @@ def load_kernel() -> ctypes.CDLL:
 
 def q4_linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] float32 (CPU) @ weight^T (+ bias) -> [..., N] float32."""
-    k, n = weight.in_features, weight.out_features
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
-        raise ValueError(
-            f"q4_linear needs float32 CPU input [..., {k}], got {x.dtype} "
-            f"{tuple(x.shape)} on {x.device}"
-        )
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
-        raise ValueError(f"q4_linear bias must be float32 [{n}], got {bias.dtype} {bias.shape}")
-    if bias is not None:
-        bias = bias.contiguous()  # held here: the kernel reads it through a raw pointer
-    x2 = x.reshape(-1, k).contiguous()
-    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    if x2.shape[0]:
-        status = load_kernel().q4_linear(
-            x2.data_ptr(),
-            x2.shape[0],
-            k,
-            weight.values.data_ptr(),
-            weight.scales.data_ptr(),
-            weight.mins.data_ptr(),
-            n,
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if status != 0:
-            raise RuntimeError(f"4-bit kernel failed with status {status} (K={k}, N={n})")
-    return out.reshape(*x.shape[:-1], n)
+    return run_kernel(
+        load_kernel().q4_linear, "q4_linear", x, weight.in_features, weight.out_features,
+        (weight.values, weight.scales, weight.mins), bias,
+    )  # fmt: skip

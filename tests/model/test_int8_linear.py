@@ -1,5 +1,5 @@
-"""The int8 CPU matmul: exact to its own quantization math, close to float32, the same bits for a
-row whatever batch or thread count computes it, and a model built with it close to float32."""
+"""The int8 CPU matmul: exact to its own quantization math, close to float32, and a model built
+with it close to float32 (what it shares with the 4-bit kernel: test_quantized_linear.py)."""
 
 import pytest
 import torch
@@ -47,64 +47,6 @@ def test_close_to_float32(m, k, n):
     # blocks of 32 (max about 2.1 sigma, uniform rounding error of step / sqrt(12)), so about
     # 0.8% RMS relative for the product of two; 1.5% leaves room for small samples.
     assert _rel(int8_linear(x, quantize_weight(weight)), x @ weight.T) < 0.015
-
-
-def test_rows_identical_alone_or_batched_and_across_threads():
-    torch.manual_seed(0)
-    x, weight, bias = torch.randn(37, 576), torch.randn(577, 576), torch.randn(577)
-    q = quantize_weight(weight)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        batched = int8_linear(x, q, bias)
-        alone = torch.cat([int8_linear(row[None], q, bias) for row in x])
-        torch.set_num_threads(2)
-        assert torch.equal(int8_linear(x, q, bias), batched)
-        for m in (2, 5, 16, 37):
-            for start in range(0, 37 - m + 1, m):
-                assert torch.equal(
-                    int8_linear(x[start : start + m], q, bias), alone[start : start + m]
-                )
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(batched, alone)
-
-
-def test_long_prompts_split_by_tokens_give_the_same_rows():
-    """Enough tokens (203: four blocks of 64, the last partial) that the threads split them
-    instead of the weight rows; each row as the few-token split computes it."""
-    torch.manual_seed(3)
-    x, weight, bias = torch.randn(203, 224), torch.randn(33, 224), torch.randn(33)
-    q = quantize_weight(weight)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        out = int8_linear(x, q, bias)
-        assert torch.equal(out[150:], int8_linear(x[150:], q, bias))
-    finally:
-        torch.set_num_threads(threads)
-    assert (
-        out.double() - _reference(x, weight, bias)
-    ).abs().max().item() <= 1e-5 * out.abs().max().item()
-
-
-def test_bias_is_added_last_and_leading_dims_kept():
-    torch.manual_seed(1)
-    x, weight, bias = torch.randn(2, 3, 64), torch.randn(10, 64), torch.randn(10)
-    q = quantize_weight(weight)
-    out = int8_linear(x, q, bias)
-    assert out.shape == (2, 3, 10)
-    assert torch.equal(out, int8_linear(x, q) + bias)
-
-
-def test_rejects_what_it_cannot_run():
-    with pytest.raises(ValueError, match="multiple of 32"):
-        quantize_weight(torch.randn(4, 48))
-    q = quantize_weight(torch.randn(4, 64))
-    with pytest.raises(ValueError, match=r"float32 CPU input \[\.\.\., 64\]"):
-        int8_linear(torch.randn(2, 32), q)
-    with pytest.raises(ValueError, match="float32"):
-        int8_linear(torch.randn(2, 64, dtype=torch.float64), q)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

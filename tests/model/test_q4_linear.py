@@ -1,6 +1,6 @@
 """The 4-bit CPU matmul: exact to its own quantization math, lossless on Q4_1 weights (the
-SmolLM2 GGUF's included), the same bits for a row whatever batch or thread count computes it, and
-the SmolLM2 model built with it close to float32."""
+SmolLM2 GGUF's included), and the SmolLM2 model built with it close to float32 (what it shares
+with the int8 kernel: test_quantized_linear.py)."""
 
 import pytest
 import torch
@@ -60,63 +60,6 @@ def test_q4_1_weights_come_back_as_stored(m, k, n):
     ref = _dequantize_x(x) @ _dequantize_w(q, d, low).T
     out = q4_linear(x, quantize_q4(weight))
     assert (out.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
-
-
-def test_rows_identical_alone_or_batched_and_across_threads():
-    torch.manual_seed(0)
-    x, weight, bias = torch.randn(37, 576), torch.randn(577, 576), torch.randn(577)
-    q = quantize_q4(weight)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        batched = q4_linear(x, q, bias)
-        alone = torch.cat([q4_linear(row[None], q, bias) for row in x])
-        torch.set_num_threads(2)
-        assert torch.equal(q4_linear(x, q, bias), batched)
-        for m in (2, 5, 16, 37):
-            for start in range(0, 37 - m + 1, m):
-                assert torch.equal(
-                    q4_linear(x[start : start + m], q, bias), alone[start : start + m]
-                )
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(batched, alone)
-
-
-def test_long_prompts_split_by_tokens_give_the_same_rows():
-    """Enough tokens (203: four blocks of 64, the last partial) that the threads split them
-    instead of the weight rows; each row as the few-token split computes it."""
-    torch.manual_seed(3)
-    x, weight = torch.randn(203, 224), torch.randn(33, 224)
-    q = quantize_q4(weight)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        out = q4_linear(x, q)
-        assert torch.equal(out[150:], q4_linear(x[150:], q))
-    finally:
-        torch.set_num_threads(threads)
-    ref = _dequantize_x(x) @ _dequantize_w(*quantize_q4_blocks(weight)).T
-    assert (out.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
-
-
-def test_bias_is_added_last_and_leading_dims_kept():
-    torch.manual_seed(1)
-    x, weight, bias = torch.randn(2, 3, 64), torch.randn(10, 64), torch.randn(10)
-    q = quantize_q4(weight)
-    out = q4_linear(x, q, bias)
-    assert out.shape == (2, 3, 10)
-    assert torch.equal(out, q4_linear(x, q) + bias)
-
-
-def test_rejects_what_it_cannot_run():
-    with pytest.raises(ValueError, match="multiple of 32"):
-        quantize_q4(torch.randn(4, 48))
-    q = quantize_q4(torch.randn(4, 64))
-    with pytest.raises(ValueError, match=r"float32 CPU input \[\.\.\., 64\]"):
-        q4_linear(torch.randn(2, 32), q)
-    with pytest.raises(ValueError, match="float32"):
-        q4_linear(torch.randn(2, 64, dtype=torch.float64), q)
 
 
 @pytest.fixture(scope="module")

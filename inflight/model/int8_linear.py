@@ -58,13 +58,19 @@ def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values.flatten(-2), (amax / 127.0).squeeze(-1)
 
 
-def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
-    """Quantize a float [N, K] weight (K a multiple of 32) into the kernel's layout."""
+def check_weight(weight: torch.Tensor, what: str) -> tuple[int, int]:
+    """N and K of a weight the quantized kernels can take: 2-D, K a multiple of 32."""
     if weight.dim() != 2:
-        raise ValueError(f"int8 weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+        raise ValueError(f"{what} weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
     n, k = weight.shape
     if k == 0 or k % BLOCK:
-        raise ValueError(f"int8 weight needs K (in_features) a multiple of {BLOCK}, got {k}")
+        raise ValueError(f"{what} weight needs K (in_features) a multiple of {BLOCK}, got {k}")
+    return n, k
+
+
+def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
+    """Quantize a float [N, K] weight (K a multiple of 32) into the kernel's layout."""
+    n, k = check_weight(weight, "int8")
     values, scales = quantize_blocks(weight.detach())
     packed_values, packed_scales = [], []
     start = 0

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from inflight.model import native
-from inflight.model.int8_linear import BLOCK, block_groups, run_kernel
+from inflight.model.int8_linear import BLOCK, block_groups, check_weight, run_kernel
 
 _SOURCE = Path(__file__).with_name("q4_matmul.c")
 
@@ -51,11 +51,7 @@ def quantize_q4_blocks(
 
 def quantize_q4(weight: torch.Tensor) -> Q4Weight:
     """Quantize a float [N, K] weight (K a multiple of 32) into the kernel's layout."""
-    if weight.dim() != 2:
-        raise ValueError(f"4-bit weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
-    n, k = weight.shape
-    if k == 0 or k % BLOCK:
-        raise ValueError(f"4-bit weight needs K (in_features) a multiple of {BLOCK}, got {k}")
+    n, k = check_weight(weight, "4-bit")
     q, d, low = quantize_q4_blocks(weight.detach())
     words, scales, mins = [], [], []
     start = 0

@@ -1,9 +1,9 @@
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with 4-bit weights and int8 activations, AVX2.
 
 Weights: per block of 32 along K, w = d * q + m with q in 0..15 and float32 d, m (GGUF's Q4_1,
-whose tensors load here without loss). Activations: int8 per block of 32, x = e * p with p in
--127..127, quantized here, per row, on every call, with the block's s = e * sum(p). Then a block
-contributes d * e * sum(q * p) + m * s.
+whose weights come back as stored, up to the rounding of d). Activations: int8 per block of 32,
+x = e * p with p in -127..127, quantized here, per row, on every call, with the block's
+s = e * sum(p). Then a block contributes d * e * sum(q * p) + m * s.
 
 Integer dot. vpmaddubsw multiplies unsigned by signed bytes and adds pairs into int16: with q at
 most 15 a pair is at most 2 * 15 * 127 = 3810, so the int16 sums of a whole group (8 registers)

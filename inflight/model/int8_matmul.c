@@ -33,11 +33,11 @@ Build with -ffp-contract=off so that the compiler cannot fuse differently in dif
 
 #include "block_groups.h"
 #include "simd_math.h"
+#include "work_split.h"
 
 #define MR 4 /* tokens per register tile */
 #define NR 2 /* weight rows per register tile */
 #define CHUNK_BYTES (128 * 1024) /* int8 weight rows per cache tile, well within L2 */
-#define M_BLOCK 64 /* tokens per thread's share of a long prompt */
 /* Weight rows prefetched ahead of the tile reading them: the first token tile over a unit
    streams its rows from memory, which the hardware prefetcher alone leaves exposed (30% of the
    time of the head at M = 16). Prefetches past the end of the weights are harmless hints. */
@@ -204,18 +204,33 @@ static void run_tile(int mr, int nr, const Groups *groups, int64_t k, int64_t n_
     }
 }
 
-/* Weight rows [n0, n1) over tokens [m0, m1) (m0 a multiple of MR): each token tile stays in L1
-   while the unit's rows stream by from L2. */
-static void run_unit(int64_t n0, int64_t n1, int64_t m0, int64_t m1, const Groups *groups,
-                     int64_t k, int64_t n_total, const int8_t *w, const float *ws,
-                     const int16_t *xq, const float *xd, const float *bias, float *y) {
-    const int64_t sg = 8 * (int64_t)groups->count;
+/* One call's buffers, for the steps that work_split.h runs. */
+typedef struct {
+    const Groups *groups;
+    int64_t k, sg, n_total;
+    const float *x, *ws, *bias;
+    const int8_t *w;
+    int16_t *xq;
+    float *xd, *y;
+} Call;
+
+static void quantize_token(const void *call, int64_t m) {
+    const Call *c = call;
+    quantize_row(c->x + m * c->k, c->groups, c->xq + (m / MR) * MR * c->k + (m % MR) * 32,
+                 c->xd + m * c->sg);
+}
+
+/* Each token tile stays in L1 while the unit's rows stream by from L2. */
+static void run_unit(const void *call, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
+    const Call *c = call;
+    const int64_t sg = c->sg;
     for (int64_t m = m0; m < m1; m += MR) {
         const int mr = m1 - m < MR ? (int)(m1 - m) : MR;
         for (int64_t n = n0; n < n1; n += NR) {
             const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
-            run_tile(mr, nr, groups, k, n_total, w + n * k, ws + n * sg, xq + m * k,
-                     xd + m * sg, bias ? bias + n : NULL, y + m * n_total + n);
+            run_tile(mr, nr, c->groups, c->k, c->n_total, c->w + n * c->k, c->ws + n * sg,
+                     c->xq + m * c->k, c->xd + m * sg, c->bias ? c->bias + n : NULL,
+                     c->y + m * c->n_total + n);
         }
     }
 }
@@ -237,45 +252,9 @@ int int8_linear(const float *x, int64_t m_total, int64_t k, const int8_t *w, con
         free(xq), free(xd);
         return -2;
     }
-    /* Work units of weight rows: small enough that every thread gets several (taken
-       dynamically, so a thread that the OS preempts does not hold up the others; the results do
-       not depend on who computes what), at most a chunk that stays in L2 while every token tile
-       passes over it. A token tile stays in L1 while the unit's row tiles stream by. */
-    const int64_t fit = CHUNK_BYTES / k / NR > 0 ? CHUNK_BYTES / k / NR : 1;
-    const int64_t share = (n_total + 4 * threads * NR - 1) / (4 * threads * NR);
-    const int64_t unit = (share < fit ? share : fit) * NR;
-    const int64_t units = (n_total + unit - 1) / unit;
-    const int64_t m_blocks = (m_total + M_BLOCK - 1) / M_BLOCK;
-    if (m_blocks >= 2 * threads) {
-        /* Many tokens (prefill): each thread takes whole blocks of tokens, quantizes them and
-           runs them over every weight row, so that no thread waits for another's rows (the
-           threads read all the weights each, from the shared L3). */
-#pragma omp parallel for num_threads(threads) schedule(dynamic)
-        for (int64_t mb = 0; mb < m_blocks; mb++) {
-            const int64_t m0 = mb * M_BLOCK, m1 = m0 + M_BLOCK < m_total ? m0 + M_BLOCK : m_total;
-            for (int64_t m = m0; m < m1; m++)
-                quantize_row(x + m * k, &groups, xq + (m / MR) * MR * k + (m % MR) * 32,
-                             xd + m * sg);
-            for (int64_t u = 0; u < units; u++)
-                run_unit(u * unit, u * unit + unit < n_total ? u * unit + unit : n_total, m0, m1,
-                         &groups, k, n_total, w, ws, xq, xd, bias, y);
-        }
-    } else {
-        /* Few tokens (decode): every thread needs every token, so they are quantized first;
-           the threads then share out the weight rows. */
-#pragma omp parallel num_threads(threads)
-        {
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < m_total; m++)
-                quantize_row(x + m * k, &groups, xq + (m / MR) * MR * k + (m % MR) * 32,
-                             xd + m * sg);
-            /* implicit barrier: every row is quantized before any tile reads it */
-#pragma omp for schedule(dynamic) nowait /* the region's end waits anyway */
-            for (int64_t u = 0; u < units; u++)
-                run_unit(u * unit, u * unit + unit < n_total ? u * unit + unit : n_total, 0,
-                         m_total, &groups, k, n_total, w, ws, xq, xd, bias, y);
-        }
-    }
+    const Call call = {&groups, k, sg, n_total, x, ws, bias, w, xq, xd, y};
+    const Steps steps = {quantize_token, run_unit};
+    split_work(&steps, &call, m_total, n_total, CHUNK_BYTES / k, NR, threads);
     free(xq), free(xd);
     return 0;
 }

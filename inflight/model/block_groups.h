@@ -9,7 +9,15 @@
 #ifndef INFLIGHT_BLOCK_GROUPS_H
 #define INFLIGHT_BLOCK_GROUPS_H
 
+#include <immintrin.h>
 #include <stdint.h>
+
+#include "simd_math.h"
+
+/* The register tile: MR tokens x NR weight rows, whose MR * NR = 8 float accumulators reduce in
+   one hsum8. */
+#define MR 4
+#define NR 2
 
 #define MAX_GROUPS 1024 /* K up to about 256k */
 #define INLINE static inline __attribute__((always_inline))
@@ -30,6 +38,18 @@ static int make_groups(int64_t k, Groups *groups) {
         }
     }
     return 0;
+}
+
+/* Writes an mr x nr tile's outputs (row stride n_total) from its accumulators, acc[m * NR + n]
+   for token m and row n: a fixed horizontal sum, then the bias. Partial tiles go through the
+   same sum, padded with zeros, so that an output never depends on its neighbours. */
+INLINE void store_tile(const __m256 acc[MR * NR], int mr, int nr, int64_t n_total,
+                       const float *bias, float *y) {
+    float out[MR * NR];
+    _mm256_storeu_ps(out, hsum8(acc));
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++)
+            y[m * n_total + n] = out[m * NR + n] + (bias ? bias[n] : 0.0f);
 }
 
 #endif

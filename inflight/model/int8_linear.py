@@ -47,6 +47,15 @@ def block_groups(k: int) -> list[int]:
     return groups
 
 
+def group_registers(group: torch.Tensor, g: int) -> torch.Tensor:
+    """The g 32-byte registers [N, g, 32] of a group of g blocks [N, g * 32], laid out as
+    block_groups.h describes: int32 lane l of each register holds chunks of block l // (8 / g)."""
+    lanes = 8 // g
+    # [N, block i, register r, chunk in lane c, byte j] -> [N, r, i, c, j]
+    blocks = group.reshape(group.shape[0], g, g, lanes, 4)
+    return blocks.permute(0, 2, 1, 3, 4).reshape(group.shape[0], g, BLOCK)
+
+
 def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per block of 32 along the last dim, the kernel's arithmetic exactly
     (q = round-half-even(x * (127 / amax)), scale = amax / 127): values [..., K] int8 and
@@ -75,12 +84,9 @@ def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
     packed_values, packed_scales = [], []
     start = 0
     for g in block_groups(k):
-        lanes = 8 // g
-        # [N, block i, register r, chunk in lane c, byte j] -> [N, r, i, c, j]: int32 lane l
-        # of register r then holds chunks of block l // lanes only.
-        group = values[:, start * BLOCK : (start + g) * BLOCK].reshape(n, g, g, lanes, 4)
-        packed_values.append(group.permute(0, 2, 1, 3, 4).reshape(n, g * BLOCK))
-        packed_scales.append(scales[:, start : start + g].repeat_interleave(lanes, dim=1))
+        group = values[:, start * BLOCK : (start + g) * BLOCK]
+        packed_values.append(group_registers(group, g).reshape(n, g * BLOCK))
+        packed_scales.append(scales[:, start : start + g].repeat_interleave(8 // g, dim=1))
         start += g
     return QuantizedWeight(
         torch.cat(packed_values, dim=1).contiguous(), torch.cat(packed_scales, dim=1).contiguous()

@@ -35,8 +35,6 @@ Build with -ffp-contract=off so that the compiler cannot fuse differently in dif
 #include "simd_math.h"
 #include "work_split.h"
 
-#define MR 4 /* tokens per register tile */
-#define NR 2 /* weight rows per register tile */
 #define CHUNK_BYTES (128 * 1024) /* int8 weight rows per cache tile, well within L2 */
 /* Weight rows prefetched ahead of the tile reading them: the first token tile over a unit
    streams its rows from memory, which the hardware prefetcher alone leaves exposed (30% of the
@@ -153,8 +151,7 @@ INLINE void dot_group(const int mr, const int nr, int regs, int64_t k, const int
     }
 }
 
-/* One register tile: mr tokens (interleaved at xq, scales at xd) x nr weight rows, all of K.
-   Partial tiles reduce through the same 8-wide sum as full ones, padded with zeros. */
+/* One register tile: mr tokens (interleaved at xq, scales at xd) x nr weight rows, all of K. */
 INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, int64_t n_total,
                  const int8_t *w, const float *ws, const int16_t *xq, const float *xd,
                  const float *bias, float *y) {
@@ -183,11 +180,7 @@ INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, in
         ws += 8;
         xd += 8;
     }
-    float out[MR * NR];
-    _mm256_storeu_ps(out, hsum8(acc));
-    for (int m = 0; m < mr; m++)
-        for (int n = 0; n < nr; n++)
-            y[m * n_total + n] = out[m * NR + n] + (bias ? bias[n] : 0.0f);
+    store_tile(acc, mr, nr, n_total, bias, y);
 }
 
 #define TILE_CASE(a, b)                                                                      \

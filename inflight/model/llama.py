@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from inflight.model import cpu_ops
-from inflight.model import int8_linear as int8
-from inflight.model import q4_linear as q4
 from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from inflight.model.config import ModelConfig
 from inflight.model.int8_linear import BLOCK, QuantizedWeight, int8_linear, quantize_weight
-from inflight.model.q4_linear import Q4Weight, q4_linear
+from inflight.model.int8_linear import load_kernel as load_int8_kernel
+from inflight.model.q4_linear import Q4Weight, q4_linear, quantize_q4
+from inflight.model.q4_linear import load_kernel as load_q4_kernel
 from inflight.model.rope import Angles, RotaryEmbedding, rotate
 
 
@@ -44,7 +44,7 @@ class Linear(nn.Linear):
         """Replace the weight by its "int8" or "q4" form (after loading; CPU float32 only,
         in_features a multiple of 32)."""
         weight = self.weight.detach()
-        self.quantized = quantize_weight(weight) if kind == "int8" else q4.quantize_q4(weight)
+        self.quantized = quantize_weight(weight) if kind == "int8" else quantize_q4(weight)
         del self.weight
         self.register_parameter("weight", None)
 
@@ -265,9 +265,9 @@ class LlamaForCausalLM(nn.Module):
             )
         if quantization is not None:
             # A missing compiler or CPU feature shows here, not mid-generation.
-            int8.load_kernel()
+            load_int8_kernel()
             if quantization == "q4":
-                q4.load_kernel()
+                load_q4_kernel()
         for module in self.modules():
             if isinstance(module, Linear):
                 if quantization is not None and module.in_features % BLOCK == 0:

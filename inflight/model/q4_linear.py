@@ -16,7 +16,13 @@ from pathlib import Path
 import torch
 
 from inflight.model import native
-from inflight.model.int8_linear import BLOCK, block_groups, check_weight, run_kernel
+from inflight.model.int8_linear import (
+    BLOCK,
+    block_groups,
+    check_weight,
+    group_registers,
+    run_kernel,
+)
 
 _SOURCE = Path(__file__).with_name("q4_matmul.c")
 
@@ -57,9 +63,7 @@ def quantize_q4(weight: torch.Tensor) -> Q4Weight:
     start = 0
     for g in block_groups(k):
         lanes = 8 // g
-        # [N, block i, register r, chunk in lane c, byte j] -> [N, r, i, c, j], as int8_linear.
-        group = q[:, start * BLOCK : (start + g) * BLOCK].reshape(n, g, g, lanes, 4)
-        registers = group.permute(0, 2, 1, 3, 4).reshape(n, g, BLOCK)
+        registers = group_registers(q[:, start * BLOCK : (start + g) * BLOCK], g)
         if g == 1:
             words.append(registers[:, 0])
         else:  # register 2i in the low nibbles, 2i + 1 in the high ones

@@ -40,6 +40,21 @@ static int make_groups(int64_t k, Groups *groups) {
     return 0;
 }
 
+/* One block of 32 activations quantized symmetrically: q = round-half-even(x * 127 / amax) as
+   int32 in q[4], and amax returned (the block's scale is amax / 127). */
+static inline float quantize_block(const float *x, __m256i q[4]) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(x + 8 * j);
+        m = _mm256_max_ps(m, _mm256_and_ps(v[j], abs_mask));
+    }
+    const float amax = hmax256(m);
+    const __m256 inv = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+    for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+    return amax;
+}
+
 /* Writes an mr x nr tile's outputs (row stride n_total) from its accumulators, acc[m * NR + n]
    for token m and row n: a fixed horizontal sum, then the bias. Partial tiles go through the
    same sum, padded with zeros, so that an output never depends on its neighbours. */

@@ -43,7 +43,6 @@ Build with -ffp-contract=off so that the compiler cannot fuse differently in dif
 /* Quantizes one row of x: values into its slot of the interleaved tile layout (register stride
    MR * 32 int16), 8 scales per group into xd, divided by 256 to undo the weights' scaling. */
 static void quantize_row(const float *x, const Groups *groups, int16_t *xq, float *xd) {
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     /* per 128-bit half (two 4-element chunks): even elements' pairs first, then odd ones' */
     const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
@@ -51,18 +50,8 @@ static void quantize_row(const float *x, const Groups *groups, int16_t *xq, floa
     for (int gi = 0; gi < groups->count; gi++) {
         const int g = groups->sizes[gi], lanes = 8 / g, shift = __builtin_ctz(lanes);
         for (int i = 0; i < g; i++, x += 32) {
-            __m256 v[4], m = _mm256_setzero_ps();
-            for (int j = 0; j < 4; j++) {
-                v[j] = _mm256_loadu_ps(x + 8 * j);
-                m = _mm256_max_ps(m, _mm256_and_ps(v[j], abs_mask));
-            }
-            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_max_ss(h, _mm_movehdup_ps(h));
-            const float amax = _mm_cvtss_f32(h);
-            const __m256 inv = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
             __m256i q[4];
-            for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+            const float amax = quantize_block(x, q);
             /* packs works per 128-bit half; the 0xd8 permute restores element order */
             const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8);
             const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8);

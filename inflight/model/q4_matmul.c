@@ -45,22 +45,14 @@ static int64_t row_bytes(const Groups *groups) {
 /* Quantizes one row of x: bytes into its slot of the interleaved tile layout (register stride
    MR * 32), per group 8 scales into xe and 8 block sums into xs. */
 static void quantize_row(const float *x, const Groups *groups, int8_t *xq, float *xe, float *xs) {
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     /* packs work per 128-bit half; this puts the 4-byte chunks back in element order */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     int32_t chunks[8];
     for (int gi = 0; gi < groups->count; gi++) {
         const int g = groups->sizes[gi], lanes = 8 / g, shift = __builtin_ctz(lanes);
         for (int i = 0; i < g; i++, x += 32) {
-            __m256 v[4], m = _mm256_setzero_ps();
-            for (int j = 0; j < 4; j++) {
-                v[j] = _mm256_loadu_ps(x + 8 * j);
-                m = _mm256_max_ps(m, _mm256_and_ps(v[j], abs_mask));
-            }
-            const float amax = hmax256(m);
-            const __m256 inv = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
             __m256i q[4];
-            for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+            const float amax = quantize_block(x, q);
             const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
                                                    _mm256_add_epi32(q[2], q[3]));
             const __m256i bytes = _mm256_permutevar8x32_epi32(

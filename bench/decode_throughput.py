@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from inflight.bench.report import write_report
-from inflight.model.loader import default_model_path
+from inflight.model.checkpoints.loader import default_model_path
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime, RuntimeConfig
 

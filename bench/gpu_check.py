@@ -21,7 +21,7 @@ import torch
 
 from inflight.bench.random_model import random_checkpoint
 from inflight.model.attention import TorchAttentionBackend
-from inflight.model.triton_attention import TritonAttentionBackend
+from inflight.model.attention.triton import TritonAttentionBackend
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime, RuntimeConfig
@@ -137,7 +137,7 @@ def check_fused_ops(device: torch.device, seed: int) -> tuple[bool, str]:
     """The fused RMSNorm (+ residual add) and SiLU-mul kernels against the torch formulas they
     replace, in bf16: within two bf16 rounding steps (a reduction order or an exp may round
     differently once, and the product rounds again), every element written."""
-    from inflight.model import triton_ops
+    from inflight.model.kernels.triton import ops as triton_ops
 
     torch.manual_seed(seed)
     _poison_allocator(device)

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from inflight.bench.report import write_report
-from inflight.model.int8_linear import int8_linear, quantize_weight
-from inflight.model.q4_linear import q4_linear, quantize_q4
+from inflight.model.kernels.cpu.int8 import int8_linear, quantize_weight
+from inflight.model.kernels.cpu.q4 import q4_linear, quantize_q4
 
 LAYERS = 30
 # name: (K, N), SmolLM2-135M: hidden 576, intermediate 1536, 9 + 2 * 3 heads of 64, vocab 49152.

@@ -22,7 +22,7 @@ import httpx
 
 from inflight.bench.online import run_load
 from inflight.bench.report import write_report
-from inflight.model.loader import open_checkpoint
+from inflight.model.checkpoints.loader import open_checkpoint
 
 
 def _free_port() -> int:

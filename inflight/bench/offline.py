@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from inflight.model.loader import default_model_path
+from inflight.model.checkpoints.loader import default_model_path
 
 TEXT = (
     "The history of science is the study of the development of science and scientific "

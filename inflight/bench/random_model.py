@@ -9,9 +9,9 @@ import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
 
+from inflight.model.checkpoints.loader import Checkpoint
+from inflight.model.checkpoints.tokenizer import SpecialTokens, Tokenizer
 from inflight.model.config import ModelConfig, RopeConfig
-from inflight.model.loader import Checkpoint
-from inflight.model.tokenizer import SpecialTokens, Tokenizer
 
 SHAPES = {
     "qwen3-0.6b": ModelConfig(

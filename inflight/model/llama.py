@@ -16,14 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inflight.model import cpu_ops
 from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from inflight.model.config import ModelConfig
-from inflight.model.int8_linear import BLOCK, QuantizedWeight, int8_linear, quantize_weight
-from inflight.model.int8_linear import load_kernel as load_int8_kernel
-from inflight.model.q4_linear import Q4Weight, q4_linear, quantize_q4
-from inflight.model.q4_linear import load_kernel as load_q4_kernel
-from inflight.model.rope import Angles, RotaryEmbedding, rotate
+from inflight.model.kernels.cpu import ops as cpu_ops
+from inflight.model.kernels.cpu.int8 import BLOCK, QuantizedWeight, int8_linear, quantize_weight
+from inflight.model.kernels.cpu.int8 import load_kernel as load_int8_kernel
+from inflight.model.kernels.cpu.q4 import Q4Weight, q4_linear, quantize_q4
+from inflight.model.kernels.cpu.q4 import load_kernel as load_q4_kernel
+from inflight.model.layers.rotary import Angles, RotaryEmbedding, rotate
 
 
 class Linear(nn.Linear):
@@ -61,7 +61,7 @@ class Linear(nn.Linear):
 @functools.cache
 def _triton_ops() -> ModuleType:
     """The fused CUDA kernels, imported on first use: CPU machines need not have Triton."""
-    from inflight.model import triton_ops
+    from inflight.model.kernels.triton import ops as triton_ops
 
     return triton_ops
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
-from inflight.model.tokenizer import Tokenizer
+from inflight.model.checkpoints.tokenizer import Tokenizer
 
 # Prompt tokens fed to the decoder first, so the first generated token decodes in context
 # (a SentencePiece decoder would otherwise strip its leading space).

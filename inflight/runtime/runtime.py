@@ -14,9 +14,10 @@ from inflight.model.attention import (
     AttentionMetadata,
     KVCache,
     TorchAttentionBackend,
+    select_backend,
 )
+from inflight.model.checkpoints.loader import Checkpoint, build_model, open_checkpoint
 from inflight.model.llama import LlamaForCausalLM
-from inflight.model.loader import Checkpoint, build_model, open_checkpoint
 from inflight.runtime.batch_builder import RaggedBatch
 from inflight.runtime.context_cache import ContextCache
 from inflight.runtime.cuda_graphs import DecodeGraphs, DecodeInputs, graph_buckets
@@ -100,35 +101,6 @@ class RuntimeConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
 
-def _attention_backend(
-    name: str | None, device: torch.device, dtype: torch.dtype, head_dim: int
-) -> AttentionBackend:
-    native_cpu = device.type == "cpu" and dtype == torch.float32 and head_dim % 8 == 0
-    chosen = name or ("triton" if device.type == "cuda" else "cpu" if native_cpu else "torch")
-    if chosen == "torch":
-        return TorchAttentionBackend()
-    if chosen == "cpu":
-        if not native_cpu:
-            raise ValueError(
-                "the cpu attention backend runs float32 on the CPU with a head_dim multiple "
-                f"of 8 only, got {dtype} on {device} with head_dim {head_dim}"
-            )
-        from inflight.model.cpu_attention import CpuAttentionBackend
-
-        try:
-            return CpuAttentionBackend()
-        except RuntimeError as exc:
-            if name is not None:
-                raise ValueError(f"the cpu attention backend is unavailable: {exc}") from exc
-            log.warning("the CPU attention kernel is unavailable (%s); using torch's", exc)
-            return TorchAttentionBackend()
-    if device.type != "cuda":
-        raise ValueError("the triton attention backend needs a CUDA device")
-    from inflight.model.triton_attention import TritonAttentionBackend  # needs triton
-
-    return TritonAttentionBackend()
-
-
 class ModelRunner:
     """Runs the model over one ragged batch; keeps the hidden states the step asked for.
 
@@ -210,7 +182,7 @@ class Runtime:
             show_progress,
             config.quantization,
         )
-        backend = _attention_backend(
+        backend = select_backend(
             config.attention_backend, self.device, self.dtype, self.checkpoint.config.head_dim
         )
         graphs = (

@@ -99,7 +99,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 
     from inflight.bench import offline
     from inflight.bench.report import write_report
-    from inflight.model.loader import open_checkpoint
+    from inflight.model.checkpoints.loader import open_checkpoint
 
     torch.set_num_threads(args.threads)
     tokenizer = open_checkpoint(args.model).tokenizer
@@ -148,7 +148,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
     from inflight.bench.offline import make_workload
     from inflight.bench.online import run_load
-    from inflight.model.loader import open_checkpoint
+    from inflight.model.checkpoints.loader import open_checkpoint
 
     tokenizer = open_checkpoint(args.tokenizer_model).tokenizer
     work = make_workload(tokenizer, args.num_prompts, args.prompt_len, args.output_len)

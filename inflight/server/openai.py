@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from inflight.api import StreamDelta
-from inflight.model.tokenizer import Tokenizer
+from inflight.model.checkpoints.tokenizer import Tokenizer
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.stepped import CompletionOutput, LogprobEntry
 from inflight.server.client import Run

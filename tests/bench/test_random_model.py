@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from inflight.bench.random_model import SHAPES, RandomWeights, numbered_tokenizer
-from inflight.model.loader import Checkpoint
+from inflight.model.checkpoints.loader import Checkpoint
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime, RuntimeConfig
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from inflight.model.attention_plan import plan_prefill
+from inflight.model.attention.plan import plan_prefill
 from inflight.runtime.runtime import Runtime, RuntimeConfig
 
 

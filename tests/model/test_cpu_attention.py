@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from inflight.model.attention import TorchAttentionBackend
-from inflight.model.cpu_attention import CpuAttentionBackend, decode_attention
+from inflight.model.attention.cpu import CpuAttentionBackend
+from inflight.model.kernels.cpu.attention import decode_attention
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.runtime import Runtime, RuntimeConfig
 

@@ -3,8 +3,8 @@
 import torch
 import torch.nn.functional as F
 
-from inflight.model import cpu_ops
-from inflight.model.rope import rotate
+from inflight.model.kernels.cpu import ops as cpu_ops
+from inflight.model.layers.rotary import rotate
 
 
 def _lib():

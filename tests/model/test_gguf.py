@@ -9,8 +9,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from inflight.model.gguf_checkpoint import GGUFCheckpoint
-from inflight.model.loader import open_checkpoint
+from inflight.model.checkpoints.gguf import GGUFCheckpoint
+from inflight.model.checkpoints.loader import open_checkpoint
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime, RuntimeConfig
 

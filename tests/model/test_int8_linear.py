@@ -4,9 +4,9 @@ with it close to float32 (what it shares with the 4-bit kernel: test_quantized_l
 import pytest
 import torch
 
-from inflight.model.int8_linear import BLOCK, int8_linear, quantize_blocks, quantize_weight
+from inflight.model.checkpoints.loader import build_model, open_checkpoint
+from inflight.model.kernels.cpu.int8 import BLOCK, int8_linear, quantize_blocks, quantize_weight
 from inflight.model.llama import Linear
-from inflight.model.loader import build_model, open_checkpoint
 
 from helpers import prefill_logits
 from tiny_models import FAMILIES

@@ -5,10 +5,10 @@ with the int8 kernel: test_quantized_linear.py)."""
 import pytest
 import torch
 
-from inflight.model.int8_linear import BLOCK, quantize_blocks
+from inflight.model.checkpoints.loader import build_model, default_model_path, open_checkpoint
+from inflight.model.kernels.cpu.int8 import BLOCK, quantize_blocks
+from inflight.model.kernels.cpu.q4 import Q4Weight, q4_linear, quantize_q4, quantize_q4_blocks
 from inflight.model.llama import Linear, LlamaForCausalLM
-from inflight.model.loader import build_model, default_model_path, open_checkpoint
-from inflight.model.q4_linear import Q4Weight, q4_linear, quantize_q4, quantize_q4_blocks
 
 from helpers import prefill_logits
 from tiny_models import FAMILIES

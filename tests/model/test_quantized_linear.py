@@ -5,8 +5,8 @@ by name."""
 import pytest
 import torch
 
-from inflight.model.int8_linear import int8_linear, quantize_weight
-from inflight.model.q4_linear import q4_linear, quantize_q4
+from inflight.model.kernels.cpu.int8 import int8_linear, quantize_weight
+from inflight.model.kernels.cpu.q4 import q4_linear, quantize_q4
 
 from helpers import torch_threads
 

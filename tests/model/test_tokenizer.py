@@ -3,7 +3,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from inflight.model.loader import default_model_path, open_checkpoint
+from inflight.model.checkpoints.loader import default_model_path, open_checkpoint
 
 TEXTS = [
     "Hello world",

@@ -2,7 +2,7 @@
 
 import pytest
 
-from inflight.model.loader import open_checkpoint
+from inflight.model.checkpoints.loader import open_checkpoint
 from inflight.runtime.detokenizer import IncrementalDetokenizer
 
 

@@ -13,8 +13,8 @@ from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from inflight.model.checkpoints.tokenizer import SpecialTokens, Tokenizer
 from inflight.model.config import ModelConfig, RopeConfig
-from inflight.model.tokenizer import SpecialTokens, Tokenizer
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from inflight.model import native
+from inflight.model.kernels.cpu import native
 
 BLOCK = 32
 _SOURCE = Path(__file__).with_name("int8_matmul.c")
@@ -95,8 +95,8 @@ def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
 
 @functools.cache
 def load_kernel() -> ctypes.CDLL:
-    """The compiled kernel, built on first use and cached across processes; raises RuntimeError
-    when this CPU lacks AVX2 or FMA, or when gcc is missing or fails."""
+    """The compiled kernel, built on first use and cached across processes; raises
+    native.NativeBuildError when this CPU lacks AVX2 or FMA, or when gcc is missing or fails."""
     lib = native.build(_SOURCE, "the int8 CPU matmul")
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.int8_linear.argtypes = [p, i64, i64, p, p, i64, p, p, ctypes.c_int]

@@ -1,10 +1,4 @@
-"""The CPU attention backend: decode rows in one native call per layer (cpu_attention.c).
-
-Per-row torch attention spends ~80 us per call in dispatch alone, which at batch 16 and 30
-layers is 480 calls a step; the kernel attends every decode row in one call, reading each key
-and value once per GQA group. Prefill chunks go through the torch reference path, where one
-call per chunk is cheap against its compute. The cache layout is the reference backend's.
-"""
+"""ctypes bindings of cpu_attention.c: the KV store and the decode attention kernel."""
 
 from __future__ import annotations
 
@@ -14,14 +8,14 @@ from pathlib import Path
 
 import torch
 
-from inflight.model import native
-from inflight.model.attention import AttentionMetadata, KVCache, TorchAttentionBackend
+from inflight.model.attention.base import AttentionMetadata, KVCache
+from inflight.model.kernels.cpu import native
 
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
 
 
 @functools.cache
-def _library() -> ctypes.CDLL:
+def library() -> ctypes.CDLL:
     lib = native.build(_SOURCE, "the CPU attention kernel")
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.decode_attention.argtypes = [
@@ -32,30 +26,6 @@ def _library() -> ctypes.CDLL:
     lib.store_kv.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, p, i64, i64, i64]
     lib.store_kv.restype = None
     return lib
-
-
-class CpuAttentionBackend(TorchAttentionBackend):
-    """float32 only; building the kernel happens at construction, so a failure shows there."""
-
-    def __init__(self) -> None:
-        self._lib = _library()
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        store_kv(self._lib, k, v, kv_cache, meta)
-        out = torch.empty(q.shape, dtype=q.dtype)
-        if meta.num_decodes:
-            decode_attention(self._lib, q, kv_cache, meta, scale, out)
-        if meta.num_decodes < len(meta.query_lens_host):
-            self.attend_rows(q, kv_cache, meta, scale, out, meta.num_decodes)
-        return out
 
 
 def store_kv(

@@ -1,4 +1,4 @@
-"""The CUDA attention backend: Triton kernels over the paged KV cache.
+"""Triton paged-attention kernels over the KV cache layout of `attention/triton.py`.
 
 Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] per layer (a block holds every
 head's keys for `block_size` consecutive positions). Two kernels:
@@ -7,7 +7,7 @@ head's keys for `block_size` consecutive positions). Two kernels:
   for all the query heads that share that KV head at once;
 - prefill: one program per (BLOCK_M queries of a prefill chunk, query head) attends over the
   chunk's past (read through the block table) and, causally, over the chunk itself. Which
-  program serves which queries is planned on the host once per step (`attention_plan.py`).
+  program serves which queries is planned on the host once per step (`attention/plan.py`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from inflight.model.attention import AttentionMetadata, KVCache
-from inflight.model.attention_plan import PREFILL_BLOCK_M, PrefillPlan, plan_prefill
+from inflight.model.attention.base import AttentionMetadata
+from inflight.model.attention.plan import PREFILL_BLOCK_M, PrefillPlan
 
 DECODE_BLOCK_N = 64  # keys per decode iteration
 PREFILL_BLOCK_N = 64
@@ -132,49 +132,35 @@ def _prefill_kernel(
     )
 
 
-class TritonAttentionBackend:
-    """Paged attention for CUDA devices (bf16 or fp16 caches)."""
-
-    def kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
-    ) -> tuple[int, ...]:
-        return (num_blocks, block_size, num_kv_heads, head_dim)
-
-    def plan(self, meta: AttentionMetadata) -> None:
-        meta.plan = plan_prefill(meta.query_lens_host, meta.num_decodes, meta.slot_mapping.device)
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        k_cache, v_cache = kv_cache
-        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
-        group = q.shape[1] // num_kv_heads
-        strides = (
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            meta.block_tables.stride(0), out.stride(0), out.stride(1),
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attend q [T, Hq, D] over the caches [blocks, block_size, Hkv, D]: the decode rows with
+    the decode kernel, the prefill chunks with the programs planned in `meta.plan`."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    out = torch.empty_like(q)
+    group = q.shape[1] // num_kv_heads
+    strides = (
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        meta.block_tables.stride(0), out.stride(0), out.stride(1),
+    )  # fmt: skip
+    rows = meta.num_decodes
+    if rows:
+        _decode_kernel[(rows, num_kv_heads)](
+            q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, scale, *strides,
+            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=DECODE_BLOCK_N,
         )  # fmt: skip
-        rows = meta.num_decodes
-        if rows:
-            _decode_kernel[(rows, num_kv_heads)](
-                q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, scale, *strides,
-                GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-                HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=DECODE_BLOCK_N,
-            )  # fmt: skip
-        plan: PrefillPlan | None = meta.plan
-        if plan is not None and plan.programs:
-            _prefill_kernel[(plan.programs, q.shape[1])](
-                q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc,
-                meta.seq_lens, plan.query_lens, plan.rows, plan.starts, scale, *strides,
-                GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-                BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
-            )  # fmt: skip
-        return out
+    plan: PrefillPlan | None = meta.plan
+    if plan is not None and plan.programs:
+        _prefill_kernel[(plan.programs, q.shape[1])](
+            q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc,
+            meta.seq_lens, plan.query_lens, plan.rows, plan.starts, scale, *strides,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
+        )  # fmt: skip
+    return out

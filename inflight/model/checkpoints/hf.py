@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer as BackendTokenizer
 
+from inflight.model.checkpoints.tokenizer import SpecialTokens, Tokenizer
 from inflight.model.config import ModelConfig, config_from_hf
-from inflight.model.tokenizer import SpecialTokens, Tokenizer
 
 
 class HFCheckpoint:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from inflight.model import native
-from inflight.model.int8_linear import (
+from inflight.model.kernels.cpu import native
+from inflight.model.kernels.cpu.int8 import (
     BLOCK,
     block_groups,
     check_weight,
@@ -81,8 +81,8 @@ def quantize_q4(weight: torch.Tensor) -> Q4Weight:
 
 @functools.cache
 def load_kernel() -> ctypes.CDLL:
-    """The compiled kernel, built on first use and cached across processes; raises RuntimeError
-    when this CPU lacks AVX2 or FMA, or when gcc is missing or fails."""
+    """The compiled kernel, built on first use and cached across processes; raises
+    native.NativeBuildError when this CPU lacks AVX2 or FMA, or when gcc is missing or fails."""
     lib = native.build(_SOURCE, "the 4-bit CPU matmul")
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.q4_linear.argtypes = [p, i64, i64, p, p, p, i64, p, p, ctypes.c_int]

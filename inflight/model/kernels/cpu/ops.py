@@ -6,24 +6,21 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
-from inflight.model import native
+from inflight.model.kernels.cpu import native
 
-log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_ops.c")
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built ops, or None (with a warning) where they cannot be built: torch's ops serve."""
+    """The built ops, or None where they cannot be built (`native` warns): torch's ops serve."""
     try:
         lib = native.build(_SOURCE, "the fused CPU ops")
-    except RuntimeError as exc:
-        log.warning("fused CPU ops unavailable (%s); using torch's", exc)
+    except native.NativeBuildError:
         return None
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.rms_norm.argtypes = [p, i64, p, i64, p, p, p, i64, i64, f32, i32]

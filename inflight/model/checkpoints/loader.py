@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from inflight.model.checkpoints.hf import HFCheckpoint
+from inflight.model.checkpoints.tokenizer import Tokenizer
 from inflight.model.config import ModelConfig
-from inflight.model.hf_checkpoint import HFCheckpoint
 from inflight.model.llama import LlamaForCausalLM
-from inflight.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -57,7 +57,7 @@ def open_checkpoint(model: str | Path | Checkpoint | None = None) -> Checkpoint:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model file {path} is not a .gguf file")
-        from inflight.model.gguf_checkpoint import GGUFCheckpoint  # needs the gguf package
+        from inflight.model.checkpoints.gguf import GGUFCheckpoint  # needs the gguf package
 
         gguf = GGUFCheckpoint(path)
         return Checkpoint(path, gguf.config(), gguf.tokenizer(), {}, gguf)

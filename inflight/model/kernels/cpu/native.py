@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -18,13 +19,21 @@ from pathlib import Path
 
 import torch
 
+log = logging.getLogger(__name__)
+
 # -ffp-contract=off: results that must be bit-identical across batch sizes rely on the float
 # ops the source spells out, not on what the compiler fuses in each inlined copy of a loop.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 
 
+class NativeBuildError(RuntimeError):
+    """A kernel could not be built or loaded here (no gcc, no source, an unsuited CPU, a failed
+    compile or load); callers fall back to torch's ops or refuse an explicit request for it."""
+
+
 def check_cpu(what: str) -> None:
-    """Raise unless this CPU has AVX2 and FMA (what the kernels are compiled for)."""
+    """Raise NativeBuildError unless this CPU has AVX2 and FMA (what the kernels are compiled
+    for)."""
     flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -39,7 +48,7 @@ def check_cpu(what: str) -> None:
         return
     missing = [f for f in ("avx2", "fma") if f not in flags]
     if missing:
-        raise RuntimeError(f"{what} needs a CPU with {' and '.join(missing).upper()}")
+        raise NativeBuildError(f"{what} needs a CPU with {' and '.join(missing).upper()}")
 
 
 def _cache_dir() -> Path:
@@ -47,8 +56,26 @@ def _cache_dir() -> Path:
     return Path(root) / "inflight"
 
 
+_warned = False
+
+
 def build(source: Path, what: str) -> ctypes.CDLL:
-    """The compiled library of `source`, built now unless cached."""
+    """The compiled library of `source`, built now unless cached; NativeBuildError when that
+    fails for any reason. The first failure in a process is logged as a warning (the native
+    kernels share their causes of failure: one warning says it all), later ones at debug level."""
+    global _warned
+    try:
+        return _build(source, what)
+    except (OSError, subprocess.SubprocessError, NativeBuildError) as exc:
+        error = exc if isinstance(exc, NativeBuildError) else NativeBuildError(f"{what}: {exc}")
+        (log.debug if _warned else log.warning)(
+            "native CPU kernels unavailable (%s); falling back to torch's ops", error
+        )
+        _warned = True
+        raise error from exc
+
+
+def _build(source: Path, what: str) -> ctypes.CDLL:
     check_cpu(what)
     text = source.read_bytes()
     for header in re.findall(rb'^#include "([^"]+)"', text, re.MULTILINE):
@@ -58,7 +85,7 @@ def build(source: Path, what: str) -> ctypes.CDLL:
     if not target.exists():
         gcc = shutil.which("gcc")
         if gcc is None:
-            raise RuntimeError(f"{what} needs gcc to build its kernel; none on PATH")
+            raise NativeBuildError(f"{what} needs gcc to build its kernel; none on PATH")
         target.parent.mkdir(parents=True, exist_ok=True)
         # Build under a temporary name, then rename: concurrent processes each build their own
         # copy and the rename makes whichever lands last the (identical) cached file.
@@ -69,7 +96,7 @@ def build(source: Path, what: str) -> ctypes.CDLL:
                 [gcc, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True
             )
             if result.returncode != 0:
-                raise RuntimeError(f"building {source.name} failed:\n{result.stderr}")
+                raise NativeBuildError(f"building {source.name} failed:\n{result.stderr}")
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):

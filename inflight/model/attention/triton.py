@@ -1,0 +1,43 @@
+"""The CUDA attention backend: Triton kernels (`kernels/triton/attention.py`) over the paged KV
+cache.
+
+Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] per layer (a block holds every
+head's keys for `block_size` consecutive positions). Decode rows go to a kernel with one program
+per (row, KV head); prefill chunks to one with a program per (BLOCK_M queries, query head), which
+this backend plans on the host once per step (`plan.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inflight.model.attention.base import AttentionMetadata, KVCache
+from inflight.model.attention.plan import plan_prefill
+from inflight.model.kernels.triton.attention import paged_attention
+
+
+class TritonAttentionBackend:
+    """Paged attention for CUDA devices (bf16 or fp16 caches)."""
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        meta.plan = plan_prefill(meta.query_lens_host, meta.num_decodes, meta.slot_mapping.device)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        _, _, num_kv_heads, head_dim = k_cache.shape
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        return paged_attention(q, k_cache, v_cache, meta, scale)

@@ -1,0 +1,1 @@
+"""Triton kernels for CUDA devices (imported only there)."""

@@ -1,0 +1,1 @@
+"""The model's building blocks; each picks its kernel once, at construction."""

@@ -18,8 +18,9 @@ import torch
 
 from inflight.bench.report import write_report
 from inflight.model.checkpoints.loader import default_model_path
+from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
-from inflight.runtime.runtime import Runtime, RuntimeConfig
+from inflight.runtime.runtime import Runtime
 
 PROMPTS = [
     "The history of the Roman Empire begins with",

@@ -23,8 +23,9 @@ from inflight.bench.random_model import random_checkpoint
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.triton import TritonAttentionBackend
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
+from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
-from inflight.runtime.runtime import Runtime, RuntimeConfig
+from inflight.runtime.runtime import Runtime
 
 
 def _poison_allocator(device: torch.device) -> None:

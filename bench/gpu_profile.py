@@ -21,8 +21,9 @@ import torch
 
 from inflight.bench.random_model import random_checkpoint
 from inflight.runtime.batch_builder import build_ragged_batch
+from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
-from inflight.runtime.runtime import Runtime, RuntimeConfig
+from inflight.runtime.runtime import Runtime
 
 
 def main() -> None:

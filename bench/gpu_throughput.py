@@ -21,8 +21,9 @@ import torch
 
 from inflight.bench.random_model import SHAPES, random_checkpoint
 from inflight.bench.report import write_report
+from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
-from inflight.runtime.runtime import Runtime, RuntimeConfig
+from inflight.runtime.runtime import Runtime
 
 
 def workload(requests: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:

@@ -7,24 +7,29 @@
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from inflight.api import LLM, StreamDelta
+    from inflight.api import LLM
+    from inflight.engine import RequestHandle
+    from inflight.runtime.outputs import CompletionOutput, StreamChunk
     from inflight.runtime.request import SamplingParams
-    from inflight.runtime.stepped import CompletionOutput
 
-__all__ = ["LLM", "SamplingParams", "StreamDelta", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestHandle", "StreamChunk", "CompletionOutput"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("LLM", "StreamDelta"):
-        from inflight import api
+    if name == "LLM":
+        from inflight.api import LLM
 
-        return getattr(api, name)
+        return LLM
+    if name == "RequestHandle":
+        from inflight.engine import RequestHandle
+
+        return RequestHandle
     if name == "SamplingParams":
         from inflight.runtime.request import SamplingParams
 
         return SamplingParams
-    if name == "CompletionOutput":
-        from inflight.runtime.stepped import CompletionOutput
+    if name in ("CompletionOutput", "StreamChunk"):
+        from inflight.runtime import outputs
 
-        return CompletionOutput
+        return getattr(outputs, name)
     raise AttributeError(f"module 'inflight' has no attribute {name!r}")

@@ -2,39 +2,29 @@
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from inflight.engine import (
+    BlockingPath,
     EngineConfig,
     RequestEngine,
     RequestHandle,
     ShutdownMode,
     SubmitError,
 )
+from inflight.runtime.config import RuntimeConfig
+from inflight.runtime.options import OPTION_FIELDS
+from inflight.runtime.outputs import CompletionOutput
 from inflight.runtime.request import GenerationRequest, SamplingParams
-from inflight.runtime.runtime import Runtime, RuntimeConfig
-from inflight.runtime.stepped import CompletionOutput, ExecutionCapabilities, LogprobEntry
+from inflight.runtime.runtime import Runtime
+from inflight.runtime.stepped import ExecutionCapabilities
 
 Message = dict[str, Any]
 # A prompt is raw text, a chat conversation (a list of messages), or pre-tokenized ids.
 Prompt = str | list[Message] | dict[str, Any]
-
-
-@dataclass(frozen=True)
-class StreamDelta:
-    """One piece of a streamed generation; the last one has `finished` set."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    finished: bool
-    finish_reason: str | None
-    logprobs: tuple[LogprobEntry, ...] | None
-    prompt_tokens: int
 
 
 def ifb_unsupported_reason(capabilities: ExecutionCapabilities) -> str | None:
@@ -49,10 +39,15 @@ class LLM:
 
     `model` is a Hugging Face checkpoint directory or a `.gguf` file; None loads the embedded
     default, SmolLM2-135M-Instruct. By default requests run one at a time, each to completion (the
-    blocking path). With `enable_in_flight_batching=True` a `RequestEngine` serves them: up to
-    `max_batch_size` generate together, a queued request joins the running batch as soon as it
-    may, and callers on several threads overlap. `context_cache=True` reuses the KV of prompt
-    prefixes computed before (the prompt's uncached tail is all that is prefilled).
+    blocking path). With `enable_in_flight_batching=True` up to `max_batch_size` generate
+    together, a queued request joins the running batch as soon as it may, and callers on several
+    threads overlap. Either way a `RequestEngine` takes the requests: the same calls, streams,
+    cancellation and shutdown serve both paths.
+
+    `quantization`: "auto" (default) runs a GGUF file's weights in the CPU kernel of their stored
+    type where one exists (Q4_1 and Q8_0 files: fast, not bit-exact with float32), float32
+    otherwise; "none" runs float32 (bf16 on CUDA) exactly; "int8" / "q4" quantize every CPU
+    matmul. `context_cache` (on by default) reuses the KV of prompt prefixes computed before.
     """
 
     def __init__(
@@ -66,9 +61,9 @@ class LLM:
         num_kv_blocks: int | None = None,
         max_num_tokens: int = 2048,
         max_pending_requests: int = 256,
-        context_cache: bool = False,
+        context_cache: bool = True,
         dtype: str | None = None,
-        quantization: str | None = None,
+        quantization: str = "auto",
         device: str | None = None,
         seed: int | None = None,
         show_progress: bool = False,
@@ -85,40 +80,41 @@ class LLM:
             device=device,
             seed=seed,
         )
+        # Validated before the model loads, which takes a while.
         engine_config = EngineConfig(
-            max_batch_size=max_batch_size, max_pending_requests=max_pending_requests
+            max_batch_size=max_batch_size if enable_in_flight_batching else 1,
+            max_pending_requests=max_pending_requests,
         )
-        self._runtime: Runtime | None = Runtime(model, config, show_progress)
-        self._lock = threading.Lock()  # the blocking path serves one request at a time
-        self._engine: RequestEngine | None = None
+        runtime = Runtime(model, config, show_progress)
         if enable_in_flight_batching:
-            reason = ifb_unsupported_reason(self._runtime.capabilities)
+            reason = ifb_unsupported_reason(runtime.capabilities)
             try:
                 if reason is not None:
                     raise RuntimeError(reason)
-                self._engine = RequestEngine(self._runtime, engine_config)
+                self._engine = RequestEngine(runtime, engine_config)
             except RuntimeError as exc:
                 raise ValueError(
                     f"in-flight batching is not supported for this deployment: {exc}; "
                     "start without --enable-in-flight-batching to use the blocking path"
                 ) from exc
-        # Counters stay readable after close().
-        self._blocks = self._runtime.blocks
-        self._context_cache = self._runtime.context_cache
-        self.tokenizer = self._runtime.tokenizer
-        self.model_name = self._runtime.model_name
-        self.max_model_len = self._runtime.max_model_len
-        self.max_batch_size = max_batch_size
-
-    @property
-    def in_flight_batching(self) -> bool:
-        return self._engine is not None
+        else:
+            self._engine = RequestEngine(BlockingPath(runtime), engine_config)
+        self._runtime: Runtime | None = runtime
+        self.in_flight_batching = enable_in_flight_batching
+        # Kept for the counters, which stay readable after close().
+        self._blocks, self._slots = runtime.blocks, runtime.slots
+        self._context_cache = runtime.context_cache
+        self._sampling_defaults = runtime.checkpoint.sampling_defaults
+        self.tokenizer = runtime.tokenizer
+        self.model_name = runtime.model_name
+        self.max_model_len = runtime.max_model_len
+        self.max_batch_size = engine_config.max_batch_size
 
     # -- generation -----------------------------------------------------------------------------
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's recommended settings (generation_config.json)."""
-        return SamplingParams(**self._live().checkpoint.sampling_defaults)
+        return SamplingParams(**self._sampling_defaults)
 
     def generate(
         self,
@@ -127,16 +123,14 @@ class LLM:
     ) -> list[CompletionOutput]:
         """Generate for one prompt or a list of them; returns one output per prompt, in order.
 
-        Under in-flight batching every prompt is submitted at once (waiting, not failing, when
-        the engine pushes back) and they generate together.
+        Every prompt is submitted at once (waiting, not failing, while the engine pushes back);
+        under in-flight batching they generate together, on the blocking path one by one.
         """
         requests = self._requests(prompts, params)
-        if self._engine is None:
-            return [self._run(request) for request in requests]
         handles: list[RequestHandle] = []
         try:
             for request in requests:
-                handles.append(self._submit(request))
+                handles.append(self.start(request, wait_for_room=True))
             return [handle.get() for handle in handles]
         finally:
             for handle in handles:
@@ -156,43 +150,55 @@ class LLM:
 
     def generate_stream(
         self, prompt: Prompt, params: SamplingParams | None = None
-    ) -> GenerationStream:
-        """Yield the output as it is generated, then one last delta with `finished` set.
-
-        Closing the iterator before the end cancels the request."""
+    ) -> RequestHandle:
+        """The output as it is generated: iterate the handle for its chunks (the last one has
+        `finished` set), `for` on a thread or `async for` on an asyncio loop. Closing it before
+        the end cancels the request."""
         (request,) = self._requests(prompt, params)
         return self.start(request, wait_for_room=True)
 
-    def prepare(self, prompt: Prompt, params: SamplingParams | None = None) -> GenerationRequest:
-        """Tokenize and validate one prompt (ValueError naming the problem); queues nothing."""
-        (request,) = self._requests(prompt, params)
+    def prepare(
+        self, prompt: Prompt, params: SamplingParams | None = None, **options: Any
+    ) -> GenerationRequest:
+        """Tokenize and validate one prompt (ValueError naming the problem); queues nothing.
+        `options` are request options of the support matrix (`n`, `guided_decoding`, ...: the
+        `GenerationRequest` fields after `params`)."""
+        unknown = sorted(set(options) - OPTION_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown request options {unknown}; known: {sorted(OPTION_FIELDS)}")
+        (request,) = self._requests(prompt, params, options)
         return request
 
-    def start(self, request: GenerationRequest, *, wait_for_room: bool = False) -> GenerationStream:
-        """Start a prepared request. Under in-flight batching it is submitted at once; a full
-        engine raises SubmitError (retry later), unless `wait_for_room`, which waits for room
-        instead. On the blocking path the request runs as the stream is iterated."""
-        if self._engine is None:
-            cancelled = threading.Event()
-            return GenerationStream(
-                self._run_blocking(request, cancelled), cancelled.set, lambda: 0.0
-            )
-        handle = self._submit(request) if wait_for_room else self._engine.submit(request)
-        return GenerationStream(
-            _follow(handle, len(request.prompt_token_ids)),
-            handle.cancel,
-            lambda: handle.queue_time,
-        )
+    def start(self, request: GenerationRequest, *, wait_for_room: bool = False) -> RequestHandle:
+        """Submit a prepared request. When the engine is full it raises SubmitError (retry
+        later), unless `wait_for_room`, which waits for room instead; a closed LLM raises
+        RuntimeError."""
+        delay = 0.001
+        while True:
+            try:
+                return self._engine.submit(request)
+            except SubmitError as exc:
+                if exc.shutting_down:
+                    raise RuntimeError("this LLM is closed") from exc
+                if not wait_for_room:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
 
     def kv_cache_usage(self) -> tuple[int, int]:
         """(KV blocks in use, KV blocks in all)."""
         blocks = self._blocks
         return blocks.num_blocks - blocks.num_free, blocks.num_blocks
 
+    def resident_slot_usage(self) -> tuple[int, int]:
+        """(resident slots in use, resident slots in all)."""
+        slots = self._slots
+        return slots.capacity - slots.num_free, slots.capacity
+
     def get_scheduling_metrics(self) -> dict[str, float] | None:
         """The engine's counters and gauges, and the context cache's as `context_cache_*`;
         None on the blocking path."""
-        if self._engine is None:
+        if not self.in_flight_batching:
             return None
         values: dict[str, float] = dict(self._engine.metrics.snapshot())
         values.update(queued=self._engine.queued, resident=self._engine.resident)
@@ -208,10 +214,8 @@ class LLM:
 
     def close(self) -> None:
         """Finish what was accepted (drain), then release the model. Safe to call twice."""
-        if self._engine is not None:
-            self._engine.shutdown(ShutdownMode.DRAIN)
-        with self._lock:
-            self._runtime = None
+        self._engine.shutdown(ShutdownMode.DRAIN)
+        self._runtime = None
 
     def __enter__(self) -> LLM:
         return self
@@ -226,51 +230,13 @@ class LLM:
             raise RuntimeError("this LLM is closed")
         return self._runtime
 
-    def _run(self, request: GenerationRequest) -> CompletionOutput:
-        with self._lock:
-            return self._live().handle_request(request).result()
-
-    def _submit(self, request: GenerationRequest) -> RequestHandle:
-        """Submit, waiting while the engine pushes back; only shutdown is an error here."""
-        assert self._engine is not None
-        delay = 0.001
-        while True:
-            try:
-                return self._engine.submit(request)
-            except SubmitError as exc:
-                if exc.shutting_down:
-                    raise RuntimeError("this LLM is closed") from exc
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
-
-    def _run_blocking(
-        self, request: GenerationRequest, cancelled: threading.Event
-    ) -> Generator[StreamDelta, None, CompletionOutput | None]:
-        prompt_tokens = len(request.prompt_token_ids)
-        with self._lock:
-            run = self._live().handle_request(request)
-            try:
-                for delta in run:
-                    if cancelled.is_set():
-                        return None
-                    yield StreamDelta(
-                        delta.text,
-                        tuple(delta.token_ids),
-                        False,
-                        None,
-                        None if delta.logprobs is None else tuple(delta.logprobs),
-                        prompt_tokens,
-                    )
-            finally:
-                run.close()  # frees the request when it stopped early; nothing otherwise
-            yield StreamDelta("", (), True, run.output.finish_reason, None, prompt_tokens)
-            return run.output
-
     def _requests(
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None,
+        options: dict[str, Any] | None = None,
     ) -> list[GenerationRequest]:
+        runtime = self._live()
         items = _as_prompt_list(prompts)
         if params is None:
             params = self.get_default_sampling_params()
@@ -284,10 +250,9 @@ class LLM:
                     "pass one, or one per prompt"
                 )
         requests = [
-            GenerationRequest(self._tokenize(p), sp)
+            GenerationRequest(self._tokenize(p), sp, **(options or {}))
             for p, sp in zip(items, param_list, strict=True)
         ]
-        runtime = self._live()
         for request in requests:
             runtime.check_request(request)  # bad input fails here, before anything is queued
         return requests
@@ -329,66 +294,3 @@ def _check_messages(messages: Any) -> None:
     for m in messages:
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"each chat message must be a dict with a 'role', got {m!r}")
-
-
-def _follow(
-    handle: RequestHandle, prompt_tokens: int
-) -> Generator[StreamDelta, None, CompletionOutput]:
-    """The engine's chunks for one request, as deltas; cancels it if abandoned before the end."""
-    ended_cleanly = False
-    try:
-        for chunk in handle.stream():
-            ended_cleanly = chunk.finished
-            yield StreamDelta(
-                chunk.text,
-                chunk.token_ids,
-                chunk.finished,
-                None if chunk.reason is None else chunk.reason.value,
-                chunk.logprobs,
-                prompt_tokens,
-            )
-        # Raises what ended the stream if it did not complete (or an error behind a clean end).
-        return handle.get()
-    finally:
-        # A stream that ended cleanly is never cancelled: that could record it as cancelled.
-        if not ended_cleanly:
-            handle.cancel()
-
-
-class GenerationStream(Iterator[StreamDelta]):
-    """A started request, delta by delta; the last delta has `finished` set, after which `output`
-    holds the whole CompletionOutput.
-
-    `cancel()` may be called from any thread, also while another thread is waiting for the next
-    delta: the stream then ends early. `close()` (from the iterating thread) cancels a stream
-    that has not finished and releases it.
-    """
-
-    def __init__(
-        self,
-        deltas: Generator[StreamDelta, None, CompletionOutput | None],
-        cancel: Callable[[], None],
-        queue_time: Callable[[], float | None],
-    ) -> None:
-        self._deltas = deltas
-        self._cancel = cancel
-        self.queue_time = queue_time  # seconds the engine queued it (None: not seated yet)
-        self.finished = False
-        self.output: CompletionOutput | None = None
-
-    def __next__(self) -> StreamDelta:
-        try:
-            delta = next(self._deltas)
-        except StopIteration as end:
-            self.output = end.value
-            raise StopIteration from None
-        self.finished = delta.finished
-        return delta
-
-    def cancel(self) -> None:
-        if not self.finished:
-            self._cancel()
-
-    def close(self) -> None:
-        self.cancel()
-        self._deltas.close()

@@ -28,7 +28,8 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def llm():
-    """The embedded default model (SmolLM2-135M-Instruct GGUF), loaded once for the session."""
+    """The embedded default model (SmolLM2-135M-Instruct GGUF) as users get it by default (the
+    blocking path, quantization "auto"), loaded once for the session."""
     from inflight import LLM
 
     instance = LLM(max_batch_size=8, max_model_len=1024)
@@ -36,13 +37,25 @@ def llm():
     instance.close()
 
 
+@pytest.fixture(scope="session")
+def smollm_runtime():
+    """A runtime on the default model in exact float32 (quantization "none") without the context
+    cache: the plain reference the comparisons with HF transformers run."""
+    from inflight.runtime.config import RuntimeConfig
+    from inflight.runtime.runtime import Runtime
+
+    config = RuntimeConfig(
+        max_batch_size=8, max_model_len=1024, quantization="none", context_cache=False
+    )
+    return Runtime(None, config)
+
+
 @pytest.fixture
-def smollm(llm):
-    """The default model's runtime, checked for leaks after the test."""
-    runtime = llm._runtime
-    assert_no_leaks(runtime)
-    yield runtime
-    assert_no_leaks(runtime)
+def smollm(smollm_runtime):
+    """The float32 default-model runtime, checked for leaks before and after the test."""
+    assert_no_leaks(smollm_runtime)
+    yield smollm_runtime
+    assert_no_leaks(smollm_runtime)
 
 
 @pytest.fixture(scope="session")
@@ -75,7 +88,8 @@ def server_llm():
 
 @pytest.fixture(scope="session")
 def smollm_cached():
-    """A second runtime on the default model, with the context cache on."""
-    from inflight.runtime.runtime import Runtime, RuntimeConfig
+    """A second float32 runtime on the default model, with the context cache on (the default)."""
+    from inflight.runtime.config import RuntimeConfig
+    from inflight.runtime.runtime import Runtime
 
-    return Runtime(None, RuntimeConfig(max_batch_size=4, max_model_len=1024, context_cache=True))
+    return Runtime(None, RuntimeConfig(max_batch_size=4, max_model_len=1024, quantization="none"))

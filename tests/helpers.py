@@ -1,6 +1,7 @@
 """Assertions and set-ups shared by the tests."""
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import torch
@@ -8,35 +9,75 @@ import torch
 from inflight.model.attention import AttentionMetadata, TorchAttentionBackend
 
 
-def assert_no_leaks(runtime) -> None:
-    """Every KV block and resident slot is free again (DESIGN invariant 11)."""
-    assert runtime.blocks.num_free == runtime.blocks.num_blocks, "KV blocks leaked"
-    assert runtime.slots.num_free == runtime.slots.capacity, "resident slots leaked"
+def assert_no_leaks(target) -> None:
+    """Every KV block and resident slot is free again (DESIGN invariant 11), of a Runtime or,
+    through its usage counters, of an LLM."""
+    if hasattr(target, "kv_cache_usage"):
+        assert target.kv_cache_usage()[0] == 0, "KV blocks leaked"
+        assert target.resident_slot_usage()[0] == 0, "resident slots leaked"
+        return
+    assert target.blocks.num_free == target.blocks.num_blocks, "KV blocks leaked"
+    assert target.slots.num_free == target.slots.capacity, "resident slots leaked"
+
+
+def wait_for_outcome(handle, timeout: float = 10.0) -> None:
+    """Wait until the engine has published the request's outcome (a cancelled one included)."""
+    deadline = time.monotonic() + timeout
+    while not handle.ready():
+        assert time.monotonic() < deadline, "no outcome in time"
+        time.sleep(0.005)
 
 
 def prefill_logits(model, ids: list[int]) -> torch.Tensor:
     """Logits at every position of one sequence prefilled from an empty cache."""
-    cfg, backend, tokens, block_size = model.config, TorchAttentionBackend(), len(ids), 16
-    blocks = -(-tokens // block_size)
-    shape = backend.kv_cache_shape(blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, tokens], dtype=torch.int32),
-        seq_lens=torch.tensor([tokens], dtype=torch.int32),
-        block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-        slot_mapping=torch.arange(tokens),
-        num_decodes=0,
-        block_size=block_size,
-        max_query_len=tokens,
-        max_seq_len=tokens,
-        query_lens_host=[tokens],
-        seq_lens_host=[tokens],
-        contiguous_kv_host=[0],
-    )
-    backend.plan(meta)
-    with torch.no_grad():
-        hidden = model(torch.tensor(ids), torch.arange(tokens), caches, meta, backend)
-        return model.compute_logits(hidden)
+    return PagedSequence(model, TorchAttentionBackend(), len(ids)).extend(ids)
+
+
+class PagedSequence:
+    """One sequence run through a model a chunk at a time (a prefill, then decode steps), over
+    a paged KV cache of its own with room for `capacity` tokens (CPU, float32)."""
+
+    def __init__(self, model, backend, capacity: int, block_size: int = 16) -> None:
+        cfg = model.config
+        self.model, self.backend, self.block_size = model, backend, block_size
+        self.num_blocks = -(-capacity // block_size)
+        shape = backend.kv_cache_shape(self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+        self.length = 0
+
+    def extend(self, ids: list[int]) -> torch.Tensor:
+        """The logits at every position of `ids`, appended to the sequence."""
+        past, tokens = self.length, len(ids)
+        total = past + tokens
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32),
+            seq_lens=torch.tensor([total], dtype=torch.int32),
+            block_tables=torch.arange(self.num_blocks, dtype=torch.int32)[None],
+            slot_mapping=torch.arange(past, total),
+            num_decodes=1 if tokens == 1 else 0,
+            block_size=self.block_size,
+            max_query_len=tokens,
+            max_seq_len=total,
+            query_lens_host=[tokens],
+            seq_lens_host=[total],
+            contiguous_kv_host=[0],
+        )
+        self.backend.plan(meta)
+        with torch.no_grad():
+            hidden = self.model(
+                torch.tensor(ids), torch.arange(past, total), self.caches, meta, self.backend
+            )
+            logits = self.model.compute_logits(hidden)
+        self.length = total
+        return logits
+
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        """Prefill `ids`, then the n tokens of greedy decoding, one decode step each."""
+        logits, out = self.extend(ids)[-1], []
+        for _ in range(n):
+            out.append(int(logits.argmax()))
+            logits = self.extend(out[-1:])[-1]
+        return out
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ import pytest
 from inflight import LLM, SamplingParams
 from inflight.api import ifb_unsupported_reason
 from inflight.engine import RequestCancelled
+from inflight.runtime.request import GenerationRequest
 from inflight.runtime.stepped import ExecutionCapabilities
 
 from helpers import assert_no_leaks
@@ -53,7 +54,7 @@ def test_sixteen_concurrent_mixed_requests_match_single_runs(ifb_llm, llm):
             assert len(out.logprobs) == len(out.token_ids)
             assert all(len(e.top) == p.logprobs and e.logprob <= 0 for e in out.logprobs)
     _wait_idle(ifb_llm)
-    assert_no_leaks(ifb_llm._runtime)
+    assert_no_leaks(ifb_llm)
 
 
 def _wait_idle(llm):
@@ -80,41 +81,16 @@ def test_callers_on_several_threads_overlap(ifb_llm):
     assert ifb_llm.get_scheduling_metrics()["admitted_mid_flight"] > before
 
 
-class StepCounter:
-    """Wraps the runtime's sessions to count steps (the test's view of ticks)."""
-
-    def __init__(self, runtime, monkeypatch):
-        self.steps = 0
-        original = runtime.new_session
-
-        def counting_session():
-            session = original()
-            step = session.step
-
-            def counted(*args, **kwargs):
-                result = step(*args, **kwargs)
-                self.steps += 1
-                return result
-
-            session.step = counted
-            return session
-
-        monkeypatch.setattr(runtime, "new_session", counting_session)
-
-
 @pytest.mark.slow
-def test_cancelling_a_resident_ends_it_within_two_steps(ifb_llm, monkeypatch):
-    counter = StepCounter(ifb_llm._runtime, monkeypatch)
+def test_cancelling_a_resident_ends_it_within_two_steps(ifb_llm):
     _wait_idle(ifb_llm)
-    engine = ifb_llm._engine
-    request = ifb_llm._requests(
+    request = ifb_llm.prepare(
         "Tell me a very long story.", SamplingParams(max_tokens=500, ignore_eos=True)
-    )[0]
-    handle = engine.submit(request)
-    stream = handle.stream()
+    )
+    handle = ifb_llm.start(request)
     for _ in range(3):
-        assert stream.wait_pop(timeout=30) is not None
-    cancelled_at = counter.steps
+        assert next(handle).token_ids
+    cancelled_at = ifb_llm.get_scheduling_metrics()["steps"]
     handle.cancel()
     with pytest.raises(RequestCancelled):
         handle.get()
@@ -122,10 +98,13 @@ def test_cancelling_a_resident_ends_it_within_two_steps(ifb_llm, monkeypatch):
     while not handle.ready():
         assert time.monotonic() < deadline
         time.sleep(0.005)
-    assert counter.steps - cancelled_at <= 2
-    assert stream.is_cancelled
+    assert ifb_llm.get_scheduling_metrics()["steps"] - cancelled_at <= 2
+    assert handle.stream().is_cancelled
+    with pytest.raises(RequestCancelled):  # the rest of its stream ends saying how it ended
+        for _ in handle:
+            pass
     _wait_idle(ifb_llm)
-    assert_no_leaks(ifb_llm._runtime)
+    assert_no_leaks(ifb_llm)
 
 
 @pytest.mark.slow
@@ -147,7 +126,7 @@ def test_closing_a_stream_cancels_but_a_clean_end_does_not(ifb_llm):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     _wait_idle(ifb_llm)
-    assert_no_leaks(ifb_llm._runtime)
+    assert_no_leaks(ifb_llm)
 
 
 @pytest.mark.slow
@@ -155,8 +134,10 @@ def test_bad_input_is_a_value_error_before_submit(ifb_llm):
     submitted = ifb_llm.get_scheduling_metrics()["submitted"]
     with pytest.raises(ValueError, match="max_model_len"):
         ifb_llm.generate("word " * 1100, SamplingParams(max_tokens=4))
-    with pytest.raises(ValueError, match="LoRA|n > 1"):
-        ifb_llm._engine.submit(ifb_llm._requests("hi", SamplingParams())[0].__class__([1, 2], n=2))
+    with pytest.raises(ValueError, match=r"n > 1.*separate requests"):
+        ifb_llm.start(GenerationRequest([1, 2], n=2))
+    with pytest.raises(ValueError, match=r"n > 1.*not supported by this runtime"):
+        ifb_llm.prepare("hi", SamplingParams(), n=2)
     assert ifb_llm.get_scheduling_metrics()["submitted"] == submitted
 
 
@@ -188,7 +169,7 @@ def test_close_drains_accepted_requests(tiny_dirs):
         tiny_dirs["llama"], max_model_len=128, enable_in_flight_batching=True, max_batch_size=2
     )
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    handles = [llm._submit(r) for r in llm._requests(["a", "b", "c", "d"], params)]
+    handles = [llm.start(llm.prepare(p, params)) for p in ["a", "b", "c", "d"]]
     llm.close()
     assert all(len(h.get(timeout=0).token_ids) == 20 for h in handles)
     with pytest.raises(RuntimeError, match="closed"):

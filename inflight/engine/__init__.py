@@ -1,6 +1,7 @@
 """The request engine: in-flight batching over any `SteppedExecution` (no torch here)."""
 
-from inflight.engine.channel import StreamChannel, StreamChunk
+from inflight.engine.blocking import BlockingPath
+from inflight.engine.channel import StreamChannel
 from inflight.engine.compatibility import BatchCompatibility
 from inflight.engine.config import EngineConfig
 from inflight.engine.coordinator import RequestCoordinator
@@ -11,6 +12,7 @@ from inflight.engine.record import RequestHandle, TerminalStatus
 
 __all__ = [
     "BatchCompatibility",
+    "BlockingPath",
     "EngineConfig",
     "EngineMetrics",
     "RequestCancelled",
@@ -20,7 +22,6 @@ __all__ = [
     "RequestHandle",
     "ShutdownMode",
     "StreamChannel",
-    "StreamChunk",
     "SubmitError",
     "TerminalStatus",
 ]

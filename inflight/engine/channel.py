@@ -1,26 +1,12 @@
-"""`StreamChannel`: a request's token stream from the actor to one consumer, and its cancel flag."""
+"""`StreamChannel`: a request's chunks from the actor to one consumer, and its cancel flag."""
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 
-from inflight.runtime.stepped import FinishReason, LogprobEntry
-
-
-# Built for every row of every step: slots and no `frozen`, whose __init__ costs ~10x.
-@dataclass(slots=True)
-class StreamChunk:
-    """New tokens and text of one step; the terminal chunk has `finished` and a reason."""
-
-    token_ids: tuple[int, ...] = ()
-    text: str = ""
-    logprobs: tuple[LogprobEntry, ...] | None = None
-    finished: bool = False
-    reason: FinishReason | None = None
-    prompt_tokens: int = -1  # -1: unknown
+from inflight.runtime.outputs import StreamChunk
 
 
 class StreamChannel:
@@ -30,6 +16,9 @@ class StreamChannel:
     every step: it is never a queued command, so it cannot be lost under overload. The producer
     pushes the terminal chunk before it marks the channel finished. A request that ends without
     completing (cancelled, failed) gets its channel cancelled, so a consumer never waits forever.
+
+    A consumer that cannot block a thread (an asyncio loop) sets a waker: it is called, from the
+    producer's thread, after every change a consumer may be waiting for.
     """
 
     def __init__(self) -> None:
@@ -37,27 +26,31 @@ class StreamChannel:
         self._cond = threading.Condition()
         self._finished = False
         self._cancelled = False
-        self._reason: FinishReason | None = None
+        self._waker: Callable[[], None] | None = None
 
     # -- producer -------------------------------------------------------------------------------
 
     def push(self, chunk: StreamChunk) -> None:
         with self._cond:
             self._chunks.append(chunk)
-            if chunk.finished:
-                self._reason = chunk.reason
             self._cond.notify_all()
+            waker = self._waker
+        if waker is not None:
+            waker()
 
     def finish(self) -> None:
         with self._cond:
             self._finished = True
             self._cond.notify_all()
+            waker = self._waker
+        if waker is not None:
+            waker()
 
     # -- consumer -------------------------------------------------------------------------------
 
-    def try_pop(self) -> StreamChunk | None:
+    def set_waker(self, waker: Callable[[], None] | None) -> None:
         with self._cond:
-            return self._chunks.popleft() if self._chunks else None
+            self._waker = waker
 
     def wait_pop(self, timeout: float | None = None) -> StreamChunk | None:
         """The next chunk; None on timeout, or once finished or cancelled with nothing left."""
@@ -65,20 +58,30 @@ class StreamChannel:
             self._cond.wait_for(lambda: self._chunks or self._finished or self._cancelled, timeout)
             return self._chunks.popleft() if self._chunks else None
 
-    def __iter__(self) -> Iterator[StreamChunk]:
-        """Every chunk until the stream ends (finished, or cancelled and drained)."""
-        while True:
-            chunk = self.wait_pop()
-            if chunk is None:
-                return
-            yield chunk
-            if chunk.finished:
-                return
+    def pop_all(self) -> list[StreamChunk]:
+        """Every chunk waiting, oldest first (none: an empty list); never blocks."""
+        with self._cond:
+            chunks = list(self._chunks)
+            self._chunks.clear()
+            return chunks
+
+    def wait_any(self, timeout: float | None = None) -> None:
+        """Block until a chunk waits or the stream has ended (or the timeout passes)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._chunks or self._finished or self._cancelled, timeout)
 
     def cancel(self) -> None:
         with self._cond:
             self._cancelled = True
             self._cond.notify_all()
+            waker = self._waker
+        if waker is not None:
+            waker()
+
+    @property
+    def ended(self) -> bool:
+        """Finished or cancelled: a consumer waits for nothing more than the chunks waiting."""
+        return self._finished or self._cancelled
 
     @property
     def is_finished(self) -> bool:
@@ -87,7 +90,3 @@ class StreamChannel:
     @property
     def is_cancelled(self) -> bool:
         return self._cancelled
-
-    @property
-    def reason(self) -> FinishReason | None:
-        return self._reason

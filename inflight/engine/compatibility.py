@@ -1,8 +1,9 @@
 """`BatchCompatibility`: whether a queued request may share a step with the running batch.
 
 Every request field is in exactly one list below (a test fails when a new field is in none):
-payload that never concerns the batch, options that make a request founder-only, or fields two
-requests must agree on, unless the runtime declares that it applies them per row.
+payload that never concerns the batch, fields two requests must agree on unless the runtime
+declares that it applies them per row, or request options whose rule under in-flight batching is
+the options table's (`runtime/options.py`: founder-only, or refused at submit).
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ BATCH_FIELDS = (
     "lora_name",
 )
 
-# Founder-only: such a request never joins a batch and nothing joins it; it waits and founds.
-GUIDED_FIELDS = frozenset({"guided_decoding"})
-FOUNDER_ONLY_FIELDS = frozenset(
-    {"generate_audio", "save_system_prompt_kv_cache", "past_trajectory"}
+# Ruled by the options table: a founder-only one never joins a batch and nothing joins it (it
+# waits and founds), a refused one never reaches admission.
+OPTION_RULED_FIELDS = frozenset(
+    {"guided_decoding", "generate_audio", "save_system_prompt_kv_cache", "past_trajectory"}
 )
 
 
@@ -73,13 +74,3 @@ class BatchCompatibility:
 
     def compatible(self, a: GenerationRequest, b: GenerationRequest) -> bool:
         return self.first_difference(a, b) is None
-
-
-def is_guided(request: GenerationRequest) -> bool:
-    return request.guided_decoding is not None
-
-
-def is_founder_only(request: GenerationRequest) -> bool:
-    return bool(
-        request.generate_audio or request.save_system_prompt_kv_cache or request.past_trajectory
-    )

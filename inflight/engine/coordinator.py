@@ -5,14 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from inflight.engine.record import RequestRecord, TerminalStatus
-from inflight.runtime.stepped import (
-    CompletionOutput,
-    FinishReason,
-    ResidentRef,
-    StaleResidentRef,
-    SteppedExecution,
-    StepResult,
-)
+from inflight.runtime.outputs import CompletionOutput, FinishReason
+from inflight.runtime.stepped import ResidentRef, StaleResidentRef, SteppedExecution, StepResult
 
 
 @dataclass(frozen=True)

@@ -18,34 +18,24 @@ import weakref
 from collections import deque
 from enum import Enum
 
-from inflight.engine.channel import StreamChannel, StreamChunk
-from inflight.engine.compatibility import BatchCompatibility, is_founder_only, is_guided
+from inflight.engine.channel import StreamChannel
+from inflight.engine.compatibility import BatchCompatibility
 from inflight.engine.config import EngineConfig
 from inflight.engine.coordinator import Commit, RequestCoordinator
 from inflight.engine.errors import RequestCancelled, RequestFailed, SubmitError
 from inflight.engine.metrics import EngineMetrics
 from inflight.engine.record import RequestHandle, RequestRecord, TerminalStatus
-from inflight.runtime.request import UNSERVED_OPTIONS, GenerationRequest, unserved_options
+from inflight.runtime.options import founder_only_stall, submit_refusal
+from inflight.runtime.outputs import CompletionOutput, StreamChunk
+from inflight.runtime.request import GenerationRequest
 from inflight.runtime.stepped import (
     AdmissionAnswer,
-    CompletionOutput,
     ExecutionFactory,
-    FinishReason,
     SteppedExecution,
     StepResult,
 )
 
 log = logging.getLogger(__name__)
-
-_BLOCKING_PATH = "use the blocking path (start without --enable-in-flight-batching)"
-# What a caller can do instead of each request option this engine refuses at submit().
-REFUSED_AT_SUBMIT = {
-    "n": "submit n separate requests",
-    "lora_name": "serve a checkpoint with the adapter merged, without --enable-in-flight-batching",
-    "generate_audio": _BLOCKING_PATH,
-    "save_system_prompt_kv_cache": "the context cache covers shared prefixes; or " + _BLOCKING_PATH,
-    "past_trajectory": _BLOCKING_PATH,
-}
 
 
 class ShutdownMode(Enum):
@@ -76,10 +66,11 @@ class CommandQueue:
 class RequestEngine:
     """Submit requests from any thread; one actor thread runs them in in-flight batches.
 
-    Refusals: a request option this engine does not serve is a ValueError naming the alternative
-    (permanent: counted in neither `submitted` nor `refused`); backpressure (too many requests in
-    flight, a full command queue) and shutdown are a SubmitError (transient). Dropping the last
-    reference to the engine shuts it down in CANCEL mode.
+    Refusals: a request option that in-flight batching does not serve (`runtime/options.py`) is
+    a ValueError naming the alternative (permanent: counted in neither `submitted` nor
+    `refused`), except over the blocking path; backpressure (too many requests in flight, a full
+    command queue) and shutdown are a SubmitError (transient). Dropping the last reference to
+    the engine shuts it down in CANCEL mode.
     """
 
     def __init__(self, execution_factory: ExecutionFactory, config: EngineConfig | None = None):
@@ -100,6 +91,7 @@ class RequestEngine:
                 f"{caps.max_batch_size} residents"
             )
         self.config = config
+        self._blocking_path = caps.blocking_path
         self.metrics = EngineMetrics()
         self._actor = _Actor(execution_factory, config, self.metrics)
         weakref.finalize(self, self._actor.shutdown, ShutdownMode.CANCEL)
@@ -108,13 +100,10 @@ class RequestEngine:
         self, request: GenerationRequest, channel: StreamChannel | None = None
     ) -> RequestHandle:
         """Accept a request (its tokens stream into `channel`, or a new one); never waits."""
-        refused = [o for o in unserved_options(request) if o in REFUSED_AT_SUBMIT]
-        if refused:
-            option = refused[0]
-            raise ValueError(
-                f"{UNSERVED_OPTIONS[option]} is not served under in-flight batching; "
-                f"{REFUSED_AT_SUBMIT[option]}"
-            )
+        if not self._blocking_path:
+            refusal = submit_refusal(request)
+            if refusal is not None:
+                raise ValueError(refusal)
         return self._actor.submit(request, channel or StreamChannel())
 
     def handle_request(self, request: GenerationRequest) -> CompletionOutput | None:
@@ -302,6 +291,7 @@ class _Actor:
             cancelled = [ref for ref, record in self.ledger.residents() if record.cancel_requested]
             try:
                 result = execution.step(cancelled)
+                self.metrics.add("steps")
                 committed = self.ledger.commit(result, execution)
             except Exception as exc:
                 log.exception("a step failed; failing its batch")
@@ -335,11 +325,7 @@ class _Actor:
         assert founder is not None
         if not self.compatibility.compatible(founder, head):
             return "stalls_incompatible"
-        if is_guided(founder) or is_guided(head):
-            return "stalls_guided"
-        if is_founder_only(founder) or is_founder_only(head):
-            return "stalls_founder_only"
-        return None
+        return founder_only_stall(head) or founder_only_stall(founder)
 
     def _admit(self, execution: SteppedExecution, founder: bool) -> AdmissionAnswer:
         record = self.queued[0]
@@ -365,16 +351,8 @@ class _Actor:
         return admission.answer
 
     def _publish(self, result: StepResult, committed: Commit) -> None:
-        for ref, delta in result.deltas.items():
-            record = committed.owners[ref]
-            record.channel.push(
-                StreamChunk(
-                    token_ids=tuple(delta.token_ids),
-                    text=delta.text,
-                    logprobs=None if delta.logprobs is None else tuple(delta.logprobs),
-                    prompt_tokens=len(record.request.prompt_token_ids),
-                )
-            )
+        for ref, chunk in result.deltas.items():
+            committed.owners[ref].channel.push(chunk)
         for outcome in committed.outcomes:
             self._terminate(outcome.record, outcome.status, outcome.output, outcome.error)
 
@@ -407,17 +385,17 @@ class _Actor:
         self.metrics.add(status.value)
         with self._registry_lock:
             self._registry.pop(record.id, None)
+        # Published first: a consumer that sees the terminal chunk can read the outcome at once.
+        record.publish(status, output, error)
         if status is TerminalStatus.COMPLETED:
             assert output is not None
             record.channel.push(
                 StreamChunk(
-                    finished=True,
-                    reason=FinishReason(output.finish_reason),
                     prompt_tokens=output.prompt_tokens,
+                    finished=True,
+                    finish_reason=output.finish_reason,
                 )
             )
-        record.publish(status, output, error)
-        if status is TerminalStatus.COMPLETED:
             record.channel.finish()
         else:
             record.channel.cancel()

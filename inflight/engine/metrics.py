@@ -15,6 +15,7 @@ class EngineMetrics:
     stalls_founder_only: int = 0
     stalls_no_capacity: int = 0
     admitted_mid_flight: int = 0  # joiners (founders excluded)
+    steps: int = 0  # ticks that ran a step of the execution
     completed: int = 0  # outcomes: exactly one per accepted request
     cancelled: int = 0
     failed: int = 0

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from enum import Enum
 
 from inflight.engine.channel import StreamChannel
 from inflight.engine.errors import RequestCancelled, RequestFailed
+from inflight.runtime.outputs import CompletionOutput, StreamChunk, merge_chunks
 from inflight.runtime.request import GenerationRequest
-from inflight.runtime.stepped import CompletionOutput
 
 
 class TerminalStatus(Enum):
@@ -53,17 +54,30 @@ class RequestRecord:
         return self._done.wait(timeout)
 
 
-class RequestHandle:
+class RequestHandle(Iterator[StreamChunk]):
     """The caller's side of a submitted request. It holds the record, not the engine, so it stays
-    usable after the engine is gone."""
+    usable after the engine is gone.
+
+    Iterating it (with `for`, or `async for` on an asyncio loop, which parks no thread) yields
+    the request's chunks as they come, several merged into one when the consumer fell behind; the
+    last chunk of a completed request has `finished` set, and a request that did not complete
+    raises RequestCancelled or RequestFailed where its stream ends. Abandoning the iteration
+    early (`close()`) cancels the request.
+    """
 
     def __init__(self, record: RequestRecord, wake_actor: Callable[[], None]) -> None:
         self._record = record
         self._wake_actor = wake_actor
+        self._started = False  # the consumer has begun to iterate
+        self._ended = False  # the consumer has seen the end of the stream
 
     @property
     def id(self) -> int:
         return self._record.id
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self._record.request
 
     def stream(self) -> StreamChannel:
         return self._record.channel
@@ -84,6 +98,12 @@ class RequestHandle:
             self._record.channel.cancel()
             self._wake_actor()
 
+    def close(self) -> None:
+        """Stop consuming: cancels the request unless its stream already ended cleanly."""
+        if not self._ended:
+            self._ended = True
+            self.cancel()
+
     def get(self, timeout: float | None = None) -> CompletionOutput:
         """Wait for the outcome: the output, or RequestCancelled / RequestFailed.
 
@@ -101,3 +121,58 @@ class RequestHandle:
             raise RequestFailed(f"Request {record.id} failed: {record.error}")
         assert record.output is not None
         return record.output
+
+    # -- iteration ------------------------------------------------------------------------------
+
+    def __next__(self) -> StreamChunk:
+        channel = self._record.channel
+        self._started = True
+        while not self._ended:
+            ended = channel.ended  # read first: every chunk pushed before the end is popped
+            chunks = channel.pop_all()
+            if chunks:
+                return self._take(chunks)
+            if ended:
+                self._end()
+            channel.wait_any()
+        raise StopIteration
+
+    def __aiter__(self) -> AsyncIterator[StreamChunk]:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        channel = self._record.channel
+        loop = asyncio.get_running_loop()
+        woken = asyncio.Event()
+        channel.set_waker(lambda: loop.call_soon_threadsafe(woken.set))
+        self._started = True
+        try:
+            while not self._ended:
+                ended = channel.ended
+                chunks = channel.pop_all()
+                if chunks:
+                    return self._take(chunks)
+                if ended:
+                    self._end()
+                await woken.wait()
+                woken.clear()
+        finally:
+            channel.set_waker(None)
+        raise StopAsyncIteration
+
+    def _take(self, chunks: list[StreamChunk]) -> StreamChunk:
+        chunk = chunks[0] if len(chunks) == 1 else merge_chunks(chunks)
+        if chunk.finished:
+            self._ended = True
+        return chunk
+
+    def _end(self) -> None:
+        """The stream ended without a finished chunk: raise what ended it."""
+        self._ended = True
+        self.get()  # raises RequestCancelled or RequestFailed
+        raise RequestFailed(f"Request {self.id}'s stream ended without its last chunk")
+
+    def __del__(self) -> None:
+        # A stream abandoned mid-iteration cancels its request instead of letting it decode on.
+        if getattr(self, "_started", False) and not self._ended and not self._record.published:
+            self._record.channel.cancel()

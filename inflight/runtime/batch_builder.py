@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -13,16 +14,28 @@ from inflight.model.attention import AttentionMetadata
 from inflight.model.transfer import to_device
 
 
-# Built for every row of every step: slots and no `frozen`, whose __init__ costs ~10x.
+class BatchRow(Protocol):
+    """One sequence's work in a step: `token_ids` computed after `past_len` tokens already in KV
+    (the scheduler's `ScheduledRow`, or a `RowInput` for a forward pass run by hand)."""
+
+    token_ids: Sequence[int]
+    past_len: int
+    samples: bool  # select this row's last token's hidden state
+    scores: bool  # select every token's hidden state (scoring a prompt)
+
+    @property
+    def block_table(self) -> Sequence[int]: ...
+
+
 @dataclass(slots=True)
 class RowInput:
-    """One resident's work in a step: `token_ids` computed after `past_len` tokens already in KV."""
+    """A `BatchRow` for a forward pass run outside a session (tests, benchmarks)."""
 
     token_ids: Sequence[int]
     past_len: int
     block_table: Sequence[int]
-    samples: bool  # select this row's last token's hidden state
-    scores: bool = False  # select every token's hidden state (scoring a prompt)
+    samples: bool
+    scores: bool = False
 
 
 @dataclass
@@ -36,7 +49,7 @@ class RaggedBatch:
 
 
 def build_ragged_batch(
-    rows: Sequence[RowInput], block_size: int, device: torch.device
+    rows: Sequence[BatchRow], block_size: int, device: torch.device
 ) -> RaggedBatch:
     """Rows must come decode-first: the leading rows of one query token form the decode group.
 

@@ -1,13 +1,9 @@
-"""The paged KV cache: per-layer block tensors and the pool that hands their blocks out."""
+"""`BlockPool`: the KV cache's blocks, handed out by number (torch-free; the tensors that hold
+them are the executor's)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-
-import torch
-
-from inflight.model.attention import AttentionBackend, KVCache
-from inflight.model.config import ModelConfig
 
 
 class BlockPool:
@@ -101,21 +97,3 @@ class BlockPool:
                     self._empty.add(block)
                 else:
                     self._cached[block] = None
-
-
-def allocate_kv_cache(
-    config: ModelConfig,
-    num_blocks: int,
-    block_size: int,
-    backend: AttentionBackend,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> list[KVCache]:
-    shape = backend.kv_cache_shape(num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-        for _ in range(config.num_layers)
-    ]

@@ -115,8 +115,8 @@ class SamplingParams:
 class GenerationRequest:
     """One prompt, already tokenized, and how to continue it.
 
-    The fields after `params` are request options of the design's support matrix that this
-    runtime does not serve yet; each is refused with a message naming it (see `unserved_options`).
+    The fields after `params` are request options of the design's support matrix; where each is
+    served or refused, and with which message, is the table in `options.py`.
     """
 
     prompt_token_ids: Sequence[int]
@@ -132,23 +132,6 @@ class GenerationRequest:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-
-
-# Request option -> what it is, for refusals ("<what> is not served ...").
-UNSERVED_OPTIONS = {
-    "n": "more than one sequence per request (n > 1)",
-    "lora_name": "per-request LoRA (lora_name)",
-    "guided_decoding": "guided decoding (JSON schema / regex / grammar)",
-    "generate_audio": "speech output (generate_audio)",
-    "save_system_prompt_kv_cache": "system-prompt KV capture (save_system_prompt_kv_cache)",
-    "past_trajectory": "trajectory execution (past_trajectory)",
-}
-
-
-def unserved_options(request: GenerationRequest) -> list[str]:
-    """The fields of UNSERVED_OPTIONS this request sets away from their defaults."""
-    defaults = {"n": 1, "generate_audio": False, "save_system_prompt_kv_cache": False}
-    return [name for name in UNSERVED_OPTIONS if getattr(request, name) != defaults.get(name)]
 
 
 def _is_int(value: Any) -> bool:

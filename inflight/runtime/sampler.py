@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from inflight.model.transfer import to_device
+from inflight.runtime.outputs import SampledRow
 from inflight.runtime.request import SamplingParams
 
 _SEED_STRIDE = 1_000_003  # mixes (seed, position) into one generator seed
@@ -24,14 +25,6 @@ _SEED_STRIDE = 1_000_003  # mixes (seed, position) into one generator seed
 class SamplingRow:
     params: SamplingParams
     position: int  # index of the output token being drawn (0 for the first)
-
-
-@dataclass(slots=True)
-class SampledRow:
-    token_id: int
-    logprob: float | None = None
-    top_ids: list[int] | None = None
-    top_logprobs: list[float] | None = None
 
 
 @dataclass

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple, Protocol
 
+from inflight.runtime.outputs import CompletionOutput, FinishedSnapshot, StreamChunk
 from inflight.runtime.request import GenerationRequest
 
 
@@ -47,73 +48,6 @@ class Admission:
     reason: str = ""
 
 
-class FinishReason(Enum):
-    STOP = "stop"  # EOS, a stop token or a stop string
-    LENGTH = "length"  # max_tokens or the context capacity
-    CANCELLED = "cancelled"
-    ERROR = "error"
-
-
-@dataclass(frozen=True)
-class TopLogprob:
-    token_id: int
-    logprob: float
-    token: str  # the token's text (a partial UTF-8 character shows as U+FFFD)
-    bytes: bytes
-
-
-@dataclass(frozen=True)
-class LogprobEntry:
-    """The chosen token's log-probability and the most likely alternatives, best first."""
-
-    token_id: int
-    logprob: float
-    token: str
-    bytes: bytes
-    top: tuple[TopLogprob, ...] = ()
-
-
-@dataclass(slots=True)
-class TokenDelta:
-    """What one resident produced in one step: new token ids and the text they released.
-
-    Text may lag tokens: bytes of an unfinished UTF-8 character, or text that could still turn out
-    to begin a stop string, are held back until they are settled.
-    """
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[LogprobEntry] | None = None
-
-
-@dataclass
-class FinishedSnapshot:
-    """Everything a resident produced, taken at the step that evicted it."""
-
-    request: GenerationRequest
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason
-    stop_reason: str | int | None  # the stop string or stop token id that ended it, if any
-    logprobs: list[LogprobEntry] | None
-    prompt_tokens: int
-    prompt_logprobs: list[LogprobEntry | None] | None = None
-    cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class CompletionOutput:
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
-    stop_reason: str | int | None
-    logprobs: tuple[LogprobEntry, ...] | None
-    prompt_tokens: int
-    # One entry per prompt token (None for the first, which nothing predicts), when asked for.
-    prompt_logprobs: tuple[LogprobEntry | None, ...] | None = None
-    cached_tokens: int = 0  # prompt tokens whose KV came from the context cache
-
-
 # Built for every row of every step: slots and no `frozen`, whose __init__ costs ~10x.
 @dataclass(slots=True)
 class ScheduledSequence:
@@ -141,7 +75,7 @@ class StepResult:
 
     step_id: int
     work: list[ScheduledSequence] = field(default_factory=list)
-    deltas: dict[ResidentRef, TokenDelta] = field(default_factory=dict)
+    deltas: dict[ResidentRef, StreamChunk] = field(default_factory=dict)
     finished: dict[ResidentRef, FinishedSnapshot] = field(default_factory=dict)
 
 
@@ -153,13 +87,16 @@ class ExecutionCapabilities:
     ranks that would each need every stepped command). `seated_admission`: a request can join a
     batch that is already generating. `max_batch_size`: the most residents it can hold.
     `per_row_fields`: request fields it applies per row, which therefore never keep two
-    requests from sharing a step (dotted names such as "params.temperature").
+    requests from sharing a step (dotted names such as "params.temperature"). `blocking_path`:
+    each batch is one request, served whole by the runtime's blocking path (no in-flight
+    batching), so no request option is refused for the sake of in-flight batching.
     """
 
     stepped: bool
     seated_admission: bool
     max_batch_size: int
     per_row_fields: frozenset[str] = frozenset()
+    blocking_path: bool = False
 
 
 class SteppedExecution(Protocol):

@@ -7,8 +7,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from inflight.runtime.outputs import CompletionOutput
 from inflight.runtime.request import SamplingParams
-from inflight.runtime.stepped import CompletionOutput
 from inflight.server.client import Run
 from inflight.server.errors import ServerError
 from inflight.server.protocol import (
@@ -104,15 +104,15 @@ class MessageReply:
         yield _event("ping", {})
         output_tokens, finish = 0, None
         try:
-            async for delta in run:
-                output_tokens += len(delta.token_ids)
-                if delta.finished:
-                    finish = delta.finish_reason
-                elif delta.text:
+            async for chunk in run:
+                output_tokens += len(chunk.token_ids)
+                if chunk.text:
                     yield _event(
                         "content_block_delta",
-                        {"index": 0, "delta": {"type": "text_delta", "text": delta.text}},
+                        {"index": 0, "delta": {"type": "text_delta", "text": chunk.text}},
                     )
+                if chunk.finished:
+                    finish = chunk.finish_reason
         except ServerError as exc:
             kind = _ANTHROPIC_ERRORS.get(exc.status, "api_error")
             yield _event("error", {"error": {"type": kind, "message": exc.message}})

@@ -8,8 +8,15 @@ import logging
 import os
 import sys
 
+from inflight.runtime.config import QUANTIZATIONS
+
 # `inflight bench throughput` engines that run inflight itself, by the quantization they use.
-INFLIGHT_ENGINES = {"inflight": None, "inflight-int8": "int8", "inflight-q4": "q4"}
+INFLIGHT_ENGINES = {
+    "inflight": "auto",
+    "inflight-none": "none",
+    "inflight-int8": "int8",
+    "inflight-q4": "q4",
+}
 
 
 def _positive(value: str) -> int:
@@ -74,7 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
         f"inflight: serving {name} at http://{args.host}:{args.port}/v1 "
         f"({mode}; max_model_len {llm.max_model_len}; queue {args.max_queued_requests}"
         f"{'; context cache' if args.enable_context_reuse else ''}"
-        f"{f'; {args.quantization} weights' if args.quantization else ''}"
+        f"; quantization {args.quantization}"
         f"{'; API key required' if args.api_key else ''})",
         flush=True,
     )
@@ -224,15 +231,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--enable-context-reuse",
-        action="store_true",
-        help="reuse the KV of prompt prefixes computed before (prefix cache)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of prompt prefixes computed before (prefix cache; on by default)",
     )
     serve.add_argument(
         "--quantization",
-        choices=["int8", "q4"],
-        default=None,
-        help="quantized weights for the CPU float32 path's matmuls (faster, not bit-exact): "
-        "int8, or q4 (4-bit, GGUF's Q4_1: a Q4_1 file keeps its own weights; the head int8)",
+        choices=QUANTIZATIONS,
+        default="auto",
+        help="auto (default): a GGUF file's Q4_1 / Q8_0 weights run in the CPU kernels of their "
+        "own type (fast, not bit-exact), others in float32; none: float32 (bf16 on CUDA), "
+        "exact; int8 / q4: quantize every CPU matmul (q4: 4-bit GGUF Q4_1 form, head int8)",
     )
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]

@@ -3,26 +3,28 @@
 Under in-flight batching the gate hands out at most `max_batch_size + max_queued_requests`
 leases and answers 429 at once beyond that; on the blocking path it is one generation slot plus
 up to `max_queued_requests` callers waiting at most `queue_timeout` seconds. A lease is held from
-admission until the generation is over and its worker thread has returned.
+admission until the generation is over.
 
-Streams advance in a dedicated thread pool (each active stream parks a thread on its channel). A
-client that goes away cancels its request inside the engine: the request leaves its seat at the
-next step instead of decoding to `max_tokens`.
+Streams are read on the event loop itself: the engine's channel wakes the loop when chunks
+arrive, and chunks that piled up while a client was slow come as one. A client that goes away
+cancels its request inside the engine: the request leaves its seat at the next step instead of
+decoding to `max_tokens`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
 
-from inflight.api import LLM, GenerationStream, StreamDelta
-from inflight.engine import RequestCancelled, RequestFailed, SubmitError
+from inflight.api import LLM
+from inflight.engine import RequestCancelled, RequestFailed, RequestHandle, SubmitError
+from inflight.runtime.options import UnservedOptionError
+from inflight.runtime.outputs import CompletionOutput, StreamChunk
 from inflight.runtime.request import GenerationRequest, PromptTooLongError, SamplingParams
-from inflight.runtime.stepped import CompletionOutput
 from inflight.server.errors import ServerError, overloaded
 from inflight.server.metrics import ServerMetrics
 
@@ -89,19 +91,26 @@ class EngineClient:
         self.gate = AdmissionGate(
             llm.in_flight_batching, llm.max_batch_size, max_queued_requests, queue_timeout
         )
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self.gate.limit + max_queued_requests + 4,
-            thread_name_prefix="inflight-stream",
-        )
 
     # -- preparing ------------------------------------------------------------------------------
 
-    def prepare(self, prompt: object, params: SamplingParams) -> GenerationRequest:
-        """Tokenize and validate; bad input is a 400 naming the problem, a long prompt a 413."""
+    def prepare(
+        self,
+        prompt: object,
+        params: SamplingParams,
+        *,
+        params_of: dict[str, str] | None = None,
+        **options: Any,
+    ) -> GenerationRequest:
+        """Tokenize and validate; bad input is a 400 naming the problem, a long prompt a 413.
+        `options` are request options (`GenerationRequest` fields); `params_of` maps an option
+        to the HTTP field it came from, which a refusal names."""
         try:
-            request = self.llm.prepare(prompt, params)
+            request = self.llm.prepare(prompt, params, **options)
         except PromptTooLongError as exc:
             raise ServerError(413, str(exc), "messages") from exc
+        except UnservedOptionError as exc:
+            raise ServerError(400, str(exc), (params_of or {}).get(exc.field, exc.field)) from exc
         except ValueError as exc:
             raise ServerError(400, str(exc)) from exc
         if self.max_input_len is not None and len(request.prompt_token_ids) > self.max_input_len:
@@ -151,20 +160,18 @@ class EngineClient:
     async def close(self) -> None:
         await self.gate.close()
         await asyncio.get_running_loop().run_in_executor(None, self.llm.close)
-        self._pool.shutdown(wait=False)
 
 
 class Run:
     """One request on its way through the server: `start()` takes a lease and submits (a full
-    gate or engine is a 429 here, before any response has begun); iterating yields its deltas;
+    gate or engine is a 429 here, before any response has begun); iterating yields its chunks;
     `output` is set once it ended. Whatever way iteration stops, the request is cancelled unless
-    it completed, its worker thread has returned, and the lease is back."""
+    it completed, and the lease is back."""
 
     def __init__(self, client: EngineClient, request: GenerationRequest) -> None:
         self._client = client
         self._request = request
-        self._generation: GenerationStream | None = None
-        self._pending: concurrent.futures.Future | None = None
+        self._handle: RequestHandle | None = None
         self._started_at = 0.0
         self._leased = False
         self._gate_wait = 0.0
@@ -178,33 +185,27 @@ class Run:
         self._started_at = time.monotonic()
         self._gate_wait = self._started_at - arrived
         try:
-            self._generation = client.llm.start(self._request)
+            self._handle = client.llm.start(self._request)
         except SubmitError as exc:
-            await self._finish("rejected")
+            self._finish("rejected")
             raise overloaded(str(exc)) from exc
 
-    async def __aiter__(self) -> AsyncIterator[StreamDelta]:
-        assert self._generation is not None, "start() first"
-        client, loop = self._client, asyncio.get_running_loop()
+    async def __aiter__(self) -> AsyncIterator[StreamChunk]:
+        handle = self._handle
+        assert handle is not None, "start() first"
+        metrics = self._client.metrics
         outcome, last = "failed", None
         try:
-            while True:
-                self._pending = client._pool.submit(next, self._generation, None)
-                delta = await asyncio.wrap_future(self._pending, loop=loop)
-                self._pending = None
-                if delta is None:
-                    break
-                if delta.token_ids:
+            async for chunk in handle:
+                if chunk.token_ids:
                     now = time.monotonic()
                     if last is None:
-                        client.metrics.time_to_first_token.observe(now - self._started_at)
+                        metrics.time_to_first_token.observe(now - self._started_at)
                     else:
-                        client.metrics.inter_token_latency.observe(
-                            (now - last) / len(delta.token_ids)
-                        )
+                        metrics.inter_token_latency.observe((now - last) / len(chunk.token_ids))
                     last = now
-                yield delta
-            self.output = self._generation.output
+                yield chunk
+            self.output = handle.get()
             outcome = "completed"
         except (RequestCancelled, asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
@@ -212,29 +213,22 @@ class Run:
         except RequestFailed as exc:
             raise ServerError(500, f"generation failed: {exc}") from exc
         finally:
-            await self._finish(outcome)
+            self._finish(outcome)
 
-    async def _finish(self, outcome: str) -> None:
+    def _finish(self, outcome: str) -> None:
         if not self._leased:
             return
         self._leased = False
-        loop = asyncio.get_running_loop()
-        with anyio.CancelScope(shield=True):
-            generation = self._generation
-            if generation is not None:
-                generation.cancel()  # nothing happens if it ended cleanly
-                if self._pending is not None:
-                    # Let the worker return; what it returns (or raises) no longer matters.
-                    await asyncio.wait([asyncio.wrap_future(self._pending, loop=loop)])
-                await loop.run_in_executor(self._client._pool, generation.close)
-            self._client.gate.release()
+        if self._handle is not None:
+            self._handle.close()  # cancels the request unless its stream ended
+        self._client.gate.release()
         metrics = self._client.metrics
         metrics.requests.labels(outcome=outcome).inc()
-        engine_wait = self._generation.queue_time() if self._generation is not None else None
+        engine_wait = self._handle.queue_time if self._handle is not None else None
         if engine_wait is not None:
             metrics.queue_time.observe(self._gate_wait + engine_wait)
         metrics.request_latency.observe(time.monotonic() - self._started_at)
 
     async def aclose(self) -> None:
         """Give everything back without iterating (the response never started)."""
-        await self._finish("cancelled")
+        self._finish("cancelled")

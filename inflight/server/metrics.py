@@ -19,6 +19,7 @@ _ENGINE_COUNTERS = (
     "stalls_founder_only",
     "stalls_no_capacity",
     "admitted_mid_flight",
+    "steps",
     "completed",
     "cancelled",
     "failed",
@@ -72,6 +73,11 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("inflight_kv_blocks_total", "KV cache blocks in all", value=total)
         yield GaugeMetricFamily(
             "inflight_kv_cache_usage_ratio", "Share of KV blocks in use", value=used / total
+        )
+        used, total = self._llm.resident_slot_usage()
+        yield GaugeMetricFamily("inflight_resident_slots_used", "Resident slots in use", value=used)
+        yield GaugeMetricFamily(
+            "inflight_resident_slots_total", "Resident slots in all", value=total
         )
         cache = self._llm.get_context_cache_metrics()
         if cache is not None:

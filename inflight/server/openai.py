@@ -8,13 +8,21 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from inflight.api import StreamDelta
 from inflight.model.checkpoints.tokenizer import Tokenizer
+from inflight.runtime.outputs import CompletionOutput, LogprobEntry, StreamChunk
 from inflight.runtime.request import GenerationRequest, SamplingParams
-from inflight.runtime.stepped import CompletionOutput, LogprobEntry
 from inflight.server.client import Run
 from inflight.server.errors import ServerError
-from inflight.server.protocol import ChatMessage, CompletionRequest, SamplingFields, TextPart
+from inflight.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+    TextPart,
+)
+
+# The HTTP field each request option comes from, for the `param` of a refusal.
+OPTION_PARAMS = {"n": "n", "guided_decoding": "response_format"}
 
 
 def sampling_params(
@@ -50,6 +58,37 @@ def sampling_params(
         )
     except ValueError as exc:
         raise ServerError(400, str(exc), str(exc).split(" ", 1)[0]) from exc
+
+
+def request_options(body: SamplingFields) -> dict[str, Any]:
+    """The request options (`GenerationRequest` fields) an OpenAI body asks for: `n`, and
+    `response_format` as guided decoding. Whether they are served is the runtime's to say."""
+    options: dict[str, Any] = {"n": body.n}
+    if isinstance(body, ChatCompletionRequest) and body.response_format is not None:
+        options["guided_decoding"] = _guided_decoding(body.response_format)
+    return options
+
+
+def _guided_decoding(response_format: dict[str, Any]) -> dict[str, Any] | None:
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise ServerError(
+                400,
+                "response_format json_schema needs a json_schema object with a schema",
+                "response_format",
+            )
+        return {"json_schema": spec.get("schema", {})}
+    raise ServerError(
+        400,
+        f"response_format type must be text, json_object or json_schema, got {kind!r}",
+        "response_format",
+    )
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -145,18 +184,17 @@ class ChatReply:
         """Role, content deltas, the finish reason, usage (if asked for)."""
         yield self._chunk({"role": "assistant", "content": ""})
         finish_reason, completion_tokens, prompt_tokens = None, 0, 0
-        async for delta in run:
-            prompt_tokens = delta.prompt_tokens
-            completion_tokens += len(delta.token_ids)
-            if delta.finished:
-                finish_reason = delta.finish_reason
-                continue
-            if not delta.text and not (self.logprobs and delta.logprobs):
+        async for chunk in run:
+            prompt_tokens = chunk.prompt_tokens
+            completion_tokens += len(chunk.token_ids)
+            if chunk.finished:
+                finish_reason = chunk.finish_reason
+            if not chunk.text and not (self.logprobs and chunk.logprobs):
                 continue
             extra = {}
-            if self.logprobs and delta.logprobs:
-                extra["logprobs"] = {"content": [_chat_logprob(e) for e in delta.logprobs]}
-            yield self._chunk({"content": delta.text}, **extra)
+            if self.logprobs and chunk.logprobs:
+                extra["logprobs"] = {"content": [_chat_logprob(e) for e in chunk.logprobs]}
+            yield self._chunk({"content": chunk.text}, **extra)
         yield self._chunk({}, finish_reason=finish_reason)
         if include_usage:
             chunk = self._chunk({})
@@ -246,7 +284,7 @@ class CompletionReply:
         self, requests: list[GenerationRequest], runs: list[Run], include_usage: bool
     ) -> AsyncIterator[dict[str, Any]]:
         """Each prompt's deltas, interleaved as they come, tagged with the prompt's index."""
-        queue: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, StreamChunk | BaseException | None]] = asyncio.Queue()
 
         async def pump(index: int, run: Run) -> None:
             try:
@@ -271,14 +309,14 @@ class CompletionReply:
                 if isinstance(item, BaseException):
                     raise item
                 usage[1] += len(item.token_ids)
-                if item.finished:
-                    usage[0] += item.prompt_tokens
-                    yield self._chunk(index, "", finish_reason=item.finish_reason)
-                elif item.text or item.token_ids:
+                if item.text or item.token_ids:
                     logprobs = None
                     if self.body.logprobs is not None and item.logprobs:
                         logprobs = self._logprobs([self._row(e) for e in item.logprobs])
                     yield self._chunk(index, item.text, logprobs=logprobs)
+                if item.finished:
+                    usage[0] += item.prompt_tokens
+                    yield self._chunk(index, "", finish_reason=item.finish_reason)
             if include_usage:
                 chunk = self._chunk(0, "")
                 chunk["choices"] = []

@@ -1,8 +1,10 @@
 """Request bodies of the OpenAI and Anthropic APIs, as strict pydantic models.
 
-Unknown fields are a 400 (a misspelt parameter must not be silently ignored). Fields the engine
-does not serve yet are accepted by the schema and refused with a message naming them
-(`unsupported()`), so a client learns exactly which option to drop.
+Unknown fields are a 400 (a misspelt parameter must not be silently ignored). Fields that map to
+no request option and that the server does not serve yet are accepted by the schema and refused
+with a message naming them (`unsupported()`), so a client learns exactly which option to drop;
+fields that map to request options (`n`, `response_format`) are refused, where they are, by the
+options table of the runtime (`runtime/options.py`).
 """
 
 from __future__ import annotations
@@ -138,7 +140,6 @@ def unsupported(body: BaseModel) -> tuple[str, str] | None:
     checks: list[tuple[str, bool, str]] = []
     if isinstance(body, SamplingFields):
         checks += [
-            ("n", body.n != 1, "n other than 1 is not supported; send n separate requests"),
             (
                 "presence_penalty",
                 bool(body.presence_penalty),
@@ -156,13 +157,7 @@ def unsupported(body: BaseModel) -> tuple[str, str] | None:
             ),
         ]
     if isinstance(body, ChatCompletionRequest):
-        format_type = (body.response_format or {}).get("type", "text")
         checks += [
-            (
-                "response_format",
-                format_type != "text",
-                f"response_format {format_type!r} (guided decoding) is not supported yet",
-            ),
             ("tools", bool(body.tools), "tool calling is not supported yet"),
             (
                 "tool_choice",

@@ -7,8 +7,9 @@ import torch
 
 from inflight.bench.random_model import SHAPES, RandomWeights, numbered_tokenizer
 from inflight.model.checkpoints.loader import Checkpoint
+from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
-from inflight.runtime.runtime import Runtime, RuntimeConfig
+from inflight.runtime.runtime import Runtime
 
 
 def test_a_small_random_model_loads_and_generates():

@@ -11,19 +11,21 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+from inflight.runtime.outputs import (
+    CompletionOutput,
+    FinishedSnapshot,
+    FinishReason,
+    StreamChunk,
+)
 from inflight.runtime.request import GenerationRequest
 from inflight.runtime.slots import ResidentSlots
 from inflight.runtime.stepped import (
     Admission,
     AdmissionAnswer,
-    CompletionOutput,
     ExecutionCapabilities,
-    FinishedSnapshot,
-    FinishReason,
     ResidentRef,
     ScheduledSequence,
     StepResult,
-    TokenDelta,
 )
 
 
@@ -128,7 +130,9 @@ class FakeExecution:
             result.work.append(ScheduledSequence(ref, 1, len(r.tokens), True))
             token = len(r.tokens) + 1
             r.tokens.append(token)
-            result.deltas[ref] = TokenDelta([token], f"<{token}>")
+            result.deltas[ref] = StreamChunk(
+                [token], f"<{token}>", prompt_tokens=len(r.request.prompt_token_ids)
+            )
             if len(r.tokens) >= (r.request.params.max_tokens or 3):
                 result.finished[ref] = self._evict(r, FinishReason.LENGTH)
         return result
@@ -142,8 +146,6 @@ class FakeExecution:
             text="".join(f"<{t}>" for t in r.tokens),
             finish_reason=reason,
             stop_reason=None,
-            logprobs=None,
-            prompt_tokens=len(r.request.prompt_token_ids),
         )
 
     def materialize(self, snapshot: FinishedSnapshot) -> CompletionOutput:
@@ -153,7 +155,7 @@ class FakeExecution:
             finish_reason=snapshot.finish_reason.value,
             stop_reason=None,
             logprobs=None,
-            prompt_tokens=snapshot.prompt_tokens,
+            prompt_tokens=len(snapshot.request.prompt_token_ids),
         )
 
     def finish(self) -> None:

@@ -4,12 +4,12 @@ import pytest
 
 from inflight.engine.compatibility import (
     BATCH_FIELDS,
-    FOUNDER_ONLY_FIELDS,
-    GUIDED_FIELDS,
+    OPTION_RULED_FIELDS,
     PAYLOAD_FIELDS,
     BatchCompatibility,
     request_fields,
 )
+from inflight.runtime.options import OPTION_FIELDS, REQUEST_OPTIONS, UnderIFB
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import PER_ROW_FIELDS
 
@@ -34,7 +34,7 @@ def _request(params=None, **kw):
 
 
 def test_every_field_is_in_exactly_one_list():
-    lists = [PAYLOAD_FIELDS, set(BATCH_FIELDS), GUIDED_FIELDS, FOUNDER_ONLY_FIELDS]
+    lists = [PAYLOAD_FIELDS, set(BATCH_FIELDS), OPTION_RULED_FIELDS]
     assert set().union(*lists) == request_fields(), "a request field is in no list"
     assert sum(len(x) for x in lists) == len(request_fields()), "a field is in two lists"
 
@@ -81,3 +81,11 @@ def test_fields_the_runtime_applies_per_row_are_exempt():
 def test_unknown_per_row_field_is_an_error():
     with pytest.raises(ValueError, match="params.nope"):
         BatchCompatibility(frozenset({"params.nope"}))
+
+
+def test_fields_ruled_by_the_options_table_are_its_unserved_options():
+    """An option the table rules at admission (founder-only) or at submit (refused) is not
+    compared as well; every request option is either compared or ruled by the table."""
+    unserved = {o.field for o in REQUEST_OPTIONS if o.under_ifb is not UnderIFB.SERVED}
+    assert unserved >= OPTION_RULED_FIELDS
+    assert OPTION_RULED_FIELDS | set(BATCH_FIELDS) >= OPTION_FIELDS

@@ -5,15 +5,9 @@ import pytest
 from inflight.engine.channel import StreamChannel
 from inflight.engine.coordinator import RequestCoordinator
 from inflight.engine.record import RequestRecord, TerminalStatus
+from inflight.runtime.outputs import CompletionOutput, FinishedSnapshot, FinishReason
 from inflight.runtime.request import GenerationRequest
-from inflight.runtime.stepped import (
-    CompletionOutput,
-    FinishedSnapshot,
-    FinishReason,
-    ResidentRef,
-    StaleResidentRef,
-    StepResult,
-)
+from inflight.runtime.stepped import ResidentRef, StaleResidentRef, StepResult
 
 
 class Materializer:
@@ -33,7 +27,7 @@ def _record(i):
 
 
 def _snap(tokens, reason=FinishReason.LENGTH):
-    return FinishedSnapshot(GenerationRequest([1]), tokens, "t", reason, None, None, 1)
+    return FinishedSnapshot(GenerationRequest([1]), tokens, "t", reason, None)
 
 
 def _ledger():

@@ -2,8 +2,9 @@
 
 import pytest
 
+from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
-from inflight.runtime.runtime import Runtime, RuntimeConfig
+from inflight.runtime.runtime import Runtime
 from inflight.runtime.stepped import AdmissionAnswer
 
 from helpers import assert_no_leaks
@@ -67,12 +68,10 @@ def _req(prompt, max_tokens=4, **params):
 
 
 def _admit_cached(session, runtime, request):
-    ref = session.admit(request).ref
-    return runtime_resident(session, ref).cached_tokens
-
-
-def runtime_resident(session, ref):
-    return session._residents[ref]
+    """Admit through the three admission stages; the prompt tokens leased from the cache."""
+    reservation = session.reserve_admission(session.build_admission_intent(request))
+    session.seat(reservation)
+    return reservation.cached_blocks * runtime.blocks.block_size
 
 
 def test_a_block_is_visible_only_after_the_step_that_wrote_it(tiny):

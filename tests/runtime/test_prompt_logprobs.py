@@ -4,8 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
-from inflight.runtime.runtime import Runtime, RuntimeConfig
+from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks
 

@@ -1,0 +1,64 @@
+"""`RuntimeConfig`: what a runtime is built with (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+QUANTIZATIONS = ("auto", "none", "int8", "q4")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Capacity of a runtime, and how it runs the model.
+
+    `max_batch_size` resident slots; sequences (prompt plus output) of at most `max_model_len`
+    tokens (default: the model's context, capped at 4096); a KV cache of `num_kv_blocks` blocks of
+    `block_size` tokens (default: enough for every slot to hold a full-length sequence); at most
+    `max_num_tokens` tokens computed per step (decode rows plus prefill chunks).
+    """
+
+    max_batch_size: int = 8
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_tokens: int = 2048
+    context_cache: bool = True  # reuse the KV of prompt prefixes computed before
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    # "auto": a GGUF file's weights run in the CPU kernel of their stored type where one exists
+    # (Q4_1 -> q4, Q8_0 -> int8), float32 otherwise; "none": float32 (bf16 on CUDA), exactly;
+    # "int8": int8 weights for every CPU matmul; "q4": 4-bit weights (GGUF's Q4_1) for the
+    # decoder layers' matmuls and int8 for the head. The quantized modes are CPU float32 only.
+    quantization: str = "auto"
+    device: str | None = None  # default: cuda when available
+    # "torch", "cpu" or "triton"; default: triton on CUDA, cpu (its native decode kernel) for
+    # float32 on the CPU where it builds, else torch.
+    attention_backend: str | None = None
+    cuda_graphs: bool = True  # capture decode steps (CUDA with the triton backend only)
+    # Complete each step while the device runs the next (default: on CUDA, off on the CPU).
+    overlap: bool | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "block_size", "max_num_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_model_len", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 2):
+                raise ValueError(f"{name} must be an integer >= 2, got {value!r}")
+        if self.max_num_tokens < self.max_batch_size:
+            raise ValueError(
+                f"max_num_tokens ({self.max_num_tokens}) must be at least max_batch_size "
+                f"({self.max_batch_size}): every resident decodes one token per step"
+            )
+        if self.attention_backend not in (None, "torch", "cpu", "triton"):
+            raise ValueError(
+                f"attention_backend must be torch, cpu or triton, got {self.attention_backend!r}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be auto, none, int8 or q4, got {self.quantization!r}"
+            )
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -1,0 +1,158 @@
+"""`Executor`: runs a scheduled step on the device (batch building, forward, sampling).
+
+It owns the model, its KV cache tensors, the attention backend, the CUDA graphs of decode steps,
+the sampler, and each slot's last sampled token on the device. `launch` queues a step's work and
+returns at once where the device is asynchronous; `fetch` waits for its sampled tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
+from inflight.model.config import ModelConfig
+from inflight.model.llama import LlamaForCausalLM
+from inflight.model.transfer import to_device
+from inflight.runtime.batch_builder import RaggedBatch, build_ragged_batch
+from inflight.runtime.cuda_graphs import DecodeGraphs, DecodeInputs, graph_buckets
+from inflight.runtime.outputs import SampledRow
+from inflight.runtime.sampler import Sampled, Sampler, SamplingRow
+from inflight.runtime.scheduler import ScheduledRow, ScheduledStep
+
+# Prompt positions scored per LM-head call: bounds the [positions, vocab] logits held at once.
+_SCORE_SLICE = 128
+
+
+def allocate_kv_cache(
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[KVCache]:
+    shape = backend.kv_cache_shape(num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return [
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+        for _ in range(config.num_layers)
+    ]
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward pass and sampling are queued on the device."""
+
+    step: ScheduledStep
+    sampled: Sampled | None
+    # Row index -> the scores of the prompt tokens that row's chunk predicts (computed at once).
+    scores: dict[int, list[SampledRow]] = field(default_factory=dict)
+
+
+class Executor:
+    """Given graph inputs, decode-only steps replay captured CUDA graphs (see `cuda_graphs.py`)."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[KVCache],
+        backend: AttentionBackend,
+        sampler: Sampler,
+        *,
+        block_size: int,
+        max_batch_size: int,
+        device: torch.device,
+        graph_inputs: DecodeInputs | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.sampler = sampler
+        self.block_size = block_size
+        self.device = device
+        # Each slot's latest sampled token, where the next step reads it without a host trip.
+        self.last_tokens = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
+        self.graphs: DecodeGraphs | None = None
+        if graph_inputs is not None:
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(
+                    self._forward, graph_inputs, graph_buckets(graph_inputs.input_ids.shape[0])
+                )
+
+    # -- the model ------------------------------------------------------------------------------
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+
+    @torch.inference_mode()
+    def execute(self, batch: RaggedBatch) -> torch.Tensor:
+        """Final hidden states of the tokens in `batch.logits_indices`, in that order."""
+        if self.graphs is not None:
+            hidden = self.graphs.run(batch)
+            if hidden is not None:
+                return hidden
+        self.backend.plan(batch.meta)
+        return self._forward(batch.input_ids, batch.positions, batch.meta)[batch.logits_indices]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def launch(self, step: ScheduledStep) -> LaunchedStep:
+        """Queue the step's forward pass and sampling on the device."""
+        rows, device = step.rows, self.device
+        batch = build_ragged_batch(rows, self.block_size, device)
+        # Decode rows whose last token is still on the device read it from there.
+        pending = [(i, row.resident.ref.slot) for i, row in enumerate(rows) if row.device_token]
+        if pending:
+            positions, slots = zip(*pending, strict=True)
+            batch.input_ids[to_device(positions, torch.int64, device)] = self.last_tokens[
+                to_device(slots, torch.int64, device)
+            ]
+        hidden = self.execute(batch)
+        # Hidden rows come in row order: all of a scoring row's tokens, else a sampler's last.
+        launched = LaunchedStep(step, None)
+        sample_rows, offset = [], 0
+        for i, row in enumerate(rows):
+            kept = len(row.token_ids) if row.scores else int(row.samples)
+            if row.scores:
+                launched.scores[i] = self._score(row, hidden[offset : offset + kept])
+            if row.samples:
+                sample_rows.append(offset + kept - 1)
+            offset += kept
+        if sample_rows:
+            samplers = [row for row in rows if row.samples]
+            if len(sample_rows) < hidden.shape[0]:  # some rows were kept for scoring
+                hidden = hidden[to_device(sample_rows, torch.int64, device)]
+            launched.sampled = self.sampler.sample(
+                self.logits(hidden),
+                [SamplingRow(row.resident.request.params, row.position) for row in samplers],
+            )
+            slots = to_device([row.resident.ref.slot for row in samplers], torch.int64, device)
+            self.last_tokens[slots] = launched.sampled.tokens
+        return launched
+
+    def fetch(self, launched: LaunchedStep) -> list[SampledRow]:
+        """The step's sampled tokens on the host, one per sampling row (waits for the device)."""
+        return self.sampler.fetch(launched.sampled) if launched.sampled is not None else []
+
+    def _score(self, row: ScheduledRow, hidden: torch.Tensor) -> list[SampledRow]:
+        """Log-probabilities of the prompt tokens a chunk predicts (position p predicts p + 1),
+        from the hidden states of its tokens."""
+        prompt, past = row.resident.prompt, row.past_len
+        top_n = row.resident.request.params.prompt_logprobs or 0
+        count = min(len(row.token_ids), len(prompt) - 1 - past)
+        scored: list[SampledRow] = []
+        for start in range(0, count, _SCORE_SLICE):
+            end = min(count, start + _SCORE_SLICE)
+            targets = prompt[past + start + 1 : past + end + 1]
+            scored += self.sampler.score(self.logits(hidden[start:end]), targets, top_n)
+        return scored

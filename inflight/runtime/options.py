@@ -1,0 +1,129 @@
+"""The request options of the support matrix, and where each is served or refused: one table.
+
+Each option is a `GenerationRequest` field that asks for more than plain generation. Whether this
+runtime serves it at all is decided when a request is checked (`Runtime.check_request`, before
+anything is queued, so it is a ValueError on either path); whether in-flight batching serves it
+is decided by the engine: at `submit()` (a permanent refusal naming the alternative) or at
+admission (founder-only: the request waits and founds its own batch). torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from inflight.runtime.request import GenerationRequest
+
+_BLOCKING_PATH = "use the blocking path (start without --enable-in-flight-batching)"
+
+
+class UnderIFB(Enum):
+    SERVED = "served"  # may share a batch
+    FOUNDER_ONLY = "founder-only"  # waits at admission and founds its own batch
+    REFUSED = "refused at submit"  # a permanent refusal naming the alternative
+
+
+@dataclass(frozen=True)
+class RequestOption:
+    field: str  # the GenerationRequest field
+    what: str  # how refusals name it
+    default: Any  # the value that does not ask for it
+    under_ifb: UnderIFB
+    ifb_alternative: str = ""  # REFUSED: what the caller can do instead
+    stall: str = ""  # FOUNDER_ONLY: the engine counter of the ticks it waited
+    # None where this runtime serves the option; else what the caller can do instead.
+    runtime_alternative: str | None = None
+
+
+REQUEST_OPTIONS: tuple[RequestOption, ...] = (
+    RequestOption(
+        "n",
+        "more than one sequence per request (n > 1)",
+        1,
+        UnderIFB.REFUSED,
+        ifb_alternative="submit n separate requests",
+        runtime_alternative="submit n separate requests",
+    ),
+    RequestOption(
+        "lora_name",
+        "per-request LoRA (lora_name)",
+        None,
+        UnderIFB.REFUSED,
+        ifb_alternative="serve a checkpoint with the adapter merged, without "
+        "--enable-in-flight-batching",
+        runtime_alternative="serve a checkpoint with the adapter merged",
+    ),
+    RequestOption(
+        "guided_decoding",
+        "guided decoding (JSON schema / regex / grammar)",
+        None,
+        UnderIFB.FOUNDER_ONLY,
+        stall="stalls_guided",
+        runtime_alternative="generate freely and validate the output",
+    ),
+    RequestOption(
+        "generate_audio",
+        "speech output (generate_audio)",
+        False,
+        UnderIFB.REFUSED,
+        ifb_alternative=_BLOCKING_PATH,
+        runtime_alternative="this deployment has no speech model",
+    ),
+    RequestOption(
+        "save_system_prompt_kv_cache",
+        "system-prompt KV capture (save_system_prompt_kv_cache)",
+        False,
+        UnderIFB.REFUSED,
+        ifb_alternative="the context cache covers shared prefixes; or " + _BLOCKING_PATH,
+        runtime_alternative="the context cache covers shared prefixes",
+    ),
+    RequestOption(
+        "past_trajectory",
+        "trajectory execution (past_trajectory)",
+        None,
+        UnderIFB.REFUSED,
+        ifb_alternative=_BLOCKING_PATH,
+        runtime_alternative="send the trajectory's turns as a chat conversation",
+    ),
+)
+
+OPTION_FIELDS = frozenset(o.field for o in REQUEST_OPTIONS)
+
+
+class UnservedOptionError(ValueError):
+    """A request option this runtime does not serve; `field` names it."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def requested(request: GenerationRequest) -> list[RequestOption]:
+    """The options this request asks for, in table order."""
+    return [o for o in REQUEST_OPTIONS if getattr(request, o.field) != o.default]
+
+
+def check_runtime_serves(request: GenerationRequest) -> None:
+    """Raise UnservedOptionError for the first option this runtime serves on no path."""
+    option = next((o for o in requested(request) if o.runtime_alternative is not None), None)
+    if option is not None:
+        raise UnservedOptionError(
+            f"{option.what} is not supported by this runtime yet; {option.runtime_alternative}",
+            option.field,
+        )
+
+
+def submit_refusal(request: GenerationRequest) -> str | None:
+    """Why in-flight batching refuses the request at submit(), or None."""
+    option = next((o for o in requested(request) if o.under_ifb is UnderIFB.REFUSED), None)
+    if option is None:
+        return None
+    return f"{option.what} is not served under in-flight batching; {option.ifb_alternative}"
+
+
+def founder_only_stall(request: GenerationRequest) -> str | None:
+    """The stall counter of the first founder-only option the request asks for, or None."""
+    return next(
+        (o.stall for o in requested(request) if o.under_ifb is UnderIFB.FOUNDER_ONLY), None
+    )

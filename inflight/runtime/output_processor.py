@@ -1,0 +1,153 @@
+"""`OutputProcessor`: takes a completed step in (torch-free).
+
+For every row of the step it commits the KV the step wrote (publishing newly full blocks to the
+context cache), records prompt scores, and accepts the sampled token: detokenize, check EOS, stop
+tokens, stop strings and the length budget, and evict a resident that finished, reporting its
+`FinishedSnapshot` in the step's result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from inflight.model.checkpoints.tokenizer import Tokenizer
+from inflight.runtime.context_cache import chain_digest
+from inflight.runtime.detokenizer import IncrementalDetokenizer
+from inflight.runtime.kv_cache import BlockPool
+from inflight.runtime.outputs import (
+    FinishedSnapshot,
+    FinishReason,
+    LogprobEntry,
+    SampledRow,
+    StreamChunk,
+    TopLogprob,
+)
+from inflight.runtime.residents import Resident
+from inflight.runtime.scheduler import ScheduledStep, Scheduler
+from inflight.runtime.stepped import StepResult
+
+
+class OutputProcessor:
+    def __init__(
+        self, scheduler: Scheduler, tokenizer: Tokenizer, blocks: BlockPool, publish_blocks: bool
+    ) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.blocks = blocks
+        self.publish_blocks = publish_blocks  # the context cache is on
+        self._eos = frozenset(tokenizer.eos_token_ids)
+
+    def track(self, r: Resident) -> None:
+        """Start a newly seated resident's output."""
+        params = r.request.params
+        r.detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            r.prompt,
+            params.skip_special_tokens,
+            params.stop,
+            params.include_stop_str_in_output,
+        )
+        r.logprobs = None if params.logprobs is None else []
+        r.prompt_logprobs = None if params.prompt_logprobs is None else [None]
+
+    def complete(
+        self,
+        step: ScheduledStep,
+        picks: Sequence[SampledRow],
+        scores: dict[int, list[SampledRow]],
+        result: StepResult,
+    ) -> None:
+        """Take a step's results in: `picks` holds one sampled token per sampling row, in row
+        order; `scores` the prompt scores of the scoring rows, by row index."""
+        result.work = [row.work() for row in step.rows]
+        picked = iter(picks)
+        for i, row in enumerate(step.rows):
+            pick = next(picked) if row.samples else None
+            r = row.resident
+            if not self.scheduler.is_live(r):
+                continue  # evicted since this step was launched: its row was wasted work
+            r.committed += len(row.token_ids)
+            if self.publish_blocks:
+                self._publish(r)
+            if i in scores:
+                assert r.prompt_logprobs is not None
+                r.prompt_logprobs += [self._logprob_entry(s) for s in scores[i]]
+            if pick is not None:
+                r.pending -= 1
+                self._accept(r, pick, result)
+            elif not r.prefilling and r.max_new_tokens == 0:
+                # A scoring-only request (max_tokens=0) ends once its prompt is computed.
+                result.finished[r.ref] = self.finish(r, FinishReason.LENGTH, None)
+
+    def finish(
+        self, r: Resident, reason: FinishReason, stop_reason: str | int | None
+    ) -> FinishedSnapshot:
+        """Evict a resident and take its snapshot."""
+        self.scheduler.evict(r)
+        assert r.detokenizer is not None
+        return FinishedSnapshot(
+            request=r.request,
+            token_ids=list(r.output),
+            text=r.detokenizer.text,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            logprobs=r.logprobs,
+            prompt_logprobs=r.prompt_logprobs,
+            cached_tokens=r.cached_tokens,
+        )
+
+    def _publish(self, r: Resident) -> None:
+        """Make the resident's newly completed blocks findable (this step has written them)."""
+        bs = self.blocks.block_size
+        known = (*r.prompt, *r.output)
+        while len(r.digests) < min(r.committed, len(known)) // bs:
+            i = len(r.digests)
+            if (i + 1) * bs > len(r.prompt) and not r.request.params.cache_generated_tokens:
+                return
+            digest = chain_digest(r.digests[-1] if r.digests else b"", known[i * bs : (i + 1) * bs])
+            # If another block already holds this digest, ours stays private.
+            self.blocks.publish(r.blocks[i], digest)
+            r.digests.append(digest)
+
+    def _accept(self, r: Resident, sampled: SampledRow, result: StepResult) -> None:
+        token = sampled.token_id
+        params = r.request.params
+        r.output.append(token)
+        chunk = result.deltas.get(r.ref)
+        if chunk is None:
+            chunk = result.deltas[r.ref] = StreamChunk(prompt_tokens=r.prompt_len)
+        chunk.token_ids.append(token)
+        if r.logprobs is not None:
+            entry = self._logprob_entry(sampled)
+            r.logprobs.append(entry)
+            chunk.logprobs = [*(chunk.logprobs or []), entry]
+        assert r.detokenizer is not None
+        reason, stop_reason = None, None
+        if token in params.stop_token_ids:
+            reason, stop_reason = FinishReason.STOP, token
+        elif not params.ignore_eos and token in self._eos:
+            reason = FinishReason.STOP
+        else:
+            text, matched = r.detokenizer.add(token)
+            chunk.text += text
+            if matched is not None:
+                reason, stop_reason = FinishReason.STOP, matched
+        if reason is None and len(r.output) >= r.max_new_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            if stop_reason is None or isinstance(stop_reason, int):
+                chunk.text += r.detokenizer.flush()
+            result.finished[r.ref] = self.finish(r, reason, stop_reason)
+
+    def _logprob_entry(self, sampled: SampledRow) -> LogprobEntry:
+        tok = self.tokenizer
+
+        def text(token_id: int) -> str:
+            return tok.decode([token_id], skip_special_tokens=False)
+
+        top = tuple(
+            TopLogprob(t, lp, text(t), tok.token_bytes(t))
+            for t, lp in zip(sampled.top_ids or [], sampled.top_logprobs or [], strict=True)
+        )
+        t = sampled.token_id
+        return LogprobEntry(t, sampled.logprob, text(t), tok.token_bytes(t), top)

@@ -1,0 +1,44 @@
+"""`Resident`: one seated request's state, shared by the step's three parts (torch-free).
+
+The scheduler owns its KV (blocks, block table) and its progress (`computed`, `pending`); the
+output processor owns what it produced (`output`, detokenizer, logprobs) and what of its KV is
+published (`committed`, `digests`). Both reach it through the scheduler's table of residents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from inflight.runtime.detokenizer import IncrementalDetokenizer
+from inflight.runtime.outputs import LogprobEntry
+from inflight.runtime.request import GenerationRequest
+from inflight.runtime.stepped import ResidentRef
+
+
+@dataclass(slots=True)
+class Resident:
+    ref: ResidentRef
+    request: GenerationRequest
+    blocks: list[int]
+    block_table: np.ndarray  # `blocks` as an array: never changes while the resident lives
+    max_new_tokens: int
+    prompt_len: int
+    computed: int = 0  # tokens (prompt, then output) whose KV launched steps write
+    pending: int = 0  # tokens sampled on the device, not yet seen by the host
+    cached_tokens: int = 0  # prompt tokens whose KV came from the context cache
+    committed: int = 0  # tokens whose KV a completed step has written
+    digests: list[bytes] = field(default_factory=list)  # chain digests of its full blocks
+    output: list[int] = field(default_factory=list)
+    detokenizer: IncrementalDetokenizer | None = None
+    logprobs: list[LogprobEntry] | None = None
+    prompt_logprobs: list[LogprobEntry | None] | None = None
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt_token_ids
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.prompt_len

@@ -1,0 +1,225 @@
+"""`Scheduler`: admission of requests as residents, and the plan of each step (torch-free).
+
+Admission runs in three stages: `check` validates a request and sizes it (an `AdmissionIntent`;
+a ValueError names what is wrong), `reserve` takes a resident slot and every KV block the
+request can need, prompt plus max_tokens, leasing its cached prefix (None when they are not
+free, having taken nothing), and `seat` makes the reservation a resident.
+
+`schedule` plans one step: a decode row for every resident whose prompt is computed, then prefill
+chunks of the others in seating order within `max_num_tokens`. Planning a step commits it: the
+rows' computed lengths advance, and each sampling row counts one token pending on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from inflight.runtime.context_cache import ContextCache
+from inflight.runtime.kv_cache import BlockPool
+from inflight.runtime.options import check_runtime_serves
+from inflight.runtime.request import GenerationRequest, PromptTooLongError
+from inflight.runtime.residents import Resident
+from inflight.runtime.slots import ResidentSlots
+from inflight.runtime.stepped import ResidentRef, ScheduledSequence
+
+
+@dataclass(frozen=True)
+class AdmissionIntent:
+    """A validated request and what it needs: its output budget and KV blocks."""
+
+    request: GenerationRequest
+    max_new_tokens: int
+    blocks_needed: int
+
+
+@dataclass(frozen=True)
+class Reservation:
+    intent: AdmissionIntent
+    ref: ResidentRef
+    blocks: list[int]
+    cached_blocks: int = 0  # leading blocks leased from the context cache
+    digests: tuple[bytes, ...] = ()  # their chain digests
+
+
+# Built for every row of every step: slots and no `frozen`, whose __init__ costs ~10x.
+@dataclass(slots=True)
+class ScheduledRow:
+    """One resident's work in a step: `token_ids` computed after `past_len` tokens in KV."""
+
+    resident: Resident
+    token_ids: Sequence[int]
+    past_len: int
+    samples: bool  # samples a token (a decode row, or a prompt's last chunk)
+    scores: bool = False  # scores its prompt tokens (prompt logprobs)
+    device_token: bool = False  # a decode row whose input is the token still on the device
+    position: int = 0  # a sampling row: the index in the output of the token it draws
+
+    @property
+    def block_table(self) -> np.ndarray:
+        return self.resident.block_table
+
+    def work(self) -> ScheduledSequence:
+        return ScheduledSequence(
+            self.resident.ref, len(self.token_ids), self.past_len, self.samples, self.scores
+        )
+
+
+@dataclass
+class ScheduledStep:
+    """A step's rows, decode rows first."""
+
+    step_id: int
+    rows: list[ScheduledRow]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        blocks: BlockPool,
+        slots: ResidentSlots,
+        context_cache: ContextCache | None,
+        *,
+        max_model_len: int,
+        vocab_size: int,
+        max_num_tokens: int,
+    ) -> None:
+        self.blocks = blocks
+        self.slots = slots
+        self.context_cache = context_cache
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.max_num_tokens = max_num_tokens
+        self.residents: dict[ResidentRef, Resident] = {}
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def check(self, request: GenerationRequest) -> AdmissionIntent:
+        """Validate a request against this runtime (ValueError naming the problem) and size what
+        it needs. Reads only what never changes after load, so any thread may call it."""
+        check_runtime_serves(request)
+        prompt, params = request.prompt_token_ids, request.params
+        vocab, limit = self.vocab_size, self.max_model_len
+        if not prompt:
+            raise ValueError("prompt is empty: at least one token is needed")
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
+        if len(prompt) >= limit:
+            raise PromptTooLongError(
+                f"prompt is {len(prompt)} tokens; max_model_len is {limit}, which leaves room "
+                f"for prompts of at most {limit - 1} tokens"
+            )
+        for name, ids in (
+            ("logit_bias", params.logit_bias.keys()),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name} token id {bad} is outside the vocabulary (size {vocab})")
+        room = limit - len(prompt)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({limit})"
+            )
+        max_new = room if params.max_tokens is None else params.max_tokens
+        # KV for every token, the last output token's too: with overlap, the step launched
+        # before the request is seen to finish still feeds that token back.
+        blocks = self.blocks.blocks_for(len(prompt) + max_new)
+        if blocks > self.blocks.num_blocks:
+            raise ValueError(
+                f"request needs {blocks} KV blocks but the whole cache holds "
+                f"{self.blocks.num_blocks}; lower max_tokens or raise the KV cache size"
+            )
+        return AdmissionIntent(request, max_new, blocks)
+
+    def reserve(self, intent: AdmissionIntent) -> Reservation | None:
+        """Take a slot and every KV block the request can need, leasing its cached prefix; or
+        None, having changed nothing."""
+        pool, cache = self.blocks, self.context_cache
+        hits: list[int] = []
+        digests: list[bytes] = []
+        if cache is not None and self._looks_up(intent.request):
+            hits, digests = cache.match(intent.request.prompt_token_ids)
+        fresh = intent.blocks_needed - len(hits)
+        revived = sum(1 for block in hits if not pool.in_use(block))
+        if pool.num_free - revived < fresh or not self.slots.num_free:
+            return None
+        ref = self.slots.acquire()
+        for block in hits:
+            pool.lease(block)
+        blocks = pool.allocate(fresh)
+        assert ref is not None and blocks is not None
+        return Reservation(intent, ref, hits + blocks, len(hits), tuple(digests))
+
+    def seat(self, reservation: Reservation) -> Resident:
+        request = reservation.intent.request
+        cached = reservation.cached_blocks * self.blocks.block_size
+        if self.context_cache is not None and self._looks_up(request):
+            self.context_cache.record_lookup(len(request.prompt_token_ids), cached)
+        resident = Resident(
+            ref=reservation.ref,
+            request=request,
+            blocks=reservation.blocks,
+            block_table=np.asarray(reservation.blocks, dtype=np.int64),
+            max_new_tokens=reservation.intent.max_new_tokens,
+            prompt_len=len(request.prompt_token_ids),
+            computed=cached,
+            committed=cached,
+            cached_tokens=cached,
+            digests=list(reservation.digests),
+        )
+        self.residents[reservation.ref] = resident
+        return resident
+
+    @staticmethod
+    def _looks_up(request: GenerationRequest) -> bool:
+        """Whether the request's prompt prefix is looked up in the context cache: asked for, and
+        no prompt logprobs (which need every prompt position computed)."""
+        params = request.params
+        return params.reuse_context and params.prompt_logprobs is None
+
+    # -- stepping -------------------------------------------------------------------------------
+
+    def schedule(self, step_id: int) -> ScheduledStep | None:
+        """Step `step_id`'s rows (None when there is nothing to compute), committed as planned."""
+        rows: list[ScheduledRow] = []
+        decodes = [r for r in self.residents.values() if not r.prefilling]
+        for r in decodes:
+            # A pending token is read on the device; the host does not know it yet.
+            token = 0 if r.pending else r.output[-1]
+            rows.append(ScheduledRow(r, (token,), r.computed, True, device_token=r.pending > 0))
+        budget = self.max_num_tokens - len(decodes)
+        for r in self.residents.values():
+            if budget <= 0:
+                break
+            if not r.prefilling:
+                continue
+            n = min(r.prompt_len - r.computed, budget)
+            budget -= n
+            samples = r.computed + n == r.prompt_len and r.max_new_tokens > 0
+            scores = r.request.params.prompt_logprobs is not None
+            chunk = r.prompt[r.computed : r.computed + n]
+            rows.append(ScheduledRow(r, chunk, r.computed, samples, scores))
+        if not rows:
+            return None
+        for row in rows:
+            r = row.resident
+            r.computed += len(row.token_ids)
+            if row.samples:
+                row.position = len(r.output) + r.pending
+                r.pending += 1
+        return ScheduledStep(step_id, rows)
+
+    def is_live(self, resident: Resident) -> bool:
+        """Whether `resident` is still seated (a launched step may outlive its residents)."""
+        return self.residents.get(resident.ref) is resident
+
+    def evict(self, resident: Resident) -> None:
+        """Unseat a resident and give its KV blocks and slot back."""
+        del self.residents[resident.ref]
+        self.blocks.release(resident.blocks)
+        self.slots.release(resident.ref)

@@ -1,0 +1,1 @@
+"""The server's routes, one router per API: OpenAI, Anthropic, and operations."""

@@ -1,0 +1,39 @@
+"""Anthropic-compatible routes: messages and token counting."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from inflight.server import anthropic
+from inflight.server.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+from inflight.server.routes.openai import SSE_HEADERS, started
+from inflight.server.state import State, check_body
+
+router = APIRouter()
+
+
+@router.post("/v1/messages")
+async def messages(body: AnthropicMessagesRequest, request: Request, state: State) -> Response:
+    check_body(state, body, body.model)
+    client = state.client
+    conversation = anthropic.chat_messages(body.system, body.messages)
+    params = anthropic.sampling_params(body, client.llm.get_default_sampling_params())
+    prepared = client.prepare(conversation, params)
+    reply = anthropic.MessageReply(state.settings.served_model_name)
+    if body.stream:
+        run = await started(client.run(prepared))
+        return StreamingResponse(
+            reply.stream(run, len(prepared.prompt_token_ids)),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    output = await client.generate(prepared, request.is_disconnected)
+    return JSONResponse(reply.whole(output))
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: AnthropicCountTokensRequest, state: State) -> dict[str, int]:
+    check_body(state, body, body.model)
+    conversation = anthropic.chat_messages(body.system, body.messages)
+    return {"input_tokens": state.client.count_tokens(conversation)}

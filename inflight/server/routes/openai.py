@@ -1,0 +1,145 @@
+"""OpenAI-compatible routes: chat completions, text completions, models."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from inflight.runtime.outputs import CompletionOutput
+from inflight.runtime.request import SamplingParams
+from inflight.server import openai
+from inflight.server.client import Run
+from inflight.server.errors import ServerError, openai_error_payload
+from inflight.server.protocol import ChatCompletionRequest, CompletionRequest
+from inflight.server.state import State, check_body
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "Connection": "keep-alive"}
+_STARTED = int(time.time())
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, state: State) -> Response:
+    check_body(state, body, body.model)
+    client, llm = state.client, state.client.llm
+    if (
+        body.max_tokens
+        and body.max_completion_tokens
+        and (body.max_tokens != body.max_completion_tokens)
+    ):
+        raise ServerError(
+            400, "max_tokens and max_completion_tokens differ; send one", "max_tokens"
+        )
+    params = openai.sampling_params(
+        body,
+        llm.get_default_sampling_params(),
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        skip_special_tokens=body.skip_special_tokens,
+    )
+    prepared = client.prepare(
+        openai.chat_messages(body.messages),
+        params,
+        params_of=openai.OPTION_PARAMS,
+        **openai.request_options(body),
+    )
+    reply = openai.ChatReply(state.settings.served_model_name, body.logprobs)
+    if body.stream:
+        run = await started(client.run(prepared))
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(
+            openai_events(reply.stream(run, usage)),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    output = await client.generate(prepared, request.is_disconnected)
+    return JSONResponse(reply.whole(output))
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, state: State) -> Response:
+    check_body(state, body, body.model)
+    client, llm = state.client, state.client.llm
+    prompts = openai.completion_prompts(body.prompt)
+    if body.max_tokens == 0 and not body.echo:
+        raise ServerError(400, "max_tokens=0 only makes sense with echo", "max_tokens")
+    params = openai.sampling_params(
+        body,
+        llm.get_default_sampling_params(),
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+    )
+    if body.echo and body.max_tokens == 0 and params.prompt_logprobs is None:
+        params = SamplingParams(**{**vars(params), "prompt_logprobs": 0})
+    options = openai.request_options(body)
+    prepared = [
+        client.prepare(p, params, params_of=openai.OPTION_PARAMS, **options) for p in prompts
+    ]
+    reply = openai.CompletionReply(state.settings.served_model_name, llm.tokenizer, body)
+    if body.stream:
+        runs = []
+        try:
+            for p in prepared:
+                runs.append(await started(client.run(p)))
+        except ServerError:
+            for run in runs:
+                await run.aclose()
+            raise
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(
+            openai_events(reply.stream(prepared, runs, usage)),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    outputs = await gather([client.generate(p, request.is_disconnected) for p in prepared])
+    return JSONResponse(reply.whole(prepared, outputs))
+
+
+@router.get("/v1/models")
+async def models(state: State) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": state.settings.served_model_name,
+                "object": "model",
+                "created": _STARTED,
+                "owned_by": "inflight",
+                "max_model_len": state.client.llm.max_model_len,
+            }
+        ],
+    }
+
+
+async def started(run: Run) -> Run:
+    await run.start()
+    return run
+
+
+async def gather(calls: list[Awaitable[CompletionOutput]]) -> list[CompletionOutput]:
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def openai_events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """Server-sent events: one `data:` line per chunk, errors in-band, then `[DONE]`."""
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+    except ServerError as exc:
+        yield f"data: {json.dumps(openai_error_payload(exc))}\n\n"
+    yield "data: [DONE]\n\n"

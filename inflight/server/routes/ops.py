@@ -1,0 +1,52 @@
+"""Operations routes: health, readiness and Prometheus metrics (open without an API key)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from inflight.server.state import State
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(state: State) -> dict[str, Any]:
+    client, llm = state.client, state.client.llm
+    scheduling = llm.get_scheduling_metrics()
+    cache = llm.get_context_cache_metrics()
+    return {
+        "status": "healthy",
+        "model": state.settings.served_model_name,
+        "active_requests": client.gate.active,
+        "queued_requests": scheduling["queued"] if scheduling else client.gate.waiting,
+        "scheduling": scheduling,
+        "context_cache": cache,
+        "capabilities": {
+            "chat": True,
+            "completions": True,
+            "input_modalities": ["text"],
+            "output_modalities": ["text"],
+            "in_flight_batching": llm.in_flight_batching,
+            "max_num_seqs": llm.max_batch_size,
+            "max_model_len": llm.max_model_len,
+            "context_reuse": cache is not None,
+        },
+    }
+
+
+@router.get("/health/ready")
+async def ready(state: State) -> Response:
+    gate = state.client.gate
+    if gate.closing:
+        return JSONResponse({"status": "shutting_down"}, status_code=503)
+    return JSONResponse(
+        {"status": "ready", "active_requests": gate.active, "queued_requests": gate.waiting}
+    )
+
+
+@router.get("/metrics")
+async def metrics(state: State) -> Response:
+    return Response(state.client.metrics.render(), media_type="text/plain; version=0.0.4")

@@ -1,0 +1,45 @@
+"""What every route reads: the server's settings and its engine client, kept on the app."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+from pydantic import BaseModel
+
+from inflight.server.client import EngineClient
+from inflight.server.errors import ServerError
+from inflight.server.protocol import unsupported
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerState:
+    client: EngineClient
+    settings: ServerSettings
+
+
+def server_state(request: Request) -> ServerState:
+    """The state `build_app` stored on the app (a FastAPI dependency)."""
+    return request.app.state.inflight
+
+
+def check_body(state: ServerState, body: BaseModel, model: str | None) -> None:
+    """404 for another model's name; 400 naming the first field this server does not serve."""
+    served = state.settings.served_model_name
+    if model is not None and model != served:
+        raise ServerError(404, f"model {model!r} is not served here; use {served!r}", "model")
+    refusal = unsupported(body)
+    if refusal is not None:
+        raise ServerError(400, refusal[1], refusal[0])
+
+
+# A route's parameter of this type receives the server's state.
+State = Annotated[ServerState, Depends(server_state)]

@@ -98,7 +98,7 @@ def _top2_gap(runtime: Runtime, sequence: list[int]) -> float:
         batch = build_ragged_batch(
             [RowInput(sequence, 0, blocks, True)], runtime.blocks.block_size, runtime.device
         )
-        logits = runtime.runner.logits(runtime.runner.execute(batch))[0].float()
+        logits = runtime.executor.logits(runtime.executor.execute(batch))[0].float()
         top = logits.topk(2).values
         return (top[0] - top[1]).item()
     finally:

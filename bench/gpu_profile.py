@@ -20,7 +20,7 @@ import traceback
 import torch
 
 from inflight.bench.random_model import random_checkpoint
-from inflight.runtime.batch_builder import build_ragged_batch
+from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
@@ -49,7 +49,7 @@ def main() -> None:
                 prompt, SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
             )
         )
-    while any(r.prefilling for r in session._residents.values()):
+    while any(r.prefilling for r in runtime.scheduler.residents.values()):
         session.step()
     for _ in range(3):
         session.step()
@@ -68,10 +68,12 @@ def main() -> None:
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
     print(text.getvalue()[-6000:])
 
-    # Device time of the forward alone, on the same rows.
-    rows, _, _ = session._plan()
+    # Device time of the forward alone, on rows like the decode steps'.
+    rows = [
+        RowInput([0], r.computed, r.blocks, True) for r in runtime.scheduler.residents.values()
+    ]
     batch = build_ragged_batch(rows, runtime.blocks.block_size, device)
-    runner = runtime.runner
+    runner = runtime.executor
     runner.execute(batch)
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()

@@ -26,8 +26,9 @@ class ServerState:
     settings: ServerSettings
 
 
-def server_state(request: Request) -> ServerState:
-    """The state `build_app` stored on the app (a FastAPI dependency)."""
+async def server_state(request: Request) -> ServerState:
+    """The state `build_app` stored on the app (a FastAPI dependency; async, so that FastAPI
+    does not run it on a worker thread)."""
     return request.app.state.inflight
 
 

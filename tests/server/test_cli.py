@@ -72,3 +72,15 @@ def test_a_bad_option_is_a_clear_error(tiny_dirs):
         timeout=120,
     )
     assert result.returncode == 2 and "max-batch-size" in result.stderr
+
+
+def test_defaults_are_auto_quantization_and_the_context_cache_on():
+    from inflight.server.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve"])
+    assert args.quantization == "auto" and args.enable_context_reuse is True
+    args = parser.parse_args(["serve", "--no-enable-context-reuse", "--quantization", "none"])
+    assert args.quantization == "none" and args.enable_context_reuse is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--quantization", "q3"])

@@ -271,3 +271,31 @@ def test_api_key(server_llm):
         assert httpx.get(url + "/health").is_success  # health stays open for load balancers
         client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
         assert client.models.list().data[0].id == MODEL
+
+
+def test_streams_are_read_on_the_event_loop(server_llm):
+    """No thread per stream: the engine's channel wakes the server's event loop."""
+    body = {"prompt": "Tell me a story.", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with serve(server_llm) as (url, _):
+        before = threading.active_count()
+        with held_streams(url, "/v1/completions", body, 3):
+            time.sleep(0.3)
+            # Only the three client threads of `held_streams` are new.
+            assert threading.active_count() == before + 3
+
+
+def test_response_format_and_n_are_refused_by_the_runtime_options(server):
+    url, _ = server
+    for body, param in (
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"n": 3}, "n"),
+    ):
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES, **body})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+    message = r.json()["error"]["message"]
+    assert "n > 1" in message and "separate requests" in message

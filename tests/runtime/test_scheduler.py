@@ -1,0 +1,100 @@
+"""The scheduler on its own (no model): admission stages and step plans."""
+
+import pytest
+
+from inflight.runtime.context_cache import ContextCache
+from inflight.runtime.kv_cache import BlockPool
+from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.runtime.scheduler import Scheduler
+from inflight.runtime.slots import ResidentSlots
+
+
+def _scheduler(slots=4, blocks=32, budget=16, cache=False):
+    pool = BlockPool(blocks, 4)
+    return Scheduler(
+        pool,
+        ResidentSlots(slots),
+        ContextCache(pool) if cache else None,
+        max_model_len=64,
+        vocab_size=100,
+        max_num_tokens=budget,
+    )
+
+
+def _seat(scheduler, prompt_len, max_tokens=4, **params):
+    request = GenerationRequest(
+        list(range(1, 1 + prompt_len)), SamplingParams(max_tokens=max_tokens, **params)
+    )
+    reservation = scheduler.reserve(scheduler.check(request))
+    assert reservation is not None
+    return scheduler.seat(reservation)
+
+
+def test_decode_rows_come_first_and_prefill_chunks_share_the_budget():
+    s = _scheduler(budget=16)
+    decoding = _seat(s, 3)
+    first = s.schedule(1)
+    assert [len(r.token_ids) for r in first.rows] == [3]
+    decoding.output.append(7)  # what the output processor does with its sampled token
+    decoding.pending -= 1
+    long, short = _seat(s, 20), _seat(s, 6)
+    step = s.schedule(2)
+    assert [(r.resident, len(r.token_ids), r.past_len) for r in step.rows] == [
+        (decoding, 1, 3),
+        (long, 15, 0),  # the budget left after the decode row
+    ]
+    assert step.rows[0].token_ids == (7,) and step.rows[0].samples
+    assert not step.rows[1].samples  # more of its prompt remains
+    assert (long.computed, short.computed) == (15, 0)
+    nxt = s.schedule(3)
+    assert [(r.resident, len(r.token_ids)) for r in nxt.rows] == [
+        (decoding, 1),
+        (long, 5),  # its last chunk, which samples
+        (short, 6),
+    ]
+    assert nxt.rows[0].device_token  # its token of step 2 was not taken in yet
+    assert [r.samples for r in nxt.rows] == [True, True, True]
+    assert [r.position for r in nxt.rows] == [2, 0, 0]
+
+
+def test_reserve_takes_everything_or_nothing():
+    s = _scheduler(slots=2, blocks=6)
+    _seat(s, 8, max_tokens=4)  # 12 tokens: 3 blocks
+    before = (s.blocks.num_free, s.slots.num_free)
+    too_big = s.check(GenerationRequest(list(range(1, 13)), SamplingParams(max_tokens=4)))
+    assert s.reserve(too_big) is None  # 4 blocks, 3 free
+    assert (s.blocks.num_free, s.slots.num_free) == before
+
+
+def test_check_names_the_problem():
+    s = _scheduler()
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        s.check(GenerationRequest([1, 100]))
+    with pytest.raises(ValueError, match="max_model_len"):
+        s.check(GenerationRequest(list(range(1, 65))))
+    with pytest.raises(ValueError, match="n > 1"):
+        s.check(GenerationRequest([1], n=2))
+
+
+def test_evict_gives_blocks_and_slot_back():
+    s = _scheduler()
+    r = _seat(s, 5)
+    s.evict(r)
+    assert not s.is_live(r) and s.residents == {}
+    assert s.blocks.num_free == s.blocks.num_blocks and s.slots.num_free == s.slots.capacity
+
+
+def test_prompt_logprobs_skip_the_context_cache_lookup():
+    """Scores are computed for the positions a step computes: a cached prefix would have none."""
+    s = _scheduler(cache=True)
+    prompt = list(range(1, 14))
+    r = _seat(s, 13)
+    s.schedule(1)
+    for i in range(3):  # what the output processor publishes after the step
+        s.blocks.publish(r.blocks[i], bytes([i]))
+    cache = s.context_cache
+    cache.match = lambda tokens: ([r.blocks[0], r.blocks[1]], [b"\x00", b"\x01"])
+    hit = s.reserve(s.check(GenerationRequest(prompt, SamplingParams(max_tokens=1))))
+    assert hit.cached_blocks == 2
+    scored = s.check(GenerationRequest(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0)))
+    assert s.reserve(scored).cached_blocks == 0

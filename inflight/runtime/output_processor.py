@@ -99,12 +99,21 @@ class OutputProcessor:
     def _publish(self, r: Resident) -> None:
         """Make the resident's newly completed blocks findable (this step has written them)."""
         bs = self.blocks.block_size
-        known = (*r.prompt, *r.output)
-        while len(r.digests) < min(r.committed, len(known)) // bs:
+        # Runs for every row of every step: the common case (no block completed) costs O(1).
+        full = min(r.committed, r.prompt_len + len(r.output)) // bs
+        while len(r.digests) < full:
             i = len(r.digests)
-            if (i + 1) * bs > len(r.prompt) and not r.request.params.cache_generated_tokens:
+            start, end = i * bs, (i + 1) * bs
+            if end > r.prompt_len and not r.request.params.cache_generated_tokens:
                 return
-            digest = chain_digest(r.digests[-1] if r.digests else b"", known[i * bs : (i + 1) * bs])
+            if end <= r.prompt_len:
+                tokens = r.prompt[start:end]
+            else:
+                tokens = (
+                    *r.prompt[start:],
+                    *r.output[max(0, start - r.prompt_len) : end - r.prompt_len],
+                )
+            digest = chain_digest(r.digests[-1] if r.digests else b"", tokens)
             # If another block already holds this digest, ours stays private.
             self.blocks.publish(r.blocks[i], digest)
             r.digests.append(digest)

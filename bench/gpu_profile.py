@@ -69,9 +69,7 @@ def main() -> None:
     print(text.getvalue()[-6000:])
 
     # Device time of the forward alone, on rows like the decode steps'.
-    rows = [
-        RowInput([0], r.computed, r.blocks, True) for r in runtime.scheduler.residents.values()
-    ]
+    rows = [RowInput([0], r.computed, r.blocks, True) for r in runtime.scheduler.residents.values()]
     batch = build_ragged_batch(rows, runtime.blocks.block_size, device)
     runner = runtime.executor
     runner.execute(batch)

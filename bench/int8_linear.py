@@ -2,7 +2,7 @@
 shapes.
 
 Per shape and batch size M: the best time per call over `--repeats` runs of (a) the float32
-path exactly as `Linear.pack()` sets it up, (b) the int8 kernel and (c) the 4-bit kernel
+path exactly as `PackedLinearMethod` sets it up, (b) the int8 kernel and (c) the 4-bit kernel
 (activation quantization included), at torch's thread count. The step estimate sums 30 layers of
 qkv + o + gate_up + down and one head; for q4 the head is int8, as `quantization="q4"` runs it.
 

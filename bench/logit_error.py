@@ -2,7 +2,7 @@
 
 Prefills a prompt, then decodes 16 greedy tokens (the float64 reference's picks) through the paged
 KV cache, and prints the max and mean (over steps) of the max abs logit error for: HF's own
-float32 run, and inflight with each CPU attention backend.
+float32 run, and inflight's float32 model (quantization "none") with each CPU attention backend.
 
     .venv/bin/python bench/logit_error.py
 """
@@ -15,47 +15,60 @@ import torch
 
 from inflight.bench.offline import hf_model
 from inflight.bench.report import write_report
+from inflight.model.attention import AttentionBackend, KVCache, select_backend
+from inflight.model.checkpoints.loader import build_model, open_checkpoint
+from inflight.model.llama import LlamaForCausalLM
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
-from inflight.runtime.runtime import Runtime, RuntimeConfig
 
 PROMPT = "The history of the Roman Empire begins"
 STEPS = 16
+BLOCK_SIZE = 16
+CPU = torch.device("cpu")
 
 
-def _last_logits(runtime: Runtime, row: RowInput) -> torch.Tensor:
-    batch = build_ragged_batch([row], runtime.blocks.block_size, runtime.device)
-    return runtime.runner.logits(runtime.runner.execute(batch))[0].double()
+def _last_logits(
+    model: LlamaForCausalLM, backend: AttentionBackend, kv: list[KVCache], row: RowInput
+) -> torch.Tensor:
+    batch = build_ragged_batch([row], BLOCK_SIZE, CPU)
+    backend.plan(batch.meta)
+    hidden = model(batch.input_ids, batch.positions, kv, batch.meta, backend)
+    return model.compute_logits(hidden[batch.logits_indices])[0].double()
 
 
 def main() -> None:
     hf32 = hf_model(None)
     hf64 = copy.deepcopy(hf32).double()
-    runtimes = {
-        name: Runtime(
-            None, RuntimeConfig(max_batch_size=1, max_model_len=256, attention_backend=name)
+    checkpoint = open_checkpoint()
+    config = checkpoint.config
+    model = build_model(checkpoint, torch.float32, CPU, 256, quantization="none")
+    ids = checkpoint.tokenizer.encode(PROMPT)
+    blocks = list(range(-(-(len(ids) + STEPS) // BLOCK_SIZE)))
+    backends = {
+        name: select_backend(name, CPU, torch.float32, config.head_dim) for name in ("torch", "cpu")
+    }
+    caches: dict[str, list[KVCache]] = {}
+    for name, backend in backends.items():
+        shape = backend.kv_cache_shape(
+            len(blocks), BLOCK_SIZE, config.num_kv_heads, config.head_dim
         )
-        for name in ("torch", "cpu")
-    }
-    ids = runtimes["cpu"].tokenizer.encode(PROMPT)
-    blocks = {
-        n: rt.blocks.allocate(rt.blocks.blocks_for(len(ids) + STEPS)) for n, rt in runtimes.items()
-    }
-    errors: dict[str, list[float]] = {"hf-float32": [], **{f"inflight-{n}": [] for n in runtimes}}
+        caches[name] = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
+    errors: dict[str, list[float]] = {"hf-float32": [], **{f"inflight-{n}": [] for n in backends}}
     seq = list(ids)
-    with torch.no_grad():
+    with torch.inference_mode():
         for step in range(STEPS + 1):
             tokens = torch.tensor([seq])
             ref = hf64(tokens, logits_to_keep=1).logits[0, -1]
             errors["hf-float32"].append(
                 (hf32(tokens, logits_to_keep=1).logits[0, -1].double() - ref).abs().max().item()
             )
-            for name, rt in runtimes.items():
-                row = (
-                    RowInput(seq, 0, blocks[name], True)
-                    if step == 0
-                    else RowInput(seq[-1:], len(seq) - 1, blocks[name], True)
-                )
-                errors[f"inflight-{name}"].append((_last_logits(rt, row) - ref).abs().max().item())
+            row = (
+                RowInput(seq, 0, blocks, True)
+                if step == 0
+                else RowInput(seq[-1:], len(seq) - 1, blocks, True)
+            )
+            for name, backend in backends.items():
+                logits = _last_logits(model, backend, caches[name], row)
+                errors[f"inflight-{name}"].append((logits - ref).abs().max().item())
             seq.append(int(ref.argmax()))
     summary = {k: {"max": max(v), "mean": sum(v) / len(v)} for k, v in errors.items()}
     for name, s in summary.items():

@@ -15,6 +15,9 @@ HF_ARCHITECTURES = {
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
+# How a model's linear layers may run their matmuls (see `checkpoints/loader.build_model`).
+QUANTIZATIONS = ("auto", "none", "int8", "q4")
+
 
 @dataclass(frozen=True)
 class RopeConfig:

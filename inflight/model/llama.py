@@ -1,108 +1,50 @@
 """One Llama-family decoder: Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and SmolLM2.
 
-The forward pass runs over a packed ragged batch (see `attention.py`): tokens [T], positions [T]
-and one KV cache pair per layer. Parameters keep Hugging Face names, except that q/k/v and
-gate/up are stored fused (`qkv_proj`, `gate_up_proj`) so that each is one matmul per layer.
+The forward pass runs over a packed ragged batch (see `attention/base.py`): tokens [T],
+positions [T] and one KV cache pair per layer. Parameters keep Hugging Face names, except that
+q/k/v and gate/up are stored fused (`qkv_proj`, `gate_up_proj`) so that each is one matmul per
+layer.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from collections.abc import Iterable
-from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from inflight.model.config import ModelConfig
-from inflight.model.kernels.cpu import ops as cpu_ops
-from inflight.model.kernels.cpu.int8 import BLOCK, QuantizedWeight, int8_linear, quantize_weight
-from inflight.model.kernels.cpu.int8 import load_kernel as load_int8_kernel
-from inflight.model.kernels.cpu.q4 import Q4Weight, q4_linear, quantize_q4
-from inflight.model.kernels.cpu.q4 import load_kernel as load_q4_kernel
-from inflight.model.layers.rotary import Angles, RotaryEmbedding, rotate
+from inflight.model.layers.activation import SiluAndMul
+from inflight.model.layers.linear import Linear, process_weights_after_loading
+from inflight.model.layers.norm import RMSNorm
+from inflight.model.layers.platform import Platform
+from inflight.model.layers.quantization import LinearMethods
+from inflight.model.layers.rotary import Angles, Rope, RotaryEmbedding
+
+# Fused parameter -> the Hugging Face parameters it stacks, in order.
+_FUSED_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+# Hugging Face parameter name part -> (fused parameter, index of the shard inside it).
+_FUSED = {part: (fused, i) for fused, parts in _FUSED_PARTS.items() for i, part in enumerate(parts)}
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose float32 CPU weight can be prepacked into oneDNN's blocked layout, which
-    runs the small-batch matmuls of decoding about twice as fast as the plain layout, or
-    quantized for the AVX2 kernels of `int8_linear` and `q4_linear`, faster again."""
-
-    packed: torch.Tensor | None = None
-    quantized: QuantizedWeight | Q4Weight | None = None
-
-    def pack(self) -> None:
-        """Replace the weight by its packed form (after loading; CPU float32 only)."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-        del self.weight
-        self.register_parameter("weight", None)
-
-    def quantize(self, kind: str) -> None:
-        """Replace the weight by its "int8" or "q4" form (after loading; CPU float32 only,
-        in_features a multiple of 32)."""
-        weight = self.weight.detach()
-        self.quantized = quantize_weight(weight) if kind == "int8" else quantize_q4(weight)
-        del self.weight
-        self.register_parameter("weight", None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.quantized, Q4Weight):
-            return q4_linear(x, self.quantized, self.bias)
-        if self.quantized is not None:
-            return int8_linear(x, self.quantized, self.bias)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
-@functools.cache
-def _triton_ops() -> ModuleType:
-    """The fused CUDA kernels, imported on first use: CPU machines need not have Triton."""
-    from inflight.model.kernels.triton import ops as triton_ops
-
-    return triton_ops
-
-
-def _cpu_ops(x: torch.Tensor) -> ctypes.CDLL | None:
-    """The fused CPU ops for a float32 CPU tensor with unit inner stride, where they built."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.stride(-1) != 1:
-        return None
-    return cpu_ops.library()
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            return _triton_ops().rms_norm(x, self.weight, self.eps)[0]
-        if x.dim() == 2 and (lib := _cpu_ops(x)) is not None:
-            return cpu_ops.rms_norm(lib, x, self.weight, self.eps)[0]
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-    def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The norm of `x + residual`, and that sum (the next residual) — one kernel on CUDA."""
-        if x.is_cuda:
-            return _triton_ops().rms_norm(x, self.weight, self.eps, residual)
-        if x.dim() == 2 and residual.stride(-1) == 1 and (lib := _cpu_ops(x)) is not None:
-            return cpu_ops.rms_norm(lib, x, self.weight, self.eps, residual)
-        summed = x + residual
-        return self.forward(summed), summed
+def _linear(
+    in_features: int, out_features: int, bias: bool, methods: LinearMethods, name: str
+) -> Linear:
+    """The linear layer `name` ("layers.0.mlp.down_proj"), with the method its checkpoint
+    tensors call for (a fused layer's are its parts)."""
+    prefix, _, leaf = name.rpartition(".")
+    sources = [f"{prefix}.{part}.weight" for part in _FUSED_PARTS.get(leaf, (leaf,))]
+    return Linear(in_features, out_features, bias, methods.choose(in_features, sources))
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, platform: Platform, methods: LinearMethods, prefix: str
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -110,15 +52,22 @@ class Attention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        self.qkv_proj = _linear(
+            config.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            config.qkv_bias,
+            methods,
+            f"{prefix}.qkv_proj",
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = _linear(
+            self.q_size, config.hidden_size, config.o_bias, methods, f"{prefix}.o_proj"
+        )
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, platform)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, platform)
         else:
             self.q_norm = self.k_norm = None
+        self.rope = Rope(platform)
 
     def forward(
         self,
@@ -132,50 +81,47 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None and (lib := _cpu_ops(qkv)) is not None:
-            # q's and k's heads side by side in the fused projection: one rotation call.
+        if self.q_norm is None:
+            # q's and k's heads side by side in the fused projection: one rotation.
             qk = qkv[:, :qk_size].view(tokens, heads + self.num_kv_heads, self.head_dim)
-            qk = cpu_ops.rope(lib, qk, *angles)
+            qk = self.rope(qk, angles)
             q, k = qk[:, :heads], qk[:, heads:]
         else:
             q = qkv[:, : self.q_size].view(tokens, heads, self.head_dim)
             k = qkv[:, self.q_size : qk_size].view(tokens, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            if (lib := _cpu_ops(q)) is not None:
-                q, k = cpu_ops.rope(lib, q, *angles), cpu_ops.rope(lib, k, *angles)
-            else:
-                q, k = rotate(q, k, angles)
+            q, k = self.rope(self.q_norm(q), angles), self.rope(self.k_norm(k), angles)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, platform: Platform, methods: LinearMethods, prefix: str
+    ) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        hidden, intermediate = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = _linear(
+            hidden, 2 * intermediate, config.mlp_bias, methods, f"{prefix}.gate_up_proj"
         )
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act = SiluAndMul(platform)
+        self.down_proj = _linear(
+            intermediate, hidden, config.mlp_bias, methods, f"{prefix}.down_proj"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda:
-            return self.down_proj(_triton_ops().silu_mul(gate_up))
-        if (lib := _cpu_ops(gate_up)) is not None:
-            return self.down_proj(cpu_ops.silu_mul(lib, gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, platform: Platform, methods: LinearMethods, prefix: str
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps, platform)
+        self.self_attn = Attention(config, platform, methods, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(hidden, eps, platform)
+        self.mlp = MLP(config, platform, methods, f"{prefix}.mlp")
 
     def forward(
         self,
@@ -185,7 +131,7 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's output before its residual add, and the residual stream: each residual
         add is fused into the norm that follows it."""
         if residual is None:
@@ -197,31 +143,34 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-# Hugging Face parameter name suffix -> (fused parameter, index of the shard inside it).
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    """Built for one platform, each linear layer with the method `methods` chooses for it (see
+    `checkpoints.loader.build_model`)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        platform: Platform,
+        methods: LinearMethods,
+    ) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, bias=False)
+        hidden = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, platform, methods, f"layers.{i}") for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(hidden, config.rms_norm_eps, platform)
+        # A tied head computes with the embedding's weight (see load_weights).
+        head_source = "embed_tokens" if config.tie_word_embeddings else "lm_head"
+        self.lm_head = Linear(
+            hidden,
+            config.vocab_size,
+            False,
+            methods.choose(hidden, [f"{head_source}.weight"], head=True),
         )
         self.rotary = RotaryEmbedding(config, max_positions)
-        self.packed_head: torch.Tensor | None = None
-        self.quantized_head: QuantizedWeight | None = None
 
     def forward(
         self,
@@ -240,51 +189,16 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
-            return self.lm_head(hidden)
-        if self.quantized_head is not None:
-            return int8_linear(hidden, self.quantized_head)
-        if self.packed_head is not None:
-            return torch.ops.mkldnn._linear_pointwise(
-                hidden, self.packed_head, None, "none", [], ""
-            )
-        return F.linear(hidden, self.embed_tokens.weight)
-
-    def pack_for_cpu(self, quantization: str | None = None) -> None:
-        """Prepack every matmul weight for oneDNN (CPU, float32), after the weights are loaded.
-
-        quantization="int8" quantizes instead every matmul whose in_features is a multiple of
-        32, the head included, for the int8 kernel (weights and activations in blocks of 32;
-        see int8_linear.py); the others stay packed float32. quantization="q4" does the same
-        with 4-bit weights for the decoder layers (GGUF's Q4_1, so a Q4_1 checkpoint keeps its
-        own weights; see q4_linear.py) and int8 for the head, whose errors reach the logits
-        undamped."""
-        if quantization not in (None, "int8", "q4"):
-            raise ValueError(
-                f"unknown CPU quantization {quantization!r}; expected None, 'int8' or 'q4'"
-            )
-        if quantization is not None:
-            # A missing compiler or CPU feature shows here, not mid-generation.
-            load_int8_kernel()
-            if quantization == "q4":
-                load_q4_kernel()
-        for module in self.modules():
-            if isinstance(module, Linear):
-                if quantization is not None and module.in_features % BLOCK == 0:
-                    module.quantize("int8" if module is self.lm_head else quantization)
-                else:
-                    module.pack()
-        if self.lm_head is None:
-            # Tied head: the embedding keeps its plain weight for lookups; the head gets a copy.
-            head = self.embed_tokens.weight.detach()
-            if quantization is not None and head.shape[1] % BLOCK == 0:
-                self.quantized_head = quantize_weight(head)
-            else:
-                self.packed_head = torch.ops.mkldnn._reorder_linear_weight(head, None)
+        return self.lm_head(hidden)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in; fail if a parameter is missing or unknown."""
+        """Copy Hugging Face-named tensors in (fail if a parameter is missing or unknown), then
+        turn every linear layer's weight into the form its method runs."""
+        if self.config.tie_word_embeddings:
+            # Shared, the head's weight is loaded with the embedding's; a method that runs
+            # another form makes its copy after loading and leaves the embedding as it is.
+            self.lm_head.weight = self.embed_tokens.weight
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         shard_sizes = {
@@ -293,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
         }
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the head
             if "rotary_emb" in name:
                 continue
@@ -320,12 +234,9 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(label)
         expected = set()
         for pname, _ in self.named_parameters():
-            if pname.endswith("qkv_proj.weight") or pname.endswith("qkv_proj.bias"):
-                expected.update(f"{pname}[{i}]" for i in range(3))
-            elif pname.endswith("gate_up_proj.weight") or pname.endswith("gate_up_proj.bias"):
-                expected.update(f"{pname}[{i}]" for i in range(2))
-            else:
-                expected.add(pname)
+            parts = _FUSED_PARTS.get(pname.split(".")[-2], ())
+            expected.update([f"{pname}[{i}]" for i in range(len(parts))] if parts else [pname])
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        process_weights_after_loading(self)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-QUANTIZATIONS = ("auto", "none", "int8", "q4")
+from inflight.model.config import QUANTIZATIONS
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,4 @@ def submit_refusal(request: GenerationRequest) -> str | None:
 
 def founder_only_stall(request: GenerationRequest) -> str | None:
     """The stall counter of the first founder-only option the request asks for, or None."""
-    return next(
-        (o.stall for o in requested(request) if o.under_ifb is UnderIFB.FOUNDER_ONLY), None
-    )
+    return next((o.stall for o in requested(request) if o.under_ifb is UnderIFB.FOUNDER_ONLY), None)

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from inflight.runtime.config import QUANTIZATIONS
+from inflight.model.config import QUANTIZATIONS
 
 # `inflight bench throughput` engines that run inflight itself, by the quantization they use.
 INFLIGHT_ENGINES = {

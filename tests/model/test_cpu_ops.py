@@ -52,6 +52,5 @@ def test_rope_is_bit_identical_to_the_torch_rotation():
     q = qkv[:, : heads * dim].view(tokens, heads, dim)
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
     angles = (torch.randn(tokens, 1, dim), torch.randn(tokens, 1, dim))
-    want_q, want_k = rotate(q, k, angles)
-    assert torch.equal(cpu_ops.rope(_lib(), q, *angles), want_q)
-    assert torch.equal(cpu_ops.rope(_lib(), k, *angles), want_k)
+    assert torch.equal(cpu_ops.rope(_lib(), q, *angles), rotate(q, angles))
+    assert torch.equal(cpu_ops.rope(_lib(), k, *angles), rotate(k, angles))

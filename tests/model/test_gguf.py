@@ -9,11 +9,17 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from inflight.model.attention import TorchAttentionBackend
 from inflight.model.checkpoints.gguf import GGUFCheckpoint
-from inflight.model.checkpoints.loader import open_checkpoint
-from inflight.runtime.request import GenerationRequest, SamplingParams
-from inflight.runtime.runtime import Runtime, RuntimeConfig
+from inflight.model.checkpoints.loader import build_model, open_checkpoint
+from inflight.model.layers.linear import Linear
+from inflight.model.layers.quantization import (
+    Int8LinearMethod,
+    PackedLinearMethod,
+    Q4LinearMethod,
+)
 
+from helpers import PagedSequence, prefill_logits
 from tiny_models import CHAT_TEMPLATE, VOCAB, write_tokenizer
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 64, 128, 4, 2, 2
@@ -64,7 +70,9 @@ def _hf_to_gguf_name(name: str) -> str:
     return f"blk.{layer}.{table[part]}.{rest[-1]}"
 
 
-def write_tiny_gguf(tmp_path, arch: str = "llama", extra_tensor=None):
+def write_tiny_gguf(tmp_path, arch: str = "llama", extra_tensor=None, qtypes=None):
+    """A tiny random llama GGUF file; `qtypes` maps a tensor's GGUF name to its stored type
+    (default: by kind, from QTYPE)."""
     torch.manual_seed(0)
     hf = LlamaForCausalLM(
         LlamaConfig(
@@ -122,7 +130,7 @@ def write_tiny_gguf(tmp_path, arch: str = "llama", extra_tensor=None):
             arr = _llama_cpp_permute(arr, HEADS)
         elif kind == "attn_k":
             arr = _llama_cpp_permute(arr, KV_HEADS)
-        qtype = QTYPE.get(kind, Q.F32)
+        qtype = qtypes(gname) if qtypes else QTYPE.get(kind, Q.F32)
         if qtype == Q.F32:
             w.add_tensor(gname, arr)
         elif qtype == Q.F16:
@@ -141,16 +149,15 @@ def write_tiny_gguf(tmp_path, arch: str = "llama", extra_tensor=None):
 def test_quantized_llama_gguf_matches_transformers(tmp_path):
     path = write_tiny_gguf(tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
-    runtime = Runtime(path, RuntimeConfig(max_batch_size=1, max_model_len=128))
-    ids = runtime.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
-    out = runtime.handle_request(
-        GenerationRequest(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    ).result()
+    checkpoint = open_checkpoint(path)
+    model = build_model(checkpoint, torch.float32, torch.device("cpu"), 128, quantization="none")
+    ids = checkpoint.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    out = PagedSequence(model, TorchAttentionBackend(), len(ids) + 24).greedy(ids, 24)
     seq = list(ids)
     with torch.no_grad():
         for _ in range(24):
             seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-    assert list(out.token_ids) == seq[len(ids) :]
+    assert out == seq[len(ids) :]
     # Same dequantized weights as transformers' own GGUF loader, permutation undone.
     ours = dict(GGUFCheckpoint(path).weights())
     ref = hf.state_dict()
@@ -161,6 +168,71 @@ def test_quantized_llama_gguf_matches_transformers(tmp_path):
         "layers.0.self_attn.o_proj.weight",
     ):
         torch.testing.assert_close(ours[name], ref["model." + name], rtol=0, atol=0)
+
+
+def test_stored_types_by_hugging_face_name(tmp_path):
+    checkpoint = open_checkpoint(write_tiny_gguf(tmp_path))
+    types = checkpoint.stored_types
+    assert types["layers.0.self_attn.q_proj.weight"] == "Q4_0"
+    assert types["layers.1.self_attn.k_proj.weight"] == "Q4_1"
+    assert types["layers.0.mlp.up_proj.weight"] == "F16"
+    assert types["embed_tokens.weight"] == "Q8_0"
+    assert types["lm_head.weight"] == "F16"
+    assert types["norm.weight"] == types["layers.0.input_layernorm.weight"] == "F32"
+    assert set(types) == {name for name, _ in GGUFCheckpoint(checkpoint.path).weights()}
+
+
+def _methods(model) -> dict[str, type]:
+    return {
+        name: type(module.method)
+        for name, module in model.named_modules()
+        if isinstance(module, Linear)
+    }
+
+
+def test_auto_runs_each_linear_in_the_kernel_of_its_stored_type(tmp_path):
+    """Layer 0: q, k, v all Q4_1 -> 4-bit; gate and up both Q8_0 -> int8; down Q4_1 -> 4-bit;
+    o F16 -> float. Layer 1: q, k, v Q4_1, Q4_1, Q8_0 and gate, up Q8_0, Q4_1 disagree -> float;
+    down Q4_0 (no kernel of its own) -> float; o Q8_0 -> int8. The head, output Q8_0 -> int8."""
+    layer0 = {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1, "attn_output": Q.F16,
+              "ffn_gate": Q.Q8_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1}  # fmt: skip
+    layer1 = {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q8_0,
+              "ffn_gate": Q.Q8_0, "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_0}  # fmt: skip
+
+    def qtypes(name: str) -> Q:
+        parts = name.split(".")
+        if parts[0] == "blk":
+            return (layer0, layer1)[int(parts[1])].get(parts[2], Q.F32)
+        return {"token_embd": Q.F16, "output": Q.Q8_0}.get(parts[0], Q.F32)
+
+    checkpoint = open_checkpoint(write_tiny_gguf(tmp_path, qtypes=qtypes))
+    cpu = torch.device("cpu")
+    auto = build_model(checkpoint, torch.float32, cpu, 128, quantization="auto")
+    assert _methods(auto) == {
+        "layers.0.self_attn.qkv_proj": Q4LinearMethod,
+        "layers.0.self_attn.o_proj": PackedLinearMethod,
+        "layers.0.mlp.gate_up_proj": Int8LinearMethod,
+        "layers.0.mlp.down_proj": Q4LinearMethod,
+        "layers.1.self_attn.qkv_proj": PackedLinearMethod,
+        "layers.1.self_attn.o_proj": Int8LinearMethod,
+        "layers.1.mlp.gate_up_proj": PackedLinearMethod,
+        "layers.1.mlp.down_proj": PackedLinearMethod,
+        "lm_head": Int8LinearMethod,
+    }
+    # The weights are the file's in either model: what separates their logits is the int8
+    # rounding of activations in the quantized layers.
+    none = build_model(checkpoint, torch.float32, cpu, 128, quantization="none")
+    ids = checkpoint.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    ours, ref = prefill_logits(auto, ids), prefill_logits(none, ids)
+    assert torch.nn.functional.cosine_similarity(ours, ref, dim=-1).min().item() > 0.99
+
+
+def test_auto_leaves_mixed_and_kernel_less_types_in_float(tmp_path):
+    """The default test file: no fused layer's parts share a type with a kernel (q Q4_0, k Q4_1,
+    v Q8_0; gate Q4_1, up F16), down is Q4_0, o BF16 and the head F16: all float32."""
+    checkpoint = open_checkpoint(write_tiny_gguf(tmp_path))
+    model = build_model(checkpoint, torch.float32, torch.device("cpu"), 128, quantization="auto")
+    assert set(_methods(model).values()) == {PackedLinearMethod}
 
 
 def test_gguf_tokenizer_and_chat_template_from_metadata(tmp_path):

@@ -1,12 +1,22 @@
-"""The int8 CPU matmul: exact to its own quantization math, close to float32, and a model built
-with it close to float32 (what it shares with the 4-bit kernel: test_quantized_linear.py)."""
+"""The int8 CPU matmul: exact to its own quantization math, close to float32, lossless on Q8_0
+weights, and a model built with it close to float32 (what it shares with the 4-bit kernel:
+test_quantized_linear.py)."""
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
-from inflight.model.kernels.cpu.int8 import BLOCK, int8_linear, quantize_blocks, quantize_weight
-from inflight.model.llama import Linear
+from inflight.model.kernels.cpu.int8 import (
+    BLOCK,
+    QuantizedWeight,
+    int8_linear,
+    quantize_blocks,
+    quantize_weight,
+)
+from inflight.model.layers.linear import Linear
+from inflight.model.layers.quantization import Int8LinearMethod, PackedLinearMethod
 
 from helpers import prefill_logits
 from tiny_models import FAMILIES
@@ -49,16 +59,36 @@ def test_close_to_float32(m, k, n):
     assert _rel(int8_linear(x, quantize_weight(weight)), x @ weight.T) < 0.015
 
 
+def test_q8_0_weights_come_back_as_stored():
+    """GGUF's Q8_0 is this kernel's block format with float16 scales: a Q8_0 weight, dequantized
+    as the loader does, quantizes back to the values and scales it was stored as (quantization
+    "auto" runs Q8_0 tensors in this kernel)."""
+    weight = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
+    raw = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)
+    blocks = raw.reshape(-1, 2 + BLOCK)  # float16 scale, then 32 int8 values
+    scales = torch.from_numpy(blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0])
+    values = torch.from_numpy(blocks[:, 2:].copy().view(np.int8))
+    loaded = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0))
+    got_values, got_scales = quantize_blocks(loaded)
+    assert torch.equal(got_values.reshape(-1, BLOCK), values)
+    assert torch.equal(got_scales.flatten(), scales)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiny_model_close_to_float32(family, tiny_dirs):
     checkpoint = open_checkpoint(tiny_dirs[family])
     cpu = torch.device("cpu")
-    fp32 = build_model(checkpoint, torch.float32, cpu, 256)
+    fp32 = build_model(checkpoint, torch.float32, cpu, 256, quantization="none")
     int8 = build_model(checkpoint, torch.float32, cpu, 256, quantization="int8")
     linears = [m for m in int8.modules() if isinstance(m, Linear)]
-    assert linears and all(m.quantized is not None for m in linears)
-    assert all(m.quantized is None for m in fp32.modules() if isinstance(m, Linear))
-    assert (int8.quantized_head is not None) == (int8.lm_head is None)
+    assert len(linears) == 4 * checkpoint.config.num_layers + 1  # the head, tied or not
+    assert all(isinstance(m.method, Int8LinearMethod) for m in linears)
+    assert all(isinstance(m.prepared, QuantizedWeight) and m.weight is None for m in linears)
+    assert all(
+        isinstance(m.method, PackedLinearMethod) for m in fp32.modules() if isinstance(m, Linear)
+    )
+    # A tied head quantizes a copy: the embedding looks up the float weights as loaded.
+    assert torch.equal(int8.embed_tokens.weight, fp32.embed_tokens.weight)
 
     ids = torch.randint(
         0, checkpoint.config.vocab_size, (96,), generator=torch.Generator().manual_seed(0)

@@ -5,10 +5,16 @@ with the int8 kernel: test_quantized_linear.py)."""
 import pytest
 import torch
 
-from inflight.model.checkpoints.loader import build_model, default_model_path, open_checkpoint
-from inflight.model.kernels.cpu.int8 import BLOCK, quantize_blocks
+from inflight.model.checkpoints.loader import (
+    Checkpoint,
+    build_model,
+    default_model_path,
+    open_checkpoint,
+)
+from inflight.model.kernels.cpu.int8 import BLOCK, QuantizedWeight, quantize_blocks
 from inflight.model.kernels.cpu.q4 import Q4Weight, q4_linear, quantize_q4, quantize_q4_blocks
-from inflight.model.llama import Linear, LlamaForCausalLM
+from inflight.model.layers.linear import Linear
+from inflight.model.layers.quantization import Int8LinearMethod, Q4LinearMethod
 
 from helpers import prefill_logits
 from tiny_models import FAMILIES
@@ -67,19 +73,21 @@ def test_q4_1_weights_come_back_as_stored(m, k, n):
 def smollm_models():
     checkpoint = open_checkpoint(default_model_path())
     cpu = torch.device("cpu")
-    fp32 = build_model(checkpoint, torch.float32, cpu, 256)
+    fp32 = build_model(checkpoint, torch.float32, cpu, 256, quantization="none")
     q4 = build_model(checkpoint, torch.float32, cpu, 256, quantization="q4")
     return checkpoint, fp32, q4
 
 
 def test_smollm_layers_keep_the_files_q4_1_weights(smollm_models):
     """The GGUF stores every decoder matmul as Q4_1: each becomes a 4-bit weight that reproduces
-    what the loader dequantized, to float rounding; the head is int8."""
+    what the loader dequantized, to float rounding; the (tied) head is int8."""
     checkpoint, fp32, q4 = smollm_models
-    layers = [m for name, m in q4.named_modules() if isinstance(m, Linear)]
+    layers = [m for name, m in q4.named_modules() if isinstance(m, Linear) and name != "lm_head"]
     assert len(layers) == 4 * checkpoint.config.num_layers
-    assert all(isinstance(m.quantized, Q4Weight) for m in layers)
-    assert q4.quantized_head is not None
+    assert all(isinstance(m.method, Q4LinearMethod) for m in layers)
+    assert all(isinstance(m.prepared, Q4Weight) for m in layers)
+    assert isinstance(q4.lm_head.method, Int8LinearMethod)
+    assert isinstance(q4.lm_head.prepared, QuantizedWeight)
     checked = 0
     for name, tensor in checkpoint.weights():
         if name.removeprefix("model.").startswith("layers.") and tensor.dim() == 2:
@@ -114,6 +122,18 @@ def test_smollm_logits_close_to_float32(smollm_models, text):
     assert agree > 0.9
 
 
+def test_auto_on_the_default_model_is_q4(smollm_models):
+    """The default GGUF stores its decoder matmuls as Q4_1 and its tied embedding as Q8_0, so
+    "auto" picks what "q4" does, layer by layer: the same logits, bit for bit."""
+    checkpoint, _, q4 = smollm_models
+    auto = build_model(checkpoint, torch.float32, torch.device("cpu"), 256)
+    assert [type(m.method) for m in auto.modules() if isinstance(m, Linear)] == [
+        type(m.method) for m in q4.modules() if isinstance(m, Linear)
+    ]
+    ids = checkpoint.tokenizer.encode(TEXTS[0])
+    assert torch.equal(prefill_logits(auto, ids), prefill_logits(q4, ids))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiny_model_matches_its_own_4bit_weights(family, tiny_dirs):
     """Random float weights lose much to 4 bits, so the reference is the plain float32 model
@@ -121,20 +141,24 @@ def test_tiny_model_matches_its_own_4bit_weights(family, tiny_dirs):
     rounding of activations and of the head. Covers biases (qwen2), q/k norms (qwen3), untied
     heads."""
     checkpoint = open_checkpoint(tiny_dirs[family])
-    q4 = build_model(checkpoint, torch.float32, torch.device("cpu"), 256, quantization="q4")
-    reference = LlamaForCausalLM(checkpoint.config, 256)
+    cpu = torch.device("cpu")
+    q4 = build_model(checkpoint, torch.float32, cpu, 256, quantization="q4")
 
-    def four_bit_weights():
-        for name, tensor in checkpoint.weights():
-            if name.removeprefix("model.").startswith("layers.") and tensor.dim() == 2:
-                tensor = _dequantize_w(*quantize_q4_blocks(tensor)).float()
-            yield name, tensor
+    class FourBitWeights:
+        def weights(self):
+            for name, tensor in checkpoint.weights():
+                if name.removeprefix("model.").startswith("layers.") and tensor.dim() == 2:
+                    tensor = _dequantize_w(*quantize_q4_blocks(tensor)).float()
+                yield name, tensor
 
-    reference.load_weights(four_bit_weights())
+    four_bit = Checkpoint(
+        checkpoint.path, checkpoint.config, checkpoint.tokenizer, _source=FourBitWeights()
+    )
+    reference = build_model(four_bit, torch.float32, cpu, 256, quantization="none")
     ids = torch.randint(
         0, checkpoint.config.vocab_size, (96,), generator=torch.Generator().manual_seed(0)
     )
-    ours, ref = prefill_logits(q4, ids.tolist()), prefill_logits(reference.eval(), ids.tolist())
+    ours, ref = prefill_logits(q4, ids.tolist()), prefill_logits(reference, ids.tolist())
     cosine = torch.nn.functional.cosine_similarity(ours, ref, dim=-1)
     agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
     # Measured over 3 prompts x 4 families: mean cosine 0.9993-0.9997, worst row 0.994, argmax

@@ -147,23 +147,39 @@ class GGUFCheckpoint:
         shape = [int(d) for d in reversed(tensor.shape)]
         return np.array(values, dtype=np.float32).reshape(shape)  # a copy: the file is read-only
 
+    def _hf_name(self, gguf_name: str) -> str | None:
+        """The Hugging Face name of a tensor of this file; None for `rope_freqs`, which is folded
+        into the rope config."""
+        base, _, suffix = gguf_name.rpartition(".")
+        if base == "rope_freqs":
+            return None
+        parts = base.split(".")
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_TENSORS:
+            return f"layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
+        if base in _GLOBAL_TENSORS:
+            return f"{_GLOBAL_TENSORS[base]}.{suffix}"
+        raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file {self.path}")
+
+    def stored_types(self) -> dict[str, str]:
+        """The GGML type each tensor is stored in ("Q4_1", "Q8_0", "F32", ...), by Hugging Face
+        name; from the file's header, without reading weights."""
+        return {
+            name: tensor.tensor_type.name
+            for tensor in self.reader.tensors
+            if (name := self._hf_name(tensor.name)) is not None
+        }
+
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Hugging Face-named float32 tensors, with llama.cpp's q/k row permutation undone."""
         config = self.config()
         for tensor in self.reader.tensors:
-            base, _, suffix = tensor.name.rpartition(".")
-            if base == "rope_freqs":
-                continue  # folded into the rope config
-            parts = base.split(".")
-            if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_TENSORS:
-                name = f"layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
-            elif base in _GLOBAL_TENSORS:
-                name = f"{_GLOBAL_TENSORS[base]}.{suffix}"
-            else:
-                raise ValueError(f"unexpected tensor {tensor.name!r} in GGUF file {self.path}")
+            name = self._hf_name(tensor.name)
+            if name is None:
+                continue
             values = self._dequantize(tensor)
-            if self.arch == "llama" and parts[-1] in ("attn_q", "attn_k"):
-                heads = config.num_heads if parts[-1] == "attn_q" else config.num_kv_heads
+            kind = tensor.name.rpartition(".")[0].split(".")[-1]
+            if self.arch == "llama" and kind in ("attn_q", "attn_k"):
+                heads = config.num_heads if kind == "attn_q" else config.num_kv_heads
                 values = _unpermute(values, heads)
             yield name, torch.from_numpy(values)
 

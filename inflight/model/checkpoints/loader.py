@@ -13,7 +13,16 @@ from tqdm import tqdm
 
 from inflight.model.checkpoints.hf import HFCheckpoint
 from inflight.model.checkpoints.tokenizer import Tokenizer
-from inflight.model.config import ModelConfig
+from inflight.model.config import QUANTIZATIONS, ModelConfig
+from inflight.model.kernels.cpu.native import NativeBuildError
+from inflight.model.layers.platform import Platform
+from inflight.model.layers.quantization import (
+    KERNEL_FOR_STORED_TYPE,
+    QUANTIZED_METHODS,
+    LinearMethod,
+    LinearMethods,
+    unquantized_method,
+)
 from inflight.model.llama import LlamaForCausalLM
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -38,6 +47,9 @@ class Checkpoint:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     # Where weights come from: an HF or GGUF checkpoint, or anything with `weights()`.
     _source: Any = None
+    # The GGML type each weight is stored in, by Hugging Face name (GGUF files; empty for the
+    # rest, whose weights are plain floats).
+    stored_types: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -60,7 +72,7 @@ def open_checkpoint(model: str | Path | Checkpoint | None = None) -> Checkpoint:
         from inflight.model.checkpoints.gguf import GGUFCheckpoint  # needs the gguf package
 
         gguf = GGUFCheckpoint(path)
-        return Checkpoint(path, gguf.config(), gguf.tokenizer(), {}, gguf)
+        return Checkpoint(path, gguf.config(), gguf.tokenizer(), {}, gguf, gguf.stored_types())
     hf = HFCheckpoint(path)
     return Checkpoint(path, hf.config(), hf.tokenizer(), hf.sampling_defaults(), hf)
 
@@ -71,25 +83,62 @@ def build_model(
     device: torch.device,
     max_positions: int,
     show_progress: bool = False,
-    quantization: str | None = None,
+    quantization: str = "auto",
 ) -> LlamaForCausalLM:
-    """quantization="int8" or "q4": quantized matmuls on the CPU float32 path (see
-    `pack_for_cpu`)."""
-    cpu_float32 = (
-        device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-    )
-    if quantization is not None and not cpu_float32:
-        raise ValueError(
-            f"quantization={quantization!r} needs the CPU float32 path, got {device} {dtype}"
-        )
+    """The model with its weights loaded, each linear layer in the method `quantization` picks
+    for it on the CPU float32 path (elsewhere all run in float):
+
+    - "none": float32 (oneDNN-packed).
+    - "int8": int8 weights wherever in_features is a multiple of 32, the head included.
+    - "q4": 4-bit weights (GGUF's Q4_1) for the decoder layers, int8 for the head.
+    - "auto" (default): a GGUF file's weights in the kernel that runs their stored type (Q4_1:
+      4-bit, Q8_0: int8), layer by layer; float32 for the rest, for Hugging Face checkpoints,
+      and where the native kernels cannot be built.
+
+    "int8" and "q4" are a ValueError off the CPU float32 path or where their kernel cannot be
+    built."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be auto, none, int8 or q4, got {quantization!r}")
+    platform = Platform.detect(device, dtype)
+    methods = _linear_methods(quantization, platform, checkpoint.stored_types)
     with torch.device("meta"):
-        model = LlamaForCausalLM(checkpoint.config, max_positions)
+        model = LlamaForCausalLM(checkpoint.config, max_positions, platform, methods)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.compute(device)
     weights = checkpoint.weights()
     if show_progress:
         weights = tqdm(weights, desc=f"loading {checkpoint.name}", unit=" tensors")
     model.load_weights(weights)
-    if cpu_float32:
-        model.pack_for_cpu(quantization)
     return model.eval()
+
+
+def _linear_methods(
+    quantization: str, platform: Platform, stored_types: dict[str, str]
+) -> LinearMethods:
+    unquantized = unquantized_method(platform)
+    if quantization in ("int8", "q4"):
+        if not platform.onednn:
+            raise ValueError(
+                f"quantization={quantization!r} needs the CPU float32 path, "
+                f"got {platform.device} {platform.dtype}"
+            )
+        try:
+            kernels = _quantized_methods({"int8", quantization})
+        except NativeBuildError as exc:
+            raise ValueError(f"quantization={quantization!r} is unavailable here: {exc}") from exc
+        return LinearMethods(unquantized, quantization, kernels)
+    if quantization == "auto" and platform.onednn:
+        kinds = {
+            KERNEL_FOR_STORED_TYPE[t] for t in stored_types.values() if t in KERNEL_FOR_STORED_TYPE
+        }
+        try:
+            kernels = _quantized_methods(kinds)
+        except NativeBuildError:
+            return LinearMethods(unquantized)  # `native` has warned
+        return LinearMethods(unquantized, "auto", kernels, stored_types)
+    return LinearMethods(unquantized)
+
+
+def _quantized_methods(kinds: set[str]) -> dict[str, LinearMethod]:
+    """One method per kind; NativeBuildError where a kernel cannot be built."""
+    return {kind: QUANTIZED_METHODS[kind]() for kind in sorted(kinds)}

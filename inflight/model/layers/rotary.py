@@ -1,12 +1,19 @@
-"""Rotary position embeddings, computed the way Hugging Face transformers computes them."""
+"""Rotary position embeddings, computed the way Hugging Face transformers computes them: the
+cos/sin table, and the rotation of query and key heads by it (one kernel on the CPU float32 path,
+kernels/cpu/ops.py; torch's ops elsewhere)."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 
 from inflight.model.config import ModelConfig
+from inflight.model.kernels.cpu import ops as cpu_ops
+from inflight.model.layers.platform import Platform
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -61,12 +68,37 @@ class RotaryEmbedding(torch.nn.Module):
 Angles = tuple[torch.Tensor, torch.Tensor]
 
 
-def rotate(q: torch.Tensor, k: torch.Tensor, angles: Angles) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, Hq, D] and k [T, Hkv, D] by their tokens' angles."""
+def rotate(x: torch.Tensor, angles: Angles) -> torch.Tensor:
+    """Rotate heads x [T, H, D] by their tokens' angles."""
     cos, sin = angles
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _native_rotate(lib: ctypes.CDLL, x: torch.Tensor, angles: Angles) -> torch.Tensor:
+    # The kernel reads each head's D values with unit stride.
+    if x.stride(-1) == 1:
+        return cpu_ops.rope(lib, x, *angles)
+    return rotate(x, angles)
+
+
+def select_rope(platform: Platform) -> Callable[[torch.Tensor, Angles], torch.Tensor]:
+    if platform.cpu_ops is not None:
+        return functools.partial(_native_rotate, platform.cpu_ops)
+    return rotate
+
+
+class Rope(torch.nn.Module):
+    """Rotates query or key heads [T, H, D] by the angles of their tokens' positions (from
+    `RotaryEmbedding.angles`)."""
+
+    def __init__(self, platform: Platform) -> None:
+        super().__init__()
+        self.kernel = select_rope(platform)
+
+    def forward(self, x: torch.Tensor, angles: Angles) -> torch.Tensor:
+        return self.kernel(x, angles)

@@ -48,7 +48,7 @@ def check_cpu(what: str) -> None:
         return
     missing = [f for f in ("avx2", "fma") if f not in flags]
     if missing:
-        raise NativeBuildError(f"{what} needs a CPU with {' and '.join(missing).upper()}")
+        raise NativeBuildError(f"running {what} needs a CPU with {' and '.join(missing).upper()}")
 
 
 def _cache_dir() -> Path:
@@ -85,7 +85,7 @@ def _build(source: Path, what: str) -> ctypes.CDLL:
     if not target.exists():
         gcc = shutil.which("gcc")
         if gcc is None:
-            raise NativeBuildError(f"{what} needs gcc to build its kernel; none on PATH")
+            raise NativeBuildError(f"building {what} needs gcc; none on PATH")
         target.parent.mkdir(parents=True, exist_ok=True)
         # Build under a temporary name, then rename: concurrent processes each build their own
         # copy and the rename makes whichever lands last the (identical) cached file.

@@ -1,0 +1,42 @@
+"""A linear layer whose matmul is run by the quantization method it was built with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from inflight.model.layers.quantization import LinearMethod
+
+
+class Linear(nn.Module):
+    """x @ weight^T (+ bias). `weight` [out, in] is the float parameter checkpoints load into;
+    `process_weights_after_loading` then lets the method replace it by its run form
+    (`prepared`), which `forward` runs."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, method: LinearMethod):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.method = method
+        self.prepared: Any = None
+        method.create_weights(self)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, method={type(self.method).__name__}"
+        )
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Turn the weight of every Linear in `model` into its method's run form (once, after the
+    weights are loaded)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.method.process_weights_after_loading(module)

@@ -1,0 +1,77 @@
+"""RMSNorm, with the residual add that precedes it fused in: one kernel per norm on CUDA (Triton)
+and on the CPU float32 path (kernels/cpu/ops.py), torch's ops elsewhere."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from inflight.model.kernels.cpu import ops as cpu_ops
+from inflight.model.layers.platform import Platform
+
+# (x, weight, eps, residual or None) -> (the norm of x (+ residual), the sum or None).
+RMSNormKernel = Callable[
+    [torch.Tensor, torch.Tensor, float, torch.Tensor | None],
+    tuple[torch.Tensor, torch.Tensor | None],
+]
+
+
+def torch_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if residual is not None:
+        summed = x + residual
+        return torch_rms_norm(summed, weight, eps)[0], summed
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype), None
+
+
+def _native_rms_norm(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # The kernel takes rows [rows, size] with unit inner stride; anything else (the per-head
+    # q/k norms' [T, H, D] views) goes through torch.
+    if x.dim() == 2 and x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1):
+        return cpu_ops.rms_norm(lib, x, weight, eps, residual)
+    if residual is None:
+        return torch_rms_norm(x, weight, eps)
+    summed = x + residual
+    return _native_rms_norm(lib, summed, weight, eps)[0], summed
+
+
+def select_rms_norm(platform: Platform) -> RMSNormKernel:
+    if platform.device.type == "cuda":
+        # Imported here: CPU machines need not have Triton.
+        from inflight.model.kernels.triton import ops as triton_ops
+
+        return triton_ops.rms_norm
+    if platform.cpu_ops is not None:
+        return functools.partial(_native_rms_norm, platform.cpu_ops)
+    return torch_rms_norm
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, platform: Platform) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.kernel = select_rms_norm(platform)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.weight, self.eps, None)[0]
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The norm of `x + residual`, and that sum (the next residual)."""
+        return self.kernel(x, self.weight, self.eps, residual)

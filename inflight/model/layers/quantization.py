@@ -1,0 +1,140 @@
+"""How a linear layer runs its matmul: one method object per kind, and the choice of a method
+for each layer of a model, made when the model is built.
+
+Every method starts from a float weight parameter [out, in] that checkpoints load into; once it
+is loaded, `process_weights_after_loading` turns it into the method's run form, and `apply` runs
+that. A method keeps nothing per layer: one instance serves every layer it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inflight.model.kernels.cpu import int8, q4
+from inflight.model.layers.platform import Platform
+
+if TYPE_CHECKING:
+    from inflight.model.layers.linear import Linear
+
+# The native kernel that runs a weight stored in a GGUF type as it was stored (up to float
+# rounding): Q4_1 is the 4-bit kernel's own block format, Q8_0 the int8 kernel's.
+KERNEL_FOR_STORED_TYPE = {"Q4_1": "q4", "Q8_0": "int8"}
+
+
+class LinearMethod:
+    def create_weights(self, layer: Linear) -> None:
+        """The float weight the checkpoint loads into."""
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features))
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Turn the loaded weight into the form `apply` runs (once); the float weight as
+        loaded needs nothing."""
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _take_weight(layer: Linear) -> torch.Tensor:
+    """The loaded weight, which the layer stops holding: its run form replaces it."""
+    weight = layer.weight.detach()
+    del layer.weight
+    layer.register_parameter("weight", None)
+    return weight
+
+
+class TorchLinearMethod(LinearMethod):
+    """F.linear on the weight as loaded: CUDA, and wherever no faster path applies."""
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class PackedLinearMethod(LinearMethod):
+    """CPU float32: the weight prepacked into oneDNN's blocked layout, which runs the small-batch
+    matmuls of decoding about twice as fast as the plain layout."""
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        layer.prepared = torch.ops.mkldnn._reorder_linear_weight(_take_weight(layer), None)
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, layer.prepared, bias, "none", [], "")
+
+
+class Int8LinearMethod(LinearMethod):
+    """CPU float32: int8 weights and per-token int8 activations in blocks of 32 along K
+    (kernels/cpu/int8.py), faster again than oneDNN. in_features must be a multiple of 32."""
+
+    def __init__(self) -> None:
+        # A missing compiler or CPU feature shows here (NativeBuildError), not mid-generation.
+        int8.load_kernel()
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        layer.prepared = int8.quantize_weight(_take_weight(layer))
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return int8.int8_linear(x, layer.prepared, bias)
+
+
+class Q4LinearMethod(LinearMethod):
+    """CPU float32: 4-bit weights in GGUF's Q4_1 form, so that a Q4_1 checkpoint keeps its own
+    weights, and per-token int8 activations (kernels/cpu/q4.py). in_features must be a multiple
+    of 32."""
+
+    def __init__(self) -> None:
+        q4.load_kernel()
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        layer.prepared = q4.quantize_q4(_take_weight(layer))
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return q4.q4_linear(x, layer.prepared, bias)
+
+
+QUANTIZED_METHODS: dict[str, type[LinearMethod]] = {
+    "int8": Int8LinearMethod,
+    "q4": Q4LinearMethod,
+}
+
+
+def unquantized_method(platform: Platform) -> LinearMethod:
+    """The float method of `platform`: oneDNN-packed on the CPU float32 path, else F.linear."""
+    return PackedLinearMethod() if platform.onednn else TorchLinearMethod()
+
+
+@dataclass(frozen=True)
+class LinearMethods:
+    """The method of each linear layer of a model, by what the layer computes and loads.
+
+    mode "none": `unquantized` everywhere. "int8", "q4": that kernel wherever in_features is a
+    multiple of 32 (else `unquantized`), except that under "q4" the head is int8: its errors
+    reach the logits undamped. "auto": the kernel that runs the stored type (`stored_types`,
+    by checkpoint tensor name) of the tensors a layer loads, when they all share one; else
+    `unquantized`. `kernels` holds the quantized methods the mode can pick, by kind.
+    """
+
+    unquantized: LinearMethod
+    mode: str = "none"
+    kernels: Mapping[str, LinearMethod] = field(default_factory=dict)
+    stored_types: Mapping[str, str] = field(default_factory=dict)
+
+    def choose(self, in_features: int, sources: Sequence[str], head: bool = False) -> LinearMethod:
+        """The method of a linear layer loaded from the checkpoint tensors `sources` (the parts
+        of a fused layer; the embedding for a tied head); `head`: it computes the logits."""
+        kind = self._kind(sources, head)
+        if kind is None or in_features % int8.BLOCK:
+            return self.unquantized
+        return self.kernels[kind]
+
+    def _kind(self, sources: Sequence[str], head: bool) -> str | None:
+        if self.mode == "auto":
+            kinds = {KERNEL_FOR_STORED_TYPE.get(self.stored_types.get(s, "")) for s in sources}
+            return kinds.pop() if len(kinds) == 1 else None
+        if self.mode == "q4" and head:
+            return "int8"
+        return None if self.mode == "none" else self.mode

@@ -1,0 +1,46 @@
+"""SiLU-and-mul: its kernel is chosen once, at construction, by the platform; the native CPU
+kernel computes what torch's ops do."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inflight.model.layers import activation
+from inflight.model.layers.activation import SiluAndMul, torch_silu_mul
+from inflight.model.layers.platform import Platform
+
+CPU = torch.device("cpu")
+
+
+def test_kernel_is_chosen_at_construction(monkeypatch):
+    layer = SiluAndMul(Platform.detect(CPU, torch.float32))
+    gate_up = torch.randn(5, 2 * 96)
+    before = layer(gate_up)
+
+    def no_choice(platform):
+        raise AssertionError("a kernel chosen after construction")
+
+    monkeypatch.setattr(activation, "select_silu_mul", no_choice)
+    assert torch.equal(layer(gate_up), before)
+    with pytest.raises(AssertionError, match="after construction"):
+        SiluAndMul(Platform.detect(CPU, torch.float32))
+
+
+def test_choice_by_platform():
+    native = SiluAndMul(Platform.detect(CPU, torch.float32)).kernel
+    assert isinstance(native, functools.partial) and native.args[0] is not None
+    assert SiluAndMul(Platform(CPU, torch.float32)).kernel is torch_silu_mul
+    assert SiluAndMul(Platform.detect(CPU, torch.bfloat16)).kernel is torch_silu_mul
+
+
+def test_native_kernel_matches_torch():
+    torch.manual_seed(1)
+    layer = SiluAndMul(Platform.detect(CPU, torch.float32))
+    gate_up = 4 * torch.randn(21, 2 * 128 + 8)[:, : 2 * 128]  # a strided view of wider rows
+    gate, up = gate_up.split(128, dim=-1)
+    torch.testing.assert_close(layer(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    # A non-unit inner stride goes through torch.
+    transposed = gate_up.T.contiguous().T
+    assert torch.equal(layer(transposed), torch_silu_mul(transposed))

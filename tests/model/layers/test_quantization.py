@@ -1,0 +1,114 @@
+"""The linear methods, each running its kernel's arithmetic exactly from the float weight a
+checkpoint loads, and the choice of a method for each layer."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inflight.model.kernels.cpu.int8 import QuantizedWeight, int8_linear, quantize_weight
+from inflight.model.kernels.cpu.q4 import Q4Weight, q4_linear, quantize_q4
+from inflight.model.layers.linear import Linear, process_weights_after_loading
+from inflight.model.layers.platform import Platform
+from inflight.model.layers.quantization import (
+    Int8LinearMethod,
+    LinearMethod,
+    LinearMethods,
+    PackedLinearMethod,
+    Q4LinearMethod,
+    TorchLinearMethod,
+    unquantized_method,
+)
+
+CPU = torch.device("cpu")
+
+
+def _loaded(method: LinearMethod, weight: torch.Tensor, bias: torch.Tensor) -> Linear:
+    layer = Linear(weight.shape[1], weight.shape[0], True, method)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.bias.copy_(bias)
+    process_weights_after_loading(layer)
+    return layer
+
+
+@pytest.fixture
+def operands():
+    torch.manual_seed(0)
+    return torch.randn(5, 96), torch.randn(40, 96), torch.randn(40)
+
+
+def test_torch_method_runs_the_weight_as_loaded(operands):
+    x, weight, bias = operands
+    layer = _loaded(TorchLinearMethod(), weight, bias)
+    assert torch.equal(layer.weight, weight) and layer.prepared is None
+    assert torch.equal(layer(x), F.linear(x, weight, bias))
+
+
+def test_packed_method_runs_the_onednn_layout(operands):
+    x, weight, bias = operands
+    layer = _loaded(PackedLinearMethod(), weight, bias)
+    assert layer.weight is None and "weight" not in dict(layer.named_parameters())
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    want = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    assert torch.equal(layer(x), want)
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("method", "quantize", "linear", "form"),
+    [
+        (Int8LinearMethod, quantize_weight, int8_linear, QuantizedWeight),
+        (Q4LinearMethod, quantize_q4, q4_linear, Q4Weight),
+    ],
+)
+def test_quantized_methods_run_their_kernel(operands, method, quantize, linear, form):
+    x, weight, bias = operands
+    layer = _loaded(method(), weight, bias)
+    assert layer.weight is None and isinstance(layer.prepared, form)
+    assert torch.equal(layer(x), linear(x, quantize(weight), bias))
+
+
+def test_unquantized_method_by_platform():
+    assert isinstance(unquantized_method(Platform.detect(CPU, torch.float32)), PackedLinearMethod)
+    assert isinstance(unquantized_method(Platform.detect(CPU, torch.bfloat16)), TorchLinearMethod)
+
+
+FLOAT, INT8, Q4 = LinearMethod(), LinearMethod(), LinearMethod()
+KERNELS = {"int8": INT8, "q4": Q4}
+
+
+def test_explicit_modes():
+    none = LinearMethods(FLOAT)
+    assert none.choose(64, ["a.weight"]) is FLOAT
+    assert none.choose(64, ["lm_head.weight"], head=True) is FLOAT
+    int8 = LinearMethods(FLOAT, "int8", KERNELS)
+    assert int8.choose(64, ["a.weight"]) is INT8
+    assert int8.choose(64, ["lm_head.weight"], head=True) is INT8
+    assert int8.choose(48, ["a.weight"]) is FLOAT  # K not a multiple of 32
+    q4 = LinearMethods(FLOAT, "q4", KERNELS)
+    assert q4.choose(64, ["a.weight", "b.weight"]) is Q4
+    assert q4.choose(64, ["embed_tokens.weight"], head=True) is INT8
+    assert q4.choose(80, ["a.weight"]) is FLOAT
+    assert q4.choose(80, ["lm_head.weight"], head=True) is FLOAT
+
+
+def test_auto_follows_the_stored_types():
+    stored = {
+        "q.weight": "Q4_1",
+        "k.weight": "Q4_1",
+        "v.weight": "Q8_0",
+        "up.weight": "F16",
+        "down.weight": "Q4_0",
+    }
+    auto = LinearMethods(FLOAT, "auto", KERNELS, stored)
+    assert auto.choose(64, ["q.weight", "k.weight"]) is Q4
+    assert auto.choose(64, ["v.weight"]) is INT8
+    assert auto.choose(64, ["q.weight", "k.weight", "v.weight"]) is FLOAT  # parts disagree
+    assert auto.choose(64, ["q.weight", "up.weight"]) is FLOAT
+    assert auto.choose(64, ["up.weight"]) is FLOAT
+    assert auto.choose(64, ["down.weight"]) is FLOAT  # no kernel of its own
+    assert auto.choose(64, ["absent.weight"]) is FLOAT
+    assert auto.choose(48, ["v.weight"]) is FLOAT
+    # The head goes by its tensor's type too: no int8 override as under "q4".
+    assert auto.choose(64, ["q.weight"], head=True) is Q4
+    assert auto.choose(64, ["v.weight"], head=True) is INT8

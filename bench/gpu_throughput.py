@@ -59,6 +59,7 @@ def run_inflight(shape: str, work: list[tuple[list[int], int]], args: argparse.N
             max_model_len=2048 + 16,
             max_num_tokens=args.max_num_tokens,
             block_size=args.block_size,
+            context_cache=args.context_cache,
         ),
     )
     engine = RequestEngine(
@@ -141,6 +142,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--max-num-tokens", type=int, default=8192)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--context-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the context cache, on by default as in the runtime (random prompts never hit it)",
+    )
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     results: dict[str, dict] = {}

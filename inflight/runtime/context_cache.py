@@ -10,6 +10,7 @@ reuses it for other content (see `BlockPool`).
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from inflight.runtime.kv_cache import BlockPool
 
 def chain_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
     h = hashlib.sha256(parent)
-    h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    h.update(struct.pack(f"<{len(tokens)}I", *tokens))
     return h.digest()
 
 

@@ -146,19 +146,20 @@ class Runtime:
         """The execution for one batch; a runtime runs one at a time."""
         if self._session is not None:
             raise RuntimeError("a generation session is already open on this runtime")
-        session = GenerationSession(
+        # A bound method, not a closure over the session: a session -> closure -> session cycle
+        # would keep the runtime (and its device memory) alive until the cyclic collector runs.
+        self._session = GenerationSession(
             self.scheduler,
             self.executor,
             self.outputs,
             overlap=self.overlap,
-            on_finish=lambda: self._closed(session),
+            on_finish=self._session_finished,
         )
-        self._session = session
-        return session
+        return self._session
 
-    def _closed(self, session: GenerationSession) -> None:
-        if self._session is session:
-            self._session = None
+    def _session_finished(self) -> None:
+        """The open session finished (sessions call this once): another may open."""
+        self._session = None
 
     def handle_request(self, request: GenerationRequest) -> BlockingRun:
         """The blocking path: serve one request alone, on the caller's thread."""

@@ -268,3 +268,25 @@ def test_eos_stop_token_and_length(tiny):
     assert probe.finish_reason == "length" and len(probe.token_ids) == 6
     assert first == probe.token_ids[0]
     assert_no_leaks(runtime)
+
+
+def test_a_runtime_is_freed_as_soon_as_it_is_dropped(tiny):
+    """No reference cycle keeps a runtime (and its device memory) alive until the cyclic
+    collector runs: a benchmark that builds one model after another needs the first one gone."""
+    import gc
+    import weakref
+
+    from inflight.engine import EngineConfig, RequestEngine
+
+    gc.disable()
+    try:
+        runtime = tiny(max_batch_size=2)
+        engine = RequestEngine(runtime, EngineConfig(max_batch_size=2))
+        assert engine.submit(_req(4, max_tokens=3)).get(timeout=30).token_ids
+        runtime.handle_request(_req(4, max_tokens=2)).result()
+        engine.shutdown()
+        alive = weakref.ref(runtime)
+        del runtime, engine
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -92,17 +92,17 @@ def test_close_cancels_a_running_request_but_not_an_ended_one():
 def test_a_stream_dropped_mid_iteration_is_cancelled():
     engine = RequestEngine(FakeFactory(step_delay=0.01), EngineConfig(idle_wait=0.01))
     handle = engine.submit(req(tokens=1000))
-    record = handle._record
+    channel = handle.stream()
     next(handle)
     del handle
-    wait_until(lambda: record.published)
-    assert record.status is TerminalStatus.CANCELLED
+    assert channel.is_cancelled
+    wait_until(lambda: engine.metrics.cancelled == 1)
     untouched = engine.submit(req(tokens=3))  # dropped before iterating: it runs to its end
-    record = untouched._record
+    channel = untouched.stream()
     del untouched
-    wait_until(lambda: record.published)
-    assert record.status is TerminalStatus.COMPLETED
+    wait_until(lambda: channel.is_finished)
     engine.shutdown()
+    assert engine.metrics.completed == 1 and engine.metrics.cancelled == 1
 
 
 def test_the_channel_wakes_its_waker_on_every_change():

@@ -161,7 +161,7 @@ class LLM:
         self, prompt: Prompt, params: SamplingParams | None = None, **options: Any
     ) -> GenerationRequest:
         """Tokenize and validate one prompt (ValueError naming the problem); queues nothing.
-        `options` are request options of the support matrix (`n`, `guided_decoding`, ...: the
+        `options` are request options of the support matrix (`n`, `lora_name`, ...: the
         `GenerationRequest` fields after `params`)."""
         unknown = sorted(set(options) - OPTION_FIELDS)
         if unknown:

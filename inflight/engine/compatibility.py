@@ -3,7 +3,7 @@
 Every request field is in exactly one list below (a test fails when a new field is in none):
 payload that never concerns the batch, fields two requests must agree on unless the runtime
 declares that it applies them per row, or request options whose rule under in-flight batching is
-the options table's (`runtime/options.py`: founder-only, or refused at submit).
+the options table's (`runtime/options.py`: refused at submit).
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ BATCH_FIELDS = (
     "params.ignore_eos",
     "params.reuse_context",
     "params.cache_generated_tokens",
+    "params.structured_outputs",
     "n",
     "lora_name",
 )
 
-# Ruled by the options table: a founder-only one never joins a batch and nothing joins it (it
-# waits and founds), a refused one never reaches admission.
+# Ruled by the options table: refused under in-flight batching, they never reach admission.
 OPTION_RULED_FIELDS = frozenset(
-    {"guided_decoding", "generate_audio", "save_system_prompt_kv_cache", "past_trajectory"}
+    {"generate_audio", "save_system_prompt_kv_cache", "past_trajectory"}
 )
 
 

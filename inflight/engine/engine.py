@@ -25,7 +25,7 @@ from inflight.engine.coordinator import Commit, RequestCoordinator
 from inflight.engine.errors import RequestCancelled, RequestFailed, SubmitError
 from inflight.engine.metrics import EngineMetrics
 from inflight.engine.record import RequestHandle, RequestRecord, TerminalStatus
-from inflight.runtime.options import founder_only_stall, submit_refusal
+from inflight.runtime.options import submit_refusal
 from inflight.runtime.outputs import CompletionOutput, StreamChunk
 from inflight.runtime.request import GenerationRequest
 from inflight.runtime.stepped import (
@@ -325,7 +325,7 @@ class _Actor:
         assert founder is not None
         if not self.compatibility.compatible(founder, head):
             return "stalls_incompatible"
-        return founder_only_stall(head) or founder_only_stall(founder)
+        return None
 
     def _admit(self, execution: SteppedExecution, founder: bool) -> AdmissionAnswer:
         record = self.queued[0]

@@ -11,8 +11,6 @@ class EngineMetrics:
     submitted: int = 0  # accepted by submit()
     refused: int = 0  # refused with SubmitError (permanent refusals count in neither)
     stalls_incompatible: int = 0  # ticks on which the queue head could not join, by reason
-    stalls_guided: int = 0
-    stalls_founder_only: int = 0
     stalls_no_capacity: int = 0
     admitted_mid_flight: int = 0  # joiners (founders excluded)
     steps: int = 0  # ticks that ran a step of the execution

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
@@ -20,6 +21,7 @@ from inflight.runtime.cuda_graphs import DecodeGraphs, DecodeInputs, graph_bucke
 from inflight.runtime.outputs import SampledRow
 from inflight.runtime.sampler import Sampled, Sampler, SamplingRow
 from inflight.runtime.scheduler import ScheduledRow, ScheduledStep
+from inflight.runtime.structured import GrammarCompiler
 
 # Prompt positions scored per LM-head call: bounds the [positions, vocab] logits held at once.
 _SCORE_SLICE = 128
@@ -62,6 +64,7 @@ class Executor:
         kv_caches: list[KVCache],
         backend: AttentionBackend,
         sampler: Sampler,
+        grammars: GrammarCompiler,
         *,
         block_size: int,
         max_batch_size: int,
@@ -72,7 +75,10 @@ class Executor:
         self.kv_caches = kv_caches
         self.backend = backend
         self.sampler = sampler
+        self.grammars = grammars
         self.block_size = block_size
+        self.max_batch_size = max_batch_size
+        self._bitmask: np.ndarray | None = None  # the constrained rows' masks, made on first use
         self.device = device
         # Each slot's latest sampled token, where the next step reads it without a host trip.
         self.last_tokens = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
@@ -135,10 +141,23 @@ class Executor:
             launched.sampled = self.sampler.sample(
                 self.logits(hidden),
                 [SamplingRow(row.resident.request.params, row.position) for row in samplers],
+                self._masks(samplers),
             )
             slots = to_device([row.resident.ref.slot for row in samplers], torch.int64, device)
             self.last_tokens[slots] = launched.sampled.tokens
         return launched
+
+    def _masks(self, samplers: list[ScheduledRow]) -> tuple[list[int], torch.Tensor] | None:
+        """The sampling rows under a structured-outputs constraint, and the packed bitmask of
+        what each may sample next (on the device); None when no row is constrained."""
+        constrained = [i for i, row in enumerate(samplers) if row.resident.matcher is not None]
+        if not constrained:
+            return None
+        if self._bitmask is None:
+            self._bitmask = self.grammars.bitmask(self.max_batch_size)
+        bitmask = self._bitmask[: len(constrained)]
+        self.grammars.fill([samplers[i].resident.matcher for i in constrained], bitmask)
+        return constrained, to_device(bitmask, torch.int32, self.device)
 
     def fetch(self, launched: LaunchedStep) -> list[SampledRow]:
         """The step's sampled tokens on the host, one per sampling row (waits for the device)."""

@@ -3,8 +3,8 @@
 Each option is a `GenerationRequest` field that asks for more than plain generation. Whether this
 runtime serves it at all is decided when a request is checked (`Runtime.check_request`, before
 anything is queued, so it is a ValueError on either path); whether in-flight batching serves it
-is decided by the engine: at `submit()` (a permanent refusal naming the alternative) or at
-admission (founder-only: the request waits and founds its own batch). torch-free.
+is decided by the engine at `submit()` (a permanent refusal naming the alternative).
+Structured outputs are a sampling parameter, applied per row: not an option here. torch-free.
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from inflight.runtime.request import GenerationRequest
+from inflight.runtime.request import GenerationRequest, RequestFieldError
 
 _BLOCKING_PATH = "use the blocking path (start without --enable-in-flight-batching)"
 
 
 class UnderIFB(Enum):
     SERVED = "served"  # may share a batch
-    FOUNDER_ONLY = "founder-only"  # waits at admission and founds its own batch
     REFUSED = "refused at submit"  # a permanent refusal naming the alternative
 
 
@@ -31,7 +30,6 @@ class RequestOption:
     default: Any  # the value that does not ask for it
     under_ifb: UnderIFB
     ifb_alternative: str = ""  # REFUSED: what the caller can do instead
-    stall: str = ""  # FOUNDER_ONLY: the engine counter of the ticks it waited
     # None where this runtime serves the option; else what the caller can do instead.
     runtime_alternative: str | None = None
 
@@ -53,14 +51,6 @@ REQUEST_OPTIONS: tuple[RequestOption, ...] = (
         ifb_alternative="serve a checkpoint with the adapter merged, without "
         "--enable-in-flight-batching",
         runtime_alternative="serve a checkpoint with the adapter merged",
-    ),
-    RequestOption(
-        "guided_decoding",
-        "guided decoding (JSON schema / regex / grammar)",
-        None,
-        UnderIFB.FOUNDER_ONLY,
-        stall="stalls_guided",
-        runtime_alternative="generate freely and validate the output",
     ),
     RequestOption(
         "generate_audio",
@@ -91,24 +81,16 @@ REQUEST_OPTIONS: tuple[RequestOption, ...] = (
 OPTION_FIELDS = frozenset(o.field for o in REQUEST_OPTIONS)
 
 
-class UnservedOptionError(ValueError):
-    """A request option this runtime does not serve; `field` names it."""
-
-    def __init__(self, message: str, field: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-
 def requested(request: GenerationRequest) -> list[RequestOption]:
     """The options this request asks for, in table order."""
     return [o for o in REQUEST_OPTIONS if getattr(request, o.field) != o.default]
 
 
 def check_runtime_serves(request: GenerationRequest) -> None:
-    """Raise UnservedOptionError for the first option this runtime serves on no path."""
+    """Raise RequestFieldError for the first option this runtime serves on no path."""
     option = next((o for o in requested(request) if o.runtime_alternative is not None), None)
     if option is not None:
-        raise UnservedOptionError(
+        raise RequestFieldError(
             f"{option.what} is not supported by this runtime yet; {option.runtime_alternative}",
             option.field,
         )
@@ -120,8 +102,3 @@ def submit_refusal(request: GenerationRequest) -> str | None:
     if option is None:
         return None
     return f"{option.what} is not served under in-flight batching; {option.ifb_alternative}"
-
-
-def founder_only_stall(request: GenerationRequest) -> str | None:
-    """The stall counter of the first founder-only option the request asks for, or None."""
-    return next((o.stall for o in requested(request) if o.under_ifb is UnderIFB.FOUNDER_ONLY), None)

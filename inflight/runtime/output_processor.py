@@ -8,6 +8,7 @@ tokens, stop strings and the length budget, and evict a resident that finished, 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from inflight.model.checkpoints.tokenizer import Tokenizer
@@ -25,21 +26,32 @@ from inflight.runtime.outputs import (
 from inflight.runtime.residents import Resident
 from inflight.runtime.scheduler import ScheduledStep, Scheduler
 from inflight.runtime.stepped import StepResult
+from inflight.runtime.structured import GrammarCompiler
+
+log = logging.getLogger(__name__)
 
 
 class OutputProcessor:
     def __init__(
-        self, scheduler: Scheduler, tokenizer: Tokenizer, blocks: BlockPool, publish_blocks: bool
+        self,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer,
+        blocks: BlockPool,
+        grammars: GrammarCompiler,
+        publish_blocks: bool,
     ) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self.blocks = blocks
         self.publish_blocks = publish_blocks  # the context cache is on
         self._eos = frozenset(tokenizer.eos_token_ids)
 
-    def track(self, r: Resident) -> None:
-        """Start a newly seated resident's output."""
+    def track(self, r: Resident, grammar: str | None) -> None:
+        """Start a newly seated resident's output (and its constraint's matcher)."""
         params = r.request.params
+        if grammar is not None:
+            r.matcher = self.grammars.matcher(grammar)
         r.detokenizer = IncrementalDetokenizer(
             self.tokenizer,
             r.prompt,
@@ -141,12 +153,25 @@ class OutputProcessor:
             chunk.text += text
             if matched is not None:
                 reason, stop_reason = FinishReason.STOP, matched
+            elif r.matcher is not None:
+                reason = self._advance(r, token)
         if reason is None and len(r.output) >= r.max_new_tokens:
             reason = FinishReason.LENGTH
         if reason is not None:
             if stop_reason is None or isinstance(stop_reason, int):
                 chunk.text += r.detokenizer.flush()
             result.finished[r.ref] = self.finish(r, reason, stop_reason)
+
+    @staticmethod
+    def _advance(r: Resident, token: int) -> FinishReason | None:
+        """Advance the resident's matcher by its token: STOP once its output is complete in the
+        constraint's language (the mask then allows EOS alone, which need not be sampled)."""
+        if not r.matcher.consume_token(token):
+            # The mask allows only what the matcher accepts, so this is a fault of ours: it
+            # fails this row alone.
+            log.error("structured outputs of %s: %s", r.ref, r.matcher.get_error())
+            return FinishReason.ERROR
+        return FinishReason.STOP if r.matcher.is_stopped() else None
 
     def _logprob_entry(self, sampled: SampledRow) -> LogprobEntry:
         tok = self.tokenizer

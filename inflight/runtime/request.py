@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 MAX_LOGPROBS = 20
@@ -14,7 +14,59 @@ class PromptTooLongError(ValueError):
     """The prompt does not fit the deployment's context (HTTP 413)."""
 
 
+class RequestFieldError(ValueError):
+    """A request field this runtime cannot take (an option it does not serve, a constraint that
+    does not compile); `field` names it."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output (vLLM's `structured_outputs`): exactly one of a JSON schema
+    (`json`, an object or its JSON text), any JSON object (`json_object`), a regular expression
+    (`regex`, matched whole), one of several strings (`choice`), or a context-free grammar
+    (`grammar`, in Lark or GBNF syntax). Only outputs of that language can be sampled, and a
+    request ends ("stop") when its output is complete in it."""
+
+    json: Mapping[str, Any] | str | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object is True else []
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, json_object, regex, choice, "
+                f"grammar; got {kinds or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, Mapping | str):
+            raise ValueError("structured_outputs.json must be a JSON schema object or its text")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint it is: json, json_object, regex, choice or grammar."""
+        if self.json_object is True:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k))
 
 
 @dataclass(frozen=True)
@@ -26,7 +78,7 @@ class SamplingParams:
     chosen token's log-probability and the N most likely alternatives at each step (0: the chosen
     one only); `prompt_logprobs=N` does the same for every prompt token after the first, and with
     it `max_tokens=0` scores the prompt without generating. Log-probabilities are those of the
-    model's raw distribution.
+    model's raw distribution, also under `structured_outputs` (which masks what can be sampled).
     """
 
     max_tokens: int | None = None
@@ -47,8 +99,19 @@ class SamplingParams:
     # blocks holding generated tokens findable too (else only the prompt's).
     reuse_context: bool = True
     cache_generated_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, Mapping):
+            known = {f.name for f in fields(StructuredOutputs)}
+            unknown = sorted(set(self.structured_outputs) - known)
+            if unknown:
+                raise ValueError(
+                    f"structured_outputs has unknown fields {unknown}; known: {sorted(known)}"
+                )
+            object.__setattr__(
+                self, "structured_outputs", StructuredOutputs(**self.structured_outputs)
+            )
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -60,6 +123,13 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputs
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputs or a mapping of its fields, "
+                f"got {type(self.structured_outputs).__name__}"
+            )
         least = 0 if self.prompt_logprobs is not None else 1
         if self.max_tokens is not None and (
             not _is_int(self.max_tokens) or self.max_tokens < least
@@ -123,7 +193,6 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     n: int = 1  # sequences to generate for the prompt
     lora_name: str | None = None  # a per-request LoRA adapter
-    guided_decoding: Mapping[str, Any] | None = None  # a JSON schema / regex / grammar constraint
     generate_audio: bool = False  # speech output
     save_system_prompt_kv_cache: bool = False  # the legacy system-prompt KV capture
     past_trajectory: Sequence[Any] | None = None  # trajectory execution

@@ -1,13 +1,16 @@
 """`Resident`: one seated request's state, shared by the step's three parts (torch-free).
 
 The scheduler owns its KV (blocks, block table) and its progress (`computed`, `pending`); the
-output processor owns what it produced (`output`, detokenizer, logprobs) and what of its KV is
-published (`committed`, `digests`). Both reach it through the scheduler's table of residents.
+output processor owns what it produced (`output`, detokenizer, logprobs, the matcher of its
+structured-outputs constraint) and what of its KV is published (`committed`, `digests`); the
+executor reads the matcher to mask what the row may sample. They reach it through the
+scheduler's table of residents.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +37,7 @@ class Resident:
     detokenizer: IncrementalDetokenizer | None = None
     logprobs: list[LogprobEntry] | None = None
     prompt_logprobs: list[LogprobEntry | None] | None = None
+    matcher: Any = None  # its structured-outputs constraint's llguidance matcher, if any
 
     @property
     def prompt(self) -> tuple[int, ...]:

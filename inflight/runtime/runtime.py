@@ -23,6 +23,7 @@ from inflight.runtime.scheduler import AdmissionIntent, Scheduler
 from inflight.runtime.session import GenerationSession
 from inflight.runtime.slots import ResidentSlots
 from inflight.runtime.stepped import ExecutionCapabilities
+from inflight.runtime.structured import GrammarCompiler
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -62,17 +63,23 @@ class Runtime:
         self.blocks = BlockPool(num_blocks, config.block_size)
         self.slots = ResidentSlots(config.max_batch_size)
         self.context_cache = ContextCache(self.blocks) if config.context_cache else None
+        self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size)
         self.scheduler = Scheduler(
             self.blocks,
             self.slots,
             self.context_cache,
+            self.grammars,
             max_model_len=self.max_model_len,
             vocab_size=model_config.vocab_size,
             max_num_tokens=config.max_num_tokens,
         )
         self.executor = self._build_executor(num_blocks, show_progress)
         self.outputs = OutputProcessor(
-            self.scheduler, self.tokenizer, self.blocks, publish_blocks=config.context_cache
+            self.scheduler,
+            self.tokenizer,
+            self.blocks,
+            self.grammars,
+            publish_blocks=config.context_cache,
         )
         self.overlap = self.device.type == "cuda" if config.overlap is None else config.overlap
         self._session: GenerationSession | None = None
@@ -118,6 +125,7 @@ class Runtime:
             kv,
             backend,
             Sampler(config.seed, self.device),
+            self.grammars,
             block_size=config.block_size,
             max_batch_size=config.max_batch_size,
             device=self.device,

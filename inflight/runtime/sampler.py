@@ -65,10 +65,21 @@ class Sampler:
         return self.fetch(self.sample(logits, rows))
 
     @torch.no_grad()
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> Sampled:
-        """Pick every row's token on the device, and start copying the results to the host."""
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        masks: tuple[list[int], torch.Tensor] | None = None,
+    ) -> Sampled:
+        """Pick every row's token on the device, and start copying the results to the host.
+
+        `masks`: the rows under a structured-outputs constraint and the packed int32 bitmask
+        [rows, ceil(vocab / 32)] of the tokens each may take (bit i of word j: token 32 j + i).
+        They are masked before any other processing; logprobs stay those of the raw logits."""
         logits = logits.float()
         biased = self._apply_bias(logits, rows)
+        if masks is not None:
+            biased = _apply_masks(biased if biased is not logits else logits.clone(), *masks)
         tokens = torch.argmax(biased, dim=-1)
         drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
         if drawn:
@@ -156,6 +167,15 @@ class Sampler:
                 generator.manual_seed((row.params.seed * _SEED_STRIDE + row.position) % (2**63))
                 noise[i].exponential_(generator=generator)
         return torch.argmax(probs / noise, dim=-1)
+
+
+def _apply_masks(logits: torch.Tensor, rows: list[int], packed: torch.Tensor) -> torch.Tensor:
+    """Set to -inf the logits of `rows` that their bitmask rows do not allow (in place)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[-1]]
+    index = to_device(rows, torch.int64, logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 def _filter(

@@ -24,6 +24,7 @@ from inflight.runtime.request import GenerationRequest, PromptTooLongError
 from inflight.runtime.residents import Resident
 from inflight.runtime.slots import ResidentSlots
 from inflight.runtime.stepped import ResidentRef, ScheduledSequence
+from inflight.runtime.structured import GrammarCompiler
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class AdmissionIntent:
     request: GenerationRequest
     max_new_tokens: int
     blocks_needed: int
+    grammar: str | None = None  # its structured-outputs constraint, compiled
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class Scheduler:
         blocks: BlockPool,
         slots: ResidentSlots,
         context_cache: ContextCache | None,
+        grammars: GrammarCompiler,
         *,
         max_model_len: int,
         vocab_size: int,
@@ -89,6 +92,7 @@ class Scheduler:
         self.blocks = blocks
         self.slots = slots
         self.context_cache = context_cache
+        self.grammars = grammars
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_num_tokens = max_num_tokens
@@ -134,7 +138,9 @@ class Scheduler:
                 f"request needs {blocks} KV blocks but the whole cache holds "
                 f"{self.blocks.num_blocks}; lower max_tokens or raise the KV cache size"
             )
-        return AdmissionIntent(request, max_new, blocks)
+        spec = params.structured_outputs
+        grammar = None if spec is None else self.grammars.compile(spec)
+        return AdmissionIntent(request, max_new, blocks, grammar)
 
     def reserve(self, intent: AdmissionIntent) -> Reservation | None:
         """Take a slot and every KV block the request can need, leasing its cached prefix; or
@@ -213,6 +219,11 @@ class Scheduler:
                 row.position = len(r.output) + r.pending
                 r.pending += 1
         return ScheduledStep(step_id, rows)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a resident samples under a structured-outputs constraint."""
+        return any(r.matcher is not None for r in self.residents.values())
 
     def is_live(self, resident: Resident) -> bool:
         """Whether `resident` is still seated (a launched step may outlive its residents)."""

@@ -5,7 +5,8 @@ A step is planned by the `Scheduler`, run on the device by the `Executor` and ta
 later: `step()` launches step N+1 on the device, then completes step N on the host while the
 device computes. Step N+1 reads the tokens step N sampled from the device; a resident that step N
 finishes has one wasted row in step N+1 (its KV reservation covers it), and its outcome is
-reported by the second call.
+reported by the second call. While a resident samples under a structured-outputs constraint,
+steps do not overlap: its mask for step N+1 depends on the token of step N.
 """
 
 from __future__ import annotations
@@ -69,13 +70,14 @@ class GenerationSession:
     def step(self, cancelled: Collection[ResidentRef] = ()) -> StepResult:
         self._check_open()
         evicted = {ref: self._cancel(ref) for ref in cancelled}
-        planned = self._scheduler.schedule(self._step_id + 1)
-        launched = None
-        if planned is not None:
-            self._step_id += 1
-            launched = self._executor.launch(planned)
-        if self._overlap:
-            launched, self._inflight = self._inflight, launched
+        if self._inflight is not None and self._scheduler.constrained:
+            # A constrained row's next mask needs the token in flight: complete that step
+            # first, and step without overlap while such rows live.
+            launched, self._inflight = self._inflight, None
+        else:
+            launched = self._launch()
+            if self._overlap and not self._scheduler.constrained:
+                launched, self._inflight = self._inflight, launched
         step_id = launched.step.step_id if launched is not None else self._step_id
         result = StepResult(step_id=step_id, finished=evicted)
         if launched is not None:
@@ -113,10 +115,17 @@ class GenerationSession:
 
     def seat(self, reservation: Reservation) -> ResidentRef:
         resident = self._scheduler.seat(reservation)
-        self._outputs.track(resident)
+        self._outputs.track(resident, reservation.intent.grammar)
         return resident.ref
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _launch(self) -> LaunchedStep | None:
+        planned = self._scheduler.schedule(self._step_id + 1)
+        if planned is None:
+            return None
+        self._step_id += 1
+        return self._executor.launch(planned)
 
     def _cancel(self, ref: ResidentRef) -> FinishedSnapshot:
         self._scheduler.slots.check(ref)

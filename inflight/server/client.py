@@ -22,9 +22,13 @@ import anyio
 
 from inflight.api import LLM
 from inflight.engine import RequestCancelled, RequestFailed, RequestHandle, SubmitError
-from inflight.runtime.options import UnservedOptionError
 from inflight.runtime.outputs import CompletionOutput, StreamChunk
-from inflight.runtime.request import GenerationRequest, PromptTooLongError, SamplingParams
+from inflight.runtime.request import (
+    GenerationRequest,
+    PromptTooLongError,
+    RequestFieldError,
+    SamplingParams,
+)
 from inflight.server.errors import ServerError, overloaded
 from inflight.server.metrics import ServerMetrics
 
@@ -109,7 +113,7 @@ class EngineClient:
             request = self.llm.prepare(prompt, params, **options)
         except PromptTooLongError as exc:
             raise ServerError(413, str(exc), "messages") from exc
-        except UnservedOptionError as exc:
+        except RequestFieldError as exc:
             raise ServerError(400, str(exc), (params_of or {}).get(exc.field, exc.field)) from exc
         except ValueError as exc:
             raise ServerError(400, str(exc)) from exc

@@ -15,8 +15,6 @@ _ENGINE_COUNTERS = (
     "submitted",
     "refused",
     "stalls_incompatible",
-    "stalls_guided",
-    "stalls_founder_only",
     "stalls_no_capacity",
     "admitted_mid_flight",
     "steps",

@@ -50,7 +50,7 @@ def test_early_evicted_founder_is_published_while_the_joiner_decodes():
     ("head", "stall"),
     [
         (req(tokens=3, sp={"temperature": 0.11}), "stalls_incompatible"),
-        (req(tokens=3, guided_decoding={"json_schema": {}}), "stalls_guided"),
+        (req(tokens=3, sp={"structured_outputs": {"regex": "[ab]+"}}), "stalls_incompatible"),
     ],
 )
 def test_unjoinable_head_waits_and_founds_the_next_batch(head, stall):

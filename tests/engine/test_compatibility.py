@@ -26,6 +26,7 @@ DIFFERENT = {
     "params.ignore_eos": {"ignore_eos": True},
     "params.reuse_context": {"reuse_context": False},
     "params.cache_generated_tokens": {"cache_generated_tokens": False},
+    "params.structured_outputs": {"structured_outputs": {"choice": ["yes", "no"]}},
 }
 
 

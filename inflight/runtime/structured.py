@@ -1,0 +1,107 @@
+"""Structured outputs with llguidance: grammars compiled per request, a matcher per resident,
+and the bitmask of the tokens each constrained row may sample next (torch-free).
+
+A request's constraint is compiled and validated when the request is checked (on the caller's
+thread, before anything is queued; a bad schema or grammar is a `RequestFieldError` naming the
+problem), the grammar text cached by constraint. Each resident that carries one gets its own
+`LLMatcher` at seating; every step fills the mask rows of the constrained sampling rows only, and
+the accepted token advances the matcher. llguidance is imported on first use: a deployment that
+never sees a constraint never loads it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from inflight.model.checkpoints.tokenizer import Tokenizer
+from inflight.runtime.request import RequestFieldError, StructuredOutputs
+
+_GRAMMAR_CACHE_SIZE = 256
+
+
+@functools.cache
+def _llguidance() -> Any:
+    import llguidance
+    import llguidance.numpy  # noqa: F401  (fills bitmasks held in numpy arrays)
+
+    return llguidance
+
+
+def _grammar_source(spec: StructuredOutputs) -> tuple[str, str]:
+    """(llguidance format, text) of a constraint: a hashable key of what it means."""
+    kind = spec.kind
+    if kind == "json":
+        # Key order kept: the schema's property order is the output's.
+        return "json", spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+    if kind == "json_object":
+        return "json", '{"type": "object"}'
+    if kind == "choice":
+        return "choice", json.dumps(list(spec.choice or ()))
+    if kind == "regex":
+        return "regex", spec.regex or ""
+    return "grammar", spec.grammar or ""
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer; any thread may call it (the cache is locked)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's logit width, which may exceed the vocabulary
+        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @functools.cached_property
+    def _ll_tokenizer(self) -> Any:
+        llg = _llguidance()
+        return llg.LLTokenizer(
+            self._tokenizer.backend.to_str(),
+            n_vocab=self.vocab_size,
+            eos_token=self._tokenizer.eos_token_ids[0],
+        )
+
+    def compile(self, spec: StructuredOutputs) -> str:
+        """The llguidance grammar of a constraint; RequestFieldError when it does not compile."""
+        key = _grammar_source(spec)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            llg = _llguidance()
+            tokenizer = self._ll_tokenizer
+        try:
+            grammar = llg.grammar_from(*key)
+            error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
+        except (ValueError, TypeError) as exc:
+            error = str(exc)
+        if error:
+            raise RequestFieldError(
+                f"structured_outputs {spec.kind} does not compile: {error.strip()}",
+                "structured_outputs",
+            )
+        with self._lock:
+            self._cache[key] = grammar
+            if len(self._cache) > _GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def matcher(self, grammar: str) -> Any:
+        """A fresh matcher of a compiled grammar, at the start of the output."""
+        return _llguidance().LLMatcher(self._ll_tokenizer, grammar)
+
+    def bitmask(self, rows: int) -> np.ndarray:
+        """An int32 [rows, ceil(vocab / 32)] bitmask (bit i of word j: token 32 j + i)."""
+        return np.zeros((rows, -(-self.vocab_size // 32)), dtype=np.int32)
+
+    def fill(self, matchers: Sequence[Any], bitmask: np.ndarray) -> None:
+        """Row i of `bitmask` := the tokens matchers[i] allows next."""
+        fill = _llguidance().numpy.fill_next_token_bitmask
+        for i, matcher in enumerate(matchers):
+            fill(matcher, bitmask, i)

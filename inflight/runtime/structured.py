@@ -77,7 +77,14 @@ class GrammarCompiler:
             llg = _llguidance()
             tokenizer = self._ll_tokenizer
         try:
-            grammar = llg.grammar_from(*key)
+            kind, text = key
+            if kind == "json":
+                # Compact JSON: free whitespace lets a small model wander in blank lines.
+                grammar = llg.LLMatcher.grammar_from_json_schema(
+                    text, defaults={"whitespace_flexible": False}
+                )
+            else:
+                grammar = llg.grammar_from(kind, text)
             error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
         except (ValueError, TypeError) as exc:
             error = str(exc)

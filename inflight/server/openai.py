@@ -10,7 +10,7 @@ from typing import Any
 
 from inflight.model.checkpoints.tokenizer import Tokenizer
 from inflight.runtime.outputs import CompletionOutput, LogprobEntry, StreamChunk
-from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.runtime.request import GenerationRequest, SamplingParams, StructuredOutputs
 from inflight.server.client import Run
 from inflight.server.errors import ServerError
 from inflight.server.protocol import (
@@ -21,9 +21,6 @@ from inflight.server.protocol import (
     TextPart,
 )
 
-# The HTTP field each request option comes from, for the `param` of a refusal.
-OPTION_PARAMS = {"n": "n", "guided_decoding": "response_format"}
-
 
 def sampling_params(
     body: SamplingFields,
@@ -33,6 +30,7 @@ def sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     skip_special_tokens: bool = True,
+    constraint: StructuredOutputs | None = None,
 ) -> SamplingParams:
     """The request's sampling fields over the model's defaults; a bad value is a 400."""
     bias: dict[int, float] = {}
@@ -55,35 +53,54 @@ def sampling_params(
             prompt_logprobs=prompt_logprobs,
             logit_bias=bias,
             skip_special_tokens=skip_special_tokens,
+            structured_outputs=constraint,
         )
     except ValueError as exc:
         raise ServerError(400, str(exc), str(exc).split(" ", 1)[0]) from exc
 
 
 def request_options(body: SamplingFields) -> dict[str, Any]:
-    """The request options (`GenerationRequest` fields) an OpenAI body asks for: `n`, and
-    `response_format` as guided decoding. Whether they are served is the runtime's to say."""
-    options: dict[str, Any] = {"n": body.n}
-    if isinstance(body, ChatCompletionRequest) and body.response_format is not None:
-        options["guided_decoding"] = _guided_decoding(body.response_format)
-    return options
+    """The request options (`GenerationRequest` fields) an OpenAI body asks for; whether they
+    are served is the runtime's to say."""
+    return {"n": body.n}
 
 
-def _guided_decoding(response_format: dict[str, Any]) -> dict[str, Any] | None:
-    kind = response_format.get("type", "text")
+def field_params(body: SamplingFields) -> dict[str, str]:
+    """The HTTP field each request field a refusal may name came from."""
+    response_format = isinstance(body, ChatCompletionRequest) and body.response_format
+    return {
+        "n": "n",
+        "structured_outputs": "response_format" if response_format else "structured_outputs",
+    }
+
+
+def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
+    """The output constraint of `response_format` (chat) or vLLM's `structured_outputs` field;
+    a 400 naming the field when it is malformed."""
+    response_format = body.response_format if isinstance(body, ChatCompletionRequest) else None
+    kind = (response_format or {}).get("type", "text")
+    if kind != "text" and body.structured_outputs is not None:
+        raise ServerError(
+            400, "send response_format or structured_outputs, not both", "structured_outputs"
+        )
+    try:
+        if body.structured_outputs is not None:
+            return StructuredOutputs(**body.structured_outputs)
+    except (TypeError, ValueError) as exc:
+        raise ServerError(400, f"structured_outputs: {exc}", "structured_outputs") from exc
     if kind == "text":
         return None
     if kind == "json_object":
-        return {"json_object": True}
+        return StructuredOutputs(json_object=True)
     if kind == "json_schema":
-        spec = response_format.get("json_schema")
+        spec = (response_format or {}).get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise ServerError(
                 400,
                 "response_format json_schema needs a json_schema object with a schema",
                 "response_format",
             )
-        return {"json_schema": spec.get("schema", {})}
+        return StructuredOutputs(json=spec.get("schema", {}))
     raise ServerError(
         400,
         f"response_format type must be text, json_object or json_schema, got {kind!r}",

@@ -3,8 +3,8 @@
 Unknown fields are a 400 (a misspelt parameter must not be silently ignored). Fields that map to
 no request option and that the server does not serve yet are accepted by the schema and refused
 with a message naming them (`unsupported()`), so a client learns exactly which option to drop;
-fields that map to request options (`n`, `response_format`) are refused, where they are, by the
-options table of the runtime (`runtime/options.py`).
+fields that map to request options (`n`) are refused, where they are, by the options table of
+the runtime (`runtime/options.py`).
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    # vLLM's constraint field: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    structured_outputs: dict[str, Any] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None

@@ -235,10 +235,15 @@ def test_health_counts_mid_flight_joins_and_metrics_parse(server, server_llm):
         ({"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
         ({"messages": MESSAGES, "presence_penalty": 0.5}, 400, "presence_penalty"),
         (
-            {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+            {
+                "messages": MESSAGES,
+                "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}},
+            },
             400,
             "response_format",
         ),
+        ({"messages": MESSAGES, "structured_outputs": {"regex": "["}}, 400, "structured_outputs"),
+        ({"messages": MESSAGES, "structured_outputs": {"yaml": "x"}}, 400, "structured_outputs"),
         ({"messages": MESSAGES, "model": "gpt-4"}, 404, "model"),
         ({"messages": [{"role": "user", "content": "word " * 600}]}, 413, None),
     ],
@@ -284,13 +289,9 @@ def test_streams_are_read_on_the_event_loop(server_llm):
             assert threading.active_count() == before + 3
 
 
-def test_response_format_and_n_are_refused_by_the_runtime_options(server):
+def test_a_bad_response_format_and_n_are_refused_naming_the_field(server):
     url, _ = server
     for body, param in (
-        (
-            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
-            "response_format",
-        ),
         ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"n": 3}, "n"),
     ):

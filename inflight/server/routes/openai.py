@@ -43,11 +43,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         max_tokens=body.max_completion_tokens or body.max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         skip_special_tokens=body.skip_special_tokens,
+        constraint=openai.structured_outputs(body),
     )
     prepared = client.prepare(
         openai.chat_messages(body.messages),
         params,
-        params_of=openai.OPTION_PARAMS,
+        params_of=openai.field_params(body),
         **openai.request_options(body),
     )
     reply = openai.ChatReply(state.settings.served_model_name, body.logprobs)
@@ -76,13 +77,13 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
         max_tokens=body.max_tokens,
         logprobs=body.logprobs,
         prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+        constraint=openai.structured_outputs(body),
     )
     if body.echo and body.max_tokens == 0 and params.prompt_logprobs is None:
         params = SamplingParams(**{**vars(params), "prompt_logprobs": 0})
     options = openai.request_options(body)
-    prepared = [
-        client.prepare(p, params, params_of=openai.OPTION_PARAMS, **options) for p in prompts
-    ]
+    params_of = openai.field_params(body)
+    prepared = [client.prepare(p, params, params_of=params_of, **options) for p in prompts]
     reply = openai.CompletionReply(state.settings.served_model_name, llm.tokenizer, body)
     if body.stream:
         runs = []

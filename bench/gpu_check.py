@@ -168,6 +168,51 @@ def check_fused_ops(device: torch.device, seed: int) -> tuple[bool, str]:
     return ok, ", ".join(worst)
 
 
+def check_structured_outputs(device: torch.device, seed: int) -> tuple[bool, str]:
+    """Constrained rows beside free ones on CUDA (masks applied on the device, steps without
+    overlap while they live): every constrained output is a string of its language. A random
+    Qwen3-0.6B-shaped model with the embedded model's tokenizer, which the grammars need."""
+    import dataclasses
+    import json
+    import re
+
+    from inflight.model.checkpoints.loader import open_checkpoint
+
+    checkpoint = dataclasses.replace(
+        random_checkpoint("qwen3-0.6b", device, seed), tokenizer=open_checkpoint(None).tokenizer
+    )
+    runtime = Runtime(checkpoint, RuntimeConfig(device="cuda", max_batch_size=8, max_model_len=512))
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "tag": {"enum": ["a", "b"]}},
+        "required": ["n", "tag"],
+        "additionalProperties": False,
+    }
+    constraints = [
+        ({"regex": "[0-9]{2}-[a-z]{3}"}, lambda t: re.fullmatch("[0-9]{2}-[a-z]{3}", t)),
+        ({"choice": ["north", "south"]}, lambda t: t in ("north", "south")),
+        ({"json": schema}, lambda t: set(json.loads(t)) == {"n", "tag"}),
+    ]
+    session = runtime.new_session()
+    refs = {}
+    for i in range(8):
+        constraint, member = constraints[i % 3] if i % 2 else (None, None)
+        params = SamplingParams(
+            max_tokens=24, temperature=1.0, seed=seed * 8 + i, structured_outputs=constraint
+        )
+        refs[session.admit(GenerationRequest([5 + i, 9, 11], params)).ref] = member
+    bad = []
+    while session.residents():
+        for ref, snapshot in session.step().finished.items():
+            member = refs[ref]
+            if member is not None and (
+                snapshot.finish_reason.value != "stop" or not member(snapshot.text)
+            ):
+                bad.append(repr(snapshot.text))
+    session.finish()
+    return not bad, f"4 constrained of 8 rows: {len(bad)} outside their language {bad}"
+
+
 def main() -> int:
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
@@ -177,6 +222,7 @@ def main() -> int:
         ("kernels", check_kernels),
         ("fused ops", check_fused_ops),
         ("greedy end to end", check_end_to_end),
+        ("structured outputs", check_structured_outputs),
     )
     for name, check in checks:
         for seed in (0, 1):

@@ -24,6 +24,7 @@ from inflight.model.checkpoints.tokenizer import Tokenizer
 from inflight.runtime.request import RequestFieldError, StructuredOutputs
 
 _GRAMMAR_CACHE_SIZE = 256
+_FILL_THREADS = 2  # mask rows computed at once (llguidance's own threads)
 
 
 @functools.cache
@@ -108,7 +109,12 @@ class GrammarCompiler:
         return np.zeros((rows, -(-self.vocab_size // 32)), dtype=np.int32)
 
     def fill(self, matchers: Sequence[Any], bitmask: np.ndarray) -> None:
-        """Row i of `bitmask` := the tokens matchers[i] allows next."""
-        fill = _llguidance().numpy.fill_next_token_bitmask
-        for i, matcher in enumerate(matchers):
-            fill(matcher, bitmask, i)
+        """Row i of `bitmask` := the tokens matchers[i] allows next (rows in parallel)."""
+        llg = _llguidance()
+        llg.numpy.fill_next_token_bitmask_par(
+            self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask
+        )
+
+    @functools.cached_property
+    def _executor(self) -> Any:
+        return _llguidance().LLExecutor(num_threads=_FILL_THREADS)

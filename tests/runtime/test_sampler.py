@@ -5,7 +5,12 @@ import math
 import torch
 
 from inflight.runtime.request import SamplingParams
-from inflight.runtime.sampler import Sampler, SamplingRow
+from inflight.runtime.sampler import (
+    Sampler,
+    SamplingRow,
+    select_mask_kernel,
+    torch_apply_masks,
+)
 
 
 def _row(position=0, **params):
@@ -91,3 +96,39 @@ def test_logprobs_are_raw_sorted_and_consistent():
 def test_logprobs_zero_gives_only_the_chosen_token():
     out = Sampler()(_logits(1), [_row(temperature=0, logprobs=0)])
     assert out[0].logprob is not None and out[0].top_ids == []
+
+
+def test_native_mask_kernel_matches_the_torch_formula():
+    torch.manual_seed(3)
+    vocab = 1000  # not a multiple of 32: the last word is partly past the vocabulary
+    logits = torch.randn(6, vocab)
+    packed = torch.randint(-(2**31), 2**31 - 1, (3, -(-vocab // 32)), dtype=torch.int32)
+    packed[1] = -1  # a row that allows everything
+    rows = torch.tensor([4, 0, 2])
+    native, reference = logits.clone(), logits.clone()
+    kernel = select_mask_kernel(torch.device("cpu"))
+    assert kernel is not torch_apply_masks  # the native one builds here
+    kernel(native, rows, packed)
+    torch_apply_masks(reference, rows, packed)
+    assert torch.equal(native, reference)
+    assert torch.equal(native[[1, 3, 5]], logits[[1, 3, 5]]) and torch.equal(native[0], logits[0])
+
+
+def test_masked_rows_sample_only_what_they_allow_and_report_raw_logprobs():
+    torch.manual_seed(4)
+    logits = torch.randn(2, 64)
+    allowed = [5, 17, 40]
+    packed = torch.zeros(1, 2, dtype=torch.int32)
+    for t in allowed:
+        packed[0, t // 32] |= 1 << (t % 32)
+    sampler = Sampler(seed=0)
+    rows = [SamplingRow(SamplingParams(temperature=0, logprobs=1), 0)] * 2
+    picks = sampler.fetch(sampler.sample(logits, rows, ([1], packed)))
+    assert picks[0].token_id == int(logits[0].argmax())  # the free row is untouched
+    assert picks[1].token_id == max(allowed, key=lambda t: logits[1, t])
+    raw = torch.log_softmax(logits[1], dim=-1)
+    assert abs(picks[1].logprob - raw[picks[1].token_id].item()) < 1e-6
+    drawn = Sampler(seed=1)
+    hot = [SamplingRow(SamplingParams(temperature=5.0, seed=i), i) for i in range(2)]
+    for _ in range(20):
+        assert drawn.fetch(drawn.sample(logits, hot, ([1], packed)))[1].token_id in allowed

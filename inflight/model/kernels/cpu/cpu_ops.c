@@ -84,3 +84,24 @@ void rope(const float *x, int64_t stride_t, int64_t stride_h, float *out, const 
         }
     }
 }
+
+/* Structured outputs: in row rows[i] of logits, every token whose bit in row i of the bitmask is
+   clear becomes -inf (bit b of word w stands for token 32 w + b). Words of all ones, the common
+   case of a loose constraint, are skipped whole. */
+void apply_token_bitmask(float *logits, int64_t stride, const int64_t *rows, int64_t count,
+                         const int32_t *bitmask, int64_t words, int64_t vocab, int threads)
+{
+#pragma omp parallel for num_threads(threads) if (count * vocab >= PARALLEL_MIN)
+    for (int64_t i = 0; i < count; i++) {
+        float *l = logits + rows[i] * stride;
+        const uint32_t *m = (const uint32_t *)(bitmask + i * words);
+        for (int64_t w = 0; w < words && w * 32 < vocab; w++) {
+            const uint32_t bits = m[w];
+            if (bits == 0xffffffffu) continue;
+            const int64_t base = w * 32;
+            const int64_t n = vocab - base < 32 ? vocab - base : 32;
+            for (int64_t b = 0; b < n; b++)
+                if (!((bits >> b) & 1u)) l[base + b] = -INFINITY;
+        }
+    }
+}

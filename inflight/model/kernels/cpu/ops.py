@@ -1,6 +1,7 @@
 """Fused elementwise ops for the CPU float32 path (cpu_ops.c): RMSNorm with the residual add
-folded in, SiLU(gate) * up, and the rotary embedding. At decode batch sizes each replaces a
-chain of torch ops whose dispatch costs more than their arithmetic."""
+folded in, SiLU(gate) * up, the rotary embedding, and the token bitmask of structured outputs.
+At decode batch sizes each replaces a chain of torch ops whose dispatch costs more than their
+arithmetic."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def library() -> ctypes.CDLL | None:
     lib.rms_norm.argtypes = [p, i64, p, i64, p, p, p, i64, i64, f32, i32]
     lib.silu_mul.argtypes = [p, i64, p, i64, i64, i32]
     lib.rope.argtypes = [p, i64, i64, p, p, p, i64, i64, i64, i32]
-    for name in ("rms_norm", "silu_mul", "rope"):
+    lib.apply_token_bitmask.argtypes = [p, i64, p, i64, p, i64, i64, i32]
+    for name in ("rms_norm", "silu_mul", "rope", "apply_token_bitmask"):
         getattr(lib, name).restype = None
     return lib
 
@@ -73,3 +75,16 @@ def rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         tokens, heads, dim, torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def apply_token_bitmask(
+    lib: ctypes.CDLL, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+) -> None:
+    """In place: logits [B, V] (float32, unit inner stride) of row rows[i] (int64) are -inf where
+    int32 bitmask [len(rows), ceil(V / 32)] row i has a clear bit (bit b of word w: token
+    32 w + b)."""
+    rows, bitmask = rows.contiguous(), bitmask.contiguous()
+    lib.apply_token_bitmask(
+        logits.data_ptr(), logits.stride(0), rows.data_ptr(), rows.shape[0],
+        bitmask.data_ptr(), bitmask.shape[1], logits.shape[1], torch.get_num_threads(),
+    )  # fmt: skip

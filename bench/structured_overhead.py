@@ -1,0 +1,118 @@
+"""What structured outputs cost a decode step: a batch where half the rows are JSON-schema
+constrained, against the same batch all free.
+
+Seats `--batch` residents of 100-token prompts (every other one constrained by a JSON schema
+that cannot end within the run, so every row decodes through it), prefills them,
+then times `--steps` decode steps; the two modes alternate for `--rounds` rounds. Default: the
+embedded model on the CPU; `--shape qwen3-0.6b` a random-weight model of that shape on CUDA
+(with the embedded model's tokenizer, which JSON needs). Prints step times and the overhead;
+writes JSON to $OUT (or bench/out).
+
+    .venv/bin/python bench/structured_overhead.py [--batch 16] [--steps 48] [--rounds 3]
+    python3 bench/structured_overhead.py --shape qwen3-0.6b [--batch 16 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from inflight.bench.offline import make_workload
+from inflight.bench.random_model import random_checkpoint
+from inflight.bench.report import write_report
+from inflight.model.checkpoints.loader import open_checkpoint
+from inflight.runtime.config import RuntimeConfig
+from inflight.runtime.request import GenerationRequest, SamplingParams, StructuredOutputs
+from inflight.runtime.runtime import Runtime
+
+# Rows must decode through every timed step: an array of short strings that cannot end early.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "words": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 12},
+            "minItems": 500,
+        }
+    },
+    "required": ["words"],
+}
+
+
+def step_ms(runtime: Runtime, prompts: list[list[int]], constrained: bool, steps: int) -> float:
+    """Mean wall time of a decode step of every row (every other one constrained)."""
+    session = runtime.new_session()
+    for i, prompt in enumerate(prompts):
+        constraint = StructuredOutputs(json=SCHEMA) if constrained and i % 2 else None
+        params = SamplingParams(
+            max_tokens=steps + 8, temperature=0, ignore_eos=True, structured_outputs=constraint
+        )
+        assert session.admit(GenerationRequest(prompt, params)).ref is not None
+    for _ in range(4):  # the prefill, and a few decode steps to settle
+        session.step()
+    if runtime.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        result = session.step()
+        assert not result.finished, "a row ended early"
+    if runtime.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    session.abort()
+    session.finish()
+    return elapsed / steps * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default=None, help="a random-weight CUDA model of this shape")
+    parser.add_argument("--batch", type=int, nargs="+", default=[16])
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    embedded = open_checkpoint(None)
+    if args.shape:
+        device = torch.device("cuda")
+        random = random_checkpoint(args.shape, device)
+        checkpoint = dataclasses.replace(random, tokenizer=embedded.tokenizer)
+        config = dict(device="cuda")
+    else:
+        checkpoint, config = embedded, {}
+    results = {}
+    for batch in args.batch:
+        runtime = Runtime(
+            checkpoint,
+            RuntimeConfig(max_batch_size=batch, max_model_len=512, max_num_tokens=8192, **config),
+        )
+        work = make_workload(embedded.tokenizer, batch, 100, args.steps)
+        runs: dict[str, list[float]] = {"free": [], "half constrained": []}
+        for _ in range(args.rounds):
+            for mode in runs:
+                runs[mode].append(step_ms(runtime, work.prompts, mode != "free", args.steps))
+        free, half = (statistics.median(v) for v in runs.values())
+        results[batch] = {"step_ms": runs, "overhead": half / free - 1}
+        print(
+            f"batch {batch}: free {free:.2f} ms/step ({batch / free * 1000:.0f} tok/s), "
+            f"half constrained {half:.2f} ms/step ({batch / half * 1000:.0f} tok/s): "
+            f"{(half / free - 1) * 100:+.1f} % (medians of {args.rounds}; all: {runs})",
+            flush=True,
+        )
+        del runtime
+    write_report(
+        Path(os.environ.get("OUT", "bench/out")) / "structured_overhead.json",
+        device=torch.cuda.get_device_name() if args.shape else "cpu",
+        threads=torch.get_num_threads(),
+        args=vars(args),
+        results=results,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import time
@@ -171,20 +172,25 @@ def check_fused_ops(device: torch.device, seed: int) -> tuple[bool, str]:
 def check_structured_outputs(device: torch.device, seed: int) -> tuple[bool, str]:
     """Constrained rows beside free ones on CUDA (masks applied on the device, steps without
     overlap while they live): every constrained output is a string of its language. A random
-    Qwen3-0.6B-shaped model with the embedded model's tokenizer, which the grammars need."""
+    Qwen3-0.6B-shaped model with the embedded model's tokenizer, which the grammars need
+    ($INFLIGHT_TOKENIZER: a checkpoint to take it from where the GGUF cannot be read)."""
     import dataclasses
     import json
     import re
 
     from inflight.model.checkpoints.loader import open_checkpoint
 
+    tokenizer = open_checkpoint(os.environ.get("INFLIGHT_TOKENIZER")).tokenizer
     checkpoint = dataclasses.replace(
-        random_checkpoint("qwen3-0.6b", device, seed), tokenizer=open_checkpoint(None).tokenizer
+        random_checkpoint("qwen3-0.6b", device, seed), tokenizer=tokenizer
     )
     runtime = Runtime(checkpoint, RuntimeConfig(device="cuda", max_batch_size=8, max_model_len=512))
     schema = {
         "type": "object",
-        "properties": {"n": {"type": "integer"}, "tag": {"enum": ["a", "b"]}},
+        "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 999},
+            "tag": {"enum": ["a", "b"]},
+        },
         "required": ["n", "tag"],
         "additionalProperties": False,
     }
@@ -198,7 +204,7 @@ def check_structured_outputs(device: torch.device, seed: int) -> tuple[bool, str
     for i in range(8):
         constraint, member = constraints[i % 3] if i % 2 else (None, None)
         params = SamplingParams(
-            max_tokens=24, temperature=1.0, seed=seed * 8 + i, structured_outputs=constraint
+            max_tokens=48, temperature=1.0, seed=seed * 8 + i, structured_outputs=constraint
         )
         refs[session.admit(GenerationRequest([5 + i, 9, 11], params)).ref] = member
     bad = []

@@ -9,7 +9,7 @@ embedded model on the CPU; `--shape qwen3-0.6b` a random-weight model of that sh
 writes JSON to $OUT (or bench/out).
 
     .venv/bin/python bench/structured_overhead.py [--batch 16] [--steps 48] [--rounds 3]
-    python3 bench/structured_overhead.py --shape qwen3-0.6b [--batch 16 256]
+    python3 bench/structured_overhead.py --shape qwen3-0.6b [--batch 16 256] [--tokenizer DIR]
 """
 
 from __future__ import annotations
@@ -76,8 +76,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[16])
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a checkpoint whose tokenizer the prompts and grammars use (default: the embedded "
+        "model; an HF directory holding its tokenizer where the GGUF cannot be read)",
+    )
     args = parser.parse_args()
-    embedded = open_checkpoint(None)
+    embedded = open_checkpoint(args.tokenizer)
     if args.shape:
         device = torch.device("cuda")
         random = random_checkpoint(args.shape, device)

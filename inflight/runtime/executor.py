@@ -1,8 +1,9 @@
 """`Executor`: runs a scheduled step on the device (batch building, forward, sampling).
 
 It owns the model, its KV cache tensors, the attention backend, the CUDA graphs of decode steps,
-the sampler, and each slot's last sampled token on the device. `launch` queues a step's work and
-returns at once where the device is asynchronous; `fetch` waits for its sampled tokens.
+the sampler, and each slot's last sampled token on the device. `launch` queues a step's forward
+pass and `sample` its sampling, each returning at once where the device is asynchronous; `fetch`
+waits for its sampled tokens.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ def allocate_kv_cache(
 
 @dataclass
 class LaunchedStep:
-    """A step whose forward pass and sampling are queued on the device."""
+    """A step whose forward pass is queued on the device, then its sampling."""
 
     step: ScheduledStep
-    sampled: Sampled | None
+    logits: torch.Tensor | None = None  # of its sampling rows, until they are sampled
+    sampled: Sampled | None = None
     # Row index -> the scores of the prompt tokens that row's chunk predicts (computed at once).
     scores: dict[int, list[SampledRow]] = field(default_factory=dict)
 
@@ -113,7 +115,8 @@ class Executor:
     # -- steps ----------------------------------------------------------------------------------
 
     def launch(self, step: ScheduledStep) -> LaunchedStep:
-        """Queue the step's forward pass and sampling on the device."""
+        """Queue the step's forward pass, its prompt scoring and its logits on the device;
+        `sample` then queues its sampling."""
         rows, device = step.rows, self.device
         batch = build_ragged_batch(rows, self.block_size, device)
         # Decode rows whose last token is still on the device read it from there.
@@ -125,7 +128,7 @@ class Executor:
             ]
         hidden = self.execute(batch)
         # Hidden rows come in row order: all of a scoring row's tokens, else a sampler's last.
-        launched = LaunchedStep(step, None)
+        launched = LaunchedStep(step)
         sample_rows, offset = [], 0
         for i, row in enumerate(rows):
             kept = len(row.token_ids) if row.scores else int(row.samples)
@@ -135,22 +138,37 @@ class Executor:
                 sample_rows.append(offset + kept - 1)
             offset += kept
         if sample_rows:
-            samplers = [row for row in rows if row.samples]
             if len(sample_rows) < hidden.shape[0]:  # some rows were kept for scoring
                 hidden = hidden[to_device(sample_rows, torch.int64, device)]
-            launched.sampled = self.sampler.sample(
-                self.logits(hidden),
-                [SamplingRow(row.resident.request.params, row.position) for row in samplers],
-                self._masks(samplers),
-            )
-            slots = to_device([row.resident.ref.slot for row in samplers], torch.int64, device)
-            self.last_tokens[slots] = launched.sampled.tokens
+            launched.logits = self.logits(hidden)
         return launched
+
+    def sample(self, launched: LaunchedStep) -> None:
+        """Queue the sampling of a launched step. Constrained rows are masked by what their
+        matchers allow now: with overlapped steps this runs after the step before has been
+        taken in (its tokens advanced the matchers), while the device computes the forward."""
+        if launched.logits is None:
+            return
+        samplers = [row for row in launched.step.rows if row.samples]
+        launched.sampled = self.sampler.sample(
+            launched.logits,
+            [SamplingRow(row.resident.request.params, row.position) for row in samplers],
+            self._masks(samplers),
+        )
+        launched.logits = None
+        slots = to_device([row.resident.ref.slot for row in samplers], torch.int64, self.device)
+        self.last_tokens[slots] = launched.sampled.tokens
 
     def _masks(self, samplers: list[ScheduledRow]) -> tuple[list[int], torch.Tensor] | None:
         """The sampling rows under a structured-outputs constraint, and the packed bitmask of
-        what each may sample next (on the device); None when no row is constrained."""
-        constrained = [i for i, row in enumerate(samplers) if row.resident.matcher is not None]
+        what each may sample next (on the device); None when no row is constrained. A row whose
+        matcher has stopped (its resident finished in the step before: its row is wasted) is
+        left free."""
+        constrained = [
+            i
+            for i, row in enumerate(samplers)
+            if row.resident.matcher is not None and not row.resident.matcher.is_stopped()
+        ]
         if not constrained:
             return None
         if self._bitmask is None:

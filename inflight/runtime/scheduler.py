@@ -220,11 +220,6 @@ class Scheduler:
                 r.pending += 1
         return ScheduledStep(step_id, rows)
 
-    @property
-    def constrained(self) -> bool:
-        """Whether a resident samples under a structured-outputs constraint."""
-        return any(r.matcher is not None for r in self.residents.values())
-
     def is_live(self, resident: Resident) -> bool:
         """Whether `resident` is still seated (a launched step may outlive its residents)."""
         return self.residents.get(resident.ref) is resident

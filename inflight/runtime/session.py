@@ -5,8 +5,8 @@ A step is planned by the `Scheduler`, run on the device by the `Executor` and ta
 later: `step()` launches step N+1 on the device, then completes step N on the host while the
 device computes. Step N+1 reads the tokens step N sampled from the device; a resident that step N
 finishes has one wasted row in step N+1 (its KV reservation covers it), and its outcome is
-reported by the second call. While a resident samples under a structured-outputs constraint,
-steps do not overlap: its mask for step N+1 depends on the token of step N.
+reported by the second call. Step N+1 is sampled only after step N is taken in, while its
+forward pass runs: a structured-outputs constraint masks step N+1 by the token of step N.
 """
 
 from __future__ import annotations
@@ -70,19 +70,22 @@ class GenerationSession:
     def step(self, cancelled: Collection[ResidentRef] = ()) -> StepResult:
         self._check_open()
         evicted = {ref: self._cancel(ref) for ref in cancelled}
-        if self._inflight is not None and self._scheduler.constrained:
-            # A constrained row's next mask needs the token in flight: complete that step
-            # first, and step without overlap while such rows live.
-            launched, self._inflight = self._inflight, None
+        launched = self._launch()
+        if self._overlap:
+            # Complete the step before while the device runs this one's forward pass; sample
+            # this one after, so that constrained rows are masked by their advanced matchers.
+            completed, self._inflight = self._inflight, launched
         else:
-            launched = self._launch()
-            if self._overlap and not self._scheduler.constrained:
-                launched, self._inflight = self._inflight, launched
-        step_id = launched.step.step_id if launched is not None else self._step_id
+            completed = launched
+            if launched is not None:
+                self._executor.sample(launched)
+        step_id = completed.step.step_id if completed is not None else self._step_id
         result = StepResult(step_id=step_id, finished=evicted)
-        if launched is not None:
-            picks = self._executor.fetch(launched)
-            self._outputs.complete(launched.step, picks, launched.scores, result)
+        if completed is not None:
+            picks = self._executor.fetch(completed)
+            self._outputs.complete(completed.step, picks, completed.scores, result)
+        if self._overlap and launched is not None:
+            self._executor.sample(launched)
         return result
 
     def materialize(self, snapshot: FinishedSnapshot) -> CompletionOutput:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -24,7 +25,8 @@ from inflight.model.checkpoints.tokenizer import Tokenizer
 from inflight.runtime.request import RequestFieldError, StructuredOutputs
 
 _GRAMMAR_CACHE_SIZE = 256
-_FILL_THREADS = 2  # mask rows computed at once (llguidance's own threads)
+# Mask rows computed at once, on llguidance's own threads (while the device runs a forward).
+_FILL_THREADS = min(8, os.cpu_count() or 1)
 
 
 @functools.cache

@@ -2,11 +2,13 @@
 
 import pytest
 
+from inflight.bench.random_model import numbered_tokenizer
 from inflight.runtime.context_cache import ContextCache
 from inflight.runtime.kv_cache import BlockPool
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.scheduler import Scheduler
 from inflight.runtime.slots import ResidentSlots
+from inflight.runtime.structured import GrammarCompiler
 
 
 def _scheduler(slots=4, blocks=32, budget=16, cache=False):
@@ -15,6 +17,7 @@ def _scheduler(slots=4, blocks=32, budget=16, cache=False):
         pool,
         ResidentSlots(slots),
         ContextCache(pool) if cache else None,
+        GrammarCompiler(numbered_tokenizer(100), 100),
         max_model_len=64,
         vocab_size=100,
         max_num_tokens=budget,

@@ -143,6 +143,11 @@ class Executor:
             launched.logits = self.logits(hidden)
         return launched
 
+    @staticmethod
+    def constrained(launched: LaunchedStep) -> bool:
+        """Whether a sampling row of the step is under a structured-outputs constraint."""
+        return any(row.samples and row.resident.matcher is not None for row in launched.step.rows)
+
     def sample(self, launched: LaunchedStep) -> None:
         """Queue the sampling of a launched step. Constrained rows are masked by what their
         matchers allow now: with overlapped steps this runs after the step before has been

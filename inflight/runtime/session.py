@@ -5,8 +5,9 @@ A step is planned by the `Scheduler`, run on the device by the `Executor` and ta
 later: `step()` launches step N+1 on the device, then completes step N on the host while the
 device computes. Step N+1 reads the tokens step N sampled from the device; a resident that step N
 finishes has one wasted row in step N+1 (its KV reservation covers it), and its outcome is
-reported by the second call. Step N+1 is sampled only after step N is taken in, while its
-forward pass runs: a structured-outputs constraint masks step N+1 by the token of step N.
+reported by the second call. A step with rows under a structured-outputs constraint is sampled
+only after step N is taken in (while its forward pass runs): their masks for step N+1 depend on
+the tokens of step N.
 """
 
 from __future__ import annotations
@@ -71,20 +72,20 @@ class GenerationSession:
         self._check_open()
         evicted = {ref: self._cancel(ref) for ref in cancelled}
         launched = self._launch()
+        # A constrained row's mask needs the token of the step before: with overlap, that step
+        # is taken in first (while the device runs this one's forward pass).
+        deferred = self._overlap and launched is not None and self._executor.constrained(launched)
+        if launched is not None and not deferred:
+            self._executor.sample(launched)
+        completed = launched
         if self._overlap:
-            # Complete the step before while the device runs this one's forward pass; sample
-            # this one after, so that constrained rows are masked by their advanced matchers.
             completed, self._inflight = self._inflight, launched
-        else:
-            completed = launched
-            if launched is not None:
-                self._executor.sample(launched)
         step_id = completed.step.step_id if completed is not None else self._step_id
         result = StepResult(step_id=step_id, finished=evicted)
         if completed is not None:
             picks = self._executor.fetch(completed)
             self._outputs.complete(completed.step, picks, completed.scores, result)
-        if self._overlap and launched is not None:
+        if deferred:
             self._executor.sample(launched)
         return result
 

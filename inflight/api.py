@@ -126,7 +126,29 @@ class LLM:
         Every prompt is submitted at once (waiting, not failing, while the engine pushes back);
         under in-flight batching they generate together, on the blocking path one by one.
         """
-        requests = self._requests(prompts, params)
+        return self._run(self._requests(prompts, params))
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[CompletionOutput]:
+        """Generate a reply to a conversation (or to each of a list of conversations).
+
+        `tools` (OpenAI function tools) and `chat_template_kwargs` (e.g. `{"enable_thinking":
+        False}`) are variables of the chat template; `chat_template` (a template's text) renders
+        in place of the model's own."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of chat messages")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        template = _template_args(tools, chat_template, chat_template_kwargs)
+        return self._run(self._requests(conversations, params, template=template))
+
+    def _run(self, requests: list[GenerationRequest]) -> list[CompletionOutput]:
         handles: list[RequestHandle] = []
         try:
             for request in requests:
@@ -136,17 +158,6 @@ class LLM:
             for handle in handles:
                 if not handle.ready():
                     handle.cancel()
-
-    def chat(
-        self,
-        messages: list[Message] | list[list[Message]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[CompletionOutput]:
-        """Generate a reply to a conversation (or to each of a list of conversations)."""
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of chat messages")
-        conversations = messages if isinstance(messages[0], list) else [messages]
-        return self.generate(conversations, params)
 
     def generate_stream(
         self, prompt: Prompt, params: SamplingParams | None = None
@@ -158,15 +169,24 @@ class LLM:
         return self.start(request, wait_for_room=True)
 
     def prepare(
-        self, prompt: Prompt, params: SamplingParams | None = None, **options: Any
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        **options: Any,
     ) -> GenerationRequest:
         """Tokenize and validate one prompt (ValueError naming the problem); queues nothing.
-        `options` are request options of the support matrix (`n`, `lora_name`, ...: the
-        `GenerationRequest` fields after `params`)."""
+        `tools`, `chat_template` and `chat_template_kwargs` go to the chat template of a
+        conversation, as in `chat`. `options` are request options of the support matrix (`n`,
+        `lora_name`, ...: the `GenerationRequest` fields after `params`)."""
         unknown = sorted(set(options) - OPTION_FIELDS)
         if unknown:
             raise ValueError(f"unknown request options {unknown}; known: {sorted(OPTION_FIELDS)}")
-        (request,) = self._requests(prompt, params, options)
+        template = _template_args(tools, chat_template, chat_template_kwargs)
+        (request,) = self._requests(prompt, params, options, template)
         return request
 
     def start(self, request: GenerationRequest, *, wait_for_room: bool = False) -> RequestHandle:
@@ -235,6 +255,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None,
         options: dict[str, Any] | None = None,
+        template: dict[str, Any] | None = None,
     ) -> list[GenerationRequest]:
         runtime = self._live()
         items = _as_prompt_list(prompts)
@@ -250,15 +271,17 @@ class LLM:
                     "pass one, or one per prompt"
                 )
         requests = [
-            GenerationRequest(self._tokenize(p), sp, **(options or {}))
+            GenerationRequest(self._tokenize(p, template), sp, **(options or {}))
             for p, sp in zip(items, param_list, strict=True)
         ]
         for request in requests:
             runtime.check_request(request)  # bad input fails here, before anything is queued
         return requests
 
-    def _tokenize(self, prompt: Prompt) -> list[int]:
+    def _tokenize(self, prompt: Prompt, template: dict[str, Any] | None = None) -> list[int]:
         tokenizer = self.tokenizer
+        if template and not isinstance(prompt, list):
+            raise ValueError("tools and chat template arguments apply to chat messages only")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -269,7 +292,7 @@ class LLM:
                 raise ValueError("a token prompt must be {'prompt_token_ids': [int, ...]}")
             return ids
         _check_messages(prompt)
-        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **(template or {}))
         return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -286,6 +309,29 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         f"prompts must be a string, a list of strings or a list of chat conversations, "
         f"got {type(prompts).__name__}"
     )
+
+
+# Variables the rendering itself sets; chat_template_kwargs may not replace them.
+_RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "chat_template"}
+)
+
+
+def _template_args(
+    tools: list[dict[str, Any]] | None,
+    chat_template: str | None,
+    chat_template_kwargs: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The keyword arguments of `Tokenizer.apply_chat_template` for a conversation."""
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = sorted(_RESERVED_TEMPLATE_VARIABLES & set(kwargs))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved}; pass them as arguments")
+    if tools is not None:
+        kwargs["tools"] = tools
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
+    return kwargs
 
 
 def _check_messages(messages: Any) -> None:

@@ -8,16 +8,29 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from inflight.runtime.outputs import CompletionOutput
-from inflight.runtime.request import SamplingParams
+from inflight.runtime.request import SamplingParams, StructuredOutputs
+from inflight.server.chat import ChatSetup
 from inflight.server.client import Run
 from inflight.server.errors import ServerError
+from inflight.server.parsers import MessageDelta, MessageParser
 from inflight.server.protocol import (
+    AnthropicCountTokensRequest,
     AnthropicMessage,
     AnthropicMessagesRequest,
     AnthropicTextBlock,
+    AnthropicThinkingBlock,
+    AnthropicToolResultBlock,
+    AnthropicToolUseBlock,
 )
+from inflight.server.tools import FunctionTool, ToolChoice, ToolMode, tool_choice
 
 _ANTHROPIC_ERRORS = {400: "invalid_request_error", 429: "overloaded_error", 500: "api_error"}
+_TOOL_MODES: dict[str, ToolMode] = {
+    "auto": "auto",
+    "any": "required",
+    "tool": "named",
+    "none": "none",
+}
 
 
 def _text(content: str | list[Any], where: str) -> str:
@@ -33,16 +46,93 @@ def _text(content: str | list[Any], where: str) -> str:
 
 def chat_messages(
     system: str | list[AnthropicTextBlock] | None, messages: list[AnthropicMessage]
-) -> list[dict[str, str]]:
-    out = []
+) -> list[dict[str, Any]]:
+    """Chat messages for the template: an assistant's `tool_use` blocks become its tool calls
+    (and `thinking` its reasoning), a user's `tool_result` blocks tool messages, in order."""
+    out: list[dict[str, Any]] = []
     if system:
         out.append({"role": "system", "content": _text(system, "system")})
     for i, m in enumerate(messages):
-        out.append({"role": m.role, "content": _text(m.content, f"messages.{i}.content")})
+        where = f"messages.{i}.content"
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+        elif m.role == "assistant":
+            out.append(_assistant(m.content, where))
+        else:
+            out += _user(m.content, where)
     return out
 
 
-def sampling_params(body: AnthropicMessagesRequest, defaults: SamplingParams) -> SamplingParams:
+def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
+    text, calls, reasoning = [], [], []
+    for block in blocks:
+        if isinstance(block, AnthropicToolUseBlock):
+            calls.append(
+                {
+                    "id": block.id,
+                    "type": "function",
+                    "function": {"name": block.name, "arguments": block.input},
+                }
+            )
+        elif isinstance(block, AnthropicThinkingBlock):
+            reasoning.append(block.thinking)
+        else:
+            text.append(_text([block], where))
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    if calls:
+        message["tool_calls"] = calls
+    if reasoning:
+        message["reasoning_content"] = "".join(reasoning)
+    return message
+
+
+def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    text: list[str] = []
+    for block in blocks:
+        if not isinstance(block, AnthropicToolResultBlock):
+            text.append(_text([block], where))
+            continue
+        if text:
+            out.append({"role": "user", "content": "".join(text)})
+            text = []
+        result = _text(block.content or "", where)
+        out.append(
+            {
+                "role": "tool",
+                "tool_call_id": block.tool_use_id,
+                "content": f"Error: {result}" if block.is_error else result,
+            }
+        )
+    if text or not out:
+        out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def offered_tools(body: AnthropicCountTokensRequest) -> list[FunctionTool]:
+    return [FunctionTool(t.name, t.description, t.input_schema) for t in body.tools or []]
+
+
+def messages_tool_choice(body: AnthropicCountTokensRequest, chat: ChatSetup) -> ToolChoice | None:
+    """The request's tools and tool_choice, checked (a 400 naming the field)."""
+    tools = offered_tools(body)
+    choice = body.tool_choice
+    if choice is not None and choice.type == "tool" and not choice.name:
+        raise ServerError(400, 'tool_choice of type "tool" needs the tool\'s name', "tool_choice")
+    return tool_choice(
+        tools,
+        _TOOL_MODES[choice.type] if choice else None,
+        choice.name if choice else None,
+        not (choice and choice.disable_parallel_tool_use),
+        parser=chat.tool_parser,
+    )
+
+
+def sampling_params(
+    body: AnthropicMessagesRequest,
+    defaults: SamplingParams,
+    constraint: StructuredOutputs | None = None,
+) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=body.max_tokens,
@@ -50,14 +140,17 @@ def sampling_params(body: AnthropicMessagesRequest, defaults: SamplingParams) ->
             top_p=defaults.top_p if body.top_p is None else body.top_p,
             top_k=defaults.top_k if body.top_k is None else body.top_k,
             stop=body.stop_sequences or [],
+            structured_outputs=constraint,
         )
     except ValueError as exc:
         raise ServerError(400, str(exc)) from exc
 
 
-def _stop_reason(output_reason: str | None, stop: str | int | None) -> str:
+def _stop_reason(output_reason: str | None, stop: str | int | None, called: bool) -> str:
     if output_reason == "length":
         return "max_tokens"
+    if called:
+        return "tool_use"
     return "stop_sequence" if isinstance(stop, str) else "end_turn"
 
 
@@ -65,10 +158,18 @@ def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
 
+def tool_use_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
 class MessageReply:
-    def __init__(self, model: str) -> None:
+    """A message, whole or streamed; `reader` splits the generated text into thinking, text
+    and tool_use blocks."""
+
+    def __init__(self, model: str, reader: MessageParser) -> None:
         self.id = f"msg_{uuid.uuid4().hex}"
         self.model = model
+        self.reader = reader
 
     def _message(
         self, content: list[dict], stop_reason: str | None, stop: str | None, usage: dict[str, int]
@@ -86,47 +187,110 @@ class MessageReply:
 
     def whole(self, output: CompletionOutput) -> dict[str, Any]:
         stop = output.stop_reason if isinstance(output.stop_reason, str) else None
+        parsed = self.reader.whole(output.text)
+        content: list[dict[str, Any]] = []
+        if parsed.reasoning:
+            content.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+        if parsed.content or not parsed.tool_calls:
+            content.append({"type": "text", "text": parsed.content or ""})
+        for call in parsed.tool_calls:
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": tool_use_id(),
+                    "name": call.name,
+                    "input": json.loads(call.arguments),
+                }
+            )
         return self._message(
-            [{"type": "text", "text": output.text}],
-            _stop_reason(output.finish_reason, output.stop_reason),
+            content,
+            _stop_reason(output.finish_reason, output.stop_reason, bool(parsed.tool_calls)),
             stop,
             {"input_tokens": output.prompt_tokens, "output_tokens": len(output.token_ids)},
         )
 
     async def stream(self, run: Run, prompt_tokens: int) -> AsyncIterator[str]:
-        """message_start, content_block_start, ping, text deltas, content_block_stop,
-        message_delta (stop reason, usage), message_stop; an error event if it fails."""
+        """message_start, the content blocks (content_block_start, ping after the first, its
+        deltas, content_block_stop), message_delta (stop reason, usage), message_stop; an error
+        event if it fails."""
         usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
         yield _event("message_start", {"message": self._message([], None, None, usage)})
-        yield _event(
-            "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
-        )
-        yield _event("ping", {})
+        blocks = _BlockStream()
+        reading = self.reader.stream()
         output_tokens, finish = 0, None
         try:
             async for chunk in run:
                 output_tokens += len(chunk.token_ids)
-                if chunk.text:
-                    yield _event(
-                        "content_block_delta",
-                        {"index": 0, "delta": {"type": "text_delta", "text": chunk.text}},
-                    )
+                for event in blocks.events(reading.feed(chunk.text)):
+                    yield event
                 if chunk.finished:
                     finish = chunk.finish_reason
         except ServerError as exc:
             kind = _ANTHROPIC_ERRORS.get(exc.status, "api_error")
             yield _event("error", {"error": {"type": kind, "message": exc.message}})
             return
+        for event in blocks.close(reading.finish()):
+            yield event
         stop = run.output.stop_reason if run.output is not None else None
-        yield _event("content_block_stop", {"index": 0})
         yield _event(
             "message_delta",
             {
                 "delta": {
-                    "stop_reason": _stop_reason(finish, stop),
+                    "stop_reason": _stop_reason(finish, stop, reading.calls_made > 0),
                     "stop_sequence": stop if isinstance(stop, str) else None,
                 },
                 "usage": {"output_tokens": output_tokens},
             },
         )
         yield _event("message_stop", {})
+
+
+class _BlockStream:
+    """Content blocks opened as their kind of output arrives (thinking, text, one per tool
+    call), each closed when the next opens; a message without any gets one empty text block."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: str | None = None
+
+    def events(self, delta: MessageDelta) -> list[str]:
+        out: list[str] = []
+        if delta.reasoning:
+            out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            out.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
+        for part in delta.parts:
+            if isinstance(part, str):
+                out += self._open("text", {"type": "text", "text": ""})
+                out.append(self._delta({"type": "text_delta", "text": part}))
+                continue
+            if part.name is not None:
+                block = {"type": "tool_use", "id": tool_use_id(), "name": part.name, "input": {}}
+                out += self._open("tool_use", block, always=True)
+            if part.arguments:
+                out.append(
+                    self._delta({"type": "input_json_delta", "partial_json": part.arguments})
+                )
+        return out
+
+    def close(self, delta: MessageDelta) -> list[str]:
+        out = self.events(delta)
+        if self.kind is None:
+            out += self._open("text", {"type": "text", "text": ""})
+        out.append(_event("content_block_stop", {"index": self.index}))
+        return out
+
+    def _open(self, kind: str, block: dict[str, Any], always: bool = False) -> list[str]:
+        if self.kind == kind and not always:
+            return []
+        out = []
+        if self.kind is not None:
+            out.append(_event("content_block_stop", {"index": self.index}))
+        self.index += 1
+        self.kind = kind
+        out.append(_event("content_block_start", {"index": self.index, "content_block": block}))
+        if self.index == 0:
+            out.append(_event("ping", {}))
+        return out
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return _event("content_block_delta", {"index": self.index, "delta": delta})

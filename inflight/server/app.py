@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient
 from inflight.server.errors import ServerError, error_response
 from inflight.server.routes import anthropic, openai, ops
@@ -24,13 +25,21 @@ __all__ = ["ServerSettings", "build_app"]
 
 
 def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
+    """The app serving `client`; ValueError for parser settings this model cannot serve."""
+    chat = ChatSetup.create(
+        client.llm.tokenizer.chat_template,
+        settings.chat_template,
+        settings.tool_call_parser,
+        settings.reasoning_parser,
+    )
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         await client.close()  # 503 to newcomers, wait for every lease, then drain the engine
 
     app = FastAPI(title="inflight", lifespan=lifespan)
-    app.state.inflight = ServerState(client, settings)
+    app.state.inflight = ServerState(client, settings, chat)
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(_ApiKey, key=settings.api_key)

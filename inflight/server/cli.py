@@ -9,6 +9,7 @@ import os
 import sys
 
 from inflight.model.config import QUANTIZATIONS
+from inflight.server.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 # `inflight bench throughput` engines that run inflight itself, by the quantization they use.
 INFLIGHT_ENGINES = {
@@ -45,11 +46,16 @@ def _serve(args: argparse.Namespace) -> int:
 
     from inflight import LLM
     from inflight.server.app import ServerSettings, build_app
+    from inflight.server.chat_templates import read_template
     from inflight.server.client import EngineClient
     from inflight.server.metrics import ServerMetrics
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        print("inflight: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
     try:
+        chat_template = read_template(args.chat_template) if args.chat_template else None
         llm = LLM(
             args.model,
             enable_in_flight_batching=args.enable_in_flight_batching,
@@ -71,7 +77,19 @@ def _serve(args: argparse.Namespace) -> int:
         max_input_len=args.max_input_len,
         metrics=ServerMetrics(llm),
     )
-    app = build_app(client, ServerSettings(served_model_name=name, api_key=args.api_key))
+    settings = ServerSettings(
+        served_model_name=name,
+        api_key=args.api_key,
+        chat_template=chat_template,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+    )
+    try:
+        app = build_app(client, settings)
+    except ValueError as exc:
+        llm.close()
+        print(f"inflight: invalid server configuration: {exc}", file=sys.stderr)
+        return 2
     mode = (
         f"in-flight batching, batch {llm.max_batch_size}"
         if llm.in_flight_batching
@@ -82,6 +100,8 @@ def _serve(args: argparse.Namespace) -> int:
         f"({mode}; max_model_len {llm.max_model_len}; queue {args.max_queued_requests}"
         f"{'; context cache' if args.enable_context_reuse else ''}"
         f"; quantization {args.quantization}"
+        f"{f'; tool calls: {args.tool_call_parser}' if args.tool_call_parser else ''}"
+        f"{f'; reasoning: {args.reasoning_parser}' if args.reasoning_parser else ''}"
         f"{'; API key required' if args.api_key else ''})",
         flush=True,
     )
@@ -242,6 +262,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (default): a GGUF file's Q4_1 / Q8_0 weights run in the CPU kernels of their "
         "own type (fast, not bit-exact), others in float32; none: float32 (bf16 on CUDA), "
         "exact; int8 / q4: quantize every CPU matmul (q4: 4-bit GGUF Q4_1 form, head int8)",
+    )
+    serve.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template (a file, or the template's text) in place of the model's own",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help='how tool calls are read from the output under tool_choice "auto" (which needs '
+        "one): hermes (<tool_call> JSON, Qwen2.5/Qwen3, the shipped template) or llama3_json",
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM command lines: --tool-call-parser alone enables auto tool choice",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="split the reasoning (<think>...</think>) into the message's reasoning fields",
     )
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]

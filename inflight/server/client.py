@@ -107,8 +107,9 @@ class EngineClient:
         **options: Any,
     ) -> GenerationRequest:
         """Tokenize and validate; bad input is a 400 naming the problem, a long prompt a 413.
-        `options` are request options (`GenerationRequest` fields); `params_of` maps an option
-        to the HTTP field it came from, which a refusal names."""
+        `options` are request options (`GenerationRequest` fields) and chat-template arguments
+        (`tools`, `chat_template`, `chat_template_kwargs`), as `LLM.prepare` takes them;
+        `params_of` maps an option to the HTTP field it came from, which a refusal names."""
         try:
             request = self.llm.prepare(prompt, params, **options)
         except PromptTooLongError as exc:
@@ -125,9 +126,11 @@ class EngineClient:
             )
         return request
 
-    def count_tokens(self, prompt: object) -> int:
+    def count_tokens(self, prompt: object, **template: Any) -> int:
+        """The prompt's length in tokens; `template`: chat-template arguments."""
         try:
-            return len(self.llm.prepare(prompt, SamplingParams(max_tokens=1)).prompt_token_ids)
+            request = self.llm.prepare(prompt, SamplingParams(max_tokens=1), **template)
+            return len(request.prompt_token_ids)
         except PromptTooLongError as exc:
             raise ServerError(413, str(exc)) from exc
         except ValueError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -11,15 +12,19 @@ from typing import Any
 from inflight.model.checkpoints.tokenizer import Tokenizer
 from inflight.runtime.outputs import CompletionOutput, LogprobEntry, StreamChunk
 from inflight.runtime.request import GenerationRequest, SamplingParams, StructuredOutputs
+from inflight.server.chat import ChatSetup
 from inflight.server.client import Run
 from inflight.server.errors import ServerError
+from inflight.server.parsers import MessageDelta, MessageParser
 from inflight.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    NamedToolChoice,
     SamplingFields,
     TextPart,
 )
+from inflight.server.tools import FunctionTool, ToolChoice, tool_choice
 
 
 def sampling_params(
@@ -65,13 +70,30 @@ def request_options(body: SamplingFields) -> dict[str, Any]:
     return {"n": body.n}
 
 
-def field_params(body: SamplingFields) -> dict[str, str]:
+def field_params(body: SamplingFields, choice: ToolChoice | None = None) -> dict[str, str]:
     """The HTTP field each request field a refusal may name came from."""
     response_format = isinstance(body, ChatCompletionRequest) and body.response_format
-    return {
-        "n": "n",
-        "structured_outputs": "response_format" if response_format else "structured_outputs",
-    }
+    constraint = "response_format" if response_format else "structured_outputs"
+    if choice is not None and choice.forced:
+        constraint = "tools"
+    return {"n": "n", "structured_outputs": constraint}
+
+
+def chat_tool_choice(body: ChatCompletionRequest, chat: ChatSetup) -> ToolChoice | None:
+    """The request's tools and tool_choice, checked (a 400 naming the field)."""
+    tools = [
+        FunctionTool(t.function.name, t.function.description, t.function.parameters)
+        for t in body.tools or []
+    ]
+    choice = body.tool_choice
+    named = isinstance(choice, NamedToolChoice)
+    return tool_choice(
+        tools,
+        "named" if named else choice,
+        choice.function.name if named else None,
+        body.parallel_tool_calls is not False,
+        parser=chat.tool_parser,
+    )
 
 
 def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
@@ -109,7 +131,8 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Chat messages for the template: text content only."""
+    """Chat messages for the template: text content, an assistant's tool calls (arguments as
+    objects, which is what templates read) and reasoning, and tool results."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
@@ -122,11 +145,49 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                         f"messages.{i}.content",
                     )
             content = "".join(p.text for p in content)
-        if m.tool_calls or m.role == "tool":
-            raise ServerError(400, "tool calls are not supported yet", f"messages.{i}")
         role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": content or ""})
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise ServerError(
+                    400, "only assistant messages carry tool_calls", f"messages.{i}.tool_calls"
+                )
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments(
+                            call.function.arguments, f"messages.{i}.tool_calls.{j}"
+                        ),
+                    },
+                }
+                for j, call in enumerate(m.tool_calls)
+            ]
+        if m.role == "tool":
+            if m.tool_call_id is None:
+                raise ServerError(
+                    400, "a tool message needs the tool_call_id it answers", f"messages.{i}"
+                )
+            message["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning_content or m.reasoning
+        if reasoning and m.role == "assistant":
+            message["reasoning_content"] = reasoning
+        out.append(message)
     return out
+
+
+def _arguments(text: str, where: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(text)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise ServerError(
+            400, "a tool call's arguments must be a JSON object", f"{where}.function.arguments"
+        )
+    return arguments
 
 
 def completion_prompts(prompt: Any) -> list[str | dict[str, Any]]:
@@ -159,17 +220,42 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -
     }
 
 
+def tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 class ChatReply:
-    def __init__(self, model: str, logprobs: bool) -> None:
+    """A chat completion, whole or streamed; `reader` splits the generated text into reasoning
+    (sent as `reasoning_content` and `reasoning`, vLLM's older and newer names, when
+    `reasoning_fields`), content and tool calls."""
+
+    def __init__(
+        self, model: str, logprobs: bool, reader: MessageParser, reasoning_fields: bool
+    ) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.logprobs = logprobs
+        self.reader = reader
+        self.reasoning_fields = reasoning_fields
 
     def whole(self, output: CompletionOutput) -> dict[str, Any]:
         logprobs = None
         if self.logprobs:
             logprobs = {"content": [_chat_logprob(e) for e in output.logprobs or ()]}
+        parsed = self.reader.whole(output.text)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if self.reasoning_fields:
+            message["reasoning_content"] = message["reasoning"] = parsed.reasoning
+        if parsed.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": tool_call_id(),
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for call in parsed.tool_calls
+            ]
         return {
             "id": self.id,
             "object": "chat.completion",
@@ -178,9 +264,9 @@ class ChatReply:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": output.text},
+                    "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": output.finish_reason,
+                    "finish_reason": _finish_reason(output.finish_reason, bool(parsed.tool_calls)),
                 }
             ],
             "usage": _usage(output.prompt_tokens, len(output.token_ids), output.cached_tokens),
@@ -197,27 +283,65 @@ class ChatReply:
             ],
         }
 
+    def _delta(self, parsed: MessageDelta, ids: dict[int, str]) -> dict[str, Any]:
+        """A message delta as OpenAI sends it: a call's first delta carries its index, id, type
+        and name (and the arguments so far), later ones argument fragments."""
+        delta: dict[str, Any] = {}
+        if parsed.reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = parsed.reasoning
+        if parsed.content:
+            delta["content"] = parsed.content
+        calls = []
+        for call in parsed.tool_calls:
+            if call.name is None:
+                calls.append({"index": call.index, "function": {"arguments": call.arguments}})
+                continue
+            ids[call.index] = tool_call_id()
+            calls.append(
+                {
+                    "index": call.index,
+                    "id": ids[call.index],
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+            )
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
     async def stream(self, run: Run, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-        """Role, content deltas, the finish reason, usage (if asked for)."""
+        """Role, reasoning / content / tool-call deltas, the finish reason, usage (if asked
+        for)."""
         yield self._chunk({"role": "assistant", "content": ""})
         finish_reason, completion_tokens, prompt_tokens = None, 0, 0
+        reading, ids = self.reader.stream(), {}
         async for chunk in run:
             prompt_tokens = chunk.prompt_tokens
             completion_tokens += len(chunk.token_ids)
             if chunk.finished:
                 finish_reason = chunk.finish_reason
-            if not chunk.text and not (self.logprobs and chunk.logprobs):
+            delta = self._delta(reading.feed(chunk.text), ids)
+            logprobs = self.logprobs and chunk.logprobs
+            if not delta and not logprobs:
                 continue
             extra = {}
-            if self.logprobs and chunk.logprobs:
+            if logprobs:
                 extra["logprobs"] = {"content": [_chat_logprob(e) for e in chunk.logprobs]}
-            yield self._chunk({"content": chunk.text}, **extra)
-        yield self._chunk({}, finish_reason=finish_reason)
+            yield self._chunk(delta or {"content": ""}, **extra)
+        rest = self._delta(reading.finish(), ids)
+        if rest:
+            yield self._chunk(rest)
+        yield self._chunk({}, finish_reason=_finish_reason(finish_reason, bool(ids)))
         if include_usage:
             chunk = self._chunk({})
             chunk["choices"] = []
             chunk["usage"] = _usage(prompt_tokens, completion_tokens)
             yield chunk
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """A reply that ended by itself after calling tools finishes with "tool_calls"."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 class CompletionReply:

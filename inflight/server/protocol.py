@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
 Temperature = Annotated[float, Field(ge=0, le=2)]
@@ -37,12 +37,47 @@ class OtherPart(BaseModel):
     type: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class AssistantToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | OtherPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: str | None = None
+    # An assistant reply's reasoning, as this server returns it (both names), sent back.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class FunctionDefinition(Strict):
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # forced tool choices are always constrained; auto never
+
+
+class ChatTool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(Strict):
@@ -81,12 +116,14 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     skip_special_tokens: bool = True
+    # Variables of the chat template (vLLM's field), e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -112,17 +149,68 @@ class AnthropicOtherBlock(BaseModel):
     type: str
 
 
+class AnthropicToolUseBlock(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. cache_control
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class AnthropicToolResultBlock(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[AnthropicTextBlock | AnthropicOtherBlock] | None = None
+    is_error: bool = False
+
+
+class AnthropicThinkingBlock(BaseModel):
+    model_config = ConfigDict(extra="allow")  # the signature
+    type: Literal["thinking"]
+    thinking: str
+
+
+def _block_type(block: Any) -> str:
+    kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
+    return kind if kind in ("text", "tool_use", "tool_result", "thinking") else "other"
+
+
+AnthropicBlock = Annotated[
+    Annotated[AnthropicTextBlock, Tag("text")]
+    | Annotated[AnthropicToolUseBlock, Tag("tool_use")]
+    | Annotated[AnthropicToolResultBlock, Tag("tool_result")]
+    | Annotated[AnthropicThinkingBlock, Tag("thinking")]
+    | Annotated[AnthropicOtherBlock, Tag("other")],
+    Discriminator(_block_type),
+]
+
+
 class AnthropicMessage(Strict):
     role: Literal["user", "assistant"]
-    content: str | list[AnthropicTextBlock | AnthropicOtherBlock]
+    content: str | list[AnthropicBlock]
+
+
+class AnthropicTool(Strict):
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class AnthropicToolChoice(Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
 
 
 class AnthropicCountTokensRequest(Strict):
     model: str
     messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
     system: str | list[AnthropicTextBlock] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
     thinking: dict[str, Any] | None = None
 
 
@@ -160,12 +248,6 @@ def unsupported(body: BaseModel) -> tuple[str, str] | None:
         ]
     if isinstance(body, ChatCompletionRequest):
         checks += [
-            ("tools", bool(body.tools), "tool calling is not supported yet"),
-            (
-                "tool_choice",
-                body.tool_choice not in (None, "none", "auto"),
-                "tool_choice is not supported yet",
-            ),
             (
                 "modalities",
                 any(m != "text" for m in body.modalities or []),
@@ -180,7 +262,6 @@ def unsupported(body: BaseModel) -> tuple[str, str] | None:
         ]
     if isinstance(body, AnthropicCountTokensRequest):
         checks += [
-            ("tools", bool(body.tools), "tool use is not supported yet"),
             (
                 "thinking",
                 bool(body.thinking) and body.thinking.get("type") != "disabled",

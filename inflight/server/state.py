@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from pydantic import BaseModel
 
+from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient
 from inflight.server.errors import ServerError
 from inflight.server.protocol import unsupported
@@ -18,12 +19,16 @@ class ServerSettings:
     served_model_name: str
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
+    chat_template: str | None = None  # the text of --chat-template
+    tool_call_parser: str | None = None  # --tool-call-parser: how `auto` tool choice reads calls
+    reasoning_parser: str | None = None  # --reasoning-parser
 
 
 @dataclass(frozen=True)
 class ServerState:
     client: EngineClient
     settings: ServerSettings
+    chat: ChatSetup
 
 
 async def server_state(request: Request) -> ServerState:

@@ -31,8 +31,11 @@ def serve(
     lifespan="off",
     name="test-model",
     max_body_bytes=8 * 1024 * 1024,
+    **chat,
 ):
-    """Serve `llm`; yields the base URL. With lifespan "off" the LLM outlives the server."""
+    """Serve `llm`; yields the base URL. With lifespan "off" the LLM outlives the server.
+    `chat`: the chat settings of `ServerSettings` (chat_template, tool_call_parser,
+    reasoning_parser), as the command line's flags set them."""
     client = EngineClient(
         llm,
         max_queued_requests=max_queued_requests,
@@ -41,7 +44,7 @@ def serve(
         metrics=ServerMetrics(llm),
     )
     settings = ServerSettings(
-        served_model_name=name, api_key=api_key, max_body_bytes=max_body_bytes
+        served_model_name=name, api_key=api_key, max_body_bytes=max_body_bytes, **chat
     )
     app = build_app(client, settings)
     port = free_port()

@@ -25,11 +25,47 @@ values = st.recursive(
     ),
     max_leaves=6,
 )
+names = st.one_of(st.sampled_from(["get_weather", "get_time"]), st.text(max_size=6))
+tool_call = st.fixed_dictionaries(
+    {
+        "id": st.one_of(st.text(max_size=6), values),
+        "function": st.fixed_dictionaries(
+            {"name": names, "arguments": st.one_of(st.just('{"city": "Paris"}'), values)}
+        ),
+    },
+    optional={"type": st.one_of(st.just("function"), values)},
+)
 message = st.fixed_dictionaries(
     {
         "role": st.sampled_from(["user", "system", "assistant", "tool", "nobody", 3]),
         "content": st.one_of(st.text(max_size=30), values),
+    },
+    optional={
+        "tool_calls": st.one_of(st.lists(tool_call, max_size=2), values),
+        "tool_call_id": st.one_of(st.text(max_size=6), values),
+    },
+)
+tool = st.fixed_dictionaries(
+    {
+        "type": st.one_of(st.just("function"), values),
+        "function": st.fixed_dictionaries(
+            {"name": names},
+            optional={
+                "parameters": st.one_of(
+                    st.just({"type": "object", "properties": {"city": {"type": "string"}}}),
+                    values,
+                ),
+                "description": values,
+            },
+        ),
     }
+)
+tool_choice = st.one_of(
+    st.sampled_from(["none", "auto", "required"]),
+    st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": names})}
+    ),
+    values,
 )
 # Always a small (or invalid) limit: a valid body then generates a few tokens at most.
 small_tokens = st.one_of(st.integers(min_value=-2, max_value=4), st.text(max_size=2))
@@ -53,6 +89,10 @@ chat_body = st.fixed_dictionaries(
         "top_logprobs": values,
         "max_completion_tokens": small_tokens,
         "response_format": values,
+        "tools": st.one_of(st.lists(tool, max_size=2), values),
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": values,
+        "chat_template_kwargs": values,
     },
 )
 completion_body = st.fixed_dictionaries(
@@ -67,7 +107,10 @@ completion_body = st.fixed_dictionaries(
 
 @pytest.fixture(scope="module")
 def url(server_llm):
-    with serve(server_llm, max_queued_requests=8) as (base, _):
+    # With both parsers, so that replies go through them too.
+    with serve(
+        server_llm, max_queued_requests=8, tool_call_parser="hermes", reasoning_parser="qwen3"
+    ) as (base, _):
         yield base
 
 

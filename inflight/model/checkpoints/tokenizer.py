@@ -10,7 +10,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 import jinja2
@@ -88,30 +88,41 @@ class Tokenizer:
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render messages with the checkpoint's own chat template."""
-        if not self.chat_template:
+        """Render messages with the checkpoint's own chat template, or with `chat_template`
+        (a template's text) in its place; `kwargs` (e.g. `tools`, `enable_thinking`) are
+        variables of the template."""
+        source = chat_template or self.chat_template
+        if not source:
             raise ValueError(
                 "this model has no chat template; pass raw text to generate() instead of messages"
             )
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.special.bos or "",
-            eos_token=self.special.eos or "",
-            **kwargs,
-        )
+        context = {"bos_token": self.special.bos or "", "eos_token": self.special.eos or ""}
+        context |= kwargs
+        try:
+            return _compile(source).render(
+                context, messages=messages, add_generation_prompt=add_generation_prompt
+            )
+        except ValueError:
+            raise
+        except Exception as exc:
+            # Whatever fails inside a template is the template's fault (or its variables'):
+            # a caller that passed its own template or variables gets a ValueError saying so.
+            raise ValueError(f"chat template: {exc}") from exc
 
-    @cached_property
-    def _template(self) -> jinja2.Template:
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        return env.from_string(self.chat_template)
+
+@lru_cache(maxsize=8)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kw: Any) -> str:

@@ -9,6 +9,7 @@ from inflight.server import anthropic
 from inflight.server.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from inflight.server.routes.openai import SSE_HEADERS, started
 from inflight.server.state import State, check_body
+from inflight.server.tools import ToolChoice
 
 router = APIRouter()
 
@@ -16,11 +17,20 @@ router = APIRouter()
 @router.post("/v1/messages")
 async def messages(body: AnthropicMessagesRequest, request: Request, state: State) -> Response:
     check_body(state, body, body.model)
-    client = state.client
+    client, chat = state.client, state.chat
+    choice = anthropic.messages_tool_choice(body, chat)
     conversation = anthropic.chat_messages(body.system, body.messages)
-    params = anthropic.sampling_params(body, client.llm.get_default_sampling_params())
-    prepared = client.prepare(conversation, params)
-    reply = anthropic.MessageReply(state.settings.served_model_name)
+    params = anthropic.sampling_params(
+        body, client.llm.get_default_sampling_params(), chat.constraint(choice, None)
+    )
+    prepared = client.prepare(
+        conversation,
+        params,
+        params_of={"structured_outputs": "tools"},
+        **chat.template_args(conversation, choice),
+    )
+    reader = chat.reader(choice, client.llm.tokenizer, prepared.prompt_token_ids)
+    reply = anthropic.MessageReply(state.settings.served_model_name, reader)
     if body.stream:
         run = await started(client.run(prepared))
         return StreamingResponse(
@@ -35,5 +45,8 @@ async def messages(body: AnthropicMessagesRequest, request: Request, state: Stat
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: AnthropicCountTokensRequest, state: State) -> dict[str, int]:
     check_body(state, body, body.model)
+    # Counting renders the tools whatever the choice would be.
+    tools = anthropic.offered_tools(body)
     conversation = anthropic.chat_messages(body.system, body.messages)
-    return {"input_tokens": state.client.count_tokens(conversation)}
+    template = state.chat.template_args(conversation, ToolChoice(tools, "none") if tools else None)
+    return {"input_tokens": state.client.count_tokens(conversation, **template)}

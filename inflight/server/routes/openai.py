@@ -37,21 +37,28 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         raise ServerError(
             400, "max_tokens and max_completion_tokens differ; send one", "max_tokens"
         )
+    chat = state.chat
+    choice = openai.chat_tool_choice(body, chat)
     params = openai.sampling_params(
         body,
         llm.get_default_sampling_params(),
         max_tokens=body.max_completion_tokens or body.max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         skip_special_tokens=body.skip_special_tokens,
-        constraint=openai.structured_outputs(body),
+        constraint=chat.constraint(choice, openai.structured_outputs(body)),
     )
+    messages = openai.chat_messages(body.messages)
     prepared = client.prepare(
-        openai.chat_messages(body.messages),
+        messages,
         params,
-        params_of=openai.field_params(body),
+        params_of=openai.field_params(body, choice),
+        **chat.template_args(messages, choice, body.chat_template_kwargs),
         **openai.request_options(body),
     )
-    reply = openai.ChatReply(state.settings.served_model_name, body.logprobs)
+    reader = chat.reader(choice, llm.tokenizer, prepared.prompt_token_ids)
+    reply = openai.ChatReply(
+        state.settings.served_model_name, body.logprobs, reader, chat.reasoning is not None
+    )
     if body.stream:
         run = await started(client.run(prepared))
         usage = body.stream_options is not None and body.stream_options.include_usage

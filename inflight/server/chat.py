@@ -1,0 +1,121 @@
+"""What the chat routes of both APIs share: the server's chat setup (templates, tool-call and
+reasoning parsers, decided at start), and, per request, the template's arguments, the output
+constraint of a forced tool choice and the reader of the reply."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from inflight.model.checkpoints.tokenizer import Tokenizer
+from inflight.runtime.request import StructuredOutputs
+from inflight.server.chat_templates import ChatTemplates, choose_templates
+from inflight.server.errors import ServerError
+from inflight.server.parsers import REASONING_PARSERS, TOOL_PARSERS, MessageParser
+from inflight.server.parsers.calls import ToolSyntax
+from inflight.server.parsers.forced import ForcedCallsSyntax
+from inflight.server.parsers.hermes import HermesSyntax
+from inflight.server.parsers.reasoning import ThinkTags
+from inflight.server.tools import ToolChoice, forced_constraint
+
+# Enough of the prompt's end to see whether it opens a reasoning block.
+_PROMPT_TAIL_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class ChatSetup:
+    templates: ChatTemplates
+    tool_parser: str | None
+    tool_syntax: ToolSyntax | None
+    reasoning: ThinkTags | None
+
+    @classmethod
+    def create(
+        cls,
+        model_template: str | None,
+        chat_template: str | None,
+        tool_parser: str | None,
+        reasoning_parser: str | None,
+    ) -> ChatSetup:
+        """The setup of a server; ValueError for parsers it does not know or cannot serve."""
+        if tool_parser is not None and tool_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"--tool-call-parser {tool_parser!r} is not known; "
+                f"use one of {sorted(TOOL_PARSERS)}"
+            )
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"--reasoning-parser {reasoning_parser!r} is not known; "
+                f"use one of {sorted(REASONING_PARSERS)}"
+            )
+        templates = choose_templates(model_template, chat_template)
+        syntax = TOOL_PARSERS[tool_parser]() if tool_parser else None
+        if templates.shipped and syntax is not None and not isinstance(syntax, HermesSyntax):
+            # The shipped template asks for hermes calls, which this parser would not read.
+            raise ValueError(
+                f"--tool-call-parser {tool_parser} needs a chat template that renders tools in "
+                "its syntax, and this model's has no tools; pass one with --chat-template"
+            )
+        reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
+        return cls(templates, tool_parser, syntax, reasoning)
+
+    @property
+    def arguments_key(self) -> str:
+        """The member a forced call object carries its arguments in (the parser's own)."""
+        return self.tool_syntax.arguments_key if self.tool_syntax else "arguments"
+
+    def template_args(
+        self,
+        messages: Sequence[dict[str, Any]],
+        choice: ToolChoice | None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The chat-template arguments of `LLM.prepare` for a conversation."""
+        has_tools = choice is not None or any(
+            m.get("tool_calls") or m.get("role") == "tool" for m in messages
+        )
+        template = self.templates.tools if has_tools else self.templates.plain
+        args: dict[str, Any] = {"chat_template_kwargs": chat_template_kwargs}
+        if template is not None:
+            args["chat_template"] = template
+        if choice is not None:
+            args["tools"] = [t.as_openai() for t in choice.tools]
+        return args
+
+    def constraint(
+        self, choice: ToolChoice | None, requested: StructuredOutputs | None
+    ) -> StructuredOutputs | None:
+        """The output constraint: a forced tool choice's, or the one the request asked for."""
+        if choice is None or not choice.forced:
+            return requested
+        if requested is not None:
+            raise ServerError(
+                400,
+                f"tool_choice {choice.mode!r} constrains the output itself; it does not combine "
+                "with response_format or structured_outputs",
+                "tool_choice",
+            )
+        return forced_constraint(choice, self.arguments_key)
+
+    def reader(
+        self, choice: ToolChoice | None, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]
+    ) -> MessageParser:
+        """How the reply to this prompt is read. A forced choice's output is the constrained
+        call JSON, from its first token: no reasoning comes before it."""
+        if choice is not None and choice.forced:
+            syntax = ForcedCallsSyntax(self.arguments_key, array=choice.mode == "required")
+            return MessageParser(tools=syntax)
+        thinking = False
+        if self.reasoning is not None:
+            tail = prompt_token_ids[-_PROMPT_TAIL_TOKENS:]
+            thinking = self.reasoning.thinks_from_prompt(
+                tokenizer.decode(tail, skip_special_tokens=False)
+            )
+        auto = choice is not None and choice.mode == "auto"
+        return MessageParser(
+            reasoning=self.reasoning,
+            thinking=thinking,
+            tools=self.tool_syntax if auto else None,
+            max_calls=None if choice is None or choice.parallel else 1,
+        )

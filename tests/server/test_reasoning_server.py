@@ -1,0 +1,93 @@
+"""Reasoning output over a real server started with `--reasoning-parser qwen3` and a chat
+template that reads `enable_thinking` (from `chat_template_kwargs`) the way Qwen's do.
+
+The embedded model does not think on its own; a constraint on the raw text makes it write the
+tags, which also shows the parser reading what a constrained request generates."""
+
+import openai
+import pytest
+
+from inflight import SamplingParams
+
+from server_harness import serve
+
+pytestmark = pytest.mark.slow
+
+MODEL = "test-model"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+# ChatML; with enable_thinking the prompt opens the reasoning (the model writes only
+# "</think>"), with enable_thinking false it closes an empty one, unset it leaves both tags to
+# the model.
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined %}"
+    "{% if enable_thinking %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}{% endif %}"
+)
+BOTH_TAGS = "<think>[a-z ]{4,16}</think>[A-Z][a-z ]{2,10}"
+
+
+@pytest.fixture(scope="module")
+def oa(server_llm):
+    with serve(server_llm, reasoning_parser="qwen3", chat_template=TEMPLATE) as (url, _):
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def _ask(oa, regex: str, **extra):
+    return oa.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=40,
+        extra_body={"structured_outputs": {"regex": regex}, **extra},
+    ).choices[0]
+
+
+def test_generated_think_tags_split_into_reasoning_and_content(oa, server_llm):
+    choice = _ask(oa, BOTH_TAGS)
+    message = choice.message.model_dump()
+    reasoning, content = message["reasoning_content"], message["content"]
+    assert reasoning and content and message["reasoning"] == reasoning
+    assert "<think>" not in content + reasoning and "</think>" not in content + reasoning
+    # Exactly the generated text, split at the tags.
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": BOTH_TAGS})
+    raw = server_llm.chat(MESSAGES, params, chat_template=TEMPLATE)[0].text
+    thought, answer = raw.removeprefix("<think>").split("</think>")
+    assert (reasoning, content) == (thought.strip(), answer.lstrip())
+    stream = oa.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=40,
+        stream=True,
+        extra_body={"structured_outputs": {"regex": BOTH_TAGS}},
+    )
+    chunks = [c.choices[0].delta.model_dump() for c in stream if c.choices]
+    assert "".join(c.get("reasoning_content") or "" for c in chunks) == reasoning
+    assert "".join(c.get("reasoning") or "" for c in chunks) == reasoning
+    assert "".join(c.get("content") or "" for c in chunks) == content
+
+
+def test_a_prompt_that_opens_the_reasoning_needs_only_the_close_tag(oa):
+    choice = _ask(
+        oa, "[a-z ]{4,16}</think>[A-Z][a-z ]{2,10}", chat_template_kwargs={"enable_thinking": True}
+    )
+    message = choice.message.model_dump()
+    assert message["reasoning_content"] and message["content"]
+    assert "</think>" not in message["reasoning_content"] + message["content"]
+
+
+def test_thinking_off_and_a_cut_off_thought(oa):
+    off = _ask(oa, "[A-Z][a-z ]{2,10}", chat_template_kwargs={"enable_thinking": False})
+    assert off.message.model_dump()["reasoning_content"] is None and off.message.content
+    # Cut off by max_tokens before "</think>": all of it is reasoning.
+    cut = oa.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=6,
+        extra_body={"structured_outputs": {"regex": "<think>[a-z ]{30,60}</think>ok"}},
+    ).choices[0]
+    assert cut.finish_reason == "length" and cut.message.content is None
+    assert cut.message.model_dump()["reasoning_content"]

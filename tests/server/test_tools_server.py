@@ -1,0 +1,318 @@
+"""Tool calling over a real server, driven by the official `openai` and `anthropic` clients.
+
+The embedded model was not trained to call tools and its template has none, so the server
+renders the shipped hermes template; forced tool choices constrain the output and must give
+calls whose arguments validate, `auto` reads whatever the model writes."""
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from inflight.server.chat_templates import HERMES_TEMPLATE
+
+from server_harness import serve
+
+pytestmark = pytest.mark.slow
+
+MODEL = "test-model"
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city",
+            "parameters": PARAMETERS,
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "description": "The time now"}},
+]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+GREEDY = {"temperature": 0, "max_tokens": 40}
+
+
+@pytest.fixture(scope="module")
+def server(server_llm):
+    with serve(server_llm, tool_call_parser="hermes") as (url, _):
+        yield url
+
+
+@pytest.fixture
+def oa(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+def _valid_call(call) -> dict:
+    assert call.type == "function" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        jsonschema.validate(arguments, PARAMETERS)
+    return arguments
+
+
+def test_named_tool_choice_calls_that_function_with_valid_arguments(oa):
+    reply = oa.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, **GREEDY
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    _valid_call(call)
+
+
+def test_required_tool_choice_makes_one_or_more_valid_calls(oa):
+    reply = oa.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", **GREEDY
+    )
+    assert reply.choices[0].finish_reason == "tool_calls"
+    calls = reply.choices[0].message.tool_calls
+    assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
+    for call in calls:
+        _valid_call(call)
+    single = oa.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        **GREEDY,
+    )
+    assert len(single.choices[0].message.tool_calls) == 1
+
+
+def test_streamed_call_reassembles_to_the_non_streamed_one(oa):
+    whole = oa.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, **GREEDY
+    )
+    with oa.chat.completions.stream(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, **GREEDY
+    ) as stream:
+        chunks = [e.chunk for e in stream if e.type == "chunk"]
+        streamed = stream.get_final_completion()
+    assert streamed.choices[0].finish_reason == "tool_calls"
+    (got,) = streamed.choices[0].message.tool_calls
+    (want,) = whole.choices[0].message.tool_calls
+    assert (got.function.name, got.function.arguments) == (
+        want.function.name,
+        want.function.arguments,
+    )
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    first, rest = deltas[0], deltas[1:]
+    assert first.index == 0 and first.id == got.id and first.type == "function"
+    assert first.function.name == "get_weather"
+    assert rest and all(d.id is None and d.function.name is None for d in rest)
+
+
+def test_a_tool_result_in_the_history_gets_a_normal_reply(oa, server_llm):
+    call = oa.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, **GREEDY
+    ).choices[0]
+    result = {"role": "tool", "tool_call_id": call.message.tool_calls[0].id, "content": "18 C"}
+    history = [*MESSAGES, call.message, result]
+    reply = oa.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, **GREEDY)
+    choice = reply.choices[0]
+    assert choice.finish_reason in ("stop", "length") and choice.message.content
+    assert not choice.message.tool_calls
+    # The assistant's call and the result went through the (shipped) template.
+    template_history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": call.message.tool_calls[0].id,
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": json.loads(call.message.tool_calls[0].function.arguments),
+                    },
+                }
+            ],
+        },
+        result,
+    ]
+    prepared = server_llm.prepare(
+        template_history, tools=TOOLS, chat_template=HERMES_TEMPLATE.read_text()
+    )
+    assert reply.usage.prompt_tokens == len(prepared.prompt_token_ids)
+    rendered = server_llm.tokenizer.decode(prepared.prompt_token_ids, skip_special_tokens=False)
+    assert '<tool_call>\n{"name": "get_weather"' in rendered
+    assert "<tool_response>\n18 C\n</tool_response>" in rendered
+
+
+def test_auto_reads_what_the_model_writes_and_none_never_calls(oa):
+    # The untrained model answers in prose: auto finds no call in it, and returns the text.
+    auto = oa.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, **GREEDY)
+    none = oa.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none", **GREEDY
+    )
+    for reply in (auto, none):
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        assert not reply.choices[0].message.tool_calls and reply.choices[0].message.content
+    assert auto.choices[0].message.content == none.choices[0].message.content
+
+
+def test_a_missing_tool_is_a_400_naming_it_and_nothing_is_submitted(server, server_llm):
+    before = server_llm.get_scheduling_metrics()["submitted"]
+    r = httpx.post(
+        server + "/v1/chat/completions",
+        json={
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "get_stock_price"}},
+        },
+    )
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "tool_choice" and "get_stock_price" in error["message"]
+    assert server_llm.get_scheduling_metrics()["submitted"] == before
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}, "tools"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}
+                ]
+            },
+            "messages",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1]"}}],
+                    }
+                ]
+            },
+            "messages.0.tool_calls.0.function.arguments",
+        ),
+        ({"messages": [{"role": "tool", "content": "18 C"}]}, "messages.0"),
+    ],
+)
+def test_malformed_tool_requests_are_400_naming_the_field(server, change, param):
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 4, **change}
+    r = httpx.post(server + "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(param)
+
+
+def test_auto_without_a_tool_call_parser_is_a_400_naming_the_flag(server_llm):
+    with serve(server_llm) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS)
+        assert info.value.body["param"] == "tool_choice"
+        assert "--tool-call-parser" in info.value.body["message"]
+        # Forced choices need no parser: the constraint builds the call.
+        named = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, **GREEDY
+        )
+        assert named.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+ANTHROPIC_TOOLS = [
+    {"name": "get_weather", "description": "The current weather", "input_schema": PARAMETERS}
+]
+
+
+def test_anthropic_tool_use_round_trip(server):
+    client = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0)
+    forced = {"type": "tool", "name": "get_weather"}
+    message = client.messages.create(
+        model=MODEL,
+        max_tokens=40,
+        messages=MESSAGES,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice=forced,
+        extra_body={"temperature": 0},
+    )
+    assert message.stop_reason == "tool_use"
+    (use,) = [b for b in message.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.id.startswith("toolu_")
+    jsonschema.validate(use.input, PARAMETERS)
+    with client.messages.stream(
+        model=MODEL,
+        max_tokens=40,
+        messages=MESSAGES,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice=forced,
+        extra_body={"temperature": 0},
+    ) as stream:
+        events = list(stream)
+        streamed = stream.get_final_message()
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+    assert starts == ["tool_use"]
+    assert any(
+        e.type == "content_block_delta" and e.delta.type == "input_json_delta" for e in events
+    )
+    assert streamed.stop_reason == "tool_use"
+    assert [(b.name, b.input) for b in streamed.content] == [(use.name, use.input)]
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C"}],
+        },
+    ]
+    reply = client.messages.create(
+        model=MODEL,
+        max_tokens=20,
+        messages=history,
+        tools=ANTHROPIC_TOOLS,
+        extra_body={"temperature": 0},
+    )
+    assert reply.stop_reason in ("end_turn", "max_tokens")
+    assert [b.type for b in reply.content] == ["text"] and reply.content[0].text
+    counted = client.messages.count_tokens(model=MODEL, messages=history, tools=ANTHROPIC_TOOLS)
+    assert counted.input_tokens == reply.usage.input_tokens
+
+
+def test_auto_parses_a_hermes_call_the_model_writes_whole_and_streamed(oa):
+    # The untrained model is made to write a hermes call (a constraint on the raw text).
+    call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}"\}\}\n'
+    request = dict(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        extra_body={"structured_outputs": {"regex": call + "</tool_call>"}},
+        **GREEDY,
+    )
+    whole = oa.chat.completions.create(**request).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    (got,) = whole.message.tool_calls
+    assert got.function.name == "get_weather" and "city" in json.loads(got.function.arguments)
+    with oa.chat.completions.stream(**request) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls" and not streamed.message.content
+    (call,) = streamed.message.tool_calls
+    assert (call.function.name, call.function.arguments) == (
+        got.function.name,
+        got.function.arguments,
+    )

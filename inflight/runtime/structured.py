@@ -91,6 +91,8 @@ class GrammarCompiler:
             error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
         except (ValueError, TypeError) as exc:
             error = str(exc)
+        if not error and not self._can_start(grammar):
+            error = "it matches no string"
         if error:
             raise RequestFieldError(
                 f"structured_outputs {spec.kind} does not compile: {error.strip()}",
@@ -101,6 +103,13 @@ class GrammarCompiler:
             if len(self._cache) > _GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
         return grammar
+
+    def _can_start(self, grammar: str) -> bool:
+        """Whether the grammar's language holds a string: an empty one (the regex [^\\s\\S])
+        validates, and its matcher starts stopped without accepting (nothing but EOS)."""
+        matcher = self.matcher(grammar)
+        self.fill([matcher], self.bitmask(1))  # the matcher settles its state computing a mask
+        return matcher.is_accepting() or not matcher.is_stopped()
 
     def matcher(self, grammar: str) -> Any:
         """A fresh matcher of a compiled grammar, at the start of the output."""

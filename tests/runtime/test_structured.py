@@ -162,6 +162,7 @@ def test_overlapped_steps_give_the_same_constrained_outputs(tiny_dirs, runtime):
         ({"json": "{not json"}, "json does not compile"),
         ({"regex": "[a-"}, "regex does not compile"),
         ({"grammar": "start: undefined_rule"}, "grammar does not compile"),
+        ({"regex": r"[^\s\S]"}, "regex does not compile: it matches no string"),
     ],
 )
 def test_a_constraint_that_does_not_compile_is_refused_when_checked(runtime, constraint, needle):

@@ -1,0 +1,107 @@
+"""Structured outputs over HTTP with the official `openai` client: `response_format` and vLLM's
+`structured_outputs`, on chat and completions, streamed and not; bad constraints are 400s."""
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from server_harness import serve
+
+pytestmark = pytest.mark.slow
+
+MODEL = "test-model"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
+    },
+    "required": ["city", "population"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Give the largest city of France as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def server(server_llm):
+    with serve(server_llm, max_queued_requests=4) as (url, _):
+        yield url
+
+
+@pytest.fixture
+def oa(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+def test_json_schema_chat_streamed_and_whole(oa):
+    response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    whole = oa.chat.completions.create(
+        model=MODEL, messages=ASK, response_format=response_format, temperature=0, max_tokens=64
+    )
+    assert whole.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(whole.choices[0].message.content), SCHEMA)
+    stream = oa.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        response_format=response_format,
+        temperature=0,
+        max_tokens=64,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == whole.choices[0].message.content
+    obj = oa.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=128,
+    )
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+def test_structured_outputs_field_on_completions(oa):
+    regex = oa.completions.create(
+        model=MODEL,
+        prompt="My phone number is",
+        max_tokens=16,
+        temperature=0.8,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}},
+    )
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", regex.choices[0].text)
+    choice = oa.completions.create(
+        model=MODEL,
+        prompt="Is Paris in France? Answer:",
+        max_tokens=4,
+        stream=True,
+        extra_body={"structured_outputs": {"choice": [" yes", " no"]}},
+    )
+    assert "".join(c.choices[0].text for c in choice if c.choices) in (" yes", " no")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "needle"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 7}}}},
+            "response_format",
+            "does not compile",
+        ),
+        ({"structured_outputs": {"regex": r"[^\s\S]"}}, "structured_outputs", "no string"),
+        ({"structured_outputs": {"grammar": "start: nothing_here"}}, "structured_outputs", ""),
+    ],
+)
+def test_a_bad_constraint_is_a_400_and_nothing_is_queued(server, server_llm, extra, param, needle):
+    submitted = server_llm.get_scheduling_metrics()["submitted"]
+    r = httpx.post(
+        server + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **extra}
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and needle in error["message"]
+    assert server_llm.get_scheduling_metrics()["submitted"] == submitted

@@ -9,10 +9,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from inflight.api import LLM
     from inflight.engine import RequestHandle
-    from inflight.runtime.outputs import CompletionOutput, StreamChunk
+    from inflight.runtime.outputs import CompletionOutput, RequestOutput, StreamChunk
     from inflight.runtime.request import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestHandle", "StreamChunk", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestHandle",
+    "StreamChunk",
+    "RequestOutput",
+    "CompletionOutput",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -28,7 +35,7 @@ def __getattr__(name: str) -> Any:
         from inflight.runtime.request import SamplingParams
 
         return SamplingParams
-    if name in ("CompletionOutput", "StreamChunk"):
+    if name in ("CompletionOutput", "RequestOutput", "StreamChunk"):
         from inflight.runtime import outputs
 
         return getattr(outputs, name)

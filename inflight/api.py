@@ -17,7 +17,7 @@ from inflight.engine import (
 )
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.options import OPTION_FIELDS
-from inflight.runtime.outputs import CompletionOutput
+from inflight.runtime.outputs import RequestOutput
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 from inflight.runtime.stepped import ExecutionCapabilities
@@ -120,7 +120,7 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[CompletionOutput]:
+    ) -> list[RequestOutput]:
         """Generate for one prompt or a list of them; returns one output per prompt, in order.
 
         Every prompt is submitted at once (waiting, not failing, while the engine pushes back);
@@ -136,7 +136,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> list[CompletionOutput]:
+    ) -> list[RequestOutput]:
         """Generate a reply to a conversation (or to each of a list of conversations).
 
         `tools` (OpenAI function tools) and `chat_template_kwargs` (e.g. `{"enable_thinking":
@@ -148,7 +148,7 @@ class LLM:
         template = _template_args(tools, chat_template, chat_template_kwargs)
         return self._run(self._requests(conversations, params, template=template))
 
-    def _run(self, requests: list[GenerationRequest]) -> list[CompletionOutput]:
+    def _run(self, requests: list[GenerationRequest]) -> list[RequestOutput]:
         handles: list[RequestHandle] = []
         try:
             for request in requests:

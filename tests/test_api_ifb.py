@@ -134,11 +134,33 @@ def test_bad_input_is_a_value_error_before_submit(ifb_llm):
     submitted = ifb_llm.get_scheduling_metrics()["submitted"]
     with pytest.raises(ValueError, match="max_model_len"):
         ifb_llm.generate("word " * 1100, SamplingParams(max_tokens=4))
-    with pytest.raises(ValueError, match=r"n > 1.*separate requests"):
-        ifb_llm.start(GenerationRequest([1, 2], n=2))
-    with pytest.raises(ValueError, match=r"n > 1.*not supported by this runtime"):
-        ifb_llm.prepare("hi", SamplingParams(), n=2)
+    with pytest.raises(ValueError, match=r"LoRA.*not served under in-flight batching"):
+        ifb_llm.start(GenerationRequest([1, 2], lora_name="adapter"))
+    with pytest.raises(ValueError, match=r"LoRA.*not supported by this runtime"):
+        ifb_llm.prepare("hi", SamplingParams(), lora_name="adapter")
+    with pytest.raises(ValueError, match=r"n \(5\) exceeds max_batch_size \(4\)"):
+        ifb_llm.prepare("hi", SamplingParams(n=5))
     assert ifb_llm.get_scheduling_metrics()["submitted"] == submitted
+
+
+@pytest.mark.slow
+def test_a_request_of_four_sequences_joins_a_running_batch(ifb_llm, llm):
+    _wait_idle(ifb_llm)
+    before = ifb_llm.get_scheduling_metrics()
+    running = ifb_llm.start(
+        ifb_llm.prepare("Tell me a long story.", SamplingParams(max_tokens=40, ignore_eos=True))
+    )
+    next(running)  # seated and decoding
+    params = SamplingParams(max_tokens=16, n=3, temperature=0.9, seed=7, ignore_eos=True)
+    (joined,) = ifb_llm.generate("The capital of France is", params)
+    running.get(timeout=60)
+    after = ifb_llm.get_scheduling_metrics()
+    assert after["admitted_mid_flight"] > before["admitted_mid_flight"]
+    assert len({s.token_ids for s in joined.outputs}) == 3
+    alone = llm.generate("The capital of France is", params)[0]  # the blocking path
+    assert [s.token_ids for s in joined.outputs] == [s.token_ids for s in alone.outputs]
+    _wait_idle(ifb_llm)
+    assert_no_leaks(ifb_llm)
 
 
 def test_blocking_path_has_no_scheduling_metrics(tiny_dirs):

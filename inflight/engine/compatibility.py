@@ -39,7 +39,7 @@ BATCH_FIELDS = (
     "params.reuse_context",
     "params.cache_generated_tokens",
     "params.structured_outputs",
-    "n",
+    "params.n",
     "lora_name",
 )
 

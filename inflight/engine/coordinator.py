@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from inflight.engine.record import RequestRecord, TerminalStatus
-from inflight.runtime.outputs import CompletionOutput, FinishReason
+from inflight.runtime.outputs import FinishedSnapshot, FinishReason, RequestOutput
 from inflight.runtime.stepped import ResidentRef, StaleResidentRef, SteppedExecution, StepResult
 
 
@@ -13,7 +13,7 @@ from inflight.runtime.stepped import ResidentRef, StaleResidentRef, SteppedExecu
 class Outcome:
     record: RequestRecord
     status: TerminalStatus
-    output: CompletionOutput | None = None
+    output: RequestOutput | None = None
     error: str = ""
 
 
@@ -32,6 +32,8 @@ class RequestCoordinator:
 
     def __init__(self) -> None:
         self._table: dict[int, tuple[ResidentRef, RequestRecord]] = {}
+        # Request id -> snapshots of its sequences that ended while others still run.
+        self._waiting: dict[int, list[FinishedSnapshot]] = {}
 
     def __len__(self) -> int:
         return len(self._table)
@@ -52,32 +54,60 @@ class RequestCoordinator:
 
     def commit(self, result: StepResult, execution: SteppedExecution) -> Commit:
         """All or nothing: the first pass checks and materializes and may raise, leaving the
-        ledger untouched; the second retires the finished and cannot raise."""
+        ledger untouched; the second retires the finished and cannot raise.
+
+        A request of n sequences has n residents; it ends at the step that evicts the last of
+        them (the snapshots of the others wait here), and its outcome covers them all."""
         owners = {ref: self.owner(ref) for ref in result.deltas}
-        staged: list[tuple[ResidentRef, Outcome]] = []
+        ended: dict[int, tuple[RequestRecord, list[FinishedSnapshot]]] = {}
         for ref, snapshot in result.finished.items():
             record = self.owner(ref)
+            ended.setdefault(record.id, (record, []))[1].append(snapshot)
+        finished_slots = {ref.slot for ref in result.finished}
+        outcomes: list[Outcome] = []
+        waiting: list[tuple[RequestRecord, list[FinishedSnapshot]]] = []
+        for record, snapshots in ended.values():
+            if any(
+                r is record and slot not in finished_slots for slot, (_, r) in self._table.items()
+            ):
+                waiting.append((record, snapshots))
+                continue
+            every = self._waiting.get(record.id, []) + snapshots
+            reasons = {s.finish_reason for s in every}
             # Cancel wins, also over a sequence that finished on its own in the same step.
-            if snapshot.finish_reason is FinishReason.CANCELLED or record.cancel_requested:
-                outcome = Outcome(record, TerminalStatus.CANCELLED)
-            elif snapshot.finish_reason is FinishReason.ERROR:
-                outcome = Outcome(
-                    record, TerminalStatus.FAILED, error="the sequence failed during generation"
+            if FinishReason.CANCELLED in reasons or record.cancel_requested:
+                outcomes.append(Outcome(record, TerminalStatus.CANCELLED))
+            elif FinishReason.ERROR in reasons:
+                outcomes.append(
+                    Outcome(
+                        record, TerminalStatus.FAILED, error="a sequence failed during generation"
+                    )
                 )
             else:
-                outcome = Outcome(record, TerminalStatus.COMPLETED, execution.materialize(snapshot))
-            staged.append((ref, outcome))
-        for ref, _ in staged:
-            del self._table[ref.slot]
-        return Commit(owners, [outcome for _, outcome in staged])
+                outcomes.append(
+                    Outcome(record, TerminalStatus.COMPLETED, execution.materialize(every))
+                )
+        for slot in finished_slots:
+            del self._table[slot]
+        for record, snapshots in waiting:
+            self._waiting.setdefault(record.id, []).extend(snapshots)
+        for outcome in outcomes:
+            self._waiting.pop(outcome.record.id, None)
+        return Commit(owners, outcomes)
 
     def retire_missing(self, live: list[ResidentRef]) -> list[RequestRecord]:
-        """Records whose resident the execution no longer holds without having reported it."""
+        """Records of which the execution no longer holds a resident without having reported
+        it (each once, its other residents retired with it)."""
         alive = set(live)
-        lost = [ref for ref, _ in self._table.values() if ref not in alive]
-        return [self._table.pop(ref.slot)[1] for ref in lost]
+        lost = {record.id: record for ref, record in self._table.values() if ref not in alive}
+        return self._retire(lost)
 
     def take_all(self) -> list[RequestRecord]:
-        records = [record for _, record in self._table.values()]
-        self._table.clear()
-        return records
+        return self._retire({record.id: record for _, record in self._table.values()})
+
+    def _retire(self, records: dict[int, RequestRecord]) -> list[RequestRecord]:
+        for slot in [s for s, (_, r) in self._table.items() if r.id in records]:
+            del self._table[slot]
+        for request_id in records:
+            self._waiting.pop(request_id, None)
+        return list(records.values())

@@ -26,7 +26,7 @@ from inflight.engine.errors import RequestCancelled, RequestFailed, SubmitError
 from inflight.engine.metrics import EngineMetrics
 from inflight.engine.record import RequestHandle, RequestRecord, TerminalStatus
 from inflight.runtime.options import submit_refusal
-from inflight.runtime.outputs import CompletionOutput, StreamChunk
+from inflight.runtime.outputs import RequestOutput, StreamChunk
 from inflight.runtime.request import GenerationRequest
 from inflight.runtime.stepped import (
     AdmissionAnswer,
@@ -106,7 +106,7 @@ class RequestEngine:
                 raise ValueError(refusal)
         return self._actor.submit(request, channel or StreamChannel())
 
-    def handle_request(self, request: GenerationRequest) -> CompletionOutput | None:
+    def handle_request(self, request: GenerationRequest) -> RequestOutput | None:
         """Submit and wait, for callers written against a blocking API: the output, or None when
         the request was refused, cancelled or failed. Never raises."""
         try:
@@ -338,8 +338,8 @@ class _Actor:
             return AdmissionAnswer.REJECTED
         if admission.answer is AdmissionAnswer.ADMITTED:
             self.queued.popleft()
-            assert admission.ref is not None
-            self.ledger.add(admission.ref, record)
+            for ref in admission.refs:
+                self.ledger.add(ref, record)
             self.resident_count = len(self.ledger)
             record.admitted_at = time.monotonic()
             self.metrics.record_queue_latency(int((record.admitted_at - record.submitted_at) * 1e6))
@@ -373,7 +373,7 @@ class _Actor:
         self,
         record: RequestRecord,
         status: TerminalStatus,
-        output: CompletionOutput | None = None,
+        output: RequestOutput | None = None,
         error: str = "",
     ) -> None:
         """The single exit of every accepted request: one outcome, published before the stream
@@ -389,13 +389,15 @@ class _Actor:
         record.publish(status, output, error)
         if status is TerminalStatus.COMPLETED:
             assert output is not None
-            record.channel.push(
-                StreamChunk(
-                    prompt_tokens=output.prompt_tokens,
-                    finished=True,
-                    finish_reason=output.finish_reason,
+            for sequence in output.outputs:
+                record.channel.push(
+                    StreamChunk(
+                        prompt_tokens=output.prompt_tokens,
+                        finished=True,
+                        finish_reason=sequence.finish_reason,
+                        index=sequence.index,
+                    )
                 )
-            )
             record.channel.finish()
         else:
             record.channel.cancel()

@@ -10,7 +10,7 @@ from enum import Enum
 
 from inflight.engine.channel import StreamChannel
 from inflight.engine.errors import RequestCancelled, RequestFailed
-from inflight.runtime.outputs import CompletionOutput, StreamChunk, merge_chunks
+from inflight.runtime.outputs import RequestOutput, StreamChunk, merge_chunks
 from inflight.runtime.request import GenerationRequest
 
 
@@ -30,7 +30,7 @@ class RequestRecord:
         self.submitted_at = time.monotonic()
         self.admitted_at: float | None = None  # when the actor seated it (founder or joiner)
         self.status: TerminalStatus | None = None
-        self.output: CompletionOutput | None = None
+        self.output: RequestOutput | None = None
         self.error = ""
         self._done = threading.Event()
 
@@ -42,7 +42,7 @@ class RequestRecord:
     def published(self) -> bool:
         return self._done.is_set()
 
-    def publish(self, status: TerminalStatus, output: CompletionOutput | None, error: str) -> bool:
+    def publish(self, status: TerminalStatus, output: RequestOutput | None, error: str) -> bool:
         """Set the outcome; False (and nothing changes) when one was already published."""
         if self._done.is_set():
             return False
@@ -59,10 +59,10 @@ class RequestHandle(Iterator[StreamChunk]):
     usable after the engine is gone.
 
     Iterating it (with `for`, or `async for` on an asyncio loop, which parks no thread) yields
-    the request's chunks as they come, several merged into one when the consumer fell behind; the
-    last chunk of a completed request has `finished` set, and a request that did not complete
-    raises RequestCancelled or RequestFailed where its stream ends. Abandoning the iteration
-    early (`close()`) cancels the request.
+    the request's chunks as they come, those of one sequence merged when the consumer fell
+    behind; a completed request ends with one chunk per sequence with `finished` set, and a
+    request that did not complete raises RequestCancelled or RequestFailed where its stream
+    ends. Abandoning the iteration early (`close()`) cancels the request.
     """
 
     def __init__(self, record: RequestRecord, wake_actor: Callable[[], None]) -> None:
@@ -70,6 +70,8 @@ class RequestHandle(Iterator[StreamChunk]):
         self._wake_actor = wake_actor
         self._started = False  # the consumer has begun to iterate
         self._ended = False  # the consumer has seen the end of the stream
+        self._unfinished = record.request.params.n  # sequences whose end it has not seen
+        self._ready: list[StreamChunk] = []  # merged chunks not handed out yet
 
     @property
     def id(self) -> int:
@@ -104,7 +106,7 @@ class RequestHandle(Iterator[StreamChunk]):
             self._ended = True
             self.cancel()
 
-    def get(self, timeout: float | None = None) -> CompletionOutput:
+    def get(self, timeout: float | None = None) -> RequestOutput:
         """Wait for the outcome: the output, or RequestCancelled / RequestFailed.
 
         A request its caller cancelled raises RequestCancelled at once, without waiting for the
@@ -130,7 +132,7 @@ class RequestHandle(Iterator[StreamChunk]):
         while not self._ended:
             ended = channel.ended  # read first: every chunk pushed before the end is popped
             chunks = channel.pop_all()
-            if chunks:
+            if chunks or self._ready:
                 return self._take(chunks)
             if ended:
                 self._end()
@@ -150,7 +152,7 @@ class RequestHandle(Iterator[StreamChunk]):
             while not self._ended:
                 ended = channel.ended
                 chunks = channel.pop_all()
-                if chunks:
+                if chunks or self._ready:
                     return self._take(chunks)
                 if ended:
                     self._end()
@@ -161,9 +163,11 @@ class RequestHandle(Iterator[StreamChunk]):
         raise StopAsyncIteration
 
     def _take(self, chunks: list[StreamChunk]) -> StreamChunk:
-        chunk = chunks[0] if len(chunks) == 1 else merge_chunks(chunks)
+        self._ready += chunks if len(chunks) < 2 else merge_chunks(chunks)
+        chunk = self._ready.pop(0)
         if chunk.finished:
-            self._ended = True
+            self._unfinished -= 1
+            self._ended = self._unfinished == 0
         return chunk
 
     def _end(self) -> None:

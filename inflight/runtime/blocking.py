@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
-from inflight.runtime.outputs import CompletionOutput, FinishedSnapshot, StreamChunk, materialize
+from inflight.runtime.outputs import FinishedSnapshot, RequestOutput, StreamChunk, materialize
 from inflight.runtime.request import GenerationRequest
-from inflight.runtime.stepped import AdmissionAnswer, SteppedExecution
+from inflight.runtime.stepped import AdmissionAnswer, ResidentRef, SteppedExecution, StepResult
 
 
 class BlockingRun:
-    """Iterate for the request's chunks; `snapshot` and `output` are set before the last one is
-    yielded.
+    """A request alone in a session of its own: `step()` runs one step of it, iterating yields
+    its chunks step by step; `output` is set once every sequence has finished (before the last
+    chunk is yielded).
 
     The request is admitted on construction, so a rejected one raises ValueError at once. Stopping
     early (closing the iterator, or `close()`) cancels the request and frees what it held.
@@ -23,21 +24,32 @@ class BlockingRun:
         if admission.answer is not AdmissionAnswer.ADMITTED:
             session.finish()
             raise ValueError(admission.reason)
-        assert admission.ref is not None
-        self._ref = admission.ref
-        self.snapshot: FinishedSnapshot | None = None
-        self.output: CompletionOutput | None = None
+        self.refs = admission.refs
+        self._live = set(self.refs)
+        self._snapshots: list[FinishedSnapshot] = []
+        self.output: RequestOutput | None = None
         self._closed = False
+
+    @property
+    def residents(self) -> list[ResidentRef]:
+        """Its sequences still running."""
+        return [ref for ref in self.refs if ref in self._live]
+
+    def step(self, cancelled: Collection[ResidentRef] = ()) -> StepResult:
+        """One step of the session; the output is set at the step that ends its last sequence."""
+        result = self._session.step(cancelled)
+        for ref, snapshot in result.finished.items():
+            self._live.discard(ref)
+            self._snapshots.append(snapshot)
+        if not self._live and self.output is None:
+            self.output = materialize(self._snapshots)
+        return result
 
     def __iter__(self) -> Iterator[StreamChunk]:
         try:
-            while self.snapshot is None:
-                result = self._session.step()
-                if self._ref in result.finished:
-                    self.snapshot = result.finished[self._ref]
-                    self.output = materialize(self.snapshot)
-                if self._ref in result.deltas:
-                    yield result.deltas[self._ref]
+            while self._live:
+                result = self.step()
+                yield from (result.deltas[ref] for ref in self.refs if ref in result.deltas)
         finally:
             self.close()
 
@@ -45,11 +57,12 @@ class BlockingRun:
         if self._closed:
             return
         self._closed = True
-        if self.snapshot is None:
+        if self._live:
             self._session.abort()
+            self._live.clear()
         self._session.finish()
 
-    def result(self) -> CompletionOutput:
+    def result(self) -> RequestOutput:
         for _ in self:
             pass
         assert self.output is not None

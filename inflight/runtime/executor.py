@@ -157,7 +157,10 @@ class Executor:
         samplers = [row for row in launched.step.rows if row.samples]
         launched.sampled = self.sampler.sample(
             launched.logits,
-            [SamplingRow(row.resident.request.params, row.position) for row in samplers],
+            [
+                SamplingRow(row.resident.request.params, row.position, row.resident.index)
+                for row in samplers
+            ],
             self._masks(samplers),
         )
         launched.logits = None

@@ -36,14 +36,6 @@ class RequestOption:
 
 REQUEST_OPTIONS: tuple[RequestOption, ...] = (
     RequestOption(
-        "n",
-        "more than one sequence per request (n > 1)",
-        1,
-        UnderIFB.REFUSED,
-        ifb_alternative="submit n separate requests",
-        runtime_alternative="submit n separate requests",
-    ),
-    RequestOption(
         "lora_name",
         "per-request LoRA (lora_name)",
         None,

@@ -60,7 +60,9 @@ class OutputProcessor:
             params.include_stop_str_in_output,
         )
         r.logprobs = None if params.logprobs is None else []
-        r.prompt_logprobs = None if params.prompt_logprobs is None else [None]
+        # The first sequence scores the prompt for the request.
+        scored = params.prompt_logprobs is not None and r.index == 0
+        r.prompt_logprobs = [None] if scored else None
 
     def complete(
         self,
@@ -106,6 +108,7 @@ class OutputProcessor:
             logprobs=r.logprobs,
             prompt_logprobs=r.prompt_logprobs,
             cached_tokens=r.cached_tokens,
+            index=r.index,
         )
 
     def _publish(self, r: Resident) -> None:
@@ -136,7 +139,7 @@ class OutputProcessor:
         r.output.append(token)
         chunk = result.deltas.get(r.ref)
         if chunk is None:
-            chunk = result.deltas[r.ref] = StreamChunk(prompt_tokens=r.prompt_len)
+            chunk = result.deltas[r.ref] = StreamChunk(prompt_tokens=r.prompt_len, index=r.index)
         chunk.token_ids.append(token)
         if r.logprobs is not None:
             entry = self._logprob_entry(sampled)

@@ -1,14 +1,15 @@
 """What a request produces, one type per kind of event (torch-free).
 
-A step's new tokens travel as one `StreamChunk` per request, from the runtime through the
-engine's `StreamChannel` to the caller unchanged; a chunk that ends a request has `finished` set.
-A request's end is a `FinishedSnapshot`, taken by the runtime at the step that evicts it, which
-`materialize` turns into the caller's `CompletionOutput`.
+A step's new tokens travel as one `StreamChunk` per sequence, from the runtime through the
+engine's `StreamChannel` to the caller unchanged; a request's last chunks have `finished` set.
+A sequence's end is a `FinishedSnapshot`, taken by the runtime at the step that evicts it; once
+all of a request's sequences ended, `materialize` turns their snapshots into the caller's
+`RequestOutput` (one `CompletionOutput` per sequence).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -55,8 +56,9 @@ class SampledRow:
 
 @dataclass(slots=True)
 class StreamChunk:
-    """New token ids of a request and the text they released; the chunk that ends a completed
-    request has `finished` and its `finish_reason` ("stop" or "length").
+    """New token ids of one sequence of a request (`index`: 0 unless it asked for n > 1) and the
+    text they released. When a request completes, one chunk per sequence has `finished` and
+    that sequence's `finish_reason` ("stop" or "length").
 
     Text may lag tokens: bytes of an unfinished UTF-8 character, or text that could still turn out
     to begin a stop string, are held back until they are settled.
@@ -68,25 +70,41 @@ class StreamChunk:
     prompt_tokens: int = -1  # -1: unknown
     finished: bool = False
     finish_reason: str | None = None
+    index: int = 0
 
 
-def merge_chunks(chunks: Iterable[StreamChunk]) -> StreamChunk:
-    """One chunk holding the tokens, text and logprobs of several in order (for a consumer that
-    fell behind); the last one's end, if it is one, ends the merged chunk."""
-    merged = StreamChunk()
+def merge_chunks(chunks: Iterable[StreamChunk]) -> list[StreamChunk]:
+    """The chunks of a consumer that fell behind, merged where they follow one another in one
+    sequence: tokens, text and logprobs in order; the last one's end, if it is one, ends it."""
+    merged: list[StreamChunk] = []
     for chunk in chunks:
-        merged.token_ids += chunk.token_ids
-        merged.text += chunk.text
+        last = merged[-1] if merged else None
+        if last is None or last.index != chunk.index or last.finished:
+            merged.append(
+                StreamChunk(
+                    list(chunk.token_ids),
+                    chunk.text,
+                    None if chunk.logprobs is None else list(chunk.logprobs),
+                    chunk.prompt_tokens,
+                    chunk.finished,
+                    chunk.finish_reason,
+                    chunk.index,
+                )
+            )
+            continue
+        last.token_ids += chunk.token_ids
+        last.text += chunk.text
         if chunk.logprobs is not None:
-            merged.logprobs = [*(merged.logprobs or []), *chunk.logprobs]
-        merged.prompt_tokens = max(merged.prompt_tokens, chunk.prompt_tokens)
-        merged.finished, merged.finish_reason = chunk.finished, chunk.finish_reason
+            last.logprobs = [*(last.logprobs or []), *chunk.logprobs]
+        last.prompt_tokens = max(last.prompt_tokens, chunk.prompt_tokens)
+        last.finished, last.finish_reason = chunk.finished, chunk.finish_reason
     return merged
 
 
 @dataclass
 class FinishedSnapshot:
-    """Everything a resident produced, taken at the step that evicted it."""
+    """Everything a resident (one sequence of a request) produced, taken at the step that
+    evicted it."""
 
     request: GenerationRequest
     token_ids: list[int]
@@ -96,32 +114,72 @@ class FinishedSnapshot:
     logprobs: list[LogprobEntry] | None = None
     prompt_logprobs: list[LogprobEntry | None] | None = None
     cached_tokens: int = 0
+    index: int = 0  # which of the request's n sequences
 
 
 @dataclass(frozen=True)
 class CompletionOutput:
+    """One generated sequence."""
+
+    index: int
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str  # "stop" | "length" | "cancelled" | "error"
     stop_reason: str | int | None
     logprobs: tuple[LogprobEntry, ...] | None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A request's outcome: its `n` sequences (in index order) and what concerns its prompt.
+
+    `text`, `token_ids`, `finish_reason`, `stop_reason` and `logprobs` are those of the first
+    sequence: the only one unless the request asked for n > 1."""
+
+    outputs: tuple[CompletionOutput, ...]
     prompt_tokens: int
     # One entry per prompt token (None for the first, which nothing predicts), when asked for.
     prompt_logprobs: tuple[LogprobEntry | None, ...] | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from the context cache
 
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
 
-def materialize(snapshot: FinishedSnapshot) -> CompletionOutput:
-    """The caller's output of a finished request."""
-    return CompletionOutput(
-        text=snapshot.text,
-        token_ids=tuple(snapshot.token_ids),
-        finish_reason=snapshot.finish_reason.value,
-        stop_reason=snapshot.stop_reason,
-        logprobs=None if snapshot.logprobs is None else tuple(snapshot.logprobs),
-        prompt_tokens=len(snapshot.request.prompt_token_ids),
-        prompt_logprobs=None
-        if snapshot.prompt_logprobs is None
-        else tuple(snapshot.prompt_logprobs),
-        cached_tokens=snapshot.cached_tokens,
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> tuple[LogprobEntry, ...] | None:
+        return self.outputs[0].logprobs
+
+
+def materialize(snapshots: Sequence[FinishedSnapshot]) -> RequestOutput:
+    """The caller's output of a finished request, from the snapshots of all its sequences."""
+    ordered = sorted(snapshots, key=lambda s: s.index)
+    first = ordered[0]
+    return RequestOutput(
+        outputs=tuple(
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=tuple(s.token_ids),
+                finish_reason=s.finish_reason.value,
+                stop_reason=s.stop_reason,
+                logprobs=None if s.logprobs is None else tuple(s.logprobs),
+            )
+            for s in ordered
+        ),
+        prompt_tokens=len(first.request.prompt_token_ids),
+        prompt_logprobs=None if first.prompt_logprobs is None else tuple(first.prompt_logprobs),
+        cached_tokens=first.cached_tokens,
     )

@@ -100,6 +100,8 @@ class SamplingParams:
     reuse_context: bool = True
     cache_generated_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
+    # Sequences to generate for the prompt: prefilled once, each sampled on its own.
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, Mapping):
@@ -123,6 +125,10 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.n > 1 and self.max_tokens == 0:
+            raise ValueError("n > 1 needs max_tokens >= 1: scoring a prompt makes one sequence")
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputs
         ):
@@ -191,7 +197,6 @@ class GenerationRequest:
 
     prompt_token_ids: Sequence[int]
     params: SamplingParams = field(default_factory=SamplingParams)
-    n: int = 1  # sequences to generate for the prompt
     lora_name: str | None = None  # a per-request LoRA adapter
     generate_audio: bool = False  # speech output
     save_system_prompt_kv_cache: bool = False  # the legacy system-prompt KV capture
@@ -199,8 +204,6 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
 
 
 def _is_int(value: Any) -> bool:

@@ -38,6 +38,10 @@ class Resident:
     logprobs: list[LogprobEntry] | None = None
     prompt_logprobs: list[LogprobEntry | None] | None = None
     matcher: Any = None  # its structured-outputs constraint's llguidance matcher, if any
+    index: int = 0  # which of its request's n sequences
+    # A later sequence of an n > 1 request, until the first has launched the prompt blocks
+    # they share: it waits for them.
+    leader: Resident | None = None
 
     @property
     def prompt(self) -> tuple[int, ...]:

@@ -2,8 +2,9 @@
 
 Greedy rows take the argmax. Sampled rows apply temperature, top-k, top-p and min-p, then draw by
 racing exponential noise (argmax of p / E with E ~ Exp(1), which samples from p). A row with a seed
-draws its noise from a generator seeded by (seed, output position) alone, so it picks the same
-tokens whatever else shares the step. Log-probabilities are those of the raw distribution.
+draws its noise from a generator seeded by (seed, output position, sequence of its request) alone,
+so it picks the same tokens whatever else shares the step. Log-probabilities are those of the raw
+distribution.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from inflight.model.transfer import to_device
 from inflight.runtime.outputs import SampledRow
 from inflight.runtime.request import SamplingParams
 
-_SEED_STRIDE = 1_000_003  # mixes (seed, position) into one generator seed
+_SEED_STRIDE = 1_000_003  # mixes (seed, position, sequence) into one generator seed
+_SEQUENCE_STRIDE = 7_919_003_233  # past any position: sequence i's draws are its own
 
 
 # Built for every row of every step: slots and no `frozen`, whose __init__ costs ~10x.
@@ -27,6 +29,7 @@ _SEED_STRIDE = 1_000_003  # mixes (seed, position) into one generator seed
 class SamplingRow:
     params: SamplingParams
     position: int  # index of the output token being drawn (0 for the first)
+    sequence: int = 0  # which of the request's n sequences
 
 
 @dataclass
@@ -171,7 +174,8 @@ class Sampler:
         for i, row in enumerate(rows):
             if row.params.seed is not None:
                 generator = torch.Generator(device=device)
-                generator.manual_seed((row.params.seed * _SEED_STRIDE + row.position) % (2**63))
+                mixed = row.params.seed * _SEED_STRIDE + row.position
+                generator.manual_seed((mixed + row.sequence * _SEQUENCE_STRIDE) % (2**63))
                 noise[i].exponential_(generator=generator)
         return torch.argmax(probs / noise, dim=-1)
 

@@ -20,7 +20,7 @@ import numpy as np
 from inflight.runtime.context_cache import ContextCache
 from inflight.runtime.kv_cache import BlockPool
 from inflight.runtime.options import check_runtime_serves
-from inflight.runtime.request import GenerationRequest, PromptTooLongError
+from inflight.runtime.request import GenerationRequest, PromptTooLongError, RequestFieldError
 from inflight.runtime.residents import Resident
 from inflight.runtime.slots import ResidentSlots
 from inflight.runtime.stepped import ResidentRef, ScheduledSequence
@@ -29,20 +29,28 @@ from inflight.runtime.structured import GrammarCompiler
 
 @dataclass(frozen=True)
 class AdmissionIntent:
-    """A validated request and what it needs: its output budget and KV blocks."""
+    """A validated request and what it needs: its output budget and KV blocks.
+
+    Each of its n sequences holds `sequence_blocks` blocks; the `shared_blocks` first ones, the
+    full blocks of its prompt but the last token, are the first sequence's, which the others
+    lease (so `blocks_needed` counts them once)."""
 
     request: GenerationRequest
     max_new_tokens: int
     blocks_needed: int
+    sequence_blocks: int
+    shared_blocks: int = 0
     grammar: str | None = None  # its structured-outputs constraint, compiled
 
 
 @dataclass(frozen=True)
 class Reservation:
+    """A slot and the KV blocks of each of the request's sequences."""
+
     intent: AdmissionIntent
-    ref: ResidentRef
-    blocks: list[int]
-    cached_blocks: int = 0  # leading blocks leased from the context cache
+    refs: tuple[ResidentRef, ...]
+    blocks: tuple[list[int], ...]
+    cached_blocks: int = 0  # leading blocks of the first sequence leased from the context cache
     digests: tuple[bytes, ...] = ()  # their chain digests
 
 
@@ -123,6 +131,12 @@ class Scheduler:
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
                 raise ValueError(f"{name} token id {bad} is outside the vocabulary (size {vocab})")
+        if params.n > self.slots.capacity:
+            raise RequestFieldError(
+                f"n ({params.n}) exceeds max_batch_size ({self.slots.capacity}): each of the n "
+                "sequences is a resident of the batch",
+                "n",
+            )
         room = limit - len(prompt)
         if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(
@@ -133,53 +147,74 @@ class Scheduler:
         # KV for every token, the last output token's too: with overlap, the step launched
         # before the request is seen to finish still feeds that token back.
         blocks = self.blocks.blocks_for(len(prompt) + max_new)
-        if blocks > self.blocks.num_blocks:
+        # The n sequences share the full blocks of the prompt but its last token (which each
+        # computes itself, so that each draws its first token from its own row).
+        shared = (len(prompt) - 1) // self.blocks.block_size if params.n > 1 else 0
+        total = blocks + (params.n - 1) * (blocks - shared)
+        if total > self.blocks.num_blocks:
             raise ValueError(
-                f"request needs {blocks} KV blocks but the whole cache holds "
+                f"request needs {total} KV blocks but the whole cache holds "
                 f"{self.blocks.num_blocks}; lower max_tokens or raise the KV cache size"
             )
         spec = params.structured_outputs
         grammar = None if spec is None else self.grammars.compile(spec)
-        return AdmissionIntent(request, max_new, blocks, grammar)
+        return AdmissionIntent(request, max_new, total, blocks, shared, grammar)
 
     def reserve(self, intent: AdmissionIntent) -> Reservation | None:
-        """Take a slot and every KV block the request can need, leasing its cached prefix; or
-        None, having changed nothing."""
-        pool, cache = self.blocks, self.context_cache
+        """Take a slot per sequence and every KV block the request can need, leasing its cached
+        prefix; or None, having changed nothing (a request never holds part of its slots)."""
+        pool, cache, n = self.blocks, self.context_cache, intent.request.params.n
         hits: list[int] = []
         digests: list[bytes] = []
         if cache is not None and self._looks_up(intent.request):
             hits, digests = cache.match(intent.request.prompt_token_ids)
         fresh = intent.blocks_needed - len(hits)
         revived = sum(1 for block in hits if not pool.in_use(block))
-        if pool.num_free - revived < fresh or not self.slots.num_free:
+        if pool.num_free - revived < fresh or self.slots.num_free < n:
             return None
-        ref = self.slots.acquire()
+        refs = [self.slots.acquire() for _ in range(n)]
         for block in hits:
             pool.lease(block)
-        blocks = pool.allocate(fresh)
-        assert ref is not None and blocks is not None
-        return Reservation(intent, ref, hits + blocks, len(hits), tuple(digests))
+        first = hits + (pool.allocate(intent.sequence_blocks - len(hits)) or [])
+        shared = first[: intent.shared_blocks]
+        blocks = [first]
+        for _ in range(n - 1):
+            for block in shared:
+                pool.lease(block)
+            blocks.append(shared + (pool.allocate(intent.sequence_blocks - len(shared)) or []))
+        assert None not in refs and all(len(b) == intent.sequence_blocks for b in blocks)
+        return Reservation(intent, tuple(refs), tuple(blocks), len(hits), tuple(digests))
 
-    def seat(self, reservation: Reservation) -> Resident:
-        request = reservation.intent.request
+    def seat(self, reservation: Reservation) -> list[Resident]:
+        """The request's residents, one per sequence. Sequences after the first wait until the
+        first has computed the prompt they share, then compute its rest themselves."""
+        intent, request = reservation.intent, reservation.intent.request
         cached = reservation.cached_blocks * self.blocks.block_size
         if self.context_cache is not None and self._looks_up(request):
             self.context_cache.record_lookup(len(request.prompt_token_ids), cached)
-        resident = Resident(
-            ref=reservation.ref,
-            request=request,
-            blocks=reservation.blocks,
-            block_table=np.asarray(reservation.blocks, dtype=np.int64),
-            max_new_tokens=reservation.intent.max_new_tokens,
-            prompt_len=len(request.prompt_token_ids),
-            computed=cached,
-            committed=cached,
-            cached_tokens=cached,
-            digests=list(reservation.digests),
-        )
-        self.residents[reservation.ref] = resident
-        return resident
+        shared = intent.shared_blocks * self.blocks.block_size
+        residents: list[Resident] = []
+        for index, (ref, blocks) in enumerate(
+            zip(reservation.refs, reservation.blocks, strict=True)
+        ):
+            start = cached if index == 0 else shared
+            resident = Resident(
+                ref=ref,
+                request=request,
+                blocks=blocks,
+                block_table=np.asarray(blocks, dtype=np.int64),
+                max_new_tokens=intent.max_new_tokens,
+                prompt_len=len(request.prompt_token_ids),
+                computed=start,
+                committed=start,
+                cached_tokens=cached if index == 0 else 0,
+                digests=list(reservation.digests) if index == 0 else [],
+                index=index,
+                leader=residents[0] if index else None,
+            )
+            self.residents[ref] = resident
+            residents.append(resident)
+        return residents
 
     @staticmethod
     def _looks_up(request: GenerationRequest) -> bool:
@@ -204,10 +239,14 @@ class Scheduler:
                 break
             if not r.prefilling:
                 continue
+            if r.leader is not None:
+                if r.leader.computed < r.computed:
+                    continue  # the shared prompt blocks are not all launched yet
+                r.leader = None
             n = min(r.prompt_len - r.computed, budget)
             budget -= n
             samples = r.computed + n == r.prompt_len and r.max_new_tokens > 0
-            scores = r.request.params.prompt_logprobs is not None
+            scores = r.request.params.prompt_logprobs is not None and r.index == 0
             chunk = r.prompt[r.computed : r.computed + n]
             rows.append(ScheduledRow(r, chunk, r.computed, samples, scores))
         if not rows:

@@ -12,11 +12,11 @@ the tokens of step N.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 from inflight.runtime.executor import Executor, LaunchedStep
 from inflight.runtime.output_processor import OutputProcessor
-from inflight.runtime.outputs import CompletionOutput, FinishedSnapshot, FinishReason, materialize
+from inflight.runtime.outputs import FinishedSnapshot, FinishReason, RequestOutput, materialize
 from inflight.runtime.request import GenerationRequest
 from inflight.runtime.scheduler import AdmissionIntent, Reservation, Scheduler
 from inflight.runtime.stepped import Admission, AdmissionAnswer, ResidentRef, StepResult
@@ -64,9 +64,10 @@ class GenerationSession:
         if reservation is None:
             return Admission(
                 AdmissionAnswer.NO_CAPACITY,
-                reason=f"needs a resident slot and {intent.blocks_needed} free KV blocks",
+                reason=f"needs {intent.request.params.n} resident slot(s) and "
+                f"{intent.blocks_needed} free KV blocks",
             )
-        return Admission(AdmissionAnswer.ADMITTED, ref=self.seat(reservation))
+        return Admission(AdmissionAnswer.ADMITTED, refs=self.seat(reservation))
 
     def step(self, cancelled: Collection[ResidentRef] = ()) -> StepResult:
         self._check_open()
@@ -89,8 +90,8 @@ class GenerationSession:
             self._executor.sample(launched)
         return result
 
-    def materialize(self, snapshot: FinishedSnapshot) -> CompletionOutput:
-        return materialize(snapshot)
+    def materialize(self, snapshots: Sequence[FinishedSnapshot]) -> RequestOutput:
+        return materialize(snapshots)
 
     def finish(self) -> None:
         if self._scheduler.residents:
@@ -117,10 +118,11 @@ class GenerationSession:
     def reserve_admission(self, intent: AdmissionIntent) -> Reservation | None:
         return self._scheduler.reserve(intent)
 
-    def seat(self, reservation: Reservation) -> ResidentRef:
-        resident = self._scheduler.seat(reservation)
-        self._outputs.track(resident, reservation.intent.grammar)
-        return resident.ref
+    def seat(self, reservation: Reservation) -> tuple[ResidentRef, ...]:
+        residents = self._scheduler.seat(reservation)
+        for resident in residents:
+            self._outputs.track(resident, reservation.intent.grammar)
+        return tuple(r.ref for r in residents)
 
     # -- internals ------------------------------------------------------------------------------
 

@@ -10,12 +10,12 @@ scheduler.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple, Protocol
 
-from inflight.runtime.outputs import CompletionOutput, FinishedSnapshot, StreamChunk
+from inflight.runtime.outputs import FinishedSnapshot, RequestOutput, StreamChunk
 from inflight.runtime.request import GenerationRequest
 
 
@@ -43,9 +43,16 @@ class AdmissionAnswer(Enum):
 
 @dataclass(frozen=True)
 class Admission:
+    """`refs`: one resident per sequence of the request (n of them), all seated at once."""
+
     answer: AdmissionAnswer
-    ref: ResidentRef | None = None
+    refs: tuple[ResidentRef, ...] = ()
     reason: str = ""
+
+    @property
+    def ref(self) -> ResidentRef | None:
+        """The first sequence's resident (the only one unless n > 1)."""
+        return self.refs[0] if self.refs else None
 
 
 # Built for every row of every step: slots and no `frozen`, whose __init__ costs ~10x.
@@ -105,15 +112,17 @@ class SteppedExecution(Protocol):
         ...
 
     def admit(self, request: GenerationRequest) -> Admission:
-        """Seat a request as a resident, or say why not; NO_CAPACITY modifies nothing."""
+        """Seat a request as residents (one per sequence, all or none), or say why not;
+        NO_CAPACITY modifies nothing."""
         ...
 
     def step(self, cancelled: Collection[ResidentRef] = ()) -> StepResult:
         """Run one tick. Residents in `cancelled` are evicted as CANCELLED before it runs."""
         ...
 
-    def materialize(self, snapshot: FinishedSnapshot) -> CompletionOutput:
-        """Turn a finished snapshot into the output returned to the caller."""
+    def materialize(self, snapshots: Sequence[FinishedSnapshot]) -> RequestOutput:
+        """Turn the snapshots of all of a request's sequences into the output returned to the
+        caller."""
         ...
 
     def finish(self) -> None:

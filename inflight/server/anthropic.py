@@ -7,7 +7,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from inflight.runtime.outputs import CompletionOutput
+from inflight.runtime.outputs import RequestOutput
 from inflight.runtime.request import SamplingParams, StructuredOutputs
 from inflight.server.chat import ChatSetup
 from inflight.server.client import Run
@@ -185,7 +185,7 @@ class MessageReply:
             "usage": usage,
         }
 
-    def whole(self, output: CompletionOutput) -> dict[str, Any]:
+    def whole(self, output: RequestOutput) -> dict[str, Any]:
         stop = output.stop_reason if isinstance(output.stop_reason, str) else None
         parsed = self.reader.whole(output.text)
         content: list[dict[str, Any]] = []

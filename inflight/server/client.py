@@ -22,7 +22,7 @@ import anyio
 
 from inflight.api import LLM
 from inflight.engine import RequestCancelled, RequestFailed, RequestHandle, SubmitError
-from inflight.runtime.outputs import CompletionOutput, StreamChunk
+from inflight.runtime.outputs import RequestOutput, StreamChunk
 from inflight.runtime.request import (
     GenerationRequest,
     PromptTooLongError,
@@ -143,7 +143,7 @@ class EngineClient:
 
     async def generate(
         self, request: GenerationRequest, disconnected: Callable[[], Awaitable[bool]]
-    ) -> CompletionOutput:
+    ) -> RequestOutput:
         """Run to the end; a client that disconnects meanwhile cancels the request."""
         run = self.run(request)
         await run.start()
@@ -182,7 +182,12 @@ class Run:
         self._started_at = 0.0
         self._leased = False
         self._gate_wait = 0.0
-        self.output: CompletionOutput | None = None
+        self.output: RequestOutput | None = None
+
+    @property
+    def n(self) -> int:
+        """How many sequences the request generates."""
+        return self._request.params.n
 
     async def start(self) -> None:
         client = self._client

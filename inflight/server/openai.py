@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from inflight.model.checkpoints.tokenizer import Tokenizer
-from inflight.runtime.outputs import CompletionOutput, LogprobEntry, StreamChunk
+from inflight.runtime.outputs import CompletionOutput, LogprobEntry, RequestOutput, StreamChunk
 from inflight.runtime.request import GenerationRequest, SamplingParams, StructuredOutputs
 from inflight.server.chat import ChatSetup
 from inflight.server.client import Run
@@ -59,15 +59,10 @@ def sampling_params(
             logit_bias=bias,
             skip_special_tokens=skip_special_tokens,
             structured_outputs=constraint,
+            n=body.n,
         )
     except ValueError as exc:
         raise ServerError(400, str(exc), str(exc).split(" ", 1)[0]) from exc
-
-
-def request_options(body: SamplingFields) -> dict[str, Any]:
-    """The request options (`GenerationRequest` fields) an OpenAI body asks for; whether they
-    are served is the runtime's to say."""
-    return {"n": body.n}
 
 
 def field_params(body: SamplingFields, choice: ToolChoice | None = None) -> dict[str, str]:
@@ -239,7 +234,18 @@ class ChatReply:
         self.reader = reader
         self.reasoning_fields = reasoning_fields
 
-    def whole(self, output: CompletionOutput) -> dict[str, Any]:
+    def whole(self, output: RequestOutput) -> dict[str, Any]:
+        completion_tokens = sum(len(o.token_ids) for o in output.outputs)
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [self._choice(sequence) for sequence in output.outputs],
+            "usage": _usage(output.prompt_tokens, completion_tokens, output.cached_tokens),
+        }
+
+    def _choice(self, output: CompletionOutput) -> dict[str, Any]:
         logprobs = None
         if self.logprobs:
             logprobs = {"content": [_chat_logprob(e) for e in output.logprobs or ()]}
@@ -257,29 +263,20 @@ class ChatReply:
                 for call in parsed.tool_calls
             ]
         return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": logprobs,
-                    "finish_reason": _finish_reason(output.finish_reason, bool(parsed.tool_calls)),
-                }
-            ],
-            "usage": _usage(output.prompt_tokens, len(output.token_ids), output.cached_tokens),
+            "index": output.index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": _finish_reason(output.finish_reason, bool(parsed.tool_calls)),
         }
 
-    def _chunk(self, delta: dict[str, Any], **choice: Any) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, Any], index: int = 0, **choice: Any) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
             "choices": [
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None, **choice}
+                {"index": index, "delta": delta, "logprobs": None, "finish_reason": None, **choice}
             ],
         }
 
@@ -310,28 +307,35 @@ class ChatReply:
         return delta
 
     async def stream(self, run: Run, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-        """Role, reasoning / content / tool-call deltas, the finish reason, usage (if asked
-        for)."""
-        yield self._chunk({"role": "assistant", "content": ""})
-        finish_reason, completion_tokens, prompt_tokens = None, 0, 0
-        reading, ids = self.reader.stream(), {}
+        """For each of the n choices: its role, its reasoning / content / tool-call deltas (as
+        they come, tagged with its index) and its finish reason; then usage (if asked for)."""
+        n = run.n
+        for index in range(n):
+            yield self._chunk({"role": "assistant", "content": ""}, index)
+        finish_reasons: list[str | None] = [None] * n
+        completion_tokens, prompt_tokens = 0, 0
+        readings = [self.reader.stream() for _ in range(n)]
+        ids: list[dict[int, str]] = [{} for _ in range(n)]
         async for chunk in run:
+            index = chunk.index
             prompt_tokens = chunk.prompt_tokens
             completion_tokens += len(chunk.token_ids)
             if chunk.finished:
-                finish_reason = chunk.finish_reason
-            delta = self._delta(reading.feed(chunk.text), ids)
+                finish_reasons[index] = chunk.finish_reason
+            delta = self._delta(readings[index].feed(chunk.text), ids[index])
             logprobs = self.logprobs and chunk.logprobs
             if not delta and not logprobs:
                 continue
             extra = {}
             if logprobs:
                 extra["logprobs"] = {"content": [_chat_logprob(e) for e in chunk.logprobs]}
-            yield self._chunk(delta or {"content": ""}, **extra)
-        rest = self._delta(reading.finish(), ids)
-        if rest:
-            yield self._chunk(rest)
-        yield self._chunk({}, finish_reason=_finish_reason(finish_reason, bool(ids)))
+            yield self._chunk(delta or {"content": ""}, index, **extra)
+        for index in range(n):
+            rest = self._delta(readings[index].finish(), ids[index])
+            if rest:
+                yield self._chunk(rest, index)
+            reason = _finish_reason(finish_reasons[index], bool(ids[index]))
+            yield self._chunk({}, index, finish_reason=reason)
         if include_usage:
             chunk = self._chunk({})
             chunk["choices"] = []
@@ -373,7 +377,13 @@ class CompletionReply:
             "text_offset": offsets,
         }
 
-    def _choice(self, index: int, request: GenerationRequest, output: CompletionOutput) -> dict:
+    def _choice(
+        self,
+        index: int,
+        request: GenerationRequest,
+        whole: RequestOutput,
+        output: CompletionOutput,
+    ) -> dict:
         text = output.text
         logprobs = None
         rows = [self._row(e) for e in output.logprobs or ()]
@@ -381,7 +391,7 @@ class CompletionReply:
             text = self._prompt_text(request) + text
             # The prompt's tokens come first; nothing predicts the first one (null logprob).
             first = self.tokenizer.decode(request.prompt_token_ids[:1], skip_special_tokens=False)
-            prompt = [self._row(e) for e in (output.prompt_logprobs or ())[1:]]
+            prompt = [self._row(e) for e in (whole.prompt_logprobs or ())[1:]]
             rows = [(first, None, None), *prompt, *rows]
         if self.body.logprobs is not None:
             logprobs = self._logprobs(rows)
@@ -394,13 +404,18 @@ class CompletionReply:
         }
 
     def whole(
-        self, requests: list[GenerationRequest], outputs: list[CompletionOutput]
+        self, requests: list[GenerationRequest], outputs: list[RequestOutput]
     ) -> dict[str, Any]:
+        """Choice `prompt * n + sequence` for each prompt's n sequences; the prompts counted
+        once each in usage."""
+        n = self.body.n
         choices = [
-            self._choice(i, r, o) for i, (r, o) in enumerate(zip(requests, outputs, strict=True))
+            self._choice(p * n + s.index, r, o, s)
+            for p, (r, o) in enumerate(zip(requests, outputs, strict=True))
+            for s in o.outputs
         ]
         prompt_tokens = sum(o.prompt_tokens for o in outputs)
-        completion_tokens = sum(len(o.token_ids) for o in outputs)
+        completion_tokens = sum(len(s.token_ids) for o in outputs for s in o.outputs)
         cached_tokens = sum(o.cached_tokens for o in outputs)
         return {
             "id": self.id,
@@ -424,7 +439,8 @@ class CompletionReply:
     async def stream(
         self, requests: list[GenerationRequest], runs: list[Run], include_usage: bool
     ) -> AsyncIterator[dict[str, Any]]:
-        """Each prompt's deltas, interleaved as they come, tagged with the prompt's index."""
+        """Each prompt's deltas, interleaved as they come, tagged with the choice index
+        `prompt * n + sequence`."""
         queue: asyncio.Queue[tuple[int, StreamChunk | BaseException | None]] = asyncio.Queue()
 
         async def pump(index: int, run: Run) -> None:
@@ -438,9 +454,11 @@ class CompletionReply:
         tasks = [asyncio.ensure_future(pump(i, run)) for i, run in enumerate(runs)]
         usage = [0, 0]
         try:
+            n = self.body.n
             if self.body.echo:
                 for i, request in enumerate(requests):
-                    yield self._chunk(i, self._prompt_text(request))
+                    for sequence in range(n):
+                        yield self._chunk(i * n + sequence, self._prompt_text(request))
             running = len(runs)
             while running:
                 index, item = await queue.get()
@@ -450,14 +468,16 @@ class CompletionReply:
                 if isinstance(item, BaseException):
                     raise item
                 usage[1] += len(item.token_ids)
+                choice = index * n + item.index
                 if item.text or item.token_ids:
                     logprobs = None
                     if self.body.logprobs is not None and item.logprobs:
                         logprobs = self._logprobs([self._row(e) for e in item.logprobs])
-                    yield self._chunk(index, item.text, logprobs=logprobs)
+                    yield self._chunk(choice, item.text, logprobs=logprobs)
                 if item.finished:
-                    usage[0] += item.prompt_tokens
-                    yield self._chunk(index, "", finish_reason=item.finish_reason)
+                    if item.index == 0:
+                        usage[0] += item.prompt_tokens
+                    yield self._chunk(choice, "", finish_reason=item.finish_reason)
             if include_usage:
                 chunk = self._chunk(0, "")
                 chunk["choices"] = []

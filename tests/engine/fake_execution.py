@@ -1,6 +1,7 @@
 """A fake `SteppedExecution` for engine tests: one token per resident per step, no model.
 
-A resident finishes after `params.max_tokens` tokens (default 3). Behaviours are switched on per
+A resident finishes after `params.max_tokens` tokens (default 3); a request of n sequences gets
+n residents, sequence i running i tokens longer than the first. Behaviours are switched on per
 factory to make it refuse, reject, throw, lose residents or ignore cancel flags.
 """
 
@@ -8,14 +9,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from inflight.runtime.outputs import (
-    CompletionOutput,
     FinishedSnapshot,
     FinishReason,
+    RequestOutput,
     StreamChunk,
+    materialize,
 )
 from inflight.runtime.request import GenerationRequest
 from inflight.runtime.slots import ResidentSlots
@@ -78,6 +80,7 @@ class _Resident:
     tokens: list[int] = field(default_factory=list)
     joiner: bool = False
     steps: int = 0
+    index: int = 0
 
 
 class FakeExecution:
@@ -99,12 +102,14 @@ class FakeExecution:
         if joiner and f.no_capacity_answers > 0:
             f.no_capacity_answers -= 1
             return Admission(AdmissionAnswer.NO_CAPACITY, reason="fake has no room yet")
-        ref = f.slots.acquire()
-        if ref is None:
+        n = request.params.n
+        if f.slots.num_free < n:
             return Admission(AdmissionAnswer.NO_CAPACITY, reason="no slot")
-        self.live[ref] = _Resident(ref, request, joiner=joiner)
+        refs = tuple(f.slots.acquire() for _ in range(n))
+        for index, ref in enumerate(refs):
+            self.live[ref] = _Resident(ref, request, joiner=joiner, index=index)
         f.admitted.append(request)
-        return Admission(AdmissionAnswer.ADMITTED, ref=ref)
+        return Admission(AdmissionAnswer.ADMITTED, refs=refs)
 
     def step(self, cancelled: Collection[ResidentRef] = ()) -> StepResult:
         f = self.factory
@@ -131,9 +136,9 @@ class FakeExecution:
             token = len(r.tokens) + 1
             r.tokens.append(token)
             result.deltas[ref] = StreamChunk(
-                [token], f"<{token}>", prompt_tokens=len(r.request.prompt_token_ids)
+                [token], f"<{token}>", prompt_tokens=len(r.request.prompt_token_ids), index=r.index
             )
-            if len(r.tokens) >= (r.request.params.max_tokens or 3):
+            if len(r.tokens) >= (r.request.params.max_tokens or 3) + r.index:
                 result.finished[ref] = self._evict(r, FinishReason.LENGTH)
         return result
 
@@ -146,17 +151,11 @@ class FakeExecution:
             text="".join(f"<{t}>" for t in r.tokens),
             finish_reason=reason,
             stop_reason=None,
+            index=r.index,
         )
 
-    def materialize(self, snapshot: FinishedSnapshot) -> CompletionOutput:
-        return CompletionOutput(
-            text=snapshot.text,
-            token_ids=tuple(snapshot.token_ids),
-            finish_reason=snapshot.finish_reason.value,
-            stop_reason=None,
-            logprobs=None,
-            prompt_tokens=len(snapshot.request.prompt_token_ids),
-        )
+    def materialize(self, snapshots: Sequence[FinishedSnapshot]) -> RequestOutput:
+        return materialize(snapshots)
 
     def finish(self) -> None:
         assert not self.live, "finish() with residents"

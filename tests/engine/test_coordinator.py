@@ -5,7 +5,7 @@ import pytest
 from inflight.engine.channel import StreamChannel
 from inflight.engine.coordinator import RequestCoordinator
 from inflight.engine.record import RequestRecord, TerminalStatus
-from inflight.runtime.outputs import CompletionOutput, FinishedSnapshot, FinishReason
+from inflight.runtime.outputs import FinishedSnapshot, FinishReason, materialize
 from inflight.runtime.request import GenerationRequest
 from inflight.runtime.stepped import ResidentRef, StaleResidentRef, StepResult
 
@@ -15,19 +15,19 @@ class Materializer:
         self.fail_on = fail_on
         self.calls = []
 
-    def materialize(self, snapshot):
-        self.calls.append(snapshot.token_ids)
-        if snapshot.token_ids == self.fail_on:
+    def materialize(self, snapshots):
+        self.calls.append([s.token_ids for s in snapshots])
+        if any(s.token_ids == self.fail_on for s in snapshots):
             raise RuntimeError("materialize failed")
-        return CompletionOutput("t", tuple(snapshot.token_ids), "length", None, None, 1)
+        return materialize(snapshots)
 
 
 def _record(i):
     return RequestRecord(i, GenerationRequest([1]), StreamChannel())
 
 
-def _snap(tokens, reason=FinishReason.LENGTH):
-    return FinishedSnapshot(GenerationRequest([1]), tokens, "t", reason, None)
+def _snap(tokens, reason=FinishReason.LENGTH, index=0):
+    return FinishedSnapshot(GenerationRequest([1]), tokens, "t", reason, None, index=index)
 
 
 def _ledger():
@@ -88,3 +88,43 @@ def test_stale_epoch_ref_throws_without_touching_the_table():
     with pytest.raises(StaleResidentRef):
         ledger.owner(ResidentRef(1, 0))
     assert len(ledger) == 3
+
+
+def test_a_request_of_several_sequences_ends_with_its_last_one():
+    """Its outcome waits for every sequence, covers them all, and leaves with the last."""
+    ledger = RequestCoordinator()
+    record, other = _record(1), _record(2)
+    refs = [ResidentRef(0, 1), ResidentRef(1, 1), ResidentRef(2, 1)]
+    ledger.add(refs[0], record)
+    ledger.add(refs[1], record)
+    ledger.add(refs[2], other)
+    m = Materializer()
+    first = ledger.commit(StepResult(1, finished={refs[1]: _snap([7, 8], index=1)}), m)
+    assert first.outcomes == [] and m.calls == [] and len(ledger) == 2
+    last = ledger.commit(StepResult(2, finished={refs[0]: _snap([5])}), m).outcomes
+    assert [o.record for o in last] == [record] and last[0].status is TerminalStatus.COMPLETED
+    assert [s.token_ids for s in last[0].output.outputs] == [(5,), (7, 8)]
+    assert [r for _, r in ledger.residents()] == [other]
+
+
+def test_a_cancel_of_one_sequence_cancels_the_request():
+    ledger = RequestCoordinator()
+    record = _record(1)
+    refs = [ResidentRef(0, 1), ResidentRef(1, 1)]
+    for ref in refs:
+        ledger.add(ref, record)
+    assert (
+        ledger.commit(StepResult(1, finished={refs[0]: _snap([1])}), Materializer()).outcomes == []
+    )
+    (outcome,) = ledger.commit(
+        StepResult(2, finished={refs[1]: _snap([2], FinishReason.CANCELLED, 1)}), Materializer()
+    ).outcomes
+    assert outcome.status is TerminalStatus.CANCELLED and len(ledger) == 0
+
+
+def test_lost_and_taken_records_count_once_however_many_sequences():
+    ledger = RequestCoordinator()
+    record = _record(1)
+    for slot in range(3):
+        ledger.add(ResidentRef(slot, 1), record)
+    assert ledger.retire_missing([ResidentRef(0, 1)]) == [record] and len(ledger) == 0

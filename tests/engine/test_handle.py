@@ -7,7 +7,7 @@ import pytest
 
 from inflight.engine import EngineConfig, RequestCancelled, RequestEngine, StreamChannel
 from inflight.engine.record import RequestHandle, RequestRecord, TerminalStatus
-from inflight.runtime.outputs import CompletionOutput, StreamChunk
+from inflight.runtime.outputs import CompletionOutput, RequestOutput, StreamChunk
 from inflight.runtime.request import GenerationRequest
 
 from fake_execution import FakeFactory
@@ -20,8 +20,8 @@ def _handle():
 
 
 def _complete(record):
-    output = CompletionOutput("ab", (1, 2), "stop", None, None, 1)
-    record.publish(TerminalStatus.COMPLETED, output, "")
+    sequence = CompletionOutput(0, "ab", (1, 2), "stop", None, None)
+    record.publish(TerminalStatus.COMPLETED, RequestOutput((sequence,), 1), "")
     record.channel.push(StreamChunk(prompt_tokens=1, finished=True, finish_reason="stop"))
     record.channel.finish()
 

@@ -77,7 +77,6 @@ def test_batch_of_one_runs_fcfs_each_founding_its_batch():
     ("option", "needle"),
     [
         ({"lora_name": "adapter"}, "LoRA"),
-        ({"n": 2}, "separate requests"),
         ({"generate_audio": True}, "blocking path"),
         ({"save_system_prompt_kv_cache": True}, "context cache"),
         ({"past_trajectory": [1]}, "blocking path"),
@@ -438,3 +437,51 @@ def test_handle_request_keeps_its_blocking_contract():
     assert e.handle_request(req(lora_name="x")) is None  # refused: None, no exception
     e.shutdown()
     assert e.handle_request(req()) is None  # after shutdown
+
+
+# -- several sequences per request --------------------------------------------------------------
+
+
+def test_a_request_of_n_sequences_streams_each_and_ends_once():
+    factory = FakeFactory(max_batch_size=4)
+    e = engine(factory, max_batch_size=4)
+    handle = e.submit(req(tokens=2, sp={"n": 3}))
+    chunks = list(handle)
+    by_index = {i: [t for c in chunks if c.index == i for t in c.token_ids] for i in range(3)}
+    assert by_index == {0: [1, 2], 1: [1, 2, 3], 2: [1, 2, 3, 4]}
+    ends = [c for c in chunks if c.finished]
+    assert sorted(c.index for c in ends) == [0, 1, 2] and chunks[-1].finished
+    output = handle.get()
+    assert [s.index for s in output.outputs] == [0, 1, 2]
+    assert [len(s.token_ids) for s in output.outputs] == [2, 3, 4]
+    assert e.metrics.completed == 1 and factory.slots.num_free == 4
+    e.shutdown()
+
+
+def test_cancelling_a_request_of_n_sequences_ends_them_all():
+    factory = FakeFactory(max_batch_size=4, step_delay=0.01)
+    e = engine(factory, max_batch_size=4)
+    handle = e.submit(req(tokens=1000, sp={"n": 2}))
+    next(handle)
+    handle.cancel()
+    wait_until(handle.ready)
+    with pytest.raises(RequestCancelled):
+        handle.get()
+    wait_until(lambda: factory.slots.num_free == 4)
+    assert e.metrics.cancelled == 1
+    e.shutdown()
+
+
+def test_a_request_never_holds_part_of_its_slots():
+    factory = FakeFactory(
+        max_batch_size=3,
+        step_delay=0.01,
+        per_row_fields=frozenset({"params.max_tokens", "params.n"}),
+    )
+    e = engine(factory, max_batch_size=3)
+    running = e.submit(req(tokens=30))
+    wait_until(lambda: e.resident == 1)
+    waiting = e.submit(req(tokens=2, sp={"n": 3}))  # needs all three slots
+    assert waiting.get(timeout=10).outputs and running.get(timeout=10)
+    assert e.metrics.stalls_no_capacity > 0 and e.metrics.admitted_mid_flight == 0
+    e.shutdown()

@@ -18,7 +18,6 @@ from inflight.runtime.request import GenerationRequest, RequestFieldError
 from fake_execution import FakeFactory
 
 ASKING = {
-    "n": 2,
     "lora_name": "adapter",
     "generate_audio": True,
     "save_system_prompt_kv_cache": True,

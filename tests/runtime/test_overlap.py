@@ -46,7 +46,7 @@ def _run_staggered(runtime, requests):
             i, request = queue.pop(0)
             refs[session.admit(request).ref] = i
         for ref, snapshot in session.step().finished.items():
-            outputs[refs[ref]] = session.materialize(snapshot)
+            outputs[refs[ref]] = session.materialize([snapshot])
         steps += 1
     session.finish()
     return [outputs[i] for i in range(len(requests))]

@@ -5,7 +5,7 @@ import pytest
 from inflight.bench.random_model import numbered_tokenizer
 from inflight.runtime.context_cache import ContextCache
 from inflight.runtime.kv_cache import BlockPool
-from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.runtime.request import GenerationRequest, RequestFieldError, SamplingParams
 from inflight.runtime.scheduler import Scheduler
 from inflight.runtime.slots import ResidentSlots
 from inflight.runtime.structured import GrammarCompiler
@@ -30,7 +30,8 @@ def _seat(scheduler, prompt_len, max_tokens=4, **params):
     )
     reservation = scheduler.reserve(scheduler.check(request))
     assert reservation is not None
-    return scheduler.seat(reservation)
+    (resident,) = scheduler.seat(reservation)
+    return resident
 
 
 def test_decode_rows_come_first_and_prefill_chunks_share_the_budget():
@@ -75,8 +76,8 @@ def test_check_names_the_problem():
         s.check(GenerationRequest([1, 100]))
     with pytest.raises(ValueError, match="max_model_len"):
         s.check(GenerationRequest(list(range(1, 65))))
-    with pytest.raises(ValueError, match="n > 1"):
-        s.check(GenerationRequest([1], n=2))
+    with pytest.raises(ValueError, match="LoRA"):
+        s.check(GenerationRequest([1], lora_name="adapter"))
 
 
 def test_evict_gives_blocks_and_slot_back():
@@ -101,3 +102,35 @@ def test_prompt_logprobs_skip_the_context_cache_lookup():
     assert hit.cached_blocks == 2
     scored = s.check(GenerationRequest(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0)))
     assert s.reserve(scored).cached_blocks == 0
+
+
+def test_n_sequences_share_the_prompt_blocks_but_the_last_token():
+    """The first sequence prefills the prompt; the others lease its full blocks of the prompt
+    but its last token, wait until those are launched, then compute the rest themselves."""
+    s = _scheduler(slots=4, blocks=32, budget=64)
+    request = GenerationRequest(list(range(1, 11)), SamplingParams(max_tokens=6, n=3))
+    intent = s.check(request)
+    # 10 + 6 tokens: 4 blocks of 4 each; tokens 0..7 (two full blocks) shared by all three.
+    assert (intent.sequence_blocks, intent.shared_blocks, intent.blocks_needed) == (4, 2, 8)
+    first, second, third = s.seat(s.reserve(intent))
+    assert second.blocks[:2] == third.blocks[:2] == first.blocks[:2]
+    assert len({*first.blocks[2:], *second.blocks[2:], *third.blocks[2:]}) == 6
+    assert s.blocks.num_free == 32 - 8 and s.slots.num_free == 1
+    step = s.schedule(1)
+    assert [(r.resident.index, r.past_len, len(r.token_ids)) for r in step.rows] == [(0, 0, 10)]
+    step = s.schedule(2)  # the first's prompt is launched: the others compute tokens 8 and 9
+    rows = [(r.resident.index, r.past_len, len(r.token_ids), r.samples) for r in step.rows]
+    assert rows == [(0, 10, 1, True), (1, 8, 2, True), (2, 8, 2, True)]
+    for r in (first, second, third):
+        s.evict(r)
+    assert s.blocks.num_free == 32 and s.slots.num_free == 4
+
+
+def test_n_above_the_batch_is_refused_and_a_request_takes_all_its_slots_or_none():
+    s = _scheduler(slots=3)
+    with pytest.raises(RequestFieldError, match=r"n \(4\) exceeds max_batch_size \(3\)"):
+        s.check(GenerationRequest([1, 2], SamplingParams(n=4)))
+    _seat(s, 3)
+    before = (s.blocks.num_free, s.slots.num_free)
+    assert s.reserve(s.check(GenerationRequest([1, 2], SamplingParams(max_tokens=2, n=3)))) is None
+    assert (s.blocks.num_free, s.slots.num_free) == before

@@ -39,7 +39,7 @@ def _run_staggered(runtime, requests, join_at):
             refs[admission.ref] = i
         result = session.step()
         for ref, snapshot in result.finished.items():
-            outputs[refs.pop(ref)] = session.materialize(snapshot)
+            outputs[refs.pop(ref)] = session.materialize([snapshot])
         step += 1
     session.finish()
     return [outputs[i] for i in range(len(requests))]

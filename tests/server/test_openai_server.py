@@ -229,7 +229,7 @@ def test_health_counts_mid_flight_joins_and_metrics_parse(server, server_llm):
     [
         ({"messages": MESSAGES, "foo": 1}, 400, "foo"),
         ({"messages": []}, 400, "messages"),
-        ({"messages": MESSAGES, "n": 2}, 400, "n"),
+        ({"messages": MESSAGES, "n": 9}, 400, "n"),
         ({"messages": MESSAGES, "temperature": 3}, 400, "temperature"),
         ({"messages": MESSAGES, "top_p": 0}, 400, "top_p"),
         ({"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
@@ -293,10 +293,49 @@ def test_a_bad_response_format_and_n_are_refused_naming_the_field(server):
     url, _ = server
     for body, param in (
         ({"response_format": {"type": "yaml"}}, "response_format"),
-        ({"n": 3}, "n"),
+        ({"n": 5}, "n"),
     ):
         r = httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES, **body})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param
-    message = r.json()["error"]["message"]
-    assert "n > 1" in message and "separate requests" in message
+    assert "n (5) exceeds max_batch_size (4)" in r.json()["error"]["message"]
+
+
+def test_n_choices_whole_and_streamed(oa):
+    params = dict(model=MODEL, messages=MESSAGES, max_tokens=12, n=3, temperature=1.0, seed=5)
+    whole = oa.chat.completions.create(**params)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = [c.message.content for c in whole.choices]
+    assert len(set(texts)) > 1
+    single = oa.chat.completions.create(**{**params, "n": 1})
+    assert whole.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counted once
+    assert whole.usage.completion_tokens > single.usage.completion_tokens
+    streamed = {0: "", 1: "", 2: ""}
+    finished = set()
+    for chunk in oa.chat.completions.create(**params, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert [streamed[i] for i in range(3)] == texts and finished == {0, 1, 2}
+
+
+def test_n_completions_of_several_prompts(oa):
+    out = oa.completions.create(
+        model=MODEL, prompt=["One, two,", "Red, green,"], max_tokens=6, n=2, temperature=0
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.choices[0].text == out.choices[1].text  # greedy: both sequences alike
+    assert out.choices[2].text == out.choices[3].text != out.choices[0].text
+    streamed = {}
+    for chunk in oa.completions.create(
+        model=MODEL,
+        prompt=["One, two,", "Red, green,"],
+        max_tokens=6,
+        n=2,
+        temperature=0,
+        stream=True,
+    ):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(4)] == [c.text for c in out.choices]

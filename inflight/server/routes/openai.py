@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from inflight.runtime.outputs import CompletionOutput
+from inflight.runtime.outputs import RequestOutput
 from inflight.runtime.request import SamplingParams
 from inflight.server import openai
 from inflight.server.client import Run
@@ -53,7 +53,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         params,
         params_of=openai.field_params(body, choice),
         **chat.template_args(messages, choice, body.chat_template_kwargs),
-        **openai.request_options(body),
     )
     reader = chat.reader(choice, llm.tokenizer, prepared.prompt_token_ids)
     reply = openai.ChatReply(
@@ -88,9 +87,8 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     )
     if body.echo and body.max_tokens == 0 and params.prompt_logprobs is None:
         params = SamplingParams(**{**vars(params), "prompt_logprobs": 0})
-    options = openai.request_options(body)
     params_of = openai.field_params(body)
-    prepared = [client.prepare(p, params, params_of=params_of, **options) for p in prompts]
+    prepared = [client.prepare(p, params, params_of=params_of) for p in prompts]
     reply = openai.CompletionReply(state.settings.served_model_name, llm.tokenizer, body)
     if body.stream:
         runs = []
@@ -132,7 +130,7 @@ async def started(run: Run) -> Run:
     return run
 
 
-async def gather(calls: list[Awaitable[CompletionOutput]]) -> list[CompletionOutput]:
+async def gather(calls: list[Awaitable[RequestOutput]]) -> list[RequestOutput]:
     tasks = [asyncio.ensure_future(c) for c in calls]
     try:
         return list(await asyncio.gather(*tasks))

@@ -7,6 +7,10 @@
 3. End to end: greedy tokens of 8 prompts through a random-weight Qwen3-0.6B-shaped model in
    bf16, Triton backend against torch backend on the same weights; a divergence is reported
    with the reference's top-2 logit gap at that point (a near-tie, or a bug).
+4. Structured outputs on CUDA: constrained rows beside free ones stay in their languages.
+5. The LoRA side paths in bf16 (the indexed Triton kernel, the masked matmuls) against the float64
+   formula: a fused three-part layer, slots of two ranks and an empty one, tokens of every slot
+   and of the base model.
 
     python3 bench/gpu_check.py   (prints a table; exits 1 on a failed check)
 """
@@ -169,6 +173,64 @@ def check_fused_ops(device: torch.device, seed: int) -> tuple[bool, str]:
     return ok, ", ".join(worst)
 
 
+def check_lora(device: torch.device, seed: int) -> tuple[bool, str]:
+    """Each token's output within two bf16 roundings of its row's size (y + update rounds once,
+    and the masked path rounds x A^T too); base tokens keep their bits."""
+    from inflight.model.layers.lora import LoRAMapping, LoRASlots
+
+    gen = torch.Generator().manual_seed(seed)
+    parts = [2048, 512, 512]
+    slots = LoRASlots(1024, parts, max_loras=3, max_rank=16).to(device, torch.bfloat16)
+    factors = {
+        0: (
+            16,
+            [
+                (torch.randn(16, 1024, generator=gen), torch.randn(p, 16, generator=gen))
+                for p in parts
+            ],
+        ),
+        1: (
+            8,
+            [
+                (torch.randn(8, 1024, generator=gen), torch.randn(2048, 8, generator=gen)),
+                None,
+                None,
+            ],
+        ),
+    }
+    for slot, (rank, fs) in factors.items():
+        slots.write(
+            slot, [None if f is None else (f[0] * 0.05, f[1] * 0.05) for f in fs], rank, 2.0
+        )
+    token_slots = [0, -1, 1, 2, 0, 1, -1, 0] * 5
+    x = torch.randn(len(token_slots), 1024, generator=gen).to(device, torch.bfloat16)
+    y0 = torch.randn(len(token_slots), 3072, generator=gen).to(device, torch.bfloat16)
+    want = y0.double().clone()
+    for t, slot in enumerate(token_slots):
+        if slot in factors:
+            rank, fs = factors[slot]
+            for (lo, hi), f in zip([(0, 2048), (2048, 2560), (2560, 3072)], fs, strict=True):
+                if f is not None:
+                    a, b = (v.double().to(device) * 0.05 for v in f)
+                    want[t, lo:hi] += 2.0 * (x[t].double() @ a.T) @ b.T
+    rows = [(slot, 1) for slot in token_slots]
+    mappings = {
+        "indexed": LoRAMapping.indexed(rows, device),
+        "masked": LoRAMapping.masked(rows, 3, torch.bfloat16, device),
+    }
+    ok, worst = True, []
+    base = [t for t, slot in enumerate(token_slots) if slot not in factors]
+    for name, mapping in mappings.items():
+        y = y0.clone()
+        slots.add(y, x, mapping)
+        scale = want.abs().amax(dim=1, keepdim=True)
+        err = ((y.double() - want).abs() / scale).max().item()
+        # bf16 keeps 8 bits: 2^-9 of a row's size per rounding, at most two roundings.
+        ok &= err <= 2 * 2**-8 and torch.equal(y[base], y0[base])
+        worst.append(f"{name} {err:.2e} of the row")
+    return ok, ", ".join(worst)
+
+
 def check_structured_outputs(device: torch.device, seed: int) -> tuple[bool, str]:
     """Constrained rows beside free ones on CUDA (masks applied on the device, steps without
     overlap while they live): every constrained output is a string of its language. A random
@@ -229,6 +291,7 @@ def main() -> int:
         ("fused ops", check_fused_ops),
         ("greedy end to end", check_end_to_end),
         ("structured outputs", check_structured_outputs),
+        ("lora side paths", check_lora),
     )
     for name, check in checks:
         for seed in (0, 1):

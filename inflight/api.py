@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,11 @@ class LLM:
     threads overlap. Either way a `RequestEngine` takes the requests: the same calls, streams,
     cancellation and shutdown serve both paths.
 
+    `enable_lora`: requests may name a LoRA adapter (`lora_name`), several in one batch, up to
+    `max_loras` of them at once in the model (others wait; idle ones are swapped out), of rank
+    up to `max_lora_rank`; `lora_modules` ({name: PEFT directory}) registers adapters at load,
+    `load_lora_adapter` later.
+
     `quantization`: "auto" (default) runs a GGUF file's weights in the CPU kernel of their stored
     type where one exists (Q4_1 and Q8_0 files: fast, not bit-exact with float32), float32
     otherwise; "none" runs float32 (bf16 on CUDA) exactly; "int8" / "q4" quantize every CPU
@@ -66,6 +71,10 @@ class LLM:
         quantization: str = "auto",
         device: str | None = None,
         seed: int | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
+        lora_modules: Mapping[str, str | Path] | None = None,
         show_progress: bool = False,
     ) -> None:
         config = RuntimeConfig(
@@ -79,13 +88,19 @@ class LLM:
             quantization=quantization,
             device=device,
             seed=seed,
+            max_loras=max_loras if enable_lora else 0,
+            max_lora_rank=max_lora_rank,
         )
         # Validated before the model loads, which takes a while.
         engine_config = EngineConfig(
             max_batch_size=max_batch_size if enable_in_flight_batching else 1,
             max_pending_requests=max_pending_requests,
         )
+        if lora_modules and not enable_lora:
+            raise ValueError("lora_modules needs enable_lora=True (--enable-lora)")
         runtime = Runtime(model, config, show_progress)
+        for name, path in (lora_modules or {}).items():
+            runtime.register_lora(name, str(path))
         if enable_in_flight_batching:
             reason = ifb_unsupported_reason(runtime.capabilities)
             try:
@@ -120,13 +135,16 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        lora_name: str | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list of them; returns one output per prompt, in order.
+        `lora_name`: the LoRA adapter they run with (None: the base model).
 
         Every prompt is submitted at once (waiting, not failing, while the engine pushes back);
         under in-flight batching they generate together, on the blocking path one by one.
         """
-        return self._run(self._requests(prompts, params))
+        return self._run(self._requests(prompts, params, {"lora_name": lora_name}))
 
     def chat(
         self,
@@ -136,6 +154,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_name: str | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply to a conversation (or to each of a list of conversations).
 
@@ -146,7 +165,8 @@ class LLM:
             raise ValueError("messages must be a non-empty list of chat messages")
         conversations = messages if isinstance(messages[0], list) else [messages]
         template = _template_args(tools, chat_template, chat_template_kwargs)
-        return self._run(self._requests(conversations, params, template=template))
+        options = {"lora_name": lora_name}
+        return self._run(self._requests(conversations, params, options, template))
 
     def _run(self, requests: list[GenerationRequest]) -> list[RequestOutput]:
         handles: list[RequestHandle] = []
@@ -160,12 +180,12 @@ class LLM:
                     handle.cancel()
 
     def generate_stream(
-        self, prompt: Prompt, params: SamplingParams | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None, *, lora_name: str | None = None
     ) -> RequestHandle:
         """The output as it is generated: iterate the handle for its chunks (the last one has
         `finished` set), `for` on a thread or `async for` on an asyncio loop. Closing it before
         the end cancels the request."""
-        (request,) = self._requests(prompt, params)
+        (request,) = self._requests(prompt, params, {"lora_name": lora_name})
         return self.start(request, wait_for_room=True)
 
     def prepare(
@@ -180,8 +200,8 @@ class LLM:
     ) -> GenerationRequest:
         """Tokenize and validate one prompt (ValueError naming the problem); queues nothing.
         `tools`, `chat_template` and `chat_template_kwargs` go to the chat template of a
-        conversation, as in `chat`. `options` are request options of the support matrix (`n`,
-        `lora_name`, ...: the `GenerationRequest` fields after `params`)."""
+        conversation, as in `chat`. `options` are request options of the support matrix
+        (`lora_name`, ...: the `GenerationRequest` fields after `params`)."""
         unknown = sorted(set(options) - OPTION_FIELDS)
         if unknown:
             raise ValueError(f"unknown request options {unknown}; known: {sorted(OPTION_FIELDS)}")
@@ -204,6 +224,23 @@ class LLM:
                     raise
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
+
+    def load_lora_adapter(self, name: str, path: str | Path) -> None:
+        """Serve the PEFT adapter at `path` as `name`; a ValueError names what is wrong with it
+        (another base model's shapes, a rank above max_lora_rank, DoRA, ...)."""
+        self._live().register_lora(name, str(path))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving an adapter (ValueError when unknown); requests running with it finish."""
+        try:
+            self._live().unregister_lora(name)
+        except KeyError:
+            raise ValueError(f"no LoRA adapter named {name!r} is served") from None
+
+    @property
+    def lora_adapters(self) -> list[str]:
+        """The names of the LoRA adapters served."""
+        return [] if self._runtime is None else self._runtime.lora_names()
 
     def kv_cache_usage(self) -> tuple[int, int]:
         """(KV blocks in use, KV blocks in all)."""

@@ -113,3 +113,17 @@ def make_tiny_model(family: str, path: Path, seed: int = 0):
     model.save_pretrained(path)
     write_tokenizer(path)
     return model
+
+
+def make_lora_adapter(base: Path, path: Path, seed: int, **config):
+    """A tiny random PEFT LoRA adapter on the checkpoint at `base`, written to `path`; returns
+    the peft model (float32), the reference. `init_lora_weights=False`: peft's default makes the
+    adapter a no-op."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **config)).eval()
+    peft_model.save_pretrained(path)
+    return peft_model

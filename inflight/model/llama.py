@@ -4,11 +4,15 @@ The forward pass runs over a packed ragged batch (see `attention/base.py`): toke
 positions [T] and one KV cache pair per layer. Parameters keep Hugging Face names, except that
 q/k/v and gate/up are stored fused (`qkv_proj`, `gate_up_proj`) so that each is one matmul per
 layer.
+
+Built with `max_loras` > 0, every decoder linear also holds that many LoRA adapter slots, and a
+forward pass may run each packed token with the adapter of its slot (`LoRAMapping`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,10 +21,14 @@ from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCach
 from inflight.model.config import ModelConfig
 from inflight.model.layers.activation import SiluAndMul
 from inflight.model.layers.linear import Linear, process_weights_after_loading
+from inflight.model.layers.lora import INDEXED_MAX_TOKENS, LoRAMapping, LoRASlots
 from inflight.model.layers.norm import RMSNorm
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, Rope, RotaryEmbedding
+
+if TYPE_CHECKING:
+    from inflight.model.checkpoints.lora import LoRAAdapter
 
 # Fused parameter -> the Hugging Face parameters it stacks, in order.
 _FUSED_PARTS = {
@@ -29,6 +37,15 @@ _FUSED_PARTS = {
 }
 # Hugging Face parameter name part -> (fused parameter, index of the shard inside it).
 _FUSED = {part: (fused, i) for fused, parts in _FUSED_PARTS.items() for i, part in enumerate(parts)}
+
+
+def _shard_sizes(config: ModelConfig) -> dict[str, list[int]]:
+    """The output size of each part of a fused parameter."""
+    kv_size = config.num_kv_heads * config.head_dim
+    return {
+        "qkv_proj": [config.num_heads * config.head_dim, kv_size, kv_size],
+        "gate_up_proj": [config.intermediate_size] * 2,
+    }
 
 
 def _linear(
@@ -76,9 +93,10 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        lora: LoRAMapping | None,
     ) -> torch.Tensor:
         tokens, heads = x.shape[0], self.num_heads
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, lora)
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
@@ -91,7 +109,7 @@ class Attention(nn.Module):
             k = qkv[:, self.q_size : qk_size].view(tokens, self.num_kv_heads, self.head_dim)
             q, k = self.rope(self.q_norm(q), angles), self.rope(self.k_norm(k), angles)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return self.o_proj(out.reshape(tokens, self.q_size), lora)
 
 
 class MLP(nn.Module):
@@ -108,8 +126,8 @@ class MLP(nn.Module):
             intermediate, hidden, config.mlp_bias, methods, f"{prefix}.down_proj"
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x, lora)), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -131,6 +149,7 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        lora: LoRAMapping | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's output before its residual add, and the residual stream: each residual
         add is fused into the norm that follows it."""
@@ -138,14 +157,15 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, angles, kv_cache, meta, backend)
+        h = self.self_attn(h, angles, kv_cache, meta, backend, lora)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """Built for one platform, each linear layer with the method `methods` chooses for it (see
-    `checkpoints.loader.build_model`)."""
+    `checkpoints.loader.build_model`), and with `max_loras` LoRA adapter slots of ranks up to
+    `max_lora_rank` in every decoder linear (none: LoRA off, at no cost)."""
 
     def __init__(
         self,
@@ -153,8 +173,14 @@ class LlamaForCausalLM(nn.Module):
         max_positions: int,
         platform: Platform,
         methods: LinearMethods,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ) -> None:
         super().__init__()
+        if max_loras < 0 or max_lora_rank < 1:
+            raise ValueError(
+                f"max_loras must be >= 0 and max_lora_rank >= 1, got {max_loras}, {max_lora_rank}"
+            )
         self.config = config
         hidden = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
@@ -171,6 +197,16 @@ class LlamaForCausalLM(nn.Module):
             methods.choose(hidden, [f"{head_source}.weight"], head=True),
         )
         self.rotary = RotaryEmbedding(config, max_positions)
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self._lora_loaded = [False] * max_loras
+        if max_loras:
+            sizes = _shard_sizes(config)
+            for _, name, linear in self._decoder_linears():
+                parts = sizes.get(name, [linear.out_features])
+                linear.lora_slots = LoRASlots(
+                    linear.in_features, parts, max_loras, max_lora_rank, platform.cpu_ops
+                )
+        self._lora_native = platform.cpu_ops is not None
 
     def forward(
         self,
@@ -179,17 +215,73 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for every packed token."""
+        """Hidden states [T, hidden] after the final norm, for every packed token; `lora` says
+        which tokens run with which loaded adapter (None: all with the base model)."""
+        if lora is not None and lora.num_tokens != input_ids.shape[0]:
+            raise ValueError(f"LoRA mapping of {lora.num_tokens} tokens for {input_ids.shape[0]}")
         x = self.embed_tokens(input_ids)
         angles = self.rotary.angles(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, angles, kv_cache, meta, backend)
+            x, residual = layer(x, residual, angles, kv_cache, meta, backend, lora)
         return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Put `adapter` in `slot` (replacing what it held), in the model's device and dtype."""
+        self._check_slot(slot)
+        if adapter.rank > self.max_lora_rank:
+            raise ValueError(
+                f"LoRA adapter rank {adapter.rank} is above max_lora_rank={self.max_lora_rank}"
+            )
+        layers = max((layer for layer, _ in adapter.weights), default=-1) + 1
+        if layers > self.config.num_layers:
+            raise ValueError(
+                f"LoRA adapter has {layers} layers, the model {self.config.num_layers}"
+            )
+        # A write that fails part way leaves the slot unusable until a load succeeds.
+        self._lora_loaded[slot] = False
+        for i, name, linear in self._decoder_linears():
+            parts = [adapter.weights.get((i, part)) for part in _FUSED_PARTS.get(name, (name,))]
+            linear.lora_slots.write(slot, parts, adapter.rank, adapter.scale)
+        self._lora_loaded[slot] = True
+
+    def unload_lora(self, slot: int) -> None:
+        """Empty `slot`: a forward pass may no longer name it."""
+        self._check_slot(slot)
+        self._lora_loaded[slot] = False
+        for _, _, linear in self._decoder_linears():
+            linear.lora_slots.clear(slot)
+
+    def _decoder_linears(self) -> Iterator[tuple[int, str, Linear]]:
+        """(layer index, parameter name, layer) of every linear layer of the decoder layers."""
+        for i, layer in enumerate(self.layers):
+            for name, module in layer.named_modules():
+                if isinstance(module, Linear):
+                    yield i, name.rpartition(".")[2], module
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"LoRA slot {slot} does not exist: this model has {self.max_loras}")
+
+    def lora_mapping(self, rows: Sequence[tuple[int, int]]) -> LoRAMapping:
+        """The mapping of a step whose rows, in packed order, are (slot or -1 for the base
+        model, number of tokens), in the form this model's side path runs; every slot named
+        must hold an adapter."""
+        for slot in {slot for slot, _ in rows if slot != -1}:
+            self._check_slot(slot)
+            if not self._lora_loaded[slot]:
+                raise ValueError(f"LoRA slot {slot} holds no adapter")
+        if self._lora_native:
+            return LoRAMapping.native(rows)
+        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
+        if device.type == "cuda" and sum(tokens for _, tokens in rows) <= INDEXED_MAX_TOKENS:
+            return LoRAMapping.indexed(rows, device)
+        return LoRAMapping.masked(rows, self.max_loras, dtype, device)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -201,10 +293,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        shard_sizes = {
-            "qkv_proj": [self.layers[0].self_attn.q_size, *[self.layers[0].self_attn.kv_size] * 2],
-            "gate_up_proj": [self.config.intermediate_size] * 2,
-        }
+        shard_sizes = _shard_sizes(self.config)
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -240,3 +329,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
         process_weights_after_loading(self)
+        # A model built on the meta device holds uninitialized slots (to_empty), and a step
+        # reads empty slots beside the ones it runs: they must hold zeros.
+        for slot in range(self.max_loras):
+            self.unload_lora(slot)

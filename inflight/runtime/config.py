@@ -37,6 +37,9 @@ class RuntimeConfig:
     # Complete each step while the device runs the next (default: on CUDA, off on the CPU).
     overlap: bool | None = None
     seed: int | None = None
+    # LoRA: adapter slots in the model (0: LoRA off), and the largest rank an adapter may have.
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "block_size", "max_num_tokens"):
@@ -59,6 +62,12 @@ class RuntimeConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be auto, none, int8 or q4, got {self.quantization!r}"
+            )
+        if not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"max_loras must be an integer >= 0, got {self.max_loras!r}")
+        if not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 1:
+            raise ValueError(
+                f"max_lora_rank must be a positive integer, got {self.max_lora_rank!r}"
             )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

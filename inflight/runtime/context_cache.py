@@ -17,6 +17,11 @@ from dataclasses import dataclass
 from inflight.runtime.kv_cache import BlockPool
 
 
+def root_digest(lora_name: str | None) -> bytes:
+    """The parent of a sequence's first block: KV computed with an adapter is its own."""
+    return b"" if lora_name is None else hashlib.sha256(b"lora:" + lora_name.encode()).digest()
+
+
 def chain_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
     h = hashlib.sha256(parent)
     h.update(struct.pack(f"<{len(tokens)}I", *tokens))
@@ -35,14 +40,15 @@ class ContextCache:
         self.pool = pool
         self.metrics = ContextCacheMetrics()
 
-    def match(self, prompt: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """Published blocks holding the longest cached prefix of `prompt`, and their digests.
+    def match(self, prompt: Sequence[int], root: bytes = b"") -> tuple[list[int], list[bytes]]:
+        """Published blocks holding the longest cached prefix of `prompt` (computed under the
+        adapter whose `root_digest` is `root`), and their digests.
 
         The prompt's last token is never matched: its logits must be computed."""
         bs = self.pool.block_size
         blocks: list[int] = []
         digests: list[bytes] = []
-        parent = b""
+        parent = root
         for i in range((len(prompt) - 1) // bs):
             digest = chain_digest(parent, prompt[i * bs : (i + 1) * bs])
             block = self.pool.lookup(digest)

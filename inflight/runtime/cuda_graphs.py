@@ -4,16 +4,22 @@ A decode-only step of B rows replays the graph of the smallest bucket >= B. Its 
 static buffers: the step's rows are copied in, and the bucket's spare rows are pointed at a
 scratch KV block that no resident owns (they decode a dummy token there, and their output is
 dropped), so a replay never touches a resident's KV beyond its own rows.
+
+A model with LoRA slots is captured with its indexed side path reading each row's slot from a
+static buffer (see `model/layers/lora.py`): one graph per bucket serves any mix of adapters and
+the base.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from inflight.model.attention import AttentionMetadata
+from inflight.model.layers.lora import LoRAMapping
+from inflight.model.transfer import to_device
 from inflight.runtime.batch_builder import RaggedBatch
 
 
@@ -39,7 +45,13 @@ class DecodeInputs:
     """The static input buffers of the captured graphs (any device; filled before each replay)."""
 
     def __init__(
-        self, max_batch: int, max_blocks: int, block_size: int, scratch_block: int, device
+        self,
+        max_batch: int,
+        max_blocks: int,
+        block_size: int,
+        scratch_block: int,
+        device,
+        lora: bool = False,
     ) -> None:
         self.block_size = block_size
         self.scratch_block = scratch_block
@@ -49,9 +61,16 @@ class DecodeInputs:
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        # Each row's LoRA slot (-1: the base model), where the model has LoRA slots.
+        self.lora_slots = (
+            torch.full((max_batch,), -1, dtype=torch.int32, device=device) if lora else None
+        )
 
-    def fill(self, batch: RaggedBatch, bucket: int) -> None:
-        """Copy a decode step's rows in; park the bucket's spare rows on the scratch block."""
+    def fill(
+        self, batch: RaggedBatch, bucket: int, lora_slots: Sequence[int] | None = None
+    ) -> None:
+        """Copy a decode step's rows in (with each row's LoRA slot, -1 or None for the base
+        model); park the bucket's spare rows on the scratch block."""
         rows = len(batch.input_ids)
         meta = batch.meta
         width = meta.block_tables.shape[1]
@@ -66,6 +85,22 @@ class DecodeInputs:
             self.slot_mapping[rows:bucket] = self.scratch_block * self.block_size
             self.block_tables[rows:bucket, 0] = self.scratch_block
             self.seq_lens[rows:bucket] = 1
+        if self.lora_slots is not None:
+            if lora_slots is None:
+                self.lora_slots[:bucket] = -1
+            else:
+                self.lora_slots[:rows].copy_(
+                    to_device(lora_slots, torch.int32, self.lora_slots.device)
+                )
+                self.lora_slots[rows:bucket] = -1
+        elif lora_slots is not None:
+            raise ValueError("LoRA slots for graphs captured without LoRA")
+
+    def lora(self, bucket: int) -> LoRAMapping | None:
+        """The mapping the graph of `bucket` is captured with: its static rows' slots."""
+        if self.lora_slots is None:
+            return None
+        return LoRAMapping(bucket, token_slots=self.lora_slots[:bucket])
 
     def metadata(self, bucket: int) -> AttentionMetadata:
         """Attention metadata over the first `bucket` rows of the buffers (decode rows only)."""
@@ -89,7 +124,9 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        forward: Callable[
+            [torch.Tensor, torch.Tensor, AttentionMetadata, LoRAMapping | None], torch.Tensor
+        ],
         inputs: DecodeInputs,
         buckets: list[int],
     ) -> None:
@@ -100,21 +137,26 @@ class DecodeGraphs:
         for bucket in reversed(buckets):  # the largest first, so the rest reuse its memory
             meta = inputs.metadata(bucket)
             ids, positions = inputs.input_ids[:bucket], inputs.positions[:bucket]
-            forward(ids, positions, meta)  # warm-up (and Triton compilation) outside the graph
+            lora = inputs.lora(bucket)
+            # Warm-up (and Triton compilation) outside the graph.
+            forward(ids, positions, meta, lora)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = forward(ids, positions, meta)
+                hidden = forward(ids, positions, meta, lora)
             self._graphs[bucket] = (graph, hidden)
         torch.cuda.synchronize()
 
-    def run(self, batch: RaggedBatch) -> torch.Tensor | None:
-        """Final hidden states of the step's rows, or None when no graph fits it."""
+    def run(
+        self, batch: RaggedBatch, lora_slots: Sequence[int] | None = None
+    ) -> torch.Tensor | None:
+        """Final hidden states of the step's rows (each with its LoRA slot, -1 or None for the
+        base model), or None when no graph fits it."""
         if not is_decode_only(batch):
             return None
         bucket = pick_bucket(self.buckets, len(batch.input_ids))
         if bucket is None:
             return None
-        self.inputs.fill(batch, bucket)
+        self.inputs.fill(batch, bucket, lora_slots)
         graph, hidden = self._graphs[bucket]
         graph.replay()
         return hidden[: len(batch.input_ids)]

@@ -15,6 +15,7 @@ import torch
 
 from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from inflight.model.config import ModelConfig
+from inflight.model.layers.lora import LoRAMapping
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.transfer import to_device
 from inflight.runtime.batch_builder import RaggedBatch, build_ragged_batch
@@ -94,19 +95,29 @@ class Executor:
     # -- the model ------------------------------------------------------------------------------
 
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend, lora)
 
     @torch.inference_mode()
-    def execute(self, batch: RaggedBatch) -> torch.Tensor:
-        """Final hidden states of the tokens in `batch.logits_indices`, in that order."""
+    def execute(self, batch: RaggedBatch, lora_slots: list[int] | None = None) -> torch.Tensor:
+        """Final hidden states of the tokens in `batch.logits_indices`, in that order;
+        `lora_slots`: each row's LoRA slot (-1: the base model), None where no row has one."""
         if self.graphs is not None:
-            hidden = self.graphs.run(batch)
+            hidden = self.graphs.run(batch, lora_slots)
             if hidden is not None:
                 return hidden
         self.backend.plan(batch.meta)
-        return self._forward(batch.input_ids, batch.positions, batch.meta)[batch.logits_indices]
+        lora = None
+        if lora_slots is not None:
+            rows = zip(lora_slots, batch.meta.query_lens_host, strict=True)
+            lora = self.model.lora_mapping(list(rows))
+        hidden = self._forward(batch.input_ids, batch.positions, batch.meta, lora)
+        return hidden[batch.logits_indices]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -126,7 +137,8 @@ class Executor:
             batch.input_ids[to_device(positions, torch.int64, device)] = self.last_tokens[
                 to_device(slots, torch.int64, device)
             ]
-        hidden = self.execute(batch)
+        lora_slots = [row.resident.lora_slot for row in rows]
+        hidden = self.execute(batch, lora_slots if max(lora_slots) >= 0 else None)
         # Hidden rows come in row order: all of a scoring row's tokens, else a sampler's last.
         launched = LaunchedStep(step)
         sample_rows, offset = [], 0

@@ -39,10 +39,9 @@ REQUEST_OPTIONS: tuple[RequestOption, ...] = (
         "lora_name",
         "per-request LoRA (lora_name)",
         None,
-        UnderIFB.REFUSED,
-        ifb_alternative="serve a checkpoint with the adapter merged, without "
-        "--enable-in-flight-batching",
-        runtime_alternative="serve a checkpoint with the adapter merged",
+        UnderIFB.SERVED,
+        runtime_alternative="start with enable_lora=True (--enable-lora) and register the "
+        "adapter (lora_modules, --lora-modules)",
     ),
     RequestOption(
         "generate_audio",
@@ -78,9 +77,17 @@ def requested(request: GenerationRequest) -> list[RequestOption]:
     return [o for o in REQUEST_OPTIONS if getattr(request, o.field) != o.default]
 
 
-def check_runtime_serves(request: GenerationRequest) -> None:
-    """Raise RequestFieldError for the first option this runtime serves on no path."""
-    option = next((o for o in requested(request) if o.runtime_alternative is not None), None)
+def check_runtime_serves(request: GenerationRequest, served: frozenset[str]) -> None:
+    """Raise RequestFieldError for the first option the runtime does not serve: `served` names
+    the options of the table it was built to serve (LoRA, when enabled)."""
+    option = next(
+        (
+            o
+            for o in requested(request)
+            if o.runtime_alternative is not None and o.field not in served
+        ),
+        None,
+    )
     if option is not None:
         raise RequestFieldError(
             f"{option.what} is not supported by this runtime yet; {option.runtime_alternative}",

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Sequence
 
 from inflight.model.checkpoints.tokenizer import Tokenizer
-from inflight.runtime.context_cache import chain_digest
+from inflight.runtime.context_cache import chain_digest, root_digest
 from inflight.runtime.detokenizer import IncrementalDetokenizer
 from inflight.runtime.kv_cache import BlockPool
 from inflight.runtime.outputs import (
@@ -128,7 +128,8 @@ class OutputProcessor:
                     *r.prompt[start:],
                     *r.output[max(0, start - r.prompt_len) : end - r.prompt_len],
                 )
-            digest = chain_digest(r.digests[-1] if r.digests else b"", tokens)
+            parent = r.digests[-1] if r.digests else root_digest(r.request.lora_name)
+            digest = chain_digest(parent, tokens)
             # If another block already holds this digest, ours stays private.
             self.blocks.publish(r.blocks[i], digest)
             r.digests.append(digest)

@@ -39,6 +39,7 @@ class Resident:
     prompt_logprobs: list[LogprobEntry | None] | None = None
     matcher: Any = None  # its structured-outputs constraint's llguidance matcher, if any
     index: int = 0  # which of its request's n sequences
+    lora_slot: int = -1  # the model's adapter slot it runs with (-1: the base model)
     # A later sequence of an n > 1 request, until the first has launched the prompt blocks
     # they share: it waits for them.
     leader: Resident | None = None

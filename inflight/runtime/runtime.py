@@ -10,6 +10,8 @@ import torch
 
 from inflight.model.attention import TorchAttentionBackend, select_backend
 from inflight.model.checkpoints.loader import Checkpoint, build_model, open_checkpoint
+from inflight.model.checkpoints.lora import load_lora_adapter
+from inflight.runtime.adapters import AdapterRegistry
 from inflight.runtime.blocking import BlockingRun
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.context_cache import ContextCache
@@ -64,16 +66,25 @@ class Runtime:
         self.slots = ResidentSlots(config.max_batch_size)
         self.context_cache = ContextCache(self.blocks) if config.context_cache else None
         self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size)
+        self.executor = self._build_executor(num_blocks, show_progress)
+        self.adapters: AdapterRegistry | None = None
+        if config.max_loras:
+            model = self.executor.model
+            self.adapters = AdapterRegistry(
+                config.max_loras,
+                lambda path: load_lora_adapter(path, model_config, config.max_lora_rank),
+                model.load_lora,
+            )
         self.scheduler = Scheduler(
             self.blocks,
             self.slots,
             self.context_cache,
             self.grammars,
+            self.adapters,
             max_model_len=self.max_model_len,
             vocab_size=model_config.vocab_size,
             max_num_tokens=config.max_num_tokens,
         )
-        self.executor = self._build_executor(num_blocks, show_progress)
         self.outputs = OutputProcessor(
             self.scheduler,
             self.tokenizer,
@@ -93,6 +104,8 @@ class Runtime:
             self.max_model_len,
             show_progress,
             config.quantization,
+            config.max_loras,
+            config.max_lora_rank,
         )
         backend = select_backend(
             config.attention_backend, self.device, self.dtype, model_config.head_dim
@@ -119,6 +132,7 @@ class Runtime:
                 config.block_size,
                 scratch_block=num_blocks,
                 device=self.device,
+                lora=model.max_loras > 0,
             )
         return Executor(
             model,
@@ -138,12 +152,29 @@ class Runtime:
 
     @property
     def capabilities(self) -> ExecutionCapabilities:
+        # With LoRA, each row runs with its own adapter (or none).
+        lora = frozenset({"lora_name"}) if self.adapters is not None else frozenset()
         return ExecutionCapabilities(
             stepped=True,
             seated_admission=True,
             max_batch_size=self.slots.capacity,
-            per_row_fields=PER_ROW_FIELDS,
+            per_row_fields=PER_ROW_FIELDS | lora,
         )
+
+    def register_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` (ValueError naming what is wrong)."""
+        if self.adapters is None:
+            raise ValueError("LoRA is off: build the runtime with max_loras > 0")
+        self.adapters.register(name, path)
+
+    def unregister_lora(self, name: str) -> None:
+        """Stop serving an adapter (KeyError when unknown); running requests finish with it."""
+        if self.adapters is None:
+            raise KeyError(name)
+        self.adapters.unregister(name)
+
+    def lora_names(self) -> list[str]:
+        return [] if self.adapters is None else self.adapters.names()
 
     def check_request(self, request: GenerationRequest) -> AdmissionIntent:
         """Validate a request against this runtime (ValueError naming the problem) and size what

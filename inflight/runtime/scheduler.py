@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inflight.runtime.context_cache import ContextCache
+from inflight.runtime.adapters import AdapterRegistry
+from inflight.runtime.context_cache import ContextCache, root_digest
 from inflight.runtime.kv_cache import BlockPool
 from inflight.runtime.options import check_runtime_serves
 from inflight.runtime.request import GenerationRequest, PromptTooLongError, RequestFieldError
@@ -52,6 +53,7 @@ class Reservation:
     blocks: tuple[list[int], ...]
     cached_blocks: int = 0  # leading blocks of the first sequence leased from the context cache
     digests: tuple[bytes, ...] = ()  # their chain digests
+    lora_slot: int = -1  # the adapter slot its sequences run with (-1: the base model)
 
 
 # Built for every row of every step: slots and no `frozen`, whose __init__ costs ~10x.
@@ -92,6 +94,7 @@ class Scheduler:
         slots: ResidentSlots,
         context_cache: ContextCache | None,
         grammars: GrammarCompiler,
+        adapters: AdapterRegistry | None,
         *,
         max_model_len: int,
         vocab_size: int,
@@ -101,6 +104,7 @@ class Scheduler:
         self.slots = slots
         self.context_cache = context_cache
         self.grammars = grammars
+        self.adapters = adapters
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_num_tokens = max_num_tokens
@@ -110,8 +114,15 @@ class Scheduler:
 
     def check(self, request: GenerationRequest) -> AdmissionIntent:
         """Validate a request against this runtime (ValueError naming the problem) and size what
-        it needs. Reads only what never changes after load, so any thread may call it."""
-        check_runtime_serves(request)
+        it needs. Any thread may call it: it reads what never changes after load, and the
+        (locked) adapter registry."""
+        served = frozenset() if self.adapters is None else frozenset({"lora_name"})
+        check_runtime_serves(request, served)
+        name = request.lora_name
+        if self.adapters is not None and name is not None and not self.adapters.known(name):
+            raise RequestFieldError(
+                f"unknown LoRA adapter {name!r}; served: {self.adapters.names()}", "lora_name"
+            )
         prompt, params = request.prompt_token_ids, request.params
         vocab, limit = self.vocab_size, self.max_model_len
         if not prompt:
@@ -167,11 +178,22 @@ class Scheduler:
         hits: list[int] = []
         digests: list[bytes] = []
         if cache is not None and self._looks_up(intent.request):
-            hits, digests = cache.match(intent.request.prompt_token_ids)
+            root = root_digest(intent.request.lora_name)
+            hits, digests = cache.match(intent.request.prompt_token_ids, root)
         fresh = intent.blocks_needed - len(hits)
         revived = sum(1 for block in hits if not pool.in_use(block))
         if pool.num_free - revived < fresh or self.slots.num_free < n:
             return None
+        lora_slot = -1
+        if intent.request.lora_name is not None:
+            assert self.adapters is not None
+            try:
+                slot = self.adapters.acquire(intent.request.lora_name, users=n)
+            except KeyError as exc:  # unregistered since it was checked
+                raise ValueError(f"LoRA adapter {exc} is no longer served") from exc
+            if slot is None:
+                return None  # every adapter slot runs an adapter in use
+            lora_slot = slot
         refs = [self.slots.acquire() for _ in range(n)]
         for block in hits:
             pool.lease(block)
@@ -183,7 +205,7 @@ class Scheduler:
                 pool.lease(block)
             blocks.append(shared + (pool.allocate(intent.sequence_blocks - len(shared)) or []))
         assert None not in refs and all(len(b) == intent.sequence_blocks for b in blocks)
-        return Reservation(intent, tuple(refs), tuple(blocks), len(hits), tuple(digests))
+        return Reservation(intent, tuple(refs), tuple(blocks), len(hits), tuple(digests), lora_slot)
 
     def seat(self, reservation: Reservation) -> list[Resident]:
         """The request's residents, one per sequence. Sequences after the first wait until the
@@ -211,6 +233,7 @@ class Scheduler:
                 digests=list(reservation.digests) if index == 0 else [],
                 index=index,
                 leader=residents[0] if index else None,
+                lora_slot=reservation.lora_slot,
             )
             self.residents[ref] = resident
             residents.append(resident)
@@ -268,3 +291,6 @@ class Scheduler:
         del self.residents[resident.ref]
         self.blocks.release(resident.blocks)
         self.slots.release(resident.ref)
+        if resident.lora_slot >= 0:
+            assert self.adapters is not None
+            self.adapters.release(resident.lora_slot)

@@ -60,7 +60,10 @@ class GenerationSession:
             intent = self.build_admission_intent(request)
         except ValueError as exc:
             return Admission(AdmissionAnswer.REJECTED, reason=str(exc))
-        reservation = self.reserve_admission(intent)
+        try:
+            reservation = self.reserve_admission(intent)
+        except ValueError as exc:  # its adapter stopped being served since it was checked
+            return Admission(AdmissionAnswer.REJECTED, reason=str(exc))
         if reservation is None:
             return Admission(
                 AdmissionAnswer.NO_CAPACITY,

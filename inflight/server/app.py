@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient
 from inflight.server.errors import ServerError, error_response
-from inflight.server.routes import anthropic, openai, ops
+from inflight.server.routes import anthropic, lora, openai, ops
 from inflight.server.state import ServerSettings, ServerState
 
 log = logging.getLogger("inflight.server")
@@ -46,7 +46,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     app.add_exception_handler(ServerError, _on_server_error)
     app.add_exception_handler(RequestValidationError, _on_invalid)
     app.add_exception_handler(Exception, _on_crash)
-    for routes in (openai.router, anthropic.router, ops.router):
+    for routes in (openai.router, anthropic.router, lora.router, ops.router):
         app.include_router(routes)
     return app
 

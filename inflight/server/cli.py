@@ -41,6 +41,13 @@ def _port(value: str) -> int:
     return number
 
 
+def _lora_module(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"must be name=path, got {value!r}")
+    return name, path
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -64,6 +71,10 @@ def _serve(args: argparse.Namespace) -> int:
             max_num_tokens=args.max_num_tokens,
             context_cache=args.enable_context_reuse,
             quantization=args.quantization,
+            enable_lora=args.enable_lora,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            lora_modules=dict(args.lora_modules or []),
             show_progress=True,
         )
     except ValueError as exc:
@@ -102,6 +113,7 @@ def _serve(args: argparse.Namespace) -> int:
         f"; quantization {args.quantization}"
         f"{f'; tool calls: {args.tool_call_parser}' if args.tool_call_parser else ''}"
         f"{f'; reasoning: {args.reasoning_parser}' if args.reasoning_parser else ''}"
+        f"{f'; LoRA adapters: {llm.lora_adapters}' if args.enable_lora else ''}"
         f"{'; API key required' if args.api_key else ''})",
         flush=True,
     )
@@ -285,6 +297,25 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(REASONING_PARSERS),
         default=None,
         help="split the reasoning (<think>...</think>) into the message's reasoning fields",
+    )
+    serve.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters: a request picks one by its `model` name",
+    )
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="PEFT adapters to serve, each as name=path (more with POST /v1/load_lora_adapter)",
+    )
+    serve.add_argument(
+        "--max-loras", type=_positive, default=4, help="LoRA adapters in the model at once"
+    )
+    serve.add_argument(
+        "--max-lora-rank", type=_positive, default=16, help="the largest LoRA rank served"
     )
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]

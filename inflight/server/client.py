@@ -115,6 +115,8 @@ class EngineClient:
         except PromptTooLongError as exc:
             raise ServerError(413, str(exc), "messages") from exc
         except RequestFieldError as exc:
+            if exc.field == "lora_name":  # an adapter unloaded since `model` was checked
+                raise ServerError(404, str(exc), "model") from exc
             raise ServerError(400, str(exc), (params_of or {}).get(exc.field, exc.field)) from exc
         except ValueError as exc:
             raise ServerError(400, str(exc)) from exc

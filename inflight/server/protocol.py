@@ -135,6 +135,15 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
+class LoadLoRARequest(Strict):
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]
+
+
+class UnloadLoRARequest(Strict):
+    lora_name: Annotated[str, Field(min_length=1)]
+
+
 # -- Anthropic ---------------------------------------------------------------------------------
 
 

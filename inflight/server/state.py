@@ -37,14 +37,18 @@ async def server_state(request: Request) -> ServerState:
     return request.app.state.inflight
 
 
-def check_body(state: ServerState, body: BaseModel, model: str | None) -> None:
-    """404 for another model's name; 400 naming the first field this server does not serve."""
+def check_body(state: ServerState, body: BaseModel, model: str | None) -> str | None:
+    """The LoRA adapter `model` names (None: the base model); 404 for a name served by no
+    model here; 400 naming the first field this server does not serve."""
     served = state.settings.served_model_name
-    if model is not None and model != served:
-        raise ServerError(404, f"model {model!r} is not served here; use {served!r}", "model")
+    adapters = state.client.llm.lora_adapters
+    if model is not None and model != served and model not in adapters:
+        names = ", ".join(repr(n) for n in [served, *adapters])
+        raise ServerError(404, f"model {model!r} is not served here; served: {names}", "model")
     refusal = unsupported(body)
     if refusal is not None:
         raise ServerError(400, refusal[1], refusal[0])
+    return model if model in adapters else None
 
 
 # A route's parameter of this type receives the server's state.

@@ -76,7 +76,6 @@ def test_batch_of_one_runs_fcfs_each_founding_its_batch():
 @pytest.mark.parametrize(
     ("option", "needle"),
     [
-        ({"lora_name": "adapter"}, "LoRA"),
         ({"generate_audio": True}, "blocking path"),
         ({"save_system_prompt_kv_cache": True}, "context cache"),
         ({"past_trajectory": [1]}, "blocking path"),
@@ -434,7 +433,7 @@ def test_handle_request_keeps_its_blocking_contract():
     e = engine(FakeFactory(fail_steps=1))
     assert e.handle_request(req()) is None  # the step failed: None, no exception
     assert e.handle_request(req(tokens=2)).token_ids == (1, 2)
-    assert e.handle_request(req(lora_name="x")) is None  # refused: None, no exception
+    assert e.handle_request(req(past_trajectory=[1])) is None  # refused: None, no exception
     e.shutdown()
     assert e.handle_request(req()) is None  # after shutdown
 

@@ -1,5 +1,6 @@
 """The CUDA-graph bookkeeping of decode steps, checked on the CPU (no capture happens here)."""
 
+import pytest
 import torch
 
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
@@ -44,3 +45,22 @@ def test_fill_copies_rows_and_parks_spare_rows_on_the_scratch_block():
     assert inputs.block_tables[2:4, 0].tolist() == [99, 99]
     meta = inputs.metadata(4)
     assert meta.num_decodes == 4 and meta.slot_mapping.shape == (4,)
+
+
+def test_fill_writes_each_rows_lora_slot_and_parks_spare_rows_on_the_base():
+    inputs = DecodeInputs(
+        max_batch=8, max_blocks=4, block_size=16, scratch_block=99, device=CPU, lora=True
+    )
+    rows = [RowInput([11], 20, [5, 6], True)] * 3
+    inputs.fill(build_ragged_batch(rows * 2, 16, CPU), 8, [2, 2, 2, 2, 2, 2])
+    inputs.fill(build_ragged_batch(rows, 16, CPU), 4, [1, -1, 0])
+    assert inputs.lora_slots[:4].tolist() == [1, -1, 0, -1]
+    mapping = inputs.lora(4)
+    assert mapping.num_tokens == 4
+    assert mapping.token_slots.data_ptr() == inputs.lora_slots.data_ptr()
+    inputs.fill(build_ragged_batch(rows, 16, CPU), 4)  # no row on an adapter
+    assert inputs.lora_slots[:4].tolist() == [-1] * 4  # the rows the graph of bucket 4 reads
+    plain = DecodeInputs(max_batch=8, max_blocks=4, block_size=16, scratch_block=99, device=CPU)
+    assert plain.lora(4) is None
+    with pytest.raises(ValueError, match="LoRA slots for graphs captured without LoRA"):
+        plain.fill(build_ragged_batch(rows, 16, CPU), 4, [0, -1, -1])

@@ -47,10 +47,10 @@ def test_each_option_is_refused_or_waits_where_the_table_says(option):
     finally:
         engine.shutdown()
     if option.runtime_alternative is None:
-        check_runtime_serves(request)
+        check_runtime_serves(request, frozenset())
     else:
         with pytest.raises(RequestFieldError, match="not supported by this runtime") as caught:
-            check_runtime_serves(request)
+            check_runtime_serves(request, frozenset())
         assert caught.value.field == option.field
         assert option.runtime_alternative in str(caught.value)
 

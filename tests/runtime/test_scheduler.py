@@ -18,6 +18,7 @@ def _scheduler(slots=4, blocks=32, budget=16, cache=False):
         ResidentSlots(slots),
         ContextCache(pool) if cache else None,
         GrammarCompiler(numbered_tokenizer(100), 100),
+        None,
         max_model_len=64,
         vocab_size=100,
         max_num_tokens=budget,
@@ -97,7 +98,7 @@ def test_prompt_logprobs_skip_the_context_cache_lookup():
     for i in range(3):  # what the output processor publishes after the step
         s.blocks.publish(r.blocks[i], bytes([i]))
     cache = s.context_cache
-    cache.match = lambda tokens: ([r.blocks[0], r.blocks[1]], [b"\x00", b"\x01"])
+    cache.match = lambda tokens, root: ([r.blocks[0], r.blocks[1]], [b"\x00", b"\x01"])
     hit = s.reserve(s.check(GenerationRequest(prompt, SamplingParams(max_tokens=1))))
     assert hit.cached_blocks == 2
     scored = s.check(GenerationRequest(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0)))

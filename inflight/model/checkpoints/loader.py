@@ -84,6 +84,8 @@ def build_model(
     max_positions: int,
     show_progress: bool = False,
     quantization: str = "auto",
+    max_loras: int = 0,
+    max_lora_rank: int = 16,
 ) -> LlamaForCausalLM:
     """The model with its weights loaded, each linear layer in the method `quantization` picks
     for it on the CPU float32 path (elsewhere all run in float):
@@ -96,13 +98,18 @@ def build_model(
       and where the native kernels cannot be built.
 
     "int8" and "q4" are a ValueError off the CPU float32 path or where their kernel cannot be
-    built."""
+    built.
+
+    `max_loras` > 0 gives every decoder linear that many LoRA adapter slots of ranks up to
+    `max_lora_rank` (see `LlamaForCausalLM.load_lora`), on top of whichever method it runs."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be auto, none, int8 or q4, got {quantization!r}")
     platform = Platform.detect(device, dtype)
     methods = _linear_methods(quantization, platform, checkpoint.stored_types)
     with torch.device("meta"):
-        model = LlamaForCausalLM(checkpoint.config, max_positions, platform, methods)
+        model = LlamaForCausalLM(
+            checkpoint.config, max_positions, platform, methods, max_loras, max_lora_rank
+        )
     model = model.to_empty(device=device).to(dtype)
     model.rotary.compute(device)
     weights = checkpoint.weights()

@@ -1,4 +1,5 @@
-"""A linear layer whose matmul is run by the quantization method it was built with."""
+"""A linear layer whose matmul is run by the quantization method it was built with, plus, in a
+model built with LoRA slots, its adapters' low-rank side path."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from inflight.model.layers.lora import LoRAMapping, LoRASlots
 from inflight.model.layers.quantization import LinearMethod
 
 
 class Linear(nn.Module):
     """x @ weight^T (+ bias). `weight` [out, in] is the float parameter checkpoints load into;
     `process_weights_after_loading` then lets the method replace it by its run form
-    (`prepared`), which `forward` runs."""
+    (`prepared`), which `forward` runs. `lora_slots`: the adapters this layer can run, where
+    the model has LoRA slots."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, method: LinearMethod):
         super().__init__()
@@ -23,9 +26,14 @@ class Linear(nn.Module):
         self.prepared: Any = None
         method.create_weights(self)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.lora_slots: LoRASlots | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
+        """x @ weight^T (+ bias), then the update of each adapter in `lora` on its tokens."""
+        y = self.method.apply(self, x, self.bias)
+        if lora is not None:
+            self.lora_slots.add(y, x, lora)
+        return y
 
     def extra_repr(self) -> str:
         return (

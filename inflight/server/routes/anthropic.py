@@ -16,7 +16,7 @@ router = APIRouter()
 
 @router.post("/v1/messages")
 async def messages(body: AnthropicMessagesRequest, request: Request, state: State) -> Response:
-    check_body(state, body, body.model)
+    lora_name = check_body(state, body, body.model)
     client, chat = state.client, state.chat
     choice = anthropic.messages_tool_choice(body, chat)
     conversation = anthropic.chat_messages(body.system, body.messages)
@@ -28,9 +28,10 @@ async def messages(body: AnthropicMessagesRequest, request: Request, state: Stat
         params,
         params_of={"structured_outputs": "tools"},
         **chat.template_args(conversation, choice),
+        lora_name=lora_name,
     )
     reader = chat.reader(choice, client.llm.tokenizer, prepared.prompt_token_ids)
-    reply = anthropic.MessageReply(state.settings.served_model_name, reader)
+    reply = anthropic.MessageReply(lora_name or state.settings.served_model_name, reader)
     if body.stream:
         run = await started(client.run(prepared))
         return StreamingResponse(

@@ -27,7 +27,7 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: State) -> Response:
-    check_body(state, body, body.model)
+    lora_name = check_body(state, body, body.model)
     client, llm = state.client, state.client.llm
     if (
         body.max_tokens
@@ -53,10 +53,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         params,
         params_of=openai.field_params(body, choice),
         **chat.template_args(messages, choice, body.chat_template_kwargs),
+        lora_name=lora_name,
     )
     reader = chat.reader(choice, llm.tokenizer, prepared.prompt_token_ids)
     reply = openai.ChatReply(
-        state.settings.served_model_name, body.logprobs, reader, chat.reasoning is not None
+        lora_name or state.settings.served_model_name,
+        body.logprobs,
+        reader,
+        chat.reasoning is not None,
     )
     if body.stream:
         run = await started(client.run(prepared))
@@ -72,7 +76,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, state: State) -> Response:
-    check_body(state, body, body.model)
+    lora_name = check_body(state, body, body.model)
     client, llm = state.client, state.client.llm
     prompts = openai.completion_prompts(body.prompt)
     if body.max_tokens == 0 and not body.echo:
@@ -88,8 +92,12 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     if body.echo and body.max_tokens == 0 and params.prompt_logprobs is None:
         params = SamplingParams(**{**vars(params), "prompt_logprobs": 0})
     params_of = openai.field_params(body)
-    prepared = [client.prepare(p, params, params_of=params_of) for p in prompts]
-    reply = openai.CompletionReply(state.settings.served_model_name, llm.tokenizer, body)
+    prepared = [
+        client.prepare(p, params, params_of=params_of, lora_name=lora_name) for p in prompts
+    ]
+    reply = openai.CompletionReply(
+        lora_name or state.settings.served_model_name, llm.tokenizer, body
+    )
     if body.stream:
         runs = []
         try:
@@ -111,16 +119,15 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
 
 @router.get("/v1/models")
 async def models(state: State) -> dict[str, Any]:
+    """The base model, and each LoRA adapter with the base as its parent."""
+    base = state.settings.served_model_name
+    llm = state.client.llm
+    entry = {"object": "model", "created": _STARTED, "owned_by": "inflight"}
     return {
         "object": "list",
         "data": [
-            {
-                "id": state.settings.served_model_name,
-                "object": "model",
-                "created": _STARTED,
-                "owned_by": "inflight",
-                "max_model_len": state.client.llm.max_model_len,
-            }
+            {"id": base, **entry, "max_model_len": llm.max_model_len},
+            *({"id": name, **entry, "parent": base, "root": name} for name in llm.lora_adapters),
         ],
     }
 

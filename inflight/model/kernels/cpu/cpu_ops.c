@@ -105,3 +105,60 @@ void apply_token_bitmask(float *logits, int64_t stride, const int64_t *rows, int
         }
     }
 }
+
+/* Multi-LoRA side path: y[t] += (x[t] A^T) B^T with token t's slot's factors, for every token
+   whose slot is >= 0 and whose slot's adapter has a rank here. A is [parts][slots][max_rank][in]
+   and B^T [slots][max_rank][out], part p writing columns starts[p] .. starts[p + 1]. A token's
+   update is summed apart, then added to y: its bits depend on its own slot and x alone. */
+void lora_add(const float *x, int64_t x_stride, float *y, int64_t y_stride,
+              const int32_t *token_slots, int64_t tokens, const float *a, const float *bt,
+              const int32_t *ranks, int64_t slots, int64_t max_rank, const int64_t *starts,
+              int64_t parts, int64_t in, int64_t out, int threads)
+{
+    enum { BLOCK = 64 };
+#pragma omp parallel for num_threads(threads) if (tokens * in * max_rank * parts >= PARALLEL_MIN)
+    for (int64_t t = 0; t < tokens; t++) {
+        const int32_t s = token_slots[t];
+        if (s < 0 || ranks[s] == 0) continue;
+        const int64_t rank = ranks[s];
+        const float *xt = x + t * x_stride;
+        float *yt = y + t * y_stride;
+        const float *b = bt + (int64_t)s * max_rank * out;
+        float h[rank];
+        for (int64_t p = 0; p < parts; p++) {
+            const float *ap = a + (p * slots + s) * max_rank * in;
+            int64_t j = 0;
+            /* Four rows at a time: four independent sums hide the adds' latency. */
+            for (; j + 4 <= rank; j += 4) {
+                const float *r0 = ap + j * in, *r1 = r0 + in, *r2 = r1 + in, *r3 = r2 + in;
+                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+                for (int64_t i = 0; i < in; i++) {
+                    s0 += r0[i] * xt[i];
+                    s1 += r1[i] * xt[i];
+                    s2 += r2[i] * xt[i];
+                    s3 += r3[i] * xt[i];
+                }
+                h[j] = s0, h[j + 1] = s1, h[j + 2] = s2, h[j + 3] = s3;
+            }
+            for (; j < rank; j++) {
+                const float *row = ap + j * in;
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t i = 0; i < in; i++) acc += row[i] * xt[i];
+                h[j] = acc;
+            }
+            for (int64_t c0 = starts[p]; c0 < starts[p + 1]; c0 += BLOCK) {
+                const int64_t n = starts[p + 1] - c0 < BLOCK ? starts[p + 1] - c0 : BLOCK;
+                float u[BLOCK] = {0};
+                for (int64_t j = 0; j < rank; j++) {
+                    const float hj = h[j], *bj = b + j * out + c0;
+#pragma omp simd
+                    for (int64_t c = 0; c < n; c++) u[c] += hj * bj[c];
+                }
+#pragma omp simd
+                for (int64_t c = 0; c < n; c++) yt[c0 + c] += u[c];
+            }
+        }
+    }
+}

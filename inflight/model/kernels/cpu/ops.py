@@ -1,5 +1,6 @@
 """Fused elementwise ops for the CPU float32 path (cpu_ops.c): RMSNorm with the residual add
-folded in, SiLU(gate) * up, the rotary embedding, and the token bitmask of structured outputs.
+folded in, SiLU(gate) * up, the rotary embedding, the token bitmask of structured outputs, and
+the multi-LoRA side path.
 At decode batch sizes each replaces a chain of torch ops whose dispatch costs more than their
 arithmetic."""
 
@@ -9,6 +10,7 @@ import ctypes
 import functools
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from inflight.model.kernels.cpu import native
@@ -28,7 +30,8 @@ def library() -> ctypes.CDLL | None:
     lib.silu_mul.argtypes = [p, i64, p, i64, i64, i32]
     lib.rope.argtypes = [p, i64, i64, p, p, p, i64, i64, i64, i32]
     lib.apply_token_bitmask.argtypes = [p, i64, p, i64, p, i64, i64, i32]
-    for name in ("rms_norm", "silu_mul", "rope", "apply_token_bitmask"):
+    lib.lora_add.argtypes = [p, i64, p, i64, p, i64, p, p, p, i64, i64, p, i64, i64, i64, i32]
+    for name in ("rms_norm", "silu_mul", "rope", "apply_token_bitmask", "lora_add"):
         getattr(lib, name).restype = None
     return lib
 
@@ -87,4 +90,29 @@ def apply_token_bitmask(
     lib.apply_token_bitmask(
         logits.data_ptr(), logits.stride(0), rows.data_ptr(), rows.shape[0],
         bitmask.data_ptr(), bitmask.shape[1], logits.shape[1], torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def lora_add(
+    lib: ctypes.CDLL,
+    y: torch.Tensor,
+    x: torch.Tensor,
+    token_slots: torch.Tensor,
+    a: torch.Tensor,
+    bt: torch.Tensor,
+    ranks: np.ndarray,
+    starts: np.ndarray,
+) -> None:
+    """In place: y [T, out] += (x[t] A^T) B^T with token t's slot's factors, for each token of
+    int32 token_slots [T] >= 0 (see `layers/lora.py` for the layouts of a, bt; int32 ranks per
+    slot; int64 starts: part p's columns are starts[p] .. starts[p + 1])."""
+    parts, slots, max_rank, in_features = a.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    assert y.stride(1) == 1 and a.is_contiguous() and bt.is_contiguous()
+    lib.lora_add(
+        x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0),
+        token_slots.data_ptr(), token_slots.shape[0], a.data_ptr(), bt.data_ptr(),
+        ranks.ctypes.data, slots, max_rank, starts.ctypes.data, parts, in_features, bt.shape[2],
+        torch.get_num_threads(),
     )  # fmt: skip

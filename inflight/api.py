@@ -20,6 +20,7 @@ from inflight.runtime.options import OPTION_FIELDS
 from inflight.runtime.outputs import RequestOutput
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
+from inflight.runtime.speculative import SpeculativeConfig
 from inflight.runtime.stepped import ExecutionCapabilities
 
 Message = dict[str, Any]
@@ -49,6 +50,10 @@ class LLM:
     up to `max_lora_rank`; `lora_modules` ({name: PEFT directory}) registers adapters at load,
     `load_lora_adapter` later.
 
+    `speculative_config` (vLLM's shape, e.g. {"method": "ngram", "num_speculative_tokens": 4})
+    turns on speculative decoding: prompt-lookup drafts verified in the batch's steps, with the
+    output plain decoding would give (a request may opt out: `SamplingParams(speculative=False)`).
+
     `quantization`: "auto" (default) runs a GGUF file's weights in the CPU kernel of their stored
     type where one exists (Q4_1 and Q8_0 files: fast, not bit-exact with float32), float32
     otherwise; "none" runs float32 (bf16 on CUDA) exactly; "int8" / "q4" quantize every CPU
@@ -75,8 +80,11 @@ class LLM:
         max_loras: int = 4,
         max_lora_rank: int = 16,
         lora_modules: Mapping[str, str | Path] | None = None,
+        speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
         show_progress: bool = False,
     ) -> None:
+        if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
+            speculative_config = SpeculativeConfig.from_dict(speculative_config)
         config = RuntimeConfig(
             max_batch_size=max_batch_size,
             max_model_len=max_model_len,
@@ -90,6 +98,7 @@ class LLM:
             seed=seed,
             max_loras=max_loras if enable_lora else 0,
             max_lora_rank=max_lora_rank,
+            speculative=speculative_config,
         )
         # Validated before the model loads, which takes a while.
         engine_config = EngineConfig(
@@ -119,6 +128,7 @@ class LLM:
         # Kept for the counters, which stay readable after close().
         self._blocks, self._slots = runtime.blocks, runtime.slots
         self._context_cache = runtime.context_cache
+        self._speculator = runtime.speculator
         self._sampling_defaults = runtime.checkpoint.sampling_defaults
         self.tokenizer = runtime.tokenizer
         self.model_name = runtime.model_name
@@ -253,15 +263,23 @@ class LLM:
         return slots.capacity - slots.num_free, slots.capacity
 
     def get_scheduling_metrics(self) -> dict[str, float] | None:
-        """The engine's counters and gauges, and the context cache's as `context_cache_*`;
-        None on the blocking path."""
+        """The engine's counters and gauges, the context cache's as `context_cache_*` and
+        speculative decoding's as `spec_decode_*`; None on the blocking path."""
         if not self.in_flight_batching:
             return None
         values: dict[str, float] = dict(self._engine.metrics.snapshot())
         values.update(queued=self._engine.queued, resident=self._engine.resident)
         for key, value in (self.get_context_cache_metrics() or {}).items():
             values[f"context_cache_{key}"] = value
+        for key, value in (self.get_speculative_metrics() or {}).items():
+            values[f"spec_decode_{key}"] = value
         return values
+
+    def get_speculative_metrics(self) -> dict[str, float] | None:
+        """Draft tokens verified and accepted, rows verified, acceptance rate, mean tokens a
+        verified row emits per step; None when speculative decoding is off."""
+        speculator = self._speculator
+        return None if speculator is None else speculator.snapshot()
 
     def get_context_cache_metrics(self) -> dict[str, float] | None:
         """Lookups, looked-up and hit prompt tokens, hit ratio, evictions, cached blocks; None

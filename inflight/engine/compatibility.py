@@ -40,6 +40,7 @@ BATCH_FIELDS = (
     "params.cache_generated_tokens",
     "params.structured_outputs",
     "params.n",
+    "params.speculative",
     "lora_name",
 )
 

@@ -1,8 +1,13 @@
-"""Packs one step's rows into the flat tensors and attention metadata of a ragged forward pass."""
+"""Packs one step's rows into the flat tensors and attention metadata of a ragged forward pass.
+
+A row verifying speculative drafts (its last token and the drafts after it) is packed as one
+decode row per token, token i seeing the keys before the row and its own first i + 1: exactly
+the causal attention of the row, computed as plain decode rows are (the same kernels and bits,
+and a step of decode and verifying rows alone replays the captured decode graphs)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Protocol
@@ -22,6 +27,7 @@ class BatchRow(Protocol):
     past_len: int
     samples: bool  # select this row's last token's hidden state
     scores: bool  # select every token's hidden state (scoring a prompt)
+    drafts: Sequence[int]  # speculative drafts ending `token_ids` (a sampling decode row)
 
     @property
     def block_table(self) -> Sequence[int]: ...
@@ -36,6 +42,7 @@ class RowInput:
     block_table: Sequence[int]
     samples: bool
     scores: bool = False
+    drafts: Sequence[int] = ()
 
 
 @dataclass
@@ -51,11 +58,14 @@ class RaggedBatch:
 def build_ragged_batch(
     rows: Sequence[BatchRow], block_size: int, device: torch.device
 ) -> RaggedBatch:
-    """Rows must come decode-first: the leading rows of one query token form the decode group.
+    """Rows must come decode-first: the leading rows of one query token form the decode group,
+    rows verifying drafts right after them.
 
     Host work is a few operations per row; everything per token or per block is vectorized."""
     if not rows:
         raise ValueError("a step needs at least one row")
+    if any(r.drafts for r in rows):
+        rows = list(_unfold_drafts(rows))
     query_lens = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
     past = np.fromiter((r.past_len for r in rows), np.int64, len(rows))
     if query_lens.min() < 1:
@@ -118,3 +128,14 @@ def build_ragged_batch(
         meta=meta,
         logits_indices=tensor(logits_indices, torch.int64),
     )
+
+
+def _unfold_drafts(rows: Sequence[BatchRow]) -> Iterator[BatchRow]:
+    """Each row verifying drafts as one sampling decode row per token."""
+    for row in rows:
+        if not row.drafts:
+            yield row
+            continue
+        table = row.block_table
+        for i, token in enumerate(row.token_ids):
+            yield RowInput((token,), row.past_len + i, table, True)

@@ -106,7 +106,8 @@ class Executor:
     @torch.inference_mode()
     def execute(self, batch: RaggedBatch, lora_slots: list[int] | None = None) -> torch.Tensor:
         """Final hidden states of the tokens in `batch.logits_indices`, in that order;
-        `lora_slots`: each row's LoRA slot (-1: the base model), None where no row has one."""
+        `lora_slots`: each batch row's LoRA slot (-1: the base model), None where no row has
+        one."""
         if self.graphs is not None:
             hidden = self.graphs.run(batch, lora_slots)
             if hidden is not None:
@@ -137,17 +138,23 @@ class Executor:
             batch.input_ids[to_device(positions, torch.int64, device)] = self.last_tokens[
                 to_device(slots, torch.int64, device)
             ]
-        lora_slots = [row.resident.lora_slot for row in rows]
+        # One per row of the batch: a row verifying drafts is packed as 1 + drafts rows.
+        lora_slots = [row.resident.lora_slot for row in rows for _ in range(1 + len(row.drafts))]
         hidden = self.execute(batch, lora_slots if max(lora_slots) >= 0 else None)
-        # Hidden rows come in row order: all of a scoring row's tokens, else a sampler's last.
+        # Hidden rows come in row order: all of a scoring row's tokens, else a sampler's last
+        # (its last 1 + drafts where it verifies drafts).
         launched = LaunchedStep(step)
-        sample_rows, offset = [], 0
+        sample_rows: list[int] = []
+        offset = 0
         for i, row in enumerate(rows):
-            kept = len(row.token_ids) if row.scores else int(row.samples)
             if row.scores:
+                kept = len(row.token_ids)
                 launched.scores[i] = self._score(row, hidden[offset : offset + kept])
-            if row.samples:
-                sample_rows.append(offset + kept - 1)
+                if row.samples:
+                    sample_rows.append(offset + kept - 1)
+            else:
+                kept = (1 + len(row.drafts)) if row.samples else 0
+                sample_rows.extend(range(offset, offset + kept))
             offset += kept
         if sample_rows:
             if len(sample_rows) < hidden.shape[0]:  # some rows were kept for scoring
@@ -167,21 +174,32 @@ class Executor:
         if launched.logits is None:
             return
         samplers = [row for row in launched.step.rows if row.samples]
+        # A row verifying drafts samples at each of its positions as plain decoding would there.
+        sampling, firsts = [], []
+        for row in samplers:
+            firsts.append(len(sampling))
+            params, index = row.resident.request.params, row.resident.index
+            sampling += [
+                SamplingRow(params, row.position + i, index) for i in range(1 + len(row.drafts))
+            ]
         launched.sampled = self.sampler.sample(
-            launched.logits,
-            [
-                SamplingRow(row.resident.request.params, row.position, row.resident.index)
-                for row in samplers
-            ],
-            self._masks(samplers),
+            launched.logits, sampling, self._masks(samplers, firsts)
         )
         launched.logits = None
         slots = to_device([row.resident.ref.slot for row in samplers], torch.int64, self.device)
-        self.last_tokens[slots] = launched.sampled.tokens
+        tokens = launched.sampled.tokens
+        if len(firsts) < len(sampling):
+            # Rows with drafts are never read back on the device (speculation runs without
+            # overlap): each row's first pick stands for it.
+            tokens = tokens[to_device(firsts, torch.int64, self.device)]
+        self.last_tokens[slots] = tokens
 
-    def _masks(self, samplers: list[ScheduledRow]) -> tuple[list[int], torch.Tensor] | None:
-        """The sampling rows under a structured-outputs constraint, and the packed bitmask of
-        what each may sample next (on the device); None when no row is constrained. A row whose
+    def _masks(
+        self, samplers: list[ScheduledRow], firsts: list[int]
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The sampled positions under a structured-outputs constraint (`firsts`: each sampling
+        row's first position; a constrained row has no drafts), and the packed bitmask of what
+        each may sample next (on the device); None when no row is constrained. A row whose
         matcher has stopped (its resident finished in the step before: its row is wasted) is
         left free."""
         constrained = [
@@ -195,7 +213,7 @@ class Executor:
             self._bitmask = self.grammars.bitmask(self.max_batch_size)
         bitmask = self._bitmask[: len(constrained)]
         self.grammars.fill([samplers[i].resident.matcher for i in constrained], bitmask)
-        return constrained, to_device(bitmask, torch.int32, self.device)
+        return [firsts[i] for i in constrained], to_device(bitmask, torch.int32, self.device)
 
     def fetch(self, launched: LaunchedStep) -> list[SampledRow]:
         """The step's sampled tokens on the host, one per sampling row (waits for the device)."""

@@ -3,7 +3,9 @@
 For every row of the step it commits the KV the step wrote (publishing newly full blocks to the
 context cache), records prompt scores, and accepts the sampled token: detokenize, check EOS, stop
 tokens, stop strings and the length budget, and evict a resident that finished, reporting its
-`FinishedSnapshot` in the step's result.
+`FinishedSnapshot` in the step's result. A row that verified speculative drafts accepts its
+picks in order while each equals the next draft (see `speculative.py`), and gives back the KV of
+the drafts it rejected.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from inflight.runtime.outputs import (
     TopLogprob,
 )
 from inflight.runtime.residents import Resident
-from inflight.runtime.scheduler import ScheduledStep, Scheduler
+from inflight.runtime.scheduler import ScheduledRow, ScheduledStep, Scheduler
+from inflight.runtime.speculative import Speculator
 from inflight.runtime.stepped import StepResult
 from inflight.runtime.structured import GrammarCompiler
 
@@ -39,8 +42,10 @@ class OutputProcessor:
         blocks: BlockPool,
         grammars: GrammarCompiler,
         publish_blocks: bool,
+        speculator: Speculator | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.speculator = speculator
         self.tokenizer = tokenizer
         self.grammars = grammars
         self.blocks = blocks
@@ -71,24 +76,35 @@ class OutputProcessor:
         scores: dict[int, list[SampledRow]],
         result: StepResult,
     ) -> None:
-        """Take a step's results in: `picks` holds one sampled token per sampling row, in row
-        order; `scores` the prompt scores of the scoring rows, by row index."""
+        """Take a step's results in: `picks` holds the sampled tokens of the sampling rows, in
+        row order (one per row, 1 + its drafts for a row verifying drafts); `scores` the prompt
+        scores of the scoring rows, by row index."""
         result.work = [row.work() for row in step.rows]
-        picked = iter(picks)
+        offset = 0
         for i, row in enumerate(step.rows):
-            pick = next(picked) if row.samples else None
+            emitted: Sequence[SampledRow] = ()
+            if row.samples:
+                width = 1 + len(row.drafts)
+                emitted = picks[offset : offset + width]
+                offset += width
             r = row.resident
             if not self.scheduler.is_live(r):
                 continue  # evicted since this step was launched: its row was wasted work
-            r.committed += len(row.token_ids)
+            rejected = 0
+            if row.drafts:
+                emitted = self._verify(r, row, emitted)
+                rejected = len(row.drafts) - (len(emitted) - 1)
+            r.committed += len(row.token_ids) - rejected
             if self.publish_blocks:
                 self._publish(r)
             if i in scores:
                 assert r.prompt_logprobs is not None
                 r.prompt_logprobs += [self._logprob_entry(s) for s in scores[i]]
-            if pick is not None:
+            if emitted:
                 r.pending -= 1
-                self._accept(r, pick, result)
+                for pick in emitted:
+                    if self._accept(r, pick, result):
+                        break
             elif not r.prefilling and r.max_new_tokens == 0:
                 # A scoring-only request (max_tokens=0) ends once its prompt is computed.
                 result.finished[r.ref] = self.finish(r, FinishReason.LENGTH, None)
@@ -134,7 +150,22 @@ class OutputProcessor:
             self.blocks.publish(r.blocks[i], digest)
             r.digests.append(digest)
 
-    def _accept(self, r: Resident, sampled: SampledRow, result: StepResult) -> None:
+    def _verify(
+        self, r: Resident, row: ScheduledRow, picks: Sequence[SampledRow]
+    ) -> Sequence[SampledRow]:
+        """The tokens a row that verified drafts emits: its picks while each equals the next
+        draft, then the first that does not (or the pick after the last draft). The rejected
+        drafts' KV is given back: the next step computes from the first rejected position."""
+        accepted = 0
+        while accepted < len(row.drafts) and picks[accepted].token_id == row.drafts[accepted]:
+            accepted += 1
+        r.computed -= len(row.drafts) - accepted
+        assert self.speculator is not None
+        self.speculator.record(r, len(row.drafts), accepted)
+        return picks[: accepted + 1]
+
+    def _accept(self, r: Resident, sampled: SampledRow, result: StepResult) -> bool:
+        """Take one output token in; whether it ended the resident."""
         token = sampled.token_id
         params = r.request.params
         r.output.append(token)
@@ -161,10 +192,12 @@ class OutputProcessor:
                 reason = self._advance(r, token)
         if reason is None and len(r.output) >= r.max_new_tokens:
             reason = FinishReason.LENGTH
-        if reason is not None:
-            if stop_reason is None or isinstance(stop_reason, int):
-                chunk.text += r.detokenizer.flush()
-            result.finished[r.ref] = self.finish(r, reason, stop_reason)
+        if reason is None:
+            return False
+        if stop_reason is None or isinstance(stop_reason, int):
+            chunk.text += r.detokenizer.flush()
+        result.finished[r.ref] = self.finish(r, reason, stop_reason)
+        return True
 
     @staticmethod
     def _advance(r: Resident, token: int) -> FinishReason | None:

@@ -102,6 +102,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
     # Sequences to generate for the prompt: prefilled once, each sampled on its own.
     n: int = 1
+    # With speculative decoding on: draft and verify this request's tokens (False: one token
+    # per step). The output is the same either way.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, Mapping):

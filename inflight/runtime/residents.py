@@ -40,6 +40,10 @@ class Resident:
     matcher: Any = None  # its structured-outputs constraint's llguidance matcher, if any
     index: int = 0  # which of its request's n sequences
     lora_slot: int = -1  # the model's adapter slot it runs with (-1: the base model)
+    # Speculative decoding: steps to decode without drafts, and the length of the last such
+    # wait (see `speculative.Speculator`).
+    spec_wait: int = 0
+    spec_backoff: int = 0
     # A later sequence of an n > 1 request, until the first has launched the prompt blocks
     # they share: it waits for them.
     leader: Resident | None = None

@@ -24,6 +24,7 @@ from inflight.runtime.sampler import Sampler
 from inflight.runtime.scheduler import AdmissionIntent, Scheduler
 from inflight.runtime.session import GenerationSession
 from inflight.runtime.slots import ResidentSlots
+from inflight.runtime.speculative import Speculator
 from inflight.runtime.stepped import ExecutionCapabilities
 from inflight.runtime.structured import GrammarCompiler
 
@@ -75,12 +76,14 @@ class Runtime:
                 lambda path: load_lora_adapter(path, model_config, config.max_lora_rank),
                 model.load_lora,
             )
+        self.speculator = None if config.speculative is None else Speculator(config.speculative)
         self.scheduler = Scheduler(
             self.blocks,
             self.slots,
             self.context_cache,
             self.grammars,
             self.adapters,
+            self.speculator,
             max_model_len=self.max_model_len,
             vocab_size=model_config.vocab_size,
             max_num_tokens=config.max_num_tokens,
@@ -91,8 +94,13 @@ class Runtime:
             self.blocks,
             self.grammars,
             publish_blocks=config.context_cache,
+            speculator=self.speculator,
         )
-        self.overlap = self.device.type == "cuda" if config.overlap is None else config.overlap
+        self.overlap = (
+            self.device.type == "cuda" and config.speculative is None
+            if config.overlap is None
+            else config.overlap
+        )
         self._session: GenerationSession | None = None
 
     def _build_executor(self, num_blocks: int, show_progress: bool) -> Executor:
@@ -126,8 +134,10 @@ class Runtime:
         )
         graph_inputs = None
         if graphs:
+            # A step verifying drafts is a decode step of one row per verified token.
+            spec = config.speculative
             graph_inputs = DecodeInputs(
-                config.max_batch_size,
+                config.max_batch_size * (1 + (spec.num_speculative_tokens if spec else 0)),
                 -(-self.max_model_len // config.block_size),
                 config.block_size,
                 scratch_block=num_blocks,

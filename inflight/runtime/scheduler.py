@@ -5,9 +5,10 @@ a ValueError names what is wrong), `reserve` takes a resident slot and every KV 
 request can need, prompt plus max_tokens, leasing its cached prefix (None when they are not
 free, having taken nothing), and `seat` makes the reservation a resident.
 
-`schedule` plans one step: a decode row for every resident whose prompt is computed, then prefill
-chunks of the others in seating order within `max_num_tokens`. Planning a step commits it: the
-rows' computed lengths advance, and each sampling row counts one token pending on the device.
+`schedule` plans one step: a decode row for every resident whose prompt is computed (with its
+speculative drafts, if any: those rows come after the plain ones), then prefill chunks of the
+others in seating order within `max_num_tokens`. Planning a step commits it: the rows' computed
+lengths advance, and each sampling row counts one token pending on the device.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from inflight.runtime.options import check_runtime_serves
 from inflight.runtime.request import GenerationRequest, PromptTooLongError, RequestFieldError
 from inflight.runtime.residents import Resident
 from inflight.runtime.slots import ResidentSlots
+from inflight.runtime.speculative import Speculator
 from inflight.runtime.stepped import ResidentRef, ScheduledSequence
 from inflight.runtime.structured import GrammarCompiler
 
@@ -68,6 +70,9 @@ class ScheduledRow:
     scores: bool = False  # scores its prompt tokens (prompt logprobs)
     device_token: bool = False  # a decode row whose input is the token still on the device
     position: int = 0  # a sampling row: the index in the output of the token it draws
+    # A decode row's speculative drafts, computed after its last token (`token_ids` ends with
+    # them): the row samples a token at each of its 1 + len(drafts) positions.
+    drafts: tuple[int, ...] = ()
 
     @property
     def block_table(self) -> np.ndarray:
@@ -75,7 +80,12 @@ class ScheduledRow:
 
     def work(self) -> ScheduledSequence:
         return ScheduledSequence(
-            self.resident.ref, len(self.token_ids), self.past_len, self.samples, self.scores
+            self.resident.ref,
+            len(self.token_ids),
+            self.past_len,
+            self.samples,
+            self.scores,
+            len(self.drafts),
         )
 
 
@@ -95,6 +105,7 @@ class Scheduler:
         context_cache: ContextCache | None,
         grammars: GrammarCompiler,
         adapters: AdapterRegistry | None,
+        speculator: Speculator | None = None,
         *,
         max_model_len: int,
         vocab_size: int,
@@ -105,6 +116,7 @@ class Scheduler:
         self.context_cache = context_cache
         self.grammars = grammars
         self.adapters = adapters
+        self.speculator = speculator
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_num_tokens = max_num_tokens
@@ -251,12 +263,22 @@ class Scheduler:
     def schedule(self, step_id: int) -> ScheduledStep | None:
         """Step `step_id`'s rows (None when there is nothing to compute), committed as planned."""
         rows: list[ScheduledRow] = []
+        verifying: list[ScheduledRow] = []
         decodes = [r for r in self.residents.values() if not r.prefilling]
+        budget = self.max_num_tokens - len(decodes)
         for r in decodes:
             # A pending token is read on the device; the host does not know it yet.
             token = 0 if r.pending else r.output[-1]
-            rows.append(ScheduledRow(r, (token,), r.computed, True, device_token=r.pending > 0))
-        budget = self.max_num_tokens - len(decodes)
+            drafts: tuple[int, ...] = ()
+            if self.speculator is not None and not r.pending and budget > 0:
+                drafts = self.speculator.drafts(r, budget)
+                budget -= len(drafts)
+            row = ScheduledRow(
+                r, (token, *drafts), r.computed, True, device_token=r.pending > 0, drafts=drafts
+            )
+            # Rows of one query token come first: they form the batch's decode group.
+            (verifying if drafts else rows).append(row)
+        rows += verifying
         for r in self.residents.values():
             if budget <= 0:
                 break

@@ -65,10 +65,11 @@ class ScheduledSequence:
     past_len: int
     samples: bool  # whether this step samples a token for it (decode, or the last prefill chunk)
     scores: bool = False  # whether it scores these prompt tokens (prompt logprobs)
+    drafts: int = 0  # speculative drafts it verifies (a decode row: query_len is 1 + drafts)
 
     @property
     def is_prefill(self) -> bool:
-        return self.query_len > 1 or not self.samples
+        return self.query_len - self.drafts > 1 or not self.samples
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import os
 import sys
@@ -48,6 +49,16 @@ def _lora_module(value: str) -> tuple[str, str]:
     return name, path
 
 
+def _speculative_config(value: str) -> dict:
+    try:
+        config = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON object: {exc}") from exc
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return config
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -75,6 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
             lora_modules=dict(args.lora_modules or []),
+            speculative_config=args.speculative_config,
             show_progress=True,
         )
     except ValueError as exc:
@@ -316,6 +328,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-lora-rank", type=_positive, default=16, help="the largest LoRA rank served"
+    )
+    serve.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]

@@ -88,6 +88,17 @@ class _EngineCollector(Collector):
                 "Share of looked-up prompt tokens found in the context cache",
                 value=cache["hit_ratio"],
             )
+        spec = self._llm.get_speculative_metrics()
+        if spec is not None:
+            for name in ("drafted_tokens", "accepted_tokens", "verifications"):
+                yield CounterMetricFamily(
+                    f"inflight_spec_decode_{name}", f"Speculative decoding {name}", value=spec[name]
+                )
+            for name, doc in (
+                ("acceptance_rate", "Share of draft tokens accepted"),
+                ("mean_accepted_length", "Tokens a verified row emits per step"),
+            ):
+                yield GaugeMetricFamily(f"inflight_spec_decode_{name}", doc, value=spec[name])
         values = self._llm.get_scheduling_metrics()
         if values is None:
             return

@@ -60,6 +60,7 @@ def sampling_params(
             skip_special_tokens=skip_special_tokens,
             structured_outputs=constraint,
             n=body.n,
+            speculative=body.speculative,
         )
     except ValueError as exc:
         raise ServerError(400, str(exc), str(exc).split(" ", 1)[0]) from exc

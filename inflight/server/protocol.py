@@ -103,6 +103,8 @@ class SamplingFields(Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     # vLLM's constraint field: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
     structured_outputs: dict[str, Any] | None = None
+    # With --speculative-config: False decodes this request without drafts (same output).
+    speculative: bool = True
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None

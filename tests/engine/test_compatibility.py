@@ -28,6 +28,7 @@ DIFFERENT = {
     "params.cache_generated_tokens": {"cache_generated_tokens": False},
     "params.structured_outputs": {"structured_outputs": {"choice": ["yes", "no"]}},
     "params.n": {"n": 2},
+    "params.speculative": {"speculative": False},
 }
 
 

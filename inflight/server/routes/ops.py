@@ -24,6 +24,7 @@ async def health(state: State) -> dict[str, Any]:
         "queued_requests": scheduling["queued"] if scheduling else client.gate.waiting,
         "scheduling": scheduling,
         "context_cache": cache,
+        "speculative_decoding": llm.get_speculative_metrics(),
         "capabilities": {
             "chat": True,
             "completions": True,

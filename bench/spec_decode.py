@@ -1,0 +1,162 @@
+"""Speculative decoding (prompt lookup) against plain decoding, in the same run.
+
+Two workloads of chat requests, greedy: "repetitive" (edits and rewrites that quote their
+prompt: code to rename, text to correct, a list to reformat) and "plain" (open questions,
+where lookups rarely match and the drafter has to back off). For each batch size, the batch's
+requests go to the in-flight batching engine at once, plain and speculative runtimes taking
+turns over `--rounds`; output tok/s is output tokens over wall time, medians over rounds.
+Default: the embedded SmolLM2 on the CPU. `--shape qwen3-0.6b` runs a random-weight model of
+that shape on CUDA (its greedy output loops, so acceptance there says nothing of real text:
+what it measures is what verification steps cost against plain ones). Writes JSON to $OUT (or
+bench/out).
+
+    .venv/bin/python bench/spec_decode.py [--batches 1 2 4] [--rounds 3] [--k 4]
+    python3 bench/spec_decode.py --shape qwen3-0.6b --tokenizer DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from inflight.bench.random_model import random_checkpoint
+from inflight.bench.report import write_report
+from inflight.engine import EngineConfig, RequestEngine
+from inflight.model.checkpoints.loader import open_checkpoint
+from inflight.runtime.config import RuntimeConfig
+from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.runtime.runtime import Runtime
+from inflight.runtime.speculative import SpeculativeConfig
+
+CODE = """def total_price(items, tax):
+    result = 0
+    for item in items:
+        result = result + item.price * item.count
+    result = result * (1 + tax)
+    return result
+
+
+def cheapest(items):
+    best = None
+    for item in items:
+        if best is None or item.price < best.price:
+            best = item
+    return best
+"""
+TEXT = (
+    "Our team met on monday to discuss the the new release. We decided that the the release "
+    "will ship next week, after the last tests pass. Everyone agreed that documentation need "
+    "to be updated before then, and that the website should announce the changes."
+)
+REPETITIVE = [
+    f"Rename the variable `result` to `total` in this code and return the whole code:\n{CODE}",
+    f"Fix the typos in this paragraph and return it in full:\n{TEXT}",
+    f"Add a docstring to each function of this code, and return the code:\n{CODE}",
+    "Rewrite this list as a numbered list, one item per line:\n"
+    "apples, pears, plums, cherries, grapes, melons, lemons, limes, oranges, peaches",
+]
+PLAIN = [
+    "What are the main causes of the seasons on Earth?",
+    "Give me three ideas for a birthday party for a ten-year-old.",
+    "Explain what a hash table is to a beginner.",
+    "Why do cats purr?",
+]
+
+
+def run_batch(
+    runtime: Runtime, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[tuple[int, ...]], float]:
+    """Every prompt's greedy output, and the wall time of the batch."""
+    engine = RequestEngine(runtime, EngineConfig(max_batch_size=len(prompts)))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    start = time.perf_counter()
+    handles = [engine.submit(GenerationRequest(p, params)) for p in prompts]
+    outputs = [h.get().token_ids for h in handles]
+    elapsed = time.perf_counter() - start
+    engine.shutdown()
+    return outputs, elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default=None, help="a random-weight CUDA model of this shape")
+    parser.add_argument("--tokenizer", default=None, help="where the prompts' tokenizer is")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--max-tokens", type=int, default=160)
+    args = parser.parse_args()
+    embedded = open_checkpoint(args.tokenizer)
+    device: dict = {}
+    checkpoint = embedded
+    if args.shape:
+        checkpoint = dataclasses.replace(
+            random_checkpoint(args.shape, torch.device("cuda")), tokenizer=embedded.tokenizer
+        )
+        device = dict(device="cuda")
+    tok = embedded.tokenizer
+
+    def encode(text: str) -> list[int]:
+        if not tok.chat_template:  # a bare tokenizer: the text as it is
+            return tok.encode(text)
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+    workloads = {
+        name: [encode(p) for p in ps] for name, ps in (("repetitive", REPETITIVE), ("plain", PLAIN))
+    }
+    base = dict(max_batch_size=max(args.batches), max_model_len=1024, context_cache=False)
+    spec = SpeculativeConfig(num_speculative_tokens=args.k)
+    runtimes = {
+        "plain": Runtime(checkpoint, RuntimeConfig(**base, **device)),
+        "speculative": Runtime(checkpoint, RuntimeConfig(**base, **device, speculative=spec)),
+    }
+    for runtime in runtimes.values():  # warm-up (kernel builds, graph capture)
+        run_batch(runtime, workloads["plain"][:1], 8)
+    results: dict = {}
+    for workload, prompts in workloads.items():
+        for batch in args.batches:
+            chosen = [prompts[i % len(prompts)] for i in range(batch)]
+            runs: dict[str, list[float]] = {name: [] for name in runtimes}
+            outputs: dict[str, list] = {}
+            before = runtimes["speculative"].speculator.snapshot()
+            for _ in range(args.rounds):
+                for name, runtime in runtimes.items():
+                    outputs[name], elapsed = run_batch(runtime, chosen, args.max_tokens)
+                    runs[name].append(sum(map(len, outputs[name])) / elapsed)
+            pairs = zip(outputs["plain"], outputs["speculative"], strict=True)
+            same = sum(a == b for a, b in pairs)
+            after = runtimes["speculative"].speculator.snapshot()
+            drafted = after["drafted_tokens"] - before["drafted_tokens"]
+            accepted = after["accepted_tokens"] - before["accepted_tokens"]
+            plain, fast = (statistics.median(runs[n]) for n in ("plain", "speculative"))
+            results[f"{workload} batch {batch}"] = dict(
+                tok_s=runs,
+                speedup=fast / plain,
+                drafted=drafted,
+                accepted=accepted,
+                identical_outputs=f"{same}/{batch}",
+            )
+            print(
+                f"{workload:>10} batch {batch}: plain {plain:7.1f} tok/s, speculative "
+                f"{fast:7.1f} tok/s, x{fast / plain:.2f} (drafts {drafted}, accepted "
+                f"{accepted / drafted if drafted else 0:.0%}; outputs identical {same}/{batch})",
+                flush=True,
+            )
+    write_report(
+        Path(os.environ.get("OUT", "bench/out")) / "spec_decode.json",
+        device=torch.cuda.get_device_name() if args.shape else "cpu",
+        threads=torch.get_num_threads(),
+        args=vars(args),
+        statistic="median",
+        results=results,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Speculative decoding: drafted tokens verified by the next step (torch-free).
+
+A decode row with drafts computes its last token and its k drafts as 1 + k query tokens of the
+same ragged step, and the sampler picks a token at each of the 1 + k positions exactly as
+non-speculative decoding would there (the same per-row parameters, the same seeded noise of that
+output position). The output processor then takes the picks in order while each equals the next
+draft: the first that differs, or the pick after the last draft, is the target's own token. So
+the output is the one plain decoding would produce, token for token with greedy or seeded rows,
+in distribution otherwise: a deterministic draft d is accepted with probability p(d), and a
+rejected position yields a draw from p without d, which is the rejection sampling of
+speculative decoding with a one-hot draft distribution. The KV of rejected drafts is dropped by
+lowering the row's computed length; later steps overwrite it.
+
+`Speculator` decides each row's drafts: none while the row is constrained by structured outputs
+(its mask at a draft position would depend on the draft), opted out, or backing off after drafts
+that were rejected; never more than its length budget can take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from inflight.runtime.residents import Resident
+
+# After a verification that accepted nothing, a row drafts again after this many plain steps,
+# doubled on each further miss (up to the cap), and reset by any accepted draft: on text the
+# drafter does not predict, verification costs at most a few percent of the steps.
+_BACKOFF_START = 2
+_BACKOFF_CAP = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: `method` "ngram" (prompt lookup: the tokens that followed the
+    latest earlier occurrence of the output's last n tokens, n from `prompt_lookup_max` down to
+    `prompt_lookup_min`), up to `num_speculative_tokens` drafts per row and step."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative method must be 'ngram', got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer in 1..16, got {k!r}")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high)):
+            raise ValueError("prompt_lookup_min and prompt_lookup_max must be integers")
+        if not 1 <= low <= high:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {low} and {high}"
+            )
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> SpeculativeConfig:
+        """From the JSON object `--speculative-config` takes (unknown keys are refused)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown keys {unknown}; known: {sorted(known)}"
+            )
+        if "num_speculative_tokens" not in values:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        return cls(**values)
+
+
+def lookup_drafts(tokens: Sequence[int], k: int, low: int, high: int) -> list[int]:
+    """Prompt lookup: for n from `high` down to `low`, the last n tokens' latest earlier
+    occurrence in `tokens`, and the (up to k) tokens that followed it; [] when none occurs."""
+    size = len(tokens)
+    if size <= low or k < 1:
+        return []
+    seq = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(high, size - 1), low - 1, -1):
+        # Windows that start before the suffix itself and have a token after them.
+        windows = np.lib.stride_tricks.sliding_window_view(seq[: size - 1], n)
+        hits = np.flatnonzero((windows == seq[size - n :]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return seq[start : start + k].tolist()
+    return []
+
+
+@dataclass
+class SpeculativeMetrics:
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # of them, accepted
+    verifications: int = 0  # rows verified (each with one or more drafts)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.metrics = SpeculativeMetrics()
+
+    def drafts(self, r: Resident, budget: int) -> tuple[int, ...]:
+        """The drafts of decode row `r` for the next step, at most `budget`."""
+        if r.spec_wait > 0:
+            r.spec_wait -= 1
+            return ()
+        # The row emits up to 1 + k tokens; those past its length budget would be dropped.
+        k = min(self.config.num_speculative_tokens, budget, r.max_new_tokens - len(r.output) - 1)
+        if k < 1 or r.matcher is not None or not r.request.params.speculative:
+            return ()
+        cfg = self.config
+        context = (*r.prompt, *r.output)
+        return tuple(lookup_drafts(context, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max))
+
+    def record(self, r: Resident, drafted: int, accepted: int) -> None:
+        """A row verified `drafted` drafts and accepted the first `accepted`."""
+        m = self.metrics
+        m.drafted += drafted
+        m.accepted += accepted
+        m.verifications += 1
+        if accepted:
+            r.spec_backoff = 0
+        else:
+            r.spec_backoff = min(_BACKOFF_CAP, max(_BACKOFF_START, 2 * r.spec_backoff))
+            r.spec_wait = r.spec_backoff
+
+    def snapshot(self) -> dict[str, float]:
+        m = self.metrics
+        return {
+            "drafted_tokens": m.drafted,
+            "accepted_tokens": m.accepted,
+            "verifications": m.verifications,
+            "acceptance_rate": m.accepted / m.drafted if m.drafted else 0.0,
+            # Tokens a verified row emits per step: its accepted drafts plus the target's own.
+            "mean_accepted_length": (1 + m.accepted / m.verifications if m.verifications else 0.0),
+        }

@@ -1,0 +1,291 @@
+"""Speculative decoding (prompt lookup) inside in-flight batching: the output is plain decoding's
+token for token (greedy and seeded), its distribution otherwise; drafts are verified in the same
+ragged steps as plain and prefilling rows, rejected drafts give their KV back."""
+
+import math
+from collections import Counter
+
+import pytest
+
+from inflight.runtime.config import RuntimeConfig
+from inflight.runtime.output_processor import OutputProcessor
+from inflight.runtime.outputs import FinishReason, SampledRow
+from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.runtime.runtime import Runtime
+from inflight.runtime.speculative import SpeculativeConfig, Speculator, lookup_drafts
+
+from helpers import assert_no_leaks
+from tiny_models import VOCAB
+
+NGRAM = SpeculativeConfig(num_speculative_tokens=4)
+CODE = (
+    "Rename the variables of this code:\n"
+    "def f(a, b):\n    c = a + b\n    d = c * 2\n    return d\n\n"
+    "def g(x):\n    return f(x, x) + f(x, 1)\n\nThe code with new names:\n"
+)
+
+
+# -- the drafter and its configuration -----------------------------------------------------------
+
+
+def test_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # "2 3" occurs at 1 and 5 (the latest: followed by 7 8 5); "5 2 3" nowhere before.
+    assert lookup_drafts(tokens, 3, 2, 3) == [7, 8, 5]
+    assert lookup_drafts(tokens, 1, 2, 3) == [7]
+    # A longer match wins over a later shorter one: "1 2 3" at 0 and 4, then "9" / "7".
+    assert lookup_drafts([*tokens, 1, 2, 3], 2, 1, 3) == [7, 8]
+    assert lookup_drafts([4, 5, 6], 2, 1, 3) == []
+    # The drafts stop at the end of what is known.
+    assert lookup_drafts([1, 2, 1, 2], 5, 2, 2) == [1, 2]
+
+
+def test_config_refuses_what_it_cannot_serve():
+    assert SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    ) == SpeculativeConfig(3, prompt_lookup_max=4)
+    with pytest.raises(ValueError, match=r"unknown keys \['draft'\]"):
+        SpeculativeConfig.from_dict({"num_speculative_tokens": 3, "draft": 1})
+    with pytest.raises(ValueError, match="needs num_speculative_tokens"):
+        SpeculativeConfig.from_dict({"method": "ngram"})
+    with pytest.raises(ValueError, match="speculative method must be 'ngram'"):
+        SpeculativeConfig(3, method="medusa")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer in 1..16"):
+        SpeculativeConfig(0)
+    with pytest.raises(ValueError, match="need 1 <= prompt_lookup_min <= prompt_lookup_max"):
+        SpeculativeConfig(3, prompt_lookup_min=4, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="overlap cannot be on with speculative decoding"):
+        RuntimeConfig(speculative=NGRAM, overlap=True)
+
+
+# -- exactness -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_runtimes():
+    config = dict(max_batch_size=8, max_model_len=512, context_cache=False)
+    return (
+        Runtime(None, RuntimeConfig(**config)),
+        Runtime(None, RuntimeConfig(**config, speculative=NGRAM)),
+    )
+
+
+def _generate(runtime, prompt, **params):
+    params.setdefault("max_tokens", 64)
+    return runtime.handle_request(GenerationRequest(prompt, SamplingParams(**params))).result()
+
+
+def test_greedy_output_is_plain_greedy_on_the_default_model(default_runtimes):
+    plain, spec = default_runtimes
+    prompt = plain.tokenizer.encode(CODE)
+    before = spec.speculator.snapshot()
+    want = _generate(plain, prompt, temperature=0, logprobs=2)
+    got = _generate(spec, prompt, temperature=0, logprobs=2)
+    after = spec.speculator.snapshot()
+    assert got.token_ids == want.token_ids and got.text == want.text
+    # The logprobs reported are the target's, whichever step computed them.
+    assert got.logprobs == want.logprobs
+    # Drafts were made and some accepted: the output did come through verification.
+    assert after["accepted_tokens"] - before["accepted_tokens"] >= 8
+    assert after["drafted_tokens"] > after["accepted_tokens"]
+    assert_no_leaks(spec)
+
+
+def test_stop_strings_and_max_tokens_end_inside_accepted_drafts(default_runtimes):
+    plain, spec = default_runtimes
+    prompt = plain.tokenizer.encode(CODE)
+    full = _generate(plain, prompt, temperature=0).text
+    # A stop string and a length budget that fall in the middle of the output.
+    stop = full[len(full) // 2 : len(full) // 2 + 6]
+    for params in (dict(stop=[stop]), dict(max_tokens=23), dict(stop=[stop], max_tokens=40)):
+        want = _generate(plain, prompt, temperature=0, **params)
+        got = _generate(spec, prompt, temperature=0, **params)
+        assert (got.token_ids, got.text, got.finish_reason) == (
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+        )
+    assert_no_leaks(spec)
+
+
+def test_seeded_sampling_is_plain_sampling_token_for_token(default_runtimes):
+    """At each position the sampler draws with that position's seeded noise, as plain decoding
+    does: accepted drafts are the tokens plain sampling would have drawn."""
+    plain, spec = default_runtimes
+    prompt = plain.tokenizer.encode(CODE)
+    for seed in (1, 2, 3):
+        params = dict(temperature=1.0, top_p=0.9, seed=seed, max_tokens=48)
+        assert _generate(spec, prompt, **params).token_ids == (
+            _generate(plain, prompt, **params).token_ids
+        )
+    assert_no_leaks(spec)
+
+
+def test_a_request_may_opt_out(default_runtimes):
+    _, spec = default_runtimes
+    prompt = spec.tokenizer.encode(CODE)
+    before = spec.speculator.snapshot()["verifications"]
+    _generate(spec, prompt, temperature=0, speculative=False)
+    assert spec.speculator.snapshot()["verifications"] == before
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tiny_models_rejecting_most_drafts_still_decode_exactly(tiny_dirs, family):
+    """Random weights reject nearly every draft: each rejection rolls the KV back, and the next
+    step recomputes from there. A prompt holding most of the vocabulary and lookups of one token
+    make a draft at almost every step."""
+    config = dict(max_batch_size=4, max_model_len=512, block_size=8, context_cache=False)
+    lookup = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+    plain = Runtime(tiny_dirs[family], RuntimeConfig(**config))
+    spec = Runtime(tiny_dirs[family], RuntimeConfig(**config, speculative=lookup))
+    prompt = [(7 * i) % VOCAB for i in range(VOCAB)]
+    for params in (
+        dict(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
+        dict(temperature=1, seed=3, max_tokens=40, ignore_eos=True),
+    ):
+        got, want = _generate(spec, prompt, **params), _generate(plain, prompt, **params)
+        assert (got.token_ids, got.logprobs) == (want.token_ids, want.logprobs)
+    metrics = spec.speculator.snapshot()
+    assert metrics["verifications"] >= 10
+    assert metrics["drafted_tokens"] > 2 * metrics["accepted_tokens"]
+    assert_no_leaks(spec)
+
+
+def _run_staggered(runtime, requests):
+    """Requests joining a running batch every other step; their outputs in order."""
+    session = runtime.new_session()
+    outputs, refs, queue, steps = {}, {}, list(enumerate(requests)), 0
+    while queue or session.residents():
+        if queue and steps % 2 == 0:
+            i, request = queue.pop(0)
+            refs[session.admit(request).ref] = i
+        for ref, snapshot in session.step().finished.items():
+            outputs[refs[ref]] = session.materialize([snapshot])
+        steps += 1
+    session.finish()
+    return [outputs[i] for i in range(len(requests))]
+
+
+def test_under_ifb_rows_that_verify_share_steps_with_joining_and_plain_rows(default_runtimes):
+    plain, spec = default_runtimes
+    tok = plain.tokenizer
+    prompts = [
+        tok.encode(CODE),
+        tok.encode("Write a short poem about the sea."),
+        tok.encode(CODE.replace("f(", "h(")),
+        tok.encode("List three colours."),
+    ]
+    requests = [
+        GenerationRequest(p, SamplingParams(max_tokens=40, temperature=0, logprobs=1))
+        for p in prompts
+    ]
+    requests.append(
+        GenerationRequest(prompts[0], SamplingParams(max_tokens=40, temperature=1, seed=7))
+    )
+    want = _run_staggered(plain, requests)
+    got = _run_staggered(spec, requests)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
+    assert_no_leaks(spec)
+
+
+def test_cancel_during_verification_ends_the_request_at_once(default_runtimes):
+    _, spec = default_runtimes
+    session = spec.new_session()
+    prompt = spec.tokenizer.encode(CODE)
+    ref = session.admit(GenerationRequest(prompt, SamplingParams(max_tokens=64, temperature=0)))
+    ref = ref.ref
+    verifying = False
+    for _ in range(40):
+        result = session.step()
+        verifying = any(w.drafts and not w.is_prefill for w in result.work)
+        if verifying:
+            break
+    assert verifying, "no step verified drafts"
+    result = session.step(cancelled=[ref])
+    assert result.finished[ref].finish_reason is FinishReason.CANCELLED
+    assert not session.residents()
+    session.finish()
+    assert_no_leaks(spec)
+
+
+# -- the distribution at temperature 1 -----------------------------------------------------------
+
+# Chi-square critical value for 4 degrees of freedom at p = 0.001.
+_CHI2_4DF_P001 = 18.467
+
+
+def _continuations(runtime, prompt, requests: int) -> Counter:
+    """Unseeded 5-token continuations of `prompt`, 8 sequences per request."""
+    params = SamplingParams(max_tokens=5, temperature=1.0, n=8, ignore_eos=True)
+    counts: Counter = Counter()
+    for _ in range(requests):
+        result = runtime.handle_request(GenerationRequest(prompt, params)).result()
+        counts.update(tuple(s.token_ids) for s in result.outputs)
+    return counts
+
+
+def _chi_square(a: Counter, b: Counter, bins: list[tuple]) -> float:
+    """Two-sample chi-square statistic over `bins` plus one bin for everything else."""
+
+    def binned(c: Counter) -> list[int]:
+        kept = [c[k] for k in bins]
+        return [*kept, sum(c.values()) - sum(kept)]
+
+    rows = [binned(a), binned(b)]
+    total = sum(map(sum, rows))
+    stat = 0.0
+    for j in range(len(bins) + 1):
+        column = rows[0][j] + rows[1][j]
+        for row in rows:
+            expected = sum(row) * column / total
+            stat += (row[j] - expected) ** 2 / expected
+    return stat
+
+
+def test_sampling_keeps_the_target_distribution(default_runtimes, monkeypatch):
+    """A prompt whose continuation the drafter predicts and the model samples with a spread:
+    the 5-token continuations of plain and speculative sampling (384 each) agree by a
+    chi-square test at p = 0.001 over the four commonest continuations and the rest. A verifier
+    that accepts every draft, run the same way, fails the same test: the test can tell."""
+    plain, spec = default_runtimes
+    prompt = plain.tokenizer.encode("red green blue, " * 10 + "red green")
+    want = _continuations(plain, prompt, 48)
+    before = spec.speculator.snapshot()
+    got = _continuations(spec, prompt, 48)
+    after = spec.speculator.snapshot()
+    bins = [k for k, _ in want.most_common(4)]
+    # The draft path carried a good part of the samples.
+    assert after["accepted_tokens"] - before["accepted_tokens"] >= 100
+    stat = _chi_square(want, got, bins)
+    assert stat < _CHI2_4DF_P001, (stat, want.most_common(6), got.most_common(6))
+
+    def accept_all(self, r, row, picks):
+        return [SampledRow(token_id=d) for d in row.drafts] + [picks[-1]]
+
+    monkeypatch.setattr(OutputProcessor, "_verify", accept_all)
+    wrong = _continuations(spec, prompt, 48)
+    stat = _chi_square(want, wrong, bins)
+    assert math.isfinite(stat) and stat > _CHI2_4DF_P001, (stat, wrong.most_common(6))
+
+
+def test_backoff_after_rejections():
+    """A row whose drafts are all rejected waits 2, 4, 8 ... steps (up to 32) before drafting
+    again; an accepted draft resets it."""
+    speculator = Speculator(NGRAM)
+
+    class Row:
+        spec_wait = spec_backoff = 0
+
+    row = Row()
+    waits = []
+    for _ in range(6):
+        speculator.record(row, 4, 0)
+        waits.append(row.spec_wait)
+    assert waits == [2, 4, 8, 16, 32, 32]
+    speculator.record(row, 4, 1)
+    assert row.spec_backoff == 0
+    snapshot = speculator.snapshot()
+    assert snapshot["drafted_tokens"] == 28 and snapshot["accepted_tokens"] == 1
+    assert snapshot["verifications"] == 7
+    assert snapshot["mean_accepted_length"] == pytest.approx(1 + 1 / 7)

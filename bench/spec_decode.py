@@ -1,8 +1,8 @@
 """Speculative decoding (prompt lookup) against plain decoding, in the same run.
 
-Two workloads of chat requests, greedy: "repetitive" (edits and rewrites that quote their
-prompt: code to rename, text to correct, a list to reformat) and "plain" (open questions,
-where lookups rarely match and the drafter has to back off). For each batch size, the batch's
+Two workloads, greedy: "repetitive" (edits that quote their prompt: text to correct, code to
+rename or document, a list to reformat; completions) and "plain" (open chat questions, where
+lookups match less and the drafter has to back off). For each batch size, the batch's
 requests go to the in-flight batching engine at once, plain and speculative runtimes taking
 turns over `--rounds`; output tok/s is output tokens over wall time, medians over rounds.
 Default: the embedded SmolLM2 on the CPU. `--shape qwen3-0.6b` runs a random-weight model of
@@ -54,13 +54,16 @@ TEXT = (
     "will ship next week, after the last tests pass. Everyone agreed that documentation need "
     "to be updated before then, and that the website should announce the changes."
 )
+# Completions (no chat template): SmolLM2-135M answers edit instructions in chat with a line or
+# two, but continues these by quoting its prompt, as edits do.
 REPETITIVE = [
-    f"Rename the variable `result` to `total` in this code and return the whole code:\n{CODE}",
-    f"Fix the typos in this paragraph and return it in full:\n{TEXT}",
-    f"Add a docstring to each function of this code, and return the code:\n{CODE}",
-    "Rewrite this list as a numbered list, one item per line:\n"
-    "apples, pears, plums, cherries, grapes, melons, lemons, limes, oranges, peaches",
+    f"Text:\n{TEXT}\n\nThe same text with the typos fixed:\n",
+    f"{CODE}\n\n# The same code with `result` renamed to `total`:\n",
+    f"{CODE}\n\n# The same code with a docstring in each function:\n",
+    "Fruits: apples, pears, plums, cherries, grapes, melons, lemons, limes, oranges, peaches.\n"
+    "The same fruits as a numbered list:\n1.",
 ]
+# Chat questions.
 PLAIN = [
     "What are the main causes of the seasons on Earth?",
     "Give me three ideas for a birthday party for a ten-year-old.",
@@ -102,13 +105,14 @@ def main() -> None:
         device = dict(device="cuda")
     tok = embedded.tokenizer
 
-    def encode(text: str) -> list[int]:
+    def chat(text: str) -> list[int]:
         if not tok.chat_template:  # a bare tokenizer: the text as it is
             return tok.encode(text)
         return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
 
     workloads = {
-        name: [encode(p) for p in ps] for name, ps in (("repetitive", REPETITIVE), ("plain", PLAIN))
+        "repetitive": [tok.encode(p) for p in REPETITIVE],
+        "plain": [chat(p) for p in PLAIN],
     }
     base = dict(max_batch_size=max(args.batches), max_model_len=1024, context_cache=False)
     spec = SpeculativeConfig(num_speculative_tokens=args.k)

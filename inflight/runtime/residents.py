@@ -44,6 +44,7 @@ class Resident:
     # wait (see `speculative.Speculator`).
     spec_wait: int = 0
     spec_backoff: int = 0
+    draft_computed: int = 0  # tokens of its sequence in the draft model's KV
     # A later sequence of an n > 1 request, until the first has launched the prompt blocks
     # they share: it waits for them.
     leader: Resident | None = None

@@ -16,6 +16,7 @@ from inflight.runtime.blocking import BlockingRun
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.context_cache import ContextCache
 from inflight.runtime.cuda_graphs import DecodeInputs
+from inflight.runtime.draft_model import DraftModel
 from inflight.runtime.executor import Executor, allocate_kv_cache
 from inflight.runtime.kv_cache import BlockPool
 from inflight.runtime.output_processor import OutputProcessor
@@ -32,6 +33,9 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 # Each resident carries its own SamplingParams: the sampler, detokenizer, stop checks and KV
 # reservation all work per row, so no sampling parameter keeps two requests from sharing a step.
+# Captured decode graphs hold at most this many rows when they also serve verification steps.
+_SPEC_GRAPH_ROWS = 512
+
 PER_ROW_FIELDS = frozenset(f"params.{f.name}" for f in fields(SamplingParams))
 
 
@@ -76,7 +80,12 @@ class Runtime:
                 lambda path: load_lora_adapter(path, model_config, config.max_lora_rank),
                 model.load_lora,
             )
-        self.speculator = None if config.speculative is None else Speculator(config.speculative)
+        self.speculator = None
+        if config.speculative is not None:
+            drafter = None
+            if config.speculative.method == "draft_model":
+                drafter = self._build_draft_model(config.speculative.model, num_blocks)
+            self.speculator = Speculator(config.speculative, drafter)
         self.scheduler = Scheduler(
             self.blocks,
             self.slots,
@@ -102,6 +111,26 @@ class Runtime:
             else config.overlap
         )
         self._session: GenerationSession | None = None
+
+    def _build_draft_model(self, path: str | None, num_blocks: int) -> DraftModel:
+        """The draft model of speculative decoding, its KV cache over the same block ids."""
+        config, target = self.config, self.checkpoint.config
+        checkpoint = open_checkpoint(path)
+        if checkpoint.config.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({checkpoint.config.vocab_size} tokens) is not "
+                f"the target's ({target.vocab_size})"
+            )
+        model = build_model(
+            checkpoint, self.dtype, self.device, self.max_model_len, False, config.quantization
+        )
+        backend = select_backend(
+            config.attention_backend, self.device, self.dtype, checkpoint.config.head_dim
+        )
+        kv = allocate_kv_cache(
+            checkpoint.config, num_blocks, config.block_size, backend, self.dtype, self.device
+        )
+        return DraftModel(model, kv, backend, config.block_size, self.device)
 
     def _build_executor(self, num_blocks: int, show_progress: bool) -> Executor:
         config, model_config = self.config, self.checkpoint.config
@@ -134,10 +163,14 @@ class Runtime:
         )
         graph_inputs = None
         if graphs:
-            # A step verifying drafts is a decode step of one row per verified token.
-            spec = config.speculative
+            # A step verifying drafts is a decode step of one row per verified token; graphs
+            # of up to _SPEC_GRAPH_ROWS such rows (larger steps run eager).
+            rows = config.max_batch_size
+            if config.speculative is not None:
+                wanted = rows * (1 + config.speculative.num_speculative_tokens)
+                rows = max(rows, min(wanted, _SPEC_GRAPH_ROWS))
             graph_inputs = DecodeInputs(
-                config.max_batch_size * (1 + (spec.num_speculative_tokens if spec else 0)),
+                rows,
                 -(-self.max_model_len // config.block_size),
                 config.block_size,
                 scratch_block=num_blocks,

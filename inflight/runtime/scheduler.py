@@ -266,13 +266,17 @@ class Scheduler:
         verifying: list[ScheduledRow] = []
         decodes = [r for r in self.residents.values() if not r.prefilling]
         budget = self.max_num_tokens - len(decodes)
-        for r in decodes:
+        drafted: list[tuple[int, ...]] = [()] * len(decodes)
+        if self.speculator is not None:
+            lengths = []
+            for r in decodes:
+                k = 0 if r.pending else self.speculator.draft_length(r, budget)
+                budget -= k
+                lengths.append(k)
+            drafted = self.speculator.propose(list(zip(decodes, lengths, strict=True)))
+        for r, drafts in zip(decodes, drafted, strict=True):
             # A pending token is read on the device; the host does not know it yet.
             token = 0 if r.pending else r.output[-1]
-            drafts: tuple[int, ...] = ()
-            if self.speculator is not None and not r.pending and budget > 0:
-                drafts = self.speculator.drafts(r, budget)
-                budget -= len(drafts)
             row = ScheduledRow(
                 r, (token, *drafts), r.computed, True, device_token=r.pending > 0, drafts=drafts
             )

@@ -11,16 +11,21 @@ rejected position yields a draw from p without d, which is the rejection samplin
 speculative decoding with a one-hot draft distribution. The KV of rejected drafts is dropped by
 lowering the row's computed length; later steps overwrite it.
 
-`Speculator` decides each row's drafts: none while the row is constrained by structured outputs
-(its mask at a draft position would depend on the draft), opted out, or backing off after drafts
-that were rejected; never more than its length budget can take.
+Drafters: prompt lookup ("ngram", no weights) and a draft model (`draft_model.py`: a smaller
+checkpoint of the same vocabulary, greedy, its KV in the target's blocks). Both are
+deterministic, which is what makes the verification above exact.
+
+`Speculator` decides how many drafts each decode row may take: none while the row is
+constrained by structured outputs (its mask at a draft position would depend on the draft),
+opted out, or backing off after drafts that were rejected; never more than its length budget
+can take. Its drafter then proposes them, for all the step's rows at once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -35,18 +40,25 @@ _BACKOFF_CAP = 32
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `speculative_config`: `method` "ngram" (prompt lookup: the tokens that followed the
-    latest earlier occurrence of the output's last n tokens, n from `prompt_lookup_max` down to
-    `prompt_lookup_min`), up to `num_speculative_tokens` drafts per row and step."""
+    """vLLM's `speculative_config`: up to `num_speculative_tokens` drafts per row and step, by
+    `method` "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of
+    the output's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`) or
+    "draft_model" (the greedy tokens of the checkpoint at `model`, which needs the target's
+    vocabulary; giving `model` alone picks it)."""
 
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    model: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"speculative method must be 'ngram', got {self.method!r}")
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(
+                f"speculative method must be 'ngram' or 'draft_model', got {self.method!r}"
+            )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("a draft model is given by `model`, with method 'draft_model' only")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             raise ValueError(f"num_speculative_tokens must be an integer in 1..16, got {k!r}")
@@ -69,7 +81,22 @@ class SpeculativeConfig:
             )
         if "num_speculative_tokens" not in values:
             raise ValueError("speculative_config needs num_speculative_tokens")
+        values = dict(values)
+        if values.get("model") is not None:
+            values.setdefault("method", "draft_model")
         return cls(**values)
+
+
+class Drafter(Protocol):
+    def propose(self, rows: Sequence[tuple[Resident, int]]) -> list[tuple[int, ...]]:
+        """Up to k drafts for each (resident, k) decode row (k may be 0: no drafts, though a
+        drafter with state may still catch up on the row's tokens)."""
+        ...
+
+    def rewind(self, r: Resident, valid: int) -> None:
+        """Only the first `valid` tokens of the resident's sequence stand (drafts beyond were
+        rejected)."""
+        ...
 
 
 def lookup_drafts(tokens: Sequence[int], k: int, low: int, high: int) -> list[int]:
@@ -89,6 +116,22 @@ def lookup_drafts(tokens: Sequence[int], k: int, low: int, high: int) -> list[in
     return []
 
 
+class PromptLookup:
+    """The "ngram" drafter."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.low, self.high = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, rows: Sequence[tuple[Resident, int]]) -> list[tuple[int, ...]]:
+        return [
+            tuple(lookup_drafts((*r.prompt, *r.output), k, self.low, self.high)) if k else ()
+            for r, k in rows
+        ]
+
+    def rewind(self, r: Resident, valid: int) -> None:
+        """Stateless."""
+
+
 @dataclass
 class SpeculativeMetrics:
     drafted: int = 0  # draft tokens verified
@@ -97,25 +140,29 @@ class SpeculativeMetrics:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter | None = None) -> None:
         self.config = config
+        self.drafter = drafter or PromptLookup(config)
         self.metrics = SpeculativeMetrics()
 
-    def drafts(self, r: Resident, budget: int) -> tuple[int, ...]:
-        """The drafts of decode row `r` for the next step, at most `budget`."""
+    def draft_length(self, r: Resident, budget: int) -> int:
+        """How many drafts decode row `r` may take in the next step, at most `budget`."""
         if r.spec_wait > 0:
             r.spec_wait -= 1
-            return ()
+            return 0
+        if r.matcher is not None or not r.request.params.speculative:
+            return 0
         # The row emits up to 1 + k tokens; those past its length budget would be dropped.
         k = min(self.config.num_speculative_tokens, budget, r.max_new_tokens - len(r.output) - 1)
-        if k < 1 or r.matcher is not None or not r.request.params.speculative:
-            return ()
-        cfg = self.config
-        context = (*r.prompt, *r.output)
-        return tuple(lookup_drafts(context, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max))
+        return max(k, 0)
+
+    def propose(self, rows: Sequence[tuple[Resident, int]]) -> list[tuple[int, ...]]:
+        return self.drafter.propose(rows)
 
     def record(self, r: Resident, drafted: int, accepted: int) -> None:
-        """A row verified `drafted` drafts and accepted the first `accepted`."""
+        """A row verified `drafted` drafts and accepted the first `accepted` (its output does
+        not hold them yet)."""
+        self.drafter.rewind(r, r.prompt_len + len(r.output) + accepted)
         m = self.metrics
         m.drafted += drafted
         m.accepted += accepted

@@ -1,18 +1,21 @@
-"""Speculative decoding (prompt lookup) inside in-flight batching: the output is plain decoding's
-token for token (greedy and seeded), its distribution otherwise; drafts are verified in the same
-ragged steps as plain and prefilling rows, rejected drafts give their KV back."""
+"""Speculative decoding inside in-flight batching, by prompt lookup and by a draft model: the
+output is plain decoding's token for token (greedy and seeded), its distribution otherwise;
+drafts are verified in the same ragged steps as plain and prefilling rows, rejected drafts give
+their KV back."""
 
 import math
 from collections import Counter
 
 import pytest
 
+from inflight.model.checkpoints.loader import default_model_path
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.output_processor import OutputProcessor
 from inflight.runtime.outputs import FinishReason, SampledRow
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 from inflight.runtime.speculative import SpeculativeConfig, Speculator, lookup_drafts
+from inflight.runtime.stepped import AdmissionAnswer
 
 from helpers import assert_no_leaks
 from tiny_models import VOCAB
@@ -48,8 +51,15 @@ def test_config_refuses_what_it_cannot_serve():
         SpeculativeConfig.from_dict({"num_speculative_tokens": 3, "draft": 1})
     with pytest.raises(ValueError, match="needs num_speculative_tokens"):
         SpeculativeConfig.from_dict({"method": "ngram"})
-    with pytest.raises(ValueError, match="speculative method must be 'ngram'"):
+    with pytest.raises(ValueError, match="speculative method must be 'ngram' or 'draft_model'"):
         SpeculativeConfig(3, method="medusa")
+    with pytest.raises(ValueError, match="a draft model is given by `model`"):
+        SpeculativeConfig(3, method="draft_model")
+    with pytest.raises(ValueError, match="a draft model is given by `model`"):
+        SpeculativeConfig(3, model="/some/where")
+    assert SpeculativeConfig.from_dict({"model": "/m", "num_speculative_tokens": 2}).method == (
+        "draft_model"
+    )
     with pytest.raises(ValueError, match="num_speculative_tokens must be an integer in 1..16"):
         SpeculativeConfig(0)
     with pytest.raises(ValueError, match="need 1 <= prompt_lookup_min <= prompt_lookup_max"):
@@ -151,14 +161,94 @@ def test_tiny_models_rejecting_most_drafts_still_decode_exactly(tiny_dirs, famil
     assert_no_leaks(spec)
 
 
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_dirs):
+    """The tiny qwen3 plain, with itself as draft model, and with the tiny llama (random
+    weights of another family, same vocabulary) as draft model."""
+    config = dict(max_batch_size=4, max_model_len=256, block_size=8, context_cache=False)
+
+    def drafted_by(family):
+        spec = SpeculativeConfig(4, method="draft_model", model=str(tiny_dirs[family]))
+        return Runtime(tiny_dirs["qwen3"], RuntimeConfig(**config, speculative=spec))
+
+    plain = Runtime(tiny_dirs["qwen3"], RuntimeConfig(**config))
+    return plain, drafted_by("qwen3"), drafted_by("llama")
+
+
+def test_a_draft_model_drafts_and_only_accepted_drafts_stay(tiny_pair):
+    """The target as its own draft: every draft is accepted (each step emits 1 + k tokens). A
+    random draft of another family: nearly none is, and each rejection rewinds the draft's KV
+    too. Greedy and seeded outputs are plain decoding's either way."""
+    plain, itself, other = tiny_pair
+    prompt = [5, 6, 7, 8, 9] * 8
+    for params in (
+        dict(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
+        dict(temperature=1, seed=5, max_tokens=40, ignore_eos=True),
+    ):
+        want = _generate(plain, prompt, **params)
+        for runtime in (itself, other):
+            got = _generate(runtime, prompt, **params)
+            assert (got.token_ids, got.logprobs) == (want.token_ids, want.logprobs)
+    greedy_self = itself.speculator.snapshot()
+    assert greedy_self["accepted_tokens"] >= 30 and greedy_self["mean_accepted_length"] > 3
+    rejected = other.speculator.snapshot()
+    assert rejected["verifications"] >= 4
+    assert rejected["accepted_tokens"] <= rejected["drafted_tokens"] // 4
+    for runtime in (itself, other):
+        assert_no_leaks(runtime)
+
+
+def test_draft_model_rows_join_a_running_batch(tiny_pair):
+    plain, itself, _ = tiny_pair
+    requests = [
+        GenerationRequest(
+            [(3 * i + j) % VOCAB for j in range(20 + 7 * i)],
+            SamplingParams(max_tokens=24 + 4 * i, temperature=0, ignore_eos=True),
+        )
+        for i in range(5)
+    ]
+    assert [o.token_ids for o in _run_staggered(itself, requests)] == [
+        o.token_ids for o in _run_staggered(plain, requests)
+    ]
+    assert_no_leaks(itself)
+
+
+def test_the_default_model_drafting_for_itself(default_runtimes):
+    """SmolLM2 as its own draft model: nearly every draft is accepted (the draft computes its
+    tokens in other batch shapes, so a near-tie may differ), and the output, stop string and
+    logprobs are plain decoding's."""
+    plain, _ = default_runtimes
+    spec = SpeculativeConfig(3, method="draft_model", model=str(default_model_path()))
+    config = RuntimeConfig(
+        max_batch_size=2, max_model_len=512, context_cache=False, speculative=spec
+    )
+    drafted = Runtime(None, config)
+    prompt = plain.tokenizer.encode("Write a short story about a robot who learns to paint.")
+    full = _generate(plain, prompt, temperature=0, max_tokens=40).text
+    stop = full[20:26]
+    for params in (dict(logprobs=1), dict(stop=[stop])):
+        want = _generate(plain, prompt, temperature=0, max_tokens=40, **params)
+        got = _generate(drafted, prompt, temperature=0, max_tokens=40, **params)
+        assert (got.token_ids, got.text, got.logprobs) == (want.token_ids, want.text, want.logprobs)
+    assert drafted.speculator.snapshot()["acceptance_rate"] > 0.8
+    assert_no_leaks(drafted)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_dirs):
+    spec = SpeculativeConfig(2, method="draft_model", model=str(tiny_dirs["llama"]))
+    with pytest.raises(ValueError, match=r"vocabulary \(320 tokens\) is not the target's"):
+        Runtime(None, RuntimeConfig(max_batch_size=2, max_model_len=256, speculative=spec))
+
+
 def _run_staggered(runtime, requests):
     """Requests joining a running batch every other step; their outputs in order."""
     session = runtime.new_session()
     outputs, refs, queue, steps = {}, {}, list(enumerate(requests)), 0
     while queue or session.residents():
         if queue and steps % 2 == 0:
-            i, request = queue.pop(0)
-            refs[session.admit(request).ref] = i
+            admission = session.admit(queue[0][1])
+            if admission.answer is AdmissionAnswer.ADMITTED:  # else it waits for room
+                refs[admission.ref] = queue.pop(0)[0]
         for ref, snapshot in session.step().finished.items():
             outputs[refs[ref]] = session.materialize([snapshot])
         steps += 1
@@ -276,6 +366,7 @@ def test_backoff_after_rejections():
 
     class Row:
         spec_wait = spec_backoff = 0
+        prompt_len, output = 3, []
 
     row = Row()
     waits = []

@@ -20,6 +20,25 @@ def assert_no_leaks(target) -> None:
     assert target.slots.num_free == target.slots.capacity, "resident slots leaked"
 
 
+def run_staggered(runtime, requests) -> list:
+    """Requests admitted to one session every other step (a request waits while there is no
+    room), joining the running batch; their outputs in order."""
+    from inflight.runtime.stepped import AdmissionAnswer
+
+    session = runtime.new_session()
+    outputs, refs, queue, steps = {}, {}, list(enumerate(requests)), 0
+    while queue or session.residents():
+        if queue and steps % 2 == 0:
+            admission = session.admit(queue[0][1])
+            if admission.answer is AdmissionAnswer.ADMITTED:
+                refs[admission.ref] = queue.pop(0)[0]
+        for ref, snapshot in session.step().finished.items():
+            outputs[refs[ref]] = session.materialize([snapshot])
+        steps += 1
+    session.finish()
+    return [outputs[i] for i in range(len(requests))]
+
+
 def wait_for_outcome(handle, timeout: float = 10.0) -> None:
     """Wait until the engine has published the request's outcome (a cancelled one included)."""
     deadline = time.monotonic() + timeout

@@ -8,7 +8,7 @@ from inflight.runtime.outputs import FinishReason
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 
-from helpers import assert_no_leaks
+from helpers import assert_no_leaks, run_staggered
 
 
 @pytest.fixture(scope="module")
@@ -38,24 +38,10 @@ def _requests():
     ]
 
 
-def _run_staggered(runtime, requests):
-    session = runtime.new_session()
-    outputs, refs, queue, steps = {}, {}, list(enumerate(requests)), 0
-    while queue or session.residents():
-        if queue and len(session.residents()) < 4 and steps % 2 == 0:
-            i, request = queue.pop(0)
-            refs[session.admit(request).ref] = i
-        for ref, snapshot in session.step().finished.items():
-            outputs[refs[ref]] = session.materialize([snapshot])
-        steps += 1
-    session.finish()
-    return [outputs[i] for i in range(len(requests))]
-
-
 def test_overlapped_steps_give_the_same_outputs(runtimes):
     plain, overlapped = runtimes
-    want = _run_staggered(plain, _requests())
-    got = _run_staggered(overlapped, _requests())
+    want = run_staggered(plain, _requests())
+    got = run_staggered(overlapped, _requests())
     for a, b in zip(got, want, strict=True):
         assert a.token_ids == b.token_ids and a.text == b.text
         assert a.finish_reason == b.finish_reason

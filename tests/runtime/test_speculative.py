@@ -15,9 +15,8 @@ from inflight.runtime.outputs import FinishReason, SampledRow
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 from inflight.runtime.speculative import SpeculativeConfig, Speculator, lookup_drafts
-from inflight.runtime.stepped import AdmissionAnswer
 
-from helpers import assert_no_leaks
+from helpers import assert_no_leaks, run_staggered
 from tiny_models import VOCAB
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=4)
@@ -207,8 +206,8 @@ def test_draft_model_rows_join_a_running_batch(tiny_pair):
         )
         for i in range(5)
     ]
-    assert [o.token_ids for o in _run_staggered(itself, requests)] == [
-        o.token_ids for o in _run_staggered(plain, requests)
+    assert [o.token_ids for o in run_staggered(itself, requests)] == [
+        o.token_ids for o in run_staggered(plain, requests)
     ]
     assert_no_leaks(itself)
 
@@ -240,22 +239,6 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tiny_dirs):
         Runtime(None, RuntimeConfig(max_batch_size=2, max_model_len=256, speculative=spec))
 
 
-def _run_staggered(runtime, requests):
-    """Requests joining a running batch every other step; their outputs in order."""
-    session = runtime.new_session()
-    outputs, refs, queue, steps = {}, {}, list(enumerate(requests)), 0
-    while queue or session.residents():
-        if queue and steps % 2 == 0:
-            admission = session.admit(queue[0][1])
-            if admission.answer is AdmissionAnswer.ADMITTED:  # else it waits for room
-                refs[admission.ref] = queue.pop(0)[0]
-        for ref, snapshot in session.step().finished.items():
-            outputs[refs[ref]] = session.materialize([snapshot])
-        steps += 1
-    session.finish()
-    return [outputs[i] for i in range(len(requests))]
-
-
 def test_under_ifb_rows_that_verify_share_steps_with_joining_and_plain_rows(default_runtimes):
     plain, spec = default_runtimes
     tok = plain.tokenizer
@@ -272,8 +255,8 @@ def test_under_ifb_rows_that_verify_share_steps_with_joining_and_plain_rows(defa
     requests.append(
         GenerationRequest(prompts[0], SamplingParams(max_tokens=40, temperature=1, seed=7))
     )
-    want = _run_staggered(plain, requests)
-    got = _run_staggered(spec, requests)
+    want = run_staggered(plain, requests)
+    got = run_staggered(spec, requests)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
     assert_no_leaks(spec)

@@ -236,16 +236,13 @@ def check_structured_outputs(device: torch.device, seed: int) -> tuple[bool, str
     overlap while they live): every constrained output is a string of its language. A random
     Qwen3-0.6B-shaped model with the embedded model's tokenizer, which the grammars need
     ($INFLIGHT_TOKENIZER: a checkpoint to take it from where the GGUF cannot be read)."""
-    import dataclasses
     import json
     import re
 
     from inflight.model.checkpoints.loader import open_checkpoint
 
     tokenizer = open_checkpoint(os.environ.get("INFLIGHT_TOKENIZER")).tokenizer
-    checkpoint = dataclasses.replace(
-        random_checkpoint("qwen3-0.6b", device, seed), tokenizer=tokenizer
-    )
+    checkpoint = random_checkpoint("qwen3-0.6b", device, seed, tokenizer)
     runtime = Runtime(checkpoint, RuntimeConfig(device="cuda", max_batch_size=8, max_model_len=512))
     schema = {
         "type": "object",

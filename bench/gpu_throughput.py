@@ -12,15 +12,13 @@ writes JSON to $OUT (or bench/out).
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
-from pathlib import Path
 
 import torch
 
 from inflight.bench.random_model import SHAPES, random_checkpoint
-from inflight.bench.report import write_report
+from inflight.bench.report import report_path, write_report
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
@@ -165,7 +163,7 @@ def main() -> None:
         ratio = f"{ours / theirs:8.1f}" if theirs else "       -"
         print(f"{shape:<14}{ours:16.0f}{(theirs or float('nan')):20.0f}{ratio}")
     write_report(
-        Path(os.environ.get("OUT", "bench/out")) / "gpu_throughput.json",
+        report_path("gpu_throughput.json"),
         device=torch.cuda.get_device_name(),
         args=vars(args),
         results=results,

@@ -16,21 +16,17 @@ bench/out).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from inflight.bench.offline import make_workload
+from inflight.bench.offline import make_workload, run_requests
 from inflight.bench.random_model import random_checkpoint
-from inflight.bench.report import write_report
-from inflight.engine import EngineConfig, RequestEngine
+from inflight.bench.report import report_path, write_report
 from inflight.model.checkpoints.loader import open_checkpoint
 from inflight.model.config import ModelConfig
 from inflight.runtime.config import RuntimeConfig
@@ -75,20 +71,18 @@ def write_adapter(path: Path, config: ModelConfig, rank: int, seed: int) -> None
     )
 
 
+def _requests(prompts, loras, n: int) -> list[GenerationRequest]:
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    return [
+        GenerationRequest(p, params, lora_name=lora) for p, lora in zip(prompts, loras, strict=True)
+    ]
+
+
 def throughput(
     runtime: Runtime, prompts: list[list[int]], loras: list[str | None], n: int
 ) -> float:
-    engine = RequestEngine(runtime, EngineConfig(max_batch_size=len(prompts)))
-    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
-    handles = [
-        engine.submit(GenerationRequest(p, params, lora_name=lora))
-        for p, lora in zip(prompts, loras, strict=True)
-    ]
-    produced = sum(len(h.get().token_ids) for h in handles)
-    elapsed = time.perf_counter() - start
-    engine.shutdown()
-    return produced / elapsed
+    outputs, elapsed = run_requests(runtime, _requests(prompts, loras, n))
+    return sum(map(len, outputs)) / elapsed
 
 
 def make_runtime(checkpoint, args: argparse.Namespace, device: dict, **config) -> Runtime:
@@ -106,15 +100,7 @@ def make_runtime(checkpoint, args: argparse.Namespace, device: dict, **config) -
 
 
 def greedy(runtime: Runtime, prompts: list[list[int]], loras: list[str | None]) -> list:
-    engine = RequestEngine(runtime, EngineConfig(max_batch_size=len(prompts)))
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    handles = [
-        engine.submit(GenerationRequest(p, params, lora_name=lora))
-        for p, lora in zip(prompts, loras, strict=True)
-    ]
-    tokens = [list(h.get().token_ids) for h in handles]
-    engine.shutdown()
-    return tokens
+    return run_requests(runtime, _requests(prompts, loras, 32))[0]
 
 
 def main() -> None:
@@ -129,8 +115,8 @@ def main() -> None:
     args = parser.parse_args()
     embedded = open_checkpoint(args.tokenizer)
     if args.shape:
-        checkpoint = dataclasses.replace(
-            random_checkpoint(args.shape, torch.device("cuda")), tokenizer=embedded.tokenizer
+        checkpoint = random_checkpoint(
+            args.shape, torch.device("cuda"), tokenizer=embedded.tokenizer
         )
         device = dict(device="cuda")
     else:
@@ -190,7 +176,7 @@ def main() -> None:
             flush=True,
         )
     write_report(
-        Path(os.environ.get("OUT", "bench/out")) / "lora_throughput.json",
+        report_path("lora_throughput.json"),
         device=torch.cuda.get_device_name() if args.shape else "cpu",
         threads=torch.get_num_threads(),
         args=vars(args),

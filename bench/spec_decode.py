@@ -17,17 +17,13 @@ bench/out).
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import statistics
-import time
-from pathlib import Path
 
 import torch
 
+from inflight.bench.offline import run_requests
 from inflight.bench.random_model import random_checkpoint
-from inflight.bench.report import write_report
-from inflight.engine import EngineConfig, RequestEngine
+from inflight.bench.report import report_path, write_report
 from inflight.model.checkpoints.loader import open_checkpoint
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
@@ -76,14 +72,8 @@ def run_batch(
     runtime: Runtime, prompts: list[list[int]], max_tokens: int
 ) -> tuple[list[tuple[int, ...]], float]:
     """Every prompt's greedy output, and the wall time of the batch."""
-    engine = RequestEngine(runtime, EngineConfig(max_batch_size=len(prompts)))
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    start = time.perf_counter()
-    handles = [engine.submit(GenerationRequest(p, params)) for p in prompts]
-    outputs = [h.get().token_ids for h in handles]
-    elapsed = time.perf_counter() - start
-    engine.shutdown()
-    return outputs, elapsed
+    return run_requests(runtime, [GenerationRequest(p, params) for p in prompts])
 
 
 def main() -> None:
@@ -99,8 +89,8 @@ def main() -> None:
     device: dict = {}
     checkpoint = embedded
     if args.shape:
-        checkpoint = dataclasses.replace(
-            random_checkpoint(args.shape, torch.device("cuda")), tokenizer=embedded.tokenizer
+        checkpoint = random_checkpoint(
+            args.shape, torch.device("cuda"), tokenizer=embedded.tokenizer
         )
         device = dict(device="cuda")
     tok = embedded.tokenizer
@@ -153,7 +143,7 @@ def main() -> None:
                 flush=True,
             )
     write_report(
-        Path(os.environ.get("OUT", "bench/out")) / "spec_decode.json",
+        report_path("spec_decode.json"),
         device=torch.cuda.get_device_name() if args.shape else "cpu",
         threads=torch.get_num_threads(),
         args=vars(args),

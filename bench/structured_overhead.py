@@ -15,17 +15,14 @@ writes JSON to $OUT (or bench/out).
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from inflight.bench.offline import make_workload
 from inflight.bench.random_model import random_checkpoint
-from inflight.bench.report import write_report
+from inflight.bench.report import report_path, write_report
 from inflight.model.checkpoints.loader import open_checkpoint
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams, StructuredOutputs
@@ -81,8 +78,7 @@ def main() -> None:
     embedded = open_checkpoint(args.tokenizer)
     if args.shape:
         device = torch.device("cuda")
-        random = random_checkpoint(args.shape, device)
-        checkpoint = dataclasses.replace(random, tokenizer=embedded.tokenizer)
+        checkpoint = random_checkpoint(args.shape, device, tokenizer=embedded.tokenizer)
         config = dict(device="cuda")
     else:
         checkpoint, config = embedded, {}
@@ -107,7 +103,7 @@ def main() -> None:
         )
         del runtime
     write_report(
-        Path(os.environ.get("OUT", "bench/out")) / "structured_overhead.json",
+        report_path("structured_overhead.json"),
         device=torch.cuda.get_device_name() if args.shape else "cpu",
         threads=torch.get_num_threads(),
         args=vars(args),

@@ -37,6 +37,21 @@ class Workload:
         return len(self.prompts) * self.output_len
 
 
+def run_requests(runtime, requests: list) -> tuple[list[tuple[int, ...]], float]:
+    """Every request (`GenerationRequest`s) handed at once to an in-flight batching engine as
+    large as the batch over `runtime`: each one's output tokens, and the seconds until the last
+    ended."""
+    from inflight.engine import EngineConfig, RequestEngine
+
+    engine = RequestEngine(runtime, EngineConfig(max_batch_size=len(requests)))
+    start = time.perf_counter()
+    handles = [engine.submit(request) for request in requests]
+    outputs = [tuple(h.get().token_ids) for h in handles]
+    elapsed = time.perf_counter() - start
+    engine.shutdown()
+    return outputs, elapsed
+
+
 def make_workload(
     tokenizer, num_prompts: int, prompt_len: int, output_len: int, seed: int = 0
 ) -> Workload:

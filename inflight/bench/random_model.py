@@ -77,13 +77,17 @@ def numbered_tokenizer(vocab_size: int) -> Tokenizer:
     return Tokenizer(backend, SpecialTokens(eos_ids=[0]), chat_template=None, byte_level=False)
 
 
-def random_checkpoint(shape: str, device: torch.device, seed: int = 0) -> Checkpoint:
+def random_checkpoint(
+    shape: str, device: torch.device, seed: int = 0, tokenizer: Tokenizer | None = None
+) -> Checkpoint:
+    """Random weights of `shape`, with `tokenizer` (one of a smaller vocabulary will do: a real
+    one gives benchmarks real text) or one naming every id."""
     if shape not in SHAPES:
         raise ValueError(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}")
     config = SHAPES[shape]
     return Checkpoint(
         path=Path(f"{shape}-random"),
         config=config,
-        tokenizer=numbered_tokenizer(config.vocab_size),
+        tokenizer=tokenizer or numbered_tokenizer(config.vocab_size),
         _source=RandomWeights(config, device, seed),
     )

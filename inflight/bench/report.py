@@ -10,6 +10,12 @@ from pathlib import Path
 from typing import Any
 
 
+def report_path(name: str) -> Path:
+    """Where a benchmark writes its record `name`: under $OUT (the device's output folder) or
+    bench/out."""
+    return Path(os.environ.get("OUT", "bench/out")) / name
+
+
 def write_report(path: str | Path, **fields: Any) -> None:
     """Write `fields` as JSON to `path`, stamped with today's date and this machine."""
     path = Path(path)

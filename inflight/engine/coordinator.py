@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from inflight.engine.record import RequestRecord, TerminalStatus
@@ -64,12 +65,14 @@ class RequestCoordinator:
             record = self.owner(ref)
             ended.setdefault(record.id, (record, []))[1].append(snapshot)
         finished_slots = {ref.slot for ref in result.finished}
+        # Residents each request keeps after this step: one still running makes it wait.
+        running = Counter(
+            r.id for slot, (_, r) in self._table.items() if ended and slot not in finished_slots
+        )
         outcomes: list[Outcome] = []
         waiting: list[tuple[RequestRecord, list[FinishedSnapshot]]] = []
         for record, snapshots in ended.values():
-            if any(
-                r is record and slot not in finished_slots for slot, (_, r) in self._table.items()
-            ):
+            if running[record.id]:
                 waiting.append((record, snapshots))
                 continue
             every = self._waiting.get(record.id, []) + snapshots

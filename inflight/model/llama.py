@@ -196,6 +196,9 @@ class LlamaForCausalLM(nn.Module):
             False,
             methods.choose(hidden, [f"{head_source}.weight"], head=True),
         )
+        if config.tie_word_embeddings:
+            # Tied in load_weights; a weight of its own would be allocated for nothing.
+            self.lm_head.weight = None
         self.rotary = RotaryEmbedding(config, max_positions)
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self._lora_loaded = [False] * max_loras
@@ -331,5 +334,6 @@ class LlamaForCausalLM(nn.Module):
         process_weights_after_loading(self)
         # A model built on the meta device holds uninitialized slots (to_empty), and a step
         # reads empty slots beside the ones it runs: they must hold zeros.
-        for slot in range(self.max_loras):
-            self.unload_lora(slot)
+        if self.max_loras:
+            for _, _, linear in self._decoder_linears():
+                linear.lora_slots.reset()

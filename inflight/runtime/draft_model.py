@@ -45,10 +45,8 @@ class DraftModel:
             return [() for _ in rows]
         inputs = []
         for _, r, _ in live:
-            sequence = (*r.prompt, *r.output)
-            inputs.append(
-                RowInput(sequence[r.draft_computed :], r.draft_computed, r.block_table, True)
-            )
+            unseen = r.tokens(r.draft_computed)
+            inputs.append(RowInput(unseen, r.draft_computed, r.block_table, True))
         picks = self._greedy(inputs)
         for (i, r, _), pick in zip(live, picks, strict=True):
             r.draft_computed = r.prompt_len + len(r.output)

@@ -138,9 +138,13 @@ class Executor:
             batch.input_ids[to_device(positions, torch.int64, device)] = self.last_tokens[
                 to_device(slots, torch.int64, device)
             ]
-        # One per row of the batch: a row verifying drafts is packed as 1 + drafts rows.
-        lora_slots = [row.resident.lora_slot for row in rows for _ in range(1 + len(row.drafts))]
-        hidden = self.execute(batch, lora_slots if max(lora_slots) >= 0 else None)
+        lora_slots = None
+        if self.model.max_loras:
+            # One per row of the batch: a row verifying drafts is packed as 1 + drafts rows.
+            lora_slots = [r.resident.lora_slot for r in rows for _ in range(1 + len(r.drafts))]
+            if max(lora_slots) < 0:
+                lora_slots = None
+        hidden = self.execute(batch, lora_slots)
         # Hidden rows come in row order: all of a scoring row's tokens, else a sampler's last
         # (its last 1 + drafts where it verifies drafts).
         launched = LaunchedStep(step)
@@ -186,13 +190,12 @@ class Executor:
             launched.logits, sampling, self._masks(samplers, firsts)
         )
         launched.logits = None
-        slots = to_device([row.resident.ref.slot for row in samplers], torch.int64, self.device)
-        tokens = launched.sampled.tokens
         if len(firsts) < len(sampling):
-            # Rows with drafts are never read back on the device (speculation runs without
-            # overlap): each row's first pick stands for it.
-            tokens = tokens[to_device(firsts, torch.int64, self.device)]
-        self.last_tokens[slots] = tokens
+            # A step verifying drafts: speculation runs without overlap, so no later step reads
+            # these tokens on the device.
+            return
+        slots = to_device([row.resident.ref.slot for row in samplers], torch.int64, self.device)
+        self.last_tokens[slots] = launched.sampled.tokens
 
     def _masks(
         self, samplers: list[ScheduledRow], firsts: list[int]

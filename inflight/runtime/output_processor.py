@@ -92,8 +92,7 @@ class OutputProcessor:
                 continue  # evicted since this step was launched: its row was wasted work
             rejected = 0
             if row.drafts:
-                emitted = self._verify(r, row, emitted)
-                rejected = len(row.drafts) - (len(emitted) - 1)
+                emitted, rejected = self._verify(r, row, emitted)
             r.committed += len(row.token_ids) - rejected
             if self.publish_blocks:
                 self._publish(r)
@@ -137,32 +136,26 @@ class OutputProcessor:
             start, end = i * bs, (i + 1) * bs
             if end > r.prompt_len and not r.request.params.cache_generated_tokens:
                 return
-            if end <= r.prompt_len:
-                tokens = r.prompt[start:end]
-            else:
-                tokens = (
-                    *r.prompt[start:],
-                    *r.output[max(0, start - r.prompt_len) : end - r.prompt_len],
-                )
             parent = r.digests[-1] if r.digests else root_digest(r.request.lora_name)
-            digest = chain_digest(parent, tokens)
+            digest = chain_digest(parent, r.tokens(start, end))
             # If another block already holds this digest, ours stays private.
             self.blocks.publish(r.blocks[i], digest)
             r.digests.append(digest)
 
     def _verify(
         self, r: Resident, row: ScheduledRow, picks: Sequence[SampledRow]
-    ) -> Sequence[SampledRow]:
+    ) -> tuple[Sequence[SampledRow], int]:
         """The tokens a row that verified drafts emits: its picks while each equals the next
-        draft, then the first that does not (or the pick after the last draft). The rejected
-        drafts' KV is given back: the next step computes from the first rejected position."""
+        draft, then the first that does not (or the pick after the last draft); and how many
+        drafts it rejected, whose KV is given back: the next step computes from the first."""
         accepted = 0
         while accepted < len(row.drafts) and picks[accepted].token_id == row.drafts[accepted]:
             accepted += 1
-        r.computed -= len(row.drafts) - accepted
+        rejected = len(row.drafts) - accepted
+        r.computed -= rejected
         assert self.speculator is not None
         self.speculator.record(r, len(row.drafts), accepted)
-        return picks[: accepted + 1]
+        return picks[: accepted + 1], rejected
 
     def _accept(self, r: Resident, sampled: SampledRow, result: StepResult) -> bool:
         """Take one output token in; whether it ended the resident."""

@@ -128,7 +128,7 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.n > 1 and self.max_tokens == 0:
             raise ValueError("n > 1 needs max_tokens >= 1: scoring a prompt makes one sequence")
@@ -140,9 +140,7 @@ class SamplingParams:
                 f"got {type(self.structured_outputs).__name__}"
             )
         least = 0 if self.prompt_logprobs is not None else 1
-        if self.max_tokens is not None and (
-            not _is_int(self.max_tokens) or self.max_tokens < least
-        ):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < least):
             raise ValueError(
                 f"max_tokens must be an integer >= 1 (0 only to score a prompt, with "
                 f"prompt_logprobs), got {self.max_tokens!r}"
@@ -151,20 +149,20 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1: off), got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise ValueError(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
             )
         if self.prompt_logprobs is not None and (
-            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
             raise ValueError(
                 f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
@@ -172,7 +170,7 @@ class SamplingParams:
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {list(self.stop)!r}")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}"
             )
@@ -209,7 +207,7 @@ class GenerationRequest:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

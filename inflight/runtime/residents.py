@@ -53,6 +53,14 @@ class Resident:
     def prompt(self) -> tuple[int, ...]:
         return self.request.prompt_token_ids
 
+    def tokens(self, start: int, end: int | None = None) -> tuple[int, ...]:
+        """Tokens start .. end (default: all known) of its sequence, prompt then output."""
+        end = self.prompt_len + len(self.output) if end is None else end
+        if end <= self.prompt_len:
+            return self.prompt[start:end]
+        head = self.prompt[start:] if start < self.prompt_len else ()
+        return (*head, *self.output[max(0, start - self.prompt_len) : end - self.prompt_len])
+
     @property
     def prefilling(self) -> bool:
         return self.computed < self.prompt_len

@@ -195,13 +195,11 @@ class Runtime:
 
     @property
     def capabilities(self) -> ExecutionCapabilities:
-        # With LoRA, each row runs with its own adapter (or none).
-        lora = frozenset({"lora_name"}) if self.adapters is not None else frozenset()
         return ExecutionCapabilities(
             stepped=True,
             seated_admission=True,
             max_batch_size=self.slots.capacity,
-            per_row_fields=PER_ROW_FIELDS | lora,
+            per_row_fields=PER_ROW_FIELDS | self.scheduler.row_fields,
         )
 
     def register_lora(self, name: str, path: str) -> None:

@@ -116,6 +116,9 @@ class Scheduler:
         self.context_cache = context_cache
         self.grammars = grammars
         self.adapters = adapters
+        # Request fields served beside the sampling parameters, per row: with LoRA, each row
+        # runs with its own adapter (or none).
+        self.row_fields = frozenset() if adapters is None else frozenset({"lora_name"})
         self.speculator = speculator
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -128,8 +131,7 @@ class Scheduler:
         """Validate a request against this runtime (ValueError naming the problem) and size what
         it needs. Any thread may call it: it reads what never changes after load, and the
         (locked) adapter registry."""
-        served = frozenset() if self.adapters is None else frozenset({"lora_name"})
-        check_runtime_serves(request, served)
+        check_runtime_serves(request, self.row_fields)
         name = request.lora_name
         if self.adapters is not None and name is not None and not self.adapters.known(name):
             raise RequestFieldError(

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from inflight.runtime.request import is_int
 from inflight.runtime.residents import Resident
 
 # After a verification that accepted nothing, a row drafts again after this many plain steps,
@@ -60,10 +61,10 @@ class SpeculativeConfig:
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("a draft model is given by `model`, with method 'draft_model' only")
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+        if not is_int(k) or not 1 <= k <= 16:
             raise ValueError(f"num_speculative_tokens must be an integer in 1..16, got {k!r}")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high)):
+        if not (is_int(low) and is_int(high)):
             raise ValueError("prompt_lookup_min and prompt_lookup_max must be integers")
         if not 1 <= low <= high:
             raise ValueError(
@@ -106,14 +107,19 @@ def lookup_drafts(tokens: Sequence[int], k: int, low: int, high: int) -> list[in
     if size <= low or k < 1:
         return []
     seq = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(high, size - 1), low - 1, -1):
-        # Windows that start before the suffix itself and have a token after them.
-        windows = np.lib.stride_tricks.sliding_window_view(seq[: size - 1], n)
-        hits = np.flatnonzero((windows == seq[size - n :]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return seq[start : start + k].tolist()
-    return []
+    # Where earlier occurrences of the last token end (each with a token after it), narrowed to
+    # the occurrences of the last n tokens as n grows: one pass over the sequence in all.
+    ends = np.flatnonzero(seq[: size - 1] == seq[-1])
+    best = None
+    for n in range(1, min(high, size - 1) + 1):
+        if n > 1:
+            ends = ends[ends >= n - 1]
+            ends = ends[seq[ends - (n - 1)] == seq[size - n]]
+        if not ends.size:
+            break
+        if n >= low:
+            best = int(ends[-1])
+    return [] if best is None else seq[best + 1 : best + 1 + k].tolist()
 
 
 class PromptLookup:
@@ -124,8 +130,7 @@ class PromptLookup:
 
     def propose(self, rows: Sequence[tuple[Resident, int]]) -> list[tuple[int, ...]]:
         return [
-            tuple(lookup_drafts((*r.prompt, *r.output), k, self.low, self.high)) if k else ()
-            for r, k in rows
+            tuple(lookup_drafts(r.tokens(0), k, self.low, self.high)) if k else () for r, k in rows
         ]
 
     def rewind(self, r: Resident, valid: int) -> None:

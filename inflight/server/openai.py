@@ -281,7 +281,7 @@ class ChatReply:
             ],
         }
 
-    def _delta(self, parsed: MessageDelta, ids: dict[int, str]) -> dict[str, Any]:
+    def _delta(self, parsed: MessageDelta) -> dict[str, Any]:
         """A message delta as OpenAI sends it: a call's first delta carries its index, id, type
         and name (and the arguments so far), later ones argument fragments."""
         delta: dict[str, Any] = {}
@@ -294,11 +294,10 @@ class ChatReply:
             if call.name is None:
                 calls.append({"index": call.index, "function": {"arguments": call.arguments}})
                 continue
-            ids[call.index] = tool_call_id()
             calls.append(
                 {
                     "index": call.index,
-                    "id": ids[call.index],
+                    "id": tool_call_id(),
                     "type": "function",
                     "function": {"name": call.name, "arguments": call.arguments},
                 }
@@ -316,14 +315,13 @@ class ChatReply:
         finish_reasons: list[str | None] = [None] * n
         completion_tokens, prompt_tokens = 0, 0
         readings = [self.reader.stream() for _ in range(n)]
-        ids: list[dict[int, str]] = [{} for _ in range(n)]
         async for chunk in run:
             index = chunk.index
             prompt_tokens = chunk.prompt_tokens
             completion_tokens += len(chunk.token_ids)
             if chunk.finished:
                 finish_reasons[index] = chunk.finish_reason
-            delta = self._delta(readings[index].feed(chunk.text), ids[index])
+            delta = self._delta(readings[index].feed(chunk.text))
             logprobs = self.logprobs and chunk.logprobs
             if not delta and not logprobs:
                 continue
@@ -332,10 +330,10 @@ class ChatReply:
                 extra["logprobs"] = {"content": [_chat_logprob(e) for e in chunk.logprobs]}
             yield self._chunk(delta or {"content": ""}, index, **extra)
         for index in range(n):
-            rest = self._delta(readings[index].finish(), ids[index])
+            rest = self._delta(readings[index].finish())
             if rest:
                 yield self._chunk(rest, index)
-            reason = _finish_reason(finish_reasons[index], bool(ids[index]))
+            reason = _finish_reason(finish_reasons[index], readings[index].calls_made > 0)
             yield self._chunk({}, index, finish_reason=reason)
         if include_usage:
             chunk = self._chunk({})

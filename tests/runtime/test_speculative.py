@@ -334,7 +334,7 @@ def test_sampling_keeps_the_target_distribution(default_runtimes, monkeypatch):
     assert stat < _CHI2_4DF_P001, (stat, want.most_common(6), got.most_common(6))
 
     def accept_all(self, r, row, picks):
-        return [SampledRow(token_id=d) for d in row.drafts] + [picks[-1]]
+        return [SampledRow(token_id=d) for d in row.drafts] + [picks[-1]], 0
 
     monkeypatch.setattr(OutputProcessor, "_verify", accept_all)
     wrong = _continuations(spec, prompt, 48)

@@ -125,8 +125,9 @@ def _check_config(cfg: dict[str, Any], config: ModelConfig, max_rank: int) -> tu
     # A regex or "all-linear" is resolved by the tensors the adapter holds; a list names modules
     # by their name or a dotted suffix of their path.
     if isinstance(targets, list):
+        shapes = target_shapes(config)
         for target in targets:
-            _check_target(target.rpartition(".")[2], target_shapes(config))
+            _check_target(target.rpartition(".")[2], shapes)
     return rank, alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
 
 

@@ -24,7 +24,7 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.method = method
         self.prepared: Any = None
-        method.create_weights(self)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.lora_slots: LoRASlots | None = None
 

@@ -47,6 +47,12 @@ def _check_rows(rows: Sequence[tuple[int, int]]) -> None:
             raise ValueError(f"a row needs a slot >= -1 and tokens >= 1, got {(slot, tokens)}")
 
 
+def _per_token(rows: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Each token's slot, the rows checked."""
+    _check_rows(rows)
+    return np.repeat([slot for slot, _ in rows], [tokens for _, tokens in rows])
+
+
 @dataclass(frozen=True)
 class LoRAMapping:
     """Which adapter slot each packed token of a step runs with (-1 or a zero mask row: the base
@@ -84,8 +90,7 @@ class LoRAMapping:
 
     @classmethod
     def indexed(cls, rows: Sequence[tuple[int, int]], device: torch.device) -> LoRAMapping:
-        _check_rows(rows)
-        slots = np.repeat([slot for slot, _ in rows], [tokens for _, tokens in rows])
+        slots = _per_token(rows)
         return cls(len(slots), token_slots=to_device(slots, torch.int32, device))
 
     @classmethod
@@ -113,11 +118,9 @@ def _merged(rows: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 def one_hot_mask(rows: Sequence[tuple[int, int]], max_loras: int) -> np.ndarray:
     """The masked form's mask on the host, [T, max_loras] float32: 1 at each token's slot, a
     zero row for the base model (`rows` as for `LoRAMapping.native`)."""
-    _check_rows(rows)
-    for slot, _ in rows:
-        if slot >= max_loras:
-            raise ValueError(f"LoRA slot {slot} does not exist: {max_loras} slots")
-    slots = np.repeat([slot for slot, _ in rows], [tokens for _, tokens in rows])
+    slots = _per_token(rows)
+    if slots.size and slots.max() >= max_loras:
+        raise ValueError(f"LoRA slot {slots.max()} does not exist: {max_loras} slots")
     mask = np.zeros((len(slots), max_loras), np.float32)
     on = slots >= 0
     mask[np.flatnonzero(on), slots[on]] = 1.0
@@ -192,6 +195,13 @@ class LoRASlots(nn.Module):
             self.clear(slot)
             raise ValueError("LoRA factors must be finite")
         self.ranks[slot] = rank
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Every slot empty."""
+        self.ranks[:] = 0
+        self.a.zero_()
+        self.bt.zero_()
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from inflight.model.kernels.cpu import int8, q4
 from inflight.model.layers.platform import Platform
@@ -28,10 +27,6 @@ KERNEL_FOR_STORED_TYPE = {"Q4_1": "q4", "Q8_0": "int8"}
 
 
 class LinearMethod:
-    def create_weights(self, layer: Linear) -> None:
-        """The float weight the checkpoint loads into."""
-        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features))
-
     def process_weights_after_loading(self, layer: Linear) -> None:
         """Turn the loaded weight into the form `apply` runs (once); the float weight as
         loaded needs nothing."""

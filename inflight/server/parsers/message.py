@@ -108,6 +108,7 @@ class MessageParser:
             return text, []
         runs: list[list[str]] = [[]]  # content between calls
         found: list[tuple[str, str] | None] = []  # (name, arguments); None: a dropped call
+        kept = 0  # calls found, not dropped
         for piece in self.tools.split(text, final):
             if isinstance(piece, str):
                 runs[-1].append(piece)
@@ -125,9 +126,10 @@ class MessageParser:
                 runs[-1].append(piece.raw)
                 continue
             runs.append([])
-            kept = sum(f is not None for f in found)
-            if call.name is not None and (self.max_calls is None or kept < self.max_calls):
+            # A call has its name here (a valid call has one, a streamed call is sent by it).
+            if self.max_calls is None or kept < self.max_calls:
                 found.append((call.name, call.arguments))
+                kept += 1
             else:
                 found.append(None)
         # The content runs between calls lose the whitespace next to a call (and, while more

@@ -2,15 +2,20 @@
 
 Two workloads, greedy: "repetitive" (edits that quote their prompt: text to correct, code to
 rename or document, a list to reformat; completions) and "plain" (open chat questions, where
-lookups match less and the drafter has to back off). For each batch size, the batch's
-requests go to the in-flight batching engine at once, plain and speculative runtimes taking
-turns over `--rounds`; output tok/s is output tokens over wall time, medians over rounds.
-Default: the embedded SmolLM2 on the CPU. `--shape qwen3-0.6b` runs a random-weight model of
-that shape on CUDA (its greedy output loops, so acceptance there says nothing of real text:
-what it measures is what verification steps cost against plain ones). Writes JSON to $OUT (or
-bench/out).
+lookups match less and the drafter has to back off). Each workload is a pool of its prompts
+handed to the in-flight batching engine at once; "batch" is how many run at a time (a queued one
+joins as another ends). The pool holds each prompt `--repeats` times per unit of batch, so that
+the pool's end, where slots empty and the slowest request runs on alone, weighs as little at
+batch 4 as at batch 1 (speculation ends predictable requests first, and the rest run late).
+Plain and speculative runtimes take turns over `--rounds`; output tok/s is output tokens over
+wall time (prefill included), medians over rounds. Default: the embedded SmolLM2 on the CPU;
+`--model PATH --device cuda` another checkpoint on the GPU; `--shape qwen3-0.6b` a
+random-weight model of that shape on CUDA (its greedy output loops, so acceptance there says
+nothing of real text: what it measures is what verification steps cost against plain ones).
+Writes JSON to $OUT (or bench/out).
 
     .venv/bin/python bench/spec_decode.py [--batches 1 2 4] [--rounds 3] [--k 4]
+    python3 bench/spec_decode.py --model FILE.gguf --device cuda
     python3 bench/spec_decode.py --shape qwen3-0.6b --tokenizer DIR
 """
 
@@ -68,32 +73,33 @@ PLAIN = [
 ]
 
 
-def run_batch(
-    runtime: Runtime, prompts: list[list[int]], max_tokens: int
+def run_pool(
+    runtime: Runtime, prompts: list[list[int]], max_tokens: int, batch: int
 ) -> tuple[list[tuple[int, ...]], float]:
-    """Every prompt's greedy output, and the wall time of the batch."""
+    """Every prompt's greedy output, `batch` at a time, and the wall time of the pool."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    return run_requests(runtime, [GenerationRequest(p, params) for p in prompts])
+    return run_requests(runtime, [GenerationRequest(p, params) for p in prompts], batch)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint (default: the embedded one)")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--shape", default=None, help="a random-weight CUDA model of this shape")
-    parser.add_argument("--tokenizer", default=None, help="where the prompts' tokenizer is")
+    parser.add_argument("--tokenizer", default=None, help="where --shape's tokenizer is")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--repeats", type=int, default=2, help="copies of each prompt per batch")
     args = parser.parse_args()
-    embedded = open_checkpoint(args.tokenizer)
-    device: dict = {}
-    checkpoint = embedded
+    checkpoint = open_checkpoint(args.tokenizer if args.shape else args.model)
     if args.shape:
+        args.device = "cuda"
         checkpoint = random_checkpoint(
-            args.shape, torch.device("cuda"), tokenizer=embedded.tokenizer
+            args.shape, torch.device("cuda"), tokenizer=checkpoint.tokenizer
         )
-        device = dict(device="cuda")
-    tok = embedded.tokenizer
+    tok = checkpoint.tokenizer
 
     def chat(text: str) -> list[int]:
         if not tok.chat_template:  # a bare tokenizer: the text as it is
@@ -105,23 +111,24 @@ def main() -> None:
         "plain": [chat(p) for p in PLAIN],
     }
     base = dict(max_batch_size=max(args.batches), max_model_len=1024, context_cache=False)
+    device = dict(device=args.device)
     spec = SpeculativeConfig(num_speculative_tokens=args.k)
     runtimes = {
         "plain": Runtime(checkpoint, RuntimeConfig(**base, **device)),
         "speculative": Runtime(checkpoint, RuntimeConfig(**base, **device, speculative=spec)),
     }
     for runtime in runtimes.values():  # warm-up (kernel builds, graph capture)
-        run_batch(runtime, workloads["plain"][:1], 8)
+        run_pool(runtime, workloads["plain"][:1], 8, 1)
     results: dict = {}
     for workload, prompts in workloads.items():
         for batch in args.batches:
-            chosen = [prompts[i % len(prompts)] for i in range(batch)]
+            pool = prompts * (args.repeats * batch)
             runs: dict[str, list[float]] = {name: [] for name in runtimes}
             outputs: dict[str, list] = {}
             before = runtimes["speculative"].speculator.snapshot()
             for _ in range(args.rounds):
                 for name, runtime in runtimes.items():
-                    outputs[name], elapsed = run_batch(runtime, chosen, args.max_tokens)
+                    outputs[name], elapsed = run_pool(runtime, pool, args.max_tokens, batch)
                     runs[name].append(sum(map(len, outputs[name])) / elapsed)
             pairs = zip(outputs["plain"], outputs["speculative"], strict=True)
             same = sum(a == b for a, b in pairs)
@@ -134,17 +141,18 @@ def main() -> None:
                 speedup=fast / plain,
                 drafted=drafted,
                 accepted=accepted,
-                identical_outputs=f"{same}/{batch}",
+                identical_outputs=f"{same}/{len(pool)}",
             )
             print(
                 f"{workload:>10} batch {batch}: plain {plain:7.1f} tok/s, speculative "
                 f"{fast:7.1f} tok/s, x{fast / plain:.2f} (drafts {drafted}, accepted "
-                f"{accepted / drafted if drafted else 0:.0%}; outputs identical {same}/{batch})",
+                f"{accepted / drafted if drafted else 0:.0%}; "
+                f"outputs identical {same}/{len(pool)})",
                 flush=True,
             )
     write_report(
         report_path("spec_decode.json"),
-        device=torch.cuda.get_device_name() if args.shape else "cpu",
+        device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         threads=torch.get_num_threads(),
         args=vars(args),
         statistic="median",

@@ -37,13 +37,20 @@ class Workload:
         return len(self.prompts) * self.output_len
 
 
-def run_requests(runtime, requests: list) -> tuple[list[tuple[int, ...]], float]:
-    """Every request (`GenerationRequest`s) handed at once to an in-flight batching engine as
-    large as the batch over `runtime`: each one's output tokens, and the seconds until the last
-    ended."""
+def run_requests(
+    runtime, requests: list, concurrency: int | None = None
+) -> tuple[list[tuple[int, ...]], float]:
+    """Every request (`GenerationRequest`s) handed at once to an in-flight batching engine over
+    `runtime` that runs `concurrency` of them at a time (default: all), a queued one joining as
+    another ends: each one's output tokens, and the seconds until the last ended."""
     from inflight.engine import EngineConfig, RequestEngine
 
-    engine = RequestEngine(runtime, EngineConfig(max_batch_size=len(requests)))
+    batch = concurrency or len(requests)
+    room = max(len(requests), 256)  # every request submitted at once
+    engine = RequestEngine(
+        runtime,
+        EngineConfig(max_batch_size=batch, max_pending_requests=room, command_queue_capacity=room),
+    )
     start = time.perf_counter()
     handles = [engine.submit(request) for request in requests]
     outputs = [tuple(h.get().token_ids) for h in handles]

@@ -41,8 +41,7 @@ class RuntimeConfig:
     # LoRA: adapter slots in the model (0: LoRA off), and the largest rank an adapter may have.
     max_loras: int = 0
     max_lora_rank: int = 16
-    # Speculative decoding (None: off). Its steps are completed before the next is planned:
-    # drafts are made from the tokens of the step before.
+    # Speculative decoding (None: off).
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -72,11 +71,6 @@ class RuntimeConfig:
         if not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 1:
             raise ValueError(
                 f"max_lora_rank must be a positive integer, got {self.max_lora_rank!r}"
-            )
-        if self.speculative is not None and self.overlap:
-            raise ValueError(
-                "overlap cannot be on with speculative decoding: drafts are made from the "
-                "tokens of the step before"
             )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

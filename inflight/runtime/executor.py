@@ -191,8 +191,8 @@ class Executor:
         )
         launched.logits = None
         if len(firsts) < len(sampling):
-            # A step verifying drafts: speculation runs without overlap, so no later step reads
-            # these tokens on the device.
+            # A step verifying drafts is taken in before the next is planned: no later step
+            # reads these tokens on the device.
             return
         slots = to_device([row.resident.ref.slot for row in samplers], torch.int64, self.device)
         self.last_tokens[slots] = launched.sampled.tokens

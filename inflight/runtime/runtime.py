@@ -80,12 +80,13 @@ class Runtime:
                 lambda path: load_lora_adapter(path, model_config, config.max_lora_rank),
                 model.load_lora,
             )
+        self.overlap = self.device.type == "cuda" if config.overlap is None else config.overlap
         self.speculator = None
         if config.speculative is not None:
             drafter = None
             if config.speculative.method == "draft_model":
                 drafter = self._build_draft_model(config.speculative.model, num_blocks)
-            self.speculator = Speculator(config.speculative, drafter)
+            self.speculator = Speculator(config.speculative, drafter, self.overlap)
         self.scheduler = Scheduler(
             self.blocks,
             self.slots,
@@ -104,11 +105,6 @@ class Runtime:
             self.grammars,
             publish_blocks=config.context_cache,
             speculator=self.speculator,
-        )
-        self.overlap = (
-            self.device.type == "cuda" and config.speculative is None
-            if config.overlap is None
-            else config.overlap
         )
         self._session: GenerationSession | None = None
 

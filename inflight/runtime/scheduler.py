@@ -96,6 +96,11 @@ class ScheduledStep:
     step_id: int
     rows: list[ScheduledRow]
 
+    @property
+    def verifies(self) -> bool:
+        """Whether a row verifies drafts (its computed length waits on what it accepts)."""
+        return any(row.drafts for row in self.rows)
+
 
 class Scheduler:
     def __init__(
@@ -272,7 +277,8 @@ class Scheduler:
         if self.speculator is not None:
             lengths = []
             for r in decodes:
-                k = 0 if r.pending else self.speculator.draft_length(r, budget)
+                # A pending token is on the device: drafts follow tokens the host has.
+                k = self.speculator.draft_length(r, 0 if r.pending else budget)
                 budget -= k
                 lengths.append(k)
             drafted = self.speculator.propose(list(zip(decodes, lengths, strict=True)))
@@ -309,6 +315,13 @@ class Scheduler:
                 row.position = len(r.output) + r.pending
                 r.pending += 1
         return ScheduledStep(step_id, rows)
+
+    def wants_drafts(self) -> bool:
+        """Whether a decode row would draft at the next step were its tokens all known."""
+        spec = self.speculator
+        return spec is not None and any(
+            not r.prefilling and spec.ready(r) for r in self.residents.values()
+        )
 
     def is_live(self, resident: Resident) -> bool:
         """Whether `resident` is still seated (a launched step may outlive its residents)."""

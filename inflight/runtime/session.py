@@ -7,7 +7,10 @@ device computes. Step N+1 reads the tokens step N sampled from the device; a res
 finishes has one wasted row in step N+1 (its KV reservation covers it), and its outcome is
 reported by the second call. A step with rows under a structured-outputs constraint is sampled
 only after step N is taken in (while its forward pass runs): their masks for step N+1 depend on
-the tokens of step N.
+the tokens of step N. With speculative decoding, step N is taken in before step N+1 is planned
+when a row is ready to draft (drafts follow the tokens of step N) or when step N verifies
+drafts (a verifying row's next position depends on what it accepts); step N+1 is still
+completed by the next call, the device computing it while the caller does its own work.
 """
 
 from __future__ import annotations
@@ -74,8 +77,14 @@ class GenerationSession:
 
     def step(self, cancelled: Collection[ResidentRef] = ()) -> StepResult:
         self._check_open()
-        evicted = {ref: self._cancel(ref) for ref in cancelled}
+        result = StepResult(0, finished={ref: self._cancel(ref) for ref in cancelled})
+        inflight, taken_in = self._inflight, False
+        if inflight is not None and (inflight.step.verifies or self._scheduler.wants_drafts()):
+            self._inflight, taken_in = None, True
+            self._complete(inflight, result)
         launched = self._launch()
+        if not taken_in:
+            result.step_id = self._step_id
         # A constrained row's mask needs the token of the step before: with overlap, that step
         # is taken in first (while the device runs this one's forward pass).
         deferred = self._overlap and launched is not None and self._executor.constrained(launched)
@@ -84,11 +93,8 @@ class GenerationSession:
         completed = launched
         if self._overlap:
             completed, self._inflight = self._inflight, launched
-        step_id = completed.step.step_id if completed is not None else self._step_id
-        result = StepResult(step_id=step_id, finished=evicted)
         if completed is not None:
-            picks = self._executor.fetch(completed)
-            self._outputs.complete(completed.step, picks, completed.scores, result)
+            self._complete(completed, result)
         if deferred:
             self._executor.sample(launched)
         return result
@@ -135,6 +141,12 @@ class GenerationSession:
             return None
         self._step_id += 1
         return self._executor.launch(planned)
+
+    def _complete(self, launched: LaunchedStep, result: StepResult) -> None:
+        """Take a launched step's sampled tokens in (waits for the device)."""
+        result.step_id = launched.step.step_id
+        picks = self._executor.fetch(launched)
+        self._outputs.complete(launched.step, picks, launched.scores, result)
 
     def _cancel(self, ref: ResidentRef) -> FinishedSnapshot:
         self._scheduler.slots.check(ref)

@@ -19,6 +19,13 @@ deterministic, which is what makes the verification above exact.
 constrained by structured outputs (its mask at a draft position would depend on the draft),
 opted out, or backing off after drafts that were rejected; never more than its length budget
 can take. Its drafter then proposes them, for all the step's rows at once.
+
+With overlapped steps (the next step planned while the device runs this one), drafts follow
+the tokens the host has: the session takes the step in flight in before planning the next when
+a row is `ready` to draft, or when the step in flight verifies drafts (a verifying row's next
+position depends on what it accepts). Such a step loses its overlap, so there a lookup that
+finds nothing backs off as a rejection does; without overlap a lookup costs only itself and is
+tried again at the next step.
 """
 
 from __future__ import annotations
@@ -145,24 +152,43 @@ class SpeculativeMetrics:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, drafter: Drafter | None = None) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, drafter: Drafter | None = None, overlapped: bool = False
+    ) -> None:
         self.config = config
         self.drafter = drafter or PromptLookup(config)
+        self.overlapped = overlapped
         self.metrics = SpeculativeMetrics()
 
+    def ready(self, r: Resident) -> bool:
+        """Whether decode row `r` drafts at its next step if its tokens are all known then."""
+        if r.spec_wait > 0 or r.matcher is not None or not r.request.params.speculative:
+            return False
+        return self._room(r) > 0
+
     def draft_length(self, r: Resident, budget: int) -> int:
-        """How many drafts decode row `r` may take in the next step, at most `budget`."""
+        """How many drafts decode row `r` takes in the next step, at most `budget` (0 while its
+        last token is on the device). Every call is a step of the row's backoff."""
         if r.spec_wait > 0:
             r.spec_wait -= 1
             return 0
-        if r.matcher is not None or not r.request.params.speculative:
+        if not self.ready(r):
             return 0
-        # The row emits up to 1 + k tokens; those past its length budget would be dropped.
-        k = min(self.config.num_speculative_tokens, budget, r.max_new_tokens - len(r.output) - 1)
-        return max(k, 0)
+        return max(min(self.config.num_speculative_tokens, budget, self._room(r)), 0)
+
+    @staticmethod
+    def _room(r: Resident) -> int:
+        """Drafts the row's length budget can take: it emits up to 1 + k tokens, and those
+        past `max_tokens` would be dropped."""
+        return r.max_new_tokens - len(r.output) - r.pending - 1
 
     def propose(self, rows: Sequence[tuple[Resident, int]]) -> list[tuple[int, ...]]:
-        return self.drafter.propose(rows)
+        drafts = self.drafter.propose(rows)
+        if self.overlapped:
+            for (r, k), row_drafts in zip(rows, drafts, strict=True):
+                if k and not row_drafts:
+                    self._back_off(r)
+        return drafts
 
     def record(self, r: Resident, drafted: int, accepted: int) -> None:
         """A row verified `drafted` drafts and accepted the first `accepted` (its output does
@@ -175,8 +201,12 @@ class Speculator:
         if accepted:
             r.spec_backoff = 0
         else:
-            r.spec_backoff = min(_BACKOFF_CAP, max(_BACKOFF_START, 2 * r.spec_backoff))
-            r.spec_wait = r.spec_backoff
+            self._back_off(r)
+
+    @staticmethod
+    def _back_off(r: Resident) -> None:
+        r.spec_backoff = min(_BACKOFF_CAP, max(_BACKOFF_START, 2 * r.spec_backoff))
+        r.spec_wait = r.spec_backoff
 
     def snapshot(self) -> dict[str, float]:
         m = self.metrics

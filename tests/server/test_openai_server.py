@@ -180,7 +180,12 @@ def test_429_with_retry_after_when_leases_run_out(server_llm):
         assert opened == [200] * 4
         assert info.value.response.headers["retry-after"] == "1"
         assert info.value.body["type"] == "server_overloaded"
-        ok = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        # The held streams' leases come back once their cancels land; a client that honours
+        # Retry-After is then served.
+        _idle(server_llm)
+        ok = client.with_options(max_retries=2).chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2
+        )
         assert ok.choices[0].message.content is not None
     _idle(server_llm)
 

@@ -110,12 +110,16 @@ def main() -> None:
         "repetitive": [tok.encode(p) for p in REPETITIVE],
         "plain": [chat(p) for p in PLAIN],
     }
-    base = dict(max_batch_size=max(args.batches), max_model_len=1024, context_cache=False)
-    device = dict(device=args.device)
+    base = dict(
+        max_batch_size=max(args.batches),
+        max_model_len=1024,
+        context_cache=False,
+        device=args.device,
+    )
     spec = SpeculativeConfig(num_speculative_tokens=args.k)
     runtimes = {
-        "plain": Runtime(checkpoint, RuntimeConfig(**base, **device)),
-        "speculative": Runtime(checkpoint, RuntimeConfig(**base, **device, speculative=spec)),
+        "plain": Runtime(checkpoint, RuntimeConfig(**base)),
+        "speculative": Runtime(checkpoint, RuntimeConfig(**base, speculative=spec)),
     }
     for runtime in runtimes.values():  # warm-up (kernel builds, graph capture)
         run_pool(runtime, workloads["plain"][:1], 8, 1)

@@ -174,7 +174,7 @@ class Speculator:
             return 0
         if not self.ready(r):
             return 0
-        return max(min(self.config.num_speculative_tokens, budget, self._room(r)), 0)
+        return min(self.config.num_speculative_tokens, budget, self._room(r))
 
     @staticmethod
     def _room(r: Resident) -> int:

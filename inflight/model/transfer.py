@@ -22,3 +22,13 @@ def to_device(
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_device_packed(
+    arrays: Sequence[np.ndarray], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """Each array as a tensor of its shape on `device`, all through one host-to-device copy
+    (each copy costs the host tens of microseconds, whatever its size)."""
+    sizes = [a.size for a in arrays]
+    flat = to_device(np.concatenate([a.ravel() for a in arrays]), dtype, device)
+    return [part.view(a.shape) for part, a in zip(flat.split(sizes), arrays, strict=True)]

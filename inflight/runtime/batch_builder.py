@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from inflight.model.attention import AttentionMetadata
-from inflight.model.transfer import to_device
+from inflight.model.transfer import to_device_packed
 
 
 class BatchRow(Protocol):
@@ -106,14 +106,18 @@ def build_ragged_batch(
     ]
     num_decodes = int(np.argmin(query_lens == 1)) if (query_lens != 1).any() else len(rows)
 
-    def tensor(values: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
-        return to_device(values, dtype, device)
-
+    # Two copies to the device, one per dtype.
+    query_start_loc, seq_lens_t, tables_t = to_device_packed(
+        [starts, seq_lens, tables], torch.int32, device
+    )
+    input_ids_t, positions_t, slots_t, logits_t = to_device_packed(
+        [input_ids, positions, slots, np.asarray(logits_indices, np.int64)], torch.int64, device
+    )
     meta = AttentionMetadata(
-        query_start_loc=tensor(starts, torch.int32),
-        seq_lens=tensor(seq_lens, torch.int32),
-        block_tables=tensor(tables, torch.int32),
-        slot_mapping=tensor(slots, torch.int64),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens_t,
+        block_tables=tables_t,
+        slot_mapping=slots_t,
         num_decodes=num_decodes,
         block_size=block_size,
         max_query_len=int(query_lens.max()),
@@ -123,10 +127,7 @@ def build_ragged_batch(
         contiguous_kv_host=contiguous,
     )
     return RaggedBatch(
-        input_ids=tensor(input_ids, torch.int64),
-        positions=tensor(positions, torch.int64),
-        meta=meta,
-        logits_indices=tensor(logits_indices, torch.int64),
+        input_ids=input_ids_t, positions=positions_t, meta=meta, logits_indices=logits_t
     )
 
 

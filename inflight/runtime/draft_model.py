@@ -23,6 +23,8 @@ from inflight.runtime.residents import Resident
 
 
 class DraftModel:
+    ahead = False  # it drafts from tokens it has computed
+
     def __init__(
         self,
         model: LlamaForCausalLM,

@@ -131,13 +131,16 @@ class Executor:
         `sample` then queues its sampling."""
         rows, device = step.rows, self.device
         batch = build_ragged_batch(rows, self.block_size, device)
-        # Decode rows whose last token is still on the device read it from there.
-        pending = [(i, row.resident.ref.slot) for i, row in enumerate(rows) if row.device_token]
+        # Decode rows whose last token is still on the device read it from there (the first
+        # of a row's tokens; rows come packed in order).
+        pending, offset = [], 0
+        for row in rows:
+            if row.device_token:
+                pending.append((offset, row.resident.ref.slot))
+            offset += len(row.token_ids)
         if pending:
-            positions, slots = zip(*pending, strict=True)
-            batch.input_ids[to_device(positions, torch.int64, device)] = self.last_tokens[
-                to_device(slots, torch.int64, device)
-            ]
+            positions, slots = to_device(pending, torch.int64, device).unbind(1)
+            batch.input_ids[positions] = self.last_tokens[slots]
         lora_slots = None
         if self.model.max_loras:
             # One per row of the batch: a row verifying drafts is packed as 1 + drafts rows.
@@ -190,12 +193,16 @@ class Executor:
             launched.logits, sampling, self._masks(samplers, firsts)
         )
         launched.logits = None
+        # Each row's last pick: after its last draft where it verifies drafts, the token the
+        # next row reads if every draft is accepted (else that row is void).
+        slots = [row.resident.ref.slot for row in samplers]
+        tokens = launched.sampled.tokens
         if len(firsts) < len(sampling):
-            # A step verifying drafts is taken in before the next is planned: no later step
-            # reads these tokens on the device.
-            return
-        slots = to_device([row.resident.ref.slot for row in samplers], torch.int64, self.device)
-        self.last_tokens[slots] = launched.sampled.tokens
+            lasts = [first + len(row.drafts) for first, row in zip(firsts, samplers, strict=True)]
+            slots_t, lasts_t = to_device([slots, lasts], torch.int64, self.device)
+            self.last_tokens[slots_t] = tokens[lasts_t]
+        else:
+            self.last_tokens[to_device(slots, torch.int64, self.device)] = tokens
 
     def _masks(
         self, samplers: list[ScheduledRow], firsts: list[int]

@@ -90,6 +90,10 @@ class OutputProcessor:
             r = row.resident
             if not self.scheduler.is_live(r):
                 continue  # evicted since this step was launched: its row was wasted work
+            if row.epoch != r.epoch:
+                continue  # planned on drafts the row before rejected: void
+            if row.samples:
+                r.pending -= len(emitted)
             rejected = 0
             if row.drafts:
                 emitted, rejected = self._verify(r, row, emitted)
@@ -100,7 +104,6 @@ class OutputProcessor:
                 assert r.prompt_logprobs is not None
                 r.prompt_logprobs += [self._logprob_entry(s) for s in scores[i]]
             if emitted:
-                r.pending -= 1
                 for pick in emitted:
                     if self._accept(r, pick, result):
                         break
@@ -147,13 +150,21 @@ class OutputProcessor:
     ) -> tuple[Sequence[SampledRow], int]:
         """The tokens a row that verified drafts emits: its picks while each equals the next
         draft, then the first that does not (or the pick after the last draft); and how many
-        drafts it rejected, whose KV is given back: the next step computes from the first."""
+        drafts it rejected, whose KV is given back: the next step computes from the first.
+        A row launched after this one was planned as if every draft was accepted: where one
+        was not, it is void, and its KV is given back too."""
         accepted = 0
         while accepted < len(row.drafts) and picks[accepted].token_id == row.drafts[accepted]:
             accepted += 1
         rejected = len(row.drafts) - accepted
-        r.computed -= rejected
         assert self.speculator is not None
+        if rejected and r.pending:
+            # The picks still pending are the void row's: one row, 1 + its drafts tokens.
+            r.computed -= r.pending
+            r.pending, r.unverified = 0, ()
+            r.epoch += 1
+            self.speculator.metrics.voided += 1
+        r.computed -= rejected
         self.speculator.record(r, len(row.drafts), accepted)
         return picks[: accepted + 1], rejected
 

@@ -29,7 +29,7 @@ class Resident:
     max_new_tokens: int
     prompt_len: int
     computed: int = 0  # tokens (prompt, then output) whose KV launched steps write
-    pending: int = 0  # tokens sampled on the device, not yet seen by the host
+    pending: int = 0  # picks on the device, not yet seen by the host (1 + drafts a row)
     cached_tokens: int = 0  # prompt tokens whose KV came from the context cache
     committed: int = 0  # tokens whose KV a completed step has written
     digests: list[bytes] = field(default_factory=list)  # chain digests of its full blocks
@@ -44,6 +44,11 @@ class Resident:
     # wait (see `speculative.Speculator`).
     spec_wait: int = 0
     spec_backoff: int = 0
+    # The drafts of its latest launched row: with overlapped steps, the next row is planned as
+    # if they are all accepted; where they are not, that row is void and `epoch` moves on (a
+    # row planned in an earlier epoch is dropped when taken in).
+    unverified: tuple[int, ...] = ()
+    epoch: int = 0
     draft_computed: int = 0  # tokens of its sequence in the draft model's KV
     # A later sequence of an n > 1 request, until the first has launched the prompt blocks
     # they share: it waits for them.

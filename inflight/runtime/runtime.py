@@ -86,7 +86,7 @@ class Runtime:
             drafter = None
             if config.speculative.method == "draft_model":
                 drafter = self._build_draft_model(config.speculative.model, num_blocks)
-            self.speculator = Speculator(config.speculative, drafter, self.overlap)
+            self.speculator = Speculator(config.speculative, drafter)
         self.scheduler = Scheduler(
             self.blocks,
             self.slots,

@@ -8,7 +8,7 @@ free, having taken nothing), and `seat` makes the reservation a resident.
 `schedule` plans one step: a decode row for every resident whose prompt is computed (with its
 speculative drafts, if any: those rows come after the plain ones), then prefill chunks of the
 others in seating order within `max_num_tokens`. Planning a step commits it: the rows' computed
-lengths advance, and each sampling row counts one token pending on the device.
+lengths advance, and each sampling row counts its picks (1 + drafts) pending on the device.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class ScheduledRow:
     # A decode row's speculative drafts, computed after its last token (`token_ids` ends with
     # them): the row samples a token at each of its 1 + len(drafts) positions.
     drafts: tuple[int, ...] = ()
+    epoch: int = 0  # its resident's epoch when planned (see `Resident.unverified`)
 
     @property
     def block_table(self) -> np.ndarray:
@@ -277,8 +278,7 @@ class Scheduler:
         if self.speculator is not None:
             lengths = []
             for r in decodes:
-                # A pending token is on the device: drafts follow tokens the host has.
-                k = self.speculator.draft_length(r, 0 if r.pending else budget)
+                k = self.speculator.draft_length(r, budget)
                 budget -= k
                 lengths.append(k)
             drafted = self.speculator.propose(list(zip(decodes, lengths, strict=True)))
@@ -311,15 +311,22 @@ class Scheduler:
         for row in rows:
             r = row.resident
             r.computed += len(row.token_ids)
+            row.epoch = r.epoch
             if row.samples:
+                # Drafts still on the device count as accepted: if they are not, this row is
+                # void (see `Resident.unverified`).
                 row.position = len(r.output) + r.pending
-                r.pending += 1
+                r.pending += 1 + len(row.drafts)
+                r.unverified = row.drafts
         return ScheduledStep(step_id, rows)
 
-    def wants_drafts(self) -> bool:
-        """Whether a decode row would draft at the next step were its tokens all known."""
+    def drafts_wait(self, inflight: ScheduledStep) -> bool:
+        """Whether the next step's drafts need the step in flight taken in first: a drafter that
+        cannot draft ahead, where that step verifies drafts or a decode row would draft."""
         spec = self.speculator
-        return spec is not None and any(
+        if spec is None or spec.ahead:
+            return False
+        return inflight.verifies or any(
             not r.prefilling and spec.ready(r) for r in self.residents.values()
         )
 

@@ -7,10 +7,10 @@ device computes. Step N+1 reads the tokens step N sampled from the device; a res
 finishes has one wasted row in step N+1 (its KV reservation covers it), and its outcome is
 reported by the second call. A step with rows under a structured-outputs constraint is sampled
 only after step N is taken in (while its forward pass runs): their masks for step N+1 depend on
-the tokens of step N. With speculative decoding, step N is taken in before step N+1 is planned
-when a row is ready to draft (drafts follow the tokens of step N) or when step N verifies
-drafts (a verifying row's next position depends on what it accepts); step N+1 is still
-completed by the next call, the device computing it while the caller does its own work.
+the tokens of step N. With speculative decoding, prompt lookup drafts past step N (see
+`speculative.py`); a draft model cannot, and there step N is taken in before step N+1 is planned
+when a row is ready to draft or when step N verifies drafts; step N+1 is still completed by the
+next call, the device computing it while the caller does its own work.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class GenerationSession:
         self._check_open()
         result = StepResult(0, finished={ref: self._cancel(ref) for ref in cancelled})
         inflight, taken_in = self._inflight, False
-        if inflight is not None and (inflight.step.verifies or self._scheduler.wants_drafts()):
+        if inflight is not None and self._scheduler.drafts_wait(inflight.step):
             self._inflight, taken_in = None, True
             self._complete(inflight, result)
         launched = self._launch()

@@ -20,12 +20,16 @@ constrained by structured outputs (its mask at a draft position would depend on 
 opted out, or backing off after drafts that were rejected; never more than its length budget
 can take. Its drafter then proposes them, for all the step's rows at once.
 
-With overlapped steps (the next step planned while the device runs this one), drafts follow
-the tokens the host has: the session takes the step in flight in before planning the next when
-a row is `ready` to draft, or when the step in flight verifies drafts (a verifying row's next
-position depends on what it accepts). Such a step loses its overlap, so there a lookup that
-finds nothing backs off as a rejection does; without overlap a lookup costs only itself and is
-tried again at the next step.
+With overlapped steps (the next step planned while the device runs this one), a row's last
+token is on the device when its next row is planned, and where that step verifies drafts, what
+it accepts is unknown too. Prompt lookup drafts ahead all the same: its next row is planned as
+if every draft in flight is accepted, the lookup runs over the known tokens and those drafts,
+and the first token it finds stands for the token on the device (its drafts are the tokens
+after it). Where a draft in flight is rejected, the row planned on it is void: dropped when
+taken in, its KV overwritten by the next row, computed from what was accepted. So steps stay
+overlapped, and a rejection costs the row the step after it. The draft model cannot draft past
+a token it has not seen: with it, the session takes the step in flight in before planning the
+next where a row is `ready` to draft or that step verifies drafts.
 """
 
 from __future__ import annotations
@@ -96,9 +100,14 @@ class SpeculativeConfig:
 
 
 class Drafter(Protocol):
+    # Whether it drafts a row whose last token is still on the device (see above).
+    ahead: bool
+
     def propose(self, rows: Sequence[tuple[Resident, int]]) -> list[tuple[int, ...]]:
         """Up to k drafts for each (resident, k) decode row (k may be 0: no drafts, though a
-        drafter with state may still catch up on the row's tokens)."""
+        drafter with state may still catch up on the row's tokens). A drafter `ahead` is also
+        given rows with picks pending on the device: it drafts past them as if every draft of
+        the row in flight (`Resident.unverified`) is accepted."""
         ...
 
     def rewind(self, r: Resident, valid: int) -> None:
@@ -132,13 +141,23 @@ def lookup_drafts(tokens: Sequence[int], k: int, low: int, high: int) -> list[in
 class PromptLookup:
     """The "ngram" drafter."""
 
+    ahead = True
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.low, self.high = config.prompt_lookup_min, config.prompt_lookup_max
 
     def propose(self, rows: Sequence[tuple[Resident, int]]) -> list[tuple[int, ...]]:
-        return [
-            tuple(lookup_drafts(r.tokens(0), k, self.low, self.high)) if k else () for r, k in rows
-        ]
+        drafts: list[tuple[int, ...]] = []
+        for r, k in rows:
+            if not k:
+                drafts.append(())
+            elif r.pending:
+                # The lookup's first token stands for the one on the device.
+                tokens = (*r.tokens(0), *r.unverified)
+                drafts.append(tuple(lookup_drafts(tokens, k + 1, self.low, self.high)[1:]))
+            else:
+                drafts.append(tuple(lookup_drafts(r.tokens(0), k, self.low, self.high)))
+        return drafts
 
     def rewind(self, r: Resident, valid: int) -> None:
         """Stateless."""
@@ -149,16 +168,19 @@ class SpeculativeMetrics:
     drafted: int = 0  # draft tokens verified
     accepted: int = 0  # of them, accepted
     verifications: int = 0  # rows verified (each with one or more drafts)
+    voided: int = 0  # rows dropped because the row before them rejected a draft
 
 
 class Speculator:
-    def __init__(
-        self, config: SpeculativeConfig, drafter: Drafter | None = None, overlapped: bool = False
-    ) -> None:
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter | None = None) -> None:
         self.config = config
         self.drafter = drafter or PromptLookup(config)
-        self.overlapped = overlapped
         self.metrics = SpeculativeMetrics()
+
+    @property
+    def ahead(self) -> bool:
+        """Whether rows draft while their last token is on the device."""
+        return self.drafter.ahead
 
     def ready(self, r: Resident) -> bool:
         """Whether decode row `r` drafts at its next step if its tokens are all known then."""
@@ -168,27 +190,23 @@ class Speculator:
 
     def draft_length(self, r: Resident, budget: int) -> int:
         """How many drafts decode row `r` takes in the next step, at most `budget` (0 while its
-        last token is on the device). Every call is a step of the row's backoff."""
+        last token is on the device, unless the drafter drafts ahead). Every call is a step of
+        the row's backoff."""
         if r.spec_wait > 0:
             r.spec_wait -= 1
             return 0
-        if not self.ready(r):
+        if (r.pending and not self.ahead) or not self.ready(r):
             return 0
         return min(self.config.num_speculative_tokens, budget, self._room(r))
 
     @staticmethod
     def _room(r: Resident) -> int:
-        """Drafts the row's length budget can take: it emits up to 1 + k tokens, and those
-        past `max_tokens` would be dropped."""
+        """Drafts the row's length budget can take: it emits up to 1 + k tokens after those
+        pending, and those past `max_tokens` would be dropped."""
         return r.max_new_tokens - len(r.output) - r.pending - 1
 
     def propose(self, rows: Sequence[tuple[Resident, int]]) -> list[tuple[int, ...]]:
-        drafts = self.drafter.propose(rows)
-        if self.overlapped:
-            for (r, k), row_drafts in zip(rows, drafts, strict=True):
-                if k and not row_drafts:
-                    self._back_off(r)
-        return drafts
+        return self.drafter.propose(rows)
 
     def record(self, r: Resident, drafted: int, accepted: int) -> None:
         """A row verified `drafted` drafts and accepted the first `accepted` (its output does
@@ -201,12 +219,8 @@ class Speculator:
         if accepted:
             r.spec_backoff = 0
         else:
-            self._back_off(r)
-
-    @staticmethod
-    def _back_off(r: Resident) -> None:
-        r.spec_backoff = min(_BACKOFF_CAP, max(_BACKOFF_START, 2 * r.spec_backoff))
-        r.spec_wait = r.spec_backoff
+            r.spec_backoff = min(_BACKOFF_CAP, max(_BACKOFF_START, 2 * r.spec_backoff))
+            r.spec_wait = r.spec_backoff
 
     def snapshot(self) -> dict[str, float]:
         m = self.metrics
@@ -214,6 +228,7 @@ class Speculator:
             "drafted_tokens": m.drafted,
             "accepted_tokens": m.accepted,
             "verifications": m.verifications,
+            "voided_rows": m.voided,
             "acceptance_rate": m.accepted / m.drafted if m.drafted else 0.0,
             # Tokens a verified row emits per step: its accepted drafts plus the target's own.
             "mean_accepted_length": (1 + m.accepted / m.verifications if m.verifications else 0.0),

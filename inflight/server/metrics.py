@@ -90,7 +90,7 @@ class _EngineCollector(Collector):
             )
         spec = self._llm.get_speculative_metrics()
         if spec is not None:
-            for name in ("drafted_tokens", "accepted_tokens", "verifications"):
+            for name in ("drafted_tokens", "accepted_tokens", "verifications", "voided_rows"):
                 yield CounterMetricFamily(
                     f"inflight_spec_decode_{name}", f"Speculative decoding {name}", value=spec[name]
                 )

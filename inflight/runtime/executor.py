@@ -200,9 +200,10 @@ class Executor:
         if len(firsts) < len(sampling):
             lasts = [first + len(row.drafts) for first, row in zip(firsts, samplers, strict=True)]
             slots_t, lasts_t = to_device([slots, lasts], torch.int64, self.device)
-            self.last_tokens[slots_t] = tokens[lasts_t]
+            tokens = tokens[lasts_t]
         else:
-            self.last_tokens[to_device(slots, torch.int64, self.device)] = tokens
+            slots_t = to_device(slots, torch.int64, self.device)
+        self.last_tokens[slots_t] = tokens
 
     def _masks(
         self, samplers: list[ScheduledRow], firsts: list[int]

@@ -157,15 +157,15 @@ class OutputProcessor:
         while accepted < len(row.drafts) and picks[accepted].token_id == row.drafts[accepted]:
             accepted += 1
         rejected = len(row.drafts) - accepted
-        assert self.speculator is not None
-        if rejected and r.pending:
+        voided = rejected > 0 and r.pending > 0
+        if voided:
             # The picks still pending are the void row's: one row, 1 + its drafts tokens.
             r.computed -= r.pending
-            r.pending, r.unverified = 0, ()
+            r.pending = 0
             r.epoch += 1
-            self.speculator.metrics.voided += 1
         r.computed -= rejected
-        self.speculator.record(r, len(row.drafts), accepted)
+        assert self.speculator is not None
+        self.speculator.record(r, len(row.drafts), accepted, voided)
         return picks[: accepted + 1], rejected
 
     def _accept(self, r: Resident, sampled: SampledRow, result: StepResult) -> bool:

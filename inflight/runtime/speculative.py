@@ -151,12 +151,12 @@ class PromptLookup:
         for r, k in rows:
             if not k:
                 drafts.append(())
-            elif r.pending:
-                # The lookup's first token stands for the one on the device.
-                tokens = (*r.tokens(0), *r.unverified)
-                drafts.append(tuple(lookup_drafts(tokens, k + 1, self.low, self.high)[1:]))
-            else:
-                drafts.append(tuple(lookup_drafts(r.tokens(0), k, self.low, self.high)))
+                continue
+            # With a pick on the device, the lookup's first token stands for it.
+            guessed = 1 if r.pending else 0
+            tokens = (*r.tokens(0), *r.unverified) if guessed else r.tokens(0)
+            found = lookup_drafts(tokens, k + guessed, self.low, self.high)
+            drafts.append(tuple(found[guessed:]))
         return drafts
 
     def rewind(self, r: Resident, valid: int) -> None:
@@ -208,14 +208,15 @@ class Speculator:
     def propose(self, rows: Sequence[tuple[Resident, int]]) -> list[tuple[int, ...]]:
         return self.drafter.propose(rows)
 
-    def record(self, r: Resident, drafted: int, accepted: int) -> None:
+    def record(self, r: Resident, drafted: int, accepted: int, voided: bool = False) -> None:
         """A row verified `drafted` drafts and accepted the first `accepted` (its output does
-        not hold them yet)."""
+        not hold them yet); `voided`: the row planned after it was dropped."""
         self.drafter.rewind(r, r.prompt_len + len(r.output) + accepted)
         m = self.metrics
         m.drafted += drafted
         m.accepted += accepted
         m.verifications += 1
+        m.voided += voided
         if accepted:
             r.spec_backoff = 0
         else:

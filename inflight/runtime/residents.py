@@ -45,8 +45,8 @@ class Resident:
     spec_wait: int = 0
     spec_backoff: int = 0
     # The drafts of its latest launched row (read while picks are pending): with overlapped
-    # steps, the next row is planned as if they are all accepted; where they are not, that row is void and `epoch` moves on (a
-    # row planned in an earlier epoch is dropped when taken in).
+    # steps, the next row is planned as if they are all accepted; where they are not, that row
+    # is void and `epoch` moves on (a row planned in an earlier epoch is dropped when taken in).
     unverified: tuple[int, ...] = ()
     epoch: int = 0
     draft_computed: int = 0  # tokens of its sequence in the draft model's KV

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import torch
 
 from inflight.model.attention import AttentionMetadata, TorchAttentionBackend
+from inflight.runtime.cuda_graphs import DecodeGraphs, DecodeInputs, graph_buckets, graph_rows
+from inflight.runtime.executor import allocate_kv_cache
 
 
 def assert_no_leaks(target) -> None:
@@ -108,3 +110,53 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+class EagerGraphs(DecodeGraphs):
+    """Decode graphs whose "replay" runs the forward they would have captured, eagerly: every
+    step a CUDA runtime replays goes through the same buffers and unfolding on the CPU."""
+
+    def __init__(self, forward, inputs, buckets, max_seq_len: int) -> None:
+        self.max_seq_len = max_seq_len
+        super().__init__(forward, inputs, buckets)
+
+    def _capture(self, forward):
+        # The CPU kernel sizes its scratch by the longest sequence, which the metadata of a
+        # graph leaves open (the Triton kernel reads only seq_lens).
+        forward.args[2].max_seq_len = self.max_seq_len
+        hidden = forward()
+
+        class Replay:
+            def replay(self) -> None:
+                hidden.copy_(forward())
+
+        return Replay(), hidden
+
+
+def with_eager_graphs(runtime):
+    """The (CPU, float32) runtime with EagerGraphs in its executor, and the scratch block their
+    padding rows write added to its KV cache, as a CUDA runtime has captured graphs."""
+    executor, config = runtime.executor, runtime.config
+    blocks = runtime.blocks.num_blocks
+    executor.kv_caches = allocate_kv_cache(
+        runtime.checkpoint.config,
+        blocks + 1,
+        config.block_size,
+        executor.backend,
+        torch.float32,
+        torch.device("cpu"),
+    )
+    rows = graph_rows(config.max_batch_size, config.max_num_tokens)
+    inputs = DecodeInputs(
+        rows,
+        -(-runtime.max_model_len // config.block_size),
+        config.block_size,
+        scratch_block=blocks,
+        device=torch.device("cpu"),
+        lora=executor.model.max_loras > 0,
+    )
+    with torch.inference_mode():
+        executor.graphs = EagerGraphs(
+            executor._forward, inputs, graph_buckets(rows), runtime.max_model_len
+        )
+    return runtime

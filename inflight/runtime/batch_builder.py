@@ -3,7 +3,9 @@
 A row verifying speculative drafts (its last token and the drafts after it) is packed as one
 decode row per token, token i seeing the keys before the row and its own first i + 1: exactly
 the causal attention of the row, computed as plain decode rows are (the same kernels and bits,
-and a step of decode and verifying rows alone replays the captured decode graphs)."""
+and a step of decode and verifying rows alone replays the captured decode graphs). Asked to
+`unfold`, every row is packed so, prefill chunks too: a step with a short prefill then replays
+a decode graph instead of running eagerly."""
 
 from __future__ import annotations
 
@@ -56,16 +58,16 @@ class RaggedBatch:
 
 
 def build_ragged_batch(
-    rows: Sequence[BatchRow], block_size: int, device: torch.device
+    rows: Sequence[BatchRow], block_size: int, device: torch.device, unfold: bool = False
 ) -> RaggedBatch:
     """Rows must come decode-first: the leading rows of one query token form the decode group,
-    rows verifying drafts right after them.
+    rows verifying drafts right after them. `unfold`: pack every token as a decode row.
 
     Host work is a few operations per row; everything per token or per block is vectorized."""
     if not rows:
         raise ValueError("a step needs at least one row")
-    if any(r.drafts for r in rows):
-        rows = list(_unfold_drafts(rows))
+    if unfold or any(r.drafts for r in rows):
+        rows = list(_unfold(rows, unfold))
     query_lens = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
     past = np.fromiter((r.past_len for r in rows), np.int64, len(rows))
     if query_lens.min() < 1:
@@ -131,12 +133,16 @@ def build_ragged_batch(
     )
 
 
-def _unfold_drafts(rows: Sequence[BatchRow]) -> Iterator[BatchRow]:
-    """Each row verifying drafts as one sampling decode row per token."""
+def _unfold(rows: Sequence[BatchRow], every_row: bool) -> Iterator[BatchRow]:
+    """Each row verifying drafts (with `every_row`, each row) as one decode row per token; the
+    rows' hidden states kept as packing them whole keeps them: every token of a scoring or
+    verifying row, the last of a sampling one."""
     for row in rows:
-        if not row.drafts:
+        if len(row.token_ids) == 1 or not (every_row or row.drafts):
             yield row
             continue
-        table = row.block_table
+        table, last = row.block_table, len(row.token_ids) - 1
+        keep_all = row.scores or bool(row.drafts)
         for i, token in enumerate(row.token_ids):
-            yield RowInput((token,), row.past_len + i, table, True)
+            keep = keep_all or (row.samples and i == last)
+            yield RowInput((token,), row.past_len + i, table, keep)

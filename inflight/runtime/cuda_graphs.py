@@ -1,9 +1,14 @@
 """CUDA graphs for decode steps: one captured forward per bucketed batch size.
 
-A decode-only step of B rows replays the graph of the smallest bucket >= B. Its inputs live in
-static buffers: the step's rows are copied in, and the bucket's spare rows are pointed at a
-scratch KV block that no resident owns (they decode a dummy token there, and their output is
-dropped), so a replay never touches a resident's KV beyond its own rows.
+A decode-only step of B rows replays the graph of the smallest bucket >= B. A step with short
+prefill chunks does too, packed as one decode row per token (`replayable` says when: the decode
+kernel reads a row's keys once per token, so an unfolded chunk costs the device quadratically in
+its length, where an eager step costs some 15-20 ms of host work whatever its length).
+
+The inputs of the graphs live in static buffers: the step's rows are copied in, and the
+bucket's spare rows are pointed at a scratch KV block that no resident owns (they decode a
+dummy token there, and their output is dropped), so a replay never touches a resident's KV
+beyond its own rows.
 
 A model with LoRA slots is captured with its indexed side path reading each row's slot from a
 static buffer (see `model/layers/lora.py`): one graph per bucket serves any mix of adapters and
@@ -14,19 +19,32 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
 from inflight.model.attention import AttentionMetadata
 from inflight.model.layers.lora import LoRAMapping
 from inflight.model.transfer import to_device
-from inflight.runtime.batch_builder import RaggedBatch
+from inflight.runtime.batch_builder import BatchRow, RaggedBatch
+
+# The keys a step's unfolded prefill rows may read in all (a chunk of n tokens after p in KV
+# reads n * p + n * (n + 1) / 2); larger prefills run eagerly. On an H200 (bench/RESULTS.md,
+# bench/prefill_graphs.py) a step unfolding 133K keys replayed in 3.7 ms against 13.4 eagerly
+# on SmolLM2-135M, 9.5 against 14.2 on the Llama-3.1-8B shape; at 557K the 8B one lost.
+UNFOLD_KEYS = 128 * 1024
+
+
+def graph_rows(max_batch_size: int, max_num_tokens: int) -> int:
+    """The rows of the largest graph: every resident's decode row, and beyond that steps of up
+    to 512 tokens (drafts or short prefills, one row per token); larger steps run eagerly."""
+    return max(max_batch_size, min(max_num_tokens, 512))
 
 
 def graph_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 16 up to (and including) max_batch."""
+    """1, 2, 4, 8, every multiple of 16 up to 256, then of 64, up to (and including) max_batch."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
-    sizes += list(range(16, max_batch, 16))
+    sizes += list(range(16, min(max_batch, 257), 16)) + list(range(320, max_batch, 64))
     return sorted({*sizes, max_batch})
 
 
@@ -36,9 +54,21 @@ def pick_bucket(buckets: list[int], rows: int) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
+def replayable(rows: Sequence[BatchRow], max_rows: int) -> bool:
+    """Whether the step, its rows unfolded to one decode row per token, fits a graph of
+    `max_rows` rows with its prefill reading at most UNFOLD_KEYS keys."""
+    tokens = keys = 0
+    for row in rows:
+        n = len(row.token_ids)
+        tokens += n
+        if n > 1 and not row.drafts:
+            keys += n * row.past_len + n * (n + 1) // 2
+    return tokens <= max_rows and keys <= UNFOLD_KEYS
+
+
 def is_decode_only(batch: RaggedBatch) -> bool:
     meta = batch.meta
-    return meta.num_decodes == len(meta.query_lens_host) == len(batch.logits_indices)
+    return meta.num_decodes == len(meta.query_lens_host)
 
 
 class DecodeInputs:
@@ -133,24 +163,29 @@ class DecodeGraphs:
         self.inputs = inputs
         self.buckets = buckets
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(buckets):  # the largest first, so the rest reuse its memory
-            meta = inputs.metadata(bucket)
             ids, positions = inputs.input_ids[:bucket], inputs.positions[:bucket]
-            lora = inputs.lora(bucket)
-            # Warm-up (and Triton compilation) outside the graph.
-            forward(ids, positions, meta, lora)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = forward(ids, positions, meta, lora)
-            self._graphs[bucket] = (graph, hidden)
+            args = (ids, positions, inputs.metadata(bucket), inputs.lora(bucket))
+            self._graphs[bucket] = self._capture(partial(forward, *args))
+
+    def _capture(
+        self, forward: Callable[[], torch.Tensor]
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph of one bucket's forward, and the output tensor its replays write."""
+        if not self._graphs:
+            self._pool = torch.cuda.graph_pool_handle()
+        forward()  # warm-up (and Triton compilation) outside the graph
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            hidden = forward()
         torch.cuda.synchronize()
+        return graph, hidden
 
     def run(
         self, batch: RaggedBatch, lora_slots: Sequence[int] | None = None
     ) -> torch.Tensor | None:
-        """Final hidden states of the step's rows (each with its LoRA slot, -1 or None for the
-        base model), or None when no graph fits it."""
+        """Final hidden states of the tokens in `batch.logits_indices` (each row with its LoRA
+        slot, -1 or None for the base model), or None when no graph fits the step."""
         if not is_decode_only(batch):
             return None
         bucket = pick_bucket(self.buckets, len(batch.input_ids))
@@ -159,4 +194,7 @@ class DecodeGraphs:
         self.inputs.fill(batch, bucket, lora_slots)
         graph, hidden = self._graphs[bucket]
         graph.replay()
-        return hidden[: len(batch.input_ids)]
+        rows = len(batch.input_ids)
+        if len(batch.logits_indices) == rows:
+            return hidden[:rows]
+        return hidden[batch.logits_indices]

@@ -19,7 +19,7 @@ from inflight.model.layers.lora import LoRAMapping
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.transfer import to_device
 from inflight.runtime.batch_builder import RaggedBatch, build_ragged_batch
-from inflight.runtime.cuda_graphs import DecodeGraphs, DecodeInputs, graph_buckets
+from inflight.runtime.cuda_graphs import DecodeGraphs, DecodeInputs, graph_buckets, replayable
 from inflight.runtime.outputs import SampledRow
 from inflight.runtime.sampler import Sampled, Sampler, SamplingRow
 from inflight.runtime.scheduler import ScheduledRow, ScheduledStep
@@ -130,7 +130,8 @@ class Executor:
         """Queue the step's forward pass, its prompt scoring and its logits on the device;
         `sample` then queues its sampling."""
         rows, device = step.rows, self.device
-        batch = build_ragged_batch(rows, self.block_size, device)
+        unfold = self.graphs is not None and replayable(rows, self.graphs.buckets[-1])
+        batch = build_ragged_batch(rows, self.block_size, device, unfold)
         # Decode rows whose last token is still on the device read it from there (the first
         # of a row's tokens; rows come packed in order).
         pending, offset = [], 0
@@ -143,8 +144,13 @@ class Executor:
             batch.input_ids[positions] = self.last_tokens[slots]
         lora_slots = None
         if self.model.max_loras:
-            # One per row of the batch: a row verifying drafts is packed as 1 + drafts rows.
-            lora_slots = [r.resident.lora_slot for r in rows for _ in range(1 + len(r.drafts))]
+            # One per row of the batch: a row verifying drafts (any row, unfolded) is packed as
+            # one row per token.
+            lora_slots = [
+                r.resident.lora_slot
+                for r in rows
+                for _ in range(len(r.token_ids) if unfold or r.drafts else 1)
+            ]
             if max(lora_slots) < 0:
                 lora_slots = None
         hidden = self.execute(batch, lora_slots)

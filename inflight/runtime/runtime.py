@@ -15,7 +15,7 @@ from inflight.runtime.adapters import AdapterRegistry
 from inflight.runtime.blocking import BlockingRun
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.context_cache import ContextCache
-from inflight.runtime.cuda_graphs import DecodeInputs
+from inflight.runtime.cuda_graphs import DecodeInputs, graph_rows
 from inflight.runtime.draft_model import DraftModel
 from inflight.runtime.executor import Executor, allocate_kv_cache
 from inflight.runtime.kv_cache import BlockPool
@@ -33,9 +33,6 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 # Each resident carries its own SamplingParams: the sampler, detokenizer, stop checks and KV
 # reservation all work per row, so no sampling parameter keeps two requests from sharing a step.
-# Captured decode graphs hold at most this many rows when they also serve verification steps.
-_SPEC_GRAPH_ROWS = 512
-
 PER_ROW_FIELDS = frozenset(f"params.{f.name}" for f in fields(SamplingParams))
 
 
@@ -159,14 +156,8 @@ class Runtime:
         )
         graph_inputs = None
         if graphs:
-            # A step verifying drafts is a decode step of one row per verified token; graphs
-            # of up to _SPEC_GRAPH_ROWS such rows (larger steps run eager).
-            rows = config.max_batch_size
-            if config.speculative is not None:
-                wanted = rows * (1 + config.speculative.num_speculative_tokens)
-                rows = max(rows, min(wanted, _SPEC_GRAPH_ROWS))
             graph_inputs = DecodeInputs(
-                rows,
+                graph_rows(config.max_batch_size, config.max_num_tokens),
                 -(-self.max_model_len // config.block_size),
                 config.block_size,
                 scratch_block=num_blocks,

@@ -1,16 +1,31 @@
-"""The CUDA-graph bookkeeping of decode steps, checked on the CPU (no capture happens here)."""
+"""The CUDA-graph bookkeeping of decode steps, checked on the CPU (no capture happens here;
+`helpers.with_eager_graphs` runs each "replay" as the forward the graph would have captured)."""
 
 import pytest
 import torch
 
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
-from inflight.runtime.cuda_graphs import DecodeInputs, graph_buckets, is_decode_only, pick_bucket
+from inflight.runtime.config import RuntimeConfig
+from inflight.runtime.cuda_graphs import (
+    UNFOLD_KEYS,
+    DecodeInputs,
+    graph_buckets,
+    is_decode_only,
+    pick_bucket,
+    replayable,
+)
+from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.runtime.runtime import Runtime
+from inflight.runtime.speculative import SpeculativeConfig
+
+from helpers import assert_no_leaks, run_staggered, with_eager_graphs
 
 CPU = torch.device("cpu")
 
 
 def test_buckets_and_their_choice():
     assert graph_buckets(256) == [1, 2, 4, 8, *range(16, 257, 16)]
+    assert graph_buckets(512) == [1, 2, 4, 8, *range(16, 257, 16), 320, 384, 448, 512]
     assert graph_buckets(20) == [1, 2, 4, 8, 16, 20]
     assert graph_buckets(1) == [1]
     buckets = graph_buckets(64)
@@ -18,14 +33,47 @@ def test_buckets_and_their_choice():
     assert pick_bucket(buckets, 65) is None
 
 
-def test_only_decode_steps_replay():
+def test_only_steps_of_decode_rows_replay():
     decode = build_ragged_batch([RowInput([5], 9, [0], True), RowInput([6], 3, [1], True)], 16, CPU)
-    mixed = build_ragged_batch(
-        [RowInput([5], 9, [0], True), RowInput([1, 2], 0, [1], True)], 16, CPU
-    )
+    mixed_rows = [RowInput([5], 9, [0], True), RowInput([1, 2], 0, [1], True)]
     not_sampling = build_ragged_batch([RowInput([5], 9, [0], False)], 16, CPU)
-    assert is_decode_only(decode)
-    assert not is_decode_only(mixed) and not is_decode_only(not_sampling)
+    assert is_decode_only(decode) and is_decode_only(not_sampling)
+    assert not is_decode_only(build_ragged_batch(mixed_rows, 16, CPU))
+    assert is_decode_only(build_ragged_batch(mixed_rows, 16, CPU, unfold=True))
+
+
+def test_a_step_replays_when_its_tokens_fit_and_its_prefill_is_short():
+    decode = [RowInput([5], 300, [0] * 20, True)] * 6
+    assert replayable(decode, 8) and not replayable(decode, 5)
+    # Drafts are read as decode rows are: only prefill chunks count against the key budget.
+    verifying = [RowInput([5, 6, 7], 5000, [0] * 400, True, drafts=[6, 7])]
+    assert replayable(verifying, 8)
+    # A chunk of n tokens after p in KV reads n * p + n * (n + 1) / 2 keys.
+    n = 64
+    past = (UNFOLD_KEYS - n * (n + 1) // 2) // n
+    assert replayable([RowInput([1] * n, past, [0] * 400, True)], 512)
+    assert not replayable([RowInput([1] * n, past + 1, [0] * 400, True)], 512)
+    assert not replayable([RowInput([1] * 600, 0, [0] * 40, True)], 512)
+
+
+def test_unfolded_rows_keep_the_hidden_states_the_packed_rows_keep():
+    rows = [
+        RowInput([5], 9, [0], True),  # decode
+        RowInput([6, 7, 8], 4, [1], True, drafts=[7, 8]),  # verifying drafts: every token
+        RowInput([1, 2, 3], 0, [2], True),  # a last chunk: its last token
+        RowInput([4, 5], 16, [3, 4], False),  # a chunk before the last: none
+        RowInput([6, 7], 3, [5], False, scores=True),  # scoring a prompt: every token
+    ]
+    packed = build_ragged_batch(rows, 16, CPU)
+    unfolded = build_ragged_batch(rows, 16, CPU, unfold=True)
+    meta = unfolded.meta
+    assert meta.num_decodes == len(meta.query_lens_host) == 11
+    assert torch.equal(unfolded.input_ids, packed.input_ids)
+    assert torch.equal(unfolded.positions, packed.positions)
+    assert torch.equal(meta.slot_mapping, packed.meta.slot_mapping)
+    assert meta.seq_lens.tolist() == [10, 5, 6, 7, 1, 2, 3, 17, 18, 4, 5]
+    assert unfolded.logits_indices.tolist() == packed.logits_indices.tolist()
+    assert unfolded.logits_indices.tolist() == [0, 1, 2, 3, 6, 9, 10]
 
 
 def test_fill_copies_rows_and_parks_spare_rows_on_the_scratch_block():
@@ -64,3 +112,48 @@ def test_fill_writes_each_rows_lora_slot_and_parks_spare_rows_on_the_base():
     assert plain.lora(4) is None
     with pytest.raises(ValueError, match="LoRA slots for graphs captured without LoRA"):
         plain.fill(build_ragged_batch(rows, 16, CPU), 4, [0, -1, -1])
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_steps_with_short_prefills_replay_a_graph_and_decode_as_eager_steps_do(
+    tiny_dirs, monkeypatch, speculative
+):
+    """Prefill chunks, prompt scoring, verifying rows and decode rows all replayed as decode
+    rows (no eager step), under IFB with joiners, overlap and chunked prefill: the same tokens
+    as the eager runtime, log-probabilities equal to float32 rounding."""
+    config = dict(max_batch_size=4, max_model_len=256, max_num_tokens=24, block_size=8)
+    if speculative:
+        config["speculative"] = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+    eager = Runtime(tiny_dirs["qwen3"], RuntimeConfig(**config))
+    graphed = with_eager_graphs(Runtime(tiny_dirs["qwen3"], RuntimeConfig(**config, overlap=True)))
+    eager_steps = []
+    plan = graphed.executor.backend.plan
+    monkeypatch.setattr(
+        graphed.executor.backend, "plan", lambda meta: eager_steps.append(meta) or plan(meta)
+    )
+    prompts = [range(3, 13), range(20, 67), range(5, 9), [4, 5, 6, 7] * 10, range(7, 30)]
+    params = [
+        dict(max_tokens=9, logprobs=2),
+        dict(max_tokens=7, prompt_logprobs=1),
+        dict(max_tokens=12, temperature=0.8, seed=5),
+        dict(max_tokens=20),
+        dict(max_tokens=8, logprobs=1),
+    ]
+    requests = [
+        GenerationRequest(list(p), SamplingParams(ignore_eos=True, **{"temperature": 0, **kw}))
+        for p, kw in zip(prompts, params, strict=True)
+    ]
+    want = run_staggered(eager, requests)
+    got = run_staggered(graphed, requests)
+    assert not eager_steps
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got, want, strict=True):
+        pairs = zip(a.outputs[0].logprobs or (), b.outputs[0].logprobs or (), strict=True)
+        pairs = [*pairs, *zip(a.prompt_logprobs or (), b.prompt_logprobs or (), strict=True)]
+        for x, y in pairs:
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+    if speculative:
+        assert graphed.speculator.snapshot()["verifications"] >= 3
+    assert_no_leaks(graphed)

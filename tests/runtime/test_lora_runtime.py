@@ -10,7 +10,7 @@ from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 
-from helpers import assert_no_leaks
+from helpers import assert_no_leaks, run_staggered, with_eager_graphs
 from tiny_models import make_lora_adapter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -91,6 +91,22 @@ def test_rows_of_three_adapters_and_the_base_share_steps(tiny_dirs, adapters):
     assert mixed == 5  # every row, of every adapter and the base, in the same steps
     assert [outputs[i] for i in range(5)] == alone
     assert_no_leaks(runtime)
+
+
+def test_graphed_steps_give_each_token_its_rows_adapter(tiny_dirs, adapters):
+    """With decode graphs (run eagerly on the CPU), prefills are packed as one row per token:
+    each row's adapter follows its tokens, and the outputs are the eager runtime's."""
+    requests = [_request(lora, 8 + 2 * i) for i, lora in enumerate(["a", None, "c", "b", "a"])]
+    want = run_staggered(_runtime(tiny_dirs, adapters, context_cache=False), requests)
+    graphed = with_eager_graphs(_runtime(tiny_dirs, adapters, context_cache=False))
+    replays = []
+    run = graphed.executor.graphs.run
+    graphed.executor.graphs.run = lambda batch, slots: replays.append(slots) or run(batch, slots)
+    got = run_staggered(graphed, requests)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    # Prefills were replayed, their tokens on their adapters' slots (40 prompt tokens each).
+    assert any(slots is not None and len(slots) > 40 for slots in replays)
+    assert_no_leaks(graphed)
 
 
 def test_more_adapters_than_slots_wait_and_swap_in(tiny_dirs, adapters):

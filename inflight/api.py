@@ -222,13 +222,15 @@ class LLM:
     def start(self, request: GenerationRequest, *, wait_for_room: bool = False) -> RequestHandle:
         """Submit a prepared request. When the engine is full it raises SubmitError (retry
         later), unless `wait_for_room`, which waits for room instead; a closed LLM raises
-        RuntimeError."""
+        RuntimeError, one whose engine stopped on an error a SubmitError naming the error."""
         delay = 0.001
         while True:
             try:
                 return self._engine.submit(request)
             except SubmitError as exc:
                 if exc.shutting_down:
+                    if self._engine.fault is not None:
+                        raise
                     raise RuntimeError("this LLM is closed") from exc
                 if not wait_for_room:
                     raise
@@ -286,6 +288,12 @@ class LLM:
         when the context cache is off."""
         cache = self._context_cache
         return None if cache is None else cache.snapshot()
+
+    @property
+    def engine_fault(self) -> str | None:
+        """Why the engine stopped serving on an internal error (every request it held failed,
+        new ones are refused), or None while it serves."""
+        return self._engine.fault
 
     def close(self) -> None:
         """Finish what was accepted (drain), then release the model. Safe to call twice."""

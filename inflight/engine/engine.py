@@ -140,7 +140,13 @@ class RequestEngine:
 
     @property
     def running(self) -> bool:
-        return not self._actor.shutdown_called
+        return not self._actor.shutdown_called and self._actor.fault is None
+
+    @property
+    def fault(self) -> str | None:
+        """Why the actor stopped on an unexpected error (every accepted request then failed and
+        admission closed), or None."""
+        return self._actor.fault
 
 
 class _Actor:
@@ -160,6 +166,7 @@ class _Actor:
         self.wake = threading.Event()
         self.stop_mode: ShutdownMode | None = None
         self.shutdown_called = False
+        self.fault: str | None = None
         self._gate = threading.Lock()  # "accepting" and a push are one decision
         self._accepting = True
         self._pending = 0
@@ -196,6 +203,10 @@ class _Actor:
             with self._pending_lock:
                 self._pending -= 1
             self.metrics.add("refused")
+            if self.fault is not None:
+                raise SubmitError(
+                    f"the engine stopped on an internal error: {self.fault}", shutting_down=True
+                )
             if not accepting:
                 raise SubmitError(
                     "the engine is shutting down and no longer accepts requests",
@@ -209,7 +220,7 @@ class _Actor:
         with self._registry_lock:
             record = self._registry.get(request_id)
         if record is not None and not record.published:
-            record.channel.cancel()
+            record.request_cancel()
             self.wake.set()
 
     def shutdown(self, mode: ShutdownMode) -> None:
@@ -245,9 +256,15 @@ class _Actor:
                     break
                 self.wake.wait(self.config.idle_wait)
                 self.wake.clear()
-        except BaseException:
+        except BaseException as exc:
+            # Whatever escaped, no accepted request may wait forever: admission closes and
+            # every request still without an outcome fails (below).
             log.exception("the engine's actor stopped on an unexpected error")
-            raise
+            self.fault = f"{type(exc).__name__}: {exc}"
+            with self._gate:
+                self._accepting = False
+            if not isinstance(exc, Exception):
+                raise
         finally:
             self._abandon_everything()
 
@@ -285,26 +302,48 @@ class _Actor:
             self._terminate(
                 head, TerminalStatus.FAILED, error="the runtime has no capacity for this request"
             )
+        try:
+            failure = self._tick_until_drained(execution)
+        except Exception as exc:
+            # Outside the step itself: the engine's own state may be off, so the batch fails
+            # and the actor stops (see _run).
+            self._fail_batch(execution, f"the engine stopped on an internal error: {exc}")
+            raise
+        if failure is not None:
+            # A failed step fails its batch; the engine serves on unless the runtime could not
+            # be brought back to a state where a new batch can start.
+            if not self._fail_batch(execution, failure):
+                raise RuntimeError(f"the runtime did not recover from a failed step ({failure})")
+            return
+        try:
+            execution.finish()
+        except Exception as exc:
+            raise RuntimeError(f"the runtime did not close a drained batch ({exc})") from exc
+
+    def _tick_until_drained(self, execution: SteppedExecution) -> str | None:
+        """Step until no resident remains; why a step failed (its batch to be failed), or
+        None."""
         while len(self.ledger):
             self._drain_commands()
             self._admit_joiners(execution)
-            cancelled = [ref for ref, record in self.ledger.residents() if record.cancel_requested]
+            # A published resident failed outside the step (its channel raised): evict it.
+            cancelled = [
+                ref
+                for ref, record in self.ledger.residents()
+                if record.cancel_requested or record.published
+            ]
             try:
                 result = execution.step(cancelled)
                 self.metrics.add("steps")
                 committed = self.ledger.commit(result, execution)
             except Exception as exc:
                 log.exception("a step failed; failing its batch")
-                self._fail_batch(execution, f"the step failed: {exc}")
-                return
+                return f"the step failed: {exc}"
             self._publish(result, committed)
             for record in self.ledger.retire_missing(execution.residents()):
                 self._terminate(record, TerminalStatus.FAILED, error="the runtime lost the request")
             self.resident_count = len(self.ledger)
-        try:
-            execution.finish()
-        except Exception:
-            log.exception("finishing a drained batch failed")
+        return None
 
     def _admit_joiners(self, execution: SteppedExecution) -> None:
         """Seat queued heads in FCFS order while they may join and the batch has room."""
@@ -352,15 +391,27 @@ class _Actor:
 
     def _publish(self, result: StepResult, committed: Commit) -> None:
         for ref, chunk in result.deltas.items():
-            committed.owners[ref].channel.push(chunk)
+            record = committed.owners[ref]
+            if record.published:
+                continue
+            try:
+                record.channel.push(chunk)
+            except Exception as exc:
+                # The consumer's channel is broken: only its own request fails (evicted at the
+                # next step), the batch goes on.
+                log.exception("the stream channel of request %d raised", record.id)
+                self._terminate(record, TerminalStatus.FAILED, error=f"its stream raised: {exc}")
         for outcome in committed.outcomes:
             self._terminate(outcome.record, outcome.status, outcome.output, outcome.error)
 
-    def _fail_batch(self, execution: SteppedExecution, message: str) -> None:
+    def _fail_batch(self, execution: SteppedExecution, message: str) -> bool:
+        """Fail every resident of the batch; whether the runtime closed the batch cleanly."""
+        closed = True
         try:
             execution.abort()
         except Exception:
             log.exception("aborting a failed batch raised")
+            closed = False
         for record in self.ledger.take_all():
             self._terminate(record, TerminalStatus.FAILED, error=message)
         self.resident_count = 0
@@ -368,6 +419,8 @@ class _Actor:
             execution.finish()
         except Exception:
             log.exception("finishing a failed batch raised")
+            closed = False
+        return closed
 
     def _terminate(
         self,
@@ -387,26 +440,38 @@ class _Actor:
             self._registry.pop(record.id, None)
         # Published first: a consumer that sees the terminal chunk can read the outcome at once.
         record.publish(status, output, error)
-        if status is TerminalStatus.COMPLETED:
-            assert output is not None
-            for sequence in output.outputs:
-                record.channel.push(
-                    StreamChunk(
-                        prompt_tokens=output.prompt_tokens,
-                        finished=True,
-                        finish_reason=sequence.finish_reason,
-                        index=sequence.index,
+        channel = record.channel
+        try:
+            if status is TerminalStatus.COMPLETED:
+                assert output is not None
+                for sequence in output.outputs:
+                    channel.push(
+                        StreamChunk(
+                            prompt_tokens=output.prompt_tokens,
+                            finished=True,
+                            finish_reason=sequence.finish_reason,
+                            index=sequence.index,
+                        )
                     )
-                )
-            record.channel.finish()
-        else:
-            record.channel.cancel()
+                channel.finish()
+            else:
+                channel.cancel()
+        except Exception:
+            # The outcome stands; a consumer's broken channel is its own.
+            log.exception("the stream channel of request %d raised at its end", record.id)
 
     def _abandon_everything(self) -> None:
+        """At the actor's end: under a shutdown, what never ran is cancelled; after a fault,
+        everything without an outcome fails (nobody cancelled it)."""
         abandoned = list(self.queued) + self.commands.pop_batch(self.commands.capacity)
         abandoned += self.ledger.take_all()
         self.queued.clear()
+        self.resident_count = 0
         for record in abandoned:
-            self._terminate(record, TerminalStatus.CANCELLED)
+            if self.fault is None or record.cancel_requested:
+                self._terminate(record, TerminalStatus.CANCELLED)
+            else:
+                error = f"the engine stopped on an internal error: {self.fault}"
+                self._terminate(record, TerminalStatus.FAILED, error=error)
         if abandoned:
-            log.warning("shutdown cancelled %d request(s) that never ran", len(abandoned))
+            log.warning("the engine's end left %d request(s) without a run", len(abandoned))

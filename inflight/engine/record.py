@@ -33,6 +33,8 @@ class RequestRecord:
         self.output: RequestOutput | None = None
         self.error = ""
         self._done = threading.Event()
+        # Set with the outcome, or by a cancel: what a caller parked in get() waits for.
+        self._wakeup = threading.Event()
 
     @property
     def cancel_requested(self) -> bool:
@@ -48,10 +50,17 @@ class RequestRecord:
             return False
         self.status, self.output, self.error = status, output, error
         self._done.set()
+        self._wakeup.set()
         return True
 
-    def wait(self, timeout: float | None) -> bool:
-        return self._done.wait(timeout)
+    def request_cancel(self) -> None:
+        """Flag the request for cancellation, and release a caller waiting for its outcome."""
+        self.channel.cancel()
+        self._wakeup.set()
+
+    def wait_outcome_or_cancel(self, timeout: float | None) -> bool:
+        """Wait until the outcome is published or a cancel is asked for; False on timeout."""
+        return self._wakeup.wait(timeout)
 
 
 class RequestHandle(Iterator[StreamChunk]):
@@ -97,7 +106,7 @@ class RequestHandle(Iterator[StreamChunk]):
     def cancel(self) -> None:
         """Ask for cancellation; returns at once. Does nothing once the outcome is published."""
         if not self._record.published:
-            self._record.channel.cancel()
+            self._record.request_cancel()
             self._wake_actor()
 
     def close(self) -> None:
@@ -110,13 +119,13 @@ class RequestHandle(Iterator[StreamChunk]):
         """Wait for the outcome: the output, or RequestCancelled / RequestFailed.
 
         A request its caller cancelled raises RequestCancelled at once, without waiting for the
-        actor to retire it.
+        actor to retire it, a caller already waiting here included.
         """
         record = self._record
+        if not record.wait_outcome_or_cancel(timeout):
+            raise TimeoutError(f"Request {record.id} has no outcome after {timeout} s")
         if not record.published and record.cancel_requested and not record.channel.is_finished:
             raise RequestCancelled(f"Request {record.id} was cancelled.")
-        if not record.wait(timeout):
-            raise TimeoutError(f"Request {record.id} has no outcome after {timeout} s")
         if record.status is TerminalStatus.CANCELLED:
             raise RequestCancelled(f"Request {record.id} was cancelled.")
         if record.status is TerminalStatus.FAILED:

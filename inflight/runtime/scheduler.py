@@ -161,7 +161,9 @@ class Scheduler:
         ):
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
-                raise ValueError(f"{name} token id {bad} is outside the vocabulary (size {vocab})")
+                raise RequestFieldError(
+                    f"{name} token id {bad} is outside the vocabulary (size {vocab})", name
+                )
         if params.n > self.slots.capacity:
             raise RequestFieldError(
                 f"n ({params.n}) exceeds max_batch_size ({self.slots.capacity}): each of the n "
@@ -170,9 +172,10 @@ class Scheduler:
             )
         room = limit - len(prompt)
         if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(
+            raise RequestFieldError(
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len ({limit})"
+                f"max_model_len ({limit})",
+                "max_tokens",
             )
         max_new = room if params.max_tokens is None else params.max_tokens
         # KV for every token, the last output token's too: with overlap, the step launched
@@ -183,9 +186,10 @@ class Scheduler:
         shared = (len(prompt) - 1) // self.blocks.block_size if params.n > 1 else 0
         total = blocks + (params.n - 1) * (blocks - shared)
         if total > self.blocks.num_blocks:
-            raise ValueError(
+            raise RequestFieldError(
                 f"request needs {total} KV blocks but the whole cache holds "
-                f"{self.blocks.num_blocks}; lower max_tokens or raise the KV cache size"
+                f"{self.blocks.num_blocks}; lower max_tokens or raise the KV cache size",
+                "max_tokens",
             )
         spec = params.structured_outputs
         grammar = None if spec is None else self.grammars.compile(spec)

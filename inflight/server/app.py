@@ -77,8 +77,13 @@ async def _on_crash(request: Request, exc: Exception) -> Response:
     return error_response(ServerError(500, "internal server error"), _is_anthropic(request))
 
 
+# Open without the API key: the probes of load balancers and orchestrators.
+_OPEN_PATHS = frozenset({"/health", "/health/ready"})
+
+
 class _ApiKey:
-    """Every /v1/ request must carry the key, as `Authorization: Bearer` or `x-api-key`.
+    """Every request but the health probes must carry the key, as `Authorization: Bearer` or
+    `x-api-key` (/metrics and the API docs included).
 
     A plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which hides a client's
     disconnect from the endpoint)."""
@@ -88,7 +93,7 @@ class _ApiKey:
         self.key = key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
             headers = dict(scope.get("headers") or [])
             offered = headers.get(b"x-api-key", b"")
             bearer = headers.get(b"authorization", b"")

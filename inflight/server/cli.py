@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import json
 import logging
@@ -67,6 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
     from inflight.server.chat_templates import read_template
     from inflight.server.client import EngineClient
     from inflight.server.metrics import ServerMetrics
+    from inflight.server.serving import Server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
@@ -129,8 +131,8 @@ def _serve(args: argparse.Namespace) -> int:
         f"{'; API key required' if args.api_key else ''})",
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    return asyncio.run(Server(config, client, args.shutdown_timeout).run_until_stopped())
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -252,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=600.0,
         help="seconds a request waits for the slot on the blocking path",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests get to finish before they are cancelled",
     )
     serve.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key)")
     serve.add_argument("--served-model-name", default=None)

@@ -79,6 +79,9 @@ class AdmissionGate:
         self.closing = True
         await self._idle.wait()
 
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
 
 class EngineClient:
     def __init__(
@@ -95,6 +98,7 @@ class EngineClient:
         self.gate = AdmissionGate(
             llm.in_flight_batching, llm.max_batch_size, max_queued_requests, queue_timeout
         )
+        self.runs: set[Run] = set()  # started and not yet finished
 
     # -- preparing ------------------------------------------------------------------------------
 
@@ -166,6 +170,14 @@ class EngineClient:
         assert run.output is not None
         return run.output
 
+    def cancel_all(self) -> int:
+        """Cancel every running request (each ends as cancelled, its client told so); how
+        many there were."""
+        runs = list(self.runs)
+        for run in runs:
+            run.cancel()
+        return len(runs)
+
     async def close(self) -> None:
         await self.gate.close()
         await asyncio.get_running_loop().run_in_executor(None, self.llm.close)
@@ -202,7 +214,14 @@ class Run:
             self._handle = client.llm.start(self._request)
         except SubmitError as exc:
             self._finish("rejected")
+            if exc.shutting_down:  # a shutdown, or an engine stopped on an error
+                raise ServerError(503, str(exc)) from exc
             raise overloaded(str(exc)) from exc
+        client.runs.add(self)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
 
     async def __aiter__(self) -> AsyncIterator[StreamChunk]:
         handle = self._handle
@@ -221,9 +240,15 @@ class Run:
                 yield chunk
             self.output = handle.get()
             outcome = "completed"
-        except (RequestCancelled, asyncio.CancelledError, GeneratorExit):
+        except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
             raise
+        except RequestCancelled as exc:
+            # Not by its client (a client going away ends the iteration above): the server
+            # cancelled it.
+            outcome = "cancelled"
+            why = ": the server is shutting down" if self._client.gate.closing else ""
+            raise ServerError(503, f"the request was cancelled before it finished{why}") from exc
         except RequestFailed as exc:
             raise ServerError(500, f"generation failed: {exc}") from exc
         finally:
@@ -233,6 +258,7 @@ class Run:
         if not self._leased:
             return
         self._leased = False
+        self._client.runs.discard(self)
         if self._handle is not None:
             self._handle.close()  # cancels the request unless its stream ended
         self._client.gate.release()

@@ -41,6 +41,8 @@ def error_response(error: ServerError, anthropic: bool) -> JSONResponse:
     status, headers = error.status, {}
     if status == 429:
         headers["Retry-After"] = "1"
+    if status == 503:  # shutting down, or the engine failed: another replica may serve it
+        headers["Retry-After"] = "5"
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     if anthropic:

@@ -17,6 +17,19 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 Temperature = Annotated[float, Field(ge=0, le=2)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 
+# Bounds on what one request may ask the server to track per token (a 400 names the limit;
+# prompt length, n and max_tokens are bounded by the model's context and batch).
+MAX_STOP_STRINGS = 32
+MAX_STOP_LENGTH = 512
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
+StopString = Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
+StopStrings = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+StopTokenIds = Annotated[list[NonNegativeInt], Field(max_length=MAX_STOP_TOKEN_IDS)]
+LogitBias = Annotated[
+    dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)
+]
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -94,13 +107,13 @@ class SamplingFields(Strict):
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     n: Annotated[int, Field(ge=1)] = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[NonNegativeInt] | None = None
+    stop: StopString | StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: LogitBias | None = None
     # vLLM's constraint field: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
     structured_outputs: dict[str, Any] | None = None
     # With --speculative-config: False decodes this request without drafts (same output).
@@ -227,7 +240,7 @@ class AnthropicCountTokensRequest(Strict):
 
 class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     max_tokens: Annotated[int, Field(ge=1)]
-    stop_sequences: list[str] | None = None
+    stop_sequences: StopStrings | None = None
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     top_p: TopP | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None

@@ -47,6 +47,8 @@ class FakeFactory:
     refuse_founding: bool = False  # new_session raises
     ignore_cancel: bool = False
     lose_joiners: bool = False  # joiners vanish after their first step without being reported
+    residents_raise: bool = False  # residents() raises (an error outside the step)
+    abort_raises: bool = False  # abort() raises (the runtime cannot recover from a failure)
     on_step: Callable[[FakeExecution], None] | None = None
     sessions: int = 0
     admitted: list[GenerationRequest] = field(default_factory=list)
@@ -90,6 +92,8 @@ class FakeExecution:
         self.finished = False
 
     def residents(self) -> list[ResidentRef]:
+        if self.factory.residents_raise:
+            raise RuntimeError("the fake lost track of its residents")
         return list(self.live)
 
     def admit(self, request: GenerationRequest) -> Admission:
@@ -162,6 +166,8 @@ class FakeExecution:
         self.finished = True
 
     def abort(self) -> list[ResidentRef]:
+        if self.factory.abort_raises:
+            raise RuntimeError("the fake cannot abort")
         refs = list(self.live)
         for ref in refs:
             self._evict(self.live[ref], FinishReason.ERROR)

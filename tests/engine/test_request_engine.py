@@ -218,6 +218,22 @@ def test_a_throwing_step_does_not_kill_the_actor():
     e.shutdown()
 
 
+def test_a_failed_step_the_runtime_cannot_recover_from_stops_the_engine():
+    """The step fails and so does the batch's abort: the runtime may hold the batch still, so
+    the engine stops (failing what waits) rather than founding batches that cannot run."""
+    factory = FakeFactory(fail_steps=1, abort_raises=True, step_delay=0.01)
+    e = engine(factory)
+    first, queued = e.submit(req()), e.submit(req())
+    with pytest.raises(RequestFailed, match="the step failed"):
+        first.get(timeout=5)
+    with pytest.raises(RequestFailed, match="did not recover from a failed step"):
+        queued.get(timeout=5)
+    assert "did not recover" in e.fault and not e.running
+    with pytest.raises(SubmitError, match="internal error"):
+        e.submit(req())
+    assert (e.metrics.failed, e.metrics.cancelled) == (2, 0)
+
+
 def test_refused_or_throwing_founding_is_an_error():
     factory = FakeFactory(refuse_founding=True)
     e = engine(factory)
@@ -231,6 +247,100 @@ def test_refused_or_throwing_founding_is_an_error():
     assert e.submit(req()).get(timeout=5)
     assert (e.metrics.failed, e.metrics.completed) == (2, 1)
     e.shutdown()
+
+
+# -- containment: errors outside the step ---------------------------------------------------------
+
+
+class BrokenChannel(StreamChannel):
+    """A consumer's channel whose push raises from its `fail_at`-th chunk on."""
+
+    def __init__(self, fail_at: int = 2) -> None:
+        super().__init__()
+        self.pushes, self.fail_at = 0, fail_at
+
+    def push(self, chunk) -> None:
+        self.pushes += 1
+        if self.pushes >= self.fail_at:
+            raise OSError("the consumer went away")
+        super().push(chunk)
+
+
+def test_an_error_escaping_the_actor_fails_every_request_and_closes_admission():
+    """residents() raising is outside the step: the actor stops, and every accepted request
+    (residents, queued, a caller parked in get()) fails with the error; none is reported as
+    cancelled; admission closes with that reason."""
+    factory = FakeFactory(step_delay=0.02)
+    e = engine(factory, max_batch_size=2)
+    residents = [e.submit(req(tokens=10**6)) for _ in range(2)]
+    wait_until(lambda: e.resident == 2)
+    queued = e.submit(req())
+    parked = []
+    waiter = threading.Thread(target=lambda: parked.append(_outcome(residents[0], 10)))
+    waiter.start()
+    factory.residents_raise = True
+    waiter.join(timeout=5)
+    assert len(parked) == 1 and parked[0].startswith("failed:")
+    assert "the engine stopped on an internal error" in parked[0]
+    for h in [*residents, queued]:
+        with pytest.raises(RequestFailed, match="internal error.*lost track of its residents"):
+            h.get(timeout=5)
+        assert h.stream().ended
+    assert e.fault == "RuntimeError: the fake lost track of its residents"
+    assert not e.running
+    with pytest.raises(SubmitError, match="internal error") as info:
+        e.submit(req())
+    assert info.value.shutting_down
+    m = e.metrics
+    assert (m.submitted, m.failed, m.cancelled, m.completed) == (3, 3, 0, 0)
+    assert factory.slots.num_free == factory.max_batch_size  # the batch was aborted
+    e.shutdown()  # returns: the actor is gone
+
+
+def _outcome(handle, timeout):
+    try:
+        handle.get(timeout=timeout)
+        return "completed"
+    except RequestFailed as exc:
+        return f"failed: {exc}"
+    except RequestCancelled:
+        return "cancelled"
+
+
+def test_a_channel_that_raises_fails_only_its_own_request():
+    factory = FakeFactory(step_delay=0.01)
+    e = engine(factory, max_batch_size=2)
+    broken = e.submit(req(tokens=6), BrokenChannel(fail_at=2))
+    healthy = e.submit(req(tokens=6))
+    with pytest.raises(RequestFailed, match="its stream raised: the consumer went away"):
+        broken.get(timeout=5)
+    assert healthy.get(timeout=5).token_ids == (1, 2, 3, 4, 5, 6)
+    assert e.submit(req(tokens=2)).get(timeout=5).token_ids == (1, 2)
+    assert e.running and e.fault is None
+    m = e.metrics
+    assert (m.submitted, m.failed, m.cancelled, m.completed) == (3, 1, 0, 2)
+    wait_until(lambda: factory.slots.num_free == factory.max_batch_size)
+    e.shutdown()
+
+
+def test_cancel_releases_a_caller_already_parked_in_get():
+    """The caller waits in get() for a request whose steps take a second each; a cancel from
+    another thread (by handle, or by id) releases it at once, not at the actor's next step."""
+    e = engine(FakeFactory(step_delay=1.0), max_batch_size=2)
+    by_handle, by_id = e.submit(req(tokens=100)), e.submit(req(tokens=100))
+    wait_until(lambda: e.resident == 2)
+    for handle, cancel in ((by_handle, by_handle.cancel), (by_id, lambda: e.cancel(by_id.id))):
+        released = []
+        waiter = threading.Thread(target=lambda h=handle, out=released: out.append(_outcome(h, 30)))
+        waiter.start()
+        time.sleep(0.05)  # parked in get()
+        start = time.monotonic()
+        cancel()
+        waiter.join(timeout=5)
+        assert released == ["cancelled"]
+        assert time.monotonic() - start < 0.5
+    e.shutdown(ShutdownMode.CANCEL)
+    assert e.metrics.cancelled == 2
 
 
 # -- shutdown ------------------------------------------------------------------------------------

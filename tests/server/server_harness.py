@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import uvicorn
 
 from inflight.server.app import ServerSettings, build_app
 from inflight.server.client import EngineClient
 from inflight.server.metrics import ServerMetrics
+from inflight.server.serving import Server
 
 
 def free_port() -> int:
@@ -20,8 +23,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class Running:
+    url: str
+    client: EngineClient
+    server: Server
+    thread: threading.Thread
+    exit_status: list[int] = field(default_factory=list)  # set once the server has stopped
+
+
 @contextmanager
-def serve(
+def running(
     llm,
     *,
     max_queued_requests=16,
@@ -31,11 +43,12 @@ def serve(
     lifespan="off",
     name="test-model",
     max_body_bytes=8 * 1024 * 1024,
+    shutdown_timeout=30.0,
     **chat,
 ):
-    """Serve `llm`; yields the base URL. With lifespan "off" the LLM outlives the server.
-    `chat`: the chat settings of `ServerSettings` (chat_template, tool_call_parser,
-    reasoning_parser), as the command line's flags set them."""
+    """Serve `llm` as `inflight serve` does (`serving.Server`), in a background thread. With
+    lifespan "off" the LLM outlives the server. `chat`: the chat settings of `ServerSettings`
+    (chat_template, tool_call_parser, reasoning_parser), as the command line's flags set them."""
     client = EngineClient(
         llm,
         max_queued_requests=max_queued_requests,
@@ -48,20 +61,32 @@ def serve(
     )
     app = build_app(client, settings)
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan)
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan
     )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    server = Server(config, client, shutdown_timeout)
+    handle = Running(f"http://127.0.0.1:{port}", client, server, threading.Thread())
+    handle.thread = threading.Thread(
+        target=lambda: handle.exit_status.append(asyncio.run(server.run_until_stopped())),
+        daemon=True,
+    )
+    handle.thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         assert time.monotonic() < deadline, "server did not start"
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}", client
+        yield handle
     finally:
         server.should_exit = True
-        thread.join(timeout=60)
+        handle.thread.join(timeout=60)
+
+
+@contextmanager
+def serve(llm, **options):
+    """Serve `llm` (see `running`); yields the base URL and the engine client."""
+    with running(llm, **options) as handle:
+        yield handle.url, handle.client
 
 
 @contextmanager

@@ -102,6 +102,11 @@ def test_errors_use_the_anthropic_body(server):
         },
     )
     assert r.status_code == 400 and "image" in r.json()["error"]["message"]
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "stop_sequences": ["x"] * 33}
+    r = httpx.post(server + "/v1/messages", json=body)
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "stop_sequences" in message and "32" in message
 
 
 def test_overload_is_529(server_llm):

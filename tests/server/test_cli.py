@@ -84,3 +84,57 @@ def test_defaults_are_auto_quantization_and_the_context_cache_on():
     assert args.quantization == "none" and args.enable_context_reuse is False
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--quantization", "q3"])
+
+
+@pytest.mark.slow
+def test_sigterm_drains_running_requests_then_cancels_the_rest_and_exits_cleanly():
+    """SIGTERM: new requests get 503 with Retry-After and readiness fails at once; a request
+    that finishes within --shutdown-timeout completes; streams still running then are cancelled
+    with an error event naming the shutdown; the process exits 0. Every request has an outcome."""
+    import threading
+
+    process, url = _start("--enable-in-flight-batching", "--shutdown-timeout", "3")
+    long_body = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True}
+    long_body["ignore_eos"] = True
+    streams: list[list[str]] = [[], []]
+
+    def read(lines: list[str]) -> None:
+        with httpx.stream("POST", url + "/v1/completions", json=long_body, timeout=120) as r:
+            lines.extend(line for line in r.iter_lines() if line)
+
+    readers = [threading.Thread(target=read, args=(lines,)) for lines in streams]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not all(streams):
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.05)
+        short: list[httpx.Response] = []
+        body = {"prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
+        finisher = threading.Thread(
+            target=lambda: short.append(httpx.post(url + "/v1/completions", json=body, timeout=60))
+        )
+        finisher.start()
+        time.sleep(0.2)  # admitted
+        process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while httpx.get(url + "/health/ready").status_code != 503:
+            assert time.monotonic() < deadline, "readiness did not fail after SIGTERM"
+            time.sleep(0.02)
+        assert httpx.get(url + "/health/ready").json()["status"] == "shutting_down"
+        refused = httpx.post(url + "/v1/completions", json=body, timeout=10)
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        assert "shutting down" in refused.json()["error"]["message"]
+        finisher.join(timeout=60)
+        assert short[0].status_code == 200
+        assert short[0].json()["usage"]["completion_tokens"] == 8
+        for reader in readers:
+            reader.join(timeout=60)
+        for lines in streams:
+            assert lines[-1] == "data: [DONE]"
+            assert "cancelled before it finished: the server is shutting down" in lines[-2]
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -251,6 +251,13 @@ def test_health_counts_mid_flight_joins_and_metrics_parse(server, server_llm):
         ({"messages": MESSAGES, "structured_outputs": {"yaml": "x"}}, 400, "structured_outputs"),
         ({"messages": MESSAGES, "model": "gpt-4"}, 404, "model"),
         ({"messages": [{"role": "user", "content": "word " * 600}]}, 413, None),
+        # Bounds on what one request may ask for, each named.
+        ({"messages": MESSAGES, "max_tokens": 10**9}, 400, "max_tokens"),
+        ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        ({"messages": MESSAGES, "stop": ["s"] * 33}, 400, "stop"),
+        ({"messages": MESSAGES, "stop": "x" * 513}, 400, "stop"),
+        ({"messages": MESSAGES, "stop_token_ids": list(range(257))}, 400, "stop_token_ids"),
+        ({"messages": MESSAGES, "logit_bias": {str(i): 1 for i in range(1025)}}, 400, "logit_bias"),
     ],
 )
 def test_errors_use_the_openai_body(server, body, status, param):
@@ -278,7 +285,14 @@ def test_api_key(server_llm):
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sekret"}).is_success
         assert httpx.get(url + "/v1/models", headers={"x-api-key": "sekret"}).is_success
-        assert httpx.get(url + "/health").is_success  # health stays open for load balancers
+        # Every route but the health probes needs the key (metrics and the API docs too).
+        for path in ("/metrics", "/openapi.json", "/docs", "/v1/no-such-route"):
+            assert httpx.get(url + path).status_code == 401, path
+        assert httpx.get(url + "/metrics", headers={"x-api-key": "sekret"}).is_success
+        assert httpx.get(url + "/health").is_success  # open for load balancers
+        assert httpx.get(url + "/health/ready").is_success
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1})
+        assert r.status_code == 401
         client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
         assert client.models.list().data[0].id == MODEL
 

@@ -1,4 +1,4 @@
-"""Operations routes: health, readiness and Prometheus metrics (open without an API key)."""
+"""Operations routes: health and readiness (open without an API key) and Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -13,11 +13,14 @@ router = APIRouter()
 
 
 @router.get("/health")
-async def health(state: State) -> dict[str, Any]:
+async def health(state: State) -> Response:
     client, llm = state.client, state.client.llm
+    fault = llm.engine_fault
+    if fault is not None:
+        return JSONResponse({"status": "failed", "error": fault}, status_code=503)
     scheduling = llm.get_scheduling_metrics()
     cache = llm.get_context_cache_metrics()
-    return {
+    body: dict[str, Any] = {
         "status": "healthy",
         "model": state.settings.served_model_name,
         "active_requests": client.gate.active,
@@ -36,11 +39,14 @@ async def health(state: State) -> dict[str, Any]:
             "context_reuse": cache is not None,
         },
     }
+    return JSONResponse(body)
 
 
 @router.get("/health/ready")
 async def ready(state: State) -> Response:
-    gate = state.client.gate
+    gate, fault = state.client.gate, state.client.llm.engine_fault
+    if fault is not None:
+        return JSONResponse({"status": "failed", "error": fault}, status_code=503)
     if gate.closing:
         return JSONResponse({"status": "shutting_down"}, status_code=503)
     return JSONResponse(

@@ -9,7 +9,7 @@ prompts and bodies over the limits, malformed JSON, wrong types, unknown fields,
 expected). Then it lets the server settle, prints one table, and stops the server with SIGTERM.
 It exits 1 if any promise broke: an HTTP 5xx, a stream that never ended, a KV block or resident
 slot still in use, engine counters that do not add up, a server that did not exit cleanly.
-Writes JSON to $OUT (or bench/out).
+Writes JSON (and the server's log, chaos-server.log) to $OUT (or bench/out).
 
     .venv/bin/python bench/chaos.py [--duration 600] [--clients 12] [--seed 0]
 """
@@ -61,7 +61,10 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
         "--log-level",
         "error",
     ]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = report_path("chaos-server.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as errors:  # the server's log: a traceback says what went wrong
+        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors)
     deadline = time.monotonic() + 180
     while True:
         try:
@@ -71,7 +74,7 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
             pass
         if time.monotonic() > deadline or server.poll() is not None:
             server.kill()
-            raise RuntimeError(f"the server did not start: {server.stderr.read().decode()}")
+            raise RuntimeError(f"the server did not start: {log.read_text()}")
         time.sleep(0.5)
 
 
@@ -116,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         sent=report.sent,
         outcomes={f"{kind}: {outcome}": n for (kind, outcome), n in report.outcomes.items()},
         server_errors=report.server_errors,
-        hung_streams=report.hung,
+        hung_streams=report.count("hung"),
+        broken_connections=report.count("connection-error"),
         kv_blocks_used=report.kv_blocks_used,
         resident_slots_used=report.slots_used,
         counters=report.counters,

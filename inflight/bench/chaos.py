@@ -6,8 +6,8 @@ request kind from KINDS by weight (seeded), and fires a burst beyond the queue e
 "disconnected", ...); a stream that has not ended after `stream_timeout` seconds is "hung". Then
 `settle` waits for the server's KV blocks and resident slots to come back and reads the engine's
 counters. `ChaosReport.failures()` says what broke a promise: any HTTP 5xx (in a status or in a
-stream's error event), any hung stream, a block or slot still in use, counters that do not add
-up (accepted = completed + cancelled + failed).
+stream's error event), any hung stream or connection the server broke, a block or slot still in
+use, counters that do not add up (accepted = completed + cancelled + failed).
 """
 
 from __future__ import annotations
@@ -237,16 +237,16 @@ class ChaosReport:
     def sent(self) -> int:
         return sum(self.outcomes.values())
 
-    @property
-    def hung(self) -> int:
-        return sum(n for (_, outcome), n in self.outcomes.items() if outcome == "hung")
+    def count(self, outcome: str) -> int:
+        return sum(n for (_, o), n in self.outcomes.items() if o == outcome)
 
     def failures(self) -> list[str]:
         c = self.counters
         ended = c["completed"] + c["cancelled"] + c["failed"]
         checks = {
             "HTTP 5xx": len(self.server_errors) == 0,
-            "hung streams": self.hung == 0,
+            "hung streams": self.count("hung") == 0,
+            "connections broken by the server": self.count("connection-error") == 0,
             "KV blocks in use after settling": self.kv_blocks_used == 0,
             "resident slots in use after settling": self.slots_used == 0,
             "accepted = completed + cancelled + failed": c["submitted"] == ended,
@@ -263,7 +263,8 @@ class ChaosReport:
         c = self.counters
         lines += [
             f"requests sent {self.sent} in {self.seconds:.0f} s; HTTP 5xx "
-            f"{len(self.server_errors)}; hung streams {self.hung}",
+            f"{len(self.server_errors)}; hung streams {self.count('hung')}; broken connections "
+            f"{self.count('connection-error')}",
             f"after settling: KV blocks in use {self.kv_blocks_used}, resident slots in use "
             f"{self.slots_used}",
             f"engine: accepted {c['submitted']:.0f} = completed {c['completed']:.0f} + cancelled "
@@ -285,15 +286,16 @@ async def run_chaos(
     deadline = start + duration
     names = list(KINDS)
     weights = [KINDS[n][0] for n in names]
-    limits = httpx.Limits(max_connections=clients + burst_size + 8)
+    # Idle connections are dropped after 1 s, well before the server's keep-alive timeout (5 s):
+    # a request sent on a connection the server is closing would fail for the client's reason.
+    limits = httpx.Limits(max_connections=clients + burst_size + 8, keepalive_expiry=1.0)
     async with httpx.AsyncClient(limits=limits, timeout=chaos.stream_timeout) as http:
 
         async def client(index: int) -> None:
             rng = random.Random(seed * 1000 + index)
             while time.monotonic() < deadline:
                 kind = rng.choices(names, weights)[0]
-                outcome = await KINDS[kind][1](chaos, http, rng)
-                chaos.outcomes[(kind, outcome)] += 1
+                chaos.outcomes[(kind, await _outcome(KINDS[kind][1](chaos, http, rng)))] += 1
 
         async def bursts() -> None:
             rng = random.Random(seed)
@@ -303,13 +305,21 @@ async def run_chaos(
                 calls = [
                     _post(chaos, http, "/v1/chat/completions", json=body) for _ in range(burst_size)
                 ]
-                for outcome in await asyncio.gather(*calls):
+                for outcome in await asyncio.gather(*map(_outcome, calls)):
                     chaos.outcomes[("burst", outcome)] += 1
 
         await asyncio.gather(bursts(), *(client(i) for i in range(clients)))
         seconds = time.monotonic() - start
         kv, slots, counters = await settle(chaos, http)
     return ChaosReport(seconds, chaos.outcomes, chaos.server_errors, kv, slots, counters)
+
+
+async def _outcome(request: Awaitable[str]) -> str:
+    """The request's outcome; "connection-error" where the server broke the connection."""
+    try:
+        return await request
+    except (httpx.TransportError, ConnectionError):
+        return "connection-error"
 
 
 async def settle(chaos: Chaos, http: httpx.AsyncClient, timeout: float = 60.0) -> tuple:

@@ -122,7 +122,7 @@ class RequestHandle(Iterator[StreamChunk]):
         actor to retire it, a caller already waiting here included.
         """
         record = self._record
-        if not record.wait_outcome_or_cancel(timeout):
+        if not record.cancel_requested and not record.wait_outcome_or_cancel(timeout):
             raise TimeoutError(f"Request {record.id} has no outcome after {timeout} s")
         if not record.published and record.cancel_requested and not record.channel.is_finished:
             raise RequestCancelled(f"Request {record.id} was cancelled.")

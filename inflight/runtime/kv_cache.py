@@ -51,9 +51,9 @@ class BlockPool:
             (
                 empty[i : i + run]
                 for i in range(len(empty) - run + 1)
-                if empty[i + run - 1] - empty[i] == run - 1
+                if run and empty[i + run - 1] - empty[i] == run - 1
             ),
-            empty[:run],
+            empty[:run],  # also where no block is empty (run 0): all come from the cached
         )
         self._empty.difference_update(blocks)
         while len(blocks) < count:

@@ -218,16 +218,36 @@ class Scheduler:
             if slot is None:
                 return None  # every adapter slot runs an adapter in use
             lora_slot = slot
-        refs = [self.slots.acquire() for _ in range(n)]
-        for block in hits:
-            pool.lease(block)
-        first = hits + (pool.allocate(intent.sequence_blocks - len(hits)) or [])
-        shared = first[: intent.shared_blocks]
-        blocks = [first]
-        for _ in range(n - 1):
-            for block in shared:
+        refs: list[ResidentRef | None] = []
+        held: list[int] = []  # each block reference taken so far
+        try:
+            for _ in range(n):
+                refs.append(self.slots.acquire())
+            for block in hits:
                 pool.lease(block)
-            blocks.append(shared + (pool.allocate(intent.sequence_blocks - len(shared)) or []))
+                held.append(block)
+            first = hits + (pool.allocate(intent.sequence_blocks - len(hits)) or [])
+            held += first[len(hits) :]
+            shared = first[: intent.shared_blocks]
+            blocks = [first]
+            for _ in range(n - 1):
+                for block in shared:
+                    pool.lease(block)
+                    held.append(block)
+                more = pool.allocate(intent.sequence_blocks - len(shared)) or []
+                held += more
+                blocks.append(shared + more)
+        except BaseException:
+            # A reservation that fails half-way (a bug) gives back what it took: a request
+            # that failed at admission must not keep slots or blocks from everyone after it.
+            pool.release(held)
+            for ref in refs:
+                if ref is not None:
+                    self.slots.release(ref)
+            for _ in range(n if lora_slot >= 0 else 0):
+                assert self.adapters is not None
+                self.adapters.release(lora_slot)
+            raise
         assert None not in refs and all(len(b) == intent.sequence_blocks for b in blocks)
         return Reservation(intent, tuple(refs), tuple(blocks), len(hits), tuple(digests), lora_slot)
 

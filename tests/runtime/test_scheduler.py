@@ -71,6 +71,29 @@ def test_reserve_takes_everything_or_nothing():
     assert (s.blocks.num_free, s.slots.num_free) == before
 
 
+def test_a_reservation_that_raises_half_way_gives_everything_back(monkeypatch):
+    """A bug inside reserve (as chaos testing once found in the pool's allocation) must not
+    leave slots or blocks taken by a request that failed at admission."""
+    s = _scheduler(slots=4, blocks=32)
+    _seat(s, 8)
+    before = (s.blocks.num_free, s.slots.num_free)
+    intent = s.check(GenerationRequest(list(range(1, 13)), SamplingParams(max_tokens=4, n=2)))
+    allocate, calls = s.blocks.allocate, []
+
+    def second_call_raises(count):
+        calls.append(count)
+        if len(calls) == 2:
+            raise IndexError("a bug")
+        return allocate(count)
+
+    monkeypatch.setattr(s.blocks, "allocate", second_call_raises)
+    with pytest.raises(IndexError):
+        s.reserve(intent)
+    assert (s.blocks.num_free, s.slots.num_free) == before
+    monkeypatch.setattr(s.blocks, "allocate", allocate)
+    assert s.reserve(intent) is not None
+
+
 def test_check_names_the_problem():
     s = _scheduler()
     with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -80,6 +80,8 @@ def test_defaults_are_auto_quantization_and_the_context_cache_on():
     parser = build_parser()
     args = parser.parse_args(["serve"])
     assert args.quantization == "auto" and args.enable_context_reuse is True
+    assert args.host == "127.0.0.1"  # reachable from elsewhere only when --host says so
+    assert args.shutdown_timeout == 30.0
     args = parser.parse_args(["serve", "--no-enable-context-reuse", "--quantization", "none"])
     assert args.quantization == "none" and args.enable_context_reuse is False
     with pytest.raises(SystemExit):

@@ -1,0 +1,30 @@
+"""`BlockPool`: contiguous first-fit allocation, then reuse of cached blocks oldest first."""
+
+from inflight.runtime.kv_cache import BlockPool
+
+
+def test_allocation_prefers_one_contiguous_run_of_empty_blocks():
+    pool = BlockPool(8, 4)
+    first = pool.allocate(2)
+    assert (first, pool.allocate(1)) == ([0, 1], [2])
+    pool.release(first)
+    assert pool.allocate(3) == [3, 4, 5]  # the first run of 3, not blocks 0, 1, 3
+    assert pool.allocate(4) == [0, 1, 6, 7]  # no run of 4: the first empty ones
+
+
+def test_when_only_cached_blocks_are_free_the_oldest_are_reused():
+    """Found by bench/chaos.py: with the context cache holding every free block (none empty),
+    allocation indexed an empty list and failed the admission."""
+    pool = BlockPool(4, 4)
+    blocks = pool.allocate(4)
+    for block in blocks:
+        assert pool.publish(block, bytes([block]))
+    pool.release(blocks[:2])
+    pool.release(blocks[2:])
+    assert pool.num_free == 4 and pool.num_cached == 4
+    # Released last blocks first within each call: 1, 0, then 3, 2.
+    assert pool.allocate(3) == [1, 0, 3]
+    assert pool.evictions == 3 and pool.lookup(bytes([2])) == 2
+    assert pool.allocate(0) == []
+    assert pool.allocate(2) is None  # one free: nothing taken
+    assert pool.num_free == 1

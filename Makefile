@@ -22,7 +22,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check inflight tests bench
 
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 serve: $(STAMP)
 	$(VENV)/bin/inflight serve --enable-in-flight-batching $(SERVE_ARGS)

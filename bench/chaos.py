@@ -20,32 +20,17 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-
-import httpx
 
 from inflight.bench.chaos import Chaos, run_chaos
+from inflight.bench.online import start_server
 from inflight.bench.report import report_path, write_report
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "inflight.server.cli",
-        "serve",
+def server_flags(args: argparse.Namespace) -> list[str]:
+    return [
         *([args.model] if args.model else []),
-        "--port",
-        str(port),
         "--served-model-name",
         "chaos",
         "--enable-in-flight-batching",
@@ -61,21 +46,6 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
         "--log-level",
         "error",
     ]
-    log = report_path("chaos-server.log")
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as errors:  # the server's log: a traceback says what went wrong
-        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors)
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=1).is_success:
-                return server
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline or server.poll() is not None:
-            server.kill()
-            raise RuntimeError(f"the server did not start: {log.read_text()}")
-        time.sleep(0.5)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,10 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst-every", type=float, default=20.0)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    port = _free_port()
-    server = start_server(args, port)
+    log = report_path("chaos-server.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as errors:  # the server's log: a traceback says what went wrong
+        server, url = start_server(server_flags(args), errors)
     try:
-        chaos = Chaos(f"http://127.0.0.1:{port}", "chaos", args.max_model_len)
+        chaos = Chaos(url, "chaos", args.max_model_len)
         report = asyncio.run(
             run_chaos(chaos, args.duration, args.clients, args.seed, args.burst_every)
         )

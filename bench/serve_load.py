@@ -13,57 +13,17 @@ import argparse
 import asyncio
 import os
 import random
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
-
-from inflight.bench.online import run_load
+from inflight.bench.online import run_load, start_server
 from inflight.bench.report import write_report
 from inflight.model.checkpoints.loader import open_checkpoint
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(ifb: bool, batch: int, port: int) -> subprocess.Popen:
-    args = [
-        sys.executable,
-        "-m",
-        "inflight.server.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--served-model-name",
-        "bench",
-        "--max-batch-size",
-        str(batch),
-        "--max-queued-requests",
-        "64",
-        "--max-kv-cache-capacity",
-        "1024",
-        "--log-level",
-        "warning",
-    ]
-    if ifb:
-        args.append("--enable-in-flight-batching")
-    server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).is_success:
-                return server
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline or server.poll() is not None:
-            server.kill()
-            raise RuntimeError("the server did not start")
-        time.sleep(0.5)
+def _flags(ifb: bool, batch: int) -> list[str]:
+    flags = ["--served-model-name", "bench", "--max-batch-size", str(batch)]
+    flags += ["--max-queued-requests", "64", "--max-kv-cache-capacity", "1024"]
+    flags += ["--log-level", "warning"]
+    return flags + (["--enable-in-flight-batching"] if ifb else [])
 
 
 def main() -> None:
@@ -87,10 +47,8 @@ def main() -> None:
 
     results: dict[str, list[dict]] = {}
     for mode in ("ifb", "blocking"):
-        port = _free_port()
-        server = _start(mode == "ifb", args.batch, port)
+        server, url = start_server(_flags(mode == "ifb", args.batch))
         try:
-            url = f"http://127.0.0.1:{port}"
             asyncio.run(run_load(url, "bench", prompts[:2], [4, 4], rate=10))  # warm-up
             results[mode] = []
             for rate in args.rates:

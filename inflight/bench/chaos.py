@@ -241,15 +241,13 @@ class ChaosReport:
         return sum(n for (_, o), n in self.outcomes.items() if o == outcome)
 
     def failures(self) -> list[str]:
-        c = self.counters
-        ended = c["completed"] + c["cancelled"] + c["failed"]
         checks = {
             "HTTP 5xx": len(self.server_errors) == 0,
             "hung streams": self.count("hung") == 0,
             "connections broken by the server": self.count("connection-error") == 0,
             "KV blocks in use after settling": self.kv_blocks_used == 0,
             "resident slots in use after settling": self.slots_used == 0,
-            "accepted = completed + cancelled + failed": c["submitted"] == ended,
+            "accepted = completed + cancelled + failed": _add_up(self.counters),
         }
         return [name for name, ok in checks.items() if not ok]
 
@@ -322,6 +320,13 @@ async def _outcome(request: Awaitable[str]) -> str:
         return "connection-error"
 
 
+def _add_up(counters: dict[str, float]) -> bool:
+    """Whether every request the engine accepted has its outcome."""
+    return (
+        counters["submitted"] == counters["completed"] + counters["cancelled"] + counters["failed"]
+    )
+
+
 async def settle(chaos: Chaos, http: httpx.AsyncClient, timeout: float = 60.0) -> tuple:
     """Wait until nothing is resident or queued and the counters add up (or `timeout`): the KV
     blocks and resident slots in use, and the engine's counters."""
@@ -338,8 +343,6 @@ async def settle(chaos: Chaos, http: httpx.AsyncClient, timeout: float = 60.0) -
             int(gauges["inflight_kv_blocks_used"]),
             int(gauges["inflight_resident_slots_used"]),
         )
-        ended = scheduling["completed"] + scheduling["cancelled"] + scheduling["failed"]
-        idle = kv == slots == 0 and scheduling["submitted"] == ended
-        if idle or time.monotonic() > deadline:
+        if (kv == slots == 0 and _add_up(scheduling)) or time.monotonic() > deadline:
             return kv, slots, scheduling
         await asyncio.sleep(0.5)

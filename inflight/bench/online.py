@@ -2,7 +2,8 @@
 
 Each request is a streamed /v1/completions call with a fixed number of output tokens (EOS
 ignored, so every run does the same work). Reports output tok/s over the whole run, and time to
-first token and inter-token latency percentiles.
+first token and inter-token latency percentiles. `start_server` runs `inflight serve` for the
+online benchmarks.
 """
 
 from __future__ import annotations
@@ -10,10 +11,41 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import IO
 
 import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(flags: list[str], log: IO | None = None) -> tuple[subprocess.Popen, str]:
+    """`inflight serve FLAGS` on a free loopback port, once it is ready: the process and its
+    base URL. Its stderr goes to `log` (default: nowhere); a server that exits or is not ready
+    in 180 s is a RuntimeError."""
+    port = free_port()
+    command = [sys.executable, "-m", "inflight.server.cli", "serve", "--port", str(port), *flags]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log or subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(url + "/health/ready", timeout=1).is_success:
+                return server, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or server.poll() is not None:
+            server.kill()
+            raise RuntimeError(f"the server did not start: {' '.join(command)}")
+        time.sleep(0.5)
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ def build_ragged_batch(
     Host work is a few operations per row; everything per token or per block is vectorized."""
     if not rows:
         raise ValueError("a step needs at least one row")
-    if unfold or any(r.drafts for r in rows):
+    if any(len(r.token_ids) > 1 and (unfold or r.drafts) for r in rows):
         rows = list(_unfold(rows, unfold))
     query_lens = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
     past = np.fromiter((r.past_len for r in rows), np.int64, len(rows))

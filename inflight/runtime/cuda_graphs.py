@@ -163,6 +163,7 @@ class DecodeGraphs:
         self.inputs = inputs
         self.buckets = buckets
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None  # made by the first capture: every graph shares its memory
         for bucket in reversed(buckets):  # the largest first, so the rest reuse its memory
             ids, positions = inputs.input_ids[:bucket], inputs.positions[:bucket]
             args = (ids, positions, inputs.metadata(bucket), inputs.lora(bucket))
@@ -172,7 +173,7 @@ class DecodeGraphs:
         self, forward: Callable[[], torch.Tensor]
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The graph of one bucket's forward, and the output tensor its replays write."""
-        if not self._graphs:
+        if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         forward()  # warm-up (and Triton compilation) outside the graph
         graph = torch.cuda.CUDAGraph()

@@ -92,8 +92,7 @@ class OutputProcessor:
                 continue  # evicted since this step was launched: its row was wasted work
             if row.epoch != r.epoch:
                 continue  # planned on drafts the row before rejected: void
-            if row.samples:
-                r.pending -= len(emitted)
+            r.pending -= len(emitted)
             rejected = 0
             if row.drafts:
                 emitted, rejected = self._verify(r, row, emitted)

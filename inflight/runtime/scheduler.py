@@ -244,9 +244,10 @@ class Scheduler:
             for ref in refs:
                 if ref is not None:
                     self.slots.release(ref)
-            for _ in range(n if lora_slot >= 0 else 0):
+            if lora_slot >= 0:
                 assert self.adapters is not None
-                self.adapters.release(lora_slot)
+                for _ in range(n):
+                    self.adapters.release(lora_slot)
             raise
         assert None not in refs and all(len(b) == intent.sequence_blocks for b in blocks)
         return Reservation(intent, tuple(refs), tuple(blocks), len(hits), tuple(digests), lora_slot)

@@ -77,7 +77,7 @@ class AdmissionGate:
     async def close(self) -> None:
         """Refuse new leases (503), then wait until every lease is back."""
         self.closing = True
-        await self._idle.wait()
+        await self.wait_idle()
 
     async def wait_idle(self) -> None:
         await self._idle.wait()

@@ -59,10 +59,9 @@ class Server(uvicorn.Server):
         """Stop admitting, give running requests `shutdown_timeout` seconds, cancel the rest,
         then let uvicorn shut down."""
         gate = self.client.gate
-        gate.closing = True
         log.info("draining: %d request(s) running", gate.active)
         try:
-            await asyncio.wait_for(gate.wait_idle(), self.shutdown_timeout)
+            await asyncio.wait_for(gate.close(), self.shutdown_timeout)
         except TimeoutError:
             count = self.client.cancel_all()
             log.warning("shutdown timeout: cancelled %d running request(s)", count)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -11,16 +10,11 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
+from inflight.bench.online import free_port
 from inflight.server.app import ServerSettings, build_app
 from inflight.server.client import EngineClient
 from inflight.server.metrics import ServerMetrics
 from inflight.server.serving import Server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

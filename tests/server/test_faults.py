@@ -48,6 +48,17 @@ def _client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
 
 
+def _stream(client, max_tokens):
+    """A streamed completion that runs `max_tokens` tokens unless something stops it."""
+    return client.completions.create(
+        model="test-model",
+        prompt="one two three",
+        max_tokens=max_tokens,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+
+
 @pytest.mark.parametrize("where", ["forward", "sampler", "detokenizer"])
 def test_a_fault_in_a_step_fails_its_requests_and_the_server_serves_on(llm, monkeypatch, where):
     runtime = llm._runtime
@@ -59,13 +70,7 @@ def test_a_fault_in_a_step_fails_its_requests_and_the_server_serves_on(llm, monk
     calls = _once(*target, monkeypatch)  # the third call raises: the stream has begun
     with serve(llm) as (url, _):
         client = _client(url)
-        stream = client.completions.create(
-            model="test-model",
-            prompt="one two three",
-            max_tokens=60,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
+        stream = _stream(client, 60)
         chunks = 0
         with pytest.raises(openai.APIError, match="generation failed.*injected fault in"):
             for _ in stream:
@@ -87,13 +92,7 @@ def test_an_engine_that_stops_on_an_error_fails_health_and_stops_the_server(llm,
     _once(GenerationSession, "residents", monkeypatch)  # outside the step: the engine stops
     with running(llm) as handle:
         client = _client(handle.url)
-        stream = client.completions.create(
-            model="test-model",
-            prompt="one two three",
-            max_tokens=200,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
+        stream = _stream(client, 200)
         with pytest.raises(openai.APIError, match="internal error"):
             for _ in stream:
                 pass

@@ -15,6 +15,7 @@ from inflight.engine import (
     ShutdownMode,
     SubmitError,
 )
+from inflight.media_inputs import MediaInputError, MediaLimits, as_text, has_images, take_images
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.options import OPTION_FIELDS
 from inflight.runtime.outputs import RequestOutput
@@ -81,8 +82,21 @@ class LLM:
         max_lora_rank: int = 16,
         lora_modules: Mapping[str, str | Path] | None = None,
         speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
+        limit_mm_per_prompt: Mapping[str, int] | None = None,
+        allow_media_fetch: bool = False,
         show_progress: bool = False,
     ) -> None:
+        limits = dict(limit_mm_per_prompt or {})
+        if set(limits) - {"image"} or not all(
+            isinstance(v, int) and v >= 0 for v in limits.values()
+        ):
+            raise ValueError(
+                f"limit_mm_per_prompt takes {{'image': count >= 0}}, got {limit_mm_per_prompt!r}"
+            )
+        self.media_limits = MediaLimits(
+            max_images=limits.get("image", MediaLimits.max_images),
+            allow_fetch=allow_media_fetch,
+        )
         if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
         config = RuntimeConfig(
@@ -129,6 +143,9 @@ class LLM:
         self._blocks, self._slots = runtime.blocks, runtime.slots
         self._context_cache = runtime.context_cache
         self._speculator = runtime.speculator
+        self._encoder_cache = runtime.executor.encoder_cache
+        # What a prompt may hold: text, and the media the model takes.
+        self.input_modalities = ["text", *(spec.kind for spec in runtime.media)]
         self._sampling_defaults = runtime.checkpoint.sampling_defaults
         self.tokenizer = runtime.tokenizer
         self.model_name = runtime.model_name
@@ -165,18 +182,23 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_name: str | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply to a conversation (or to each of a list of conversations).
 
         `tools` (OpenAI function tools) and `chat_template_kwargs` (e.g. `{"enable_thinking":
         False}`) are variables of the chat template; `chat_template` (a template's text) renders
-        in place of the model's own."""
+        in place of the model's own. Messages may hold images (content parts `{"type": "image",
+        "image": PIL image}` or `{"type": "image_url", ...}`); `mm_processor_kwargs`
+        `{"keep_ratio": r}` keeps that share of each image's tokens (the visual-token
+        pruner)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of chat messages")
         conversations = messages if isinstance(messages[0], list) else [messages]
         template = _template_args(tools, chat_template, chat_template_kwargs)
         options = {"lora_name": lora_name}
-        return self._run(self._requests(conversations, params, options, template))
+        requests = self._requests(conversations, params, options, template, mm_processor_kwargs)
+        return self._run(requests)
 
     def _run(self, requests: list[GenerationRequest]) -> list[RequestOutput]:
         handles: list[RequestHandle] = []
@@ -206,17 +228,19 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
         **options: Any,
     ) -> GenerationRequest:
         """Tokenize and validate one prompt (ValueError naming the problem); queues nothing.
         `tools`, `chat_template` and `chat_template_kwargs` go to the chat template of a
-        conversation, as in `chat`. `options` are request options of the support matrix
-        (`lora_name`, ...: the `GenerationRequest` fields after `params`)."""
+        conversation, and `mm_processor_kwargs` to its images, as in `chat`. `options` are
+        request options of the support matrix (`lora_name`, ...: the `GenerationRequest` fields
+        after `params`)."""
         unknown = sorted(set(options) - OPTION_FIELDS)
         if unknown:
             raise ValueError(f"unknown request options {unknown}; known: {sorted(OPTION_FIELDS)}")
         template = _template_args(tools, chat_template, chat_template_kwargs)
-        (request,) = self._requests(prompt, params, options, template)
+        (request,) = self._requests(prompt, params, options, template, mm_processor_kwargs)
         return request
 
     def start(self, request: GenerationRequest, *, wait_for_room: bool = False) -> RequestHandle:
@@ -283,6 +307,11 @@ class LLM:
         speculator = self._speculator
         return None if speculator is None else speculator.snapshot()
 
+    def get_encoder_metrics(self) -> dict[str, float] | None:
+        """Encoder runs and encoder-cache hits (None for a model without media input)."""
+        cache = self._encoder_cache
+        return None if cache is None else cache.snapshot()
+
     def get_context_cache_metrics(self) -> dict[str, float] | None:
         """Lookups, looked-up and hit prompt tokens, hit ratio, evictions, cached blocks; None
         when the context cache is off."""
@@ -319,6 +348,7 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None,
         options: dict[str, Any] | None = None,
         template: dict[str, Any] | None = None,
+        processor_kwargs: dict[str, Any] | None = None,
     ) -> list[GenerationRequest]:
         runtime = self._live()
         items = _as_prompt_list(prompts)
@@ -333,30 +363,82 @@ class LLM:
                     f"got {len(param_list)} SamplingParams for {len(items)} prompts; "
                     "pass one, or one per prompt"
                 )
-        requests = [
-            GenerationRequest(self._tokenize(p, template), sp, **(options or {}))
-            for p, sp in zip(items, param_list, strict=True)
-        ]
+        requests = []
+        for prompt, sp in zip(items, param_list, strict=True):
+            ids, data = self._tokenize(prompt, template)
+            media = []
+            if data:
+                kwargs = processor_kwargs
+                if isinstance(prompt, dict):
+                    kwargs = prompt.get("mm_processor_kwargs", kwargs)
+                ids, media = runtime.expand_media(ids, data, kwargs)
+            requests.append(GenerationRequest(ids, sp, media=media, **(options or {})))
         for request in requests:
             runtime.check_request(request)  # bad input fails here, before anything is queued
         return requests
 
-    def _tokenize(self, prompt: Prompt, template: dict[str, Any] | None = None) -> list[int]:
+    def _tokenize(
+        self, prompt: Prompt, template: dict[str, Any] | None = None
+    ) -> tuple[list[int], dict[str, Any] | None]:
+        """A prompt's token ids, and its media (`multi_modal_data`) if any."""
         tokenizer = self.tokenizer
         if template and not isinstance(prompt, list):
             raise ValueError("tools and chat template arguments apply to chat messages only")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            return tokenizer.encode(prompt, add_special_tokens=True)
+            return tokenizer.encode(prompt, add_special_tokens=True), None
         if isinstance(prompt, dict):
-            ids = prompt.get("prompt_token_ids")
+            unknown = sorted(set(prompt) - _PROMPT_KEYS)
+            if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+                raise ValueError(
+                    "a prompt dict holds 'prompt' (text) or 'prompt_token_ids' ([int, ...]), "
+                    "and optionally 'multi_modal_data' and 'mm_processor_kwargs'; got keys "
+                    f"{sorted(prompt)}"
+                )
+            data = prompt.get("multi_modal_data")
+            if data is not None and not isinstance(data, dict):
+                raise ValueError("multi_modal_data must be a dict such as {'image': image}")
+            self._check_media_count(data)
+            if "prompt" in prompt:
+                if not isinstance(prompt["prompt"], str):
+                    raise ValueError("a prompt dict's 'prompt' must be a string")
+                return self._tokenize(prompt["prompt"])[0], data
+            ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
                 raise ValueError("a token prompt must be {'prompt_token_ids': [int, ...]}")
-            return ids
+            return ids, data
         _check_messages(prompt)
-        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **(template or {}))
+        # A model without image input refuses images before reading them.
+        placeholder = self._live().media_placeholder("image") if has_images(prompt) else -1
+        messages, images = take_images(prompt, self.media_limits)
+        if not images:
+            return self._render(as_text(messages, ""), template), None
+        # A template of an image model renders image parts as its placeholder; one that
+        # renders text only gets the placeholder's text on a line before the message's text.
+        ids = self._render(messages, template)
+        if sum(1 for t in ids if t == placeholder) != len(images):
+            ids = self._render(
+                as_text(messages, tokenizer.decode([placeholder], skip_special_tokens=False)),
+                template,
+            )
+        return ids, {"image": images}
+
+    def _render(self, messages: list[dict[str, Any]], template: dict[str, Any] | None) -> list[int]:
+        tokenizer = self.tokenizer
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **(template or {})
+        )
         return tokenizer.encode(text, add_special_tokens=False)
+
+    def _check_media_count(self, data: dict[str, Any] | None) -> None:
+        for kind, items in (data or {}).items():
+            count = len(items) if isinstance(items, list | tuple) else 1
+            if count > self.media_limits.max_images:
+                raise MediaInputError(
+                    f"{count} {kind} items in one prompt; the limit is "
+                    f"{self.media_limits.max_images} (--limit-mm-per-prompt)"
+                )
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -373,6 +455,9 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         f"got {type(prompts).__name__}"
     )
 
+
+# What a prompt given as a dict may hold (vLLM's keys).
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"})
 
 # Variables the rendering itself sets; chat_template_kwargs may not replace them.
 _RESERVED_TEMPLATE_VARIABLES = frozenset(

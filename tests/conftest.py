@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent / "engine"))
 sys.path.insert(0, str(Path(__file__).parent / "server"))
 
 from helpers import assert_no_leaks  # noqa: E402
-from tiny_models import FAMILIES, make_tiny_model  # noqa: E402
+from tiny_models import FAMILIES, make_tiny_llava, make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +24,13 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     for family in FAMILIES:
         make_tiny_model(family, root / family)
     return {family: root / family for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory) -> tuple[Path, object]:
+    """A tiny random LLaVA (CLIP tower) directory, and its transformers model (float32)."""
+    path = tmp_path_factory.mktemp("tiny_llava")
+    return path, make_tiny_llava(path)
 
 
 @pytest.fixture(scope="session")

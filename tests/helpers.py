@@ -66,8 +66,9 @@ class PagedSequence:
         self.caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
         self.length = 0
 
-    def extend(self, ids: list[int]) -> torch.Tensor:
-        """The logits at every position of `ids`, appended to the sequence."""
+    def extend(self, ids: list[int], embeds=None) -> torch.Tensor:
+        """The logits at every position of `ids`, appended to the sequence (`embeds`: the
+        model's, for the positions of `ids` that take an embedding in place of their token)."""
         past, tokens = self.length, len(ids)
         total = past + tokens
         meta = AttentionMetadata(
@@ -85,8 +86,15 @@ class PagedSequence:
         )
         self.backend.plan(meta)
         with torch.no_grad():
+            # Only models with image input are given `embeds` (wrappers take no such argument).
+            extra = {} if embeds is None else {"embeds": embeds}
             hidden = self.model(
-                torch.tensor(ids), torch.arange(past, total), self.caches, meta, self.backend
+                torch.tensor(ids),
+                torch.arange(past, total),
+                self.caches,
+                meta,
+                self.backend,
+                **extra,
             )
             logits = self.model.compute_logits(hidden)
         self.length = total

@@ -75,13 +75,13 @@ def _family(name: str):
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def write_tokenizer(path: Path) -> None:
+def write_tokenizer(path: Path, extra_special: tuple[str, ...] = ()) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=300,
-        special_tokens=SPECIAL,
+        special_tokens=[*SPECIAL, *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -127,3 +127,53 @@ def make_lora_adapter(base: Path, path: Path, seed: int, **config):
     peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **config)).eval()
     peft_model.save_pretrained(path)
     return peft_model
+
+
+IMAGE_TOKEN = "<image>"
+IMAGE_TOKEN_ID = len(SPECIAL)  # the tiny LLaVA tokenizer's next special token
+
+
+def make_tiny_llava(path: Path, tower: str = "clip", seed: int = 0):
+    """A tiny random LLaVA (a CLIP or SigLIP tower of 32x32 images in 8x8 patches, 16 image
+    tokens, and a Llama decoder) written to `path` with its tokenizer (`<image>` a special
+    token) and image processor; returns the HF model (float32)."""
+    from transformers import (
+        CLIPImageProcessor,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        SiglipImageProcessorPil,
+    )
+
+    vision = dict(
+        model_type="clip_vision_model" if tower == "clip" else "siglip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=dict(model_type="llama", **COMMON),
+        image_token_index=IMAGE_TOKEN_ID,
+        vision_feature_layer=-2,
+        # SigLIP has no class token: LLaVA models on it keep every patch.
+        vision_feature_select_strategy="default" if tower == "clip" else "full",
+        image_seq_length=16,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1 and "vision_tower" not in name:
+                p.normal_(0.0, 0.2)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path, (IMAGE_TOKEN,))
+    if tower == "clip":
+        processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size=32)
+    else:
+        processor = SiglipImageProcessorPil(size={"height": 32, "width": 32})
+    processor.save_pretrained(path)
+    return model

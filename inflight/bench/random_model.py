@@ -11,7 +11,7 @@ from tokenizers import models
 
 from inflight.model.checkpoints.loader import Checkpoint
 from inflight.model.checkpoints.tokenizer import SpecialTokens, Tokenizer
-from inflight.model.config import ModelConfig, RopeConfig
+from inflight.model.config import ModelConfig, RopeConfig, VisionConfig
 
 SHAPES = {
     "qwen3-0.6b": ModelConfig(
@@ -26,6 +26,19 @@ SHAPES = {
         max_position_embeddings=131072,
         rope=RopeConfig(theta=500_000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
                         high_freq_factor=4.0, original_max_position_embeddings=8192),
+    ),
+    # SmolLM2-135M's decoder, its last id standing for an image, behind a CLIP ViT-B/16 tower
+    # of 224-pixel images (196 image tokens), as LLaVA builds them.
+    "llava-clip-b16-smollm2": ModelConfig(
+        family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+        max_position_embeddings=8192, rope=RopeConfig(theta=100_000.0),
+        tie_word_embeddings=True,
+        vision=VisionConfig(
+            tower="clip", hidden_size=768, intermediate_size=3072, num_layers=12,
+            num_heads=12, image_size=224, patch_size=16, layer_norm_eps=1e-5,
+            hidden_act="quick_gelu", image_token_id=49151,
+        ),
     ),
 }  # fmt: skip
 
@@ -68,6 +81,40 @@ class RandomWeights:
         yield "norm.weight", ones(c.hidden_size)
         if not c.tie_word_embeddings:
             yield "lm_head.weight", matrix(c.vocab_size, c.hidden_size)
+        if c.vision is not None:
+            yield from self._vision_weights(c.vision, c.hidden_size, matrix, ones)
+
+    @staticmethod
+    def _vision_weights(v, text_hidden, matrix, ones) -> Iterator[tuple[str, torch.Tensor]]:
+        """A LLaVA tower's and projector's, under their Hugging Face names (biases zero)."""
+        hidden, p = v.hidden_size, "vision_tower."
+
+        def linear(name: str, rows: int, cols: int) -> Iterator[tuple[str, torch.Tensor]]:
+            yield name + ".weight", matrix(rows, cols)
+            yield name + ".bias", ones(rows) * 0
+
+        def norm(name: str) -> Iterator[tuple[str, torch.Tensor]]:
+            yield name + ".weight", ones(hidden)
+            yield name + ".bias", ones(hidden) * 0
+
+        patch = matrix(hidden, 3 * v.patch_size**2).view(hidden, 3, v.patch_size, v.patch_size)
+        yield p + "embeddings.patch_embedding.weight", patch
+        if v.tower == "clip":
+            yield p + "embeddings.class_embedding", ones(hidden) * 0
+            yield from norm(p + "pre_layrnorm")
+        else:
+            yield p + "embeddings.patch_embedding.bias", ones(hidden) * 0
+        yield p + "embeddings.position_embedding.weight", matrix(v.num_positions, hidden)
+        for i in range(v.layers_run):
+            layer = f"{p}encoder.layers.{i}."
+            yield from norm(layer + "layer_norm1")
+            for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+                yield from linear(layer + "self_attn." + name, hidden, hidden)
+            yield from norm(layer + "layer_norm2")
+            yield from linear(layer + "mlp.fc1", v.intermediate_size, hidden)
+            yield from linear(layer + "mlp.fc2", hidden, v.intermediate_size)
+        yield from linear("multi_modal_projector.linear_1", text_hidden, hidden)
+        yield from linear("multi_modal_projector.linear_2", text_hidden, text_hidden)
 
 
 def numbered_tokenizer(vocab_size: int) -> Tokenizer:

@@ -17,6 +17,7 @@ from inflight.runtime.request import GenerationRequest, SamplingParams
 PAYLOAD_FIELDS = frozenset(
     {
         "prompt_token_ids",
+        "media",
         "params.stop",
         "params.stop_token_ids",
         "params.logit_bias",

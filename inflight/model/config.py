@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # Hugging Face `architectures` entries this decoder implements, and the family each belongs to.
@@ -38,6 +38,54 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """LLaVA-style image input: a CLIP or SigLIP vision tower, whose `feature_layer` output
+    (Hugging Face's `vision_feature_layer`: 0 the embeddings, -1 the last layer) is projected
+    into the decoder's width and takes the place of `image_token_id` placeholders, one per
+    patch feature (`keep_cls`: the "full" strategy; "default" drops the first)."""
+
+    tower: str  # "clip" or "siglip"
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    image_token_id: int
+    feature_layer: int = -2
+    keep_cls: bool = False
+    projector_act: str = "gelu"
+    projector_bias: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.layers_run <= self.num_layers:
+            raise ValueError(
+                f"vision_feature_layer {self.feature_layer} is outside a tower of "
+                f"{self.num_layers} layers"
+            )
+
+    @property
+    def num_positions(self) -> int:
+        patches = (self.image_size // self.patch_size) ** 2
+        return patches + 1 if self.tower == "clip" else patches
+
+    @property
+    def layers_run(self) -> int:
+        """Tower layers computed: those up to the one whose output is read."""
+        return (
+            self.feature_layer
+            if self.feature_layer >= 0
+            else self.num_layers + 1 + self.feature_layer
+        )
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.num_positions - (0 if self.keep_cls else 1)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str
     vocab_size: int
@@ -57,6 +105,7 @@ class ModelConfig:
     qk_norm: bool = False
     # Mistral v0.1 attends over a sliding window; sequences never grow past it here.
     sliding_window: int | None = None
+    vision: VisionConfig | None = None  # image input (LLaVA), if any
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -93,14 +142,103 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     )
 
 
+# Multimodal `architectures` entries: their decoder is `text_config`, of one of the families.
+HF_MULTIMODAL = ("LlavaForConditionalGeneration",)
+# A text_config names its family by model_type and may leave the rest at transformers' defaults
+# (llava-1.5 writes a few fields only): those of LlamaConfig.
+_TEXT_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+_LLAMA_DEFAULTS = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+)
+# CLIPVisionConfig's and SiglipVisionConfig's defaults, for what a vision_config leaves out.
+_TOWER_DEFAULTS = {
+    "clip_vision_model": dict(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        image_size=224,
+        patch_size=32,
+        hidden_act="quick_gelu",
+        layer_norm_eps=1e-5,
+    ),
+    "siglip_vision_model": dict(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        image_size=224,
+        patch_size=16,
+        hidden_act="gelu_pytorch_tanh",
+        layer_norm_eps=1e-6,
+    ),
+}
+
+
+def _vision_from_hf(cfg: dict[str, Any]) -> VisionConfig:
+    vision = dict(cfg.get("vision_config") or {})
+    kind = vision.get("model_type", "clip_vision_model")
+    if kind not in _TOWER_DEFAULTS:
+        raise ValueError(
+            f"unsupported vision tower {kind!r}; supported: {', '.join(_TOWER_DEFAULTS)}"
+        )
+    vision = {**_TOWER_DEFAULTS[kind], **vision}
+    layer = cfg.get("vision_feature_layer", -2)
+    if not isinstance(layer, int):
+        raise ValueError(f"vision_feature_layer {layer!r}: only a single layer is supported")
+    strategy = cfg.get("vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full"):
+        raise ValueError(f"unsupported vision_feature_select_strategy {strategy!r}")
+    token = cfg.get("image_token_id", cfg.get("image_token_index"))
+    if token is None:
+        raise ValueError("a LLaVA config.json needs image_token_index (or image_token_id)")
+    return VisionConfig(
+        tower="clip" if kind == "clip_vision_model" else "siglip",
+        hidden_size=vision["hidden_size"],
+        intermediate_size=vision["intermediate_size"],
+        num_layers=vision["num_hidden_layers"],
+        num_heads=vision["num_attention_heads"],
+        image_size=vision["image_size"],
+        patch_size=vision["patch_size"],
+        layer_norm_eps=float(vision["layer_norm_eps"]),
+        hidden_act=vision["hidden_act"],
+        image_token_id=int(token),
+        feature_layer=layer,
+        keep_cls=strategy == "full",
+        projector_act=cfg.get("projector_hidden_act", "gelu"),
+        projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
+    )
+
+
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """Build a ModelConfig from the dict in a Hugging Face `config.json`."""
     archs = cfg.get("architectures") or []
+    if any(a in HF_MULTIMODAL for a in archs):
+        text = dict(cfg.get("text_config") or {})
+        kind = text.get("model_type", "llama")
+        if kind not in _TEXT_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported LLaVA text model {kind!r}; "
+                f"supported: {', '.join(_TEXT_ARCHITECTURES)}"
+            )
+        text = {**_LLAMA_DEFAULTS, **text, "architectures": [_TEXT_ARCHITECTURES[kind]]}
+        text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        return replace(config_from_hf(text), vision=_vision_from_hf(cfg))
     family = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
     if family is None:
         raise ValueError(
             f"unsupported architecture {archs or cfg.get('model_type')!r}; "
-            f"supported: {', '.join(HF_ARCHITECTURES)}"
+            f"supported: {', '.join([*HF_ARCHITECTURES, *HF_MULTIMODAL])}"
         )
     act = cfg.get("hidden_act", "silu")
     if act != "silu":

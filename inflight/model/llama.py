@@ -26,6 +26,7 @@ from inflight.model.layers.norm import RMSNorm
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, Rope, RotaryEmbedding
+from inflight.model.vision import ImageEncoder
 
 if TYPE_CHECKING:
     from inflight.model.checkpoints.lora import LoRAAdapter
@@ -37,6 +38,16 @@ _FUSED_PARTS = {
 }
 # Hugging Face parameter name part -> (fused parameter, index of the shard inside it).
 _FUSED = {part: (fused, i) for fused, parts in _FUSED_PARTS.items() for i, part in enumerate(parts)}
+# LLaVA checkpoints nest the decoder (transformers 5: `model.language_model.`, 4:
+# `language_model.model.`) and the image side (5: under `model.`).
+_LLAVA_NAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
+_IMAGE_ENCODER_NAMES = ("vision_tower.", "multi_modal_projector.")
 
 
 def _shard_sizes(config: ModelConfig) -> dict[str, list[int]]:
@@ -200,6 +211,7 @@ class LlamaForCausalLM(nn.Module):
             # Tied in load_weights; a weight of its own would be allocated for nothing.
             self.lm_head.weight = None
         self.rotary = RotaryEmbedding(config, max_positions)
+        self.image_encoder = ImageEncoder(config.vision, hidden) if config.vision else None
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self._lora_loaded = [False] * max_loras
         if max_loras:
@@ -219,12 +231,17 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         lora: LoRAMapping | None = None,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every packed token; `lora` says
-        which tokens run with which loaded adapter (None: all with the base model)."""
+        which tokens run with which loaded adapter (None: all with the base model); `embeds`
+        (packed indices [M], embeddings [M, hidden]): tokens whose input is that embedding
+        instead of their token's (an image's, in place of its placeholders)."""
         if lora is not None and lora.num_tokens != input_ids.shape[0]:
             raise ValueError(f"LoRA mapping of {lora.num_tokens} tokens for {input_ids.shape[0]}")
         x = self.embed_tokens(input_ids)
+        if embeds is not None:
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         angles = self.rotary.angles(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -297,7 +314,15 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         shard_sizes = _shard_sizes(self.config)
+        image_weights = []
         for name, tensor in weights:
+            for old, new in _LLAVA_NAMES:
+                if name.startswith(old):
+                    name = new + name.removeprefix(old)
+                    break
+            if name.startswith(_IMAGE_ENCODER_NAMES):
+                image_weights.append((name, tensor))
+                continue
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the head
@@ -324,8 +349,17 @@ class LlamaForCausalLM(nn.Module):
                 )
             dest.copy_(tensor)
             loaded.add(label)
+        if self.image_encoder is not None:
+            self.image_encoder.load_weights(image_weights)
+        elif image_weights:
+            raise ValueError(
+                f"checkpoint tensor {image_weights[0][0]!r} belongs to an image encoder, "
+                "which this model's config does not describe"
+            )
         expected = set()
         for pname, _ in self.named_parameters():
+            if pname.startswith("image_encoder."):
+                continue
             parts = _FUSED_PARTS.get(pname.split(".")[-2], ())
             expected.update([f"{pname}[{i}]" for i in range(len(parts))] if parts else [pname])
         missing = sorted(expected - loaded)

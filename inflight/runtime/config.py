@@ -43,6 +43,8 @@ class RuntimeConfig:
     max_lora_rank: int = 16
     # Speculative decoding (None: off).
     speculative: SpeculativeConfig | None = None
+    # Encoder outputs kept for media seen again (models with image input), in MiB.
+    encoder_cache_mb: int = 256
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "block_size", "max_num_tokens"):
@@ -65,6 +67,10 @@ class RuntimeConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be auto, none, int8 or q4, got {self.quantization!r}"
+            )
+        if not isinstance(self.encoder_cache_mb, int) or self.encoder_cache_mb < 0:
+            raise ValueError(
+                f"encoder_cache_mb must be an integer >= 0, got {self.encoder_cache_mb!r}"
             )
         if not isinstance(self.max_loras, int) or self.max_loras < 0:
             raise ValueError(f"max_loras must be an integer >= 0, got {self.max_loras!r}")

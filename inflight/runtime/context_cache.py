@@ -1,7 +1,8 @@
 """`ContextCache`: reuse of the KV of token prefixes another request already computed.
 
 Full blocks are identified by a chain digest: each block's digest covers its parent's digest
-and its own token ids, so equal digests mean equal prefixes. A block is published (made
+and its own token ids (and the content keys of the media whose placeholders it holds), so
+equal digests mean equal prefixes. A block is published (made
 findable) only after the step that wrote it has run, so a request seated in the same tick never
 sees it. A published block outlives its resident: it stays findable while free, until the pool
 reuses it for other content (see `BlockPool`).
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from inflight.runtime.kv_cache import BlockPool
+from inflight.runtime.request import MediaItem
 
 
 def root_digest(lora_name: str | None) -> bytes:
@@ -22,10 +24,23 @@ def root_digest(lora_name: str | None) -> bytes:
     return b"" if lora_name is None else hashlib.sha256(b"lora:" + lora_name.encode()).digest()
 
 
-def chain_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
+def chain_digest(parent: bytes, tokens: Sequence[int], media: bytes = b"") -> bytes:
+    """`media`: the content keys of the media whose placeholders the block holds (their
+    tokens are alike whatever the image)."""
     h = hashlib.sha256(parent)
     h.update(struct.pack(f"<{len(tokens)}I", *tokens))
+    h.update(media)
     return h.digest()
+
+
+def media_keys(media: Sequence[MediaItem], start: int, end: int) -> bytes:
+    """The keys of the media items with placeholders among prompt positions start .. end, each
+    with the number of tokens it keeps (a pruned image's tokens are its own)."""
+    return b"".join(
+        m.key + m.length.to_bytes(4, "little")
+        for m in media
+        if m.offset < end and m.offset + m.length > start
+    )
 
 
 @dataclass
@@ -40,9 +55,11 @@ class ContextCache:
         self.pool = pool
         self.metrics = ContextCacheMetrics()
 
-    def match(self, prompt: Sequence[int], root: bytes = b"") -> tuple[list[int], list[bytes]]:
+    def match(
+        self, prompt: Sequence[int], root: bytes = b"", media: Sequence[MediaItem] = ()
+    ) -> tuple[list[int], list[bytes]]:
         """Published blocks holding the longest cached prefix of `prompt` (computed under the
-        adapter whose `root_digest` is `root`), and their digests.
+        adapter whose `root_digest` is `root`, with the prompt's `media`), and their digests.
 
         The prompt's last token is never matched: its logits must be computed."""
         bs = self.pool.block_size
@@ -50,7 +67,8 @@ class ContextCache:
         digests: list[bytes] = []
         parent = root
         for i in range((len(prompt) - 1) // bs):
-            digest = chain_digest(parent, prompt[i * bs : (i + 1) * bs])
+            start, end = i * bs, (i + 1) * bs
+            digest = chain_digest(parent, prompt[start:end], media_keys(media, start, end))
             block = self.pool.lookup(digest)
             if block is None:
                 break

@@ -18,9 +18,12 @@ from inflight.model.config import ModelConfig
 from inflight.model.layers.lora import LoRAMapping
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.transfer import to_device
+from inflight.model.vision import prune_image_tokens
 from inflight.runtime.batch_builder import RaggedBatch, build_ragged_batch
 from inflight.runtime.cuda_graphs import DecodeGraphs, DecodeInputs, graph_buckets, replayable
+from inflight.runtime.encoder_cache import EncoderCache
 from inflight.runtime.outputs import SampledRow
+from inflight.runtime.request import MediaItem
 from inflight.runtime.sampler import Sampled, Sampler, SamplingRow
 from inflight.runtime.scheduler import ScheduledRow, ScheduledStep
 from inflight.runtime.structured import GrammarCompiler
@@ -72,7 +75,9 @@ class Executor:
         block_size: int,
         max_batch_size: int,
         device: torch.device,
+        pick_width: int = 1,
         graph_inputs: DecodeInputs | None = None,
+        encoder_cache: EncoderCache | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -83,8 +88,10 @@ class Executor:
         self.max_batch_size = max_batch_size
         self._bitmask: np.ndarray | None = None  # the constrained rows' masks, made on first use
         self.device = device
-        # Each slot's latest sampled token, where the next step reads it without a host trip.
-        self.last_tokens = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
+        # Each slot's latest picks, where the next step reads its input token without a host
+        # trip: the picks of its latest row (1 + drafts), then those of fallback rows.
+        self.picks = torch.zeros((max_batch_size, pick_width), dtype=torch.int64, device=device)
+        self.encoder_cache = encoder_cache
         self.graphs: DecodeGraphs | None = None
         if graph_inputs is not None:
             with torch.inference_mode():
@@ -100,15 +107,22 @@ class Executor:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         lora: LoRAMapping | None = None,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, self.kv_caches, meta, self.backend, lora)
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend, lora, embeds)
 
     @torch.inference_mode()
-    def execute(self, batch: RaggedBatch, lora_slots: list[int] | None = None) -> torch.Tensor:
+    def execute(
+        self,
+        batch: RaggedBatch,
+        lora_slots: list[int] | None = None,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Final hidden states of the tokens in `batch.logits_indices`, in that order;
         `lora_slots`: each batch row's LoRA slot (-1: the base model), None where no row has
-        one."""
-        if self.graphs is not None:
+        one; `embeds`: packed tokens whose input is an encoder's output (such a step runs
+        eagerly)."""
+        if self.graphs is not None and embeds is None:
             hidden = self.graphs.run(batch, lora_slots)
             if hidden is not None:
                 return hidden
@@ -117,8 +131,43 @@ class Executor:
         if lora_slots is not None:
             rows = zip(lora_slots, batch.meta.query_lens_host, strict=True)
             lora = self.model.lora_mapping(list(rows))
-        hidden = self._forward(batch.input_ids, batch.positions, batch.meta, lora)
+        hidden = self._forward(batch.input_ids, batch.positions, batch.meta, lora, embeds)
         return hidden[batch.logits_indices]
+
+    @torch.inference_mode()
+    def _encode(self, rows: list[ScheduledRow]) -> None:
+        """Give each resident whose prefill starts in this step the encoder outputs of its
+        media (None for an item whose placeholders precede the row, their KV being cached):
+        from the encoder cache where it holds them, the step's other items encoded together."""
+        starting = [
+            row for row in rows if row.resident.request.media and row.resident.media_embeds is None
+        ]
+        if not starting:
+            return
+        assert self.encoder_cache is not None and self.model.image_encoder is not None
+        found: dict[bytes, torch.Tensor | None] = {}
+        missing: dict[bytes, MediaItem] = {}
+        for row in starting:
+            for item in row.resident.request.media:
+                if item.offset + item.length > row.past_len and item.key not in found:
+                    found[item.key] = self.encoder_cache.get(item.key)
+                    if found[item.key] is None:
+                        missing[item.key] = item
+        if missing:
+            # A pageable copy waits for the step in flight: once a step, for all its images
+            # (pinning a new size costs ~100 ms on an H200, measured).
+            pixels = torch.from_numpy(np.stack([item.data for item in missing.values()]))
+            encoded = self.model.image_encoder(pixels.to(self.device))
+            for key, output in zip(missing, encoded, strict=True):
+                self.encoder_cache.put(key, output)
+                found[key] = output
+        for row in starting:
+            row.resident.media_embeds = [
+                None
+                if found.get(item.key) is None
+                else prune_image_tokens(found[item.key], item.length)
+                for item in row.resident.request.media
+            ]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -130,18 +179,22 @@ class Executor:
         """Queue the step's forward pass, its prompt scoring and its logits on the device;
         `sample` then queues its sampling."""
         rows, device = step.rows, self.device
-        unfold = self.graphs is not None and replayable(rows, self.graphs.buckets[-1])
+        self._encode(rows)
+        embeds = self._embeds(rows)
+        unfold = (
+            self.graphs is not None and embeds is None and replayable(rows, self.graphs.buckets[-1])
+        )
         batch = build_ragged_batch(rows, self.block_size, device, unfold)
         # Decode rows whose last token is still on the device read it from there (the first
         # of a row's tokens; rows come packed in order).
-        pending, offset = [], 0
+        pending, offset, width = [], 0, self.picks.shape[1]
         for row in rows:
             if row.device_token:
-                pending.append((offset, row.resident.ref.slot))
+                pending.append((offset, row.resident.ref.slot * width + row.pick_index))
             offset += len(row.token_ids)
         if pending:
-            positions, slots = to_device(pending, torch.int64, device).unbind(1)
-            batch.input_ids[positions] = self.last_tokens[slots]
+            positions, picks = to_device(pending, torch.int64, device).unbind(1)
+            batch.input_ids[positions] = self.picks.view(-1)[picks]
         lora_slots = None
         if self.model.max_loras:
             # One per row of the batch: a row verifying drafts (any row, unfolded) is packed as
@@ -153,7 +206,7 @@ class Executor:
             ]
             if max(lora_slots) < 0:
                 lora_slots = None
-        hidden = self.execute(batch, lora_slots)
+        hidden = self.execute(batch, lora_slots, embeds)
         # Hidden rows come in row order: all of a scoring row's tokens, else a sampler's last
         # (its last 1 + drafts where it verifies drafts).
         launched = LaunchedStep(step)
@@ -174,6 +227,26 @@ class Executor:
                 hidden = hidden[to_device(sample_rows, torch.int64, device)]
             launched.logits = self.logits(hidden)
         return launched
+
+    def _embeds(self, rows: list[ScheduledRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The packed positions of the step's media placeholder tokens and the encoder output
+        each takes (None when the step holds none)."""
+        positions: list[int] = []
+        parts: list[torch.Tensor] = []
+        offset = 0
+        for row in rows:
+            r, start = row.resident, row.past_len
+            end = start + len(row.token_ids)
+            if r.media_embeds and start < r.prompt_len:
+                for item, output in zip(r.request.media, r.media_embeds, strict=True):
+                    lo, hi = max(start, item.offset), min(end, item.offset + item.length)
+                    if lo < hi:
+                        positions += range(offset + lo - start, offset + hi - start)
+                        parts.append(output[lo - item.offset : hi - item.offset])
+            offset += len(row.token_ids)
+        if not parts:
+            return None
+        return to_device(positions, torch.int64, self.device), torch.cat(parts)
 
     @staticmethod
     def constrained(launched: LaunchedStep) -> bool:
@@ -199,17 +272,14 @@ class Executor:
             launched.logits, sampling, self._masks(samplers, firsts)
         )
         launched.logits = None
-        # Each row's last pick: after its last draft where it verifies drafts, the token the
-        # next row reads if every draft is accepted (else that row is void).
-        slots = [row.resident.ref.slot for row in samplers]
-        tokens = launched.sampled.tokens
-        if len(firsts) < len(sampling):
-            lasts = [first + len(row.drafts) for first, row in zip(firsts, samplers, strict=True)]
-            slots_t, lasts_t = to_device([slots, lasts], torch.int64, self.device)
-            tokens = tokens[lasts_t]
-        else:
-            slots_t = to_device(slots, torch.int64, self.device)
-        self.last_tokens[slots_t] = tokens
+        # Every pick, where the next step's rows read theirs (see `ScheduledRow.pick_index`).
+        width = self.picks.shape[1]
+        kept = [
+            row.resident.ref.slot * width + row.pick_base + i
+            for row in samplers
+            for i in range(1 + len(row.drafts))
+        ]
+        self.picks.view(-1)[to_device(kept, torch.int64, self.device)] = launched.sampled.tokens
 
     def _masks(
         self, samplers: list[ScheduledRow], firsts: list[int]

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Sequence
 
 from inflight.model.checkpoints.tokenizer import Tokenizer
-from inflight.runtime.context_cache import chain_digest, root_digest
+from inflight.runtime.context_cache import chain_digest, media_keys, root_digest
 from inflight.runtime.detokenizer import IncrementalDetokenizer
 from inflight.runtime.kv_cache import BlockPool
 from inflight.runtime.outputs import (
@@ -90,8 +90,12 @@ class OutputProcessor:
             r = row.resident
             if not self.scheduler.is_live(r):
                 continue  # evicted since this step was launched: its row was wasted work
-            if row.epoch != r.epoch:
-                continue  # planned on drafts the row before rejected: void
+            if row.epoch != r.epoch or row.fallback != r.fallback:
+                # Planned on drafts the row before rejected, or a fallback row for what that
+                # row did not do: void. (A step's fallback rows come before the row verifying
+                # drafts that may move its resident's epoch on.)
+                continue
+            r.fallback = -1  # a fallback row that stands: the rows after it are plain again
             r.pending -= len(emitted)
             rejected = 0
             if row.drafts:
@@ -139,7 +143,9 @@ class OutputProcessor:
             if end > r.prompt_len and not r.request.params.cache_generated_tokens:
                 return
             parent = r.digests[-1] if r.digests else root_digest(r.request.lora_name)
-            digest = chain_digest(parent, r.tokens(start, end))
+            digest = chain_digest(
+                parent, r.tokens(start, end), media_keys(r.request.media, start, end)
+            )
             # If another block already holds this digest, ours stays private.
             self.blocks.publish(r.blocks[i], digest)
             r.digests.append(digest)
@@ -152,6 +158,7 @@ class OutputProcessor:
         drafts it rejected, whose KV is given back: the next step computes from the first.
         A row launched after this one was planned as if every draft was accepted: where one
         was not, it is void, and its KV is given back too."""
+        assert self.speculator is not None
         accepted = 0
         while accepted < len(row.drafts) and picks[accepted].token_id == row.drafts[accepted]:
             accepted += 1
@@ -162,9 +169,15 @@ class OutputProcessor:
             r.computed -= r.pending
             r.pending = 0
             r.epoch += 1
+            r.unverified = ()
         r.computed -= rejected
-        assert self.speculator is not None
-        self.speculator.record(r, len(row.drafts), accepted, voided)
+        if voided and r.hedged:
+            # The fallback row for `accepted` computes the target's pick at the rejection.
+            r.fallback = accepted
+            r.computed += 1
+            r.pending = 1
+            r.pick_index = self.speculator.fallback_pick(accepted)
+        self.speculator.record(r, len(row.drafts), accepted, voided, r.hedged and voided)
         return picks[: accepted + 1], rejected
 
     def _accept(self, r: Resident, sampled: SampledRow, result: StepResult) -> bool:

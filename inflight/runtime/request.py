@@ -188,6 +188,20 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@dataclass(frozen=True, eq=False)
+class MediaItem:
+    """An image of the prompt: its placeholder tokens are prompt positions `offset` ..
+    `offset + length`, whose embeddings its encoder's output replaces; `key` hashes its content
+    (the encoder cache's and the context cache's key); `data` is what its encoder takes (the
+    preprocessed pixels, opaque here)."""
+
+    kind: str
+    offset: int
+    length: int
+    key: bytes
+    data: Any = field(repr=False)
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One prompt, already tokenized, and how to continue it.
@@ -202,9 +216,11 @@ class GenerationRequest:
     generate_audio: bool = False  # speech output
     save_system_prompt_kv_cache: bool = False  # the legacy system-prompt KV capture
     past_trajectory: Sequence[Any] | None = None  # trajectory execution
+    media: Sequence[MediaItem] = ()  # images in the prompt, in prompt order
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        object.__setattr__(self, "media", tuple(self.media))
 
 
 def is_int(value: Any) -> bool:

@@ -49,7 +49,15 @@ class Resident:
     # is void and `epoch` moves on (a row planned in an earlier epoch is dropped when taken in).
     unverified: tuple[int, ...] = ()
     epoch: int = 0
+    # The step after such a row holds a fallback row for each of its drafts (`hedged`); once
+    # a draft is rejected, the one that stands is `fallback` (see `speculative.py`).
+    hedged: bool = False
+    fallback: int = -1
+    pick_index: int = 0  # which of its slot's picks on the device its next row reads
     draft_computed: int = 0  # tokens of its sequence in the draft model's KV
+    # The encoder output of each of its request's media items (None where its KV is cached),
+    # from the step that starts its prefill (see `Executor._encode`).
+    media_embeds: list[Any] | None = None
     # A later sequence of an n > 1 request, until the first has launched the prompt blocks
     # they share: it waits for them.
     leader: Resident | None = None

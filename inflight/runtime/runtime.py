@@ -3,29 +3,34 @@ session at a time, and serves the blocking path (`handle_request`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from inflight.model.attention import TorchAttentionBackend, select_backend
 from inflight.model.checkpoints.loader import Checkpoint, build_model, open_checkpoint
 from inflight.model.checkpoints.lora import load_lora_adapter
+from inflight.model.image_processor import ImageProcessor
 from inflight.runtime.adapters import AdapterRegistry
 from inflight.runtime.blocking import BlockingRun
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.context_cache import ContextCache
 from inflight.runtime.cuda_graphs import DecodeInputs, graph_rows
 from inflight.runtime.draft_model import DraftModel
+from inflight.runtime.encoder_cache import EncoderCache
 from inflight.runtime.executor import Executor, allocate_kv_cache
 from inflight.runtime.kv_cache import BlockPool
+from inflight.runtime.media import MEDIA_FIELD, MediaSpec, expand, keep_ratio
 from inflight.runtime.output_processor import OutputProcessor
-from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.runtime.request import GenerationRequest, MediaItem, RequestFieldError, SamplingParams
 from inflight.runtime.sampler import Sampler
 from inflight.runtime.scheduler import AdmissionIntent, Scheduler
 from inflight.runtime.session import GenerationSession
 from inflight.runtime.slots import ResidentSlots
-from inflight.runtime.speculative import Speculator
+from inflight.runtime.speculative import Speculator, pick_width
 from inflight.runtime.stepped import ExecutionCapabilities
 from inflight.runtime.structured import GrammarCompiler
 
@@ -78,6 +83,14 @@ class Runtime:
                 model.load_lora,
             )
         self.overlap = self.device.type == "cuda" if config.overlap is None else config.overlap
+        vision = model_config.vision
+        self.media: list[MediaSpec] = []
+        self.image_processor: ImageProcessor | None = None
+        if vision is not None:
+            self.media.append(MediaSpec("image", vision.image_token_id, vision.tokens_per_image))
+            self.image_processor = ImageProcessor.from_config(
+                self.checkpoint.processor_config, vision
+            )
         self.speculator = None
         if config.speculative is not None:
             drafter = None
@@ -94,6 +107,7 @@ class Runtime:
             max_model_len=self.max_model_len,
             vocab_size=model_config.vocab_size,
             max_num_tokens=config.max_num_tokens,
+            media=self.media,
         )
         self.outputs = OutputProcessor(
             self.scheduler,
@@ -173,7 +187,11 @@ class Runtime:
             block_size=config.block_size,
             max_batch_size=config.max_batch_size,
             device=self.device,
+            pick_width=pick_width(config.speculative),
             graph_inputs=graph_inputs,
+            encoder_cache=(
+                EncoderCache(config.encoder_cache_mb << 20) if model_config.vision else None
+            ),
         )
 
     @property
@@ -203,6 +221,43 @@ class Runtime:
 
     def lora_names(self) -> list[str]:
         return [] if self.adapters is None else self.adapters.names()
+
+    def media_placeholder(self, kind: str) -> int:
+        """The token that stands for one `kind` item in a prompt (RequestFieldError when the
+        model takes none)."""
+        spec = next((spec for spec in self.media if spec.kind == kind), None)
+        if spec is None:
+            taken = ", ".join(spec.kind for spec in self.media) or "text only"
+            raise RequestFieldError(
+                f"this model takes no {kind} input (it takes {taken})", MEDIA_FIELD
+            )
+        return spec.placeholder
+
+    def expand_media(
+        self,
+        prompt: Sequence[int],
+        data: Mapping[str, Any],
+        processor_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[list[int], list[MediaItem]]:
+        """A tokenized prompt with its placeholders expanded for `data` (vLLM's
+        `multi_modal_data`: {"image": a PIL image or a list of them, one per placeholder in
+        order}), and its media, preprocessed; `processor_kwargs` (vLLM's
+        `mm_processor_kwargs`): {"keep_ratio": r} keeps that share of each image's tokens
+        (`model.vision.prune_image_tokens`). A RequestFieldError names what is wrong."""
+        ratio = keep_ratio(processor_kwargs)
+        for kind in data:
+            self.media_placeholder(kind)
+        if "image" not in data:
+            return list(prompt), []
+        assert self.image_processor is not None
+        spec = next(spec for spec in self.media if spec.kind == "image")
+        images = data["image"]
+        images = list(images) if isinstance(images, list | tuple) else [images]
+        try:
+            pixels = [self.image_processor(image) for image in images]
+        except (ValueError, OSError) as exc:
+            raise RequestFieldError(f"cannot read an image: {exc}", MEDIA_FIELD) from exc
+        return expand(prompt, spec, pixels, ratio)
 
     def check_request(self, request: GenerationRequest) -> AdmissionIntent:
         """Validate a request against this runtime (ValueError naming the problem) and size what

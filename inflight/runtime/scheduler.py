@@ -21,6 +21,7 @@ import numpy as np
 from inflight.runtime.adapters import AdapterRegistry
 from inflight.runtime.context_cache import ContextCache, root_digest
 from inflight.runtime.kv_cache import BlockPool
+from inflight.runtime.media import MediaSpec, check_media
 from inflight.runtime.options import check_runtime_serves
 from inflight.runtime.request import GenerationRequest, PromptTooLongError, RequestFieldError
 from inflight.runtime.residents import Resident
@@ -68,12 +69,17 @@ class ScheduledRow:
     past_len: int
     samples: bool  # samples a token (a decode row, or a prompt's last chunk)
     scores: bool = False  # scores its prompt tokens (prompt logprobs)
-    device_token: bool = False  # a decode row whose input is the token still on the device
+    device_token: bool = False  # a decode row whose input is a token still on the device
+    pick_index: int = 0  # with `device_token`: which of its slot's picks on the device it reads
     position: int = 0  # a sampling row: the index in the output of the token it draws
     # A decode row's speculative drafts, computed after its last token (`token_ids` ends with
     # them): the row samples a token at each of its 1 + len(drafts) positions.
     drafts: tuple[int, ...] = ()
     epoch: int = 0  # its resident's epoch when planned (see `Resident.unverified`)
+    # A fallback row (see `speculative.py`): valid only if the row in flight before it accepts
+    # exactly this many of its drafts (-1: not a fallback row).
+    fallback: int = -1
+    pick_base: int = 0  # where in its slot's picks on the device its own picks are kept
 
     @property
     def block_table(self) -> np.ndarray:
@@ -116,6 +122,7 @@ class Scheduler:
         max_model_len: int,
         vocab_size: int,
         max_num_tokens: int,
+        media: Sequence[MediaSpec] = (),
     ) -> None:
         self.blocks = blocks
         self.slots = slots
@@ -129,6 +136,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_num_tokens = max_num_tokens
+        self.media = {spec.kind: spec for spec in media}  # the media the model takes
         self.residents: dict[ResidentRef, Resident] = {}
 
     # -- admission ------------------------------------------------------------------------------
@@ -150,6 +158,7 @@ class Scheduler:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
+        check_media(request, self.media)
         if len(prompt) >= limit:
             raise PromptTooLongError(
                 f"prompt is {len(prompt)} tokens; max_model_len is {limit}, which leaves room "
@@ -203,7 +212,7 @@ class Scheduler:
         digests: list[bytes] = []
         if cache is not None and self._looks_up(intent.request):
             root = root_digest(intent.request.lora_name)
-            hits, digests = cache.match(intent.request.prompt_token_ids, root)
+            hits, digests = cache.match(intent.request.prompt_token_ids, root, intent.request.media)
         fresh = intent.blocks_needed - len(hits)
         revived = sum(1 for block in hits if not pool.in_use(block))
         if pool.num_free - revived < fresh or self.slots.num_free < n:
@@ -311,10 +320,20 @@ class Scheduler:
             # A pending token is read on the device; the host does not know it yet.
             token = 0 if r.pending else r.output[-1]
             row = ScheduledRow(
-                r, (token, *drafts), r.computed, True, device_token=r.pending > 0, drafts=drafts
+                r,
+                (token, *drafts),
+                r.computed,
+                True,
+                device_token=r.pending > 0,
+                pick_index=r.pick_index,
+                drafts=drafts,
             )
             # Rows of one query token come first: they form the batch's decode group.
             (verifying if drafts else rows).append(row)
+            r.hedged = False
+            if r.pending and r.unverified and budget >= len(r.unverified):
+                rows += self._fallbacks(r)
+                budget -= len(r.unverified)
         rows += verifying
         for r in self.residents.values():
             if budget <= 0:
@@ -335,6 +354,8 @@ class Scheduler:
             return None
         for row in rows:
             r = row.resident
+            if row.fallback >= 0:
+                continue  # computes a token its resident's computed length already counts
             r.computed += len(row.token_ids)
             row.epoch = r.epoch
             if row.samples:
@@ -343,7 +364,32 @@ class Scheduler:
                 row.position = len(r.output) + r.pending
                 r.pending += 1 + len(row.drafts)
                 r.unverified = row.drafts
+                r.pick_index = len(row.drafts)  # its last pick, the next row's input
         return ScheduledStep(step_id, rows)
+
+    def _fallbacks(self, r: Resident) -> list[ScheduledRow]:
+        """A fallback row for each draft the resident's row in flight may reject: the j-th
+        computes the target's pick at that row's position j (read on the device), as the next
+        row would if exactly j drafts are accepted (see `speculative.py`). Planned before the
+        row drafted past them (the resident's counts are those of the row in flight)."""
+        assert self.speculator is not None
+        k = len(r.unverified)
+        r.hedged = True
+        return [
+            ScheduledRow(
+                r,
+                (0,),
+                r.computed - k + j,
+                True,
+                device_token=True,
+                pick_index=j,
+                position=len(r.output) + r.pending - k + j,
+                epoch=r.epoch + 1,
+                fallback=j,
+                pick_base=self.speculator.fallback_pick(j),
+            )
+            for j in range(k)
+        ]
 
     def drafts_wait(self, inflight: ScheduledStep) -> bool:
         """Whether the next step's drafts need the step in flight taken in first: a drafter that

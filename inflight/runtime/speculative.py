@@ -27,9 +27,16 @@ if every draft in flight is accepted, the lookup runs over the known tokens and 
 and the first token it finds stands for the token on the device (its drafts are the tokens
 after it). Where a draft in flight is rejected, the row planned on it is void: dropped when
 taken in, its KV overwritten by the next row, computed from what was accepted. So steps stay
-overlapped, and a rejection costs the row the step after it. The draft model cannot draft past
-a token it has not seen: with it, the session takes the step in flight in before planning the
-next where a row is `ready` to draft or that step verifies drafts.
+overlapped. A rejection would cost the row the step after it, but that step also holds a
+fallback row for each draft in flight: the j-th computes, as a plain decode row, the target's
+pick at position j of the row in flight (read on the device), which is the row's next token
+if exactly j drafts are accepted. When the verification is taken in, the fallback row for what
+it accepted stands in for the void row, and the others are dropped. Those dropped wrote KV
+past what stands, or (for an accepted draft, whose pick equals it) the KV of the same token at
+the same position again: the output is still plain decoding's. Rows of a step are nearly free
+on the device at the batch sizes where speculation pays. The draft
+model cannot draft past a token it has not seen: with it, the session takes the step in flight
+in before planning the next where a row is `ready` to draft or that step verifies drafts.
 """
 
 from __future__ import annotations
@@ -163,12 +170,19 @@ class PromptLookup:
         """Stateless."""
 
 
+def pick_width(config: SpeculativeConfig | None) -> int:
+    """Picks kept on the device per slot: its latest row's (1 + drafts), then one per fallback
+    row."""
+    return 1 + 2 * (config.num_speculative_tokens if config is not None else 0)
+
+
 @dataclass
 class SpeculativeMetrics:
     drafted: int = 0  # draft tokens verified
     accepted: int = 0  # of them, accepted
     verifications: int = 0  # rows verified (each with one or more drafts)
     voided: int = 0  # rows dropped because the row before them rejected a draft
+    fallbacks: int = 0  # of those, rows whose fallback row stood in their place
 
 
 class Speculator:
@@ -208,15 +222,29 @@ class Speculator:
     def propose(self, rows: Sequence[tuple[Resident, int]]) -> list[tuple[int, ...]]:
         return self.drafter.propose(rows)
 
-    def record(self, r: Resident, drafted: int, accepted: int, voided: bool = False) -> None:
+    def fallback_pick(self, j: int) -> int:
+        """Where the pick of fallback row `j` is kept among its slot's picks (see
+        `pick_width`)."""
+        return 1 + self.config.num_speculative_tokens + j
+
+    def record(
+        self,
+        r: Resident,
+        drafted: int,
+        accepted: int,
+        voided: bool = False,
+        recovered: bool = False,
+    ) -> None:
         """A row verified `drafted` drafts and accepted the first `accepted` (its output does
-        not hold them yet); `voided`: the row planned after it was dropped."""
+        not hold them yet); `voided`: the row planned after it was dropped; `recovered`: a
+        fallback row stands in its place."""
         self.drafter.rewind(r, r.prompt_len + len(r.output) + accepted)
         m = self.metrics
         m.drafted += drafted
         m.accepted += accepted
         m.verifications += 1
         m.voided += voided
+        m.fallbacks += recovered
         if accepted:
             r.spec_backoff = 0
         else:
@@ -230,6 +258,7 @@ class Speculator:
             "accepted_tokens": m.accepted,
             "verifications": m.verifications,
             "voided_rows": m.voided,
+            "fallback_rows": m.fallbacks,
             "acceptance_rate": m.accepted / m.drafted if m.drafted else 0.0,
             # Tokens a verified row emits per step: its accepted drafts plus the target's own.
             "mean_accepted_length": (1 + m.accepted / m.verifications if m.verifications else 0.0),

@@ -15,6 +15,7 @@ from inflight.server.errors import ServerError
 from inflight.server.parsers import MessageDelta, MessageParser
 from inflight.server.protocol import (
     AnthropicCountTokensRequest,
+    AnthropicImageBlock,
     AnthropicMessage,
     AnthropicMessagesRequest,
     AnthropicTextBlock,
@@ -88,13 +89,16 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
 
 def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    text: list[str] = []
-    for block in blocks:
+    text: list[dict[str, Any]] = []  # the content parts of the user message being gathered
+    for j, block in enumerate(blocks):
+        if isinstance(block, AnthropicImageBlock):
+            text.append({"type": "image_url", "image_url": {"url": _image_url(block, where, j)}})
+            continue
         if not isinstance(block, AnthropicToolResultBlock):
-            text.append(_text([block], where))
+            text.append({"type": "text", "text": _text([block], where)})
             continue
         if text:
-            out.append({"role": "user", "content": "".join(text)})
+            out.append({"role": "user", "content": _content(text)})
             text = []
         result = _text(block.content or "", where)
         out.append(
@@ -105,8 +109,30 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
             }
         )
     if text or not out:
-        out.append({"role": "user", "content": "".join(text)})
+        out.append({"role": "user", "content": _content(text)})
     return out
+
+
+def _content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Text parts as one string; with images, the parts as `LLM.chat` takes them."""
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _image_url(block: AnthropicImageBlock, where: str, index: int) -> str:
+    source = block.source
+    if source.type == "url":
+        if not source.url:
+            raise ServerError(400, "an image source of type url needs its url", f"{where}.{index}")
+        return source.url
+    if not source.data or not (source.media_type or "").startswith("image/"):
+        raise ServerError(
+            400,
+            "a base64 image source needs data and an image/* media_type",
+            f"{where}.{index}",
+        )
+    return f"data:{source.media_type};base64,{source.data}"
 
 
 def offered_tools(body: AnthropicCountTokensRequest) -> list[FunctionTool]:

@@ -50,7 +50,7 @@ def _lora_module(value: str) -> tuple[str, str]:
     return name, path
 
 
-def _speculative_config(value: str) -> dict:
+def _json_object(value: str) -> dict:
     try:
         config = json.loads(value)
     except json.JSONDecodeError as exc:
@@ -89,6 +89,8 @@ def _serve(args: argparse.Namespace) -> int:
             max_lora_rank=args.max_lora_rank,
             lora_modules=dict(args.lora_modules or []),
             speculative_config=args.speculative_config,
+            limit_mm_per_prompt=args.limit_mm_per_prompt,
+            allow_media_fetch=args.allow_media_fetch,
             show_progress=True,
         )
     except ValueError as exc:
@@ -339,10 +341,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--speculative-config",
-        type=_speculative_config,
+        type=_json_object,
         default=None,
         metavar="JSON",
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
+    serve.add_argument(
+        "--limit-mm-per-prompt",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="media items a prompt may hold, e.g. '{\"image\": 4}' (default 4)",
+    )
+    serve.add_argument(
+        "--allow-media-fetch",
+        action="store_true",
+        help="fetch http(s) image URLs (default: data URLs only)",
     )
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]

@@ -132,6 +132,13 @@ class EngineClient:
             )
         return request
 
+    async def prepare_chat(
+        self, messages: list[dict[str, Any]], params: SamplingParams, **options: Any
+    ) -> GenerationRequest:
+        """`prepare` for a conversation, on a worker thread: its images are read (fetched,
+        decoded, preprocessed) there, off the event loop."""
+        return await asyncio.to_thread(self.prepare, messages, params, **options)
+
     def count_tokens(self, prompt: object, **template: Any) -> int:
         """The prompt's length in tokens; `template`: chat-template arguments."""
         try:

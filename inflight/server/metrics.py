@@ -90,7 +90,13 @@ class _EngineCollector(Collector):
             )
         spec = self._llm.get_speculative_metrics()
         if spec is not None:
-            for name in ("drafted_tokens", "accepted_tokens", "verifications", "voided_rows"):
+            for name in (
+                "drafted_tokens",
+                "accepted_tokens",
+                "verifications",
+                "voided_rows",
+                "fallback_rows",
+            ):
                 yield CounterMetricFamily(
                     f"inflight_spec_decode_{name}", f"Speculative decoding {name}", value=spec[name]
                 )
@@ -99,6 +105,13 @@ class _EngineCollector(Collector):
                 ("mean_accepted_length", "Tokens a verified row emits per step"),
             ):
                 yield GaugeMetricFamily(f"inflight_spec_decode_{name}", doc, value=spec[name])
+        encoder = self._llm.get_encoder_metrics()
+        if encoder is not None:
+            for name, doc in (
+                ("encoder_runs", "Media items encoded"),
+                ("encoder_cache_hits", "Media items found in the encoder cache"),
+            ):
+                yield CounterMetricFamily(f"inflight_{name}", doc, value=encoder[name])
         values = self._llm.get_scheduling_metrics()
         if values is None:
             return

@@ -20,6 +20,7 @@ from inflight.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    ImagePart,
     NamedToolChoice,
     SamplingFields,
     TextPart,
@@ -131,16 +132,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     objects, which is what templates read) and reasoning, and tool results."""
     out = []
     for i, m in enumerate(messages):
-        content = m.content
+        content: Any = m.content
         if isinstance(content, list):
-            for part in content:
-                if not isinstance(part, TextPart):
-                    raise ServerError(
-                        400,
-                        f"content of type {part.type!r} is not supported; this model reads text",
-                        f"messages.{i}.content",
-                    )
-            content = "".join(p.text for p in content)
+            content = _content_parts(content, f"messages.{i}.content")
         role = "system" if m.role == "developer" else m.role
         message: dict[str, Any] = {"role": role, "content": content or ""}
         if m.tool_calls:
@@ -171,6 +165,26 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if reasoning and m.role == "assistant":
             message["reasoning_content"] = reasoning
         out.append(message)
+    return out
+
+
+def _content_parts(parts: list[Any], where: str) -> str | list[dict[str, Any]]:
+    """Text parts as one string; with images, the parts as `LLM.chat` takes them."""
+    if all(isinstance(p, TextPart) for p in parts):
+        return "".join(p.text for p in parts)
+    out: list[dict[str, Any]] = []
+    for j, part in enumerate(parts):
+        if isinstance(part, TextPart):
+            out.append({"type": "text", "text": part.text})
+        elif isinstance(part, ImagePart):
+            out.append({"type": "image_url", "image_url": {"url": part.image_url.url}})
+        else:
+            raise ServerError(
+                400,
+                f"content of type {part.type!r} is not supported; this server reads text and "
+                "images (image_url)",
+                f"{where}.{j}",
+            )
     return out
 
 

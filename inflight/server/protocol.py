@@ -43,8 +43,18 @@ class TextPart(Strict):
     text: str
 
 
+class ImageURL(Strict):
+    url: str  # a data:image/...;base64 URL, or http(s) where the server fetches
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class OtherPart(BaseModel):
-    """A content part of another type (image, audio, file): accepted by the schema, refused."""
+    """A content part of another type (audio, file): accepted by the schema, refused."""
 
     model_config = ConfigDict(extra="allow")
     type: str
@@ -63,7 +73,7 @@ class AssistantToolCall(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | OtherPart] | None = None
+    content: str | list[TextPart | ImagePart | OtherPart] | None = None
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: str | None = None
@@ -137,6 +147,8 @@ class ChatCompletionRequest(SamplingFields):
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     skip_special_tokens: bool = True
+    # vLLM's field: {"keep_ratio": r} keeps that share of each image's tokens (the pruner).
+    mm_processor_kwargs: dict[str, Any] | None = None
     # Variables of the chat template (vLLM's field), e.g. {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -168,6 +180,19 @@ class AnthropicTextBlock(BaseModel):
     text: str
 
 
+class AnthropicImageSource(Strict):
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class AnthropicImageBlock(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. cache_control
+    type: Literal["image"]
+    source: AnthropicImageSource
+
+
 class AnthropicOtherBlock(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
@@ -197,11 +222,12 @@ class AnthropicThinkingBlock(BaseModel):
 
 def _block_type(block: Any) -> str:
     kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
-    return kind if kind in ("text", "tool_use", "tool_result", "thinking") else "other"
+    return kind if kind in ("text", "image", "tool_use", "tool_result", "thinking") else "other"
 
 
 AnthropicBlock = Annotated[
     Annotated[AnthropicTextBlock, Tag("text")]
+    | Annotated[AnthropicImageBlock, Tag("image")]
     | Annotated[AnthropicToolUseBlock, Tag("tool_use")]
     | Annotated[AnthropicToolResultBlock, Tag("tool_result")]
     | Annotated[AnthropicThinkingBlock, Tag("thinking")]

@@ -59,7 +59,7 @@ def test_torch_free_parts_of_the_runtime_import_no_torch():
     code = (
         "import sys\n"
         "import inflight.engine, inflight.runtime.scheduler, inflight.runtime.output_processor\n"
-        "import inflight.runtime.options, inflight.runtime.blocking\n"
+        "import inflight.runtime.options, inflight.runtime.blocking, inflight.runtime.media\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

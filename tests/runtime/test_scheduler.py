@@ -8,10 +8,11 @@ from inflight.runtime.kv_cache import BlockPool
 from inflight.runtime.request import GenerationRequest, RequestFieldError, SamplingParams
 from inflight.runtime.scheduler import Scheduler
 from inflight.runtime.slots import ResidentSlots
+from inflight.runtime.speculative import SpeculativeConfig, Speculator
 from inflight.runtime.structured import GrammarCompiler
 
 
-def _scheduler(slots=4, blocks=32, budget=16, cache=False):
+def _scheduler(slots=4, blocks=32, budget=16, cache=False, speculator=None):
     pool = BlockPool(blocks, 4)
     return Scheduler(
         pool,
@@ -19,6 +20,7 @@ def _scheduler(slots=4, blocks=32, budget=16, cache=False):
         ContextCache(pool) if cache else None,
         GrammarCompiler(numbered_tokenizer(100), 100),
         None,
+        speculator,
         max_model_len=64,
         vocab_size=100,
         max_num_tokens=budget,
@@ -121,7 +123,7 @@ def test_prompt_logprobs_skip_the_context_cache_lookup():
     for i in range(3):  # what the output processor publishes after the step
         s.blocks.publish(r.blocks[i], bytes([i]))
     cache = s.context_cache
-    cache.match = lambda tokens, root: ([r.blocks[0], r.blocks[1]], [b"\x00", b"\x01"])
+    cache.match = lambda tokens, root, media=(): ([r.blocks[0], r.blocks[1]], [b"\x00", b"\x01"])
     hit = s.reserve(s.check(GenerationRequest(prompt, SamplingParams(max_tokens=1))))
     assert hit.cached_blocks == 2
     scored = s.check(GenerationRequest(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0)))
@@ -158,3 +160,37 @@ def test_n_above_the_batch_is_refused_and_a_request_takes_all_its_slots_or_none(
     before = (s.blocks.num_free, s.slots.num_free)
     assert s.reserve(s.check(GenerationRequest([1, 2], SamplingParams(max_tokens=2, n=3)))) is None
     assert (s.blocks.num_free, s.slots.num_free) == before
+
+
+def test_a_row_drafting_past_drafts_in_flight_is_hedged_by_fallback_rows():
+    """With drafts on the device, the next step plans the row as if they are all accepted and,
+    before it, a fallback row for each: the j-th reads the j-th pick of the row in flight and
+    computes it where it stands if exactly j drafts are accepted, in the epoch a rejection
+    opens. Fallback rows do not move the resident's counts."""
+    config = SpeculativeConfig(num_speculative_tokens=3)
+    s = _scheduler(budget=32, speculator=Speculator(config))
+    # A prompt that repeats, so prompt lookup drafts: after "5 6" came "7 8 9 5".
+    request = GenerationRequest([5, 6, 7, 8, 9, 5, 6], SamplingParams(max_tokens=20))
+    (r,) = s.seat(s.reserve(s.check(request)))
+    s.schedule(1)  # the prompt; its pick stays on the device
+    verify = s.schedule(2).rows
+    # Its pick on the device stands for the 7 the lookup found; 8 9 5 are drafts.
+    assert [(row.drafts, row.device_token, row.fallback) for row in verify] == [
+        ((8, 9, 5), True, -1)
+    ]
+    r.output.append(7)  # step 1 taken in, as the output processor does, while 2 is in flight
+    r.pending -= 1
+    assert (r.computed, r.pending, r.unverified, r.pick_index) == (11, 4, (8, 9, 5), 3)
+    rows = s.schedule(3).rows
+    fallbacks, (ahead,) = rows[:3], rows[3:]
+    assert [(f.fallback, f.pick_index, f.past_len, f.position) for f in fallbacks] == [
+        (0, 0, 8, 2),
+        (1, 1, 9, 3),
+        (2, 2, 10, 4),
+    ]
+    assert all(f.device_token and f.samples and f.epoch == r.epoch + 1 for f in fallbacks)
+    assert [f.pick_base for f in fallbacks] == [4, 5, 6]
+    # The row as if every draft is accepted: after 7 8 9, the pick on the device, then drafts.
+    assert (ahead.past_len, ahead.position, ahead.pick_index, ahead.epoch) == (11, 5, 3, r.epoch)
+    assert ahead.drafts == (7, 8, 9)  # "6 7 8 9 5" occurred before: 6 stands for the pick
+    assert r.hedged and (r.computed, r.pending) == (15, 8)

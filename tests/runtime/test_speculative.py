@@ -311,8 +311,9 @@ def test_overlapped_steps_draft_past_the_step_in_flight_exactly(
 ):
     """With overlap on, every step stays overlapped: a row drafts while its last token (and
     the drafts it verifies) are still on the device, planned as if they are all accepted; a
-    row planned on a draft that was then rejected is void. The output (with joiners, stop
-    strings, logprobs and a seeded row) is plain decoding's, and nothing leaks."""
+    row planned on a draft that was then rejected is void, and the fallback row planned beside
+    it for that rejection stands in its place. The output (with joiners, stop strings,
+    logprobs and a seeded row) is plain decoding's, and nothing leaks."""
     plain, _ = default_runtimes
     spec = overlapped_speculative
     tok = plain.tokenizer
@@ -336,6 +337,7 @@ def test_overlapped_steps_draft_past_the_step_in_flight_exactly(
     def counting(step):
         # Rows verifying drafts after a token still on the device: drafted ahead.
         kinds["ahead"] += sum(bool(row.drafts) and row.device_token for row in step.rows)
+        kinds["fallback"] += sum(row.fallback >= 0 for row in step.rows)
         return launch(step)
 
     monkeypatch.setattr(spec.executor, "launch", counting)
@@ -348,8 +350,12 @@ def test_overlapped_steps_draft_past_the_step_in_flight_exactly(
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
     assert kinds["ahead"] >= 10, kinds
     assert after["accepted_tokens"] - before["accepted_tokens"] >= 20
-    # Some drafts in flight were rejected, and the rows planned on them dropped.
-    assert after["voided_rows"] > before["voided_rows"]
+    # Some drafts in flight were rejected, and the rows planned on them dropped; fallback
+    # rows stood in for them (a fallback row for each draft in flight: most are dropped).
+    voided = after["voided_rows"] - before["voided_rows"]
+    assert voided > 0
+    assert after["fallback_rows"] - before["fallback_rows"] == voided
+    assert kinds["fallback"] > voided
     assert_no_leaks(spec)
 
 

@@ -101,7 +101,7 @@ def test_errors_use_the_anthropic_body(server):
             ],
         },
     )
-    assert r.status_code == 400 and "image" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "takes no image input" in r.json()["error"]["message"]
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "stop_sequences": ["x"] * 33}
     r = httpx.post(server + "/v1/messages", json=body)
     assert r.status_code == 400

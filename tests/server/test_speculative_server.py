@@ -47,6 +47,7 @@ def test_greedy_text_is_the_plain_text_and_the_counters_show_it(setup):
     metrics = httpx.get(url + "/metrics").text
     assert f"inflight_spec_decode_accepted_tokens_total {float(spec['accepted_tokens'])}" in metrics
     assert "inflight_spec_decode_mean_accepted_length" in metrics
+    assert "inflight_spec_decode_fallback_rows_total" in metrics
 
 
 def test_a_request_may_opt_out_over_http(setup):

@@ -76,6 +76,9 @@ class HFCheckpoint:
             byte_level="ByteLevel" in json.dumps(decoder),
         )
 
+    def processor_config(self) -> dict[str, Any]:
+        return self._json("preprocessor_config.json", {})
+
     def sampling_defaults(self) -> dict[str, Any]:
         """The sampling settings generation_config.json recommends (temperature, top_p, top_k)."""
         gen = self.generation_config

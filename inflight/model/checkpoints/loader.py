@@ -50,6 +50,8 @@ class Checkpoint:
     # The GGML type each weight is stored in, by Hugging Face name (GGUF files; empty for the
     # rest, whose weights are plain floats).
     stored_types: dict[str, str] = field(default_factory=dict)
+    # Its image preprocessing (`preprocessor_config.json`; empty: the vision tower's usual).
+    processor_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -74,7 +76,14 @@ def open_checkpoint(model: str | Path | Checkpoint | None = None) -> Checkpoint:
         gguf = GGUFCheckpoint(path)
         return Checkpoint(path, gguf.config(), gguf.tokenizer(), {}, gguf, gguf.stored_types())
     hf = HFCheckpoint(path)
-    return Checkpoint(path, hf.config(), hf.tokenizer(), hf.sampling_defaults(), hf)
+    return Checkpoint(
+        path,
+        hf.config(),
+        hf.tokenizer(),
+        hf.sampling_defaults(),
+        hf,
+        processor_config=hf.processor_config(),
+    )
 
 
 def build_model(

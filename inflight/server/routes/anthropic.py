@@ -23,7 +23,7 @@ async def messages(body: AnthropicMessagesRequest, request: Request, state: Stat
     params = anthropic.sampling_params(
         body, client.llm.get_default_sampling_params(), chat.constraint(choice, None)
     )
-    prepared = client.prepare(
+    prepared = await client.prepare_chat(
         conversation,
         params,
         params_of={"structured_outputs": "tools"},

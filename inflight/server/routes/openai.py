@@ -48,11 +48,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         constraint=chat.constraint(choice, openai.structured_outputs(body)),
     )
     messages = openai.chat_messages(body.messages)
-    prepared = client.prepare(
+    prepared = await client.prepare_chat(
         messages,
         params,
         params_of=openai.field_params(body, choice),
         **chat.template_args(messages, choice, body.chat_template_kwargs),
+        mm_processor_kwargs=body.mm_processor_kwargs,
         lora_name=lora_name,
     )
     reader = chat.reader(choice, llm.tokenizer, prepared.prompt_token_ids)
@@ -126,7 +127,12 @@ async def models(state: State) -> dict[str, Any]:
     return {
         "object": "list",
         "data": [
-            {"id": base, **entry, "max_model_len": llm.max_model_len},
+            {
+                "id": base,
+                **entry,
+                "max_model_len": llm.max_model_len,
+                "input_modalities": llm.input_modalities,
+            },
             *({"id": name, **entry, "parent": base, "root": name} for name in llm.lora_adapters),
         ],
     }

@@ -28,10 +28,11 @@ async def health(state: State) -> Response:
         "scheduling": scheduling,
         "context_cache": cache,
         "speculative_decoding": llm.get_speculative_metrics(),
+        "encoder": llm.get_encoder_metrics(),
         "capabilities": {
             "chat": True,
             "completions": True,
-            "input_modalities": ["text"],
+            "input_modalities": llm.input_modalities,
             "output_modalities": ["text"],
             "in_flight_batching": llm.in_flight_batching,
             "max_num_seqs": llm.max_batch_size,

@@ -1,0 +1,202 @@
+"""The image side of a LLaVA-style model: a CLIP or SigLIP vision tower and the projector that
+maps its patch features into the decoder's embedding width.
+
+`ImageEncoder` turns preprocessed images [N, 3, H, W] into [N, tokens_per_image, hidden] prompt
+embeddings, which the decoder takes in place of the image placeholder tokens. It runs eagerly
+(once per image at admission, see `runtime/encoder_cache.py`), in the decoder's dtype.
+Parameters keep Hugging Face names below `vision_tower` and `multi_modal_projector`
+(older checkpoints have a `vision_tower.vision_model` level, read as well).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inflight.model.config import VisionConfig
+
+_ACTIVATIONS = {
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str):
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+class _Embeddings(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        clip = config.tower == "clip"
+        hidden, patch = config.hidden_size, config.patch_size
+        # CLIP's patches carry no bias and a class token leads them; SigLIP's have neither.
+        self.patch_embedding = nn.Conv2d(3, hidden, patch, stride=patch, bias=not clip)
+        self.class_embedding = nn.Parameter(torch.empty(hidden)) if clip else None
+        self.position_embedding = nn.Embedding(config.num_positions, hidden)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embedding(pixels).flatten(2).transpose(1, 2)
+        if self.class_embedding is not None:
+            x = torch.cat([self.class_embedding.expand(x.shape[0], 1, -1), x], dim=1)
+        return x + self.position_embedding.weight
+
+
+class _Attention(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_heads
+        self.q_proj, self.k_proj = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+        self.v_proj, self.out_proj = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, tokens, hidden = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(n, tokens, self.num_heads, -1).transpose(1, 2)
+
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        # Every patch attends to every patch of its image.
+        out = F.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(q.shape[-1]))
+        return self.out_proj(out.transpose(1, 2).reshape(n, tokens, hidden))
+
+
+class _MLP(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class _EncoderLayer(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        eps = config.layer_norm_eps
+        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.self_attn = _Attention(config)
+        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.mlp = _MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class _Layers(nn.Module):
+    def __init__(self, config: VisionConfig, count: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_EncoderLayer(config) for _ in range(count))
+
+
+class _VisionModel(nn.Module):
+    """The tower up to the layer whose output LLaVA takes (later layers are never run)."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.embeddings = _Embeddings(config)
+        # CLIP normalizes the embeddings before its first layer (Hugging Face's spelling).
+        self.pre_layrnorm = (
+            nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+            if config.tower == "clip"
+            else None
+        )
+        self.encoder = _Layers(config, config.layers_run)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.embeddings(pixels)
+        if self.pre_layrnorm is not None:
+            x = self.pre_layrnorm(x)
+        for layer in self.encoder.layers:
+            x = layer(x)
+        return x
+
+
+class _Projector(nn.Module):
+    def __init__(self, config: VisionConfig, text_hidden: int) -> None:
+        super().__init__()
+        bias = config.projector_bias
+        self.linear_1 = nn.Linear(config.hidden_size, text_hidden, bias=bias)
+        self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=bias)
+        self.act = activation(config.projector_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+def prune_image_tokens(embeds: torch.Tensor, keep: int) -> torch.Tensor:
+    """The visual-token pruner: of one image's token embeddings [tokens, hidden], the `keep`
+    least similar (cosine) to the image's mean embedding, in their original order. Patches
+    alike (a uniform background) resemble the mean and go first; the distinctive ones stay.
+    The kept tokens take consecutive prompt positions, as LLaVA's 1-D positions allow."""
+    if keep >= embeds.shape[0]:
+        return embeds
+    scores = F.cosine_similarity(embeds.float(), embeds.float().mean(0, keepdim=True), dim=-1)
+    kept = torch.topk(-scores, keep).indices.sort().values
+    return embeds[kept]
+
+
+class ImageEncoder(nn.Module):
+    def __init__(self, config: VisionConfig, text_hidden: int) -> None:
+        super().__init__()
+        self.config = config
+        self.vision_tower = _VisionModel(config)
+        self.multi_modal_projector = _Projector(config, text_hidden)
+
+    @torch.inference_mode()
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Prompt embeddings [N, tokens_per_image, text hidden] of images [N, 3, H, W]."""
+        size = self.config.image_size
+        if pixels.dim() != 4 or tuple(pixels.shape[1:]) != (3, size, size):
+            raise ValueError(f"images must be [N, 3, {size}, {size}], got {tuple(pixels.shape)}")
+        weight = self.multi_modal_projector.linear_1.weight
+        features = self.vision_tower(pixels.to(weight.device, weight.dtype))
+        if not self.config.keep_cls:
+            features = features[:, 1:]
+        return self.multi_modal_projector(features)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in: those of layers past the one LLaVA reads, the
+        final norm and the pooling head are skipped (never run); a missing or unknown one, or
+        a shape that differs, is a ValueError."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        prefix = "vision_tower."
+        for name, tensor in weights:
+            # The tower's own model level is in older checkpoints only.
+            name = name.replace("vision_tower.vision_model.", prefix, 1)
+            if name.startswith(prefix):
+                rest = name.removeprefix(prefix)
+                if rest.startswith(("post_layernorm.", "head.")) or self._past_read(rest):
+                    continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the image encoder")
+            param = params[name]
+            tensor = tensor.reshape(param.shape) if name.endswith("class_embedding") else tensor
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(param.shape)}"
+                )
+            param.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks image encoder tensors {missing[:5]}")
+
+    def _past_read(self, name: str) -> bool:
+        if not name.startswith("encoder.layers."):
+            return False
+        return int(name.split(".")[2]) >= self.config.layers_run

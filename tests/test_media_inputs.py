@@ -1,0 +1,121 @@
+"""Reading images for chat messages: data URLs, http(s) URLs from a real local server (only
+where fetching is allowed), and the size, pixel and count limits, each refusal naming the part."""
+
+import base64
+import http.server
+import io
+import re
+import threading
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from inflight.media_inputs import (
+    MediaInputError,
+    MediaLimits,
+    as_text,
+    image_from_url,
+    take_images,
+)
+
+
+def png(width=20, height=10) -> bytes:
+    rng = np.random.default_rng(0)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    """A real HTTP server on loopback serving /cat.png (and a 404 for anything else)."""
+    body = png()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path != "/cat.png":
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_data_url_is_read():
+    image = image_from_url(data_url(png(20, 10)), MediaLimits())
+    assert image.size == (20, 10)
+
+
+def test_http_urls_are_fetched_only_where_allowed(image_server):
+    with pytest.raises(MediaInputError, match="fetching image URLs is disabled"):
+        image_from_url(image_server + "/cat.png", MediaLimits())
+    allowed = MediaLimits(allow_fetch=True, fetch_timeout=5)
+    assert image_from_url(image_server + "/cat.png", allowed).size == (20, 10)
+    with pytest.raises(MediaInputError, match="cannot fetch the image"):
+        image_from_url(image_server + "/missing.png", allowed)
+    with pytest.raises(MediaInputError, match="over 100 bytes"):
+        image_from_url(image_server + "/cat.png", MediaLimits(allow_fetch=True, max_bytes=100))
+
+
+@pytest.mark.parametrize(
+    "url, limits, message",
+    [
+        ("data:text/plain;base64,aGk=", MediaLimits(), "must be data:image"),
+        ("data:image/png;base64,%%%", MediaLimits(), "not valid base64"),
+        (data_url(b"not a png"), MediaLimits(), "cannot read the image"),
+        (data_url(png(20, 10)), MediaLimits(max_pixels=100), "20x10 pixels; the limit is 100"),
+        (data_url(png()), MediaLimits(max_bytes=10), "the limit is 10"),
+        ("ftp://example.com/cat.png", MediaLimits(), "data: URL or an http(s) URL"),
+    ],
+)
+def test_bad_images_are_refused_naming_why(url, limits, message):
+    with pytest.raises(MediaInputError, match=re.escape(message)) as info:
+        image_from_url(url, limits, "messages.0.content.1")
+    assert info.value.field == "messages.0.content.1"
+
+
+def test_images_are_taken_out_of_messages_in_order():
+    first, second = Image.new("RGB", (4, 4)), Image.new("RGB", (6, 6))
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": first},
+                {"type": "text", "text": "and"},
+                {"type": "image_url", "image_url": {"url": data_url(png())}},
+            ],
+        },
+        {"role": "assistant", "content": "Two pictures."},
+        {"role": "user", "content": [{"type": "image", "image": second}]},
+    ]
+    parts, images = take_images(messages, MediaLimits())
+    assert [image.size for image in images] == [(4, 4), (20, 10), (6, 6)]
+    assert parts[1]["content"] == [
+        {"type": "image"},
+        {"type": "text", "text": "and"},
+        {"type": "image"},
+    ]
+    assert parts[0] == messages[0] and parts[2] == messages[2]
+    assert as_text(parts, "<image>")[1]["content"] == "<image>\n<image>\nand"
+    with pytest.raises(MediaInputError, match="3 images in one prompt; the limit is 2"):
+        take_images(messages, MediaLimits(max_images=2))
+    with pytest.raises(MediaInputError, match="content of type 'input_audio'") as info:
+        take_images([{"role": "user", "content": [{"type": "input_audio"}]}], MediaLimits())
+    assert info.value.field == "messages.0.content.0"

@@ -417,7 +417,8 @@ def test_sampling_keeps_the_target_distribution(default_runtimes, monkeypatch):
     """A prompt whose continuation the drafter predicts and the model samples with a spread:
     the 5-token continuations of plain and speculative sampling (384 each) agree by a
     chi-square test at p = 0.001 over the four commonest continuations and the rest. A verifier
-    that accepts every draft, run the same way, fails the same test: the test can tell."""
+    that accepts every draft fails the same test on a third of the samples (128, less power
+    than the test itself has): the test can tell."""
     plain, spec = default_runtimes
     prompt = plain.tokenizer.encode("red green blue, " * 10 + "red green")
     want = _continuations(plain, prompt, 48)
@@ -434,7 +435,7 @@ def test_sampling_keeps_the_target_distribution(default_runtimes, monkeypatch):
         return [SampledRow(token_id=d) for d in row.drafts] + [picks[-1]], 0
 
     monkeypatch.setattr(OutputProcessor, "_verify", accept_all)
-    wrong = _continuations(spec, prompt, 48)
+    wrong = _continuations(spec, prompt, 16)
     stat = _chi_square(want, wrong, bins)
     assert math.isfinite(stat) and stat > _CHI2_4DF_P001, (stat, wrong.most_common(6))
 

@@ -38,32 +38,6 @@ def _start(*args: str) -> tuple[subprocess.Popen, str]:
         time.sleep(0.2)
 
 
-def _stop(process: subprocess.Popen) -> str:
-    process.send_signal(signal.SIGINT)
-    output, _ = process.communicate(timeout=60)
-    return output
-
-
-@pytest.mark.slow
-def test_make_serve_command_line_serves_the_default_model():
-    process, url = _start("--enable-in-flight-batching", "--enable-context-reuse")
-    try:
-        health = httpx.get(url + "/health").json()
-        assert health["capabilities"]["in_flight_batching"] is True
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        reply = client.chat.completions.create(
-            model=health["model"],
-            messages=[{"role": "user", "content": "Say hi."}],
-            max_tokens=4,
-            temperature=0,
-        )
-        assert reply.choices[0].message.content and reply.usage.completion_tokens <= 4
-        assert httpx.get(url + "/health").json()["capabilities"]["context_reuse"] is True
-    finally:
-        output = _stop(process)
-    assert "serving" in output and "context cache" in output
-
-
 def test_a_bad_option_is_a_clear_error(tiny_dirs):
     result = subprocess.run(
         [INFLIGHT, "serve", tiny_dirs["llama"], "--max-batch-size", "0"],
@@ -89,13 +63,29 @@ def test_defaults_are_auto_quantization_and_the_context_cache_on():
 
 
 @pytest.mark.slow
-def test_sigterm_drains_running_requests_then_cancels_the_rest_and_exits_cleanly():
-    """SIGTERM: new requests get 503 with Retry-After and readiness fails at once; a request
-    that finishes within --shutdown-timeout completes; streams still running then are cancelled
-    with an error event naming the shutdown; the process exits 0. Every request has an outcome."""
+@pytest.mark.slow
+def test_make_serve_command_line_serves_then_drains_on_sigterm():
+    """`make serve`'s command line serves the default model under in-flight batching with the
+    context cache (one server process for both parts of this test). Then SIGTERM: new requests
+    get 503 with Retry-After and readiness fails at once; a request that finishes within
+    --shutdown-timeout completes; streams still running then are cancelled with an error event
+    naming the shutdown; the process exits 0. Every request has an outcome."""
     import threading
 
-    process, url = _start("--enable-in-flight-batching", "--shutdown-timeout", "3")
+    process, url = _start(
+        "--enable-in-flight-batching", "--enable-context-reuse", "--shutdown-timeout", "3"
+    )
+    health = httpx.get(url + "/health").json()
+    assert health["capabilities"]["in_flight_batching"] is True
+    assert health["capabilities"]["context_reuse"] is True
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    reply = client.chat.completions.create(
+        model=health["model"],
+        messages=[{"role": "user", "content": "Say hi."}],
+        max_tokens=4,
+        temperature=0,
+    )
+    assert reply.choices[0].message.content and reply.usage.completion_tokens <= 4
     long_body = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True}
     long_body["ignore_eos"] = True
     streams: list[list[str]] = [[], []]
@@ -137,6 +127,8 @@ def test_sigterm_drains_running_requests_then_cancels_the_rest_and_exits_cleanly
             assert lines[-1] == "data: [DONE]"
             assert "cancelled before it finished: the server is shutting down" in lines[-2]
         assert process.wait(timeout=30) == 0
+        output = process.stdout.read()
+        assert "serving" in output and "context cache" in output
     finally:
         if process.poll() is None:
             process.kill()

@@ -2,8 +2,9 @@
 maps its patch features into the decoder's embedding width.
 
 `ImageEncoder` turns preprocessed images [N, 3, H, W] into [N, tokens_per_image, hidden] prompt
-embeddings, which the decoder takes in place of the image placeholder tokens. It runs eagerly
-(once per image at admission, see `runtime/encoder_cache.py`), in the decoder's dtype.
+embeddings, which the decoder takes in place of the image placeholder tokens. It runs eagerly,
+in the decoder's dtype, once per image: in the step that starts its request's prefill (see
+`runtime/executor.py`, `runtime/encoder_cache.py`).
 Parameters keep Hugging Face names below `vision_tower` and `multi_modal_projector`
 (older checkpoints have a `vision_tower.vision_model` level, read as well).
 """
@@ -169,8 +170,8 @@ class ImageEncoder(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in: those of layers past the one LLaVA reads, the
-        final norm and the pooling head are skipped (never run); a missing or unknown one, or
-        a shape that differs, is a ValueError."""
+        final norm and the pooling head are skipped (never run), and so is the positions'
+        index buffer; a missing or unknown one, or a shape that differs, is a ValueError."""
         params = dict(self.named_parameters())
         loaded = set()
         prefix = "vision_tower."
@@ -179,7 +180,9 @@ class ImageEncoder(nn.Module):
             name = name.replace("vision_tower.vision_model.", prefix, 1)
             if name.startswith(prefix):
                 rest = name.removeprefix(prefix)
-                if rest.startswith(("post_layernorm.", "head.")) or self._past_read(rest):
+                # Older checkpoints also saved the positions' index buffer.
+                unused = ("post_layernorm.", "head.", "embeddings.position_ids")
+                if rest.startswith(unused) or self._past_read(rest):
                     continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the image encoder")

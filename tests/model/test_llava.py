@@ -116,3 +116,21 @@ def test_a_checkpoint_tensor_without_a_place_is_refused(llava_dirs, tmp_path):
     checkpoint._source = type("Source", (), {"weights": lambda self: iter(weights)})()
     with pytest.raises(ValueError, match="has no place in the image encoder"):
         build_model(checkpoint, torch.float32, torch.device("cpu"), 64, quantization="none")
+
+
+def test_the_llava_hf_naming_loads_the_same_model(llava_dirs):
+    """Checkpoints converted by llava-hf name the tower's tensors `vision_tower.vision_model.*`
+    (and may hold its positions' index buffer): they load into the same model."""
+    path, _ = llava_dirs["clip"]
+    checkpoint = open_checkpoint(path)
+    renamed = [
+        (name.replace("vision_tower.", "vision_tower.vision_model.", 1), tensor)
+        for name, tensor in checkpoint.weights()
+    ]
+    renamed.append(("vision_tower.vision_model.embeddings.position_ids", torch.arange(17)[None]))
+    checkpoint._source = type("Source", (), {"weights": lambda self: iter(renamed)})()
+    cpu = torch.device("cpu")
+    theirs = build_model(checkpoint, torch.float32, cpu, 64, quantization="none")
+    _, ours, _ = _ours(path)
+    pixels = torch.randn(1, 3, 32, 32)
+    assert torch.equal(theirs.image_encoder(pixels), ours.image_encoder(pixels))

@@ -15,7 +15,7 @@ from inflight.engine import (
     ShutdownMode,
     SubmitError,
 )
-from inflight.media_inputs import MediaInputError, MediaLimits, as_text, has_images, take_images
+from inflight.media_inputs import MediaLimits, as_text, count_images, take_images
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.options import OPTION_FIELDS
 from inflight.runtime.outputs import RequestOutput
@@ -145,7 +145,7 @@ class LLM:
         self._speculator = runtime.speculator
         self._encoder_cache = runtime.executor.encoder_cache
         # What a prompt may hold: text, and the media the model takes.
-        self.input_modalities = ["text", *(spec.kind for spec in runtime.media)]
+        self.input_modalities = ["text", *runtime.media]
         self._sampling_defaults = runtime.checkpoint.sampling_defaults
         self.tokenizer = runtime.tokenizer
         self.model_name = runtime.model_name
@@ -399,7 +399,9 @@ class LLM:
             data = prompt.get("multi_modal_data")
             if data is not None and not isinstance(data, dict):
                 raise ValueError("multi_modal_data must be a dict such as {'image': image}")
-            self._check_media_count(data)
+            for kind, items in (data or {}).items():
+                count = len(items) if isinstance(items, list | tuple) else 1
+                self.media_limits.check_count(kind, count)
             if "prompt" in prompt:
                 if not isinstance(prompt["prompt"], str):
                     raise ValueError("a prompt dict's 'prompt' must be a string")
@@ -410,7 +412,7 @@ class LLM:
             return ids, data
         _check_messages(prompt)
         # A model without image input refuses images before reading them.
-        placeholder = self._live().media_placeholder("image") if has_images(prompt) else -1
+        placeholder = self._live().media_placeholder("image") if count_images(prompt) else -1
         messages, images = take_images(prompt, self.media_limits)
         if not images:
             return self._render(as_text(messages, ""), template), None
@@ -430,15 +432,6 @@ class LLM:
             messages, add_generation_prompt=True, **(template or {})
         )
         return tokenizer.encode(text, add_special_tokens=False)
-
-    def _check_media_count(self, data: dict[str, Any] | None) -> None:
-        for kind, items in (data or {}).items():
-            count = len(items) if isinstance(items, list | tuple) else 1
-            if count > self.media_limits.max_images:
-                raise MediaInputError(
-                    f"{count} {kind} items in one prompt; the limit is "
-                    f"{self.media_limits.max_images} (--limit-mm-per-prompt)"
-                )
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

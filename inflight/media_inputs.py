@@ -40,6 +40,14 @@ class MediaLimits:
     allow_fetch: bool = False
     fetch_timeout: float = 10.0
 
+    def check_count(self, kind: str, count: int) -> None:
+        """Refuse a prompt of more than `max_images` items, before any is read."""
+        if count > self.max_images:
+            raise MediaInputError(
+                f"{count} {kind}s in one prompt; the limit is {self.max_images} "
+                "(--limit-mm-per-prompt)"
+            )
+
 
 def decode_image(data: bytes, limits: MediaLimits, where: str = MEDIA_FIELD) -> Image.Image:
     """A PIL image of encoded bytes (PNG, JPEG, ...), fully read; MediaInputError otherwise."""
@@ -95,8 +103,9 @@ def _fetch(url: str, limits: MediaLimits, where: str) -> bytes:
     return data
 
 
-def has_images(messages: list[dict[str, Any]]) -> bool:
-    return any(
+def count_images(messages: list[dict[str, Any]]) -> int:
+    """The image parts of a conversation (none read yet)."""
+    return sum(
         isinstance(part, dict) and part.get("type") in ("image", "image_url")
         for message in messages
         if isinstance(message.get("content"), list)
@@ -108,8 +117,9 @@ def take_images(
     messages: list[dict[str, Any]], limits: MediaLimits
 ) -> tuple[list[dict[str, Any]], list[Image.Image]]:
     """The messages with each image part as `{"type": "image"}` (what chat templates of
-    image models render as their placeholder), and the images in order. Messages without
-    images come back as they are."""
+    image models render as their placeholder), and the images in order (too many are refused
+    before any is read). Messages without images come back as they are."""
+    limits.check_count("image", count_images(messages))
     out, images = [], []
     for i, message in enumerate(messages):
         content = message.get("content")
@@ -138,11 +148,6 @@ def take_images(
             images.append(image)
             parts.append({"type": "image"})
         out.append({**message, "content": parts})
-    if len(images) > limits.max_images:
-        raise MediaInputError(
-            f"{len(images)} images in one prompt; the limit is {limits.max_images} "
-            "(--limit-mm-per-prompt)"
-        )
     return out, images
 
 

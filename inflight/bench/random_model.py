@@ -89,21 +89,24 @@ class RandomWeights:
         """A LLaVA tower's and projector's, under their Hugging Face names (biases zero)."""
         hidden, p = v.hidden_size, "vision_tower."
 
+        def zeros(size: int) -> torch.Tensor:
+            return ones(size).zero_()
+
         def linear(name: str, rows: int, cols: int) -> Iterator[tuple[str, torch.Tensor]]:
             yield name + ".weight", matrix(rows, cols)
-            yield name + ".bias", ones(rows) * 0
+            yield name + ".bias", zeros(rows)
 
         def norm(name: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield name + ".weight", ones(hidden)
-            yield name + ".bias", ones(hidden) * 0
+            yield name + ".bias", zeros(hidden)
 
         patch = matrix(hidden, 3 * v.patch_size**2).view(hidden, 3, v.patch_size, v.patch_size)
         yield p + "embeddings.patch_embedding.weight", patch
         if v.tower == "clip":
-            yield p + "embeddings.class_embedding", ones(hidden) * 0
+            yield p + "embeddings.class_embedding", zeros(hidden)
             yield from norm(p + "pre_layrnorm")
         else:
-            yield p + "embeddings.patch_embedding.bias", ones(hidden) * 0
+            yield p + "embeddings.patch_embedding.bias", zeros(hidden)
         yield p + "embeddings.position_embedding.weight", matrix(v.num_positions, hidden)
         for i in range(v.layers_run):
             layer = f"{p}encoder.layers.{i}."

@@ -144,13 +144,9 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
 
 # Multimodal `architectures` entries: their decoder is `text_config`, of one of the families.
 HF_MULTIMODAL = ("LlavaForConditionalGeneration",)
-# A text_config names its family by model_type and may leave the rest at transformers' defaults
-# (llava-1.5 writes a few fields only): those of LlamaConfig.
-_TEXT_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
+# A text_config names its family by model_type (the family's name) and may leave the rest at
+# transformers' defaults (llava-1.5 writes a few fields only): those of LlamaConfig.
+_TEXT_ARCHITECTURES = {family: arch for arch, family in HF_ARCHITECTURES.items()}
 _LLAMA_DEFAULTS = dict(
     vocab_size=32000,
     hidden_size=4096,
@@ -160,27 +156,19 @@ _LLAMA_DEFAULTS = dict(
     max_position_embeddings=2048,
     rms_norm_eps=1e-6,
 )
-# CLIPVisionConfig's and SiglipVisionConfig's defaults, for what a vision_config leaves out.
+# CLIPVisionConfig's and SiglipVisionConfig's defaults (both a ViT-B at 224 pixels), for what
+# a vision_config leaves out.
+_VIT_B = dict(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    image_size=224,
+)
 _TOWER_DEFAULTS = {
-    "clip_vision_model": dict(
-        hidden_size=768,
-        intermediate_size=3072,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        image_size=224,
-        patch_size=32,
-        hidden_act="quick_gelu",
-        layer_norm_eps=1e-5,
-    ),
+    "clip_vision_model": dict(_VIT_B, patch_size=32, hidden_act="quick_gelu", layer_norm_eps=1e-5),
     "siglip_vision_model": dict(
-        hidden_size=768,
-        intermediate_size=3072,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        image_size=224,
-        patch_size=16,
-        hidden_act="gelu_pytorch_tanh",
-        layer_norm_eps=1e-6,
+        _VIT_B, patch_size=16, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6
     ),
 }
 

@@ -34,13 +34,14 @@ class EncoderCache:
         return found
 
     def put(self, key: bytes, output: torch.Tensor) -> None:
+        """Keep the output of an item just encoded (counted as an encoder run)."""
         self.metrics.runs += 1
-        size = output.numel() * output.element_size()
+        size = _bytes(output)
         if key in self._entries or size > self.capacity_bytes:
             return
         while self.used_bytes + size > self.capacity_bytes:
             _, old = self._entries.popitem(last=False)
-            self.used_bytes -= old.numel() * old.element_size()
+            self.used_bytes -= _bytes(old)
         self._entries[key] = output
         self.used_bytes += size
 
@@ -51,3 +52,7 @@ class EncoderCache:
             "encoder_cache_items": len(self._entries),
             "encoder_cache_bytes": self.used_bytes,
         }
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -162,11 +162,10 @@ class Executor:
                 self.encoder_cache.put(key, output)
                 found[key] = output
         for row in starting:
+            outputs = [(found.get(item.key), item.length) for item in row.resident.request.media]
             row.resident.media_embeds = [
-                None
-                if found.get(item.key) is None
-                else prune_image_tokens(found[item.key], item.length)
-                for item in row.resident.request.media
+                None if output is None else prune_image_tokens(output, keep)
+                for output, keep in outputs
             ]
 
     @torch.inference_mode()
@@ -179,8 +178,8 @@ class Executor:
         """Queue the step's forward pass, its prompt scoring and its logits on the device;
         `sample` then queues its sampling."""
         rows, device = step.rows, self.device
-        self._encode(rows)
-        embeds = self._embeds(rows)
+        # Only a model with media input looks for media in its steps.
+        embeds = self._media_embeds(rows) if self.encoder_cache is not None else None
         unfold = (
             self.graphs is not None and embeds is None and replayable(rows, self.graphs.buckets[-1])
         )
@@ -228,9 +227,10 @@ class Executor:
             launched.logits = self.logits(hidden)
         return launched
 
-    def _embeds(self, rows: list[ScheduledRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _media_embeds(self, rows: list[ScheduledRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The packed positions of the step's media placeholder tokens and the encoder output
-        each takes (None when the step holds none)."""
+        each takes (None when the step holds none), encoding what the step starts first."""
+        self._encode(rows)
         positions: list[int] = []
         parts: list[torch.Tensor] = []
         offset = 0

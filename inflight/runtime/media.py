@@ -34,6 +34,15 @@ class MediaSpec:
     tokens_per_item: int
 
 
+def media_spec(specs: Mapping[str, MediaSpec], kind: str) -> MediaSpec:
+    """How the model takes media of `kind` (a RequestFieldError when it takes none)."""
+    spec = specs.get(kind)
+    if spec is None:
+        taken = ", ".join(specs) or "text only"
+        raise RequestFieldError(f"this model takes no {kind} input (it takes {taken})", MEDIA_FIELD)
+    return spec
+
+
 def content_key(kind: str, data: np.ndarray) -> bytes:
     """What identifies an item's content: its preprocessed input, shape included."""
     h = hashlib.sha256(f"{kind}:{data.dtype}:{data.shape}".encode())
@@ -88,18 +97,13 @@ def expand(
     return ids, media
 
 
-def check_media(request: GenerationRequest, specs: dict[str, MediaSpec]) -> None:
+def check_media(request: GenerationRequest, specs: Mapping[str, MediaSpec]) -> None:
     """A RequestFieldError unless the request's media are of kinds the model takes and lie
     exactly on its placeholder tokens, every placeholder token belonging to one."""
     prompt = request.prompt_token_ids
     end = 0
     for item in request.media:
-        spec = specs.get(item.kind)
-        if spec is None:
-            taken = ", ".join(specs) or "text only"
-            raise RequestFieldError(
-                f"this model takes no {item.kind} input (it takes {taken})", MEDIA_FIELD
-            )
+        spec = media_spec(specs, item.kind)
         if not 1 <= item.length <= spec.tokens_per_item:
             raise RequestFieldError(
                 f"a {item.kind} takes 1 to {spec.tokens_per_item} placeholder tokens (all, or "

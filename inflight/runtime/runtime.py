@@ -23,7 +23,7 @@ from inflight.runtime.draft_model import DraftModel
 from inflight.runtime.encoder_cache import EncoderCache
 from inflight.runtime.executor import Executor, allocate_kv_cache
 from inflight.runtime.kv_cache import BlockPool
-from inflight.runtime.media import MEDIA_FIELD, MediaSpec, expand, keep_ratio
+from inflight.runtime.media import MEDIA_FIELD, MediaSpec, expand, keep_ratio, media_spec
 from inflight.runtime.output_processor import OutputProcessor
 from inflight.runtime.request import GenerationRequest, MediaItem, RequestFieldError, SamplingParams
 from inflight.runtime.sampler import Sampler
@@ -84,10 +84,10 @@ class Runtime:
             )
         self.overlap = self.device.type == "cuda" if config.overlap is None else config.overlap
         vision = model_config.vision
-        self.media: list[MediaSpec] = []
+        self.media: dict[str, MediaSpec] = {}  # the media the model takes, by kind
         self.image_processor: ImageProcessor | None = None
         if vision is not None:
-            self.media.append(MediaSpec("image", vision.image_token_id, vision.tokens_per_image))
+            self.media["image"] = MediaSpec("image", vision.image_token_id, vision.tokens_per_image)
             self.image_processor = ImageProcessor.from_config(
                 self.checkpoint.processor_config, vision
             )
@@ -225,13 +225,7 @@ class Runtime:
     def media_placeholder(self, kind: str) -> int:
         """The token that stands for one `kind` item in a prompt (RequestFieldError when the
         model takes none)."""
-        spec = next((spec for spec in self.media if spec.kind == kind), None)
-        if spec is None:
-            taken = ", ".join(spec.kind for spec in self.media) or "text only"
-            raise RequestFieldError(
-                f"this model takes no {kind} input (it takes {taken})", MEDIA_FIELD
-            )
-        return spec.placeholder
+        return media_spec(self.media, kind).placeholder
 
     def expand_media(
         self,
@@ -246,18 +240,17 @@ class Runtime:
         (`model.vision.prune_image_tokens`). A RequestFieldError names what is wrong."""
         ratio = keep_ratio(processor_kwargs)
         for kind in data:
-            self.media_placeholder(kind)
+            media_spec(self.media, kind)
         if "image" not in data:
             return list(prompt), []
         assert self.image_processor is not None
-        spec = next(spec for spec in self.media if spec.kind == "image")
         images = data["image"]
         images = list(images) if isinstance(images, list | tuple) else [images]
         try:
             pixels = [self.image_processor(image) for image in images]
         except (ValueError, OSError) as exc:
             raise RequestFieldError(f"cannot read an image: {exc}", MEDIA_FIELD) from exc
-        return expand(prompt, spec, pixels, ratio)
+        return expand(prompt, self.media["image"], pixels, ratio)
 
     def check_request(self, request: GenerationRequest) -> AdmissionIntent:
         """Validate a request against this runtime (ValueError naming the problem) and size what

@@ -13,7 +13,7 @@ lengths advance, and each sampling row counts its picks (1 + drafts) pending on 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,7 +122,7 @@ class Scheduler:
         max_model_len: int,
         vocab_size: int,
         max_num_tokens: int,
-        media: Sequence[MediaSpec] = (),
+        media: Mapping[str, MediaSpec] | None = None,
     ) -> None:
         self.blocks = blocks
         self.slots = slots
@@ -136,7 +136,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_num_tokens = max_num_tokens
-        self.media = {spec.kind: spec for spec in media}  # the media the model takes
+        self.media = media or {}  # the media the model takes, by kind
         self.residents: dict[ResidentRef, Resident] = {}
 
     # -- admission ------------------------------------------------------------------------------

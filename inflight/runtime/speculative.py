@@ -34,9 +34,9 @@ if exactly j drafts are accepted. When the verification is taken in, the fallbac
 it accepted stands in for the void row, and the others are dropped. Those dropped wrote KV
 past what stands, or (for an accepted draft, whose pick equals it) the KV of the same token at
 the same position again: the output is still plain decoding's. Rows of a step are nearly free
-on the device at the batch sizes where speculation pays. The draft
-model cannot draft past a token it has not seen: with it, the session takes the step in flight
-in before planning the next where a row is `ready` to draft or that step verifies drafts.
+on the device at the batch sizes where speculation pays. The draft model cannot draft past a
+token it has not seen: with it, the session takes the step in flight in before planning the
+next where a row is `ready` to draft or that step verifies drafts.
 """
 
 from __future__ import annotations

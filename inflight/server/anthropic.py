@@ -89,17 +89,18 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
 
 def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    text: list[dict[str, Any]] = []  # the content parts of the user message being gathered
+    # The content parts of the user message being gathered (`LLM.chat` joins their text).
+    parts: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
         if isinstance(block, AnthropicImageBlock):
-            text.append({"type": "image_url", "image_url": {"url": _image_url(block, where, j)}})
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block, where, j)}})
             continue
         if not isinstance(block, AnthropicToolResultBlock):
-            text.append({"type": "text", "text": _text([block], where)})
+            parts.append({"type": "text", "text": _text([block], where)})
             continue
-        if text:
-            out.append({"role": "user", "content": _content(text)})
-            text = []
+        if parts:
+            out.append({"role": "user", "content": parts})
+            parts = []
         result = _text(block.content or "", where)
         out.append(
             {
@@ -108,16 +109,9 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
                 "content": f"Error: {result}" if block.is_error else result,
             }
         )
-    if text or not out:
-        out.append({"role": "user", "content": _content(text)})
+    if parts or not out:
+        out.append({"role": "user", "content": parts})
     return out
-
-
-def _content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-    """Text parts as one string; with images, the parts as `LLM.chat` takes them."""
-    if all(p["type"] == "text" for p in parts):
-        return "".join(p["text"] for p in parts)
-    return parts
 
 
 def _image_url(block: AnthropicImageBlock, where: str, index: int) -> str:

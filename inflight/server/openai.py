@@ -168,10 +168,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def _content_parts(parts: list[Any], where: str) -> str | list[dict[str, Any]]:
-    """Text parts as one string; with images, the parts as `LLM.chat` takes them."""
-    if all(isinstance(p, TextPart) for p in parts):
-        return "".join(p.text for p in parts)
+def _content_parts(parts: list[Any], where: str) -> list[dict[str, Any]]:
+    """The parts as `LLM.chat` takes them (which joins text parts into the message's text)."""
     out: list[dict[str, Any]] = []
     for j, part in enumerate(parts):
         if isinstance(part, TextPart):

@@ -15,7 +15,7 @@ from inflight.engine import (
     ShutdownMode,
     SubmitError,
 )
-from inflight.media_inputs import MediaLimits, as_text, count_images, take_images
+from inflight.media_inputs import MediaLimits, as_text, take_media
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.options import OPTION_FIELDS
 from inflight.runtime.outputs import RequestOutput
@@ -87,14 +87,16 @@ class LLM:
         show_progress: bool = False,
     ) -> None:
         limits = dict(limit_mm_per_prompt or {})
-        if set(limits) - {"image"} or not all(
-            isinstance(v, int) and v >= 0 for v in limits.values()
+        if set(limits) - {"image", "audio"} or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limits.values()
         ):
             raise ValueError(
-                f"limit_mm_per_prompt takes {{'image': count >= 0}}, got {limit_mm_per_prompt!r}"
+                "limit_mm_per_prompt takes {'image': count >= 0, 'audio': count >= 0}, got "
+                f"{limit_mm_per_prompt!r}"
             )
         self.media_limits = MediaLimits(
             max_images=limits.get("image", MediaLimits.max_images),
+            max_audios=limits.get("audio", MediaLimits.max_audios),
             allow_fetch=allow_media_fetch,
         )
         if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
@@ -189,7 +191,9 @@ class LLM:
         `tools` (OpenAI function tools) and `chat_template_kwargs` (e.g. `{"enable_thinking":
         False}`) are variables of the chat template; `chat_template` (a template's text) renders
         in place of the model's own. Messages may hold images (content parts `{"type": "image",
-        "image": PIL image}` or `{"type": "image_url", ...}`); `mm_processor_kwargs`
+        "image": PIL image}` or `{"type": "image_url", ...}`) and audio clips (`{"type":
+        "audio", "audio": 16 kHz samples or (samples, rate)}`, `{"type": "input_audio", ...}`
+        or `{"type": "audio_url", ...}`; see `media_inputs.py`); `mm_processor_kwargs`
         `{"keep_ratio": r}` keeps that share of each image's tokens (the visual-token
         pruner)."""
         if not isinstance(messages, list) or not messages:
@@ -411,20 +415,22 @@ class LLM:
                 raise ValueError("a token prompt must be {'prompt_token_ids': [int, ...]}")
             return ids, data
         _check_messages(prompt)
-        # A model without image input refuses images before reading them.
-        placeholder = self._live().media_placeholder("image") if count_images(prompt) else -1
-        messages, images = take_images(prompt, self.media_limits)
-        if not images:
-            return self._render(as_text(messages, ""), template), None
-        # A template of an image model renders image parts as its placeholder; one that
-        # renders text only gets the placeholder's text on a line before the message's text.
+        runtime = self._live()
+        messages, media = take_media(prompt, self.media_limits, runtime.media)
+        if not media:
+            return self._render(as_text(messages, {}), template), None
+        placeholders = {kind: runtime.media_placeholder(kind) for kind in media}
+        # A template of a media model renders media parts as their placeholders; one that
+        # renders text only gets each placeholder's text on a line before the message's text.
         ids = self._render(messages, template)
-        if sum(1 for t in ids if t == placeholder) != len(images):
-            ids = self._render(
-                as_text(messages, tokenizer.decode([placeholder], skip_special_tokens=False)),
-                template,
-            )
-        return ids, {"image": images}
+        counts = {kind: sum(1 for t in ids if t == token) for kind, token in placeholders.items()}
+        if any(counts[kind] != len(items) for kind, items in media.items()):
+            texts = {
+                kind: tokenizer.decode([token], skip_special_tokens=False)
+                for kind, token in placeholders.items()
+            }
+            ids = self._render(as_text(messages, texts), template)
+        return ids, media
 
     def _render(self, messages: list[dict[str, Any]], template: dict[str, Any] | None) -> list[int]:
         tokenizer = self.tokenizer

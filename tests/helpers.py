@@ -66,9 +66,10 @@ class PagedSequence:
         self.caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
         self.length = 0
 
-    def extend(self, ids: list[int], embeds=None) -> torch.Tensor:
-        """The logits at every position of `ids`, appended to the sequence (`embeds`: the
-        model's, for the positions of `ids` that take an embedding in place of their token)."""
+    def extend(self, ids: list[int], media=None, shift: int = 0) -> torch.Tensor:
+        """The logits at every position of `ids`, appended to the sequence (`media`: the
+        model's `MediaEmbeds`, for the positions of `ids` that take an embedding in place of
+        their token; `shift`: added to the tokens' rotary positions, M-RoPE's delta)."""
         past, tokens = self.length, len(ids)
         total = past + tokens
         meta = AttentionMetadata(
@@ -86,11 +87,11 @@ class PagedSequence:
         )
         self.backend.plan(meta)
         with torch.no_grad():
-            # Only models with image input are given `embeds` (wrappers take no such argument).
-            extra = {} if embeds is None else {"embeds": embeds}
+            # Only models with media input are given `media` (wrappers take no such argument).
+            extra = {} if media is None else {"media": media}
             hidden = self.model(
                 torch.tensor(ids),
-                torch.arange(past, total),
+                torch.arange(past, total) + shift,
                 self.caches,
                 meta,
                 self.backend,

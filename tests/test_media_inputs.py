@@ -16,7 +16,7 @@ from inflight.media_inputs import (
     MediaLimits,
     as_text,
     image_from_url,
-    take_images,
+    take_media,
 )
 
 
@@ -105,7 +105,8 @@ def test_images_are_taken_out_of_messages_in_order():
         {"role": "assistant", "content": "Two pictures."},
         {"role": "user", "content": [{"type": "image", "image": second}]},
     ]
-    parts, images = take_images(messages, MediaLimits())
+    parts, media = take_media(messages, MediaLimits(), {"image"})
+    images = media["image"]
     assert [image.size for image in images] == [(4, 4), (20, 10), (6, 6)]
     assert parts[1]["content"] == [
         {"type": "image"},
@@ -113,9 +114,9 @@ def test_images_are_taken_out_of_messages_in_order():
         {"type": "image"},
     ]
     assert parts[0] == messages[0] and parts[2] == messages[2]
-    assert as_text(parts, "<image>")[1]["content"] == "<image>\n<image>\nand"
+    assert as_text(parts, {"image": "<image>"})[1]["content"] == "<image>\n<image>\nand"
     with pytest.raises(MediaInputError, match="3 images in one prompt; the limit is 2"):
-        take_images(messages, MediaLimits(max_images=2))
-    with pytest.raises(MediaInputError, match="content of type 'input_audio'") as info:
-        take_images([{"role": "user", "content": [{"type": "input_audio"}]}], MediaLimits())
+        take_media(messages, MediaLimits(max_images=2), {"image"})
+    with pytest.raises(MediaInputError, match="content of type 'file'") as info:
+        take_media([{"role": "user", "content": [{"type": "file"}]}], MediaLimits(), {"image"})
     assert info.value.field == "messages.0.content.0"

@@ -177,3 +177,95 @@ def make_tiny_llava(path: Path, tower: str = "clip", seed: int = 0):
         processor = SiglipImageProcessorPil(size={"height": 32, "width": 32})
     processor.save_pretrained(path)
     return model
+
+
+# Qwen2-VL's special tokens, the tiny tokenizer's next special tokens (ids 3, 4, 5, 6).
+QWEN_VISION_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
+QWEN_IMAGE_ID, QWEN_START_ID, QWEN_END_ID = len(SPECIAL), len(SPECIAL) + 1, len(SPECIAL) + 2
+
+
+def make_tiny_qwen2_vl(path: Path, seed: int = 0):
+    """A tiny random Qwen2-VL (a 2-layer tower of 4x4 patches merged 2x2, M-RoPE sections
+    [2, 3, 3] on 16-wide heads, a Qwen2 decoder) written to `path` with its tokenizer and an
+    image processor of small images (at most 64x64 pixels); returns the HF model (float32)."""
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
+
+    text = {
+        **COMMON,
+        "rope_parameters": dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]),
+        "tie_word_embeddings": True,
+    }
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=dict(
+            depth=2,
+            embed_dim=32,
+            hidden_size=COMMON["hidden_size"],
+            num_heads=4,
+            mlp_ratio=2,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        image_token_id=QWEN_IMAGE_ID,
+        video_token_id=len(SPECIAL) + 3,
+        vision_start_token_id=QWEN_START_ID,
+        vision_end_token_id=QWEN_END_ID,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1 and "visual" not in name:
+                p.normal_(0.0, 0.2)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path, QWEN_VISION_TOKENS)
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8, max_pixels=64 * 64
+    )
+    processor.save_pretrained(path)
+    return model
+
+
+AUDIO_TOKEN = "[AUDIO]"
+AUDIO_TOKEN_ID = len(SPECIAL)  # the tiny Voxtral tokenizer's next special token
+# A window of the tiny audio encoder is 2 x 32 mel frames: 1 s of 16 kHz audio at a hop of 250.
+AUDIO_TOKENS_PER_SECOND = 8  # 32 encoder frames, 4 stacked per token
+
+
+def make_tiny_voxtral(path: Path, seed: int = 0):
+    """A tiny random Voxtral (a 2-layer Whisper-style encoder of 16 mel bins over 1 s windows,
+    8 tokens a window, and a Llama decoder) written to `path` with its tokenizer (`[AUDIO]` a
+    special token) and feature extractor; returns the HF model (float32)."""
+    from transformers import VoxtralConfig, VoxtralForConditionalGeneration, WhisperFeatureExtractor
+
+    config = VoxtralConfig(
+        audio_config=dict(
+            model_type="voxtral_encoder",
+            num_mel_bins=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            hidden_size=32,
+            intermediate_size=128,
+            max_source_positions=32,
+        ),
+        text_config=dict(model_type="llama", **COMMON),
+        audio_token_id=AUDIO_TOKEN_ID,
+    )
+    torch.manual_seed(seed)
+    model = VoxtralForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1 and "audio_tower" not in name:
+                p.normal_(0.0, 0.2)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path, (AUDIO_TOKEN,))
+    WhisperFeatureExtractor(feature_size=16, chunk_length=1, hop_length=250).save_pretrained(path)
+    return model

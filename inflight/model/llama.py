@@ -12,13 +12,15 @@ forward pass may run each packed token with the adapter of its slot (`LoRAMappin
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
-from inflight.model.config import ModelConfig
+from inflight.model.audio import AudioEncoder
+from inflight.model.config import ModelConfig, VisionConfig
 from inflight.model.layers.activation import SiluAndMul
 from inflight.model.layers.linear import Linear, process_weights_after_loading
 from inflight.model.layers.lora import INDEXED_MAX_TOKENS, LoRAMapping, LoRASlots
@@ -26,6 +28,7 @@ from inflight.model.layers.norm import RMSNorm
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, Rope, RotaryEmbedding
+from inflight.model.qwen2_vl import Qwen2VLImageEncoder
 from inflight.model.vision import ImageEncoder
 
 if TYPE_CHECKING:
@@ -38,16 +41,31 @@ _FUSED_PARTS = {
 }
 # Hugging Face parameter name part -> (fused parameter, index of the shard inside it).
 _FUSED = {part: (fused, i) for fused, parts in _FUSED_PARTS.items() for i, part in enumerate(parts)}
-# LLaVA checkpoints nest the decoder (transformers 5: `model.language_model.`, 4:
-# `language_model.model.`) and the image side (5: under `model.`).
-_LLAVA_NAMES = (
+# Multimodal checkpoints nest the decoder (transformers 5: `model.language_model.`, 4:
+# `language_model.model.`) and the encoder side (5: under `model.`).
+_MULTIMODAL_NAMES = (
     ("model.language_model.", "model."),
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
     ("model.vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.visual.", "visual."),
+    ("model.audio_tower.", "audio_tower."),
 )
-_IMAGE_ENCODER_NAMES = ("vision_tower.", "multi_modal_projector.")
+# The media encoder's tensors (LLaVA's and Voxtral's, Qwen2-VL's).
+_ENCODER_NAMES = ("vision_tower.", "multi_modal_projector.", "visual.", "audio_tower.")
+
+
+@dataclass
+class MediaEmbeds:
+    """Packed tokens whose input is an encoder's output (an image's or a clip's, in place of
+    its placeholders) instead of their token's embedding."""
+
+    indices: torch.Tensor  # [M] their packed indices
+    embeds: torch.Tensor  # [M, hidden]
+    # M-RoPE models: their 3-D positions [3, M] (the other tokens' three coordinates are equal,
+    # their 1-D positions).
+    mrope_positions: torch.Tensor | None = None
 
 
 def _shard_sizes(config: ModelConfig) -> dict[str, list[int]]:
@@ -211,7 +229,12 @@ class LlamaForCausalLM(nn.Module):
             # Tied in load_weights; a weight of its own would be allocated for nothing.
             self.lm_head.weight = None
         self.rotary = RotaryEmbedding(config, max_positions)
-        self.image_encoder = ImageEncoder(config.vision, hidden) if config.vision else None
+        self.image_encoder: ImageEncoder | Qwen2VLImageEncoder | None = None
+        if isinstance(config.vision, VisionConfig):
+            self.image_encoder = ImageEncoder(config.vision, hidden)
+        elif config.vision is not None:
+            self.image_encoder = Qwen2VLImageEncoder(config.vision)
+        self.audio_encoder = AudioEncoder(config.audio, hidden) if config.audio else None
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self._lora_loaded = [False] * max_loras
         if max_loras:
@@ -231,22 +254,32 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         lora: LoRAMapping | None = None,
-        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        media: MediaEmbeds | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every packed token; `lora` says
-        which tokens run with which loaded adapter (None: all with the base model); `embeds`
-        (packed indices [M], embeddings [M, hidden]): tokens whose input is that embedding
-        instead of their token's (an image's, in place of its placeholders)."""
+        which tokens run with which loaded adapter (None: all with the base model); `media`:
+        tokens whose input is an encoder's output instead of their token's embedding."""
         if lora is not None and lora.num_tokens != input_ids.shape[0]:
             raise ValueError(f"LoRA mapping of {lora.num_tokens} tokens for {input_ids.shape[0]}")
         x = self.embed_tokens(input_ids)
-        if embeds is not None:
-            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         angles = self.rotary.angles(positions, x.dtype)
+        if media is not None:
+            x = x.index_copy(0, media.indices, media.embeds.to(x.dtype))
+            if media.mrope_positions is not None:
+                cos, sin = self.rotary.mrope_angles(media.mrope_positions, x.dtype)
+                angles = (
+                    angles[0].index_copy(0, media.indices, cos),
+                    angles[1].index_copy(0, media.indices, sin),
+                )
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, angles, kv_cache, meta, backend, lora)
         return self.norm.add_forward(x, residual)[0]
+
+    def media_encoders(self) -> dict[str, ImageEncoder | Qwen2VLImageEncoder | AudioEncoder]:
+        """The encoder of each kind of media the model takes."""
+        found = {"image": self.image_encoder, "audio": self.audio_encoder}
+        return {kind: encoder for kind, encoder in found.items() if encoder is not None}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -314,14 +347,14 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         shard_sizes = _shard_sizes(self.config)
-        image_weights = []
+        encoder_weights = []
         for name, tensor in weights:
-            for old, new in _LLAVA_NAMES:
+            for old, new in _MULTIMODAL_NAMES:
                 if name.startswith(old):
                     name = new + name.removeprefix(old)
                     break
-            if name.startswith(_IMAGE_ENCODER_NAMES):
-                image_weights.append((name, tensor))
+            if name.startswith(_ENCODER_NAMES):
+                encoder_weights.append((name, tensor))
                 continue
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -349,16 +382,17 @@ class LlamaForCausalLM(nn.Module):
                 )
             dest.copy_(tensor)
             loaded.add(label)
-        if self.image_encoder is not None:
-            self.image_encoder.load_weights(image_weights)
-        elif image_weights:
+        encoder = self.image_encoder or self.audio_encoder
+        if encoder is not None:
+            encoder.load_weights(encoder_weights)
+        elif encoder_weights:
             raise ValueError(
-                f"checkpoint tensor {image_weights[0][0]!r} belongs to an image encoder, "
+                f"checkpoint tensor {encoder_weights[0][0]!r} belongs to a media encoder, "
                 "which this model's config does not describe"
             )
         expected = set()
         for pname, _ in self.named_parameters():
-            if pname.startswith("image_encoder."):
+            if pname.startswith(("image_encoder.", "audio_encoder.")):
                 continue
             parts = _FUSED_PARTS.get(pname.split(".")[-2], ())
             expected.update([f"{pname}[{i}]" for i in range(len(parts))] if parts else [pname])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -136,16 +137,16 @@ class _Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-def prune_image_tokens(embeds: torch.Tensor, keep: int) -> torch.Tensor:
-    """The visual-token pruner: of one image's token embeddings [tokens, hidden], the `keep`
-    least similar (cosine) to the image's mean embedding, in their original order. Patches
-    alike (a uniform background) resemble the mean and go first; the distinctive ones stay.
-    The kept tokens take consecutive prompt positions, as LLaVA's 1-D positions allow."""
+def prune_image_tokens(embeds: torch.Tensor, keep: int) -> torch.Tensor | None:
+    """The visual-token pruner: the indices of the `keep` of one image's token embeddings
+    [tokens, hidden] least similar (cosine) to the image's mean embedding, in their original
+    order (None: all are kept). Patches alike (a uniform background) resemble the mean and go
+    first; the distinctive ones stay. With 1-D positions the kept tokens take consecutive
+    prompt positions; with M-RoPE each keeps its own 3-D position."""
     if keep >= embeds.shape[0]:
-        return embeds
+        return None
     scores = F.cosine_similarity(embeds.float(), embeds.float().mean(0, keepdim=True), dim=-1)
-    kept = torch.topk(-scores, keep).indices.sort().values
-    return embeds[kept]
+    return torch.topk(-scores, keep).indices.sort().values
 
 
 class ImageEncoder(nn.Module):
@@ -166,6 +167,12 @@ class ImageEncoder(nn.Module):
         if not self.config.keep_cls:
             features = features[:, 1:]
         return self.multi_modal_projector(features)
+
+    def encode(self, items: list[np.ndarray]) -> list[torch.Tensor]:
+        """The prompt embeddings [tokens_per_image, text hidden] of each of preprocessed images
+        [3, H, W] (`image_processor.py`), in one tower run."""
+        device = self.multi_modal_projector.linear_1.weight.device
+        return list(self(torch.from_numpy(np.stack(items)).to(device)))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -50,7 +50,7 @@ class RowInput:
 @dataclass
 class RaggedBatch:
     input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] rotary positions (their index in the sequence but for M-RoPE)
     meta: AttentionMetadata
     # Packed indices of the tokens whose hidden states the step keeps: every token of a scoring
     # row, else the last token of a sampling row; in row order.
@@ -58,10 +58,16 @@ class RaggedBatch:
 
 
 def build_ragged_batch(
-    rows: Sequence[BatchRow], block_size: int, device: torch.device, unfold: bool = False
+    rows: Sequence[BatchRow],
+    block_size: int,
+    device: torch.device,
+    unfold: bool = False,
+    rope_shift: np.ndarray | None = None,
 ) -> RaggedBatch:
     """Rows must come decode-first: the leading rows of one query token form the decode group,
     rows verifying drafts right after them. `unfold`: pack every token as a decode row.
+    `rope_shift`: per packed token, its rotary position minus its index (M-RoPE; the KV slot
+    is the index's).
 
     Host work is a few operations per row; everything per token or per block is vectorized."""
     if not rows:
@@ -112,6 +118,8 @@ def build_ragged_batch(
     query_start_loc, seq_lens_t, tables_t = to_device_packed(
         [starts, seq_lens, tables], torch.int32, device
     )
+    if rope_shift is not None:
+        positions = positions + rope_shift
     input_ids_t, positions_t, slots_t, logits_t = to_device_packed(
         [input_ids, positions, slots, np.asarray(logits_indices, np.int64)], torch.int64, device
     )

@@ -16,12 +16,13 @@ import torch
 from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from inflight.model.config import ModelConfig
 from inflight.model.layers.lora import LoRAMapping
-from inflight.model.llama import LlamaForCausalLM
+from inflight.model.llama import LlamaForCausalLM, MediaEmbeds
 from inflight.model.transfer import to_device
 from inflight.model.vision import prune_image_tokens
 from inflight.runtime.batch_builder import RaggedBatch, build_ragged_batch
 from inflight.runtime.cuda_graphs import DecodeGraphs, DecodeInputs, graph_buckets, replayable
 from inflight.runtime.encoder_cache import EncoderCache
+from inflight.runtime.media import mrope_positions, mrope_shift
 from inflight.runtime.outputs import SampledRow
 from inflight.runtime.request import MediaItem
 from inflight.runtime.sampler import Sampled, Sampler, SamplingRow
@@ -92,6 +93,9 @@ class Executor:
         # trip: the picks of its latest row (1 + drafts), then those of fallback rows.
         self.picks = torch.zeros((max_batch_size, pick_width), dtype=torch.int64, device=device)
         self.encoder_cache = encoder_cache
+        self.encoders = model.media_encoders()
+        # M-RoPE models shift the rotary positions of the tokens after an image.
+        self.mrope = model.config.rope.mrope_section is not None
         self.graphs: DecodeGraphs | None = None
         if graph_inputs is not None:
             with torch.inference_mode():
@@ -107,22 +111,22 @@ class Executor:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         lora: LoRAMapping | None = None,
-        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        media: MediaEmbeds | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, self.kv_caches, meta, self.backend, lora, embeds)
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend, lora, media)
 
     @torch.inference_mode()
     def execute(
         self,
         batch: RaggedBatch,
         lora_slots: list[int] | None = None,
-        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        media: MediaEmbeds | None = None,
     ) -> torch.Tensor:
         """Final hidden states of the tokens in `batch.logits_indices`, in that order;
         `lora_slots`: each batch row's LoRA slot (-1: the base model), None where no row has
-        one; `embeds`: packed tokens whose input is an encoder's output (such a step runs
+        one; `media`: packed tokens whose input is an encoder's output (such a step runs
         eagerly)."""
-        if self.graphs is not None and embeds is None:
+        if self.graphs is not None and media is None:
             hidden = self.graphs.run(batch, lora_slots)
             if hidden is not None:
                 return hidden
@@ -131,41 +135,39 @@ class Executor:
         if lora_slots is not None:
             rows = zip(lora_slots, batch.meta.query_lens_host, strict=True)
             lora = self.model.lora_mapping(list(rows))
-        hidden = self._forward(batch.input_ids, batch.positions, batch.meta, lora, embeds)
+        hidden = self._forward(batch.input_ids, batch.positions, batch.meta, lora, media)
         return hidden[batch.logits_indices]
 
     @torch.inference_mode()
     def _encode(self, rows: list[ScheduledRow]) -> None:
         """Give each resident whose prefill starts in this step the encoder outputs of its
         media (None for an item whose placeholders precede the row, their KV being cached):
-        from the encoder cache where it holds them, the step's other items encoded together."""
+        from the encoder cache where it holds them, the step's other items encoded together,
+        one encoder run per kind."""
         starting = [
             row for row in rows if row.resident.request.media and row.resident.media_embeds is None
         ]
         if not starting:
             return
-        assert self.encoder_cache is not None and self.model.image_encoder is not None
+        assert self.encoder_cache is not None
         found: dict[bytes, torch.Tensor | None] = {}
-        missing: dict[bytes, MediaItem] = {}
+        missing: dict[str, dict[bytes, MediaItem]] = {}
         for row in starting:
             for item in row.resident.request.media:
                 if item.offset + item.length > row.past_len and item.key not in found:
                     found[item.key] = self.encoder_cache.get(item.key)
                     if found[item.key] is None:
-                        missing[item.key] = item
-        if missing:
-            # A pageable copy waits for the step in flight: once a step, for all its images
-            # (pinning a new size costs ~100 ms on an H200, measured).
-            pixels = torch.from_numpy(np.stack([item.data for item in missing.values()]))
-            encoded = self.model.image_encoder(pixels.to(self.device))
-            for key, output in zip(missing, encoded, strict=True):
+                        missing.setdefault(item.kind, {})[item.key] = item
+        # A pageable copy waits for the step in flight: once a step and kind, for all its items
+        # (pinning a new size costs ~100 ms on an H200, measured).
+        for kind, items in missing.items():
+            encoded = self.encoders[kind].encode([item.data for item in items.values()])
+            for key, output in zip(items, encoded, strict=True):
                 self.encoder_cache.put(key, output)
                 found[key] = output
         for row in starting:
-            outputs = [(found.get(item.key), item.length) for item in row.resident.request.media]
             row.resident.media_embeds = [
-                None if output is None else prune_image_tokens(output, keep)
-                for output, keep in outputs
+                _kept(found.get(item.key), item.length) for item in row.resident.request.media
             ]
 
     @torch.inference_mode()
@@ -179,11 +181,19 @@ class Executor:
         `sample` then queues its sampling."""
         rows, device = step.rows, self.device
         # Only a model with media input looks for media in its steps.
-        embeds = self._media_embeds(rows) if self.encoder_cache is not None else None
+        media = self._media_embeds(rows) if self.encoder_cache is not None else None
         unfold = (
-            self.graphs is not None and embeds is None and replayable(rows, self.graphs.buckets[-1])
+            self.graphs is not None and media is None and replayable(rows, self.graphs.buckets[-1])
         )
-        batch = build_ragged_batch(rows, self.block_size, device, unfold)
+        shift = None
+        if self.mrope and any(row.resident.request.media for row in rows):
+            shift = np.concatenate(
+                [
+                    mrope_shift(row.resident.request.media, row.past_len, len(row.token_ids))
+                    for row in rows
+                ]
+            )
+        batch = build_ragged_batch(rows, self.block_size, device, unfold, shift)
         # Decode rows whose last token is still on the device read it from there (the first
         # of a row's tokens; rows come packed in order).
         pending, offset, width = [], 0, self.picks.shape[1]
@@ -205,7 +215,7 @@ class Executor:
             ]
             if max(lora_slots) < 0:
                 lora_slots = None
-        hidden = self.execute(batch, lora_slots, embeds)
+        hidden = self.execute(batch, lora_slots, media)
         # Hidden rows come in row order: all of a scoring row's tokens, else a sampler's last
         # (its last 1 + drafts where it verifies drafts).
         launched = LaunchedStep(step)
@@ -227,26 +237,40 @@ class Executor:
             launched.logits = self.logits(hidden)
         return launched
 
-    def _media_embeds(self, rows: list[ScheduledRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The packed positions of the step's media placeholder tokens and the encoder output
-        each takes (None when the step holds none), encoding what the step starts first."""
+    def _media_embeds(self, rows: list[ScheduledRow]) -> MediaEmbeds | None:
+        """The step's media placeholder tokens: their packed indices, the encoder output each
+        takes and (M-RoPE) their 3-D positions; None when the step holds none. Encodes what
+        the step starts first."""
         self._encode(rows)
-        positions: list[int] = []
+        indices: list[int] = []
         parts: list[torch.Tensor] = []
+        grids: list[np.ndarray] = []
         offset = 0
         for row in rows:
             r, start = row.resident, row.past_len
             end = start + len(row.token_ids)
             if r.media_embeds and start < r.prompt_len:
-                for item, output in zip(r.request.media, r.media_embeds, strict=True):
+                media = r.request.media
+                for i, (item, encoded) in enumerate(zip(media, r.media_embeds, strict=True)):
                     lo, hi = max(start, item.offset), min(end, item.offset + item.length)
-                    if lo < hi:
-                        positions += range(offset + lo - start, offset + hi - start)
-                        parts.append(output[lo - item.offset : hi - item.offset])
+                    if lo >= hi:
+                        continue
+                    indices += range(offset + lo - start, offset + hi - start)
+                    output, kept = encoded
+                    parts.append(output[lo - item.offset : hi - item.offset])
+                    if self.mrope:
+                        positions = mrope_positions(media, i)
+                        if kept is not None:
+                            positions = positions[:, kept]
+                        grids.append(positions[:, lo - item.offset : hi - item.offset])
             offset += len(row.token_ids)
         if not parts:
             return None
-        return to_device(positions, torch.int64, self.device), torch.cat(parts)
+        return MediaEmbeds(
+            to_device(indices, torch.int64, self.device),
+            torch.cat(parts),
+            to_device(np.concatenate(grids, axis=1), torch.int64, self.device) if grids else None,
+        )
 
     @staticmethod
     def constrained(launched: LaunchedStep) -> bool:
@@ -318,3 +342,14 @@ class Executor:
             targets = prompt[past + start + 1 : past + end + 1]
             scored += self.sampler.score(self.logits(hidden[start:end]), targets, top_n)
         return scored
+
+
+def _kept(
+    output: torch.Tensor | None, length: int
+) -> tuple[torch.Tensor, np.ndarray | None] | None:
+    """An item's encoder output as its prompt takes it: the tokens the visual-token pruner
+    keeps (with their indices; None: all are kept)."""
+    if output is None:
+        return None
+    kept = prune_image_tokens(output, length)
+    return (output, None) if kept is None else (output[kept], kept.cpu().numpy())

@@ -1,18 +1,19 @@
-"""Media in prompts: placeholders expanded to the tokens an encoder output fills, and the checks
-a request with media passes (torch-free).
+"""Media in prompts: placeholders expanded to the tokens an encoder output fills, the checks
+a request with media passes, and M-RoPE's positions around them (torch-free).
 
-A prompt names each image with one placeholder token (LLaVA's `<image>`); `expand` repeats it
-as many times as the encoder yields embeddings for one image (or as many as the visual-token
-pruner keeps, `mm_processor_kwargs={"keep_ratio": r}`) and records where, as the request's
-`MediaItem`s. Once the request is seated, the step that starts its prefill runs the
-encoder (for all the media that step starts, together) and the prefill reads its output in place
-of those tokens' embeddings (see `Executor._encode` and `encoder_cache.py`).
+A prompt names each image or audio clip with one placeholder token (LLaVA's `<image>`,
+Qwen2-VL's `<|image_pad|>`, Voxtral's `[AUDIO]`); `expand` repeats it as many times as the
+encoder yields embeddings for the item (for an image, or as many as the visual-token pruner
+keeps, `mm_processor_kwargs={"keep_ratio": r}`) and records where, as the request's
+`MediaItem`s. Once the request is seated, the step that starts its prefill runs the encoders
+(for all the media that step starts, together) and the prefill reads their output in place of
+those tokens' embeddings (see `Executor._encode` and `encoder_cache.py`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,12 +27,21 @@ PROCESSOR_FIELD = "mm_processor_kwargs"
 
 @dataclass(frozen=True)
 class MediaSpec:
-    """A kind of media a model takes: the token that stands for one item in a prompt, and how
-    many embeddings its encoder yields per item."""
+    """A kind of media a model takes: the token that stands for one item in a prompt."""
 
     kind: str
     placeholder: int
-    tokens_per_item: int
+
+
+@dataclass(frozen=True)
+class PreparedItem:
+    """One item preprocessed for its encoder: `data` (what the encoder takes), the embeddings
+    it yields for it, its content key, and (M-RoPE) its tokens' grid."""
+
+    data: Any
+    tokens: int
+    key: bytes
+    grid: tuple[int, int, int] | None = None
 
 
 def media_spec(specs: Mapping[str, MediaSpec], kind: str) -> MediaSpec:
@@ -43,9 +53,10 @@ def media_spec(specs: Mapping[str, MediaSpec], kind: str) -> MediaSpec:
     return spec
 
 
-def content_key(kind: str, data: np.ndarray) -> bytes:
-    """What identifies an item's content: its preprocessed input, shape included."""
-    h = hashlib.sha256(f"{kind}:{data.dtype}:{data.shape}".encode())
+def content_key(kind: str, data: np.ndarray, extra: str = "") -> bytes:
+    """What identifies an item's content: its preprocessed input, shape included (and `extra`,
+    what else its encoder reads)."""
+    h = hashlib.sha256(f"{kind}:{data.dtype}:{data.shape}:{extra}".encode())
     h.update(np.ascontiguousarray(data).tobytes())
     return h.digest()
 
@@ -70,30 +81,38 @@ def keep_ratio(kwargs: Mapping[str, Any] | None) -> float:
 
 
 def expand(
-    prompt: Sequence[int], spec: MediaSpec, items: Sequence[np.ndarray], ratio: float = 1.0
+    prompt: Sequence[int],
+    groups: Sequence[tuple[MediaSpec, Sequence[PreparedItem]]],
+    ratio: float = 1.0,
 ) -> tuple[list[int], list[MediaItem]]:
-    """The prompt with each placeholder token repeated for the tokens an item keeps (all
-    `tokens_per_item`, or the share `ratio` the pruner keeps, at least one), and its media (the
-    i-th placeholder is `items[i]`'s); a ValueError when the counts differ."""
-    length = max(1, round(spec.tokens_per_item * ratio))
-    count = sum(1 for t in prompt if t == spec.placeholder)
-    if count != len(items):
-        raise RequestFieldError(
-            f"the prompt has {count} {spec.kind} placeholder(s) (token {spec.placeholder}) "
-            f"for {len(items)} {spec.kind}(s): put one placeholder where each goes",
-            MEDIA_FIELD,
-        )
+    """The prompt with each placeholder token repeated for the tokens an item keeps (all its
+    `tokens`; of an image, the share `ratio` the pruner keeps, at least one), and its media in
+    prompt order (the i-th placeholder of a kind is the i-th item of its group); a
+    RequestFieldError when the counts differ."""
+    pending: dict[int, tuple[MediaSpec, Iterator[PreparedItem]]] = {}
+    for spec, items in groups:
+        count = sum(1 for t in prompt if t == spec.placeholder)
+        if count != len(items):
+            raise RequestFieldError(
+                f"the prompt has {count} {spec.kind} placeholder(s) (token {spec.placeholder}) "
+                f"for {len(items)} {spec.kind}(s): put one placeholder where each goes",
+                MEDIA_FIELD,
+            )
+        pending[spec.placeholder] = spec, iter(items)
     ids: list[int] = []
     media: list[MediaItem] = []
-    it = iter(items)
     for token in prompt:
-        if token != spec.placeholder:
+        if token not in pending:
             ids.append(token)
             continue
-        data = next(it)
-        key = content_key(spec.kind, data)
-        media.append(MediaItem(spec.kind, len(ids), length, key, data))
-        ids += [spec.placeholder] * length
+        spec, items = pending[token]
+        item = next(items)
+        share = ratio if spec.kind == "image" else 1.0
+        length = max(1, round(item.tokens * share))
+        media.append(
+            MediaItem(spec.kind, len(ids), length, item.key, item.data, item.tokens, item.grid)
+        )
+        ids += [token] * length
     return ids, media
 
 
@@ -104,10 +123,10 @@ def check_media(request: GenerationRequest, specs: Mapping[str, MediaSpec]) -> N
     end = 0
     for item in request.media:
         spec = media_spec(specs, item.kind)
-        if not 1 <= item.length <= spec.tokens_per_item:
+        if not 1 <= item.length <= item.tokens:
             raise RequestFieldError(
-                f"a {item.kind} takes 1 to {spec.tokens_per_item} placeholder tokens (all, or "
-                f"those the pruner keeps), got {item.length}",
+                f"a {item.kind} of {item.tokens} tokens takes 1 to {item.tokens} placeholder "
+                f"tokens (all, or those the pruner keeps), got {item.length}",
                 MEDIA_FIELD,
             )
         if item.offset < end or item.offset + item.length > len(prompt):
@@ -131,3 +150,35 @@ def check_media(request: GenerationRequest, specs: Mapping[str, MediaSpec]) -> N
                 f"with no {spec.kind} for them",
                 MEDIA_FIELD,
             )
+
+
+# M-RoPE (Qwen2-VL): an image's tokens sit at 3-D positions (t, h, w) offset by the position of
+# its first token, and the text after it continues at that position plus the larger side of its
+# grid; text tokens' three coordinates are equal, so their rotation is plain RoPE's at that one
+# position. Tokens are indexed 0, 1, ... in the sequence (their KV slots); `mrope_shift` says
+# how far each one's rotary position lies from its index.
+
+
+def mrope_shift(media: Sequence[MediaItem], start: int, count: int) -> np.ndarray:
+    """Each of tokens start .. start + count's rotary position minus its index (an image's
+    tokens: its first one's; their own 3-D positions come from `mrope_positions`)."""
+    index = np.arange(start, start + count)
+    shift = np.zeros(count, np.int64)
+    before = 0  # the shift of the text before the item
+    for item in media:
+        end = item.offset + item.length
+        if end > start and item.offset < start + count:
+            inside = (index >= item.offset) & (index < end)
+            shift[inside] = before - (index[inside] - item.offset)
+        before += item.span - item.length
+        shift[index >= end] = before
+    return shift
+
+
+def mrope_positions(media: Sequence[MediaItem], which: int) -> np.ndarray:
+    """The 3-D positions [3, tokens] of every token of `media[which]`'s grid (before any
+    pruning), in the order its encoder yields them: temporal, then height, then width."""
+    item = media[which]
+    assert item.grid is not None
+    start = item.offset + sum(m.span - m.length for m in media[:which])
+    return np.indices(item.grid).reshape(3, -1) + start

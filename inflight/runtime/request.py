@@ -190,16 +190,25 @@ class SamplingParams:
 
 @dataclass(frozen=True, eq=False)
 class MediaItem:
-    """An image of the prompt: its placeholder tokens are prompt positions `offset` ..
-    `offset + length`, whose embeddings its encoder's output replaces; `key` hashes its content
-    (the encoder cache's and the context cache's key); `data` is what its encoder takes (the
-    preprocessed pixels, opaque here)."""
+    """An image or audio clip of the prompt: its placeholder tokens are prompt positions
+    `offset` .. `offset + length`, whose embeddings its encoder's output (`tokens` of them; the
+    visual-token pruner keeps `length`) replaces; `key` hashes its content (the encoder cache's
+    and the context cache's key); `data` is what its encoder takes (opaque here). `grid`: with
+    M-RoPE, the (temporal, height, width) extent of its tokens' 3-D positions."""
 
     kind: str
     offset: int
     length: int
     key: bytes
     data: Any = field(repr=False)
+    tokens: int
+    grid: tuple[int, int, int] | None = None
+
+    @property
+    def span(self) -> int:
+        """How far the positions of the tokens after it advance past its first (M-RoPE: the
+        larger side of its grid; else its token count)."""
+        return self.length if self.grid is None else max(self.grid[1], self.grid[2])
 
 
 @dataclass(frozen=True)
@@ -216,7 +225,7 @@ class GenerationRequest:
     generate_audio: bool = False  # speech output
     save_system_prompt_kv_cache: bool = False  # the legacy system-prompt KV capture
     past_trajectory: Sequence[Any] | None = None  # trajectory execution
-    media: Sequence[MediaItem] = ()  # images in the prompt, in prompt order
+    media: Sequence[MediaItem] = ()  # images and audio clips in the prompt, in prompt order
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))

@@ -13,7 +13,6 @@ import torch
 from inflight.model.attention import TorchAttentionBackend, select_backend
 from inflight.model.checkpoints.loader import Checkpoint, build_model, open_checkpoint
 from inflight.model.checkpoints.lora import load_lora_adapter
-from inflight.model.image_processor import ImageProcessor
 from inflight.runtime.adapters import AdapterRegistry
 from inflight.runtime.blocking import BlockingRun
 from inflight.runtime.config import RuntimeConfig
@@ -23,8 +22,9 @@ from inflight.runtime.draft_model import DraftModel
 from inflight.runtime.encoder_cache import EncoderCache
 from inflight.runtime.executor import Executor, allocate_kv_cache
 from inflight.runtime.kv_cache import BlockPool
-from inflight.runtime.media import MEDIA_FIELD, MediaSpec, expand, keep_ratio, media_spec
+from inflight.runtime.media import MEDIA_FIELD, expand, keep_ratio, media_spec
 from inflight.runtime.output_processor import OutputProcessor
+from inflight.runtime.preprocessing import media_inputs
 from inflight.runtime.request import GenerationRequest, MediaItem, RequestFieldError, SamplingParams
 from inflight.runtime.sampler import Sampler
 from inflight.runtime.scheduler import AdmissionIntent, Scheduler
@@ -83,14 +83,9 @@ class Runtime:
                 model.load_lora,
             )
         self.overlap = self.device.type == "cuda" if config.overlap is None else config.overlap
-        vision = model_config.vision
-        self.media: dict[str, MediaSpec] = {}  # the media the model takes, by kind
-        self.image_processor: ImageProcessor | None = None
-        if vision is not None:
-            self.media["image"] = MediaSpec("image", vision.image_token_id, vision.tokens_per_image)
-            self.image_processor = ImageProcessor.from_config(
-                self.checkpoint.processor_config, vision
-            )
+        self.media_inputs = media_inputs(model_config, self.checkpoint.processor_config)
+        # The media the model takes, by kind.
+        self.media = {kind: found.spec for kind, found in self.media_inputs.items()}
         self.speculator = None
         if config.speculative is not None:
             drafter = None
@@ -190,7 +185,9 @@ class Runtime:
             pick_width=pick_width(config.speculative),
             graph_inputs=graph_inputs,
             encoder_cache=(
-                EncoderCache(config.encoder_cache_mb << 20) if model_config.vision else None
+                EncoderCache(config.encoder_cache_mb << 20)
+                if model_config.vision or model_config.audio
+                else None
             ),
         )
 
@@ -234,23 +231,22 @@ class Runtime:
         processor_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[list[int], list[MediaItem]]:
         """A tokenized prompt with its placeholders expanded for `data` (vLLM's
-        `multi_modal_data`: {"image": a PIL image or a list of them, one per placeholder in
-        order}), and its media, preprocessed; `processor_kwargs` (vLLM's
+        `multi_modal_data`: {"image": a PIL image or a list of them, "audio": an array of 16 kHz
+        samples, (samples, sampling rate), or a list of those; one per placeholder of the kind,
+        in order}), and its media, preprocessed; `processor_kwargs` (vLLM's
         `mm_processor_kwargs`): {"keep_ratio": r} keeps that share of each image's tokens
         (`model.vision.prune_image_tokens`). A RequestFieldError names what is wrong."""
         ratio = keep_ratio(processor_kwargs)
-        for kind in data:
-            media_spec(self.media, kind)
-        if "image" not in data:
-            return list(prompt), []
-        assert self.image_processor is not None
-        images = data["image"]
-        images = list(images) if isinstance(images, list | tuple) else [images]
-        try:
-            pixels = [self.image_processor(image) for image in images]
-        except (ValueError, OSError) as exc:
-            raise RequestFieldError(f"cannot read an image: {exc}", MEDIA_FIELD) from exc
-        return expand(prompt, self.media["image"], pixels, ratio)
+        groups = []
+        for kind, given in data.items():
+            spec = media_spec(self.media, kind)
+            items = list(given) if isinstance(given, list) else [given]
+            try:
+                prepared = [self.media_inputs[kind].prepare(item) for item in items]
+            except (ValueError, OSError) as exc:
+                raise RequestFieldError(f"cannot read an {kind}: {exc}", MEDIA_FIELD) from exc
+            groups.append((spec, prepared))
+        return expand(prompt, groups, ratio)
 
     def check_request(self, request: GenerationRequest) -> AdmissionIntent:
         """Validate a request against this runtime (ValueError naming the problem) and size what

@@ -351,12 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_json_object,
         default=None,
         metavar="JSON",
-        help="media items a prompt may hold, e.g. '{\"image\": 4}' (default 4)",
+        help='media items a prompt may hold, e.g. \'{"image": 4, "audio": 1}\' (default 4 each)',
     )
     serve.add_argument(
         "--allow-media-fetch",
         action="store_true",
-        help="fetch http(s) image URLs (default: data URLs only)",
+        help="fetch http(s) image and audio URLs (default: data URLs only)",
     )
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]

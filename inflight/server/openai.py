@@ -17,10 +17,12 @@ from inflight.server.client import Run
 from inflight.server.errors import ServerError
 from inflight.server.parsers import MessageDelta, MessageParser
 from inflight.server.protocol import (
+    AudioURLPart,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     ImagePart,
+    InputAudioPart,
     NamedToolChoice,
     SamplingFields,
     TextPart,
@@ -176,11 +178,16 @@ def _content_parts(parts: list[Any], where: str) -> list[dict[str, Any]]:
             out.append({"type": "text", "text": part.text})
         elif isinstance(part, ImagePart):
             out.append({"type": "image_url", "image_url": {"url": part.image_url.url}})
+        elif isinstance(part, InputAudioPart):
+            audio = {"data": part.input_audio.data, "format": part.input_audio.format}
+            out.append({"type": "input_audio", "input_audio": audio})
+        elif isinstance(part, AudioURLPart):
+            out.append({"type": "audio_url", "audio_url": {"url": part.audio_url.url}})
         else:
             raise ServerError(
                 400,
-                f"content of type {part.type!r} is not supported; this server reads text and "
-                "images (image_url)",
+                f"content of type {part.type!r} is not supported; this server reads text, "
+                "images (image_url) and audio (input_audio, audio_url)",
                 f"{where}.{j}",
             )
     return out

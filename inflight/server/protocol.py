@@ -53,8 +53,29 @@ class ImagePart(Strict):
     image_url: ImageURL
 
 
+class InputAudio(Strict):
+    data: str  # base64
+    format: str  # "wav" is read; others are refused naming the format
+
+
+class InputAudioPart(Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class AudioURL(Strict):
+    url: str  # a data:audio/...;base64 URL, or http(s) where the server fetches
+
+
+class AudioURLPart(Strict):
+    """vLLM's audio part."""
+
+    type: Literal["audio_url"]
+    audio_url: AudioURL
+
+
 class OtherPart(BaseModel):
-    """A content part of another type (audio, file): accepted by the schema, refused."""
+    """A content part of another type (a file): accepted by the schema, refused."""
 
     model_config = ConfigDict(extra="allow")
     type: str
@@ -73,7 +94,9 @@ class AssistantToolCall(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | ImagePart | OtherPart] | None = None
+    content: str | list[TextPart | ImagePart | InputAudioPart | AudioURLPart | OtherPart] | None = (
+        None
+    )
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: str | None = None

@@ -12,6 +12,7 @@ from transformers import AutoImageProcessor
 from inflight.model.attention import select_backend
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
 from inflight.model.image_processor import ImageProcessor
+from inflight.model.llama import MediaEmbeds
 
 from helpers import PagedSequence
 from tiny_models import IMAGE_TOKEN_ID, make_tiny_llava
@@ -74,11 +75,11 @@ def _prompt(images: int) -> list[int]:
 
 
 def _embeds(model, ids, pixels):
-    """Our decoder's `embeds` for a prompt: the image encoder's output over the placeholders."""
+    """Our decoder's `media` for a prompt: the image encoder's output over the placeholders."""
     at = torch.tensor([i for i, t in enumerate(ids) if t == IMAGE_TOKEN_ID])
     if not len(at):
         return None
-    return at, model.image_encoder(pixels).reshape(-1, model.config.hidden_size)
+    return MediaEmbeds(at, model.image_encoder(pixels).reshape(-1, model.config.hidden_size))
 
 
 @pytest.mark.parametrize("tower", TOWERS)

@@ -174,7 +174,7 @@ def test_modalities_and_encoder_counters_are_published(setup):
         ),
         (
             [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}],
-            "content of type 'input_audio' is not supported",
+            "this model takes no audio input (it takes image)",
         ),
     ],
 )

@@ -64,6 +64,20 @@ class RotaryEmbedding(torch.nn.Module):
             self.sin[positions].unsqueeze(1).to(dtype),
         )
 
+    def mrope_angles(self, positions: torch.Tensor, dtype: torch.dtype) -> Angles:
+        """M-RoPE's cos and sin [M, 1, D] of tokens at 3-D positions [3, M]: each section of
+        rotary pairs at its own coordinate (a token whose three are equal gets `angles`')."""
+        section = self.config.rope.mrope_section
+        assert section is not None
+        # Which coordinate each of the D dims reads (the pairs' halves alike).
+        axis = torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
+        axis = torch.cat((axis, axis)).to(positions.device)
+        columns = torch.arange(axis.shape[0], device=positions.device)
+        rows = positions[axis]  # [D, M]: the coordinate each dim of each token reads
+        cos = self.cos[rows, columns[:, None]].T.unsqueeze(1).to(dtype)
+        sin = self.sin[rows, columns[:, None]].T.unsqueeze(1).to(dtype)
+        return cos, sin
+
 
 Angles = tuple[torch.Tensor, torch.Tensor]
 

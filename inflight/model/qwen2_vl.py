@@ -1,0 +1,325 @@
+"""The image side of Qwen2-VL and Qwen2.5-VL: a ViT over an image's own patch grid, with a 2-D
+rotary position per patch, whose spatial_merge_size^2 neighbouring patches are merged into one
+prompt embedding of the decoder's width.
+
+`Qwen2VLImageEncoder.encode` takes the flattened patches `Qwen2VLImageProcessor` makes and
+returns, for each image, its embeddings in the order of its placeholder tokens in the prompt:
+t-major, then row, then column over the merged grid (`merged_grid`), which is the order
+Hugging Face's `get_rope_index` gives those tokens their (t, h, w) positions in. All the images
+of one call share one tower forward; attention stays within a frame, and for Qwen2.5-VL within
+a window except in its full-attention blocks (the tower then runs on the patches reordered
+window by window and restores the order at the end, as Hugging Face does).
+Parameters keep Hugging Face names below `visual`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inflight.model.config import Qwen2VLVisionConfig
+from inflight.model.vision import activation
+
+# Hugging Face's eps for every norm of both towers.
+_EPS = 1e-6
+
+
+def merged_grid(grid_thw: tuple[int, int, int], merge: int) -> tuple[int, int, int]:
+    """The (t, h, w) grid of an image's prompt tokens, given its grid in patches: each
+    merge x merge block of patches of a frame becomes one token."""
+    t, h, w = grid_thw
+    if min(grid_thw) < 1 or h % merge or w % merge:
+        raise ValueError(f"a patch grid {tuple(grid_thw)} does not merge in {merge}x{merge} blocks")
+    return t, h // merge, w // merge
+
+
+def _activation(name: str):
+    return F.silu if name == "silu" else activation(name)
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In float32 whatever the weights' dtype, as Hugging Face's.
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + _EPS)
+        return self.weight * y.to(x.dtype)
+
+
+def _norm(config: Qwen2VLVisionConfig, size: int) -> nn.Module:
+    return _RMSNorm(size) if config.windowed else nn.LayerNorm(size, eps=_EPS)
+
+
+class _PatchEmbed(nn.Module):
+    def __init__(self, config: Qwen2VLVisionConfig) -> None:
+        super().__init__()
+        kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
+        self.proj = nn.Conv3d(
+            config.in_channels, config.embed_dim, kernel, stride=kernel, bias=False
+        )
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        # A stride-equals-kernel convolution of one patch each is a matmul (a patch is
+        # flattened channel, time, row, column: the kernel's own order), and cheaper on GPUs.
+        return F.linear(patches, self.proj.weight.flatten(1))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position on x [tokens, heads, head_dim], in float32 as Hugging Face does."""
+    y = x.float()
+    half = y.shape[-1] // 2
+    turned = torch.cat((-y[..., half:], y[..., :half]), dim=-1)
+    return (y * cos[:, None] + turned * sin[:, None]).to(x.dtype)
+
+
+def _segment_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[torch.Tensor]
+) -> torch.Tensor:
+    """Attention of q, k, v [tokens, heads, head_dim] within segments of consecutive tokens,
+    `groups` holding the segments of each length as token indices [segments, length]: one
+    batched call per length rather than one per segment (windows are mostly of one size)."""
+    out = torch.empty_like(q)
+    for index in groups:
+        qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))
+        out[index] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
+    return out
+
+
+class _Attention(nn.Module):
+    def __init__(self, config: Qwen2VLVisionConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.qkv = nn.Linear(config.embed_dim, 3 * config.embed_dim)
+        self.proj = nn.Linear(config.embed_dim, config.embed_dim)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[torch.Tensor]
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv(x).view(tokens, 3, self.num_heads, -1).unbind(1)
+        out = _segment_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, groups)
+        return self.proj(out.reshape(tokens, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, config: Qwen2VLVisionConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.embed_dim, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.embed_dim)
+        self.act = _activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class _GatedMLP(nn.Module):
+    """Qwen2.5-VL's: SwiGLU-style, with biases."""
+
+    def __init__(self, config: Qwen2VLVisionConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.embed_dim, config.intermediate_size)
+        self.up_proj = nn.Linear(config.embed_dim, config.intermediate_size)
+        self.down_proj = nn.Linear(config.intermediate_size, config.embed_dim)
+        self.act = _activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, config: Qwen2VLVisionConfig) -> None:
+        super().__init__()
+        self.norm1 = _norm(config, config.embed_dim)
+        self.attn = _Attention(config)
+        self.norm2 = _norm(config, config.embed_dim)
+        self.mlp = _GatedMLP(config) if config.windowed else _MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[torch.Tensor]
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, groups)
+        return x + self.mlp(self.norm2(x))
+
+
+class _Merger(nn.Module):
+    def __init__(self, config: Qwen2VLVisionConfig) -> None:
+        super().__init__()
+        self.width = config.embed_dim * config.spatial_merge_size**2
+        self.ln_q = _norm(config, config.embed_dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(self.width, self.width),
+            nn.GELU(),
+            nn.Linear(self.width, config.out_hidden_size),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A merge block's patches are consecutive (the processor's order): one row each.
+        return self.mlp(self.ln_q(x).view(-1, self.width))
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a call's patches go: all follow from the images' grids."""
+
+    positions: torch.Tensor  # [patches, 2] (row, column) of each patch, in tower order
+    order: torch.Tensor | None  # tower order of the merge blocks (Qwen2.5-VL's windows)
+    frames: list[torch.Tensor]  # attention segments of one frame each (see _segment_attention)
+    windows: list[torch.Tensor]  # of one window each (Qwen2.5-VL)
+
+
+def _groups(lengths: list[int], device: torch.device) -> list[torch.Tensor]:
+    """Consecutive segments of these lengths, as token indices grouped by length."""
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    lengths_np = np.asarray(lengths)
+    return [
+        torch.from_numpy(starts[lengths_np == n][:, None] + np.arange(n)).to(device)
+        for n in sorted(set(lengths))
+    ]
+
+
+def _positions(grid: tuple[int, int, int], merge: int) -> torch.Tensor:
+    """(row, column) of an image's patches in the processor's order: frame by frame, merge
+    block by merge block (raster over the merged grid), raster within a block."""
+    t, h, w = grid
+    rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    blocks = (h // merge, merge, w // merge, merge)
+    rows = rows.reshape(blocks).transpose(1, 2).flatten()
+    cols = cols.reshape(blocks).transpose(1, 2).flatten()
+    return torch.stack([rows, cols], dim=-1).repeat(t, 1)
+
+
+def _windows(grid: tuple[int, int, int], side: int) -> tuple[np.ndarray, list[int]]:
+    """Qwen2.5-VL's windows over an image's merged grid: the merge blocks in window order
+    (frame, window row, window column, then raster within the window; windows at the right
+    and bottom edges are cut short) and the number of blocks in each window."""
+    t, h, w = grid
+    rows, cols = math.ceil(h / side), math.ceil(w / side)
+    padded = np.full((t, rows * side, cols * side), -1, np.int64)
+    padded[:, :h, :w] = np.arange(t * h * w).reshape(t, h, w)
+    windows = padded.reshape(t, rows, side, cols, side).transpose(0, 1, 3, 2, 4)
+    windows = windows.reshape(t * rows * cols, side * side)
+    return windows[windows >= 0], (windows >= 0).sum(1).tolist()
+
+
+def _layout(
+    config: Qwen2VLVisionConfig, grids: list[tuple[int, int, int]], device: torch.device
+) -> _Layout:
+    merge = config.spatial_merge_size
+    unit = merge * merge
+    positions = torch.cat([_positions(grid, merge) for grid in grids])
+    # The window order keeps each frame's patches together, so frames are consecutive either way.
+    frames = _groups([h * w for t, h, w in grids for _ in range(t)], device)
+    if not config.windowed:
+        return _Layout(positions.to(device), None, frames, [])
+    side = config.window_size // config.patch_size // merge
+    order, sizes, offset = [], [], 0
+    for grid in grids:
+        merged = merged_grid(grid, merge)
+        blocks, counts = _windows(merged, side)
+        order.append(blocks + offset)
+        sizes += [count * unit for count in counts]
+        offset += math.prod(merged)
+    block_order = torch.from_numpy(np.concatenate(order))
+    positions = positions.view(-1, unit, 2)[block_order].view(-1, 2)
+    return _Layout(positions.to(device), block_order.to(device), frames, _groups(sizes, device))
+
+
+class _VisionTransformer(nn.Module):
+    def __init__(self, config: Qwen2VLVisionConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.patch_embed = _PatchEmbed(config)
+        self.blocks = nn.ModuleList(_Block(config) for _ in range(config.depth))
+        self.merger = _Merger(config)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [patches, head_dim] of the 2-D rotary: the first quarter of the
+        frequencies turn with the row, the second with the column, and both halves of the
+        head (rotate-half layout) repeat them. Computed per call, in float32: never cast with
+        the weights."""
+        half = self.config.embed_dim // self.config.num_heads // 2
+        exponents = torch.arange(0, half, 2, dtype=torch.float) / half
+        inv_freq = (1.0 / self.config.rope_theta**exponents).to(positions.device)
+        angles = (positions[..., None].float() * inv_freq).flatten(1)
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos(), angles.sin()
+
+    def forward(self, patches: torch.Tensor, layout: _Layout) -> torch.Tensor:
+        x = self.patch_embed(patches)
+        width, unit = x.shape[-1], self.config.spatial_merge_size**2
+        if layout.order is not None:
+            x = x.view(-1, unit, width)[layout.order].view(-1, width)
+        cos, sin = self._rotary(layout.positions)
+        full = set(self.config.fullatt_block_indexes)
+        for i, block in enumerate(self.blocks):
+            windowed = self.config.windowed and i not in full
+            x = block(x, cos, sin, layout.windows if windowed else layout.frames)
+        merged = self.merger(x)
+        if layout.order is None:
+            return merged
+        restored = torch.empty_like(merged)
+        restored[layout.order] = merged
+        return restored
+
+
+class Qwen2VLImageEncoder(nn.Module):
+    def __init__(self, config: Qwen2VLVisionConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.visual = _VisionTransformer(config)
+
+    @torch.inference_mode()
+    def encode(self, items: list[tuple[np.ndarray, tuple[int, int, int]]]) -> list[torch.Tensor]:
+        """Prompt embeddings of images, each given as (flattened patches float32
+        [t*h*w, channels*temporal*patch*patch], grid (t, h, w) in patches) as the processor
+        makes them: for each, [t*h*w / merge^2, out_hidden_size] in the weights' dtype and
+        device, in the order of the merged grid (t-major, then row, then column). Views of
+        one tensor: all images run in one tower forward."""
+        if not items:
+            return []
+        config = self.config
+        grids, counts = [], []
+        for patches, grid in items:
+            grid = tuple(int(n) for n in grid)
+            counts.append(math.prod(merged_grid(grid, config.spatial_merge_size)))
+            want = (math.prod(grid), config.patch_dim)
+            if tuple(patches.shape) != want:
+                raise ValueError(
+                    f"patches of a {grid} grid must be {want}, got {tuple(patches.shape)}"
+                )
+            grids.append(grid)
+        weight = self.visual.patch_embed.proj.weight
+        pixels = np.concatenate([np.asarray(patches, np.float32) for patches, _ in items])
+        pixels = torch.from_numpy(pixels).to(weight.device, weight.dtype)
+        embeds = self.visual(pixels, _layout(config, grids, weight.device))
+        return list(embeds.split(counts))
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors (`visual.*`, any `model.` level already stripped)
+        in: a missing or unknown one, or a shape that differs, is a ValueError."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the image encoder")
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(param.shape)}"
+                )
+            param.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks image encoder tensors {missing[:5]}")

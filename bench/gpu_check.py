@@ -11,11 +11,12 @@
 5. The LoRA side paths in bf16 (the indexed Triton kernel, the masked matmuls) against the float64
    formula: a fused three-part layer, slots of two ranks and an empty one, tokens of every slot
    and of the base model.
-6. Image input: a random-weight LLaVA (`llava-clip-b16-smollm2`) in bf16, 8 prompts of one image
-   each, the Triton backend with CUDA graphs and overlapped steps against the torch backend
-   eagerly on the same weights; divergences must be near-ties (the gap read from the
-   reference's top-2 logprobs with the image in the prompt); and the image encoder in bf16
-   against the same weights in float32 on the CPU (relative error under 2e-2).
+6. Media input: random-weight LLaVA (`llava-clip-b16-smollm2`), Qwen2-VL-2B (M-RoPE, images of
+   different sizes) and Voxtral-Mini-3B (audio clips of 3 to 40 s) in bf16, 8 prompts of one
+   item each, the Triton backend with CUDA graphs and overlapped steps against the torch
+   backend eagerly on the same weights; divergences must be near-ties (the gap read from the
+   reference's top-2 logprobs with the item in the prompt); and the encoder in bf16 against
+   the same weights in float32 on the CPU (relative error under 2e-2).
 
     python3 bench/gpu_check.py   (prints a table; exits 1 on a failed check)
 """
@@ -23,6 +24,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import random
 import sys
@@ -138,38 +140,62 @@ def check_end_to_end(device: torch.device, seed: int) -> tuple[bool, str]:
     return ok, f"{same}/8 identical for 32 tokens" + ("; " + "; ".join(lines) if lines else "")
 
 
-def check_images(device: torch.device, seed: int) -> tuple[bool, str]:
-    config = dict(device="cuda", max_batch_size=8, max_model_len=512, context_cache=False)
+def _picture(rng: np.random.Generator, size: tuple[int, int] = (240, 320)) -> Image.Image:
+    return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+def _clip(rng: np.random.Generator) -> np.ndarray:
+    """A chirp with noise, 3 to 40 s (1 or 2 of the encoder's 30 s windows)."""
+    seconds = float(rng.uniform(3, 40))
+    t = np.arange(int(seconds * 16000)) / 16000
+    chirp = 0.3 * np.sin(2 * np.pi * (200 + 50 * t) * t)
+    return (chirp + 0.02 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+# What each media check feeds: the model shape, the kind, and a random item.
+MEDIA_CHECKS = {
+    "llava": ("llava-clip-b16-smollm2", "image", _picture),
+    # Images of different sizes: different grids, so different M-RoPE shifts per row.
+    "qwen2-vl": (
+        "qwen2-vl-2b",
+        "image",
+        lambda rng: _picture(rng, tuple(int(x) for x in rng.integers(100, 500, 2))),
+    ),
+    "voxtral": ("voxtral-mini-3b", "audio", _clip),
+}
+
+
+def check_media(which: str, device: torch.device, seed: int) -> tuple[bool, str]:
+    shape, kind, make = MEDIA_CHECKS[which]
+    config = dict(device="cuda", max_batch_size=8, max_model_len=2048, context_cache=False)
     fast = Runtime(
-        random_checkpoint("llava-clip-b16-smollm2", device, seed),
+        random_checkpoint(shape, device, seed),
         RuntimeConfig(attention_backend="triton", **config),
     )
     ref = Runtime(
-        random_checkpoint("llava-clip-b16-smollm2", device, seed),
+        random_checkpoint(shape, device, seed),
         RuntimeConfig(attention_backend="torch", cuda_graphs=False, overlap=False, **config),
     )
     rng = np.random.default_rng(seed)
-    placeholder = fast.media_placeholder("image")
+    placeholder = fast.media_placeholder(kind)
     prompts = []
     for _ in range(8):
-        picture = Image.fromarray(rng.integers(0, 256, (240, 320, 3), dtype=np.uint8))
         text = rng.integers(100, 40000, int(rng.integers(8, 60))).tolist()
-        prompts.append(([1, *text[:5], placeholder, *text[5:]], picture))
+        prompts.append(([1, *text[:5], placeholder, *text[5:]], make(rng)))
+
+    def request(runtime: Runtime, index: int, prefix=(), **params) -> GenerationRequest:
+        ids, item = prompts[index]
+        expanded, media = runtime.expand_media(ids, {kind: item})
+        return GenerationRequest([*expanded, *prefix], SamplingParams(**params), media=media)
 
     def greedy(runtime: Runtime) -> list[tuple[int, ...]]:
-        params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-        requests = []
-        for ids, picture in prompts:
-            expanded, media = runtime.expand_media(ids, {"image": picture})
-            requests.append(GenerationRequest(expanded, params, media=media))
+        params = dict(max_tokens=32, temperature=0, ignore_eos=True)
+        requests = [request(runtime, i, **params) for i in range(len(prompts))]
         return [tuple(o.token_ids) for o in _run_all(runtime, requests)]
 
     def gap(index: int, prefix: tuple[int, ...]) -> float:
-        ids, picture = prompts[index]
-        expanded, media = ref.expand_media(ids, {"image": picture})
-        params = SamplingParams(max_tokens=1, temperature=0, logprobs=2)
-        request = GenerationRequest([*expanded, *prefix], params, media=media)
-        (entry,) = _run_all(ref, [request])[0].outputs[0].logprobs
+        one = request(ref, index, prefix, max_tokens=1, temperature=0, logprobs=2)
+        (entry,) = _run_all(ref, [one])[0].outputs[0].logprobs
         return entry.top[0].logprob - entry.top[1].logprob
 
     got, want = greedy(fast), greedy(ref)
@@ -185,11 +211,11 @@ def check_images(device: torch.device, seed: int) -> tuple[bool, str]:
             f"prompt {i}: diverges at token {j}, reference top-2 gap {top2:.3f}"
             f" ({'near-tie' if near_tie else 'NOT a near-tie'})"
         )
-    # The tower and projector in bf16 against the same weights in float32 on the CPU.
-    encoder = fast.executor.model.image_encoder
-    pixels = torch.randn(4, 3, 224, 224)
-    exact = copy.deepcopy(encoder).float().cpu()(pixels)
-    error = ((encoder(pixels).float().cpu() - exact).norm() / exact.norm()).item()
+    # The encoder in bf16 against the same weights in float32 on the CPU, on two items.
+    encoder = next(iter(fast.executor.model.media_encoders().values()))
+    items = [m.data for m in request(fast, 0).media + request(fast, 1).media]
+    exact = torch.cat(copy.deepcopy(encoder).float().cpu().encode(items))
+    error = ((torch.cat(encoder.encode(items)).float().cpu() - exact).norm() / exact.norm()).item()
     ok &= error < 2e-2
     same = sum(a == b for a, b in zip(got, want, strict=True))
     return ok, f"{same}/8 identical for 32 tokens; encoder rel. err {error:.2e}" + (
@@ -359,7 +385,9 @@ def main() -> int:
         ("greedy end to end", check_end_to_end),
         ("structured outputs", check_structured_outputs),
         ("lora side paths", check_lora),
-        ("images end to end", check_images),
+        ("images end to end", functools.partial(check_media, "llava")),
+        ("M-RoPE images", functools.partial(check_media, "qwen2-vl")),
+        ("audio end to end", functools.partial(check_media, "voxtral")),
     )
     for name, check in checks:
         for seed in (0, 1):

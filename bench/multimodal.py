@@ -1,17 +1,19 @@
-"""Concurrent image + text chats under in-flight batching: TTFT and throughput with the encoder
-cache cold and warm.
+"""Concurrent image (or audio) + text chats under in-flight batching: TTFT and throughput with
+the encoder cache cold and warm.
 
-A random-weight LLaVA of a small but real shape (`llava-clip-b16-smollm2`: a CLIP ViT-B/16 tower
-of 224-pixel images, 196 image tokens, and SmolLM2-135M's decoder). `--requests` chats, each an
-image and a short question, are handed to the engine at once (a streaming consumer thread
-each): "cold" with images the encoder cache has not seen, "warm" again with the same images
-(every encoder output found in the cache), "cold again" with other new images (the encoder's
+A random-weight model of a real shape: by default a small LLaVA (`llava-clip-b16-smollm2`: a
+CLIP ViT-B/16 tower of 224-pixel images, 196 image tokens, and SmolLM2-135M's decoder);
+`--shape qwen2-vl-2b` (400x300 images: 150 tokens at their M-RoPE positions) or
+`--shape voxtral-mini-3b` (10 s clips: one 30 s window, 375 tokens). `--requests` chats, each
+an item and a short question, are handed to the engine at once (a streaming consumer thread
+each): "cold" with items the encoder cache has not seen, "warm" again with the same items
+(every encoder output found in the cache), "cold again" with other new items (the encoder's
 batch shape seen before). The context cache is off, so every run recomputes every prompt: what
 differs is the encoder alone. Prints TTFT p50 / p99, output tok/s and the encoder counters;
 writes JSON to $OUT (or bench/out).
 
     .venv/bin/python bench/multimodal.py [--requests 16] [--max-tokens 32]
-    python3 bench/multimodal.py --device cuda
+    python3 bench/multimodal.py --device cuda [--shape qwen2-vl-2b|voxtral-mini-3b]
 """
 
 from __future__ import annotations
@@ -32,20 +34,29 @@ from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 
-SHAPE = "llava-clip-b16-smollm2"
+SHAPES = ("llava-clip-b16-smollm2", "qwen2-vl-2b", "voxtral-mini-3b")
+
+
+def _item(kind: str, rng: np.random.Generator):
+    """A random picture (300x400), or 10 s of noisy tone."""
+    if kind == "image":
+        return Image.fromarray(rng.integers(0, 256, (300, 400, 3), dtype=np.uint8))
+    t = np.arange(160_000) / 16000
+    tone = 0.3 * np.sin(2 * np.pi * rng.uniform(100, 800) * t)
+    return (tone + 0.02 * rng.standard_normal(t.size)).astype(np.float32)
 
 
 def chats(runtime: Runtime, count: int, seed: int, max_tokens: int) -> list[GenerationRequest]:
-    """`count` requests: a few text tokens, an image (a random picture), a question."""
+    """`count` requests: a few text tokens, an image or clip (random), a question."""
     rng = np.random.default_rng(seed)
-    placeholder = runtime.media_placeholder("image")
+    (kind,) = runtime.media
+    placeholder = runtime.media_placeholder(kind)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     requests = []
     for _ in range(count):
-        image = Image.fromarray(rng.integers(0, 256, (300, 400, 3), dtype=np.uint8))
         text = rng.integers(100, 40000, 24).tolist()
         prompt = [1, *text[:8], placeholder, *text[8:]]
-        ids, media = runtime.expand_media(prompt, {"image": image})
+        ids, media = runtime.expand_media(prompt, {kind: _item(kind, rng)})
         requests.append(GenerationRequest(ids, params, media=media))
     return requests
 
@@ -91,15 +102,16 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--shape", choices=SHAPES, default=SHAPES[0])
     args = parser.parse_args()
     device = torch.device(args.device)
     config = RuntimeConfig(
         max_batch_size=args.requests,
-        max_model_len=512,
+        max_model_len=1024,
         context_cache=False,
         device=args.device,
     )
-    runtime = Runtime(random_checkpoint(SHAPE, device), config)
+    runtime = Runtime(random_checkpoint(args.shape, device), config)
     engine = RequestEngine(
         runtime, EngineConfig(max_batch_size=args.requests, max_pending_requests=256)
     )
@@ -130,12 +142,12 @@ def main() -> None:
     same = sum(a == b for a, b in zip(outputs["cold"], outputs["warm"], strict=True))
     print(f"warm outputs identical to cold: {same}/{len(requests)}")
     write_report(
-        report_path("multimodal.json"),
+        report_path(f"multimodal-{args.shape}.json"),
         device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         threads=torch.get_num_threads(),
         args=vars(args),
-        shape=SHAPE,
-        image_tokens=runtime.checkpoint.config.vision.tokens_per_image,
+        shape=args.shape,
+        media_tokens=requests[0].media[0].length,
         results=results,
         identical_outputs=f"{same}/{len(requests)}",
     )

@@ -404,8 +404,11 @@ class LLM:
             if data is not None and not isinstance(data, dict):
                 raise ValueError("multi_modal_data must be a dict such as {'image': image}")
             for kind, items in (data or {}).items():
-                count = len(items) if isinstance(items, list | tuple) else 1
-                self.media_limits.check_count(kind, count)
+                items = items if isinstance(items, list) else [items]
+                self.media_limits.check_count(kind, len(items))
+                if kind == "audio":
+                    for clip in items:
+                        self.media_limits.check_audio(clip)
             if "prompt" in prompt:
                 if not isinstance(prompt["prompt"], str):
                     raise ValueError("a prompt dict's 'prompt' must be a string")

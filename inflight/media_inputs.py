@@ -58,9 +58,13 @@ class MediaLimits:
                 f"{count} {kind}s in one prompt; the limit is {limit} (--limit-mm-per-prompt)"
             )
 
-    def check_audio(self, samples: np.ndarray, where: str = MEDIA_FIELD) -> None:
-        """Refuse a clip (16 kHz samples) longer than `max_audio_seconds`."""
-        seconds = len(samples) / SAMPLE_RATE
+    def check_audio(self, clip: Any, where: str = MEDIA_FIELD) -> None:
+        """Refuse a clip (16 kHz samples, or (samples, sampling rate)) longer than
+        `max_audio_seconds`."""
+        samples, rate = clip if isinstance(clip, tuple) and len(clip) == 2 else (clip, SAMPLE_RATE)
+        if not hasattr(samples, "__len__") or not isinstance(rate, int | float) or rate <= 0:
+            return  # not a clip: the model's processor names what is wrong
+        seconds = len(samples) / rate
         if seconds > self.max_audio_seconds:
             raise MediaInputError(
                 f"audio clip is {seconds:.1f} s; the limit is {self.max_audio_seconds:g} s", where
@@ -219,6 +223,7 @@ def _read_part(part: dict[str, Any], kind: str, limits: MediaLimits, where: str)
             raise MediaInputError(
                 "an audio part needs 16 kHz samples or (samples, sampling rate) in 'audio'", where
             )
+        limits.check_audio(clip, where)
         return clip
     if kind == "input_audio":
         spec = part.get("input_audio")

@@ -1,11 +1,13 @@
-"""Reading images for chat messages: data URLs, http(s) URLs from a real local server (only
-where fetching is allowed), and the size, pixel and count limits, each refusal naming the part."""
+"""Reading images and audio for chat messages: data URLs, http(s) URLs from a real local server
+(only where fetching is allowed), OpenAI's input_audio parts, and the size, pixel, length and
+count limits, each refusal naming the part."""
 
 import base64
 import http.server
 import io
 import re
 import threading
+import wave
 
 import numpy as np
 import pytest
@@ -120,3 +122,93 @@ def test_images_are_taken_out_of_messages_in_order():
     with pytest.raises(MediaInputError, match="content of type 'file'") as info:
         take_media([{"role": "user", "content": [{"type": "file"}]}], MediaLimits(), {"image"})
     assert info.value.field == "messages.0.content.0"
+    with pytest.raises(MediaInputError, match="takes no image input") as info:
+        take_media(messages, MediaLimits(), {"audio"})
+    assert info.value.field == "messages.1.content.0"
+
+
+def wav(seconds: float, rate: int = 16000) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    samples = (0.5 * np.sin(2 * np.pi * 440 * t) * 32767).astype("<i2")
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes(samples.tobytes())
+    return buffer.getvalue()
+
+
+def test_audio_parts_are_read_in_order():
+    clip = np.zeros(800, np.float32)
+    encoded = base64.b64encode(wav(0.25)).decode()
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_audio", "input_audio": {"data": encoded, "format": "wav"}},
+                {"type": "text", "text": "and"},
+                {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + encoded}},
+                {"type": "audio", "audio": (clip, 8000)},
+            ],
+        }
+    ]
+    parts, media = take_media(messages, MediaLimits(), {"audio"})
+    first, second, third = media["audio"]
+    assert first.shape == second.shape == (4000,) and first.dtype == np.float32
+    assert abs(float(first.max()) - 0.5) < 1e-3  # 16-bit PCM scaled to [-1, 1]
+    assert third[1] == 8000  # resampled later, by the model's processor
+    assert parts[0]["content"] == [
+        {"type": "audio"},
+        {"type": "text", "text": "and"},
+        {"type": "audio"},
+        {"type": "audio"},
+    ]
+    assert as_text(parts, {"audio": "[AUDIO]"})[0]["content"] == "[AUDIO]\n" * 3 + "and"
+    with pytest.raises(MediaInputError, match="3 audios in one prompt; the limit is 1"):
+        take_media(messages, MediaLimits(max_audios=1), {"audio"})
+
+
+@pytest.mark.parametrize(
+    "part, limits, message",
+    [
+        (
+            {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "mp3"}},
+            MediaLimits(),
+            "input_audio.format 'mp3' is not supported; send WAV audio",
+        ),
+        (
+            {"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}},
+            MediaLimits(),
+            "not valid base64",
+        ),
+        (
+            {"type": "input_audio", "input_audio": {"data": "aGVsbG8=", "format": "wav"}},
+            MediaLimits(),
+            "cannot read the audio clip",
+        ),
+        (
+            {
+                "type": "input_audio",
+                "input_audio": {"data": base64.b64encode(wav(2.0)).decode(), "format": "wav"},
+            },
+            MediaLimits(max_audio_seconds=1.5),
+            "audio clip is 2.0 s; the limit is 1.5 s",
+        ),
+        (
+            {"type": "audio_url", "audio_url": {"url": "http://127.0.0.1:9/a.wav"}},
+            MediaLimits(),
+            "fetching audio URLs is disabled",
+        ),
+        (
+            {"type": "audio_url", "audio_url": {"url": data_url(png())}},
+            MediaLimits(),
+            "must be data:audio",
+        ),
+    ],
+)
+def test_bad_audio_is_refused_naming_the_part(part, limits, message):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]
+    with pytest.raises(MediaInputError, match=re.escape(message)) as info:
+        take_media(messages, limits, {"audio"})
+    assert info.value.field == "messages.0.content.1"

@@ -184,33 +184,38 @@ QWEN_VISION_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|
 QWEN_IMAGE_ID, QWEN_START_ID, QWEN_END_ID = len(SPECIAL), len(SPECIAL) + 1, len(SPECIAL) + 2
 
 
-def make_tiny_qwen2_vl(path: Path, seed: int = 0):
+def make_tiny_qwen2_vl(path: Path, seed: int = 0, version: str = "2"):
     """A tiny random Qwen2-VL (a 2-layer tower of 4x4 patches merged 2x2, M-RoPE sections
     [2, 3, 3] on 16-wide heads, a Qwen2 decoder) written to `path` with its tokenizer and an
-    image processor of small images (at most 64x64 pixels); returns the HF model (float32)."""
-    from transformers import (
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessorPil,
-    )
+    image processor of small images (at most 64x64 pixels); returns the HF model (float32).
+    `version` "2.5": Qwen2.5-VL (its tower attends within 16-pixel windows but in block 1)."""
+    import transformers
+    from transformers import Qwen2VLImageProcessorPil
 
     text = {
         **COMMON,
         "rope_parameters": dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]),
         "tie_word_embeddings": True,
     }
-    config = Qwen2VLConfig(
+    geometry = dict(depth=2, num_heads=4, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+    if version == "2":
+        config_cls = transformers.Qwen2VLConfig
+        model_cls = transformers.Qwen2VLForConditionalGeneration
+        vision = dict(geometry, embed_dim=32, hidden_size=COMMON["hidden_size"], mlp_ratio=2)
+    else:
+        config_cls = transformers.Qwen2_5_VLConfig
+        model_cls = transformers.Qwen2_5_VLForConditionalGeneration
+        vision = dict(
+            geometry,
+            hidden_size=32,
+            intermediate_size=64,
+            out_hidden_size=COMMON["hidden_size"],
+            window_size=16,
+            fullatt_block_indexes=[1],
+        )
+    config = config_cls(
         text_config=text,
-        vision_config=dict(
-            depth=2,
-            embed_dim=32,
-            hidden_size=COMMON["hidden_size"],
-            num_heads=4,
-            mlp_ratio=2,
-            patch_size=4,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-        ),
+        vision_config=vision,
         image_token_id=QWEN_IMAGE_ID,
         video_token_id=len(SPECIAL) + 3,
         vision_start_token_id=QWEN_START_ID,
@@ -218,7 +223,7 @@ def make_tiny_qwen2_vl(path: Path, seed: int = 0):
         tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).eval()
+    model = model_cls(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1 and "visual" not in name:

@@ -11,7 +11,14 @@ from tokenizers import models
 
 from inflight.model.checkpoints.loader import Checkpoint
 from inflight.model.checkpoints.tokenizer import SpecialTokens, Tokenizer
-from inflight.model.config import ModelConfig, RopeConfig, VisionConfig
+from inflight.model.config import (
+    AudioConfig,
+    ModelConfig,
+    Qwen2VLVisionConfig,
+    RopeConfig,
+    VisionConfig,
+)
+from inflight.model.llama import encoder_for
 
 SHAPES = {
     "qwen3-0.6b": ModelConfig(
@@ -38,6 +45,32 @@ SHAPES = {
             tower="clip", hidden_size=768, intermediate_size=3072, num_layers=12,
             num_heads=12, image_size=224, patch_size=16, layer_norm_eps=1e-5,
             hidden_act="quick_gelu", image_token_id=49151,
+        ),
+    ),
+    # Qwen2-VL-2B: a 32-block tower of 14-pixel patches merged 2x2 (an image's tokens are its
+    # pixels / 28^2), M-RoPE on a Qwen2 decoder.
+    "qwen2-vl-2b": ModelConfig(
+        family="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+        num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        rope=RopeConfig(theta=1_000_000.0, mrope_section=(16, 24, 24)),
+        tie_word_embeddings=True, qkv_bias=True,
+        vision=Qwen2VLVisionConfig(
+            family="qwen2_vl", depth=32, embed_dim=1280, intermediate_size=5120, num_heads=16,
+            hidden_act="quick_gelu", patch_size=14, temporal_patch_size=2,
+            spatial_merge_size=2, in_channels=3, out_hidden_size=1536,
+            image_token_id=151655, vision_start_token_id=151652,
+        ),
+    ),
+    # Voxtral-Mini-3B: a Whisper-large-style encoder (128 mel bins, 30 s windows of 375 tokens)
+    # before a Llama decoder.
+    "voxtral-mini-3b": ModelConfig(
+        family="llama", vocab_size=131072, hidden_size=3072, intermediate_size=8192,
+        num_layers=30, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        max_position_embeddings=131072, rope=RopeConfig(theta=100_000_000.0),
+        audio=AudioConfig(
+            num_mel_bins=128, hidden_size=1280, num_layers=32, num_heads=20,
+            intermediate_size=5120, max_source_positions=1500, audio_token_id=24,
         ),
     ),
 }  # fmt: skip
@@ -72,6 +105,9 @@ class RandomWeights:
             yield p + "self_attn.k_proj.weight", matrix(kv, c.hidden_size)
             yield p + "self_attn.v_proj.weight", matrix(kv, c.hidden_size)
             yield p + "self_attn.o_proj.weight", matrix(c.hidden_size, q)
+            if c.qkv_bias:
+                for name, size in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                    yield p + f"self_attn.{name}.bias", ones(size).zero_()
             if c.qk_norm:
                 yield p + "self_attn.q_norm.weight", ones(c.head_dim)
                 yield p + "self_attn.k_norm.weight", ones(c.head_dim)
@@ -81,43 +117,22 @@ class RandomWeights:
         yield "norm.weight", ones(c.hidden_size)
         if not c.tie_word_embeddings:
             yield "lm_head.weight", matrix(c.vocab_size, c.hidden_size)
-        if c.vision is not None:
-            yield from self._vision_weights(c.vision, c.hidden_size, matrix, ones)
+        yield from self._encoder_weights(matrix, ones)
 
-    @staticmethod
-    def _vision_weights(v, text_hidden, matrix, ones) -> Iterator[tuple[str, torch.Tensor]]:
-        """A LLaVA tower's and projector's, under their Hugging Face names (biases zero)."""
-        hidden, p = v.hidden_size, "vision_tower."
-
-        def zeros(size: int) -> torch.Tensor:
-            return ones(size).zero_()
-
-        def linear(name: str, rows: int, cols: int) -> Iterator[tuple[str, torch.Tensor]]:
-            yield name + ".weight", matrix(rows, cols)
-            yield name + ".bias", zeros(rows)
-
-        def norm(name: str) -> Iterator[tuple[str, torch.Tensor]]:
-            yield name + ".weight", ones(hidden)
-            yield name + ".bias", zeros(hidden)
-
-        patch = matrix(hidden, 3 * v.patch_size**2).view(hidden, 3, v.patch_size, v.patch_size)
-        yield p + "embeddings.patch_embedding.weight", patch
-        if v.tower == "clip":
-            yield p + "embeddings.class_embedding", zeros(hidden)
-            yield from norm(p + "pre_layrnorm")
-        else:
-            yield p + "embeddings.patch_embedding.bias", zeros(hidden)
-        yield p + "embeddings.position_embedding.weight", matrix(v.num_positions, hidden)
-        for i in range(v.layers_run):
-            layer = f"{p}encoder.layers.{i}."
-            yield from norm(layer + "layer_norm1")
-            for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
-                yield from linear(layer + "self_attn." + name, hidden, hidden)
-            yield from norm(layer + "layer_norm2")
-            yield from linear(layer + "mlp.fc1", v.intermediate_size, hidden)
-            yield from linear(layer + "mlp.fc2", hidden, v.intermediate_size)
-        yield from linear("multi_modal_projector.linear_1", text_hidden, hidden)
-        yield from linear("multi_modal_projector.linear_2", text_hidden, text_hidden)
+    def _encoder_weights(self, matrix, ones) -> Iterator[tuple[str, torch.Tensor]]:
+        """The media encoder's (tower and projector), under their Hugging Face names: the
+        names the encoder modules keep. Norm weights one, biases zero."""
+        with torch.device("meta"):  # its names and shapes only
+            encoder = encoder_for(self.config)
+        if encoder is None:
+            return
+        for name, param in encoder.named_parameters():
+            if name.endswith("bias"):
+                yield name, ones(param.shape[0]).zero_()
+            elif "norm" in name and param.dim() == 1:
+                yield name, ones(param.shape[0])
+            else:
+                yield name, matrix(param.shape[0], param[0].numel()).view(param.shape)
 
 
 def numbered_tokenizer(vocab_size: int) -> Tokenizer:

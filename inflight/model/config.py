@@ -110,6 +110,7 @@ class ModelConfig:
     sliding_window: int | None = None
     vision: VisionConfig | Qwen2VLVisionConfig | None = None  # image input, if any
     audio: AudioConfig | None = None  # audio input (Voxtral), if any
+    mamba: MambaConfig | None = None  # hybrid Mamba2 layers (Bamba, NemotronH), if any
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -245,6 +246,8 @@ def _multimodal_text(cfg: dict[str, Any], layout: str) -> dict[str, Any]:
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """Build a ModelConfig from the dict in a Hugging Face `config.json`."""
     archs = cfg.get("architectures") or []
+    if any(a in HF_HYBRID_ARCHITECTURES for a in archs):
+        return hybrid_from_hf(cfg)
     layout = next((HF_MULTIMODAL[a] for a in archs if a in HF_MULTIMODAL), None)
     if layout is not None:
         text = _multimodal_text(cfg, layout)
@@ -497,3 +500,221 @@ def audio_from_hf(cfg: dict[str, Any]) -> AudioConfig:
         activation=audio["activation_function"],
         projector_act=cfg.get("projector_hidden_act", "gelu"),
     )
+
+
+# Hybrid Mamba2/attention `architectures` entries, and the family each belongs to.
+HF_HYBRID_ARCHITECTURES = {
+    "BambaForCausalLM": "bamba",
+    "NemotronHForCausalLM": "nemotron_h",
+}
+MAMBA_LAYER_TYPES = ("mamba", "attention", "mlp")
+
+
+@dataclass(frozen=True)
+class MambaConfig:
+    """The Mamba2 side of a hybrid decoder (Bamba, NemotronH), and how its layers are laid out.
+
+    Each decoder layer is one kind (`layer_types`): "mamba" (a Mamba2 mixer with a state slot
+    per sequence), "attention" (paged KV) or "mlp" (NemotronH only). Bamba follows every layer's
+    mixer with a SwiGLU MLP of its own; NemotronH's MLPs are layers of their own, relu² without a
+    gate. A Mamba2 mixer has `n_heads` heads of `head_dim` channels, whose state is `d_state` wide
+    and whose B and C are shared by groups of n_heads / n_groups heads."""
+
+    layer_types: tuple[str, ...]
+    n_heads: int
+    head_dim: int
+    n_groups: int
+    d_state: int
+    d_conv: int
+    chunk_size: int  # the chunked scan's block length
+    conv_bias: bool
+    proj_bias: bool  # in_proj and out_proj
+    norm_eps: float  # the gated RMSNorm's
+    # softplus(dt + dt_bias) is clamped into this range. NemotronH's is (time_step_min, inf):
+    # transformers' NemotronH mixer clamps so, whatever config.json's time_step_limit says.
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    # The attention heads' leading fraction that RoPE rotates (Bamba 0.5; 0: no RoPE, NemotronH).
+    partial_rotary_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        unknown = set(self.layer_types) - set(MAMBA_LAYER_TYPES)
+        if unknown:
+            raise ValueError(
+                f"unsupported hybrid layer types {sorted(unknown)}; "
+                f"supported: {', '.join(MAMBA_LAYER_TYPES)}"
+            )
+        if self.n_heads % self.n_groups:
+            raise ValueError(
+                f"mamba heads ({self.n_heads}) must be a multiple of its groups ({self.n_groups})"
+            )
+        if self.d_conv < 2:
+            raise ValueError(f"mamba conv kernel {self.d_conv} is shorter than 2")
+
+    @property
+    def d_inner(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convolution: x, B and C."""
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+    @property
+    def num_mamba_layers(self) -> int:
+        return self.layer_types.count("mamba")
+
+    @property
+    def num_attention_layers(self) -> int:
+        return self.layer_types.count("attention")
+
+
+def _hf_float(value: Any) -> float:
+    # transformers 5 writes infinity as {"__float__": "Infinity"}; Python's json reads Infinity.
+    if isinstance(value, dict):
+        value = value["__float__"]
+    return float(value)
+
+
+def _first(cfg: dict[str, Any], names: tuple[str, ...], default: Any) -> Any:
+    """The value of the first of `names` that `cfg` has (older configs spell some fields so)."""
+    return next((cfg[name] for name in names if name in cfg), default)
+
+
+# NemotronH's layer kinds, in all the spellings its configs use (a hybrid_override_pattern is a
+# string of one character per layer).
+_NEMOTRON_H_KINDS = {
+    "linear_attention": "mamba",
+    "mamba": "mamba",
+    "M": "mamba",
+    "full_attention": "attention",
+    "attention": "attention",
+    "*": "attention",
+    "mlp": "mlp",
+    "-": "mlp",
+    "moe": "moe",
+    "E": "moe",
+}
+
+
+def _bamba_from_hf(cfg: dict[str, Any]) -> tuple[ModelConfig, MambaConfig]:
+    hidden, heads = cfg.get("hidden_size", 4096), cfg.get("num_attention_heads", 32)
+    layers = cfg.get("num_hidden_layers", 32)
+    attention = set(cfg.get("attn_layer_indices") or ())
+    n_heads, expand = cfg.get("mamba_n_heads", 128), cfg.get("mamba_expand", 2)
+    head_dim = cfg.get("mamba_d_head", "auto")
+    if head_dim == "auto":
+        head_dim = expand * hidden // n_heads
+    if n_heads * head_dim != expand * hidden:
+        raise ValueError(
+            f"mamba_n_heads * mamba_d_head ({n_heads} * {head_dim}) must be mamba_expand * "
+            f"hidden_size ({expand} * {hidden})"
+        )
+    rope = _rope_from_hf(cfg)
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    eps = float(cfg.get("rms_norm_eps", 1e-5))
+    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    mamba = MambaConfig(
+        layer_types=tuple("attention" if i in attention else "mamba" for i in range(layers)),
+        n_heads=n_heads,
+        head_dim=head_dim,
+        n_groups=cfg.get("mamba_n_groups", 1),
+        d_state=cfg.get("mamba_d_state", 256),
+        d_conv=cfg.get("mamba_d_conv", 4),
+        chunk_size=cfg.get("mamba_chunk_size", 256),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        norm_eps=eps,
+        time_step_limit=(_hf_float(limit[0]), _hf_float(limit[1])),
+        # transformers forces 0.5 whatever the config says; older configs leave it out.
+        partial_rotary_factor=float(params.get("partial_rotary_factor", 0.5)),
+    )
+    bias = bool(cfg.get("attention_bias", False))
+    config = ModelConfig(
+        family="bamba",
+        vocab_size=cfg.get("vocab_size", 128000),
+        hidden_size=hidden,
+        intermediate_size=cfg.get("intermediate_size", 14336),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        rms_norm_eps=eps,
+        max_position_embeddings=cfg.get("max_position_embeddings", 262144),
+        rope=rope,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=bias,
+        o_bias=bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+    )
+    return config, mamba
+
+
+def _nemotron_h_from_hf(cfg: dict[str, Any]) -> tuple[ModelConfig, MambaConfig]:
+    kinds = cfg.get("layers_block_type") or cfg.get("hybrid_override_pattern")
+    if not kinds:
+        raise ValueError("a NemotronH config.json needs layers_block_type")
+    unknown = [kind for kind in kinds if kind not in _NEMOTRON_H_KINDS]
+    if unknown:
+        raise ValueError(f"unknown NemotronH layer type {unknown[0]!r}")
+    layer_types = tuple(_NEMOTRON_H_KINDS[kind] for kind in kinds)
+    if "moe" in layer_types:
+        raise ValueError("NemotronH mixture-of-experts layers are not supported")
+    act = cfg.get("mlp_hidden_act", "relu2")
+    if act != "relu2":
+        raise ValueError(f"unsupported NemotronH mlp_hidden_act {act!r}; supported: relu2")
+    hidden, heads = cfg.get("hidden_size", 4096), cfg.get("num_attention_heads", 32)
+    eps = float(cfg.get("layer_norm_epsilon", 1e-5))
+    mamba = MambaConfig(
+        layer_types=layer_types,
+        n_heads=cfg.get("mamba_num_heads", 128),
+        head_dim=cfg.get("mamba_head_dim", 64),
+        n_groups=_first(cfg, ("n_groups", "mamba_n_groups"), 8),
+        d_state=cfg.get("ssm_state_size", 128),
+        d_conv=_first(cfg, ("conv_kernel", "mamba_d_conv"), 4),
+        chunk_size=_first(cfg, ("chunk_size", "mamba_chunk_size"), 128),
+        conv_bias=bool(_first(cfg, ("use_conv_bias", "mamba_conv_bias"), True)),
+        proj_bias=bool(cfg.get("use_bias", False)),
+        norm_eps=eps,
+        time_step_limit=(
+            _hf_float(_first(cfg, ("time_step_min", "mamba_dt_min"), 0.001)),
+            float("inf"),
+        ),
+        partial_rotary_factor=0.0,
+    )
+    config = ModelConfig(
+        family="nemotron_h",
+        vocab_size=cfg.get("vocab_size", 131072),
+        hidden_size=hidden,
+        intermediate_size=cfg.get("intermediate_size", 21504),
+        num_layers=len(layer_types),
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg.get("attention_head_dim") or hidden // heads,
+        rms_norm_eps=eps,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+    )
+    return config, mamba
+
+
+def hybrid_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """The ModelConfig, its `mamba` filled in, of a `BambaForCausalLM` or
+    `NemotronHForCausalLM` config.json dict (transformers' defaults for what it leaves out)."""
+    archs = cfg.get("architectures") or []
+    family = next((HF_HYBRID_ARCHITECTURES[a] for a in archs if a in HF_HYBRID_ARCHITECTURES), None)
+    if family is None:
+        raise ValueError(f"not a hybrid Mamba2 architecture: {archs!r}")
+    act = cfg.get("hidden_act" if family == "bamba" else "mamba_hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hybrid activation {act!r}; supported: silu")
+    build = _bamba_from_hf if family == "bamba" else _nemotron_h_from_hf
+    config, mamba = build(cfg)
+    if mamba.partial_rotary_factor and (
+        int(config.head_dim * mamba.partial_rotary_factor) % 2 or mamba.partial_rotary_factor > 1
+    ):
+        raise ValueError(
+            f"partial_rotary_factor {mamba.partial_rotary_factor} of heads of {config.head_dim} "
+            "does not rotate whole pairs"
+        )
+    return replace(config, mamba=mamba)

@@ -68,6 +68,17 @@ class MediaEmbeds:
     mrope_positions: torch.Tensor | None = None
 
 
+def encoder_for(config: ModelConfig) -> ImageEncoder | Qwen2VLImageEncoder | AudioEncoder | None:
+    """The media encoder a model of `config` takes its images or audio through, if any."""
+    if isinstance(config.vision, VisionConfig):
+        return ImageEncoder(config.vision, config.hidden_size)
+    if config.vision is not None:
+        return Qwen2VLImageEncoder(config.vision)
+    if config.audio is not None:
+        return AudioEncoder(config.audio, config.hidden_size)
+    return None
+
+
 def _shard_sizes(config: ModelConfig) -> dict[str, list[int]]:
     """The output size of each part of a fused parameter."""
     kv_size = config.num_kv_heads * config.head_dim
@@ -230,11 +241,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = None
         self.rotary = RotaryEmbedding(config, max_positions)
         self.image_encoder: ImageEncoder | Qwen2VLImageEncoder | None = None
-        if isinstance(config.vision, VisionConfig):
-            self.image_encoder = ImageEncoder(config.vision, hidden)
-        elif config.vision is not None:
-            self.image_encoder = Qwen2VLImageEncoder(config.vision)
-        self.audio_encoder = AudioEncoder(config.audio, hidden) if config.audio else None
+        self.audio_encoder: AudioEncoder | None = None
+        encoder = encoder_for(config)
+        if config.audio is not None:
+            self.audio_encoder = encoder
+        else:
+            self.image_encoder = encoder
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self._lora_loaded = [False] * max_loras
         if max_loras:
@@ -245,6 +257,11 @@ class LlamaForCausalLM(nn.Module):
                     linear.in_features, parts, max_loras, max_lora_rank, platform.cpu_ops
                 )
         self._lora_native = platform.cpu_ops is not None
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a KV cache: all of them."""
+        return self.config.num_layers
 
     def forward(
         self,

@@ -1,6 +1,6 @@
-"""Qwen2-VL against transformers on a tiny random checkpoint (CPU): the decoder's logits with 0, 1
-and 2 images of different sizes, where M-RoPE gives image tokens 3-D positions and shifts the
-text after each image, through a prefill and 8 decode steps."""
+"""Qwen2-VL and Qwen2.5-VL against transformers on tiny random checkpoints (CPU): the decoder's
+logits with 0, 1 and 2 images of different sizes, where M-RoPE gives image tokens 3-D positions
+and shifts the text after each image, through a prefill and 8 decode steps."""
 
 import copy
 
@@ -22,10 +22,10 @@ TOL = 1e-4
 SIZES = ((45, 37), (20, 64))  # (height, width) of the prompt's images
 
 
-@pytest.fixture(scope="module")
-def qwen2_vl(tmp_path_factory):
+@pytest.fixture(scope="module", params=["2", "2.5"])
+def qwen2_vl(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen2_vl")
-    return path, make_tiny_qwen2_vl(path)
+    return path, make_tiny_qwen2_vl(path, version=request.param)
 
 
 def random_image(seed: int, size) -> Image.Image:

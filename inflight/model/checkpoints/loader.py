@@ -14,6 +14,7 @@ from tqdm import tqdm
 from inflight.model.checkpoints.hf import HFCheckpoint
 from inflight.model.checkpoints.tokenizer import Tokenizer
 from inflight.model.config import QUANTIZATIONS, ModelConfig
+from inflight.model.hybrid import HybridForCausalLM
 from inflight.model.kernels.cpu.native import NativeBuildError
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import (
@@ -95,7 +96,7 @@ def build_model(
     quantization: str = "auto",
     max_loras: int = 0,
     max_lora_rank: int = 16,
-) -> LlamaForCausalLM:
+) -> LlamaForCausalLM | HybridForCausalLM:
     """The model with its weights loaded, each linear layer in the method `quantization` picks
     for it on the CPU float32 path (elsewhere all run in float):
 
@@ -115,8 +116,9 @@ def build_model(
         raise ValueError(f"quantization must be auto, none, int8 or q4, got {quantization!r}")
     platform = Platform.detect(device, dtype)
     methods = _linear_methods(quantization, platform, checkpoint.stored_types)
+    model_class = LlamaForCausalLM if checkpoint.config.mamba is None else HybridForCausalLM
     with torch.device("meta"):
-        model = LlamaForCausalLM(
+        model = model_class(
             checkpoint.config, max_positions, platform, methods, max_loras, max_lora_rank
         )
     model = model.to_empty(device=device).to(dtype)

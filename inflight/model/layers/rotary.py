@@ -16,9 +16,10 @@ from inflight.model.kernels.cpu import ops as cpu_ops
 from inflight.model.layers.platform import Platform
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """Per-pair inverse frequencies (float32), with linear or Llama-3 scaling applied."""
-    dim = config.head_dim
+def inverse_frequencies(config: ModelConfig, dim: int | None = None) -> torch.Tensor:
+    """Per-pair inverse frequencies (float32) of heads rotated over their leading `dim` values
+    (all of them by default), with linear or Llama-3 scaling applied."""
+    dim = config.head_dim if dim is None else dim
     rope = config.rope
     freqs = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if rope.freq_factors is not None:
@@ -41,18 +42,24 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """A cos/sin table over every position the model can see, gathered per packed token."""
+    """A cos/sin table over every position the model can see, gathered per packed token;
+    `rotary_dim`: of heads rotated over their leading rotary_dim values only (partial rotary,
+    as Bamba's; default: the whole head)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, rotary_dim: int | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.max_positions = max_positions
+        self.rotary_dim = rotary_dim
         self.compute()
 
     def compute(self, device: torch.device | None = None) -> None:
         """(Re)build the float32 table, e.g. after the module was created on the meta device."""
         positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
-        freqs = torch.outer(positions, inverse_frequencies(self.config).to(positions.device))
+        inverse = inverse_frequencies(self.config, self.rotary_dim)
+        freqs = torch.outer(positions, inverse.to(positions.device))
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)

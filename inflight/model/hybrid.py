@@ -256,6 +256,10 @@ class HybridForCausalLM(nn.Module):
             raise ValueError(f"a {self.config.family} model needs its Mamba rows and states")
         if states is not None and len(states.ssm) != self.num_mamba_layers:
             raise ValueError(f"states of {len(states.ssm)} layers for {self.num_mamba_layers}")
+        if mamba is not None and len(mamba.slots_host) != len(meta.query_lens_host):
+            raise ValueError(
+                f"Mamba slots for {len(mamba.slots_host)} rows, {len(meta.query_lens_host)} rows"
+            )
         x = self.embed_tokens(input_ids)
         angles = self.rotary.angles(positions, x.dtype) if self.rotary.rotary_dim else None
         step = _Step(angles, meta, backend, mamba)

@@ -35,6 +35,7 @@ from inflight.model.attention import AttentionMetadata
 from inflight.model.config import MambaConfig, ModelConfig
 from inflight.model.layers.linear import Linear
 from inflight.model.layers.quantization import LinearMethods
+from inflight.model.transfer import to_device
 
 
 @dataclass
@@ -62,7 +63,7 @@ class MambaStates:
 
     def reset(self, slots: list[int]) -> None:
         """Zero those slots in every layer: a new sequence starts from zero state."""
-        if not slots:
+        if not slots or not self.ssm:
             return
         index = torch.tensor(slots, dtype=torch.int64, device=self.ssm[0].device)
         for state in (*self.conv, *self.ssm):
@@ -80,13 +81,13 @@ class MambaRows:
 
     @classmethod
     def build(cls, slots: list[int], fresh: list[bool], device: torch.device) -> MambaRows:
-        return cls(torch.tensor(slots, dtype=torch.int64, device=device), list(slots), list(fresh))
+        return cls(to_device(slots, torch.int64, device), list(slots), list(fresh))
 
 
 # torch's CPU F.silu, F.softplus and sigmoid run SIMD over the bulk of a tensor and a scalar loop
 # (other rounding) over its last numel % (2 x vector width) values, so a row's bits would depend
-# on where the batch puts it. exp and log1p run SIMD throughout (partial vectors at the end):
-# built from them, these two give a row the same bits in any batch.
+# on where the batch puts it. exp and log1p run SIMD throughout (torch's vml path, a partial
+# vector at the end): built from them, these two give a row the same bits in any batch.
 def silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1 + torch.exp(-x))
 

@@ -48,6 +48,7 @@ class ContextCacheMetrics:
     lookups: int = 0  # admissions that looked their prompt up
     lookup_tokens: int = 0  # prompt tokens those lookups covered
     hit_tokens: int = 0  # prompt tokens found in the cache (not recomputed)
+    skipped_lookups: int = 0  # admissions not looked up: a hybrid Mamba model's (no state kept)
 
 
 class ContextCache:
@@ -89,6 +90,7 @@ class ContextCache:
             "lookup_tokens": m.lookup_tokens,
             "hit_tokens": m.hit_tokens,
             "hit_ratio": m.hit_tokens / m.lookup_tokens if m.lookup_tokens else 0.0,
+            "skipped_lookups": m.skipped_lookups,
             "evictions": self.pool.evictions,
             "cached_blocks": self.pool.num_cached,
         }

@@ -15,8 +15,10 @@ import torch
 
 from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from inflight.model.config import ModelConfig
+from inflight.model.hybrid import HybridForCausalLM
 from inflight.model.layers.lora import LoRAMapping
 from inflight.model.llama import LlamaForCausalLM, MediaEmbeds
+from inflight.model.mamba import MambaRows, MambaStates
 from inflight.model.transfer import to_device
 from inflight.model.vision import prune_image_tokens
 from inflight.runtime.batch_builder import RaggedBatch, build_ragged_batch
@@ -41,13 +43,15 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[KVCache]:
+    """One (key, value) pair per attention layer (a hybrid's Mamba layers keep no KV)."""
     shape = backend.kv_cache_shape(num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    layers = config.num_layers if config.mamba is None else config.mamba.num_attention_layers
     return [
         (
             torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device),
         )
-        for _ in range(config.num_layers)
+        for _ in range(layers)
     ]
 
 
@@ -67,7 +71,7 @@ class Executor:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: LlamaForCausalLM | HybridForCausalLM,
         kv_caches: list[KVCache],
         backend: AttentionBackend,
         sampler: Sampler,
@@ -79,6 +83,7 @@ class Executor:
         pick_width: int = 1,
         graph_inputs: DecodeInputs | None = None,
         encoder_cache: EncoderCache | None = None,
+        mamba_states: MambaStates | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -94,6 +99,8 @@ class Executor:
         self.picks = torch.zeros((max_batch_size, pick_width), dtype=torch.int64, device=device)
         self.encoder_cache = encoder_cache
         self.encoders = model.media_encoders()
+        # A hybrid model's recurrent states: a resident's slot is its state slot.
+        self.mamba_states = mamba_states
         # M-RoPE models shift the rotary positions of the tokens after an image.
         self.mrope = model.config.rope.mrope_section is not None
         self.graphs: DecodeGraphs | None = None
@@ -112,8 +119,21 @@ class Executor:
         meta: AttentionMetadata,
         lora: LoRAMapping | None = None,
         media: MediaEmbeds | None = None,
+        mamba: MambaRows | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, self.kv_caches, meta, self.backend, lora, media)
+        if mamba is None:
+            return self.model(input_ids, positions, self.kv_caches, meta, self.backend, lora, media)
+        return self.model(
+            input_ids,
+            positions,
+            self.kv_caches,
+            meta,
+            self.backend,
+            lora,
+            media,
+            mamba=mamba,
+            states=self.mamba_states,
+        )
 
     @torch.inference_mode()
     def execute(
@@ -121,11 +141,12 @@ class Executor:
         batch: RaggedBatch,
         lora_slots: list[int] | None = None,
         media: MediaEmbeds | None = None,
+        mamba: MambaRows | None = None,
     ) -> torch.Tensor:
         """Final hidden states of the tokens in `batch.logits_indices`, in that order;
         `lora_slots`: each batch row's LoRA slot (-1: the base model), None where no row has
         one; `media`: packed tokens whose input is an encoder's output (such a step runs
-        eagerly)."""
+        eagerly); `mamba`: each row's state slot (hybrid models)."""
         if self.graphs is not None and media is None:
             hidden = self.graphs.run(batch, lora_slots)
             if hidden is not None:
@@ -135,7 +156,7 @@ class Executor:
         if lora_slots is not None:
             rows = zip(lora_slots, batch.meta.query_lens_host, strict=True)
             lora = self.model.lora_mapping(list(rows))
-        hidden = self._forward(batch.input_ids, batch.positions, batch.meta, lora, media)
+        hidden = self._forward(batch.input_ids, batch.positions, batch.meta, lora, media, mamba)
         return hidden[batch.logits_indices]
 
     @torch.inference_mode()
@@ -215,7 +236,12 @@ class Executor:
             ]
             if max(lora_slots) < 0:
                 lora_slots = None
-        hidden = self.execute(batch, lora_slots, media)
+        mamba = None
+        if self.mamba_states is not None:
+            # A row's first chunk starts its sequence's state from zero.
+            slots = [row.resident.ref.slot for row in rows]
+            mamba = MambaRows.build(slots, [row.past_len == 0 for row in rows], device)
+        hidden = self.execute(batch, lora_slots, media, mamba)
         # Hidden rows come in row order: all of a scoring row's tokens, else a sampler's last
         # (its last 1 + drafts where it verifies drafts).
         launched = LaunchedStep(step)

@@ -13,6 +13,7 @@ import torch
 from inflight.model.attention import TorchAttentionBackend, select_backend
 from inflight.model.checkpoints.loader import Checkpoint, build_model, open_checkpoint
 from inflight.model.checkpoints.lora import load_lora_adapter
+from inflight.model.mamba import MambaStates
 from inflight.runtime.adapters import AdapterRegistry
 from inflight.runtime.blocking import BlockingRun
 from inflight.runtime.config import RuntimeConfig
@@ -66,6 +67,11 @@ class Runtime:
         self.max_model_len = min(
             config.max_model_len or DEFAULT_MAX_MODEL_LEN, model_config.max_context
         )
+        if model_config.mamba is not None and config.speculative is not None:
+            raise ValueError(
+                "speculative decoding is not served for hybrid Mamba models: a rejected draft "
+                "would need its sequence's recurrent state rolled back"
+            )
         num_blocks = config.num_kv_blocks or config.max_batch_size * -(
             -self.max_model_len // config.block_size
         )
@@ -103,13 +109,15 @@ class Runtime:
             vocab_size=model_config.vocab_size,
             max_num_tokens=config.max_num_tokens,
             media=self.media,
+            recurrent=model_config.mamba is not None,
         )
         self.outputs = OutputProcessor(
             self.scheduler,
             self.tokenizer,
             self.blocks,
             self.grammars,
-            publish_blocks=config.context_cache,
+            # A hybrid's blocks are never looked up (no state at their ends): not published.
+            publish_blocks=config.context_cache and model_config.mamba is None,
             speculator=self.speculator,
         )
         self._session: GenerationSession | None = None
@@ -149,10 +157,12 @@ class Runtime:
         backend = select_backend(
             config.attention_backend, self.device, self.dtype, model_config.head_dim
         )
+        # A hybrid's decode steps run eagerly: its Mamba layers' state updates are not captured.
         graphs = (
             config.cuda_graphs
             and self.device.type == "cuda"
             and not isinstance(backend, TorchAttentionBackend)
+            and model_config.mamba is None
         )
         # With graphs, one extra block (never handed out) takes the writes of padding rows.
         kv = allocate_kv_cache(
@@ -187,6 +197,11 @@ class Runtime:
             encoder_cache=(
                 EncoderCache(config.encoder_cache_mb << 20)
                 if model_config.vision or model_config.audio
+                else None
+            ),
+            mamba_states=(
+                MambaStates.allocate(model_config, config.max_batch_size, self.dtype, self.device)
+                if model_config.mamba
                 else None
             ),
         )

@@ -123,6 +123,7 @@ class Scheduler:
         vocab_size: int,
         max_num_tokens: int,
         media: Mapping[str, MediaSpec] | None = None,
+        recurrent: bool = False,
     ) -> None:
         self.blocks = blocks
         self.slots = slots
@@ -137,6 +138,15 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.max_num_tokens = max_num_tokens
         self.media = media or {}  # the media the model takes, by kind
+        # A hybrid Mamba model's sequences carry recurrent state beside their KV: a KV prefix
+        # (cached, or shared by n sequences) holds no state, so each sequence computes its whole
+        # prompt (context-cache lookups are skipped, and counted).
+        self.recurrent = recurrent
+        if recurrent and max_num_tokens <= slots.capacity:
+            raise ValueError(
+                f"a hybrid Mamba model needs max_num_tokens ({max_num_tokens}) above "
+                f"max_batch_size ({slots.capacity}): its prefill chunks are the difference"
+            )
         self.residents: dict[ResidentRef, Resident] = {}
 
     # -- admission ------------------------------------------------------------------------------
@@ -192,7 +202,11 @@ class Scheduler:
         blocks = self.blocks.blocks_for(len(prompt) + max_new)
         # The n sequences share the full blocks of the prompt but its last token (which each
         # computes itself, so that each draws its first token from its own row).
-        shared = (len(prompt) - 1) // self.blocks.block_size if params.n > 1 else 0
+        shared = (
+            (len(prompt) - 1) // self.blocks.block_size
+            if params.n > 1 and not self.recurrent
+            else 0
+        )
         total = blocks + (params.n - 1) * (blocks - shared)
         if total > self.blocks.num_blocks:
             raise RequestFieldError(
@@ -268,6 +282,8 @@ class Scheduler:
         cached = reservation.cached_blocks * self.blocks.block_size
         if self.context_cache is not None and self._looks_up(request):
             self.context_cache.record_lookup(len(request.prompt_token_ids), cached)
+        elif self.context_cache is not None and self.recurrent and request.params.reuse_context:
+            self.context_cache.metrics.skipped_lookups += 1
         shared = intent.shared_blocks * self.blocks.block_size
         residents: list[Resident] = []
         for index, (ref, blocks) in enumerate(
@@ -293,12 +309,12 @@ class Scheduler:
             residents.append(resident)
         return residents
 
-    @staticmethod
-    def _looks_up(request: GenerationRequest) -> bool:
-        """Whether the request's prompt prefix is looked up in the context cache: asked for, and
-        no prompt logprobs (which need every prompt position computed)."""
+    def _looks_up(self, request: GenerationRequest) -> bool:
+        """Whether the request's prompt prefix is looked up in the context cache: asked for, no
+        prompt logprobs (which need every prompt position computed), and a model whose
+        sequences keep no recurrent state."""
         params = request.params
-        return params.reuse_context and params.prompt_logprobs is None
+        return params.reuse_context and params.prompt_logprobs is None and not self.recurrent
 
     # -- stepping -------------------------------------------------------------------------------
 
@@ -345,6 +361,13 @@ class Scheduler:
                     continue  # the shared prompt blocks are not all launched yet
                 r.leader = None
             n = min(r.prompt_len - r.computed, budget)
+            if self.recurrent:
+                # Chunks of a fixed size whatever the batch: a row's prefill is split the same
+                # way alone and beside others, so its state (and output) is the same bits. The
+                # first prefill of a step always fits (budget >= max_num_tokens - max_batch).
+                n = min(r.prompt_len - r.computed, self.max_num_tokens - self.slots.capacity)
+                if n > budget:
+                    continue
             budget -= n
             samples = r.computed + n == r.prompt_len and r.max_new_tokens > 0
             scores = r.request.params.prompt_logprobs is not None and r.index == 0

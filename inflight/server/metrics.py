@@ -79,7 +79,7 @@ class _EngineCollector(Collector):
         )
         cache = self._llm.get_context_cache_metrics()
         if cache is not None:
-            for name in ("lookups", "lookup_tokens", "hit_tokens", "evictions"):
+            for name in ("lookups", "lookup_tokens", "hit_tokens", "skipped_lookups", "evictions"):
                 yield CounterMetricFamily(
                     f"inflight_context_cache_{name}", f"Context cache {name}", value=cache[name]
                 )

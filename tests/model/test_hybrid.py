@@ -13,69 +13,13 @@ from inflight.model.config import hybrid_from_hf
 from inflight.model.mamba import MambaRows, MambaStates
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 
-from tiny_models import VOCAB, write_tokenizer
+from tiny_models import VOCAB, make_tiny_hybrid
 
 CPU = torch.device("cpu")
 TOL = 1e-4
 FAMILIES = ("bamba", "nemotron_h")
 # 21 tokens: with chunk_size 8 the scan runs two whole blocks and a partial one.
 PROMPT = [(37 * i + 11) % (VOCAB - 3) + 3 for i in range(21)]
-BASE = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-
-def make_tiny_hybrid(family: str, path, seed: int = 0):
-    """A tiny random Bamba or NemotronH checkpoint (Mamba chunk_size 8) written to `path` with
-    a tokenizer; returns the transformers model (float32)."""
-    import transformers as tf
-
-    if family == "bamba":
-        config = tf.BambaConfig(
-            **BASE,
-            num_hidden_layers=4,
-            attn_layer_indices=[1, 3],
-            mamba_n_heads=8,
-            mamba_d_head=16,
-            mamba_n_groups=1,
-            mamba_d_state=16,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            mamba_chunk_size=8,
-        )
-        model_cls = tf.BambaForCausalLM
-    else:
-        # Two groups of B and C; mamba first, then an MLP, attention, and an MLP.
-        config = tf.NemotronHConfig(
-            **BASE,
-            head_dim=16,
-            layers_block_type=["mamba", "mlp", "attention", "mlp"],
-            ssm_state_size=16,
-            mamba_num_heads=8,
-            mamba_head_dim=16,
-            n_groups=2,
-            chunk_size=8,
-        )
-        model_cls = tf.NemotronHForCausalLM
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    # Larger weights than the default init spread the logits, so greedy picks are clear-cut.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    write_tokenizer(path)
-    return model
 
 
 @pytest.fixture(scope="module")

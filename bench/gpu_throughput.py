@@ -3,10 +3,13 @@
 Workload: `--requests` requests (256), prompt lengths uniform in [100, 1024], output lengths
 uniform in [100, 1024], random token ids, EOS ignored, seed 0; every request handed over at
 once. Models: random-weight, bf16, built on the device in the shapes of Qwen3-0.6B and
-Llama-3.1-8B (nothing can be downloaded there). Prints output tok/s per engine and the ratio;
+Llama-3.1-8B (nothing can be downloaded there), or `bamba-9b` (a hybrid Mamba2 model of
+Llama-3.1-8B's width; transformers runs it through `generate` in static batches, its
+continuous batching keeping no Mamba state). Prints output tok/s per engine and the ratio;
 writes JSON to $OUT (or bench/out).
 
     python3 bench/gpu_throughput.py [--shapes qwen3-0.6b llama-3.1-8b] [--hf qwen3-0.6b]
+    python3 bench/gpu_throughput.py --shapes bamba-9b --hf bamba-9b --requests 64 --batch 64
 """
 
 from __future__ import annotations
@@ -74,6 +77,67 @@ def run_inflight(shape: str, work: list[tuple[list[int], int]], args: argparse.N
     return {"output_tok_s": tok_s}
 
 
+def run_hf_hybrid(shape: str, work: list[tuple[list[int], int]], batch: int) -> dict:
+    """transformers' `generate` on a Bamba of the shape, in static batches of `batch` prompts
+    (left-padded; its continuous batching serves no Mamba state): each batch runs to its
+    longest output length, and the throughput counts the tokens of those lengths."""
+    from transformers import BambaConfig, BambaForCausalLM
+
+    c = SHAPES[shape]
+    m = c.mamba
+    assert m is not None
+    config = BambaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        attn_layer_indices=[i for i, t in enumerate(m.layer_types) if t == "attention"],
+        mamba_n_heads=m.n_heads,
+        mamba_d_head=m.head_dim,
+        mamba_n_groups=m.n_groups,
+        mamba_d_state=m.d_state,
+        mamba_d_conv=m.d_conv,
+        mamba_expand=m.d_inner // c.hidden_size,
+        mamba_chunk_size=m.chunk_size,
+        max_position_embeddings=4096,
+        pad_token_id=0,
+    )
+    with torch.device("cuda"):
+        model = BambaForCausalLM(config).to(torch.bfloat16).eval()
+    produced, elapsed = 0, 0.0
+    for start in range(0, len(work), batch):
+        chunk = work[start : start + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk], device="cuda")
+        mask = (
+            torch.arange(width, device="cuda")
+            >= width - torch.tensor([len(p) for p, _ in chunk], device="cuda")[:, None]
+        ).long()
+        longest = max(n for _, n in chunk)
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        torch.cuda.synchronize()
+        elapsed += time.perf_counter() - begin
+        produced += longest * len(chunk)
+    del model
+    torch.cuda.empty_cache()
+    return {
+        "output_tok_s": produced / elapsed,
+        "note": f"generate in static batches of {batch}, each to its longest output",
+    }
+
+
 def run_hf(shape: str, work: list[tuple[list[int], int]]) -> dict:
     from transformers import (
         GenerationConfig,
@@ -137,6 +201,9 @@ def main() -> None:
         help="shapes to also run through transformers' generate_batch",
     )
     parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument(
+        "--hf-batch", type=int, default=64, help="transformers' static batch for hybrid shapes"
+    )
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--max-num-tokens", type=int, default=8192)
     parser.add_argument("--block-size", type=int, default=16)
@@ -154,7 +221,10 @@ def main() -> None:
         results[shape] = {"inflight": run_inflight(shape, work, args)}
         print(shape, "inflight", results[shape]["inflight"], flush=True)
         if shape in args.hf:
-            results[shape]["transformers"] = run_hf(shape, work)
+            if SHAPES[shape].mamba is not None:
+                results[shape]["transformers"] = run_hf_hybrid(shape, work, args.hf_batch)
+            else:
+                results[shape]["transformers"] = run_hf(shape, work)
             print(shape, "transformers", results[shape]["transformers"], flush=True)
     print(f"\n{'shape':<14}{'inflight tok/s':>16}{'transformers tok/s':>20}{'ratio':>8}")
     for shape, r in results.items():

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import torch
 
 from inflight.model.attention import AttentionMetadata, TorchAttentionBackend
+from inflight.model.mamba import MambaStates
 from inflight.runtime.cuda_graphs import DecodeGraphs, DecodeInputs, graph_buckets, graph_rows
 from inflight.runtime.executor import allocate_kv_cache
 
@@ -143,8 +144,9 @@ class EagerGraphs(DecodeGraphs):
 
 
 def with_eager_graphs(runtime):
-    """The (CPU, float32) runtime with EagerGraphs in its executor, and the scratch block their
-    padding rows write added to its KV cache, as a CUDA runtime has captured graphs."""
+    """The (CPU, float32) runtime with EagerGraphs in its executor, and the scratch block (and,
+    for a hybrid, state slot) their padding rows write added, as a CUDA runtime has captured
+    graphs."""
     executor, config = runtime.executor, runtime.config
     blocks = runtime.blocks.num_blocks
     executor.kv_caches = allocate_kv_cache(
@@ -155,6 +157,11 @@ def with_eager_graphs(runtime):
         torch.float32,
         torch.device("cpu"),
     )
+    hybrid = runtime.checkpoint.config.mamba is not None
+    if hybrid:  # one state slot more, for the padding rows
+        executor.mamba_states = MambaStates.allocate(
+            runtime.checkpoint.config, config.max_batch_size + 1, torch.float32, torch.device("cpu")
+        )
     rows = graph_rows(config.max_batch_size, config.max_num_tokens)
     inputs = DecodeInputs(
         rows,
@@ -163,6 +170,7 @@ def with_eager_graphs(runtime):
         scratch_block=blocks,
         device=torch.device("cpu"),
         lora=executor.model.max_loras > 0,
+        scratch_state=config.max_batch_size if hybrid else None,
     )
     with torch.inference_mode():
         executor.graphs = EagerGraphs(

@@ -13,6 +13,7 @@ from inflight.model.checkpoints.loader import Checkpoint
 from inflight.model.checkpoints.tokenizer import SpecialTokens, Tokenizer
 from inflight.model.config import (
     AudioConfig,
+    MambaConfig,
     ModelConfig,
     Qwen2VLVisionConfig,
     RopeConfig,
@@ -73,6 +74,18 @@ SHAPES = {
             intermediate_size=5120, max_source_positions=1500, audio_token_id=24,
         ),
     ),
+    # Bamba-9B: the width of Llama-3.1-8B, 32 layers of which 3 attend (9, 18, 27) and the
+    # others are Mamba2 mixers of 128 heads x 64 channels with a 128-wide state.
+    "bamba-9b": ModelConfig(
+        family="bamba", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        max_position_embeddings=8192, rope=RopeConfig(theta=10000.0),
+        mamba=MambaConfig(
+            layer_types=tuple("attention" if i in (9, 18, 27) else "mamba" for i in range(32)),
+            n_heads=128, head_dim=64, n_groups=1, d_state=128, d_conv=4, chunk_size=256,
+            conv_bias=True, proj_bias=False, norm_eps=1e-5, partial_rotary_factor=0.5,
+        ),
+    ),
 }  # fmt: skip
 
 
@@ -95,6 +108,9 @@ class RandomWeights:
         def ones(size: int) -> torch.Tensor:
             return torch.ones(size, device=self.device, dtype=torch.bfloat16)
 
+        if c.mamba is not None:
+            yield from self._bamba_weights(matrix, ones)
+            return
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         yield "embed_tokens.weight", matrix(c.vocab_size, c.hidden_size)
         for i in range(c.num_layers):
@@ -118,6 +134,38 @@ class RandomWeights:
         if not c.tie_word_embeddings:
             yield "lm_head.weight", matrix(c.vocab_size, c.hidden_size)
         yield from self._encoder_weights(matrix, ones)
+
+    def _bamba_weights(self, matrix, ones) -> Iterator[tuple[str, torch.Tensor]]:
+        """A Bamba checkpoint's, under transformers' names (A = -1, D = 1, biases zero)."""
+        c, m = self.config, self.config.mamba
+        assert m is not None and c.family == "bamba"
+        q, kv, hidden = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size
+        yield "model.embed_tokens.weight", matrix(c.vocab_size, hidden)
+        for i, kind in enumerate(m.layer_types):
+            p = f"model.layers.{i}."
+            yield p + "input_layernorm.weight", ones(hidden)
+            yield p + "pre_ff_layernorm.weight", ones(hidden)
+            if kind == "attention":
+                yield p + "self_attn.q_proj.weight", matrix(q, hidden)
+                yield p + "self_attn.k_proj.weight", matrix(kv, hidden)
+                yield p + "self_attn.v_proj.weight", matrix(kv, hidden)
+                yield p + "self_attn.o_proj.weight", matrix(hidden, q)
+            else:
+                p += "mamba."
+                yield p + "in_proj.weight", matrix(m.d_inner + m.conv_dim + m.n_heads, hidden)
+                yield p + "conv1d.weight", matrix(m.conv_dim, m.d_conv).view(m.conv_dim, 1, -1)
+                yield p + "conv1d.bias", ones(m.conv_dim).zero_()
+                yield p + "dt_bias", ones(m.n_heads).zero_()
+                yield p + "A_log", ones(m.n_heads).zero_()
+                yield p + "D", ones(m.n_heads)
+                yield p + "norm.weight", ones(m.d_inner)
+                yield p + "out_proj.weight", matrix(hidden, m.d_inner)
+            p = f"model.layers.{i}.feed_forward."
+            yield p + "gate_proj.weight", matrix(c.intermediate_size, hidden)
+            yield p + "up_proj.weight", matrix(c.intermediate_size, hidden)
+            yield p + "down_proj.weight", matrix(hidden, c.intermediate_size)
+        yield "model.final_layernorm.weight", ones(hidden)
+        yield "lm_head.weight", matrix(c.vocab_size, hidden)
 
     def _encoder_weights(self, matrix, ones) -> Iterator[tuple[str, torch.Tensor]]:
         """The media encoder's (tower and projector), under their Hugging Face names: the

@@ -12,7 +12,8 @@ beyond its own rows.
 
 A model with LoRA slots is captured with its indexed side path reading each row's slot from a
 static buffer (see `model/layers/lora.py`): one graph per bucket serves any mix of adapters and
-the base.
+the base. A hybrid Mamba model's rows read their state slots from a static buffer likewise, the
+spare rows a scratch slot no resident owns.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from inflight.model.attention import AttentionMetadata
 from inflight.model.layers.lora import LoRAMapping
+from inflight.model.mamba import MambaRows
 from inflight.model.transfer import to_device
 from inflight.runtime.batch_builder import BatchRow, RaggedBatch
 
@@ -82,9 +84,11 @@ class DecodeInputs:
         scratch_block: int,
         device,
         lora: bool = False,
+        scratch_state: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.scratch_block = scratch_block
+        self.scratch_state = scratch_state
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.slot_mapping = torch.zeros(max_batch, dtype=torch.int64, device=device)
@@ -95,12 +99,24 @@ class DecodeInputs:
         self.lora_slots = (
             torch.full((max_batch,), -1, dtype=torch.int32, device=device) if lora else None
         )
+        # Each row's Mamba state slot, where the model is a hybrid (`scratch_state`: the slot
+        # of spare rows).
+        self.state_slots = (
+            None
+            if scratch_state is None
+            else torch.full((max_batch,), scratch_state, dtype=torch.int64, device=device)
+        )
 
     def fill(
-        self, batch: RaggedBatch, bucket: int, lora_slots: Sequence[int] | None = None
+        self,
+        batch: RaggedBatch,
+        bucket: int,
+        lora_slots: Sequence[int] | None = None,
+        mamba: MambaRows | None = None,
     ) -> None:
         """Copy a decode step's rows in (with each row's LoRA slot, -1 or None for the base
-        model); park the bucket's spare rows on the scratch block."""
+        model, and its state slot); park the bucket's spare rows on the scratch block (and
+        the scratch state slot)."""
         rows = len(batch.input_ids)
         meta = batch.meta
         width = meta.block_tables.shape[1]
@@ -125,6 +141,17 @@ class DecodeInputs:
                 self.lora_slots[rows:bucket] = -1
         elif lora_slots is not None:
             raise ValueError("LoRA slots for graphs captured without LoRA")
+        if self.state_slots is not None:
+            assert mamba is not None and not any(mamba.fresh_host)
+            self.state_slots[:rows].copy_(mamba.slots)
+            self.state_slots[rows:bucket] = self.scratch_state
+
+    def mamba(self, bucket: int) -> MambaRows | None:
+        """The state slots the graph of `bucket` is captured with: its static rows'."""
+        if self.state_slots is None:
+            return None
+        assert self.scratch_state is not None
+        return MambaRows(self.state_slots[:bucket], [self.scratch_state] * bucket, [False] * bucket)
 
     def lora(self, bucket: int) -> LoRAMapping | None:
         """The mapping the graph of `bucket` is captured with: its static rows' slots."""
@@ -154,9 +181,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        forward: Callable[
-            [torch.Tensor, torch.Tensor, AttentionMetadata, LoRAMapping | None], torch.Tensor
-        ],
+        forward: Callable[..., torch.Tensor],
         inputs: DecodeInputs,
         buckets: list[int],
     ) -> None:
@@ -167,7 +192,12 @@ class DecodeGraphs:
         for bucket in reversed(buckets):  # the largest first, so the rest reuse its memory
             ids, positions = inputs.input_ids[:bucket], inputs.positions[:bucket]
             args = (ids, positions, inputs.metadata(bucket), inputs.lora(bucket))
-            self._graphs[bucket] = self._capture(partial(forward, *args))
+            mamba = inputs.mamba(bucket)
+            # A hybrid's forward takes its state slots (after `media`, none in a decode step).
+            call = (
+                partial(forward, *args) if mamba is None else partial(forward, *args, None, mamba)
+            )
+            self._graphs[bucket] = self._capture(call)
 
     def _capture(
         self, forward: Callable[[], torch.Tensor]
@@ -183,16 +213,20 @@ class DecodeGraphs:
         return graph, hidden
 
     def run(
-        self, batch: RaggedBatch, lora_slots: Sequence[int] | None = None
+        self,
+        batch: RaggedBatch,
+        lora_slots: Sequence[int] | None = None,
+        mamba: MambaRows | None = None,
     ) -> torch.Tensor | None:
         """Final hidden states of the tokens in `batch.logits_indices` (each row with its LoRA
-        slot, -1 or None for the base model), or None when no graph fits the step."""
-        if not is_decode_only(batch):
+        slot, -1 or None for the base model, and its state slot), or None when no graph fits
+        the step (for a hybrid, one that starts a sequence's state too)."""
+        if not is_decode_only(batch) or (mamba is not None and any(mamba.fresh_host)):
             return None
         bucket = pick_bucket(self.buckets, len(batch.input_ids))
         if bucket is None:
             return None
-        self.inputs.fill(batch, bucket, lora_slots)
+        self.inputs.fill(batch, bucket, lora_slots, mamba)
         graph, hidden = self._graphs[bucket]
         graph.replay()
         rows = len(batch.input_ids)

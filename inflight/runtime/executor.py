@@ -148,7 +148,7 @@ class Executor:
         one; `media`: packed tokens whose input is an encoder's output (such a step runs
         eagerly); `mamba`: each row's state slot (hybrid models)."""
         if self.graphs is not None and media is None:
-            hidden = self.graphs.run(batch, lora_slots)
+            hidden = self.graphs.run(batch, lora_slots, mamba)
             if hidden is not None:
                 return hidden
         self.backend.plan(batch.meta)
@@ -203,8 +203,13 @@ class Executor:
         rows, device = step.rows, self.device
         # Only a model with media input looks for media in its steps.
         media = self._media_embeds(rows) if self.encoder_cache is not None else None
+        # A hybrid's tokens of one sequence never run as separate decode rows: each would read
+        # the same recurrent state.
         unfold = (
-            self.graphs is not None and media is None and replayable(rows, self.graphs.buckets[-1])
+            self.graphs is not None
+            and media is None
+            and self.mamba_states is None
+            and replayable(rows, self.graphs.buckets[-1])
         )
         shift = None
         if self.mrope and any(row.resident.request.media for row in rows):

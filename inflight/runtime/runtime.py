@@ -157,13 +157,12 @@ class Runtime:
         backend = select_backend(
             config.attention_backend, self.device, self.dtype, model_config.head_dim
         )
-        # A hybrid's decode steps run eagerly: its Mamba layers' state updates are not captured.
         graphs = (
             config.cuda_graphs
             and self.device.type == "cuda"
             and not isinstance(backend, TorchAttentionBackend)
-            and model_config.mamba is None
         )
+        hybrid = model_config.mamba is not None
         # With graphs, one extra block (never handed out) takes the writes of padding rows.
         kv = allocate_kv_cache(
             model_config,
@@ -182,6 +181,8 @@ class Runtime:
                 scratch_block=num_blocks,
                 device=self.device,
                 lora=model.max_loras > 0,
+                # One state slot past the residents' takes the spare rows' state updates.
+                scratch_state=config.max_batch_size if hybrid else None,
             )
         return Executor(
             model,
@@ -200,8 +201,13 @@ class Runtime:
                 else None
             ),
             mamba_states=(
-                MambaStates.allocate(model_config, config.max_batch_size, self.dtype, self.device)
-                if model_config.mamba
+                MambaStates.allocate(
+                    model_config,
+                    config.max_batch_size + (1 if graphs else 0),
+                    self.dtype,
+                    self.device,
+                )
+                if hybrid
                 else None
             ),
         )

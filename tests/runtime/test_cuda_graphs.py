@@ -4,10 +4,12 @@
 import pytest
 import torch
 
+from inflight.model.mamba import MambaRows
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.cuda_graphs import (
     UNFOLD_KEYS,
+    DecodeGraphs,
     DecodeInputs,
     graph_buckets,
     is_decode_only,
@@ -93,6 +95,35 @@ def test_fill_copies_rows_and_parks_spare_rows_on_the_scratch_block():
     assert inputs.block_tables[2:4, 0].tolist() == [99, 99]
     meta = inputs.metadata(4)
     assert meta.num_decodes == 4 and meta.slot_mapping.shape == (4,)
+
+
+def test_fill_writes_each_rows_state_slot_and_parks_spare_rows_on_the_scratch_slot():
+    inputs = DecodeInputs(
+        max_batch=8, max_blocks=4, block_size=16, scratch_block=99, device=CPU, scratch_state=8
+    )
+    rows = [RowInput([11], 20, [5, 6], True)] * 3
+    inputs.fill(
+        build_ragged_batch(rows * 2, 16, CPU), 8, mamba=MambaRows.build([0] * 6, [0] * 6, CPU)
+    )
+    inputs.fill(
+        build_ragged_batch(rows, 16, CPU), 4, mamba=MambaRows.build([5, 2, 7], [0] * 3, CPU)
+    )
+    assert inputs.state_slots[:4].tolist() == [5, 2, 7, 8]
+    captured = inputs.mamba(4)
+    assert captured.slots.data_ptr() == inputs.state_slots.data_ptr()
+    assert captured.fresh_host == [False] * 4
+
+
+def test_a_step_that_starts_a_state_is_not_replayed():
+    """A one-token prompt is a decode row whose state slot must be zeroed first: eager."""
+
+    class Never:
+        buckets = [1, 2, 4]
+        inputs = None
+
+    batch = build_ragged_batch([RowInput([11], 0, [5], True)], 16, CPU)
+    fresh = MambaRows.build([3], [True], CPU)
+    assert DecodeGraphs.run(Never(), batch, None, fresh) is None
 
 
 def test_fill_writes_each_rows_lora_slot_and_parks_spare_rows_on_the_base():

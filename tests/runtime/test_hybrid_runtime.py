@@ -14,7 +14,7 @@ from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 
-from helpers import assert_no_leaks, run_staggered
+from helpers import assert_no_leaks, run_staggered, with_eager_graphs
 from tiny_models import make_tiny_hybrid
 
 FAMILIES = ("bamba", "nemotron_h")
@@ -121,3 +121,31 @@ def test_speculative_decoding_is_refused_for_hybrids(hybrid):
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match="not served for hybrid Mamba models"):
         Runtime(hybrid[0], RuntimeConfig(**dict(CONFIG, speculative=spec)))
+
+
+def test_decode_graphs_and_overlap_give_the_eager_tokens(hybrid, monkeypatch):
+    """Decode steps replay graphs (run eagerly on the CPU, through the same static buffers and
+    scratch state slot as on CUDA) with overlapped steps: every row's tokens and logprobs are
+    those of eager steps."""
+    config = dict(CONFIG, max_num_tokens=12)
+    eager = Runtime(hybrid[0], RuntimeConfig(**config))
+    graphed = with_eager_graphs(Runtime(hybrid[0], RuntimeConfig(**config, overlap=True)))
+    planned = []
+    plan = graphed.executor.backend.plan
+    monkeypatch.setattr(
+        graphed.executor.backend, "plan", lambda meta: planned.append(meta) or plan(meta)
+    )
+    requests = [
+        _request(_prompt(n, seed), max_tokens=m, logprobs=2)
+        for seed, (n, m) in enumerate(((9, 20), (30, 6), (1, 12), (17, 16), (5, 9)))
+    ]
+    want = run_staggered(eager, requests)
+    steps = []
+    schedule = graphed.scheduler.schedule
+    monkeypatch.setattr(graphed.scheduler, "schedule", lambda i: steps.append(i) or schedule(i))
+    got = run_staggered(graphed, requests)
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert len(planned) < len(steps) / 2  # most steps replayed a graph
+    assert_no_leaks(graphed)

@@ -101,7 +101,9 @@ def test_graphed_steps_give_each_token_its_rows_adapter(tiny_dirs, adapters):
     graphed = with_eager_graphs(_runtime(tiny_dirs, adapters, context_cache=False))
     replays = []
     run = graphed.executor.graphs.run
-    graphed.executor.graphs.run = lambda batch, slots: replays.append(slots) or run(batch, slots)
+    graphed.executor.graphs.run = lambda batch, slots, mamba=None: (
+        replays.append(slots) or run(batch, slots, mamba)
+    )
     got = run_staggered(graphed, requests)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     # Prefills were replayed, their tokens on their adapters' slots (40 prompt tokens each).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,10 +76,20 @@ _PRE_SPLITS = {
 _CONTROL, _USER_DEFINED = 3, 4
 
 
+@functools.lru_cache(maxsize=4)
+def _reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
+    """The gguf package's reader of a file, kept for a process that opens the same file again
+    (a second LLM, a test session): parsing the metadata takes it seconds (SmolLM2's 98K
+    vocabulary and merge strings, ~5 s here), and a reader is read-only (memory-mapped).
+    Keyed by modification time and size, so a file rewritten in place is read anew."""
+    return GGUFReader(path)
+
+
 class GGUFCheckpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.reader = GGUFReader(str(path))
+        stat = path.stat()
+        self.reader = _reader(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
         self.arch = self._str("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise ValueError(

@@ -173,3 +173,20 @@ def test_voxtral_rows_share_steps_and_a_repeated_clip_is_not_encoded_again(voxtr
     _alone(runtime, _request(runtime, ONE_CLIP, {"audio": [(eight, 8000)]}))
     assert metrics()["encoder_runs"] == runs + 1
     assert_no_leaks(runtime)
+
+
+def test_qwen2_vl_reuses_a_cached_prefix_with_its_image_and_shift(qwen):
+    """A prompt whose cached prefix holds an image: the text computed after it takes the
+    image's M-RoPE shift from the request, and the answer is the one computed from scratch."""
+    path, _ = qwen
+    cached = Runtime(path, RuntimeConfig(**dict(CONFIG, context_cache=True)))
+    fresh = Runtime(path, RuntimeConfig(**CONFIG))
+    text = [1, 60, 61, 62, *VISION, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81]
+    picture = image(11, (40, 60))
+    first = _alone(cached, _request(cached, text, {"image": [picture]}))
+    again = _alone(cached, _request(cached, text, {"image": [picture]}))
+    want = _alone(fresh, _request(fresh, text, {"image": [picture]}))
+    image_end = 4 + 1 + _request(cached, text, {"image": [picture]}).media[0].length
+    assert again.cached_tokens >= image_end  # the image's tokens came from the cache
+    assert first.token_ids == again.token_ids == want.token_ids
+    assert_no_leaks(cached)

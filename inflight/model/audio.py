@@ -20,6 +20,7 @@ from torch import nn
 
 from inflight.model.config import AudioConfig
 from inflight.model.vision import activation
+from inflight.model.weights import copy_weights
 
 # Whisper's layer norms take torch's default epsilon: the config has none.
 _LN_EPS = 1e-5
@@ -143,23 +144,7 @@ class AudioEncoder(nn.Module):
         tokens = self.multi_modal_projector(frames.reshape(-1, config.intermediate_size))
         return list(tokens.split([len(item) * config.tokens_per_window for item in items]))
 
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in (`audio_tower.…`, `multi_modal_projector.…`);
         an unknown or missing one, or a shape that differs, is a ValueError."""
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the audio encoder")
-            param = params[name]
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(param.shape)}"
-                )
-            param.copy_(tensor)
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint lacks audio encoder tensors {missing[:5]}")
+        copy_weights(self, weights, "audio encoder")

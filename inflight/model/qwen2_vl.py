@@ -25,6 +25,7 @@ from torch import nn
 
 from inflight.model.config import Qwen2VLVisionConfig
 from inflight.model.vision import activation
+from inflight.model.weights import copy_weights
 
 # Hugging Face's eps for every norm of both towers.
 _EPS = 1e-6
@@ -303,23 +304,7 @@ class Qwen2VLImageEncoder(nn.Module):
         embeds = self.visual(pixels, _layout(config, grids, weight.device))
         return list(embeds.split(counts))
 
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors (`visual.*`, any `model.` level already stripped)
         in: a missing or unknown one, or a shape that differs, is a ValueError."""
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the image encoder")
-            param = params[name]
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(param.shape)}"
-                )
-            param.copy_(tensor)
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint lacks image encoder tensors {missing[:5]}")
+        copy_weights(self, weights, "image encoder")

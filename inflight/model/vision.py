@@ -12,7 +12,7 @@ Parameters keep Hugging Face names below `vision_tower` and `multi_modal_project
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inflight.model.config import VisionConfig
+from inflight.model.weights import copy_weights
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -174,13 +175,16 @@ class ImageEncoder(nn.Module):
         device = self.multi_modal_projector.linear_1.weight.device
         return list(self(torch.from_numpy(np.stack(items)).to(device)))
 
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in: those of layers past the one LLaVA reads, the
         final norm and the pooling head are skipped (never run), and so is the positions'
         index buffer; a missing or unknown one, or a shape that differs, is a ValueError."""
-        params = dict(self.named_parameters())
-        loaded = set()
+        copy_weights(self, self._read(weights), "image encoder")
+
+    def _read(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors this encoder holds, under its names."""
         prefix = "vision_tower."
         for name, tensor in weights:
             # The tower's own model level is in older checkpoints only.
@@ -191,20 +195,9 @@ class ImageEncoder(nn.Module):
                 unused = ("post_layernorm.", "head.", "embeddings.position_ids")
                 if rest.startswith(unused) or self._past_read(rest):
                     continue
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the image encoder")
-            param = params[name]
-            tensor = tensor.reshape(param.shape) if name.endswith("class_embedding") else tensor
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(param.shape)}"
-                )
-            param.copy_(tensor)
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint lacks image encoder tensors {missing[:5]}")
+                if rest == "embeddings.class_embedding":
+                    tensor = tensor.reshape(-1)  # some checkpoints keep it [1, 1, hidden]
+            yield name, tensor
 
     def _past_read(self, name: str) -> bool:
         if not name.startswith("encoder.layers."):

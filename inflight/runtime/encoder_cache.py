@@ -39,6 +39,9 @@ class EncoderCache:
         size = _bytes(output)
         if key in self._entries or size > self.capacity_bytes:
             return
+        if output._base is not None:
+            # A view of a step's whole encoder output would keep all of it alive (and uncounted).
+            output = output.clone()
         while self.used_bytes + size > self.capacity_bytes:
             _, old = self._entries.popitem(last=False)
             self.used_bytes -= _bytes(old)

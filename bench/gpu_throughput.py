@@ -77,6 +77,22 @@ def run_inflight(shape: str, work: list[tuple[list[int], int]], args: argparse.N
     return {"output_tok_s": tok_s}
 
 
+def _hf_fields(shape: str) -> dict:
+    """A transformers config's fields for the decoder of the shape."""
+    c = SHAPES[shape]
+    return dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        tie_word_embeddings=c.tie_word_embeddings,
+        max_position_embeddings=4096,
+    )
+
+
 def run_hf_hybrid(shape: str, work: list[tuple[list[int], int]], batch: int) -> dict:
     """transformers' `generate` on a Bamba of the shape, in static batches of `batch` prompts
     (left-padded; its continuous batching serves no Mamba state): each batch runs to its
@@ -87,12 +103,7 @@ def run_hf_hybrid(shape: str, work: list[tuple[list[int], int]], batch: int) -> 
     m = c.mamba
     assert m is not None
     config = BambaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads,
+        **_hf_fields(shape),
         attn_layer_indices=[i for i, t in enumerate(m.layer_types) if t == "attention"],
         mamba_n_heads=m.n_heads,
         mamba_d_head=m.head_dim,
@@ -101,7 +112,6 @@ def run_hf_hybrid(shape: str, work: list[tuple[list[int], int]], batch: int) -> 
         mamba_d_conv=m.d_conv,
         mamba_expand=m.d_inner // c.hidden_size,
         mamba_chunk_size=m.chunk_size,
-        max_position_embeddings=4096,
         pad_token_id=0,
     )
     with torch.device("cuda"):
@@ -149,22 +159,11 @@ def run_hf(shape: str, work: list[tuple[list[int], int]]) -> dict:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     c = SHAPES[shape]
-    common = dict(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        tie_word_embeddings=c.tie_word_embeddings,
-        max_position_embeddings=4096,
-    )
     config_cls, model_cls = (
         (Qwen3Config, Qwen3ForCausalLM) if c.family == "qwen3" else (LlamaConfig, LlamaForCausalLM)
     )
     with torch.device("cuda"):
-        model = model_cls(config_cls(**common)).to(torch.bfloat16).eval()
+        model = model_cls(config_cls(**_hf_fields(shape))).to(torch.bfloat16).eval()
     model.set_attn_implementation("paged|sdpa")
     generation = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
     cb = ContinuousBatchingConfig(num_blocks=len(work) * 9, max_batch_tokens=8192)

@@ -42,12 +42,63 @@ def run_staggered(runtime, requests) -> list:
     return [outputs[i] for i in range(len(requests))]
 
 
+def assert_same_outputs(got, want) -> None:
+    """Each request's tokens and logprobs, bit for bit, in two runs of the same requests."""
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def watch_media_prefills(runtime, monkeypatch) -> list[bool]:
+    """Per launched step from now on: whether a prefill with media shared it with rows already
+    decoding."""
+    mixed: list[bool] = []
+    launch = runtime.executor.launch
+
+    def watching(step):
+        rows = [(r.resident.request.media, r.past_len < r.resident.prompt_len) for r in step.rows]
+        mixed.append(any(m and p for m, p in rows) and any(not p for _, p in rows))
+        return launch(step)
+
+    monkeypatch.setattr(runtime.executor, "launch", watching)
+    return mixed
+
+
 def wait_for_outcome(handle, timeout: float = 10.0) -> None:
     """Wait until the engine has published the request's outcome (a cancelled one included)."""
     deadline = time.monotonic() + timeout
     while not handle.ready():
         assert time.monotonic() < deadline, "no outcome in time"
         time.sleep(0.005)
+
+
+def float32_model(path):
+    """Our model of the checkpoint at `path` (float32, CPU, exact): checkpoint, model, backend."""
+    from inflight.model.attention import select_backend
+    from inflight.model.checkpoints.loader import build_model, open_checkpoint
+
+    checkpoint = open_checkpoint(path)
+    cpu = torch.device("cpu")
+    model = build_model(checkpoint, torch.float32, cpu, 512, quantization="none")
+    return checkpoint, model, select_backend(None, cpu, torch.float32, checkpoint.config.head_dim)
+
+
+def assert_tracks(model, backend, ids, theirs, media=None, shift=0, delta=0, tol=1e-4) -> None:
+    """Prefill `ids` (`media` and rotary `shift` as `PagedSequence.extend` takes them), then 8
+    greedy decode steps (rotary shift `delta`): every step's logits within `tol` of
+    `theirs(sequence so far)` (transformers in float64) at every new position, and the same
+    greedy pick."""
+    sequence = PagedSequence(model, backend, len(ids) + 8)
+    ours = sequence.extend(ids, media, shift)
+    seq = list(ids)
+    want = theirs(seq)
+    assert (ours.double() - want).abs().max().item() < tol
+    for _ in range(8):
+        seq.append(int(want[-1].argmax()))
+        assert int(ours[-1].argmax()) == seq[-1]
+        ours = sequence.extend(seq[-1:], shift=delta)
+        want = theirs(seq)
+        assert (ours[-1].double() - want[-1]).abs().max().item() < tol
 
 
 def prefill_logits(model, ids: list[int]) -> torch.Tensor:

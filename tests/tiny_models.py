@@ -98,21 +98,28 @@ def write_tokenizer(path: Path, extra_special: tuple[str, ...] = ()) -> None:
     )
 
 
-def make_tiny_model(family: str, path: Path, seed: int = 0):
-    """Write a tiny random checkpoint of `family` to `path`; returns the HF model (float32)."""
-    config_cls, model_cls, extra = _family(family)
+def _save_random(
+    model_cls, config, path: Path, seed: int, special: tuple[str, ...] = (), keep: str | None = None
+):
+    """The model of `config` with seeded random weights, its matrices (but those whose names
+    hold `keep`, an encoder's) scaled up so the logits spread and greedy picks are clear-cut,
+    written to `path` with a tokenizer of `special` tokens; returns it (float32)."""
     torch.manual_seed(seed)
-    config = config_cls(**{**COMMON, **extra})
     model = model_cls(config).eval()
-    # Larger weights than the default init spread the logits, so greedy picks are clear-cut.
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
+        for name, p in model.named_parameters():
+            if p.dim() > 1 and (keep is None or keep not in name):
                 p.normal_(0.0, 0.2)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
-    write_tokenizer(path)
+    write_tokenizer(path, special)
     return model
+
+
+def make_tiny_model(family: str, path: Path, seed: int = 0):
+    """Write a tiny random checkpoint of `family` to `path`; returns the HF model (float32)."""
+    config_cls, model_cls, extra = _family(family)
+    return _save_random(model_cls, config_cls(**{**COMMON, **extra}), path, seed)
 
 
 def make_lora_adapter(base: Path, path: Path, seed: int, **config):
@@ -162,15 +169,9 @@ def make_tiny_llava(path: Path, tower: str = "clip", seed: int = 0):
         vision_feature_select_strategy="default" if tower == "clip" else "full",
         image_seq_length=16,
     )
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1 and "vision_tower" not in name:
-                p.normal_(0.0, 0.2)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    write_tokenizer(path, (IMAGE_TOKEN,))
+    model = _save_random(
+        LlavaForConditionalGeneration, config, path, seed, (IMAGE_TOKEN,), "vision_tower"
+    )
     if tower == "clip":
         processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size=32)
     else:
@@ -222,15 +223,7 @@ def make_tiny_qwen2_vl(path: Path, seed: int = 0, version: str = "2"):
         vision_end_token_id=QWEN_END_ID,
         tie_word_embeddings=True,
     )
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1 and "visual" not in name:
-                p.normal_(0.0, 0.2)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    write_tokenizer(path, QWEN_VISION_TOKENS)
+    model = _save_random(model_cls, config, path, seed, QWEN_VISION_TOKENS, "visual")
     processor = Qwen2VLImageProcessorPil(
         patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8, max_pixels=64 * 64
     )
@@ -242,6 +235,7 @@ AUDIO_TOKEN = "[AUDIO]"
 AUDIO_TOKEN_ID = len(SPECIAL)  # the tiny Voxtral tokenizer's next special token
 # A window of the tiny audio encoder is 2 x 32 mel frames: 1 s of 16 kHz audio at a hop of 250.
 AUDIO_TOKENS_PER_SECOND = 8  # 32 encoder frames, 4 stacked per token
+AUDIO_FEATURES = dict(feature_size=16, chunk_length=1, hop_length=250)  # its feature extractor
 
 
 def make_tiny_voxtral(path: Path, seed: int = 0):
@@ -263,16 +257,10 @@ def make_tiny_voxtral(path: Path, seed: int = 0):
         text_config=dict(model_type="llama", **COMMON),
         audio_token_id=AUDIO_TOKEN_ID,
     )
-    torch.manual_seed(seed)
-    model = VoxtralForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1 and "audio_tower" not in name:
-                p.normal_(0.0, 0.2)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    write_tokenizer(path, (AUDIO_TOKEN,))
-    WhisperFeatureExtractor(feature_size=16, chunk_length=1, hop_length=250).save_pretrained(path)
+    model = _save_random(
+        VoxtralForConditionalGeneration, config, path, seed, (AUDIO_TOKEN,), "audio_tower"
+    )
+    WhisperFeatureExtractor(**AUDIO_FEATURES).save_pretrained(path)
     return model
 
 
@@ -321,14 +309,4 @@ def make_tiny_hybrid(family: str, path, seed: int = 0):
             chunk_size=8,
         )
         model_cls = tf.NemotronHForCausalLM
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    # Larger weights than the default init spread the logits, so greedy picks are clear-cut.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    write_tokenizer(path)
-    return model
+    return _save_random(model_cls, config, path, seed)

@@ -29,6 +29,7 @@ from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, RotaryEmbedding
 from inflight.model.llama import MLP, Attention, MediaEmbeds
 from inflight.model.mamba import Mamba2Mixer, MambaRows, MambaStates
+from inflight.model.weights import load_fused, shard_sizes
 
 # Checkpoint name prefix -> ours, per family (NemotronH's checkpoints say `backbone.`,
 # transformers' module tree `model.`).
@@ -300,46 +301,7 @@ class HybridForCausalLM(nn.Module):
         turn every linear layer's weight into the form its method runs."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        params = dict(self.named_parameters())
-        sizes = self._shard_sizes()
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            target = self._our_name(name)
-            if target is None:
-                continue
-            shard = None
-            for part, (fused, index) in _FUSED.items():
-                if part in target:
-                    target, shard = target.replace(part, fused), index
-                    break
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
-            dest, label = params[target], target
-            if shard is not None:
-                parts = sizes[target.split(".")[-2]]
-                dest = dest.narrow(0, sum(parts[:shard]), parts[shard])
-                label = f"{target}[{shard}]"
-            if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
-            loaded.add(label)
-        expected = set()
-        for pname, _ in self.named_parameters():
-            parts = sizes.get(pname.split(".")[-2], ())
-            expected.update([f"{pname}[{i}]" for i in range(len(parts))] if parts else [pname])
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        ours = ((self._our_name(name), tensor) for name, tensor in weights)
+        named = ((name, tensor) for name, tensor in ours if name is not None)
+        load_fused(self, named, _FUSED, shard_sizes(self.config))
         process_weights_after_loading(self)
-
-    def _shard_sizes(self) -> dict[str, list[int]]:
-        """The output size of each part of a fused parameter."""
-        config = self.config
-        kv_size = config.num_kv_heads * config.head_dim
-        return {
-            "qkv_proj": [config.num_heads * config.head_dim, kv_size, kv_size],
-            "gate_up_proj": [config.intermediate_size] * 2,
-        }

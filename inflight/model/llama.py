@@ -30,6 +30,7 @@ from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, Rope, RotaryEmbedding
 from inflight.model.qwen2_vl import Qwen2VLImageEncoder
 from inflight.model.vision import ImageEncoder
+from inflight.model.weights import load_fused, shard_sizes
 
 if TYPE_CHECKING:
     from inflight.model.checkpoints.lora import LoRAAdapter
@@ -40,7 +41,11 @@ _FUSED_PARTS = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 # Hugging Face parameter name part -> (fused parameter, index of the shard inside it).
-_FUSED = {part: (fused, i) for fused, parts in _FUSED_PARTS.items() for i, part in enumerate(parts)}
+_FUSED = {
+    f".{part}.": (f".{fused}.", i)
+    for fused, parts in _FUSED_PARTS.items()
+    for i, part in enumerate(parts)
+}
 # Multimodal checkpoints nest the decoder (transformers 5: `model.language_model.`, 4:
 # `language_model.model.`) and the encoder side (5: under `model.`).
 _MULTIMODAL_NAMES = (
@@ -77,15 +82,6 @@ def encoder_for(config: ModelConfig) -> ImageEncoder | Qwen2VLImageEncoder | Aud
     if config.audio is not None:
         return AudioEncoder(config.audio, config.hidden_size)
     return None
-
-
-def _shard_sizes(config: ModelConfig) -> dict[str, list[int]]:
-    """The output size of each part of a fused parameter."""
-    kv_size = config.num_kv_heads * config.head_dim
-    return {
-        "qkv_proj": [config.num_heads * config.head_dim, kv_size, kv_size],
-        "gate_up_proj": [config.intermediate_size] * 2,
-    }
 
 
 def _linear(
@@ -250,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self._lora_loaded = [False] * max_loras
         if max_loras:
-            sizes = _shard_sizes(config)
+            sizes = shard_sizes(config)
             for _, name, linear in self._decoder_linears():
                 parts = sizes.get(name, [linear.out_features])
                 linear.lora_slots = LoRASlots(
@@ -361,44 +357,25 @@ class LlamaForCausalLM(nn.Module):
             # Shared, the head's weight is loaded with the embedding's; a method that runs
             # another form makes its copy after loading and leaves the embedding as it is.
             self.lm_head.weight = self.embed_tokens.weight
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        shard_sizes = _shard_sizes(self.config)
         encoder_weights = []
-        for name, tensor in weights:
-            for old, new in _MULTIMODAL_NAMES:
-                if name.startswith(old):
-                    name = new + name.removeprefix(old)
-                    break
-            if name.startswith(_ENCODER_NAMES):
-                encoder_weights.append((name, tensor))
-                continue
-            name = name.removeprefix("model.")
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue  # tied: the embedding is the head
-            if "rotary_emb" in name:
-                continue
-            target, shard = name, None
-            for part, (fused, index) in _FUSED.items():
-                if f".{part}." in name:
-                    target, shard = name.replace(f".{part}.", f".{fused}."), index
-                    break
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
-            param = params[target]
-            if shard is None:
-                dest, label = param, target
-            else:
-                sizes = shard_sizes[target.split(".")[-2]]
-                offset = sum(sizes[:shard])
-                dest, label = param.narrow(0, offset, sizes[shard]), f"{target}[{shard}]"
-            if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
-            loaded.add(label)
+
+        def decoder_weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                for old, new in _MULTIMODAL_NAMES:
+                    if name.startswith(old):
+                        name = new + name.removeprefix(old)
+                        break
+                if name.startswith(_ENCODER_NAMES):
+                    encoder_weights.append((name, tensor))
+                    continue
+                name = name.removeprefix("model.")
+                if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                    continue  # tied: the embedding is the head
+                if "rotary_emb" not in name:
+                    yield name, tensor
+
+        skip = ("image_encoder.", "audio_encoder.")
+        load_fused(self, decoder_weights(), _FUSED, shard_sizes(self.config), skip)
         encoder = self.image_encoder or self.audio_encoder
         if encoder is not None:
             encoder.load_weights(encoder_weights)
@@ -407,15 +384,6 @@ class LlamaForCausalLM(nn.Module):
                 f"checkpoint tensor {encoder_weights[0][0]!r} belongs to a media encoder, "
                 "which this model's config does not describe"
             )
-        expected = set()
-        for pname, _ in self.named_parameters():
-            if pname.startswith(("image_encoder.", "audio_encoder.")):
-                continue
-            parts = _FUSED_PARTS.get(pname.split(".")[-2], ())
-            expected.update([f"{pname}[{i}]" for i in range(len(parts))] if parts else [pname])
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
         process_weights_after_loading(self)
         # A model built on the meta device holds uninitialized slots (to_empty), and a step
         # reads empty slots beside the ones it runs: they must hold zeros.

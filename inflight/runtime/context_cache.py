@@ -83,6 +83,10 @@ class ContextCache:
         self.metrics.lookup_tokens += prompt_tokens
         self.metrics.hit_tokens += hit_tokens
 
+    def record_skipped(self) -> None:
+        """An admission that asked for reuse but was not looked up (a hybrid Mamba model's)."""
+        self.metrics.skipped_lookups += 1
+
     def snapshot(self) -> dict[str, float]:
         m = self.metrics
         return {

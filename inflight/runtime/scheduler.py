@@ -283,7 +283,7 @@ class Scheduler:
         if self.context_cache is not None and self._looks_up(request):
             self.context_cache.record_lookup(len(request.prompt_token_ids), cached)
         elif self.context_cache is not None and self.recurrent and request.params.reuse_context:
-            self.context_cache.metrics.skipped_lookups += 1
+            self.context_cache.record_skipped()
         shared = intent.shared_blocks * self.blocks.block_size
         residents: list[Resident] = []
         for index, (ref, blocks) in enumerate(

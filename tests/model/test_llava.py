@@ -14,7 +14,7 @@ from inflight.model.checkpoints.loader import build_model, open_checkpoint
 from inflight.model.image_processor import ImageProcessor
 from inflight.model.llama import MediaEmbeds
 
-from helpers import PagedSequence
+from helpers import assert_tracks
 from tiny_models import IMAGE_TOKEN_ID, make_tiny_llava
 
 TOL = 1e-4
@@ -93,20 +93,13 @@ def test_logits_with_images_match_transformers(llava_dirs, tower, images):
     hf = copy.deepcopy(hf).double()
     ids = _prompt(images)
     pixels = torch.randn(images, 3, 32, 32)
-    sequence = PagedSequence(model, backend, len(ids) + 8)
-    ours = sequence.extend(ids, _embeds(model, ids, pixels))
-    seq = list(ids)
-    with torch.no_grad():
-        extra = {"pixel_values": pixels.double()} if images else {}
-        want = hf(torch.tensor([seq]), **extra).logits[0]
-    assert (ours.double() - want).abs().max().item() < TOL
-    for _ in range(8):
-        seq.append(int(want[-1].argmax()))
-        assert int(ours[-1].argmax()) == seq[-1]
-        ours = sequence.extend(seq[-1:])
+    extra = {"pixel_values": pixels.double()} if images else {}
+
+    def theirs(seq: list[int]) -> torch.Tensor:
         with torch.no_grad():
-            want = hf(torch.tensor([seq]), **extra).logits[0]
-        assert (ours[-1].double() - want[-1]).abs().max().item() < TOL
+            return hf(torch.tensor([seq]), **extra).logits[0]
+
+    assert_tracks(model, backend, ids, theirs, _embeds(model, ids, pixels), tol=TOL)
 
 
 def test_a_checkpoint_tensor_without_a_place_is_refused(llava_dirs, tmp_path):

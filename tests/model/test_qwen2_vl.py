@@ -9,16 +9,13 @@ import pytest
 import torch
 from PIL import Image
 
-from inflight.model.attention import select_backend
-from inflight.model.checkpoints.loader import build_model, open_checkpoint
 from inflight.model.llama import MediaEmbeds
 from inflight.runtime.media import PreparedItem, expand, mrope_positions, mrope_shift
 from inflight.runtime.preprocessing import media_inputs
 
-from helpers import PagedSequence
+from helpers import assert_tracks, float32_model
 from tiny_models import QWEN_END_ID, QWEN_IMAGE_ID, QWEN_START_ID, make_tiny_qwen2_vl
 
-TOL = 1e-4
 SIZES = ((45, 37), (20, 64))  # (height, width) of the prompt's images
 
 
@@ -44,10 +41,7 @@ def _prompt(images: int) -> list[int]:
 @pytest.mark.parametrize("images", [0, 1, 2])
 def test_logits_with_images_match_transformers(qwen2_vl, images):
     path, hf = qwen2_vl
-    checkpoint = open_checkpoint(path)
-    cpu = torch.device("cpu")
-    model = build_model(checkpoint, torch.float32, cpu, 512, quantization="none")
-    backend = select_backend(None, cpu, torch.float32, checkpoint.config.head_dim)
+    checkpoint, model, backend = float32_model(path)
     hf = copy.deepcopy(hf).double()
 
     image_input = media_inputs(checkpoint.config, checkpoint.processor_config)["image"]
@@ -79,15 +73,5 @@ def test_logits_with_images_match_transformers(qwen2_vl, images):
         with torch.no_grad():
             return hf(tensor, mm_token_type_ids=types, **extra).logits[0]
 
-    sequence = PagedSequence(model, backend, len(ids) + 8)
     shift = torch.from_numpy(mrope_shift(media, 0, len(ids)))
-    ours = sequence.extend(ids, ours_media, shift)
-    seq = list(ids)
-    want = theirs(seq)
-    assert (ours.double() - want).abs().max().item() < TOL
-    for _ in range(8):
-        seq.append(int(want[-1].argmax()))
-        assert int(ours[-1].argmax()) == seq[-1]
-        ours = sequence.extend(seq[-1:], shift=delta)
-        want = theirs(seq)
-        assert (ours[-1].double() - want[-1]).abs().max().item() < TOL
+    assert_tracks(model, backend, ids, theirs, ours_media, shift, delta)

@@ -8,16 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from inflight.model.attention import select_backend
-from inflight.model.checkpoints.loader import build_model, open_checkpoint
 from inflight.model.llama import MediaEmbeds
 from inflight.runtime.media import expand
 from inflight.runtime.preprocessing import media_inputs
 
-from helpers import PagedSequence
+from helpers import assert_tracks, float32_model
 from tiny_models import AUDIO_TOKEN_ID, AUDIO_TOKENS_PER_SECOND, make_tiny_voxtral
-
-TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +40,7 @@ def _prompt(clips: int) -> list[int]:
 @pytest.mark.parametrize("clips", [0, 1, 2])
 def test_logits_with_audio_match_transformers(voxtral, clips):
     path, hf = voxtral
-    checkpoint = open_checkpoint(path)
-    cpu = torch.device("cpu")
-    model = build_model(checkpoint, torch.float32, cpu, 512, quantization="none")
-    backend = select_backend(None, cpu, torch.float32, checkpoint.config.head_dim)
+    checkpoint, model, backend = float32_model(path)
     hf = copy.deepcopy(hf).double()
 
     audio = media_inputs(checkpoint.config, checkpoint.processor_config)["audio"]
@@ -67,14 +60,4 @@ def test_logits_with_audio_match_transformers(voxtral, clips):
         with torch.no_grad():
             return hf(torch.tensor([seq]), **extra).logits[0]
 
-    sequence = PagedSequence(model, backend, len(ids) + 8)
-    ours = sequence.extend(ids, ours_media)
-    seq = list(ids)
-    want = theirs(seq)
-    assert (ours.double() - want).abs().max().item() < TOL
-    for _ in range(8):
-        seq.append(int(want[-1].argmax()))
-        assert int(ours[-1].argmax()) == seq[-1]
-        ours = sequence.extend(seq[-1:])
-        want = theirs(seq)
-        assert (ours[-1].double() - want[-1]).abs().max().item() < TOL
+    assert_tracks(model, backend, ids, theirs, ours_media)

@@ -10,52 +10,24 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import (
-    VoxtralConfig,
-    VoxtralForConditionalGeneration,
-    VoxtralProcessor,
-    WhisperFeatureExtractor,
-)
+from transformers import VoxtralProcessor, WhisperFeatureExtractor
 
 from inflight.model.audio import AudioEncoder
 from inflight.model.audio_processor import AudioProcessor, read_wav
 from inflight.model.config import audio_from_hf
 
-TEXT_HIDDEN = 48
-AUDIO_TOKEN_ID = 63
+from tiny_models import AUDIO_FEATURES, AUDIO_TOKEN_ID, COMMON, make_tiny_voxtral
+
+TEXT_HIDDEN = COMMON["hidden_size"]
 # A window of the tiny encoder is 2 * 32 = 64 mel frames: 1 s of audio at a hop of 250.
-PREPROCESSOR = dict(feature_size=16, chunk_length=1, hop_length=250)
+PREPROCESSOR = AUDIO_FEATURES
 WINDOW = 16000
 
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    torch.manual_seed(0)
-    config = VoxtralConfig(
-        audio_config=dict(
-            model_type="voxtral_encoder",
-            num_mel_bins=16,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            hidden_size=32,
-            intermediate_size=128,
-            max_source_positions=32,
-        ),
-        text_config=dict(
-            model_type="llama",
-            vocab_size=64,
-            hidden_size=TEXT_HIDDEN,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        ),
-        audio_token_id=AUDIO_TOKEN_ID,
-    )
-    model = VoxtralForConditionalGeneration(config).eval()
     path = tmp_path_factory.mktemp("voxtral")
-    model.save_pretrained(path)
-    return model, path
+    return make_tiny_voxtral(path), path
 
 
 @pytest.fixture(scope="module")

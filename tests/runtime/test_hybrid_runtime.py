@@ -14,7 +14,7 @@ from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 
-from helpers import assert_no_leaks, run_staggered, with_eager_graphs
+from helpers import assert_no_leaks, assert_same_outputs, run_staggered, with_eager_graphs
 from tiny_models import make_tiny_hybrid
 
 FAMILIES = ("bamba", "nemotron_h")
@@ -66,9 +66,7 @@ def test_rows_are_bit_identical_alone_and_in_a_changing_batch(hybrid, max_num_to
     ]
     alone = [runtime.handle_request(r).result() for r in requests]
     together = run_staggered(runtime, requests)
-    for got, want in zip(together, alone, strict=True):
-        assert got.token_ids == want.token_ids
-        assert got.outputs[0].logprobs == want.outputs[0].logprobs
+    assert_same_outputs(together, alone)
     assert_no_leaks(runtime)
 
 
@@ -144,8 +142,6 @@ def test_decode_graphs_and_overlap_give_the_eager_tokens(hybrid, monkeypatch):
     schedule = graphed.scheduler.schedule
     monkeypatch.setattr(graphed.scheduler, "schedule", lambda i: steps.append(i) or schedule(i))
     got = run_staggered(graphed, requests)
-    for a, b in zip(got, want, strict=True):
-        assert a.token_ids == b.token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert_same_outputs(got, want)
     assert len(planned) < len(steps) / 2  # most steps replayed a graph
     assert_no_leaks(graphed)

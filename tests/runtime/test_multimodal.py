@@ -11,7 +11,7 @@ from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, RequestFieldError, SamplingParams
 from inflight.runtime.runtime import Runtime
 
-from helpers import assert_no_leaks, run_staggered
+from helpers import assert_no_leaks, assert_same_outputs, run_staggered, watch_media_prefills
 from tiny_models import IMAGE_TOKEN_ID
 
 
@@ -68,24 +68,10 @@ def test_rows_with_and_without_images_share_steps_as_they_run_alone(runtime, mon
         _request(runtime, TEXT[:5], logprobs=2),
     ]
     alone = [_alone(runtime, r) for r in requests]
-    mixed = []
-    launch = runtime.executor.launch
-
-    def watching(step):
-        media = any(
-            row.resident.request.media and row.past_len < row.resident.prompt_len
-            for row in step.rows
-        )
-        decoding = any(row.past_len >= row.resident.prompt_len for row in step.rows)
-        mixed.append(media and decoding)
-        return launch(step)
-
-    monkeypatch.setattr(runtime.executor, "launch", watching)
+    mixed = watch_media_prefills(runtime, monkeypatch)
     together = run_staggered(runtime, requests)
     assert any(mixed)  # an image prefill joined rows already decoding
-    for got, want in zip(together, alone, strict=True):
-        assert got.token_ids == want.token_ids
-        assert got.outputs[0].logprobs == want.outputs[0].logprobs
+    assert_same_outputs(together, alone)
     assert_no_leaks(runtime)
 
 

@@ -12,7 +12,7 @@ from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 
-from helpers import assert_no_leaks, run_staggered
+from helpers import assert_no_leaks, assert_same_outputs, run_staggered, watch_media_prefills
 from tiny_models import (
     AUDIO_TOKEN_ID,
     QWEN_END_ID,
@@ -117,20 +117,10 @@ def test_qwen2_vl_rows_share_steps_as_they_run_alone(qwen, monkeypatch):
     pruned = requests[3].media[0]
     assert pruned.length == round(pruned.tokens * 0.5) < pruned.tokens
     alone = [_alone(runtime, r) for r in requests]
-    mixed = []
-    launch = runtime.executor.launch
-
-    def watching(step):
-        rows = [(r.resident.request.media, r.past_len < r.resident.prompt_len) for r in step.rows]
-        mixed.append(any(m and p for m, p in rows) and any(not p for _, p in rows))
-        return launch(step)
-
-    monkeypatch.setattr(runtime.executor, "launch", watching)
+    mixed = watch_media_prefills(runtime, monkeypatch)
     together = run_staggered(runtime, requests)
     assert any(mixed)  # an image prefill joined rows already decoding
-    for got, want in zip(together, alone, strict=True):
-        assert got.token_ids == want.token_ids
-        assert got.outputs[0].logprobs == want.outputs[0].logprobs
+    assert_same_outputs(together, alone)
     assert_no_leaks(runtime)
 
 
@@ -163,9 +153,7 @@ def test_voxtral_rows_share_steps_and_a_repeated_clip_is_not_encoded_again(voxtr
     alone = [_alone(runtime, r) for r in requests]
     runs = metrics()["encoder_runs"]
     together = run_staggered(runtime, requests)
-    for got, want in zip(together, alone, strict=True):
-        assert got.token_ids == want.token_ids
-        assert got.outputs[0].logprobs == want.outputs[0].logprobs
+    assert_same_outputs(together, alone)
     # Every clip came from the encoder cache the second time.
     assert metrics()["encoder_runs"] == runs
     # The same clip at 8 kHz is resampled to other samples: a new encoder run.

@@ -27,7 +27,7 @@ from inflight.model.layers.norm import RMSNorm
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, RotaryEmbedding
-from inflight.model.llama import MLP, Attention, MediaEmbeds
+from inflight.model.llama import MLP, Attention, MediaEmbeds, build_lm_head
 from inflight.model.mamba import Mamba2Mixer, MambaRows, MambaStates
 from inflight.model.weights import load_fused, shard_sizes
 
@@ -210,15 +210,7 @@ class HybridForCausalLM(nn.Module):
             for i, kind in enumerate(config.mamba.layer_types)
         )
         self.norm = RMSNorm(hidden, config.rms_norm_eps, platform)
-        head_source = "embed_tokens" if config.tie_word_embeddings else "lm_head"
-        self.lm_head = Linear(
-            hidden,
-            config.vocab_size,
-            False,
-            methods.choose(hidden, [f"{head_source}.weight"], head=True),
-        )
-        if config.tie_word_embeddings:
-            self.lm_head.weight = None  # the embedding's, from load_weights on
+        self.lm_head = build_lm_head(config, methods)
         # NemotronH (rotary_dim 0) gets an empty table, which no layer reads.
         self.rotary = RotaryEmbedding(config, max_positions, rotary_dim)
 

@@ -73,6 +73,19 @@ class MediaEmbeds:
     mrope_positions: torch.Tensor | None = None
 
 
+def build_lm_head(config: ModelConfig, methods: LinearMethods) -> Linear:
+    """The LM head, with the method its weight calls for; a tied one holds no weight of its own
+    (load_weights gives it the embedding's: one of its own would be allocated for nothing)."""
+    hidden = config.hidden_size
+    source = "embed_tokens" if config.tie_word_embeddings else "lm_head"
+    head = Linear(
+        hidden, config.vocab_size, False, methods.choose(hidden, [f"{source}.weight"], head=True)
+    )
+    if config.tie_word_embeddings:
+        head.weight = None
+    return head
+
+
 def encoder_for(config: ModelConfig) -> ImageEncoder | Qwen2VLImageEncoder | AudioEncoder | None:
     """The media encoder a model of `config` takes its images or audio through, if any."""
     if isinstance(config.vision, VisionConfig):
@@ -225,16 +238,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(hidden, config.rms_norm_eps, platform)
         # A tied head computes with the embedding's weight (see load_weights).
-        head_source = "embed_tokens" if config.tie_word_embeddings else "lm_head"
-        self.lm_head = Linear(
-            hidden,
-            config.vocab_size,
-            False,
-            methods.choose(hidden, [f"{head_source}.weight"], head=True),
-        )
-        if config.tie_word_embeddings:
-            # Tied in load_weights; a weight of its own would be allocated for nothing.
-            self.lm_head.weight = None
+        self.lm_head = build_lm_head(config, methods)
         self.rotary = RotaryEmbedding(config, max_positions)
         self.image_encoder: ImageEncoder | Qwen2VLImageEncoder | None = None
         self.audio_encoder: AudioEncoder | None = None

@@ -508,6 +508,12 @@ HF_HYBRID_ARCHITECTURES = {
     "NemotronHForCausalLM": "nemotron_h",
 }
 MAMBA_LAYER_TYPES = ("mamba", "attention", "mlp")
+# transformers' default scan block length of each family, for a config.json that gives none and
+# for GGUF files, which never record it. The scan's block length changes results by rounding only.
+MAMBA_CHUNK_SIZES = {"bamba": 256, "nemotron_h": 128}
+# config.time_step_min's default: transformers' NemotronH clamps softplus(dt + dt_bias) from below
+# at it.
+NEMOTRON_H_TIME_STEP_MIN = 0.001
 
 
 @dataclass(frozen=True)
@@ -620,7 +626,7 @@ def _bamba_from_hf(cfg: dict[str, Any]) -> tuple[ModelConfig, MambaConfig]:
         n_groups=cfg.get("mamba_n_groups", 1),
         d_state=cfg.get("mamba_d_state", 256),
         d_conv=cfg.get("mamba_d_conv", 4),
-        chunk_size=cfg.get("mamba_chunk_size", 256),
+        chunk_size=cfg.get("mamba_chunk_size", MAMBA_CHUNK_SIZES["bamba"]),
         conv_bias=bool(cfg.get("mamba_conv_bias", True)),
         proj_bias=bool(cfg.get("mamba_proj_bias", False)),
         norm_eps=eps,
@@ -671,12 +677,12 @@ def _nemotron_h_from_hf(cfg: dict[str, Any]) -> tuple[ModelConfig, MambaConfig]:
         n_groups=_first(cfg, ("n_groups", "mamba_n_groups"), 8),
         d_state=cfg.get("ssm_state_size", 128),
         d_conv=_first(cfg, ("conv_kernel", "mamba_d_conv"), 4),
-        chunk_size=_first(cfg, ("chunk_size", "mamba_chunk_size"), 128),
+        chunk_size=_first(cfg, ("chunk_size", "mamba_chunk_size"), MAMBA_CHUNK_SIZES["nemotron_h"]),
         conv_bias=bool(_first(cfg, ("use_conv_bias", "mamba_conv_bias"), True)),
         proj_bias=bool(cfg.get("use_bias", False)),
         norm_eps=eps,
         time_step_limit=(
-            _hf_float(_first(cfg, ("time_step_min", "mamba_dt_min"), 0.001)),
+            _hf_float(_first(cfg, ("time_step_min", "mamba_dt_min"), NEMOTRON_H_TIME_STEP_MIN)),
             float("inf"),
         ),
         partial_rotary_factor=0.0,
@@ -709,7 +715,12 @@ def hybrid_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     if act != "silu":
         raise ValueError(f"unsupported hybrid activation {act!r}; supported: silu")
     build = _bamba_from_hf if family == "bamba" else _nemotron_h_from_hf
-    config, mamba = build(cfg)
+    return hybrid_config(*build(cfg))
+
+
+def hybrid_config(config: ModelConfig, mamba: MambaConfig) -> ModelConfig:
+    """`config` with `mamba` as its hybrid side, whichever format the checkpoint came in; a
+    ValueError where the partial rotary factor would split a rotated pair."""
     if mamba.partial_rotary_factor and (
         int(config.head_dim * mamba.partial_rotary_factor) % 2 or mamba.partial_rotary_factor > 1
     ):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,26 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as BackendTokenizer
 
 from inflight.model.checkpoints.tokenizer import SpecialTokens, Tokenizer
-from inflight.model.config import ModelConfig, RopeConfig
+from inflight.model.config import (
+    MAMBA_CHUNK_SIZES,
+    NEMOTRON_H_TIME_STEP_MIN,
+    MambaConfig,
+    ModelConfig,
+    RopeConfig,
+    hybrid_config,
+)
 
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# llama.cpp's architecture name -> our family. `granitehybrid` is what llama.cpp's converter
+# makes of BambaForCausalLM (and of IBM's Granite 4.0-H, whose multipliers and experts are
+# refused below).
+ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "nemotron_h": "nemotron_h",
+    "granitehybrid": "bamba",
+}
+HYBRID_ARCHITECTURES = ("nemotron_h", "granitehybrid")
 
 QUANT_TYPES = frozenset(
     GGMLQuantizationType[name]
@@ -53,6 +71,44 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_TENSORS = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+
+# A hybrid layer's tensors (after "blk.N.") -> HybridForCausalLM's parameters (after "layers.N.").
+# The Mamba2 mixer's A, D and dt bias are stored without a ".weight"/".bias" of their own.
+_HYBRID_LAYER_TENSORS = {
+    "attn_norm.weight": "norm.weight",
+    "ssm_a": "mixer.A_log",
+    "ssm_d": "mixer.D",
+    "ssm_dt.bias": "mixer.dt_bias",
+    **{
+        f"{gguf}.{suffix}": f"mixer.{ours}.{suffix}"
+        for gguf, ours in (
+            ("ssm_in", "in_proj"),
+            ("ssm_conv1d", "conv1d"),
+            ("ssm_norm", "norm"),
+            ("ssm_out", "out_proj"),
+            ("attn_q", "q_proj"),
+            ("attn_k", "k_proj"),
+            ("attn_v", "v_proj"),
+            ("attn_output", "o_proj"),
+        )
+        for suffix in ("weight", "bias")
+    },
+}
+# The MLPs: Bamba's follows every layer's mixer (SwiGLU, its own norm); NemotronH's (relu², no
+# gate) is a layer's mixer.
+_HYBRID_MLP_TENSORS = {
+    "bamba": {
+        "ffn_norm": "mlp_norm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    },
+    "nemotron_h": {"ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj"},
+}
+# Granite's multipliers, as llama.cpp's converter writes transformers' embedding_multiplier,
+# residual_multiplier and logits_scaling (llama.cpp skips a product whose key is absent or 0).
+# Bamba has none, nor does our hybrid model.
+_GRANITE_SCALES = ("embedding_scale", "residual_scale", "logit_scale")
 
 # How text is split before BPE, by `tokenizer.ggml.pre` (the pre-tokenizer llama.cpp applies).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -90,7 +146,7 @@ class GGUFCheckpoint:
         self.path = path
         stat = path.stat()
         self.reader = _reader(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
-        self.arch = self._str("general.architecture")
+        self.arch = self._required("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise ValueError(
                 f"unsupported GGUF architecture {self.arch!r}; "
@@ -102,26 +158,21 @@ class GGUFCheckpoint:
         field = self.reader.fields.get(key)
         return default if field is None else field.contents()
 
-    def _str(self, key: str) -> str:
+    def _required(self, key: str) -> Any:
         value = self._field(key)
         if value is None:
             raise ValueError(f"GGUF file {self.path} lacks metadata key {key!r}")
         return value
 
     def config(self) -> ModelConfig:
+        if self.arch in HYBRID_ARCHITECTURES:
+            return self._hybrid_config()
         a = self.arch
         hidden = self._field(f"{a}.embedding_length")
         heads = self._field(f"{a}.attention.head_count")
-        tokens = self._field("tokenizer.ggml.tokens") or []
-        scaling = self._field(f"{a}.rope.scaling.type", "none")
-        if scaling not in ("none", "linear"):
-            raise ValueError(f"unsupported GGUF rope scaling type {scaling!r}")
-        freq_factors = None
-        if "rope_freqs.weight" in self.tensor_names:
-            freq_factors = tuple(float(x) for x in self._tensor("rope_freqs.weight"))
         return ModelConfig(
             family=ARCHITECTURES[a],
-            vocab_size=self._field(f"{a}.vocab_size") or len(tokens),
+            vocab_size=self._vocab_size(),
             hidden_size=hidden,
             intermediate_size=self._field(f"{a}.feed_forward_length"),
             num_layers=self._field(f"{a}.block_count"),
@@ -130,18 +181,164 @@ class GGUFCheckpoint:
             head_dim=self._field(f"{a}.attention.key_length") or hidden // heads,
             rms_norm_eps=float(self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             max_position_embeddings=self._field(f"{a}.context_length", 4096),
-            rope=RopeConfig(
-                theta=float(self._field(f"{a}.rope.freq_base", 10000.0)),
-                type="linear" if scaling == "linear" else "default",
-                factor=float(self._field(f"{a}.rope.scaling.factor", 1.0)),
-                freq_factors=freq_factors,
-            ),
+            rope=self._rope(),
             tie_word_embeddings="output.weight" not in self.tensor_names,
             qkv_bias="blk.0.attn_q.bias" in self.tensor_names,
             o_bias="blk.0.attn_output.bias" in self.tensor_names,
             mlp_bias="blk.0.ffn_up.bias" in self.tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in self.tensor_names,
         )
+
+    def _vocab_size(self) -> int:
+        return self._field(f"{self.arch}.vocab_size") or len(
+            self._field("tokenizer.ggml.tokens") or []
+        )
+
+    def _rope(self) -> RopeConfig:
+        a = self.arch
+        scaling = self._field(f"{a}.rope.scaling.type", "none")
+        if scaling not in ("none", "linear"):
+            raise ValueError(f"unsupported GGUF rope scaling type {scaling!r}")
+        freq_factors = None
+        if "rope_freqs.weight" in self.tensor_names:
+            freq_factors = tuple(float(x) for x in self._tensor("rope_freqs.weight"))
+        return RopeConfig(
+            theta=float(self._field(f"{a}.rope.freq_base", 10000.0)),
+            type="linear" if scaling == "linear" else "default",
+            factor=float(self._field(f"{a}.rope.scaling.factor", 1.0)),
+            freq_factors=freq_factors,
+        )
+
+    def _per_layer(self, key: str, layers: int) -> list[int]:
+        """A per-layer metadata value: llama.cpp writes an array where layers differ."""
+        value = self._required(key)
+        values = list(value) if isinstance(value, list) else [value] * layers
+        if len(values) != layers:
+            raise ValueError(f"GGUF {key} lists {len(values)} layers, block_count {layers}")
+        return values
+
+    @staticmethod
+    def _one_size(key: str, values: list[int]) -> int:
+        """The one nonzero value of a per-layer array (0: none); layers of one kind that differ
+        in size are not supported."""
+        sizes = set(values) - {0}
+        if len(sizes) > 1:
+            raise ValueError(f"GGUF {key} differs across layers {sorted(sizes)}: not supported")
+        return sizes.pop() if sizes else 0
+
+    def _has_bias(self, kind: str) -> bool:
+        """Whether any layer's `kind` tensor has a bias (a hybrid's layer 0 may lack `kind`)."""
+        return any(name.endswith(f".{kind}.bias") for name in self.tensor_names)
+
+    def _hybrid_config(self) -> ModelConfig:
+        """A NemotronH or Bamba config from llama.cpp's metadata. A layer's kind is what llama.cpp
+        makes of it: recurrent where it has no KV heads (and, NemotronH, no FFN); NemotronH's
+        layers with an FFN are MLPs."""
+        a, family = self.arch, ARCHITECTURES[self.arch]
+        self._refuse_experts()
+        layers = self._required(f"{a}.block_count")
+        hidden = self._required(f"{a}.embedding_length")
+        kv_key, ffn_key = f"{a}.attention.head_count_kv", f"{a}.feed_forward_length"
+        kv, ffn = self._per_layer(kv_key, layers), self._per_layer(ffn_key, layers)
+        if family == "nemotron_h":
+            kinds = [
+                "mlp" if f else "attention" if k else "mamba" for k, f in zip(kv, ffn, strict=True)
+            ]
+        else:
+            kinds = ["attention" if k else "mamba" for k in kv]
+        heads_key = f"{a}.attention.head_count"
+        heads = self._one_size(heads_key, self._per_layer(heads_key, layers))
+        kv_heads = self._one_size(kv_key, kv) or heads
+        head_dim = self._field(f"{a}.attention.key_length") or hidden // heads
+        self._refuse_granite_scales(head_dim)
+        n_heads = self._required(f"{a}.ssm.time_step_rank")  # the converter writes the head count
+        inner = self._required(f"{a}.ssm.inner_size")
+        if inner % n_heads:
+            raise ValueError(
+                f"GGUF {a}.ssm.inner_size {inner} is no multiple of its {n_heads} heads"
+            )
+        # One epsilon for every norm, the mixer's too. llama.cpp reads the RMS key, which the
+        # converter writes from rms_norm_eps; NemotronH's configs may name it layer_norm_epsilon
+        # only, which the converter writes as the plain key.
+        eps = float(
+            self._field(
+                f"{a}.attention.layer_norm_rms_epsilon",
+                self._field(f"{a}.attention.layer_norm_epsilon", 1e-5),
+            )
+        )
+        partial_rotary_factor = 0.0  # NemotronH's attention has no RoPE
+        # Granite runs RoPE where rope.scaling.finetuned says so (llama.cpp's default: it does),
+        # on the leading rope.dimension_count values of a head: the converter writes Bamba's
+        # attn_rotary_emb there, half a head.
+        if family == "bamba" and self._field(f"{a}.rope.scaling.finetuned", True):
+            partial_rotary_factor = self._field(f"{a}.rope.dimension_count", head_dim) / head_dim
+        mamba = MambaConfig(
+            layer_types=tuple(kinds),
+            n_heads=n_heads,
+            head_dim=inner // n_heads,
+            n_groups=self._required(f"{a}.ssm.group_count"),
+            d_state=self._required(f"{a}.ssm.state_size"),
+            d_conv=self._required(f"{a}.ssm.conv_kernel"),
+            # GGUF keeps no scan block length: transformers' default of the family.
+            chunk_size=MAMBA_CHUNK_SIZES[family],
+            conv_bias=self._has_bias("ssm_conv1d"),
+            proj_bias=self._has_bias("ssm_in"),
+            norm_eps=eps,
+            # As transformers, not llama.cpp: ggml's ssm_scan takes softplus(dt + dt_bias) as it
+            # is, transformers' NemotronH clamps it from below at time_step_min, which the
+            # converter does not write (its default then, as for a config.json without it).
+            time_step_limit=(
+                NEMOTRON_H_TIME_STEP_MIN if family == "nemotron_h" else 0.0,
+                float("inf"),
+            ),
+            partial_rotary_factor=partial_rotary_factor,
+        )
+        config = ModelConfig(
+            family=family,
+            vocab_size=self._vocab_size(),
+            hidden_size=hidden,
+            intermediate_size=self._one_size(ffn_key, ffn),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=eps,
+            max_position_embeddings=self._field(f"{a}.context_length", 4096),
+            rope=self._rope(),
+            tie_word_embeddings="output.weight" not in self.tensor_names,
+            qkv_bias=self._has_bias("attn_q"),
+            o_bias=self._has_bias("attn_output"),
+            mlp_bias=self._has_bias("ffn_up"),
+        )
+        return hybrid_config(config, mamba)
+
+    def _refuse_experts(self) -> None:
+        experts = sorted(n for n in self.tensor_names if _is_expert_tensor(n))
+        count = self._field(f"{self.arch}.expert_count", 0)
+        if count or experts:
+            found = (
+                f"e.g. tensor {experts[0]!r}" if experts else f"{self.arch}.expert_count {count}"
+            )
+            raise ValueError(
+                f"GGUF file {self.path} has mixture-of-experts layers ({found}): not supported"
+            )
+
+    def _refuse_granite_scales(self, head_dim: int) -> None:
+        a = self.arch
+        for name in _GRANITE_SCALES:
+            value = self._field(f"{a}.{name}")
+            if value not in (None, 0.0, 1.0):
+                raise ValueError(
+                    f"GGUF {a}.{name} is {value}: Granite's multipliers are not supported "
+                    "(neither Bamba nor NemotronH has one)"
+                )
+        # llama.cpp's attention scale replaces 1/sqrt(head_dim) where set and nonzero.
+        scale = self._field(f"{a}.attention.scale")
+        if scale and not math.isclose(scale, head_dim**-0.5, rel_tol=1e-6):
+            raise ValueError(
+                f"GGUF {a}.attention.scale is {scale}, not 1/sqrt(head_dim): Granite's "
+                "attention_multiplier is not supported (neither Bamba nor NemotronH has one)"
+            )
 
     def _tensor(self, name: str) -> np.ndarray:
         tensor = next(t for t in self.reader.tensors if t.name == name)
@@ -160,7 +357,9 @@ class GGUFCheckpoint:
 
     def _hf_name(self, gguf_name: str) -> str | None:
         """The Hugging Face name of a tensor of this file; None for `rope_freqs`, which is folded
-        into the rope config."""
+        into the rope config. A hybrid's tensors take HybridForCausalLM's parameter names."""
+        if self.arch in HYBRID_ARCHITECTURES:
+            return self._hybrid_name(gguf_name)
         base, _, suffix = gguf_name.rpartition(".")
         if base == "rope_freqs":
             return None
@@ -170,6 +369,24 @@ class GGUFCheckpoint:
         if base in _GLOBAL_TENSORS:
             return f"{_GLOBAL_TENSORS[base]}.{suffix}"
         raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file {self.path}")
+
+    def _hybrid_name(self, gguf_name: str) -> str:
+        """HybridForCausalLM's parameter (before fusing): transformers' names below NemotronH's
+        layers, hybrid.py's renaming of Bamba's modules. The model loads these as they are, and
+        LinearMethods looks a layer's stored type up by them."""
+        base, _, suffix = gguf_name.rpartition(".")
+        if base in _GLOBAL_TENSORS:
+            return f"{_GLOBAL_TENSORS[base]}.{suffix}"
+        parts = gguf_name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+            layer, rest = parts[1:]
+            if rest in _HYBRID_LAYER_TENSORS:
+                return f"layers.{layer}.{_HYBRID_LAYER_TENSORS[rest]}"
+            kind, _, suffix = rest.partition(".")
+            mlp = _HYBRID_MLP_TENSORS[ARCHITECTURES[self.arch]]
+            if kind in mlp and suffix in ("weight", "bias"):
+                return f"layers.{layer}.{mlp[kind]}.{suffix}"
+        raise ValueError(f"unexpected tensor {gguf_name!r} in {self.arch} GGUF file {self.path}")
 
     def stored_types(self) -> dict[str, str]:
         """The GGML type each tensor is stored in ("Q4_1", "Q8_0", "F32", ...), by Hugging Face
@@ -181,17 +398,24 @@ class GGUFCheckpoint:
         }
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Hugging Face-named float32 tensors, with llama.cpp's q/k row permutation undone."""
+        """Float32 tensors by Hugging Face name (`_hf_name`), with llama.cpp's transforms undone:
+        the q/k row permutation and, of hybrids, the Mamba2 reshapes."""
         config = self.config()
+        hybrid = config.mamba is not None
+        # The converter permutes q/k for llama, and for both hybrids' attention layers: its
+        # GraniteHybridModel (NemotronHModel's base) hands those to LlamaModel's conversion.
+        permuted = self.arch == "llama" or hybrid
         for tensor in self.reader.tensors:
             name = self._hf_name(tensor.name)
             if name is None:
                 continue
             values = self._dequantize(tensor)
-            kind = tensor.name.rpartition(".")[0].split(".")[-1]
-            if self.arch == "llama" and kind in ("attn_q", "attn_k"):
+            kind = _layer_kind(tensor.name)
+            if permuted and kind in ("attn_q", "attn_k"):
                 heads = config.num_heads if kind == "attn_q" else config.num_kv_heads
                 values = _unpermute(values, heads)
+            if hybrid:
+                values = _undo_mamba2_layout(kind, values)
             yield name, torch.from_numpy(values)
 
     def tokenizer(self) -> Tokenizer:
@@ -295,6 +519,31 @@ class GGUFCheckpoint:
             decode.append(decoders.Strip(" ", 1, 0))
         backend.decoder = decoders.Sequence(decode)
         return backend
+
+
+def _layer_kind(gguf_name: str) -> str:
+    """What a layer's tensor is ("attn_q" of "blk.3.attn_q.weight"); "" outside the layers."""
+    return gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+
+
+def _is_expert_tensor(gguf_name: str) -> bool:
+    """A mixture-of-experts tensor: the router, stacked or shared experts, expert biases."""
+    kind = _layer_kind(gguf_name)
+    return kind in ("ffn_gate_inp", "exp_probs_b") or kind.endswith(("_exps", "_shexp"))
+
+
+def _undo_mamba2_layout(kind: str, values: np.ndarray) -> np.ndarray:
+    """A Mamba2 mixer tensor as transformers holds it, from llama.cpp's converter's layout
+    (its Mamba2Model): A as -exp(A_log) and D in columns [heads, 1], the conv weight's channel
+    axis of 1 squeezed out, the gated norm's weight in rows of one group."""
+    if kind == "ssm_a":
+        # In float64, then rounded: the float32 nearest to log(-A).
+        return np.log(-values.astype(np.float64)).astype(np.float32).reshape(-1)
+    if kind in ("ssm_d", "ssm_norm"):
+        return values.reshape(-1)
+    if kind == "ssm_conv1d" and values.ndim == 2:  # the weight, not its bias
+        return np.expand_dims(values, 1)
+    return values
 
 
 def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:

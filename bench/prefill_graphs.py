@@ -32,7 +32,7 @@ DECODE_PAST = 300
 
 
 def step_ms(runtime: Runtime, chunk: int, past: int, unfold: bool, repeats: int) -> float:
-    executor, block_size = runtime.executor, runtime.config.block_size
+    runner, block_size = runtime.executor.runner, runtime.config.block_size
     blocks_each = runtime.max_model_len // block_size
     rows = [
         RowInput([7], DECODE_PAST, range(i * blocks_each, (i + 1) * blocks_each), True)
@@ -43,8 +43,8 @@ def step_ms(runtime: Runtime, chunk: int, past: int, unfold: bool, repeats: int)
     for _ in range(repeats + 2):  # the first two build kernels of a new shape
         torch.cuda.synchronize()
         start = time.perf_counter()
-        batch = build_ragged_batch(rows, block_size, executor.device, unfold)
-        executor.logits(executor.execute(batch))
+        batch = build_ragged_batch(rows, block_size, runner.device, unfold)
+        runner.logits(runner.execute(batch))
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1000)
     return statistics.median(times[2:])
@@ -70,7 +70,7 @@ def main() -> None:
         RuntimeConfig(max_batch_size=8, max_model_len=4096, context_cache=False, device="cuda"),
     )
     build_s = time.perf_counter() - start
-    buckets = runtime.executor.graphs.buckets
+    buckets = runtime.executor.runner.graphs.buckets
     print(f"runtime built in {build_s:.1f} s ({len(buckets)} graphs, up to {buckets[-1]} rows)")
     results = []
     for past in args.pasts:

@@ -63,7 +63,7 @@ def phases(runtime: Runtime, prompts: list[list[int]], args: argparse.Namespace)
     # Warm-up over the whole pool: an eager step of a shape not seen before builds kernels.
     run(runtime, prompts, args.batch, args.max_tokens)
     totals: dict[str, float] = defaultdict(float)
-    ex, graphs = runtime.executor, runtime.executor.graphs
+    ex, graphs = runtime.executor, runtime.executor.runner.graphs
     eager = 0
     replay = graphs.run
 
@@ -109,7 +109,7 @@ def phases(runtime: Runtime, prompts: list[list[int]], args: argparse.Namespace)
 
 def graph_replays(runtime: Runtime) -> dict[int, float]:
     """Device milliseconds of one replay of each captured graph."""
-    graphs = runtime.executor.graphs
+    graphs = runtime.executor.runner.graphs
     out = {}
     for bucket in graphs.buckets:
         graph, _ = graphs._graphs[bucket]

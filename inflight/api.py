@@ -84,6 +84,7 @@ class LLM:
         speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
         limit_mm_per_prompt: Mapping[str, int] | None = None,
         allow_media_fetch: bool = False,
+        tensor_parallel_size: int = 1,
         show_progress: bool = False,
     ) -> None:
         limits = dict(limit_mm_per_prompt or {})
@@ -115,6 +116,7 @@ class LLM:
             max_loras=max_loras if enable_lora else 0,
             max_lora_rank=max_lora_rank,
             speculative=speculative_config,
+            tensor_parallel_size=tensor_parallel_size,
         )
         # Validated before the model loads, which takes a while.
         engine_config = EngineConfig(
@@ -325,12 +327,16 @@ class LLM:
     @property
     def engine_fault(self) -> str | None:
         """Why the engine stopped serving on an internal error (every request it held failed,
-        new ones are refused), or None while it serves."""
-        return self._engine.fault
+        new ones are refused; a tensor-parallel runtime that lost a rank), or None while it
+        serves."""
+        runtime = self._runtime
+        return self._engine.fault or (runtime.fault if runtime is not None else None)
 
     def close(self) -> None:
         """Finish what was accepted (drain), then release the model. Safe to call twice."""
         self._engine.shutdown(ShutdownMode.DRAIN)
+        if self._runtime is not None:
+            self._runtime.close()
         self._runtime = None
 
     def __enter__(self) -> LLM:

@@ -9,7 +9,7 @@ import torch
 from inflight.model.attention import AttentionMetadata, TorchAttentionBackend
 from inflight.model.mamba import MambaStates
 from inflight.runtime.cuda_graphs import DecodeGraphs, DecodeInputs, graph_buckets, graph_rows
-from inflight.runtime.executor import allocate_kv_cache
+from inflight.runtime.model_runner import allocate_kv_cache
 
 
 def assert_no_leaks(target) -> None:
@@ -195,10 +195,10 @@ class EagerGraphs(DecodeGraphs):
 
 
 def with_eager_graphs(runtime):
-    """The (CPU, float32) runtime with EagerGraphs in its executor, and the scratch block (and,
+    """The (CPU, float32) runtime with EagerGraphs in its model runner, and the scratch block (and,
     for a hybrid, state slot) their padding rows write added, as a CUDA runtime has captured
     graphs."""
-    executor, config = runtime.executor, runtime.config
+    executor, config = runtime.executor.runner, runtime.config
     blocks = runtime.blocks.num_blocks
     executor.kv_caches = allocate_kv_cache(
         runtime.checkpoint.config,

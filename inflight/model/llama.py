@@ -28,6 +28,7 @@ from inflight.model.layers.norm import RMSNorm
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, Rope, RotaryEmbedding
+from inflight.model.parallel import TensorParallel, VocabParallelEmbedding
 from inflight.model.qwen2_vl import Qwen2VLImageEncoder
 from inflight.model.vision import ImageEncoder
 from inflight.model.weights import load_fused, shard_sizes
@@ -73,13 +74,17 @@ class MediaEmbeds:
     mrope_positions: torch.Tensor | None = None
 
 
-def build_lm_head(config: ModelConfig, methods: LinearMethods) -> Linear:
-    """The LM head, with the method its weight calls for; a tied one holds no weight of its own
-    (load_weights gives it the embedding's: one of its own would be allocated for nothing)."""
+def build_lm_head(config: ModelConfig, methods: LinearMethods, rows: int | None = None) -> Linear:
+    """The LM head (of `rows` vocabulary rows: a tensor-parallel rank's; default all), with the
+    method its weight calls for; a tied one holds no weight of its own (load_weights gives it
+    the embedding's: one of its own would be allocated for nothing)."""
     hidden = config.hidden_size
     source = "embed_tokens" if config.tie_word_embeddings else "lm_head"
     head = Linear(
-        hidden, config.vocab_size, False, methods.choose(hidden, [f"{source}.weight"], head=True)
+        hidden,
+        rows or config.vocab_size,
+        False,
+        methods.choose(hidden, [f"{source}.weight"], head=True),
     )
     if config.tie_word_embeddings:
         head.weight = None
@@ -108,10 +113,19 @@ def _linear(
 
 
 class Attention(nn.Module):
+    """`config`: this rank's shape (its share of the heads under tensor parallelism, whose
+    o_proj outputs `parallel` sums over the ranks)."""
+
     def __init__(
-        self, config: ModelConfig, platform: Platform, methods: LinearMethods, prefix: str
+        self,
+        config: ModelConfig,
+        platform: Platform,
+        methods: LinearMethods,
+        prefix: str,
+        parallel: TensorParallel | None = None,
     ) -> None:
         super().__init__()
+        self.parallel = parallel
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -158,14 +172,21 @@ class Attention(nn.Module):
             k = qkv[:, self.q_size : qk_size].view(tokens, self.num_kv_heads, self.head_dim)
             q, k = self.rope(self.q_norm(q), angles), self.rope(self.k_norm(k), angles)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(tokens, self.q_size), lora)
+        out = self.o_proj(out.reshape(tokens, self.q_size), lora)
+        return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
 class MLP(nn.Module):
     def __init__(
-        self, config: ModelConfig, platform: Platform, methods: LinearMethods, prefix: str
+        self,
+        config: ModelConfig,
+        platform: Platform,
+        methods: LinearMethods,
+        prefix: str,
+        parallel: TensorParallel | None = None,
     ) -> None:
         super().__init__()
+        self.parallel = parallel
         hidden, intermediate = config.hidden_size, config.intermediate_size
         self.gate_up_proj = _linear(
             hidden, 2 * intermediate, config.mlp_bias, methods, f"{prefix}.gate_up_proj"
@@ -176,19 +197,25 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x, lora)), lora)
+        out = self.down_proj(self.act(self.gate_up_proj(x, lora)), lora)
+        return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, platform: Platform, methods: LinearMethods, prefix: str
+        self,
+        config: ModelConfig,
+        platform: Platform,
+        methods: LinearMethods,
+        prefix: str,
+        parallel: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps, platform)
-        self.self_attn = Attention(config, platform, methods, f"{prefix}.self_attn")
+        self.self_attn = Attention(config, platform, methods, f"{prefix}.self_attn", parallel)
         self.post_attention_layernorm = RMSNorm(hidden, eps, platform)
-        self.mlp = MLP(config, platform, methods, f"{prefix}.mlp")
+        self.mlp = MLP(config, platform, methods, f"{prefix}.mlp", parallel)
 
     def forward(
         self,
@@ -214,7 +241,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Built for one platform, each linear layer with the method `methods` chooses for it (see
     `checkpoints.loader.build_model`), and with `max_loras` LoRA adapter slots of ranks up to
-    `max_lora_rank` in every decoder linear (none: LoRA off, at no cost)."""
+    `max_lora_rank` in every decoder linear (none: LoRA off, at no cost). With `parallel`, this
+    rank's shard of the model (see `parallel.py`)."""
 
     def __init__(
         self,
@@ -224,6 +252,7 @@ class LlamaForCausalLM(nn.Module):
         methods: LinearMethods,
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        parallel: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         if max_loras < 0 or max_lora_rank < 1:
@@ -231,14 +260,27 @@ class LlamaForCausalLM(nn.Module):
                 f"max_loras must be >= 0 and max_lora_rank >= 1, got {max_loras}, {max_lora_rank}"
             )
         self.config = config
+        self.parallel = parallel
+        # The decoder layers' shape on this rank.
+        self.layer_config = config
         hidden = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        if parallel is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+            self.lm_head = build_lm_head(config, methods)
+        else:
+            parallel.check(config)
+            if max_loras:
+                raise ValueError("LoRA is not served with tensor parallelism")
+            self.layer_config = parallel.local_config(config)
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, parallel)
+            start, end = parallel.vocab_rows(config.vocab_size)
+            self.lm_head = build_lm_head(config, methods, end - start)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, platform, methods, f"layers.{i}") for i in range(config.num_layers)
+            DecoderLayer(self.layer_config, platform, methods, f"layers.{i}", parallel)
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(hidden, config.rms_norm_eps, platform)
         # A tied head computes with the embedding's weight (see load_weights).
-        self.lm_head = build_lm_head(config, methods)
         self.rotary = RotaryEmbedding(config, max_positions)
         self.image_encoder: ImageEncoder | Qwen2VLImageEncoder | None = None
         self.audio_encoder: AudioEncoder | None = None
@@ -299,7 +341,10 @@ class LlamaForCausalLM(nn.Module):
         return {kind: encoder for kind, encoder in found.items() if encoder is not None}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.parallel is None:
+            return logits
+        return self.parallel.gather_vocab(logits, self.config.vocab_size)
 
     def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
         """Put `adapter` in `slot` (replacing what it held), in the model's device and dtype."""
@@ -375,11 +420,14 @@ class LlamaForCausalLM(nn.Module):
                 name = name.removeprefix("model.")
                 if name == "lm_head.weight" and self.config.tie_word_embeddings:
                     continue  # tied: the embedding is the head
-                if "rotary_emb" not in name:
-                    yield name, tensor
+                if "rotary_emb" in name:
+                    continue
+                if self.parallel is not None:
+                    tensor = self.parallel.shard(name, tensor, self.config)
+                yield name, tensor
 
         skip = ("image_encoder.", "audio_encoder.")
-        load_fused(self, decoder_weights(), _FUSED, shard_sizes(self.config), skip)
+        load_fused(self, decoder_weights(), _FUSED, shard_sizes(self.layer_config), skip)
         encoder = self.image_encoder or self.audio_encoder
         if encoder is not None:
             encoder.load_weights(encoder_weights)

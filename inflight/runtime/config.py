@@ -45,6 +45,9 @@ class RuntimeConfig:
     speculative: SpeculativeConfig | None = None
     # Encoder outputs kept for media seen again (models with image input), in MiB.
     encoder_cache_mb: int = 256
+    # Ranks the model is split over (see runtime/parallel.py): one process each, one GPU each
+    # on CUDA.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "block_size", "max_num_tokens"):
@@ -77,6 +80,14 @@ class RuntimeConfig:
         if not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 1:
             raise ValueError(
                 f"max_lora_rank must be a positive integer, got {self.max_lora_rank!r}"
+            )
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp > 1 and (self.max_loras or self.speculative is not None):
+            raise ValueError(
+                "LoRA and speculative decoding are not served with tensor parallelism "
+                f"(tensor_parallel_size={tp})"
             )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -1,9 +1,10 @@
 """`Executor`: runs a scheduled step on the device (batch building, forward, sampling).
 
-It owns the model, its KV cache tensors, the attention backend, the CUDA graphs of decode steps,
-the sampler, and each slot's last sampled token on the device. `launch` queues a step's forward
+It owns the model runner (the forward passes: see `model_runner.py`), the sampler, the media
+encoders and each slot's last sampled token on the device. `launch` queues a step's forward
 pass and `sample` its sampling, each returning at once where the device is asynchronous; `fetch`
-waits for its sampled tokens.
+waits for its sampled tokens. Under tensor parallelism this is rank 0's: `launch` sends each
+step's plan to the worker ranks, which run the same forward pass, and samples alone.
 """
 
 from __future__ import annotations
@@ -13,19 +14,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
-from inflight.model.config import ModelConfig
-from inflight.model.hybrid import HybridForCausalLM
-from inflight.model.layers.lora import LoRAMapping
-from inflight.model.llama import LlamaForCausalLM, MediaEmbeds
-from inflight.model.mamba import MambaRows, MambaStates
+from inflight.model.llama import MediaEmbeds
+from inflight.model.mamba import MambaRows
 from inflight.model.transfer import to_device
 from inflight.model.vision import prune_image_tokens
-from inflight.runtime.batch_builder import RaggedBatch, build_ragged_batch
-from inflight.runtime.cuda_graphs import DecodeGraphs, DecodeInputs, graph_buckets, replayable
+from inflight.runtime.batch_builder import RowInput, build_ragged_batch
+from inflight.runtime.cuda_graphs import replayable
 from inflight.runtime.encoder_cache import EncoderCache
 from inflight.runtime.media import mrope_positions, mrope_shift
+from inflight.runtime.model_runner import HeadRows, ModelRunner, StepPlan, head_rows
 from inflight.runtime.outputs import SampledRow
+from inflight.runtime.parallel import Workers
 from inflight.runtime.request import MediaItem
 from inflight.runtime.sampler import Sampled, Sampler, SamplingRow
 from inflight.runtime.scheduler import ScheduledRow, ScheduledStep
@@ -33,26 +32,6 @@ from inflight.runtime.structured import GrammarCompiler
 
 # Prompt positions scored per LM-head call: bounds the [positions, vocab] logits held at once.
 _SCORE_SLICE = 128
-
-
-def allocate_kv_cache(
-    config: ModelConfig,
-    num_blocks: int,
-    block_size: int,
-    backend: AttentionBackend,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> list[KVCache]:
-    """One (key, value) pair per attention layer (a hybrid's Mamba layers keep no KV)."""
-    shape = backend.kv_cache_shape(num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    layers = config.num_layers if config.mamba is None else config.mamba.num_attention_layers
-    return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-        for _ in range(layers)
-    ]
 
 
 @dataclass
@@ -67,97 +46,36 @@ class LaunchedStep:
 
 
 class Executor:
-    """Given graph inputs, decode-only steps replay captured CUDA graphs (see `cuda_graphs.py`)."""
+    """`workers`: the worker ranks of a tensor-parallel runtime, sent each step's plan."""
 
     def __init__(
         self,
-        model: LlamaForCausalLM | HybridForCausalLM,
-        kv_caches: list[KVCache],
-        backend: AttentionBackend,
+        runner: ModelRunner,
         sampler: Sampler,
         grammars: GrammarCompiler,
         *,
-        block_size: int,
         max_batch_size: int,
-        device: torch.device,
         pick_width: int = 1,
-        graph_inputs: DecodeInputs | None = None,
         encoder_cache: EncoderCache | None = None,
-        mamba_states: MambaStates | None = None,
+        workers: Workers | None = None,
     ) -> None:
-        self.model = model
-        self.kv_caches = kv_caches
-        self.backend = backend
+        self.runner = runner
         self.sampler = sampler
         self.grammars = grammars
-        self.block_size = block_size
+        self.block_size = runner.block_size
         self.max_batch_size = max_batch_size
         self._bitmask: np.ndarray | None = None  # the constrained rows' masks, made on first use
-        self.device = device
+        self.device = device = runner.device
+        self.workers = workers
         # Each slot's latest picks, where the next step reads its input token without a host
         # trip: the picks of its latest row (1 + drafts), then those of fallback rows.
         self.picks = torch.zeros((max_batch_size, pick_width), dtype=torch.int64, device=device)
         self.encoder_cache = encoder_cache
-        self.encoders = model.media_encoders()
-        # A hybrid model's recurrent states: a resident's slot is its state slot.
-        self.mamba_states = mamba_states
+        self.encoders = runner.model.media_encoders()
         # M-RoPE models shift the rotary positions of the tokens after an image.
-        self.mrope = model.config.rope.mrope_section is not None
-        self.graphs: DecodeGraphs | None = None
-        if graph_inputs is not None:
-            with torch.inference_mode():
-                self.graphs = DecodeGraphs(
-                    self._forward, graph_inputs, graph_buckets(graph_inputs.input_ids.shape[0])
-                )
+        self.mrope = runner.model.config.rope.mrope_section is not None
 
-    # -- the model ------------------------------------------------------------------------------
-
-    def _forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        lora: LoRAMapping | None = None,
-        media: MediaEmbeds | None = None,
-        mamba: MambaRows | None = None,
-    ) -> torch.Tensor:
-        if mamba is None:
-            return self.model(input_ids, positions, self.kv_caches, meta, self.backend, lora, media)
-        return self.model(
-            input_ids,
-            positions,
-            self.kv_caches,
-            meta,
-            self.backend,
-            lora,
-            media,
-            mamba=mamba,
-            states=self.mamba_states,
-        )
-
-    @torch.inference_mode()
-    def execute(
-        self,
-        batch: RaggedBatch,
-        lora_slots: list[int] | None = None,
-        media: MediaEmbeds | None = None,
-        mamba: MambaRows | None = None,
-    ) -> torch.Tensor:
-        """Final hidden states of the tokens in `batch.logits_indices`, in that order;
-        `lora_slots`: each batch row's LoRA slot (-1: the base model), None where no row has
-        one; `media`: packed tokens whose input is an encoder's output (such a step runs
-        eagerly); `mamba`: each row's state slot (hybrid models)."""
-        if self.graphs is not None and media is None:
-            hidden = self.graphs.run(batch, lora_slots, mamba)
-            if hidden is not None:
-                return hidden
-        self.backend.plan(batch.meta)
-        lora = None
-        if lora_slots is not None:
-            rows = zip(lora_slots, batch.meta.query_lens_host, strict=True)
-            lora = self.model.lora_mapping(list(rows))
-        hidden = self._forward(batch.input_ids, batch.positions, batch.meta, lora, media, mamba)
-        return hidden[batch.logits_indices]
+    # -- media ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def _encode(self, rows: list[ScheduledRow]) -> None:
@@ -191,25 +109,38 @@ class Executor:
                 _kept(found.get(item.key), item.length) for item in row.resident.request.media
             ]
 
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)
-
     # -- steps ----------------------------------------------------------------------------------
+
+    @property
+    def fault(self) -> str | None:
+        """Why the worker ranks stopped serving (tensor parallelism), or None."""
+        return None if self.workers is None else self.workers.fault
 
     def launch(self, step: ScheduledStep) -> LaunchedStep:
         """Queue the step's forward pass, its prompt scoring and its logits on the device;
         `sample` then queues its sampling."""
+        if self.workers is None:
+            return self._launch(step)
+        try:
+            return self._launch(step)
+        except Exception as exc:
+            # A rank was lost, or rank 0 failed after its plan went out: the ranks are out of
+            # step for good.
+            self.workers.fail(self.workers.lost() or f"a step failed on rank 0 ({exc})")
+            raise RuntimeError(self.workers.fault) from exc
+
+    def _launch(self, step: ScheduledStep) -> LaunchedStep:
         rows, device = step.rows, self.device
         # Only a model with media input looks for media in its steps.
         media = self._media_embeds(rows) if self.encoder_cache is not None else None
         # A hybrid's tokens of one sequence never run as separate decode rows: each would read
         # the same recurrent state.
+        graphs = self.runner.graphs
         unfold = (
-            self.graphs is not None
+            graphs is not None
             and media is None
-            and self.mamba_states is None
-            and replayable(rows, self.graphs.buckets[-1])
+            and self.runner.mamba_states is None
+            and replayable(rows, graphs.buckets[-1])
         )
         shift = None
         if self.mrope and any(row.resident.request.media for row in rows):
@@ -219,7 +150,6 @@ class Executor:
                     for row in rows
                 ]
             )
-        batch = build_ragged_batch(rows, self.block_size, device, unfold, shift)
         # Decode rows whose last token is still on the device read it from there (the first
         # of a row's tokens; rows come packed in order).
         pending, offset, width = [], 0, self.picks.shape[1]
@@ -227,11 +157,22 @@ class Executor:
             if row.device_token:
                 pending.append((offset, row.resident.ref.slot * width + row.pick_index))
             offset += len(row.token_ids)
+        launched = LaunchedStep(step)
+        heads, scoring = self._plan_heads(rows, launched)
+        if self.workers is not None:
+            inputs = [
+                RowInput(r.token_ids, r.past_len, r.block_table, r.samples, r.scores, r.drafts)
+                for r in rows
+            ]
+            self.workers.send(StepPlan(inputs, unfold, bool(pending), heads))
+        batch = build_ragged_batch(rows, self.block_size, device, unfold, shift)
         if pending:
             positions, picks = to_device(pending, torch.int64, device).unbind(1)
             batch.input_ids[positions] = self.picks.view(-1)[picks]
+            if self.workers is not None:
+                self.runner.share_ids(batch)
         lora_slots = None
-        if self.model.max_loras:
+        if self.runner.model.max_loras:
             # One per row of the batch: a row verifying drafts (any row, unfolded) is packed as
             # one row per token.
             lora_slots = [
@@ -242,20 +183,47 @@ class Executor:
             if max(lora_slots) < 0:
                 lora_slots = None
         mamba = None
-        if self.mamba_states is not None:
+        if self.runner.mamba_states is not None:
             # A row's first chunk starts its sequence's state from zero.
             slots = [row.resident.ref.slot for row in rows]
             mamba = MambaRows.build(slots, [row.past_len == 0 for row in rows], device)
-        hidden = self.execute(batch, lora_slots, media, mamba)
-        # Hidden rows come in row order: all of a scoring row's tokens, else a sampler's last
-        # (its last 1 + drafts where it verifies drafts).
-        launched = LaunchedStep(step)
+        hidden = self.runner.execute(batch, lora_slots, media, mamba)
+        for i, rows_of_call in enumerate(heads):
+            logits = self.runner.logits(head_rows(hidden, rows_of_call))
+            if i < len(scoring):
+                index, start, end = scoring[i]
+                row = rows[index]
+                prompt, past = row.resident.prompt, row.past_len
+                targets = prompt[past + start + 1 : past + end + 1]
+                top_n = row.resident.request.params.prompt_logprobs or 0
+                launched.scores[index] += self.sampler.score(logits, targets, top_n)
+            else:
+                launched.logits = logits
+        return launched
+
+    @staticmethod
+    def _plan_heads(
+        rows: list[ScheduledRow], launched: LaunchedStep
+    ) -> tuple[list[HeadRows], list[tuple[int, int, int]]]:
+        """The step's LM-head calls, over the hidden rows the forward keeps (in row order: all
+        of a scoring row's tokens, else a sampler's last, or its last 1 + drafts where it
+        verifies drafts): first the scoring rows' prompt tokens in slices (each predicting the
+        prompt token after it; the `scoring` entries say which row (its index) and prompt
+        positions), then
+        every sampling row at once. Makes each scoring row's (empty) list of scores."""
+        heads: list[HeadRows] = []
+        scoring: list[tuple[int, int, int]] = []
         sample_rows: list[int] = []
         offset = 0
         for i, row in enumerate(rows):
             if row.scores:
                 kept = len(row.token_ids)
-                launched.scores[i] = self._score(row, hidden[offset : offset + kept])
+                launched.scores[i] = []
+                count = min(kept, len(row.resident.prompt) - 1 - row.past_len)
+                for start in range(0, count, _SCORE_SLICE):
+                    end = min(count, start + _SCORE_SLICE)
+                    heads.append((offset + start, offset + end))
+                    scoring.append((i, start, end))
                 if row.samples:
                     sample_rows.append(offset + kept - 1)
             else:
@@ -263,10 +231,9 @@ class Executor:
                 sample_rows.extend(range(offset, offset + kept))
             offset += kept
         if sample_rows:
-            if len(sample_rows) < hidden.shape[0]:  # some rows were kept for scoring
-                hidden = hidden[to_device(sample_rows, torch.int64, device)]
-            launched.logits = self.logits(hidden)
-        return launched
+            # All kept rows sample unless some were kept for scoring.
+            heads.append((0, offset) if len(sample_rows) == offset else sample_rows)
+        return heads, scoring
 
     def _media_embeds(self, rows: list[ScheduledRow]) -> MediaEmbeds | None:
         """The step's media placeholder tokens: their packed indices, the encoder output each
@@ -360,19 +327,6 @@ class Executor:
     def fetch(self, launched: LaunchedStep) -> list[SampledRow]:
         """The step's sampled tokens on the host, one per sampling row (waits for the device)."""
         return self.sampler.fetch(launched.sampled) if launched.sampled is not None else []
-
-    def _score(self, row: ScheduledRow, hidden: torch.Tensor) -> list[SampledRow]:
-        """Log-probabilities of the prompt tokens a chunk predicts (position p predicts p + 1),
-        from the hidden states of its tokens."""
-        prompt, past = row.resident.prompt, row.past_len
-        top_n = row.resident.request.params.prompt_logprobs or 0
-        count = min(len(row.token_ids), len(prompt) - 1 - past)
-        scored: list[SampledRow] = []
-        for start in range(0, count, _SCORE_SLICE):
-            end = min(count, start + _SCORE_SLICE)
-            targets = prompt[past + start + 1 : past + end + 1]
-            scored += self.sampler.score(self.logits(hidden[start:end]), targets, top_n)
-        return scored
 
 
 def _kept(

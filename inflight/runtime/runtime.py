@@ -10,21 +10,22 @@ from typing import Any
 
 import torch
 
-from inflight.model.attention import TorchAttentionBackend, select_backend
+from inflight.model.attention import select_backend
 from inflight.model.checkpoints.loader import Checkpoint, build_model, open_checkpoint
 from inflight.model.checkpoints.lora import load_lora_adapter
-from inflight.model.mamba import MambaStates
+from inflight.model.parallel import TensorParallel
 from inflight.runtime.adapters import AdapterRegistry
 from inflight.runtime.blocking import BlockingRun
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.context_cache import ContextCache
-from inflight.runtime.cuda_graphs import DecodeInputs, graph_rows
 from inflight.runtime.draft_model import DraftModel
 from inflight.runtime.encoder_cache import EncoderCache
-from inflight.runtime.executor import Executor, allocate_kv_cache
+from inflight.runtime.executor import Executor
 from inflight.runtime.kv_cache import BlockPool
 from inflight.runtime.media import MEDIA_FIELD, expand, keep_ratio, media_spec
+from inflight.runtime.model_runner import allocate_kv_cache, build_model_runner
 from inflight.runtime.output_processor import OutputProcessor
+from inflight.runtime.parallel import Workers, rank_device
 from inflight.runtime.preprocessing import media_inputs
 from inflight.runtime.request import GenerationRequest, MediaItem, RequestFieldError, SamplingParams
 from inflight.runtime.sampler import Sampler
@@ -54,6 +55,10 @@ class Runtime:
         self.device = torch.device(
             config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         )
+        self.parallel = None
+        if config.tensor_parallel_size > 1:
+            self.parallel = TensorParallel(0, config.tensor_parallel_size)
+            self.device = rank_device(self.device, 0)
         dtype_name = config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = getattr(torch, dtype_name)
         self.checkpoint = open_checkpoint(model)
@@ -79,10 +84,11 @@ class Runtime:
         self.slots = ResidentSlots(config.max_batch_size)
         self.context_cache = ContextCache(self.blocks) if config.context_cache else None
         self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size)
+        self.workers: Workers | None = None
         self.executor = self._build_executor(num_blocks, show_progress)
         self.adapters: AdapterRegistry | None = None
         if config.max_loras:
-            model = self.executor.model
+            model = self.executor.runner.model
             self.adapters = AdapterRegistry(
                 config.max_loras,
                 lambda path: load_lora_adapter(path, model_config, config.max_lora_rank),
@@ -143,74 +149,64 @@ class Runtime:
         return DraftModel(model, kv, backend, config.block_size, self.device)
 
     def _build_executor(self, num_blocks: int, show_progress: bool) -> Executor:
-        config, model_config = self.config, self.checkpoint.config
-        model = build_model(
-            self.checkpoint,
-            self.dtype,
-            self.device,
-            self.max_model_len,
-            show_progress,
-            config.quantization,
-            config.max_loras,
-            config.max_lora_rank,
-        )
-        backend = select_backend(
-            config.attention_backend, self.device, self.dtype, model_config.head_dim
-        )
-        graphs = (
-            config.cuda_graphs
-            and self.device.type == "cuda"
-            and not isinstance(backend, TorchAttentionBackend)
-        )
-        hybrid = model_config.mamba is not None
-        # With graphs, one extra block (never handed out) takes the writes of padding rows.
-        kv = allocate_kv_cache(
-            model_config,
-            num_blocks + (1 if graphs else 0),
-            config.block_size,
-            backend,
-            self.dtype,
-            self.device,
-        )
-        graph_inputs = None
-        if graphs:
-            graph_inputs = DecodeInputs(
-                graph_rows(config.max_batch_size, config.max_num_tokens),
-                -(-self.max_model_len // config.block_size),
-                config.block_size,
-                scratch_block=num_blocks,
-                device=self.device,
-                lora=model.max_loras > 0,
-                # One state slot past the residents' takes the spare rows' state updates.
-                scratch_state=config.max_batch_size if hybrid else None,
+        config, model_config, parallel = self.config, self.checkpoint.config, self.parallel
+        connect = None
+        if parallel is not None:
+            parallel.check(model_config)  # before any worker starts
+            workers = self.workers = Workers(
+                parallel.size,
+                self.checkpoint,
+                config,
+                self.dtype,
+                self.device,
+                self.max_model_len,
+                num_blocks,
             )
+
+            def connect() -> None:
+                workers.wait_loaded()
+                workers.connect(parallel)
+
+        try:
+            runner = build_model_runner(
+                self.checkpoint,
+                config,
+                self.dtype,
+                self.device,
+                self.max_model_len,
+                num_blocks,
+                parallel=parallel,
+                connect=connect,
+                show_progress=show_progress,
+            )
+            if self.workers is not None:
+                self.workers.wait_ready()
+        except BaseException:
+            self.close()
+            raise
         return Executor(
-            model,
-            kv,
-            backend,
+            runner,
             Sampler(config.seed, self.device),
             self.grammars,
-            block_size=config.block_size,
             max_batch_size=config.max_batch_size,
-            device=self.device,
             pick_width=pick_width(config.speculative),
-            graph_inputs=graph_inputs,
             encoder_cache=(
                 EncoderCache(config.encoder_cache_mb << 20)
                 if model_config.vision or model_config.audio
                 else None
             ),
-            mamba_states=(
-                MambaStates.allocate(
-                    model_config,
-                    config.max_batch_size + (1 if graphs else 0),
-                    self.dtype,
-                    self.device,
-                )
-                if hybrid
-                else None
-            ),
+            workers=self.workers,
         )
+
+    def close(self) -> None:
+        """Stop the worker ranks of a tensor-parallel runtime (nothing to do otherwise)."""
+        if self.workers is not None:
+            self.workers.close()
+
+    @property
+    def fault(self) -> str | None:
+        """Why a tensor-parallel runtime lost its ranks (it serves no more), or None."""
+        return None if self.workers is None else self.workers.fault
 
     @property
     def model_name(self) -> str:
@@ -278,6 +274,8 @@ class Runtime:
         """The execution for one batch; a runtime runs one at a time."""
         if self._session is not None:
             raise RuntimeError("a generation session is already open on this runtime")
+        if self.fault is not None:
+            raise RuntimeError(self.fault)
         # A bound method, not a closure over the session: a session -> closure -> session cycle
         # would keep the runtime (and its device memory) alive until the cyclic collector runs.
         self._session = GenerationSession(

@@ -108,6 +108,8 @@ class GenerationSession:
                 f"finish() with {len(self._scheduler.residents)} residents still live"
             )
         self._settle()
+        if self._executor.fault is not None:  # the engine must not found another batch
+            raise RuntimeError(f"the runtime cannot serve on: {self._executor.fault}")
         if not self._finished:
             self._finished = True
             self._on_finish()

@@ -91,11 +91,15 @@ def _serve(args: argparse.Namespace) -> int:
             speculative_config=args.speculative_config,
             limit_mm_per_prompt=args.limit_mm_per_prompt,
             allow_media_fetch=args.allow_media_fetch,
+            tensor_parallel_size=args.tensor_parallel_size,
             show_progress=True,
         )
     except ValueError as exc:
         print(f"inflight: invalid server configuration: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # e.g. a tensor-parallel rank that could not start
+        print(f"inflight: the model could not start: {exc}", file=sys.stderr)
+        return 1
     name = args.served_model_name or llm.model_name
     client = EngineClient(
         llm,
@@ -117,6 +121,7 @@ def _serve(args: argparse.Namespace) -> int:
         llm.close()
         print(f"inflight: invalid server configuration: {exc}", file=sys.stderr)
         return 2
+    tp = args.tensor_parallel_size
     mode = (
         f"in-flight batching, batch {llm.max_batch_size}"
         if llm.in_flight_batching
@@ -127,6 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
         f"({mode}; max_model_len {llm.max_model_len}; queue {args.max_queued_requests}"
         f"{'; context cache' if args.enable_context_reuse else ''}"
         f"; quantization {args.quantization}"
+        f"{f'; tensor parallel {tp}' if tp > 1 else ''}"
         f"{f'; tool calls: {args.tool_call_parser}' if args.tool_call_parser else ''}"
         f"{f'; reasoning: {args.reasoning_parser}' if args.reasoning_parser else ''}"
         f"{f'; LoRA adapters: {llm.lora_adapters}' if args.enable_lora else ''}"
@@ -296,6 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (default): a GGUF file's Q4_1 / Q8_0 weights run in the CPU kernels of their "
         "own type (fast, not bit-exact), others in float32; none: float32 (bf16 on CUDA), "
         "exact; int8 / q4: quantize every CPU matmul (q4: 4-bit GGUF Q4_1 form, head int8)",
+    )
+    serve.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=_positive,
+        default=1,
+        help="split the model over this many ranks: one process each (one GPU each on CUDA)",
     )
     serve.add_argument(
         "--chat-template",

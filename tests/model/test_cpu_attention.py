@@ -65,7 +65,7 @@ def test_a_row_gets_the_same_bits_alone_or_batched():
 
 def test_runtime_picks_it_for_float32_on_the_cpu(tiny_dirs):
     runtime = Runtime(tiny_dirs["llama"], RuntimeConfig(device="cpu", max_model_len=64))
-    assert isinstance(runtime.executor.backend, CpuAttentionBackend)
+    assert isinstance(runtime.executor.runner.backend, CpuAttentionBackend)
     with pytest.raises(ValueError, match="float32 on the CPU"):
         Runtime(
             tiny_dirs["llama"],
@@ -74,7 +74,7 @@ def test_runtime_picks_it_for_float32_on_the_cpu(tiny_dirs):
     reference = Runtime(
         tiny_dirs["llama"], RuntimeConfig(device="cpu", max_model_len=64, attention_backend="torch")
     )
-    assert type(reference.executor.backend) is TorchAttentionBackend
+    assert type(reference.executor.runner.backend) is TorchAttentionBackend
 
 
 def test_kernel_rejects_a_head_dim_it_cannot_vectorize():

@@ -158,9 +158,9 @@ def test_steps_with_short_prefills_replay_a_graph_and_decode_as_eager_steps_do(
     eager = Runtime(tiny_dirs["qwen3"], RuntimeConfig(**config))
     graphed = with_eager_graphs(Runtime(tiny_dirs["qwen3"], RuntimeConfig(**config, overlap=True)))
     eager_steps = []
-    plan = graphed.executor.backend.plan
+    plan = graphed.executor.runner.backend.plan
     monkeypatch.setattr(
-        graphed.executor.backend, "plan", lambda meta: eager_steps.append(meta) or plan(meta)
+        graphed.executor.runner.backend, "plan", lambda meta: eager_steps.append(meta) or plan(meta)
     )
     prompts = [range(3, 13), range(20, 67), range(5, 9), [4, 5, 6, 7] * 10, range(7, 30)]
     params = [

@@ -82,18 +82,18 @@ def test_state_slots_are_freed_after_cancels_failures_and_shutdown(hybrid):
     next(iter(handles[0]))  # running
     for handle in handles[:2]:
         handle.cancel()
-    forward = runtime.executor.model.forward
+    forward = runtime.executor.runner.model.forward
 
     def failing(*args, **kwargs):
         raise RuntimeError("injected fault")
 
-    runtime.executor.model.forward = failing
+    runtime.executor.runner.model.forward = failing
     try:
         for handle in handles[2:]:
             with pytest.raises(RequestFailed, match="injected fault"):
                 handle.get(timeout=30)
     finally:
-        runtime.executor.model.forward = forward
+        runtime.executor.runner.model.forward = forward
     assert engine.submit(later).get(timeout=30).token_ids == want
     engine.submit(_request(_prompt(8, 8), max_tokens=200))
     engine.shutdown()
@@ -129,9 +129,9 @@ def test_decode_graphs_and_overlap_give_the_eager_tokens(hybrid, monkeypatch):
     eager = Runtime(hybrid[0], RuntimeConfig(**config))
     graphed = with_eager_graphs(Runtime(hybrid[0], RuntimeConfig(**config, overlap=True)))
     planned = []
-    plan = graphed.executor.backend.plan
+    plan = graphed.executor.runner.backend.plan
     monkeypatch.setattr(
-        graphed.executor.backend, "plan", lambda meta: planned.append(meta) or plan(meta)
+        graphed.executor.runner.backend, "plan", lambda meta: planned.append(meta) or plan(meta)
     )
     requests = [
         _request(_prompt(n, seed), max_tokens=m, logprobs=2)

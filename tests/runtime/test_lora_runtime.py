@@ -100,8 +100,8 @@ def test_graphed_steps_give_each_token_its_rows_adapter(tiny_dirs, adapters):
     want = run_staggered(_runtime(tiny_dirs, adapters, context_cache=False), requests)
     graphed = with_eager_graphs(_runtime(tiny_dirs, adapters, context_cache=False))
     replays = []
-    run = graphed.executor.graphs.run
-    graphed.executor.graphs.run = lambda batch, slots, mamba=None: (
+    run = graphed.executor.runner.graphs.run
+    graphed.executor.runner.graphs.run = lambda batch, slots, mamba=None: (
         replays.append(slots) or run(batch, slots, mamba)
     )
     got = run_staggered(graphed, requests)

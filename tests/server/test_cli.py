@@ -1,5 +1,7 @@
 """`inflight serve` as `make serve` starts it: a real process, driven over HTTP."""
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -129,6 +131,55 @@ def test_make_serve_command_line_serves_then_drains_on_sigterm():
         assert process.wait(timeout=30) == 0
         output = process.stdout.read()
         assert "serving" in output and "context cache" in output
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The multiprocessing workers a process spawned (not its resource tracker)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
+            children.append(int(entry.name))
+    return children
+
+
+@pytest.mark.slow
+def test_tensor_parallel_server_serves_and_exits_1_when_a_rank_dies(tiny_dirs):
+    """Two ranks behind the server: the openai client gets the single-rank answer; a killed
+    worker makes `/health/ready` fail and the server exit 1 instead of hanging."""
+    from inflight import LLM, SamplingParams
+
+    process, url = _start(
+        str(tiny_dirs["llama"]), "--enable-in-flight-batching", "--tensor-parallel-size", "2"
+    )
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        model = httpx.get(url + "/health").json()["model"]
+        reply = client.completions.create(
+            model=model, prompt="The quick brown fox", max_tokens=12, temperature=0
+        )
+        with LLM(tiny_dirs["llama"]) as single:
+            params = SamplingParams(max_tokens=12, temperature=0)
+            expected = single.generate("The quick brown fox", params)
+        assert reply.choices[0].text == expected[0].text
+        (worker,) = _spawned_children(process.pid)
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        states = set()
+        while process.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                states.add(httpx.get(url + "/health/ready", timeout=1).status_code)
+            time.sleep(0.05)
+        assert process.wait(timeout=30) == 1
+        assert 503 in states
+        assert "tensor-parallel rank 1 exited" in process.stdout.read()
     finally:
         if process.poll() is None:
             process.kill()

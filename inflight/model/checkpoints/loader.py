@@ -25,6 +25,7 @@ from inflight.model.layers.quantization import (
     unquantized_method,
 )
 from inflight.model.llama import LlamaForCausalLM
+from inflight.model.parallel import TensorParallel
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -96,6 +97,7 @@ def build_model(
     quantization: str = "auto",
     max_loras: int = 0,
     max_lora_rank: int = 16,
+    parallel: TensorParallel | None = None,
 ) -> LlamaForCausalLM | HybridForCausalLM:
     """The model with its weights loaded, each linear layer in the method `quantization` picks
     for it on the CPU float32 path (elsewhere all run in float):
@@ -111,16 +113,29 @@ def build_model(
     built.
 
     `max_loras` > 0 gives every decoder linear that many LoRA adapter slots of ranks up to
-    `max_lora_rank` (see `LlamaForCausalLM.load_lora`), on top of whichever method it runs."""
+    `max_lora_rank` (see `LlamaForCausalLM.load_lora`), on top of whichever method it runs.
+
+    `parallel`: build this tensor-parallel rank's shard (see `model/parallel.py`)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be auto, none, int8 or q4, got {quantization!r}")
     platform = Platform.detect(device, dtype)
     methods = _linear_methods(quantization, platform, checkpoint.stored_types)
-    model_class = LlamaForCausalLM if checkpoint.config.mamba is None else HybridForCausalLM
     with torch.device("meta"):
-        model = model_class(
-            checkpoint.config, max_positions, platform, methods, max_loras, max_lora_rank
-        )
+        if parallel is not None:
+            model = LlamaForCausalLM(
+                checkpoint.config,
+                max_positions,
+                platform,
+                methods,
+                max_loras,
+                max_lora_rank,
+                parallel,
+            )
+        else:
+            model_class = LlamaForCausalLM if checkpoint.config.mamba is None else HybridForCausalLM
+            model = model_class(
+                checkpoint.config, max_positions, platform, methods, max_loras, max_lora_rank
+            )
     model = model.to_empty(device=device).to(dtype)
     model.rotary.compute(device)
     weights = checkpoint.weights()

@@ -1,0 +1,230 @@
+"""Tensor parallelism on the CPU: two ranks over gloo, each a worker process of its own.
+
+The sharded model is checked against the single-rank run and transformers through the
+log-probabilities the runtime reports (logits less their logsumexp: prompt tokens scored by the
+LM head in slices, and sampled tokens), then under in-flight batching with joiners and cancels,
+and against a worker that is killed or cannot start."""
+
+import os
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from inflight import LLM, SamplingParams
+from inflight.bench.random_model import SHAPES, RandomWeights, numbered_tokenizer
+from inflight.engine import RequestCancelled, RequestFailed
+from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
+from inflight.runtime.config import RuntimeConfig
+from inflight.runtime.request import GenerationRequest
+from inflight.runtime.runtime import Runtime
+
+from helpers import assert_no_leaks, run_staggered
+from tiny_models import COMMON, _save_random, make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+TOL = 1e-5
+PROMPT = "The quick brown fox jumps over the lazy dog. In-flight batching"
+
+
+@pytest.fixture(scope="module")
+def tp_models(tmp_path_factory):
+    """A Llama whose 2 KV heads split over 2 ranks, and one with a single KV head (replicated on
+    both) and an odd vocabulary (the last rank's head slice padded); their transformers models."""
+    root = tmp_path_factory.mktemp("tp")
+    split = make_tiny_model("llama", root / "split")
+    config = LlamaConfig(**{**COMMON, "num_key_value_heads": 1, "vocab_size": 319})
+    replicated = _save_random(LlamaForCausalLM, config, root / "replicated", seed=1)
+    return {"split": (root / "split", split), "replicated": (root / "replicated", replicated)}
+
+
+def _config(tp: int, **kw) -> RuntimeConfig:
+    return RuntimeConfig(
+        max_batch_size=4, max_model_len=256, quantization="none", tensor_parallel_size=tp, **kw
+    )
+
+
+def _scored(runtime: Runtime, ids: list[int], n: int):
+    request = GenerationRequest(
+        ids,
+        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=5),
+    )
+    return runtime.handle_request(request).result()
+
+
+def _logprobs(out) -> list[dict[int, float]]:
+    """Every scored position's top-5 (prompt tokens after the first, then sampled tokens)."""
+    entries = [e for e in out.prompt_logprobs if e is not None] + list(out.logprobs)
+    return [{t.token_id: t.logprob for t in e.top} | {e.token_id: e.logprob} for e in entries]
+
+
+def _hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
+
+
+@pytest.mark.parametrize("kind", ["split", "replicated"])
+def test_two_ranks_match_one_rank_and_transformers(tp_models, kind):
+    path, hf = tp_models[kind]
+    one = Runtime(path, _config(1))
+    ids = one.tokenizer.encode(PROMPT)
+    alone = _scored(one, ids, 24)
+    two = Runtime(path, _config(2, max_num_tokens=16))  # the prompt in 16-token chunks
+    try:
+        split = _scored(two, ids, 24)
+        assert split.token_ids == alone.token_ids  # greedy identical
+        ref = _hf_logprobs(hf.eval(), ids + list(alone.token_ids))
+        assert hf.config.vocab_size == two.checkpoint.config.vocab_size
+        positions = _logprobs(split)
+        assert len(positions) == len(ids) - 1 + 24
+        for i, (ours, single) in enumerate(zip(positions, _logprobs(alone), strict=True)):
+            assert ours.keys() == single.keys()
+            for token, logprob in ours.items():
+                assert abs(logprob - single[token]) < TOL
+                assert abs(logprob - ref[i, token].item()) < TOL
+        assert_no_leaks(two)
+    finally:
+        two.close()
+
+
+def test_joiners_and_cancels_under_in_flight_batching(tp_models):
+    path, _ = tp_models["split"]
+    prompts = [PROMPT[: 12 + 7 * i] for i in range(6)]
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    one = Runtime(path, _config(1, max_num_tokens=24))
+    requests = [GenerationRequest(one.tokenizer.encode(p), greedy) for p in prompts]
+    expected = run_staggered(one, requests)
+    two = Runtime(path, _config(2, max_num_tokens=24))
+    try:
+        # Rows join every other step, prefill in chunks beside decoding rows, and leave.
+        outputs = run_staggered(two, requests)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+        assert_no_leaks(two)
+    finally:
+        two.close()
+    with LLM(path, enable_in_flight_batching=True, tensor_parallel_size=2, max_batch_size=4) as llm:
+        long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        handles = [
+            llm.start(llm.prepare(p, long if i % 2 else greedy)) for i, p in enumerate(prompts)
+        ]
+        time.sleep(0.2)
+        for handle in handles[1::2]:
+            handle.cancel()
+        for i, handle in enumerate(handles):
+            if i % 2:
+                with pytest.raises(RequestCancelled):
+                    handle.get()
+            else:
+                assert handle.get().token_ids == expected[i].token_ids
+        _wait_idle(llm)
+        assert_no_leaks(llm)  # rank 0 owns every block and slot; workers hold no requests
+
+
+def _wait_idle(llm, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while llm.resident_slot_usage()[0] and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _worker_pids(runtime: Runtime) -> list[int]:
+    return [p.pid for p in runtime.workers._processes]
+
+
+def test_killed_worker_fails_its_requests_and_the_engine(tp_models):
+    path, _ = tp_models["split"]
+    llm = LLM(path, enable_in_flight_batching=True, tensor_parallel_size=2)
+    try:
+        (pid,) = _worker_pids(llm._live())
+        long = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
+        handle = llm.generate_stream("Once upon a time", long)
+        first = next(iter(handle))  # generating
+        assert first.token_ids
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RequestFailed, match="tensor-parallel rank 1 exited"):
+            handle.get()
+        deadline = time.monotonic() + 10
+        while llm.engine_fault is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "tensor-parallel rank 1" in llm.engine_fault
+        with pytest.raises(Exception, match="tensor-parallel rank 1"):
+            llm.generate("again", SamplingParams(max_tokens=2))
+    finally:
+        llm.close()
+
+
+def test_idle_worker_death_is_a_fault(tp_models):
+    path, _ = tp_models["split"]
+    runtime = Runtime(path, _config(2))
+    try:
+        (pid,) = _worker_pids(runtime)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while runtime.fault is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert runtime.fault == "tensor-parallel rank 1 exited with code -9"
+        with pytest.raises(RuntimeError, match="rank 1 exited"):
+            runtime.new_session()
+    finally:
+        runtime.close()
+
+
+def test_a_rank_that_cannot_start_is_named(tp_models, tmp_path):
+    path, _ = tp_models["split"]
+    # Rank 0 has read the config; the worker, opening the checkpoint after, finds none.
+    moved = tmp_path / "model"
+    moved.mkdir()
+    for f in path.iterdir():
+        (moved / f.name).write_bytes(f.read_bytes())
+    checkpoint = open_checkpoint(moved)
+    (moved / "config.json").unlink()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 could not start: .*config"):
+        Runtime(checkpoint, _config(2))
+    assert time.monotonic() - started < 60
+
+
+def test_uneven_splits_are_refused_before_any_worker_starts(tp_models):
+    path, _ = tp_models["split"]
+    with pytest.raises(ValueError, match=r"attention heads \(4\) do not split over 3 ranks"):
+        Runtime(path, _config(3))
+    with pytest.raises(ValueError, match="not served with tensor parallelism"):
+        RuntimeConfig(tensor_parallel_size=2, max_loras=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        RuntimeConfig(tensor_parallel_size=0)
+
+
+def test_a_checkpoint_without_files_is_sent_to_the_workers():
+    """A benchmark's random weights (made from a seed, no files) load on every rank alike."""
+    config = replace(
+        SHAPES["llama-3.1-8b"],
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
+    cpu = torch.device("cpu")
+    outputs = []
+    for tp in (1, 2):
+        checkpoint = Checkpoint(
+            Path("random-small"),
+            config,
+            numbered_tokenizer(512),
+            _source=RandomWeights(config, cpu),
+        )
+        runtime = Runtime(checkpoint, _config(tp))
+        try:
+            request = GenerationRequest(
+                list(range(5, 40)), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+            )
+            outputs.append(runtime.handle_request(request).result().token_ids)
+        finally:
+            runtime.close()
+    assert outputs[0] == outputs[1]

@@ -96,7 +96,7 @@ class TensorParallel:
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x`, in place on every rank."""
-        self.group.broadcast([x], 0).wait()
+        self.group.broadcast(x, 0).wait()
         return x
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

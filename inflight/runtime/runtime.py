@@ -57,7 +57,13 @@ class Runtime:
         )
         self.parallel = None
         if config.tensor_parallel_size > 1:
-            self.parallel = TensorParallel(0, config.tensor_parallel_size)
+            size = config.tensor_parallel_size
+            if self.device.type == "cuda" and torch.cuda.device_count() < size:
+                raise ValueError(
+                    f"tensor_parallel_size={size} needs {size} GPUs (one per rank); "
+                    f"{torch.cuda.device_count()} are visible"
+                )
+            self.parallel = TensorParallel(0, size)
             self.device = rank_device(self.device, 0)
         dtype_name = config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = getattr(torch, dtype_name)

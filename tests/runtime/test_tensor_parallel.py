@@ -99,11 +99,17 @@ def test_joiners_and_cancels_under_in_flight_batching(tp_models):
     one = Runtime(path, _config(1, max_num_tokens=24))
     requests = [GenerationRequest(one.tokenizer.encode(p), greedy) for p in prompts]
     expected = run_staggered(one, requests)
-    two = Runtime(path, _config(2, max_num_tokens=24))
+    # Overlapped steps: decode rows read the token rank 0 sampled on its device, which every
+    # rank then takes from rank 0's broadcast of the input ids.
+    two = Runtime(path, _config(2, max_num_tokens=24, overlap=True))
+    runner, shared = two.executor.runner, []
+    share = runner.share_ids
+    runner.share_ids = lambda batch: shared.append(1) or share(batch)
     try:
         # Rows join every other step, prefill in chunks beside decoding rows, and leave.
         outputs = run_staggered(two, requests)
         assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+        assert len(shared) > 20
         assert_no_leaks(two)
     finally:
         two.close()

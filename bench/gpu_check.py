@@ -10,10 +10,12 @@
    logit gap at that point (a near-tie under 0.1, or a bug). Where the bf16 gap is wider, the
    same prefix in float32 arbitrates: the two picks within 0.1 there is a tie rounding broke.
 4. Structured outputs on CUDA: constrained rows beside free ones stay in their languages.
-5. The LoRA side paths in bf16 (the indexed Triton kernel, the masked matmuls) against the float64
+5. FP8 weights: the Triton per-token activation quantizer bit for bit against the torch
+   formula, and the FP8 linear (torch._scaled_mm, rowwise scales) against its float64 formula.
+6. The LoRA side paths in bf16 (the indexed Triton kernel, the masked matmuls) against the float64
    formula: a fused three-part layer, slots of two ranks and an empty one, tokens of every slot
    and of the base model.
-6. Media input: random-weight LLaVA (`llava-clip-b16-smollm2`), Qwen2-VL-2B (M-RoPE, images of
+7. Media input: random-weight LLaVA (`llava-clip-b16-smollm2`), Qwen2-VL-2B (M-RoPE, images of
    different sizes) and Voxtral-Mini-3B (audio clips of 3 to 40 s) in bf16, 8 prompts of one
    item each, the Triton backend with CUDA graphs and overlapped steps against the torch
    backend eagerly on the same weights; divergences must be near-ties (the gap read from the
@@ -337,6 +339,39 @@ def check_lora(device: torch.device, seed: int) -> tuple[bool, str]:
     return ok, ", ".join(worst)
 
 
+def check_fp8(device: torch.device, seed: int) -> tuple[bool, str]:
+    """The Triton activation quantizer against the torch formula (bit for bit), and the FP8
+    linear against its float64 formula."""
+    from inflight.model.kernels.triton import ops as triton_ops
+    from inflight.model.layers.linear import Linear, process_weights_after_loading
+    from inflight.model.layers.quantization import FP8_MAX, Fp8LinearMethod, fp8_rows
+
+    torch.manual_seed(seed)
+    exact, worst = True, 0.0
+    for tokens, size in ((1, 4096), (5, 14336), (300, 2048), (64, 1000)):
+        x = torch.randn(tokens, size, device=device, dtype=torch.bfloat16)
+        if tokens > 1:
+            x[0] = 0  # an all-zero row keeps scale 1
+        q, scale = triton_ops.fp8_rows(x, FP8_MAX)
+        ref_q, ref_scale = fp8_rows(x)
+        exact &= torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+        exact &= torch.equal(scale, ref_scale)
+        if size % 16:
+            continue
+        layer = Linear(size, 512, True, Fp8LinearMethod()).to(device, torch.bfloat16)
+        with torch.no_grad():
+            layer.weight.normal_()
+            layer.bias.normal_()
+        bias = layer.bias.detach().double()
+        process_weights_after_loading(layer)
+        wq, w_scale = layer.prepared
+        want = (ref_q.double() * ref_scale.double()) @ (wq.double() * w_scale.double()).T + bias
+        got = layer(x).double()
+        worst = max(worst, ((got - want).norm() / want.norm()).item())
+    ok = exact and worst < 1e-2
+    return ok, f"quantizer bit-exact {exact}; linear rel err {worst:.2e} against its formula"
+
+
 def check_structured_outputs(device: torch.device, seed: int) -> tuple[bool, str]:
     """Constrained rows beside free ones on CUDA (masks applied on the device, steps without
     overlap while they live): every constrained output is a string of its language. A random
@@ -395,6 +430,7 @@ def main() -> int:
         ("greedy end to end", functools.partial(check_end_to_end, "qwen3-0.6b")),
         ("hybrid end to end", functools.partial(check_end_to_end, "bamba-9b")),
         ("structured outputs", check_structured_outputs),
+        ("fp8 linear", check_fp8),
         ("lora side paths", check_lora),
         ("images end to end", functools.partial(check_media, "llava")),
         ("M-RoPE images", functools.partial(check_media, "qwen2-vl")),

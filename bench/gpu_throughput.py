@@ -10,6 +10,7 @@ writes JSON to $OUT (or bench/out).
 
     python3 bench/gpu_throughput.py [--shapes qwen3-0.6b llama-3.1-8b] [--hf qwen3-0.6b]
     python3 bench/gpu_throughput.py --shapes bamba-9b --hf bamba-9b --requests 64 --batch 64
+    python3 bench/gpu_throughput.py --hf --quantization fp8   (FP8 weights; Hopper / Ada)
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def run_inflight(shape: str, work: list[tuple[list[int], int]], args: argparse.N
             max_num_tokens=args.max_num_tokens,
             block_size=args.block_size,
             context_cache=args.context_cache,
+            quantization=args.quantization,
         ),
     )
     engine = RequestEngine(
@@ -206,6 +208,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--max-num-tokens", type=int, default=8192)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--quantization", default="none", choices=["none", "fp8"])
     parser.add_argument(
         "--context-cache",
         action=argparse.BooleanOptionalAction,

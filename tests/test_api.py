@@ -106,7 +106,9 @@ def test_unknown_architecture_and_missing_path(tmp_path):
         LLM(tmp_path / "nope.gguf")
     with pytest.raises(ValueError, match="max_batch_size"):
         LLM(tmp_path, max_batch_size=0)
-    with pytest.raises(ValueError, match="quantization must be auto, none, int8 or q4, got 'q3'"):
+    with pytest.raises(
+        ValueError, match="quantization must be one of auto, none, int8, q4, fp8, got 'q3'"
+    ):
         LLM(tmp_path, quantization="q3")
 
 

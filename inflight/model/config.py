@@ -16,7 +16,7 @@ HF_ARCHITECTURES = {
 ROPE_TYPES = ("default", "linear", "llama3")
 
 # How a model's linear layers may run their matmuls (see `checkpoints/loader.build_model`).
-QUANTIZATIONS = ("auto", "none", "int8", "q4")
+QUANTIZATIONS = ("auto", "none", "int8", "q4", "fp8")
 
 
 @dataclass(frozen=True)

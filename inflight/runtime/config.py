@@ -28,7 +28,9 @@ class RuntimeConfig:
     # "auto": a GGUF file's weights run in the CPU kernel of their stored type where one exists
     # (Q4_1 -> q4, Q8_0 -> int8), float32 otherwise; "none": float32 (bf16 on CUDA), exactly;
     # "int8": int8 weights for every CPU matmul; "q4": 4-bit weights (GGUF's Q4_1) for the
-    # decoder layers' matmuls and int8 for the head. The quantized modes are CPU float32 only.
+    # decoder layers' matmuls and int8 for the head. Those two are CPU float32 only; "fp8": FP8
+    # decoder weights (a scale per output channel, activations per token) on CUDA GPUs with FP8
+    # tensor cores.
     quantization: str = "auto"
     device: str | None = None  # default: cuda when available
     # "torch", "cpu" or "triton"; default: triton on CUDA, cpu (its native decode kernel) for
@@ -69,7 +71,7 @@ class RuntimeConfig:
             )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
-                f"quantization must be auto, none, int8 or q4, got {self.quantization!r}"
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
         if not isinstance(self.encoder_cache_mb, int) or self.encoder_cache_mb < 0:
             raise ValueError(

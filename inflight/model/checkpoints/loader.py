@@ -104,6 +104,8 @@ def build_model(
 
     - "none": float32 (oneDNN-packed).
     - "int8": int8 weights wherever in_features is a multiple of 32, the head included.
+    - "fp8" (CUDA, compute capability 8.9+): FP8 decoder weights with a scale per output
+      channel, activations quantized per token; the head in bf16.
     - "q4": 4-bit weights (GGUF's Q4_1) for the decoder layers, int8 for the head.
     - "auto" (default): a GGUF file's weights in the kernel that runs their stored type (Q4_1:
       4-bit, Q8_0: int8), layer by layer; float32 for the rest, for Hugging Face checkpoints,
@@ -117,7 +119,9 @@ def build_model(
 
     `parallel`: build this tensor-parallel rank's shard (see `model/parallel.py`)."""
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be auto, none, int8 or q4, got {quantization!r}")
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+        )
     platform = Platform.detect(device, dtype)
     methods = _linear_methods(quantization, platform, checkpoint.stored_types)
     with torch.device("meta"):
@@ -149,6 +153,14 @@ def _linear_methods(
     quantization: str, platform: Platform, stored_types: dict[str, str]
 ) -> LinearMethods:
     unquantized = unquantized_method(platform)
+    if quantization == "fp8":
+        device = platform.device
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(
+                "quantization='fp8' needs a CUDA GPU with FP8 tensor cores (compute capability "
+                f"8.9 or above: Ada, Hopper), got {device}"
+            )
+        return LinearMethods(unquantized, "fp8", _quantized_methods({"fp8"}))
     if quantization in ("int8", "q4"):
         if not platform.onednn:
             raise ValueError(

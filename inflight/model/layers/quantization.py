@@ -91,9 +91,52 @@ class Q4LinearMethod(LinearMethod):
         return q4.q4_linear(x, layer.prepared, bias)
 
 
+# The largest magnitude float8_e4m3fn holds.
+FP8_MAX = 448.0
+
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of `x` in float8 (e4m3) scaled to its largest magnitude, and the float32 scales
+    [rows, 1] that bring it back (an all-zero row gets scale 1)."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+class Fp8LinearMethod(LinearMethod):
+    """FP8 (e4m3) weights with a scale per output channel, and activations quantized per token
+    at run time: one FP8 tensor-core matmul (`torch._scaled_mm`, rowwise scales) that halves
+    the weights' bytes. For CUDA devices with FP8 tensor cores (Hopper, Ada), where one Triton
+    kernel quantizes the activations; the formula runs on the CPU too, which the tests use."""
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        layer.prepared = fp8_rows(_take_weight(layer))
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        weight, weight_scale = layer.prepared
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if x.is_cuda:
+            from inflight.model.kernels.triton import ops as triton_ops
+
+            xq, x_scale = triton_ops.fp8_rows(x, FP8_MAX)
+        else:
+            xq, x_scale = fp8_rows(x)
+        y = torch._scaled_mm(
+            xq,
+            weight.t(),
+            scale_a=x_scale,
+            scale_b=weight_scale.t(),
+            bias=bias,
+            out_dtype=x.dtype,
+        )
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+
 QUANTIZED_METHODS: dict[str, type[LinearMethod]] = {
     "int8": Int8LinearMethod,
     "q4": Q4LinearMethod,
+    "fp8": Fp8LinearMethod,
 }
 
 
@@ -108,7 +151,8 @@ class LinearMethods:
 
     mode "none": `unquantized` everywhere. "int8", "q4": that kernel wherever in_features is a
     multiple of 32 (else `unquantized`), except that under "q4" the head is int8: its errors
-    reach the logits undamped. "auto": the kernel that runs the stored type (`stored_types`,
+    reach the logits undamped. "fp8": FP8 for the decoder layers (in_features a multiple of
+    32 likewise), the head in float. "auto": the kernel that runs the stored type (`stored_types`,
     by checkpoint tensor name) of the tensors a layer loads, when they all share one; else
     `unquantized`. `kernels` holds the quantized methods the mode can pick, by kind.
     """
@@ -132,4 +176,6 @@ class LinearMethods:
             return kinds.pop() if len(kinds) == 1 else None
         if self.mode == "q4" and head:
             return "int8"
+        if self.mode == "fp8" and head:
+            return None
         return None if self.mode == "none" else self.mode

@@ -41,7 +41,8 @@ def test_rejects_unknown_values(tiny_dirs):
     checkpoint = open_checkpoint(tiny_dirs["llama"])
     for value in ("q3", None, "None"):
         with pytest.raises(
-            ValueError, match=f"quantization must be auto, none, int8 or q4, got {value!r}"
+            ValueError,
+            match=f"quantization must be one of auto, none, int8, q4, fp8, got {value!r}",
         ):
             build_model(checkpoint, torch.float32, CPU, 64, quantization=value)
 
@@ -94,3 +95,9 @@ def test_a_cpu_model_never_imports_triton(tiny_dirs):
         "assert 'triton' not in sys.modules and not ours, ours\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True)
+
+
+def test_fp8_needs_a_gpu_with_fp8_tensor_cores(tiny_dirs):
+    checkpoint = open_checkpoint(tiny_dirs["llama"])
+    with pytest.raises(ValueError, match="quantization='fp8' needs a CUDA GPU with FP8 tensor"):
+        build_model(checkpoint, torch.bfloat16, CPU, 64, quantization="fp8")

@@ -10,12 +10,15 @@ from inflight.model.kernels.cpu.q4 import Q4Weight, q4_linear, quantize_q4
 from inflight.model.layers.linear import Linear, process_weights_after_loading
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import (
+    FP8_MAX,
+    Fp8LinearMethod,
     Int8LinearMethod,
     LinearMethod,
     LinearMethods,
     PackedLinearMethod,
     Q4LinearMethod,
     TorchLinearMethod,
+    fp8_rows,
     unquantized_method,
 )
 
@@ -76,7 +79,7 @@ def test_unquantized_method_by_platform():
     assert isinstance(unquantized_method(Platform.detect(CPU, torch.bfloat16)), TorchLinearMethod)
 
 
-FLOAT, INT8, Q4 = LinearMethod(), LinearMethod(), LinearMethod()
+FLOAT, INT8, Q4, FP8 = LinearMethod(), LinearMethod(), LinearMethod(), LinearMethod()
 KERNELS = {"int8": INT8, "q4": Q4}
 
 
@@ -115,3 +118,35 @@ def test_auto_follows_the_stored_types():
     # The head goes by its tensor's type too: no int8 override as under "q4".
     assert auto.choose(64, ["q.weight"], head=True) is Q4
     assert auto.choose(64, ["v.weight"], head=True) is INT8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_method_is_the_rowwise_scaled_formula(operands, dtype):
+    x, weight, bias = (t.to(dtype) for t in operands)
+    x[2] = 0  # an all-zero token keeps scale 1 and gives the bias alone
+    layer = _loaded(Fp8LinearMethod(), weight, bias)
+    wq, w_scale = layer.prepared
+    assert layer.weight is None and wq.dtype == torch.float8_e4m3fn and w_scale.shape == (40, 1)
+    # Each row's largest magnitude maps to the format's largest value.
+    assert torch.equal(wq.float().abs().amax(dim=1), torch.full((40,), FP8_MAX))
+    xq, x_scale = fp8_rows(x)
+    expected = (xq.double() * x_scale.double()) @ (wq.double() * w_scale.double()).T
+    got = layer(x)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), expected + bias.double(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got[2], bias)
+    # e4m3 keeps 3 mantissa bits: within a few percent of the float matmul.
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    assert (got.double() - exact).norm() / exact.norm() < 0.05
+    # Tokens are quantized alone: a token's FP8 form does not depend on the batch beside it.
+    alone, alone_scale = fp8_rows(x[1:2])
+    assert torch.equal(alone.view(torch.uint8), xq[1:2].view(torch.uint8))
+    assert torch.equal(alone_scale, x_scale[1:2])
+
+
+def test_fp8_mode_keeps_the_head_in_float():
+    fp8 = LinearMethods(FLOAT, "fp8", {"fp8": FP8})
+    assert fp8.choose(64, ["a.weight", "b.weight"]) is FP8
+    assert fp8.choose(64, ["lm_head.weight"], head=True) is FLOAT
+    assert fp8.choose(48, ["a.weight"]) is FLOAT

@@ -74,3 +74,36 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
             gate_up, out, gate_up.stride(0), out.stride(0), size, BLOCK=block
         )
     return out
+
+
+@triton.jit
+def _fp8_rows_kernel(
+    X, OUT, SCALE, stride_x, stride_o, size, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, size, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(X + row * stride_x + cols, mask=cols < size, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    top = tl.max(amax, axis=0)
+    scale = tl.where(top > 0, top / FP8_MAX, 1.0)
+    tl.store(SCALE + row, scale)
+    for start in range(0, size, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(X + row * stride_x + cols, mask=cols < size, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        tl.store(OUT + row * stride_o + cols, q.to(tl.float8e4nv), mask=cols < size)
+
+
+def fp8_rows(x: torch.Tensor, fp8_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layers.quantization.fp8_rows` in one kernel: each row of x [T, K] in float8 e4m3,
+    scaled to its largest magnitude, and the float32 scales [T, 1]."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        _fp8_rows_kernel[(x.shape[0],)](
+            x, out, scale, x.stride(0), out.stride(0), x.shape[1], FP8_MAX=fp8_max, BLOCK=1024
+        )
+    return out, scale

@@ -18,6 +18,7 @@ import argparse
 import math
 
 import torch
+from decode_throughput import PROMPTS
 
 from inflight.bench.offline import TEXT
 from inflight.bench.report import report_path, write_report
@@ -25,17 +26,6 @@ from inflight.model.checkpoints.loader import open_checkpoint
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
-
-PROMPTS = [
-    "The history of the Roman Empire begins with",
-    "Write a haiku about autumn leaves falling in the park.",
-    "Explain how a bicycle stays upright while moving.",
-    "List some uses of baking soda around the house:",
-    "The three laws of thermodynamics are",
-    "Once upon a time, in a small village by the sea,",
-    "What is the difference between weather and climate?",
-    "A good recipe for pancakes needs",
-]
 
 
 def _scores(runtime: Runtime, texts: list[list[int]]) -> list[float]:

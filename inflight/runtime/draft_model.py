@@ -16,28 +16,16 @@ from collections.abc import Sequence
 
 import torch
 
-from inflight.model.attention import AttentionBackend, KVCache
-from inflight.model.llama import LlamaForCausalLM
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
+from inflight.runtime.model_runner import ModelRunner
 from inflight.runtime.residents import Resident
 
 
 class DraftModel:
     ahead = False  # it drafts from tokens it has computed
 
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        kv_caches: list[KVCache],
-        backend: AttentionBackend,
-        block_size: int,
-        device: torch.device,
-    ) -> None:
-        self.model = model
-        self.kv_caches = kv_caches
-        self.backend = backend
-        self.block_size = block_size
-        self.device = device
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner  # eager: its steps are few and small
 
     def propose(self, rows: Sequence[tuple[Resident, int]]) -> list[tuple[int, ...]]:
         drafts: list[list[int]] = [[] for _ in rows]
@@ -72,12 +60,9 @@ class DraftModel:
         """The draft's argmax after each row's last token, the rows run as one step."""
         # Rows of one token first, as a batch wants them.
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids) > 1)
-        batch = build_ragged_batch([rows[i] for i in order], self.block_size, self.device)
-        self.backend.plan(batch.meta)
-        hidden = self.model(
-            batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend
-        )
-        tokens = self.model.compute_logits(hidden[batch.logits_indices]).argmax(dim=-1).tolist()
+        runner = self.runner
+        batch = build_ragged_batch([rows[i] for i in order], runner.block_size, runner.device)
+        tokens = runner.logits(runner.execute(batch)).argmax(dim=-1).tolist()
         picks = [0] * len(rows)
         for slot, i in enumerate(order):
             picks[i] = tokens[slot]

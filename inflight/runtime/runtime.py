@@ -4,14 +4,13 @@ session at a time, and serves the blocking path (`handle_request`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from inflight.model.attention import select_backend
-from inflight.model.checkpoints.loader import Checkpoint, build_model, open_checkpoint
+from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
 from inflight.model.checkpoints.lora import load_lora_adapter
 from inflight.model.parallel import TensorParallel
 from inflight.runtime.adapters import AdapterRegistry
@@ -23,7 +22,7 @@ from inflight.runtime.encoder_cache import EncoderCache
 from inflight.runtime.executor import Executor
 from inflight.runtime.kv_cache import BlockPool
 from inflight.runtime.media import MEDIA_FIELD, expand, keep_ratio, media_spec
-from inflight.runtime.model_runner import allocate_kv_cache, build_model_runner
+from inflight.runtime.model_runner import build_model_runner
 from inflight.runtime.output_processor import OutputProcessor
 from inflight.runtime.parallel import Workers, rank_device
 from inflight.runtime.preprocessing import media_inputs
@@ -143,16 +142,13 @@ class Runtime:
                 f"the draft model's vocabulary ({checkpoint.config.vocab_size} tokens) is not "
                 f"the target's ({target.vocab_size})"
             )
-        model = build_model(
-            checkpoint, self.dtype, self.device, self.max_model_len, False, config.quantization
+        # Eager and without adapters: its steps are a few rows' catch-up and single tokens.
+        eager = replace(config, cuda_graphs=False, max_loras=0)
+        return DraftModel(
+            build_model_runner(
+                checkpoint, eager, self.dtype, self.device, self.max_model_len, num_blocks
+            )
         )
-        backend = select_backend(
-            config.attention_backend, self.device, self.dtype, checkpoint.config.head_dim
-        )
-        kv = allocate_kv_cache(
-            checkpoint.config, num_blocks, config.block_size, backend, self.dtype, self.device
-        )
-        return DraftModel(model, kv, backend, config.block_size, self.device)
 
     def _build_executor(self, num_blocks: int, show_progress: bool) -> Executor:
         config, model_config, parallel = self.config, self.checkpoint.config, self.parallel

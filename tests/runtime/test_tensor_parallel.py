@@ -8,7 +8,6 @@ and against a worker that is killed or cannot start."""
 import os
 import signal
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ from inflight.runtime.request import GenerationRequest
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks, run_staggered
-from tiny_models import COMMON, _save_random, make_tiny_model
+from tiny_models import COMMON, _save_random, make_tiny_model, small_shape
 
 pytestmark = pytest.mark.slow
 
@@ -206,16 +205,7 @@ def test_uneven_splits_are_refused_before_any_worker_starts(tp_models):
 
 def test_a_checkpoint_without_files_is_sent_to_the_workers():
     """A benchmark's random weights (made from a seed, no files) load on every rank alike."""
-    config = replace(
-        SHAPES["llama-3.1-8b"],
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-    )
+    config = small_shape(SHAPES["llama-3.1-8b"])
     cpu = torch.device("cpu")
     outputs = []
     for tp in (1, 2):

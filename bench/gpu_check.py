@@ -4,18 +4,19 @@
    blocks; relative error of the Triton output against the torch backend computed in float32,
    with the output memory poisoned (NaN) beforehand so every element must be written.
 2. Fused RMSNorm (+ residual) and SiLU-mul kernels against the torch formulas they replace.
-3. End to end: greedy tokens of 8 prompts through a random-weight Qwen3-0.6B-shaped model (and a
+3. The Triton Mamba2 decode step against its torch formula (float32).
+4. End to end: greedy tokens of 8 prompts through a random-weight Qwen3-0.6B-shaped model (and a
    Bamba-9B-shaped hybrid) in bf16, Triton backend (CUDA graphs, overlapped steps) against the
    torch backend on the same weights; a divergence is reported with the reference's top-2
    logit gap at that point (a near-tie under 0.1, or a bug). Where the bf16 gap is wider, the
    same prefix in float32 arbitrates: the two picks within 0.1 there is a tie rounding broke.
-4. Structured outputs on CUDA: constrained rows beside free ones stay in their languages.
-5. FP8 weights: the Triton per-token activation quantizer bit for bit against the torch
+5. Structured outputs on CUDA: constrained rows beside free ones stay in their languages.
+6. FP8 weights: the Triton per-token activation quantizer bit for bit against the torch
    formula, and the FP8 linear (torch._scaled_mm, rowwise scales) against its float64 formula.
-6. The LoRA side paths in bf16 (the indexed Triton kernel, the masked matmuls) against the float64
+7. The LoRA side paths in bf16 (the indexed Triton kernel, the masked matmuls) against the float64
    formula: a fused three-part layer, slots of two ranks and an empty one, tokens of every slot
    and of the base model.
-7. Media input: random-weight LLaVA (`llava-clip-b16-smollm2`), Qwen2-VL-2B (M-RoPE, images of
+8. Media input: random-weight LLaVA (`llava-clip-b16-smollm2`), Qwen2-VL-2B (M-RoPE, images of
    different sizes) and Voxtral-Mini-3B (audio clips of 3 to 40 s) in bf16, 8 prompts of one
    item each, the Triton backend with CUDA graphs and overlapped steps against the torch
    backend eagerly on the same weights; divergences must be near-ties (the gap read from the
@@ -372,6 +373,36 @@ def check_fp8(device: torch.device, seed: int) -> tuple[bool, str]:
     return ok, f"quantizer bit-exact {exact}; linear rel err {worst:.2e} against its formula"
 
 
+def check_mamba_decode(device: torch.device, seed: int) -> tuple[bool, str]:
+    """The Triton recurrent step of Mamba2 decode rows against the torch formula in float32:
+    rows in scattered slots, heads sharing B and C in groups; the other slots untouched."""
+    from inflight.model.kernels.triton.mamba import ssm_decode
+
+    torch.manual_seed(seed)
+    rows, heads, head_dim, d_state, groups, num_slots = 13, 16, 64, 128, 2, 40
+    state = torch.randn(num_slots, heads, head_dim, d_state, device=device)
+    slots = torch.randperm(num_slots, device=device)[:rows]
+    x = torch.randn(rows, heads, head_dim, device=device)
+    dt = torch.rand(rows, heads, device=device) * 0.2
+    a = -torch.rand(heads, device=device) * 4
+    b, c = (torch.randn(rows, groups, d_state, device=device) for _ in range(2))
+    d = torch.randn(heads, device=device)
+    per_head = heads // groups
+    bh, ch = b.repeat_interleave(per_head, 1), c.repeat_interleave(per_head, 1)
+    want = state.clone()
+    s = (
+        want[slots] * torch.exp(dt * a)[:, :, None, None]
+        + (dt[:, :, None] * x)[..., None] * bh[:, :, None]
+    )
+    want[slots] = s
+    want_y = (s * ch[:, :, None]).sum(-1) + d[:, None] * x
+    y = ssm_decode(state, slots, x, dt, a, b, c, d)
+    state_err = ((state - want).abs().max() / want.abs().max()).item()
+    y_err = ((y - want_y).abs().max() / want_y.abs().max()).item()
+    ok = state_err < 1e-6 and y_err < 1e-5
+    return ok, f"state rel err {state_err:.1e}, y rel err {y_err:.1e} (float32)"
+
+
 def check_structured_outputs(device: torch.device, seed: int) -> tuple[bool, str]:
     """Constrained rows beside free ones on CUDA (masks applied on the device, steps without
     overlap while they live): every constrained output is a string of its language. A random
@@ -428,6 +459,7 @@ def main() -> int:
         ("kernels", check_kernels),
         ("fused ops", check_fused_ops),
         ("greedy end to end", functools.partial(check_end_to_end, "qwen3-0.6b")),
+        ("mamba decode kernel", check_mamba_decode),
         ("hybrid end to end", functools.partial(check_end_to_end, "bamba-9b")),
         ("structured outputs", check_structured_outputs),
         ("fp8 linear", check_fp8),

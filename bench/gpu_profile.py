@@ -20,6 +20,7 @@ import traceback
 import torch
 
 from inflight.bench.random_model import random_checkpoint
+from inflight.model.mamba import MambaRows
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
@@ -49,8 +50,13 @@ def main() -> None:
                 prompt, SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
             )
         )
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     while any(r.prefilling for r in runtime.scheduler.residents.values()):
         session.step()
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - start
+    print(f"prefill of {args.batch} x {args.prompt} tokens: {prefill_s:.2f} s", flush=True)
     for _ in range(3):
         session.step()
     torch.cuda.synchronize()
@@ -69,14 +75,18 @@ def main() -> None:
     print(text.getvalue()[-6000:])
 
     # Device time of the forward alone, on rows like the decode steps'.
-    rows = [RowInput([0], r.computed, r.blocks, True) for r in runtime.scheduler.residents.values()]
+    residents = list(runtime.scheduler.residents.values())
+    rows = [RowInput([0], r.computed, r.blocks, True) for r in residents]
     batch = build_ragged_batch(rows, runtime.blocks.block_size, device)
-    runner = runtime.executor
-    runner.execute(batch)
+    runner = runtime.executor.runner
+    mamba = None
+    if runner.mamba_states is not None:  # a hybrid's rows read their state slots
+        mamba = MambaRows.build([r.ref.slot for r in residents], [False] * len(rows), device)
+    runner.execute(batch, mamba=mamba)
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     for _ in range(10):
-        runner.logits(runner.execute(batch))
+        runner.logits(runner.execute(batch, mamba=mamba))
     end.record()
     torch.cuda.synchronize()
     print(
@@ -92,7 +102,7 @@ def main() -> None:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            runner.logits(runner.execute(batch))
+            runner.logits(runner.execute(batch, mamba=mamba))
         torch.cuda.synchronize()
     print(
         prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)

@@ -58,7 +58,12 @@ class LLM:
     `quantization`: "auto" (default) runs a GGUF file's weights in the CPU kernel of their stored
     type where one exists (Q4_1 and Q8_0 files: fast, not bit-exact with float32), float32
     otherwise; "none" runs float32 (bf16 on CUDA) exactly; "int8" / "q4" quantize every CPU
-    matmul. `context_cache` (on by default) reuses the KV of prompt prefixes computed before.
+    matmul; "fp8" keeps the decoder's weights in FP8 on CUDA GPUs with FP8 tensor cores.
+    `context_cache` (on by default) reuses the KV of prompt prefixes computed before.
+
+    `tensor_parallel_size` > 1 splits a Llama-family model over that many ranks, one process
+    each (one GPU each on CUDA) that the LLM spawns and `close()` stops: a script doing so
+    needs the `if __name__ == "__main__":` guard of Python's spawned processes.
     """
 
     def __init__(

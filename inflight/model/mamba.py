@@ -207,8 +207,15 @@ class Mamba2Mixer(nn.Module):
             conv = conv + self.conv1d.bias.float()
         x, b, c = self._split(silu(conv))
         step = self._time_step(dt)  # [R, H]
+        a = -torch.exp(self.A_log.float())
+        if ssm_state.is_cuda and cfg.d_state & (cfg.d_state - 1) == 0:
+            from inflight.model.kernels.triton import mamba as triton_mamba
+
+            y = triton_mamba.ssm_decode(ssm_state, slots, x, step, a, b, c, self.D.float())
+            return y.reshape(count, cfg.d_inner)
+        b, c = self._per_head(b), self._per_head(c)
         state = ssm_state.index_select(0, slots)
-        decay = torch.exp(step * -torch.exp(self.A_log.float()))
+        decay = torch.exp(step * a)
         state = state * decay[:, :, None, None] + (step[:, :, None] * x)[..., None] * b[:, :, None]
         ssm_state.index_copy_(0, slots, state)
         y = (state * c[:, :, None]).sum(-1) + self.D.float()[:, None] * x
@@ -231,6 +238,7 @@ class Mamba2Mixer(nn.Module):
         bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
         conv = F.conv1d(window[None].float(), self.conv1d.weight.float(), bias, groups=cfg.conv_dim)
         x, b, c = self._split(silu(conv[0].T))
+        b, c = self._per_head(b), self._per_head(c)
         initial = None if fresh else ssm_state[slot]
         a = -torch.exp(self.A_log.float())
         y, final = chunked_scan(x, self._time_step(dt), a, b, c, cfg.chunk_size, initial)
@@ -239,15 +247,18 @@ class Mamba2Mixer(nn.Module):
         return y.reshape(-1, cfg.d_inner)
 
     def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Activated convolution outputs [N, conv_dim] -> x [N, H, P], and B, C per head
-        [N, H, d_state]."""
+        """Activated convolution outputs [N, conv_dim] -> x [N, H, P], and B, C per group
+        [N, G, d_state]."""
         cfg = self.config
         tokens, group_width = xbc.shape[0], cfg.n_groups * cfg.d_state
         x, b, c = xbc.split([cfg.d_inner, group_width, group_width], dim=-1)
-        per_group = cfg.n_heads // cfg.n_groups
-        b = b.view(tokens, cfg.n_groups, cfg.d_state).repeat_interleave(per_group, dim=1)
-        c = c.view(tokens, cfg.n_groups, cfg.d_state).repeat_interleave(per_group, dim=1)
+        b = b.reshape(tokens, cfg.n_groups, cfg.d_state)
+        c = c.reshape(tokens, cfg.n_groups, cfg.d_state)
         return x.reshape(tokens, cfg.n_heads, cfg.head_dim), b, c
+
+    def _per_head(self, bc: torch.Tensor) -> torch.Tensor:
+        """B or C per group [N, G, d_state] -> per head [N, H, d_state]."""
+        return bc.repeat_interleave(self.config.n_heads // self.config.n_groups, dim=1)
 
     def _time_step(self, dt: torch.Tensor) -> torch.Tensor:
         low, high = self.config.time_step_limit

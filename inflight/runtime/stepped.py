@@ -91,9 +91,10 @@ class StepResult:
 class ExecutionCapabilities:
     """What a runtime declares to the scheduler that drives it.
 
-    `stepped`: it can run one tick at a time (false, e.g., for a runtime spread over several
-    ranks that would each need every stepped command). `seated_admission`: a request can join a
-    batch that is already generating. `max_batch_size`: the most residents it can hold.
+    `stepped`: it can run one tick at a time (false for a runtime that only runs a request
+    whole; a tensor-parallel `Runtime` is stepped: rank 0 sends each step to the other ranks).
+    `seated_admission`: a request can join a batch that is already generating.
+    `max_batch_size`: the most residents it can hold.
     `per_row_fields`: request fields it applies per row, which therefore never keep two
     requests from sharing a step (dotted names such as "params.temperature"). `blocking_path`:
     each batch is one request, served whole by the runtime's blocking path (no in-flight

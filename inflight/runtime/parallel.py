@@ -129,22 +129,25 @@ class Workers:
         while waiting:
             pipes = {self._pipes[rank - 1]: rank for rank in waiting}
             sentinels = {p.sentinel: rank for rank, p in waiting.items()}
-            for ready in wait([*pipes, *sentinels], timeout=_TIMEOUT.total_seconds()):
-                rank = pipes.get(ready) or sentinels[ready]
+            ready = wait([*pipes, *sentinels], timeout=_TIMEOUT.total_seconds())
+            if not ready:
+                self.close()
+                raise RuntimeError(
+                    f"tensor-parallel ranks {sorted(waiting)} did not reach {stage!r} in {_TIMEOUT}"
+                )
+            for each in ready:
+                rank = pipes.get(each) or sentinels[each]
+                if rank not in waiting:  # its pipe, read first, said it reached the stage
+                    continue
                 message = _receive(self._pipes[rank - 1])
                 if message is not None and message[0] == stage:
-                    waiting.pop(rank, None)
+                    del waiting[rank]
                     continue
                 process = waiting[rank]
                 process.join(timeout=1.0)
                 error = message[1] if message is not None else f"exited ({process.exitcode})"
                 self.close()
                 raise RuntimeError(f"tensor-parallel rank {rank} could not start: {error}")
-            if not ready:
-                self.close()
-                raise RuntimeError(
-                    f"tensor-parallel ranks {sorted(waiting)} did not reach {stage!r} in {_TIMEOUT}"
-                )
 
     def send(self, plan: StepPlan) -> None:
         """Give every worker the step's plan (RuntimeError once a rank is lost)."""

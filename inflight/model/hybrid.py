@@ -21,13 +21,13 @@ from torch import nn
 
 from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from inflight.model.config import ModelConfig
-from inflight.model.layers.linear import Linear, process_weights_after_loading
+from inflight.model.layers.linear import process_weights_after_loading
 from inflight.model.layers.lora import LoRAMapping
 from inflight.model.layers.norm import RMSNorm
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, RotaryEmbedding
-from inflight.model.llama import MLP, Attention, MediaEmbeds, build_lm_head
+from inflight.model.llama import MLP, Attention, MediaEmbeds, build_lm_head, decoder_linear
 from inflight.model.mamba import Mamba2Mixer, MambaRows, MambaStates
 from inflight.model.weights import load_fused, shard_sizes
 
@@ -108,12 +108,8 @@ class Relu2MLP(nn.Module):
     def __init__(self, config: ModelConfig, methods: LinearMethods, prefix: str) -> None:
         super().__init__()
         hidden, intermediate, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.up_proj = Linear(
-            hidden, intermediate, bias, methods.choose(hidden, [f"{prefix}.up_proj.weight"])
-        )
-        self.down_proj = Linear(
-            intermediate, hidden, bias, methods.choose(intermediate, [f"{prefix}.down_proj.weight"])
-        )
+        self.up_proj = decoder_linear(hidden, intermediate, bias, methods, f"{prefix}.up_proj")
+        self.down_proj = decoder_linear(intermediate, hidden, bias, methods, f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.relu(self.up_proj(x)).square())

@@ -102,7 +102,7 @@ def encoder_for(config: ModelConfig) -> ImageEncoder | Qwen2VLImageEncoder | Aud
     return None
 
 
-def _linear(
+def decoder_linear(
     in_features: int, out_features: int, bias: bool, methods: LinearMethods, name: str
 ) -> Linear:
     """The linear layer `name` ("layers.0.mlp.down_proj"), with the method its checkpoint
@@ -132,14 +132,14 @@ class Attention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = _linear(
+        self.qkv_proj = decoder_linear(
             config.hidden_size,
             self.q_size + 2 * self.kv_size,
             config.qkv_bias,
             methods,
             f"{prefix}.qkv_proj",
         )
-        self.o_proj = _linear(
+        self.o_proj = decoder_linear(
             self.q_size, config.hidden_size, config.o_bias, methods, f"{prefix}.o_proj"
         )
         if config.qk_norm:
@@ -188,11 +188,11 @@ class MLP(nn.Module):
         super().__init__()
         self.parallel = parallel
         hidden, intermediate = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = _linear(
+        self.gate_up_proj = decoder_linear(
             hidden, 2 * intermediate, config.mlp_bias, methods, f"{prefix}.gate_up_proj"
         )
         self.act = SiluAndMul(platform)
-        self.down_proj = _linear(
+        self.down_proj = decoder_linear(
             intermediate, hidden, config.mlp_bias, methods, f"{prefix}.down_proj"
         )
 

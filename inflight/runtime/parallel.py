@@ -48,7 +48,7 @@ _TIMEOUT = timedelta(minutes=10)
 _STOP_WAIT_S = 10.0
 
 
-def connect(rank: int, size: int, store: dist.Store, device: torch.device) -> Any:
+def process_group(rank: int, size: int, store: dist.Store, device: torch.device) -> Any:
     """This rank's process group over the `size` ranks that meet at `store`."""
     if device.type == "cuda":
         return dist.ProcessGroupNCCL(store, rank, size)
@@ -115,7 +115,7 @@ class Workers:
         )
         for pipe in self._pipes:
             pipe.send(("connect", self._store.port))
-        self.group = parallel.group = connect(0, self.size, self._store, self.device)
+        self.group = parallel.group = process_group(0, self.size, self._store, self.device)
 
     def wait_ready(self) -> None:
         """Wait until every worker has captured its graphs and serves steps; then watch them."""
@@ -254,7 +254,7 @@ def _worker_main(
             if message is None:
                 raise SystemExit(0)
             store = dist.TCPStore("127.0.0.1", message[1], size, is_master=False, timeout=_TIMEOUT)
-            parallel.group = connect(rank, size, store, device)
+            parallel.group = process_group(rank, size, store, device)
 
         runner = build_model_runner(
             open_checkpoint(checkpoint),

@@ -208,7 +208,7 @@ class Runtime:
     @property
     def fault(self) -> str | None:
         """Why a tensor-parallel runtime lost its ranks (it serves no more), or None."""
-        return None if self.workers is None else self.workers.fault
+        return self.executor.fault
 
     @property
     def model_name(self) -> str:

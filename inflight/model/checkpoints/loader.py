@@ -124,22 +124,13 @@ def build_model(
         )
     platform = Platform.detect(device, dtype)
     methods = _linear_methods(quantization, platform, checkpoint.stored_types)
+    args = (checkpoint.config, max_positions, platform, methods, max_loras, max_lora_rank)
     with torch.device("meta"):
-        if parallel is not None:
-            model = LlamaForCausalLM(
-                checkpoint.config,
-                max_positions,
-                platform,
-                methods,
-                max_loras,
-                max_lora_rank,
-                parallel,
-            )
+        # A hybrid under tensor parallelism goes to the Llama decoder, whose check refuses it.
+        if checkpoint.config.mamba is None or parallel is not None:
+            model = LlamaForCausalLM(*args, parallel)
         else:
-            model_class = LlamaForCausalLM if checkpoint.config.mamba is None else HybridForCausalLM
-            model = model_class(
-                checkpoint.config, max_positions, platform, methods, max_loras, max_lora_rank
-            )
+            model = HybridForCausalLM(*args)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.compute(device)
     weights = checkpoint.weights()

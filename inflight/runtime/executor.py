@@ -208,9 +208,9 @@ class Executor:
         """The step's LM-head calls, over the hidden rows the forward keeps (in row order: all
         of a scoring row's tokens, else a sampler's last, or its last 1 + drafts where it
         verifies drafts): first the scoring rows' prompt tokens in slices (each predicting the
-        prompt token after it; the `scoring` entries say which row (its index) and prompt
-        positions), then
-        every sampling row at once. Makes each scoring row's (empty) list of scores."""
+        prompt token after it; the `scoring` entries say which row, by index, and which prompt
+        positions), then every sampling row at once. Gives each scoring row of `launched` its
+        (empty) list of scores: one pass over the rows, in the step loop."""
         heads: list[HeadRows] = []
         scoring: list[tuple[int, int, int]] = []
         sample_rows: list[int] = []

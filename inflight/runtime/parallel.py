@@ -163,8 +163,7 @@ class Workers:
     def lost(self) -> str | None:
         """Why the ranks stopped serving, once a worker has ended: a step's collective that
         raised may have lost a worker, which ends moments later."""
-        for process in self._processes:
-            process.join(timeout=1.0)
+        self._reap(timeout=1.0)
         self._watch_once()
         return self.fault
 
@@ -186,14 +185,18 @@ class Workers:
         self._finalizer()
 
     def _watch(self) -> None:
-        sentinels = {p.sentinel: p for p in self._processes}
         while not self._closing.is_set():
-            for ended in wait(list(sentinels), timeout=1.0):
-                # A process's sentinel is ready as its files close, its exit status a moment
-                # later.
-                sentinels[ended].join(timeout=1.0)
+            self._reap(timeout=1.0)
             if self._watch_once():
                 return
+
+    def _reap(self, timeout: float) -> None:
+        """Wait up to `timeout` for any worker to end, then for the exit status of those that
+        have: a process's sentinel is ready as its files close, its exit status a moment
+        later."""
+        sentinels = {p.sentinel: p for p in self._processes}
+        for ended in wait(list(sentinels), timeout=timeout):
+            sentinels[ended].join(timeout=1.0)
 
     def _watch_once(self) -> bool:
         """Whether a worker has ended (and the ranks failed)."""

@@ -38,7 +38,10 @@ def main() -> None:
     runtime = Runtime(
         random_checkpoint(args.shape, device),
         RuntimeConfig(
-            device="cuda", max_batch_size=args.batch, max_model_len=2048, max_num_tokens=16384
+            device="cuda",
+            max_batch_size=args.batch,
+            max_model_len=args.prompt + 1000 + 16,
+            max_num_tokens=16384,
         ),
     )
     rng = random.Random(0)

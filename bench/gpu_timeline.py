@@ -1,0 +1,171 @@
+"""Where the nano-vllm workload's time goes on the GPU: its steps by kind and batch size, each
+with its wall time, its device time and the device's idle time before it.
+
+Runs `gpu_throughput.py`'s workload through the engine with the runtime's session step timed
+from outside: host clock around each `step`, CUDA events before and after what it queues. A step
+whose device time is short of its wall time waited for the host; "idle" is the device's gap
+between the end of one step's work and the start of the next's.
+
+    python3 bench/gpu_timeline.py [--shape qwen3-0.6b] [--requests 256] [--quantization fp8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+from gpu_throughput import workload
+
+from inflight.bench.random_model import SHAPES, random_checkpoint
+from inflight.bench.report import report_path, write_report
+from inflight.engine import EngineConfig, RequestEngine
+from inflight.runtime.config import RuntimeConfig
+from inflight.runtime.executor import Executor
+from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.runtime.runtime import Runtime
+from inflight.runtime.session import GenerationSession
+
+BUCKETS = (8, 32, 64, 128, 192, 256, 1 << 30)
+
+
+@dataclass
+class StepTime:
+    prefill_tokens: int
+    decode_rows: int
+    wall_s: float
+    begin: torch.cuda.Event
+    end: torch.cuda.Event
+
+
+def trace(steps: list[StepTime]) -> None:
+    """Time every session step into `steps` (the composition of the step it launches)."""
+    launch, step = Executor.launch, GenerationSession.step
+    composition: list[tuple[int, int]] = []
+    last = [time.perf_counter()]
+
+    def timed_launch(self, scheduled):
+        prefill = sum(
+            len(r.token_ids) for r in scheduled.rows if r.past_len < len(r.resident.prompt)
+        )
+        composition.append((prefill, len(scheduled.rows) - sum(
+            1 for r in scheduled.rows if r.past_len < len(r.resident.prompt)
+        )))  # fmt: skip
+        return launch(self, scheduled)
+
+    def timed_step(self, cancelled=()):
+        begin = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        composition.clear()
+        begin.record()
+        result = step(self, cancelled)
+        end.record()
+        now = time.perf_counter()
+        if composition:
+            prefill, decode = composition[0]
+            steps.append(StepTime(prefill, decode, now - last[0], begin, end))
+        last[0] = now
+        return result
+
+    Executor.launch = timed_launch
+    GenerationSession.step = timed_step
+
+
+def summarize(steps: list[StepTime]) -> dict:
+    torch.cuda.synchronize()
+    groups: dict[str, dict] = {}
+    previous_end = None
+    for s in steps:
+        device = s.begin.elapsed_time(s.end) / 1000
+        idle = 0.0 if previous_end is None else max(0.0, previous_end.elapsed_time(s.begin) / 1000)
+        previous_end = s.end
+        if s.prefill_tokens:
+            key = "prefill+decode"
+        else:
+            top = next(b for b in BUCKETS if s.decode_rows <= b)
+            key = f"decode<={top}" if top < BUCKETS[-1] else "decode"
+        g = groups.setdefault(
+            key, {"steps": 0, "wall_s": 0.0, "device_s": 0.0, "idle_s": 0.0, "tokens": 0}
+        )
+        g["steps"] += 1
+        g["wall_s"] += s.wall_s
+        g["device_s"] += device
+        g["idle_s"] += idle
+        g["tokens"] += s.prefill_tokens + s.decode_rows
+    print(
+        f"{'steps':<16}{'n':>6}{'wall s':>9}{'device s':>10}{'idle s':>9}{'ms/step':>9}"
+        f"{'tokens':>9}"
+    )
+    for key in sorted(groups, key=lambda k: (k != "prefill+decode", len(k), k)):
+        g = groups[key]
+        print(
+            f"{key:<16}{g['steps']:>6}{g['wall_s']:>9.2f}{g['device_s']:>10.2f}"
+            f"{g['idle_s']:>9.2f}{g['wall_s'] / g['steps'] * 1000:>9.2f}{g['tokens']:>9}"
+        )
+    total = {
+        k: sum(g[k] for g in groups.values()) for k in ("steps", "wall_s", "device_s", "idle_s")
+    }
+    print(
+        f"{'all':<16}{total['steps']:>6}{total['wall_s']:>9.2f}{total['device_s']:>10.2f}{total['idle_s']:>9.2f}"
+    )
+    return {"groups": groups, "total": total}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-0.6b")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--max-num-tokens", type=int, default=8192)
+    parser.add_argument("--quantization", default="none", choices=["none", "fp8"])
+    args = parser.parse_args()
+    work = workload(args.requests, SHAPES[args.shape].vocab_size)
+    runtime = Runtime(
+        random_checkpoint(args.shape, torch.device("cuda")),
+        RuntimeConfig(
+            device="cuda",
+            max_batch_size=args.batch,
+            max_model_len=2048 + 16,
+            max_num_tokens=args.max_num_tokens,
+            quantization=args.quantization,
+        ),
+    )
+    engine = RequestEngine(
+        runtime,
+        EngineConfig(
+            max_batch_size=args.batch,
+            max_pending_requests=len(work) + 8,
+            command_queue_capacity=len(work) + 8,
+        ),
+    )
+
+    def run(items: list[tuple[list[int], int]]) -> float:
+        start = time.perf_counter()
+        handles = [
+            engine.submit(
+                GenerationRequest(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            )
+            for p, n in items
+        ]
+        produced = sum(len(h.get().token_ids) for h in handles)
+        return produced / (time.perf_counter() - start)
+
+    run([(work[0][0][:32], 8)])  # warm-up: compiles the kernels
+    steps: list[StepTime] = []
+    trace(steps)
+    tok_s = run(work)
+    engine.shutdown()
+    print(f"{args.shape}: {tok_s:.0f} output tok/s (timed steps; a little slower than untimed)")
+    summary = summarize(steps)
+    write_report(
+        report_path("gpu_timeline.json"),
+        device=torch.cuda.get_device_name(),
+        args=vars(args),
+        output_tok_s=tok_s,
+        **summary,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,11 @@
 """CUDA path checks, run on the device: the Triton attention backend against the torch reference.
 
-1. Kernels: a ragged step mixing decode rows and prefill chunks with a past, over scattered KV
-   blocks; relative error of the Triton output against the torch backend computed in float32,
-   with the output memory poisoned (NaN) beforehand so every element must be written.
-2. Fused RMSNorm (+ residual) and SiLU-mul kernels against the torch formulas they replace.
+1. Kernels: a ragged step mixing decode rows (their keys split in 16, 1 and 4 parts) and
+   prefill chunks with a past, over scattered KV blocks; relative error of the Triton output
+   against the torch backend computed in float32, with the output memory poisoned (NaN)
+   beforehand so every element must be written.
+2. Fused RMSNorm (+ residual), SiLU-mul and norm + RoPE + KV store kernels against the torch
+   formulas they replace.
 3. The Triton Mamba2 decode step against its torch formula (float32).
 4. End to end: greedy tokens of 8 prompts through a random-weight Qwen3-0.6B-shaped model (and a
    Bamba-9B-shaped hybrid) in bf16, Triton backend (CUDA graphs, overlapped steps) against the
@@ -23,7 +25,8 @@
    reference's top-2 logprobs with the item in the prompt); and the encoder in bf16 against
    the same weights in float32 on the CPU (relative error under 2e-2).
 
-    python3 bench/gpu_check.py   (prints a table; exits 1 on a failed check)
+    python3 bench/gpu_check.py [NAME ...]   (prints a table; exits 1 on a failed check; with
+    names, only the checks whose names contain one of them, e.g. "fused" "greedy")
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from PIL import Image
 from inflight.bench.random_model import random_checkpoint
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.triton import TritonAttentionBackend
+from inflight.model.kernels.triton.attention import paged_attention
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
@@ -89,12 +93,18 @@ def check_kernels(device: torch.device, seed: int) -> tuple[bool, str]:
     triton_backend.plan(meta)
     _poison_allocator(device)
     got = triton_backend.forward(q, k, v, (cache_k, cache_v), meta, dim**-0.5)
+    # The decode rows' keys in one part and in 4 (the default for 6 rows splits them in 16).
+    outputs = [got] + [
+        paged_attention(q, cache_k, cache_v, meta, dim**-0.5, splits=n) for n in (1, 4)
+    ]
     torch.cuda.synchronize()
-    written = not torch.isnan(got).any().item()
-    rel = ((got.float() - expected).norm() / expected.norm()).item()
+    written = not any(torch.isnan(out).any().item() for out in outputs)
+    rel = max(((out.float() - expected).norm() / expected.norm()).item() for out in outputs)
     cache_ok = torch.equal(head_major(cache_k), ref_cache[0].bfloat16().float())
     ok = written and rel < 1e-2 and cache_ok
-    return ok, f"rel err {rel:.2e}, all written {written}, KV stored {cache_ok}"
+    return ok, f"rel err {rel:.2e} (decode keys in 16, 1, 4 parts), all written {written}, " + (
+        f"KV stored {cache_ok}"
+    )
 
 
 def _greedy(runtime: Runtime, prompts: list[list[int]], n: int) -> list[tuple[int, ...]]:
@@ -273,13 +283,63 @@ def check_fused_ops(device: torch.device, seed: int) -> tuple[bool, str]:
         "sum": (summed, x + res),
         "silu*up": (triton_ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up),
     }
+    # (got, want, the magnitude under which errors count as at that magnitude)
+    checked = {name: (*pair, 1e-3) for name, pair in pairs.items()}
+    # RoPE sums two products of inputs of magnitude ~1 (randn, or normed): an ulp there is
+    # what an output near zero may be off by.
+    checked.update({name: (*pair, 1.0) for name, pair in _rope_store_pairs(device).items()})
     worst, ok = [], True
-    for name, (got, want) in pairs.items():
+    for name, (got, want, floor) in checked.items():
         # One bf16 step at the value's magnitude: 2^-7 relative.
-        ulps = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)) * 128
+        ulps = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(floor)) * 128
         ok &= bool(torch.isfinite(got).all()) and ulps.max().item() <= 2.01
         worst.append(f"{name} {ulps.max().item():.2f} ulp")
     return ok, ", ".join(worst)
+
+
+def _rope_store_pairs(device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The fused norm + RoPE + KV store kernel against its formula: q and k normed per head
+    (each rounded to bf16 where the torch modules round), rotated in float32, rounded once; k
+    and v at scattered slots of caches poisoned with NaN, every other slot untouched. With and
+    without the norms (Qwen3, Llama), 16 query and 8 KV heads of 128."""
+    from inflight.model.kernels.triton.rope import rope_store
+
+    tokens, heads, kv_heads, dim, eps = 77, 16, 8, 128, 1e-6
+    bf16 = torch.bfloat16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=device, dtype=bf16)
+    angle = torch.rand(tokens, 1, dim // 2, device=device) * 40
+    angle = torch.cat((angle, angle), dim=-1)
+    cos, sin = angle.cos().to(bf16), angle.sin().to(bf16)
+    weights = [(1 + 0.1 * torch.randn(dim, device=device)).to(bf16) for _ in range(2)]
+    slots = torch.randperm(64 * 16, device=device)[:tokens]
+    pairs = {}
+    for normed in (True, False):
+        caches = [torch.full((64, 16, kv_heads, dim), float("nan"), device=device, dtype=bf16)]
+        caches.append(caches[0].clone())
+        norms = (weights[0], weights[1], eps) if normed else None
+        q = rope_store(qkv, heads, kv_heads, (cos, sin), slots, *caches, norms)
+        parts = qkv.view(tokens, -1, dim).float().split([heads, kv_heads, kv_heads], dim=1)
+        rotated = []
+        for x, w in zip(parts[:2], weights, strict=True):
+            if normed:
+                x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+                x = (w.float() * x.to(bf16).float()).to(bf16).float()
+            half = torch.cat((-x[..., dim // 2 :], x[..., : dim // 2]), dim=-1)
+            rotated.append((x * cos.float() + half * sin.float()).to(bf16))
+        tag = "qk-norm+rope" if normed else "rope"
+        k_cache, v_cache = (c.view(-1, kv_heads, dim) for c in caches)
+        pairs[f"{tag} q"] = (q, rotated[0])
+        pairs[f"{tag} k"] = (k_cache[slots], rotated[1])
+        pairs[f"{tag} v"] = (v_cache[slots], parts[2].to(bf16))
+        untouched = torch.ones(k_cache.shape[0], dtype=torch.bool, device=device)
+        untouched[slots] = False
+        stray = sum(int((~c[untouched].isnan()).sum()) for c in (k_cache, v_cache))
+        # A write outside the token's slots: a NaN among the compared values fails the check.
+        pairs[f"{tag} other slots"] = (
+            torch.tensor([float("nan") if stray else 1.0]),
+            torch.ones(1),
+        )
+    return pairs
 
 
 def check_lora(device: torch.device, seed: int) -> tuple[bool, str]:
@@ -468,7 +528,9 @@ def main() -> int:
         ("M-RoPE images", functools.partial(check_media, "qwen2-vl")),
         ("audio end to end", functools.partial(check_media, "voxtral")),
     )
-    for name, check in checks:
+    # Arguments: run only the checks whose names contain one of them.
+    chosen = [(n, c) for n, c in checks if not sys.argv[1:] or any(a in n for a in sys.argv[1:])]
+    for name, check in chosen:
         for seed in (0, 1):
             start = time.perf_counter()
             ok, detail = check(device, seed)

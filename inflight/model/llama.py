@@ -160,18 +160,24 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens, heads = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x, lora)
-        qk_size = self.q_size + self.kv_size
-        v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
-            # q's and k's heads side by side in the fused projection: one rotation.
-            qk = qkv[:, :qk_size].view(tokens, heads + self.num_kv_heads, self.head_dim)
-            qk = self.rope(qk, angles)
-            q, k = qk[:, :heads], qk[:, heads:]
+        if backend.takes_qkv:
+            norms = None
+            if self.q_norm is not None and self.k_norm is not None:
+                norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            out = backend.forward_qkv(qkv, heads, angles, norms, kv_cache, meta, self.scale)
         else:
-            q = qkv[:, : self.q_size].view(tokens, heads, self.head_dim)
-            k = qkv[:, self.q_size : qk_size].view(tokens, self.num_kv_heads, self.head_dim)
-            q, k = self.rope(self.q_norm(q), angles), self.rope(self.k_norm(k), angles)
-        out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+            qk_size = self.q_size + self.kv_size
+            v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is None:
+                # q's and k's heads side by side in the fused projection: one rotation.
+                qk = qkv[:, :qk_size].view(tokens, heads + self.num_kv_heads, self.head_dim)
+                qk = self.rope(qk, angles)
+                q, k = qk[:, :heads], qk[:, heads:]
+            else:
+                q = qkv[:, : self.q_size].view(tokens, heads, self.head_dim)
+                k = qkv[:, self.q_size : qk_size].view(tokens, self.num_kv_heads, self.head_dim)
+                q, k = self.rope(self.q_norm(q), angles), self.rope(self.k_norm(k), angles)
+            out = backend.forward(q, k, v, kv_cache, meta, self.scale)
         out = self.o_proj(out.reshape(tokens, self.q_size), lora)
         return out if self.parallel is None else self.parallel.all_reduce(out)
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from inflight.model.attention.plan import plan_prefill
+from inflight.model.attention.plan import decode_splits, plan_prefill
 from inflight.runtime.runtime import Runtime, RuntimeConfig
 
 
@@ -30,3 +30,13 @@ def test_triton_backend_needs_cuda(tiny_dirs):
         Runtime(tiny_dirs["llama"], RuntimeConfig(device="cpu", attention_backend="triton"))
     with pytest.raises(ValueError, match="attention_backend"):
         RuntimeConfig(attention_backend="flash")
+
+
+def test_decode_rows_split_their_keys_only_when_few():
+    # 132 multiprocessors (an H200), 8 KV heads: 1,056 programs is the aim.
+    assert decode_splits(256, 8, 132) == 1
+    assert decode_splits(132, 8, 132) == 1
+    assert decode_splits(66, 8, 132) == 2
+    assert decode_splits(8, 8, 132) == 16  # capped
+    assert decode_splits(1, 1, 132) == 16
+    assert decode_splits(33, 8, 132) == 4

@@ -37,9 +37,16 @@ class AttentionMetadata:
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+# Per-head RMSNorm of queries and keys before RoPE (Qwen3): their weights [D] and epsilon.
+QKNorms = tuple[torch.Tensor, torch.Tensor, float]
 
 
 class AttentionBackend(Protocol):
+    # With takes_qkv, a backend also has `forward_qkv(qkv, num_heads, angles, norms, kv_cache,
+    # meta, scale)`: `forward` from a layer's fused projection qkv [T, (Hq + 2 Hkv) * D], its
+    # q and k normed (`norms`, QKNorms or None) and rotated (RoPE over whole heads) on the way.
+    takes_qkv: bool
+
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[int, ...]:

@@ -9,6 +9,22 @@ import torch
 from inflight.model.transfer import to_device
 
 PREFILL_BLOCK_M = 64  # queries per prefill program
+# Decode programs to aim for per multiprocessor: below this a step's decode rows split their keys.
+DECODE_PROGRAMS_PER_SM = 8
+MAX_DECODE_SPLITS = 16
+
+
+def decode_splits(rows: int, kv_heads: int, multiprocessors: int) -> int:
+    """How many parts each decode row's keys are split into (a power of two): one program per
+    (row, KV head) walks its keys alone, so a step of few rows over long contexts would leave
+    most of the GPU idle; split, the parts run side by side and a second kernel merges them."""
+    programs = rows * kv_heads
+    splits = 1
+    while splits < MAX_DECODE_SPLITS and programs * splits * 2 <= (
+        multiprocessors * DECODE_PROGRAMS_PER_SM
+    ):
+        splits *= 2
+    return splits
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ class TorchAttentionBackend:
     attends on its own, so its result never depends on what else shares the step.
     """
 
+    takes_qkv = False
+
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[int, ...]:

@@ -4,20 +4,25 @@ cache.
 Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] per layer (a block holds every
 head's keys for `block_size` consecutive positions). Decode rows go to a kernel with one program
 per (row, KV head); prefill chunks to one with a program per (BLOCK_M queries, query head), which
-this backend plans on the host once per step (`plan.py`).
+this backend plans on the host once per step (`plan.py`). `forward_qkv` takes a layer's fused
+projection instead of its rotated q and k: one kernel norms and rotates them and stores k, v.
 """
 
 from __future__ import annotations
 
 import torch
 
-from inflight.model.attention.base import AttentionMetadata, KVCache
+from inflight.model.attention.base import AttentionMetadata, KVCache, QKNorms
 from inflight.model.attention.plan import plan_prefill
 from inflight.model.kernels.triton.attention import paged_attention
+from inflight.model.kernels.triton.rope import rope_store
+from inflight.model.layers.rotary import Angles
 
 
 class TritonAttentionBackend:
     """Paged attention for CUDA devices (bf16 or fp16 caches)."""
+
+    takes_qkv = True
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -40,4 +45,20 @@ class TritonAttentionBackend:
         _, _, num_kv_heads, head_dim = k_cache.shape
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        return paged_attention(q, k_cache, v_cache, meta, scale)
+
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        angles: Angles,
+        norms: QKNorms | None,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        q = rope_store(
+            qkv, num_heads, k_cache.shape[2], angles, meta.slot_mapping, k_cache, v_cache, norms
+        )
         return paged_attention(q, k_cache, v_cache, meta, scale)

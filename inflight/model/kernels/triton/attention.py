@@ -4,23 +4,35 @@ Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] per layer (a bloc
 head's keys for `block_size` consecutive positions). Two kernels:
 
 - decode: one program per (decode row, KV head) walks the row's blocks with an online softmax,
-  for all the query heads that share that KV head at once;
+  for all the query heads that share that KV head at once; with few rows, each row's keys are
+  split into parts walked side by side (flash decoding) and a small kernel merges the parts;
 - prefill: one program per (BLOCK_M queries of a prefill chunk, query head) attends over the
   chunk's past (read through the block table) and, causally, over the chunk itself. Which
   program serves which queries is planned on the host once per step (`attention/plan.py`).
+
+The block tables' row stride (the step's longest table) is not specialized on: Triton compiles a
+kernel per case of an integer argument (1, a multiple of 16, other), and each new case met while
+serving would stall its step for the half second a compile takes.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from inflight.model.attention.base import AttentionMetadata
-from inflight.model.attention.plan import PREFILL_BLOCK_M, PrefillPlan
+from inflight.model.attention.plan import PREFILL_BLOCK_M, PrefillPlan, decode_splits
 
 DECODE_BLOCK_N = 64  # keys per decode iteration
 PREFILL_BLOCK_N = 64
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -53,15 +65,16 @@ def _attend_keys(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
-    Q, K, V, Out, block_tables, seq_lens, scale,
+    Q, K, V, Out, PARTS, STATS, block_tables, seq_lens, scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.load(seq_lens + row)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
@@ -71,24 +84,52 @@ def _decode_kernel(
         mask=(g < GROUP)[:, None],
         other=0.0,
     )
+    # This program's part of the keys: whole BLOCK_N tiles, the last parts possibly empty.
+    part = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    first = split * part
+    end = tl.minimum(seq_len, first + part)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for start in range(0, seq_len, BLOCK_N):
+    for start in range(first, end, BLOCK_N):
         m_i, l_i, acc = _attend_keys(
-            q, seq_len, K, V, block_tables + row * stride_bt, kv_head, start, seq_len,
+            q, seq_len, K, V, block_tables + row * stride_bt, kv_head, start, end,
             m_i, l_i, acc, scale, stride_kb, stride_ks, stride_kh,
             CAUSAL=False, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
         )  # fmt: skip
-    out = acc / l_i[:, None]
-    tl.store(
-        Out + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=(g < GROUP)[:, None],
-    )
+    if SPLITS == 1:
+        tl.store(
+            Out + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            (acc / l_i[:, None]).to(Out.dtype.element_ty),
+            mask=(g < GROUP)[:, None],
+        )
+    else:
+        # Unnormalized, with the running max and sum: `_merge_kernel` weighs the parts.
+        at = (row * HEADS + heads) * SPLITS + split
+        tl.store(PARTS + at[:, None] * HEAD_DIM + d[None, :], acc, mask=(g < GROUP)[:, None])
+        tl.store(STATS + at * 2, m_i, mask=g < GROUP)
+        tl.store(STATS + at * 2 + 1, l_i, mask=g < GROUP)
 
 
 @triton.jit
+def _merge_kernel(
+    PARTS, STATS, Out, stride_ot, stride_oh,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    at = (row * HEADS + head) * SPLITS + s
+    m = tl.load(STATS + at * 2)
+    l = tl.load(STATS + at * 2 + 1)  # noqa: E741
+    weight = tl.exp(m - tl.max(m, 0))  # an empty part (max -inf) weighs 0
+    acc = tl.load(PARTS + at[:, None] * HEAD_DIM + d[None, :])
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    tl.store(Out + row * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     Q, K, V, Out, block_tables, query_start, seq_lens, query_lens, prog_rows, prog_starts, scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
@@ -138,9 +179,11 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Attend q [T, Hq, D] over the caches [blocks, block_size, Hkv, D]: the decode rows with
-    the decode kernel, the prefill chunks with the programs planned in `meta.plan`."""
+    the decode kernel (their keys in `splits` parts, by default as `decode_splits` chooses for
+    this device), the prefill chunks with the programs planned in `meta.plan`."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     out = torch.empty_like(q)
     group = q.shape[1] // num_kv_heads
@@ -150,11 +193,23 @@ def paged_attention(
     )  # fmt: skip
     rows = meta.num_decodes
     if rows:
-        _decode_kernel[(rows, num_kv_heads)](
-            q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, scale, *strides,
-            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-            HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=DECODE_BLOCK_N,
+        heads = q.shape[1]
+        if splits is None:
+            splits = decode_splits(rows, num_kv_heads, _multiprocessors(q.device))
+        parts = stats = out  # unread with one split
+        if splits > 1:
+            parts = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+            stats = torch.empty(rows, heads, splits, 2, dtype=torch.float32, device=q.device)
+        _decode_kernel[(rows, num_kv_heads, splits)](
+            q, k_cache, v_cache, out, parts, stats, meta.block_tables, meta.seq_lens, scale,
+            *strides, HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=DECODE_BLOCK_N, SPLITS=splits,
         )  # fmt: skip
+        if splits > 1:
+            _merge_kernel[(rows, heads)](
+                parts, stats, out, out.stride(0), out.stride(1),
+                HEADS=heads, HEAD_DIM=head_dim, SPLITS=splits,
+            )  # fmt: skip
     plan: PrefillPlan | None = meta.plan
     if plan is not None and plan.programs:
         _prefill_kernel[(plan.programs, q.shape[1])](

@@ -1,0 +1,94 @@
+"""A fused projection's q, k and v to attention's inputs in one kernel: the per-head RMSNorm of
+q and k (Qwen3), RoPE on both, q written out and k, v stored at their KV slots.
+
+In torch that is some fourteen small kernels per layer (two norms, for q and for k a negate, a
+cat, two products and a sum, two index copies), which in a decode step cost more than the
+layer's matmuls. Precision follows the torch modules where they round: the norm's output is
+rounded to the activation dtype before RoPE; the rotation itself is computed in float32 and
+rounded once (torch rounds each product and the sum: at most an ulp apart).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_store_kernel(
+    QKV, Q, K_CACHE, V_CACHE, COS, SIN, SLOTS, Q_NORM, K_NORM, eps,
+    stride_t, stride_cos, stride_qt, stride_slot,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    NORM: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    head = tl.program_id(1)  # q heads, then k heads, then v heads
+    i = tl.arange(0, HALF)
+    src = QKV + token * stride_t + head * (2 * HALF)
+    lo = tl.load(src + i)
+    hi = tl.load(src + HALF + i)
+    dtype = lo.dtype
+    is_q = head < NUM_HEADS
+    if head >= NUM_HEADS + NUM_KV_HEADS:
+        slot = tl.load(SLOTS + token)
+        dst = V_CACHE + slot * stride_slot + (head - NUM_HEADS - NUM_KV_HEADS) * (2 * HALF)
+        tl.store(dst + i, lo)
+        tl.store(dst + HALF + i, hi)
+    else:
+        x1 = lo.to(tl.float32)
+        x2 = hi.to(tl.float32)
+        if NORM:
+            rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
+            if is_q:
+                w1 = tl.load(Q_NORM + i).to(tl.float32)
+                w2 = tl.load(Q_NORM + HALF + i).to(tl.float32)
+            else:
+                w1 = tl.load(K_NORM + i).to(tl.float32)
+                w2 = tl.load(K_NORM + HALF + i).to(tl.float32)
+            x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        angles = token * stride_cos + i
+        cos1 = tl.load(COS + angles).to(tl.float32)
+        cos2 = tl.load(COS + angles + HALF).to(tl.float32)
+        sin1 = tl.load(SIN + angles).to(tl.float32)
+        sin2 = tl.load(SIN + angles + HALF).to(tl.float32)
+        out1 = (x1 * cos1 - x2 * sin1).to(dtype)
+        out2 = (x2 * cos2 + x1 * sin2).to(dtype)
+        if is_q:
+            dst = Q + token * stride_qt + head * (2 * HALF)
+        else:
+            slot = tl.load(SLOTS + token)
+            dst = K_CACHE + slot * stride_slot + (head - NUM_HEADS) * (2 * HALF)
+        tl.store(dst + i, out1)
+        tl.store(dst + HALF + i, out2)
+
+
+def rope_store(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    angles: tuple[torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """The rotated queries [T, num_heads, D] of qkv [T, (num_heads + 2 kv heads) * D] (q's heads,
+    then k's, then v's); the rotated keys and the values are stored in k_cache and v_cache
+    ([blocks, block_size, kv heads, D], contiguous) at `slots` [T]. `angles`: cos and sin
+    [T, 1, D] (`RotaryEmbedding.angles`, RoPE over whole heads); `norms`: q's and k's RMSNorm
+    weights [D] and their epsilon, applied per head before RoPE."""
+    tokens = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    cos, sin = angles
+    q_norm, k_norm, eps = norms if norms is not None else (qkv, qkv, 0.0)
+    if tokens:
+        _rope_store_kernel[(tokens, num_heads + 2 * num_kv_heads)](
+            qkv, q, k_cache, v_cache, cos, sin, slots, q_norm, k_norm, eps,
+            qkv.stride(0), cos.stride(0), q.stride(0), k_cache.stride(1),
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,
+            NORM=norms is not None,
+        )  # fmt: skip
+    return q

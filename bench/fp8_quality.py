@@ -1,5 +1,6 @@
-"""What FP8 weights cost in quality, on a model with real weights (the default SmolLM2 unless
-`--model`), on CUDA: `quantization="fp8"` against bf16 ("none") on the same weights.
+"""What FP8 costs in quality, on a model with real weights (the default SmolLM2 unless
+`--model`), on CUDA: FP8 weights (`quantization="fp8"`), an FP8 KV cache
+(`kv_cache_dtype="fp8"`) and both, each against bf16 ("none") on the same weights.
 
 - Scoring: the log-probability of every token of `--texts` English passages (the benchmark's
   corpus in windows of `--window` tokens) under each; their mean negative log-likelihood
@@ -60,37 +61,50 @@ def main() -> None:
     while len(corpus) < args.texts * args.window:
         corpus = checkpoint.tokenizer.encode(TEXT * (2 + 2 * len(corpus)), add_special_tokens=False)
     texts = [corpus[i * args.window : (i + 1) * args.window] for i in range(args.texts)]
+    # name: (quantization, kv_cache_dtype)
+    variants = {
+        "bf16": ("none", "auto"),
+        "fp8 weights": ("fp8", "auto"),
+        "fp8 KV cache": ("none", "fp8"),
+        "fp8 weights + KV": ("fp8", "fp8"),
+    }
     runs = {}
-    for quantization in ("none", "fp8"):
+    for name, (quantization, kv_cache_dtype) in variants.items():
         runtime = Runtime(
-            checkpoint, RuntimeConfig(device="cuda", max_model_len=1024, quantization=quantization)
+            checkpoint,
+            RuntimeConfig(
+                device="cuda",
+                max_model_len=1024,
+                quantization=quantization,
+                kv_cache_dtype=kv_cache_dtype,
+            ),
         )
-        runs[quantization] = (_scores(runtime, texts), _greedy(runtime, args.tokens))
+        runs[name] = (_scores(runtime, texts), _greedy(runtime, args.tokens))
         del runtime
         torch.cuda.empty_cache()
-    (ref, ref_greedy), (fp8, fp8_greedy) = runs["none"], runs["fp8"]
-    diffs = [abs(a - b) for a, b in zip(ref, fp8, strict=True)]
-    parted = [
-        next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
-        for a, b in zip(ref_greedy, fp8_greedy, strict=True)
-    ]
-    result = {
-        "tokens_scored": len(ref),
-        "perplexity_bf16": math.exp(-sum(ref) / len(ref)),
-        "perplexity_fp8": math.exp(-sum(fp8) / len(fp8)),
-        "mean_abs_logprob_diff": sum(diffs) / len(diffs),
-        "max_abs_logprob_diff": max(diffs),
-        "greedy_identical": sum(p is None for p in parted),
-        "greedy_first_difference": parted,
-    }
-    for key, value in result.items():
-        print(f"{key:<26} {value}")
+    ref, ref_greedy = runs["bf16"]
+    results = {}
+    for name, (scores, greedy) in runs.items():
+        diffs = [abs(a - b) for a, b in zip(ref, scores, strict=True)]
+        parted = [
+            next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+            for a, b in zip(ref_greedy, greedy, strict=True)
+        ]
+        results[name] = {
+            "tokens_scored": len(scores),
+            "perplexity": math.exp(-sum(scores) / len(scores)),
+            "mean_abs_logprob_diff": sum(diffs) / len(diffs),
+            "max_abs_logprob_diff": max(diffs),
+            "greedy_identical": sum(p is None for p in parted),
+            "greedy_first_difference": parted,
+        }
+        print(name, results[name], flush=True)
     write_report(
         report_path("fp8_quality.json"),
         device=torch.cuda.get_device_name(),
         model=checkpoint.name,
         args=vars(args),
-        result=result,
+        results=results,
     )
 
 

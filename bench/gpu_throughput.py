@@ -11,6 +11,7 @@ writes JSON to $OUT (or bench/out).
     python3 bench/gpu_throughput.py [--shapes qwen3-0.6b llama-3.1-8b] [--hf qwen3-0.6b]
     python3 bench/gpu_throughput.py --shapes bamba-9b --hf bamba-9b --requests 64 --batch 64
     python3 bench/gpu_throughput.py --hf --quantization fp8   (FP8 weights; Hopper / Ada)
+    python3 bench/gpu_throughput.py --hf --kv-cache-dtype fp8   (an FP8 KV cache)
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def run_inflight(shape: str, work: list[tuple[list[int], int]], args: argparse.N
             block_size=args.block_size,
             context_cache=args.context_cache,
             quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
     )
     engine = RequestEngine(
@@ -209,6 +211,7 @@ def main() -> None:
     parser.add_argument("--max-num-tokens", type=int, default=8192)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--quantization", default="none", choices=["none", "fp8"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument(
         "--context-cache",
         action=argparse.BooleanOptionalAction,

@@ -7,6 +7,7 @@ whose device time is short of its wall time waited for the host; "idle" is the d
 between the end of one step's work and the start of the next's.
 
     python3 bench/gpu_timeline.py [--shape qwen3-0.6b] [--requests 256] [--quantization fp8]
+        [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--max-num-tokens", type=int, default=8192)
     parser.add_argument("--quantization", default="none", choices=["none", "fp8"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = parser.parse_args()
     work = workload(args.requests, SHAPES[args.shape].vocab_size)
     runtime = Runtime(
@@ -129,6 +131,7 @@ def main() -> None:
             max_model_len=2048 + 16,
             max_num_tokens=args.max_num_tokens,
             quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
     )
     engine = RequestEngine(

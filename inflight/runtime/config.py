@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inflight.model.config import QUANTIZATIONS
+from inflight.model.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from inflight.runtime.speculative import SpeculativeConfig
 
 
@@ -32,6 +32,10 @@ class RuntimeConfig:
     # decoder weights (a scale per output channel, activations per token) on CUDA GPUs with FP8
     # tensor cores.
     quantization: str = "auto"
+    # "auto": keys and values in the model's dtype; "fp8": in float8 e4m3 (half the bytes a
+    # decode step reads; uncalibrated, scale 1: values beyond +-448 are clamped), CUDA with the
+    # triton attention backend only.
+    kv_cache_dtype: str = "auto"
     device: str | None = None  # default: cuda when available
     # "torch", "cpu" or "triton"; default: triton on CUDA, cpu (its native decode kernel) for
     # float32 on the CPU where it builds, else torch.
@@ -93,3 +97,15 @@ class RuntimeConfig:
             )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype == "fp8" and (
+            self.device == "cpu" or self.attention_backend in ("torch", "cpu")
+        ):
+            raise ValueError(
+                "kv_cache_dtype='fp8' needs a CUDA device and the triton attention backend, got "
+                f"device={self.device!r}, attention_backend={self.attention_backend!r}"
+            )

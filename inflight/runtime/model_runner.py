@@ -207,9 +207,16 @@ def build_model_runner(
     )
     hybrid = model_config.mamba is not None
     layers = model_config if parallel is None else parallel.local_config(model_config)
+    kv_dtype = dtype
+    if config.kv_cache_dtype == "fp8":
+        if isinstance(backend, TorchAttentionBackend):  # the CPU's too
+            raise ValueError(
+                f"kv_cache_dtype='fp8' needs the triton attention backend (CUDA), got {device}"
+            )
+        kv_dtype = torch.float8_e4m3fn
     # With graphs, one extra block (never handed out) takes the writes of padding rows.
     kv = allocate_kv_cache(
-        layers, num_blocks + (1 if graphs else 0), config.block_size, backend, dtype, device
+        layers, num_blocks + (1 if graphs else 0), config.block_size, backend, kv_dtype, device
     )
     graph_inputs = None
     if graphs:

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from inflight.model.config import QUANTIZATIONS
+from inflight.model.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from inflight.server.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 # `inflight bench throughput` engines that run inflight itself, by the quantization they use.
@@ -84,6 +84,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_num_tokens=args.max_num_tokens,
             context_cache=args.enable_context_reuse,
             quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             enable_lora=args.enable_lora,
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
@@ -132,6 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
         f"({mode}; max_model_len {llm.max_model_len}; queue {args.max_queued_requests}"
         f"{'; context cache' if args.enable_context_reuse else ''}"
         f"; quantization {args.quantization}"
+        f"{'; KV cache fp8' if args.kv_cache_dtype == 'fp8' else ''}"
         f"{f'; tensor parallel {tp}' if tp > 1 else ''}"
         f"{f'; tool calls: {args.tool_call_parser}' if args.tool_call_parser else ''}"
         f"{f'; reasoning: {args.reasoning_parser}' if args.reasoning_parser else ''}"
@@ -303,6 +305,13 @@ def build_parser() -> argparse.ArgumentParser:
         "own type (fast, not bit-exact), others in float32; none: float32 (bf16 on CUDA), "
         "exact; int8 / q4: quantize every CPU matmul (q4: 4-bit GGUF Q4_1 form, head int8); "
         "fp8: FP8 decoder weights on CUDA GPUs with FP8 tensor cores (Ada, Hopper)",
+    )
+    serve.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="auto (default): keys and values in the model's dtype; fp8: float8 e4m3 on CUDA "
+        "(half the KV bytes; uncalibrated, values clamped at +-448)",
     )
     serve.add_argument(
         "--tensor-parallel-size",

@@ -40,3 +40,15 @@ def test_decode_rows_split_their_keys_only_when_few():
     assert decode_splits(8, 8, 132) == 16  # capped
     assert decode_splits(1, 1, 132) == 16
     assert decode_splits(33, 8, 132) == 4
+
+
+def test_fp8_kv_cache_is_refused_where_no_triton_backend_runs_it(tiny_dirs):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
+        RuntimeConfig(kv_cache_dtype="float16")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' needs a CUDA device"):
+        RuntimeConfig(device="cpu", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' needs a CUDA device"):
+        RuntimeConfig(attention_backend="torch", kv_cache_dtype="fp8")
+    # The device left to the runtime: the CPU here, found when the cache is allocated.
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' needs the triton attention"):
+        Runtime(tiny_dirs["llama"], RuntimeConfig(kv_cache_dtype="fp8"))

@@ -62,6 +62,10 @@ def test_defaults_are_auto_quantization_and_the_context_cache_on():
     assert args.quantization == "none" and args.enable_context_reuse is False
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--quantization", "q3"])
+    assert args.kv_cache_dtype == "auto"
+    assert parser.parse_args(["serve", "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--kv-cache-dtype", "int4"])
 
 
 @pytest.mark.slow

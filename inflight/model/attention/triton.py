@@ -15,7 +15,7 @@ import torch
 from inflight.model.attention.base import AttentionMetadata, KVCache, QKNorms
 from inflight.model.attention.plan import plan_prefill
 from inflight.model.kernels.triton.attention import paged_attention
-from inflight.model.kernels.triton.rope import rope_store
+from inflight.model.kernels.triton.rope import cache_max, rope_store
 from inflight.model.layers.rotary import Angles
 
 
@@ -43,8 +43,14 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         _, _, num_kv_heads, head_dim = k_cache.shape
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        for x, cache in ((k, k_cache), (v, v_cache)):
+            bound = cache_max(cache.dtype)
+            if bound:  # float8: clamped, and copied as bytes (index_copy_ has no float8 kernel)
+                x, cache = (
+                    x.clamp(-bound, bound).to(cache.dtype).view(torch.uint8),
+                    cache.view(torch.uint8),
+                )
+            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, x)
         return paged_attention(q, k_cache, v_cache, meta, scale)
 
     def forward_qkv(

@@ -50,7 +50,8 @@ def _attend_keys(
     valid = tok < end
     block = tl.load(block_table + tok // BLOCK_SIZE, mask=valid, other=0)
     offs = block.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-    k = tl.load(K + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    # A float8 cache is read up to q's dtype (a no-op for a cache in q's).
+    k = tl.load(K + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k)) * scale
     if CAUSAL:
         s = tl.where((tok[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
@@ -60,8 +61,8 @@ def _attend_keys(
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(V + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    v = tl.load(V + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
     return m_new, l_i, acc
 
 

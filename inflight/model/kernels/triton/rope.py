@@ -5,7 +5,8 @@ In torch that is some fourteen small kernels per layer (two norms, for q and for
 cat, two products and a sum, two index copies), which in a decode step cost more than the
 layer's matmuls. Precision follows the torch modules where they round: the norm's output is
 rounded to the activation dtype before RoPE; the rotation itself is computed in float32 and
-rounded once (torch rounds each product and the sum: at most an ulp apart).
+rounded once, to the cache's dtype for keys (torch rounds each product and the sum: at most an
+ulp apart).
 """
 
 from __future__ import annotations
@@ -16,11 +17,19 @@ import triton.language as tl
 
 
 @triton.jit
+def _to_cache(x, CACHE, CACHE_MAX: tl.constexpr):
+    """x in the cache's dtype; a float8 cache (CACHE_MAX > 0) takes it clamped to its range."""
+    if CACHE_MAX > 0:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -CACHE_MAX), CACHE_MAX)
+    return x.to(CACHE.dtype.element_ty)
+
+
+@triton.jit
 def _rope_store_kernel(
     QKV, Q, K_CACHE, V_CACHE, COS, SIN, SLOTS, Q_NORM, K_NORM, eps,
     stride_t, stride_cos, stride_qt, stride_slot,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    NORM: tl.constexpr,
+    NORM: tl.constexpr, CACHE_MAX: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
@@ -33,8 +42,8 @@ def _rope_store_kernel(
     if head >= NUM_HEADS + NUM_KV_HEADS:
         slot = tl.load(SLOTS + token)
         dst = V_CACHE + slot * stride_slot + (head - NUM_HEADS - NUM_KV_HEADS) * (2 * HALF)
-        tl.store(dst + i, lo)
-        tl.store(dst + HALF + i, hi)
+        tl.store(dst + i, _to_cache(lo, V_CACHE, CACHE_MAX))
+        tl.store(dst + HALF + i, _to_cache(hi, V_CACHE, CACHE_MAX))
     else:
         x1 = lo.to(tl.float32)
         x2 = hi.to(tl.float32)
@@ -53,15 +62,22 @@ def _rope_store_kernel(
         cos2 = tl.load(COS + angles + HALF).to(tl.float32)
         sin1 = tl.load(SIN + angles).to(tl.float32)
         sin2 = tl.load(SIN + angles + HALF).to(tl.float32)
-        out1 = (x1 * cos1 - x2 * sin1).to(dtype)
-        out2 = (x2 * cos2 + x1 * sin2).to(dtype)
+        out1 = x1 * cos1 - x2 * sin1
+        out2 = x2 * cos2 + x1 * sin2
         if is_q:
-            dst = Q + token * stride_qt + head * (2 * HALF)
+            q_dst = Q + token * stride_qt + head * (2 * HALF)
+            tl.store(q_dst + i, out1.to(dtype))
+            tl.store(q_dst + HALF + i, out2.to(dtype))
         else:
             slot = tl.load(SLOTS + token)
-            dst = K_CACHE + slot * stride_slot + (head - NUM_HEADS) * (2 * HALF)
-        tl.store(dst + i, out1)
-        tl.store(dst + HALF + i, out2)
+            k_dst = K_CACHE + slot * stride_slot + (head - NUM_HEADS) * (2 * HALF)
+            tl.store(k_dst + i, _to_cache(out1, K_CACHE, CACHE_MAX))
+            tl.store(k_dst + HALF + i, _to_cache(out2, K_CACHE, CACHE_MAX))
+
+
+def cache_max(dtype: torch.dtype) -> float:
+    """The magnitude a KV cache of `dtype` clamps values to (0: none, the activation dtype)."""
+    return torch.finfo(dtype).max if dtype == torch.float8_e4m3fn else 0.0
 
 
 def rope_store(
@@ -76,7 +92,8 @@ def rope_store(
 ) -> torch.Tensor:
     """The rotated queries [T, num_heads, D] of qkv [T, (num_heads + 2 kv heads) * D] (q's heads,
     then k's, then v's); the rotated keys and the values are stored in k_cache and v_cache
-    ([blocks, block_size, kv heads, D], contiguous) at `slots` [T]. `angles`: cos and sin
+    ([blocks, block_size, kv heads, D], contiguous; float8 e4m3 caches take them clamped to
+    +-448) at `slots` [T]. `angles`: cos and sin
     [T, 1, D] (`RotaryEmbedding.angles`, RoPE over whole heads); `norms`: q's and k's RMSNorm
     weights [D] and their epsilon, applied per head before RoPE."""
     tokens = qkv.shape[0]
@@ -89,6 +106,6 @@ def rope_store(
             qkv, q, k_cache, v_cache, cos, sin, slots, q_norm, k_norm, eps,
             qkv.stride(0), cos.stride(0), q.stride(0), k_cache.stride(1),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,
-            NORM=norms is not None,
+            NORM=norms is not None, CACHE_MAX=cache_max(k_cache.dtype),
         )  # fmt: skip
     return q

@@ -168,8 +168,10 @@ def k_quant_weight(type_name: str, blocks, in_features: int) -> q4.Q4Weight | K8
         q, sc, m, d, dmin = unpack_q5_k(blocks, in_features)
         # per 32 -> per 16: both halves of a block share its scale and minimum
         return _pack_k8(q, sc.repeat_interleave(2, -1), m.repeat_interleave(2, -1), d, -dmin)
-    q, sc, d = unpack_q6_k(blocks, in_features)
-    return _pack_k8(q, sc, sc, d, -32.0 * d)
+    if type_name == "Q6_K":
+        q, sc, d = unpack_q6_k(blocks, in_features)
+        return _pack_k8(q, sc, sc, d, -32.0 * d)
+    raise ValueError(f"not a K-quant type: {type_name!r} (known: {', '.join(K_QUANT_TYPES)})")
 
 
 @functools.cache

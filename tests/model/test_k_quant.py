@@ -13,14 +13,17 @@ from gguf import GGMLQuantizationType as Q
 from test_gguf import _hf_to_gguf_name, _methods
 
 from inflight.model.checkpoints.gguf import GGUFCheckpoint
-from inflight.model.checkpoints.loader import build_model, open_checkpoint
+from inflight.model.checkpoints.loader import _linear_methods, build_model, open_checkpoint
 from inflight.model.kernels.cpu import kquant
 from inflight.model.kernels.cpu.int8 import BLOCK, quantize_blocks
 from inflight.model.kernels.cpu.q4 import Q4Weight
+from inflight.model.layers.linear import Linear, process_weights_after_loading
+from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import (
     Int8LinearMethod,
     KQuantLinearMethod,
     PackedLinearMethod,
+    StoredBlocks,
 )
 
 from helpers import prefill_logits, torch_threads
@@ -282,3 +285,42 @@ def test_auto_runs_k_quants_from_their_blocks_close_to_float32(k_quant_file):
     # Explicit "int8" keeps its meaning: it re-quantizes the dequantized floats.
     int8 = build_model(checkpoint, torch.float32, cpu, 128, quantization="int8")
     assert set(_methods(int8).values()) == {Int8LinearMethod}
+
+
+def test_mixed_parts_each_write_their_slice_bias_included():
+    """A fused layer of Q4_K, Q4_K, Q6_K parts with a bias: the Q4_K parts run as one weight,
+    the Q6_K part as another, each with its slice of the bias."""
+    k = 512
+    raws = {
+        "a.weight": ("Q4_K", random_blocks("Q4_K", 24, k, seed=1)),
+        "b.weight": ("Q4_K", random_blocks("Q4_K", 8, k, seed=2)),
+        "c.weight": ("Q6_K", random_blocks("Q6_K", 16, k, seed=3)),
+    }
+    method = KQuantLinearMethod(lambda name: StoredBlocks(*raws[name]))
+    layer = Linear(k, 48, True, method, sources=tuple(raws))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        layer.bias.copy_(torch.randn(48))
+    process_weights_after_loading(layer)
+    assert [type(w) for w in layer.prepared] == [Q4Weight, kquant.K8Weight]
+    assert [w.out_features for w in layer.prepared] == [32, 16]
+    x = torch.randn(3, 5, k)
+    out = layer(x)
+    assert out.shape == (3, 5, 48)
+    w = torch.cat([dequantized(t, raw) for t, raw in raws.values()]).double()
+    ref = _dequantize_x(x) @ w.T + layer.bias.double()
+    assert (out.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_tensor_parallel_shards_leave_k_quants_in_float(k_quant_file):
+    """A shard's rows are no whole tensor's blocks: under tensor parallelism K-quant layers
+    take the float path."""
+    checkpoint = open_checkpoint(k_quant_file)
+    platform = Platform.detect(torch.device("cpu"), torch.float32)
+    sources = ["layers.1.self_attn.q_proj.weight"]
+    assert isinstance(
+        _linear_methods("auto", platform, checkpoint, False).choose(HIDDEN, sources),
+        KQuantLinearMethod,
+    )
+    sharded = _linear_methods("auto", platform, checkpoint, True)
+    assert isinstance(sharded.choose(HIDDEN, sources), PackedLinearMethod)

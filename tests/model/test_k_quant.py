@@ -158,9 +158,9 @@ def test_refuses_what_the_format_cannot_hold():
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
 
 
-def _k_quant_type(gguf_name: str) -> Q | None:
+def _k_quant_type(gguf_name: str, tied: bool = False) -> Q | None:
     parts = gguf_name.split(".")
-    if parts[0] == "output":
+    if parts[0] == "output" or (tied and parts[0] == "token_embd"):
         return Q.Q6_K
     if parts[0] != "blk" or parts[-1] != "weight" or "norm" in parts[2]:
         return None
@@ -171,7 +171,8 @@ def _k_quant_type(gguf_name: str) -> Q | None:
     return Q.Q4_K
 
 
-def write_k_quant_gguf(tmp_path):
+def write_k_quant_gguf(tmp_path, tied: bool = False):
+    """The file; `tied`: no output tensor, the head is the (Q6_K) embedding."""
     write_tokenizer(tmp_path)
     tok = json.loads((tmp_path / "tokenizer.json").read_text())
     tokens = [None] * len(tok["model"]["vocab"])
@@ -201,7 +202,8 @@ def write_k_quant_gguf(tmp_path):
     w.add_chat_template(CHAT_TEMPLATE)
     head_dim, kv = HIDDEN // HEADS, KV_HEADS * HIDDEN // HEADS
     shapes = {"embed_tokens.weight": (VOCAB, HIDDEN), "norm.weight": (HIDDEN,)}
-    shapes["lm_head.weight"] = (VOCAB, HIDDEN)
+    if not tied:
+        shapes["lm_head.weight"] = (VOCAB, HIDDEN)
     for i in range(LAYERS):
         for part, shape in {
             "input_layernorm": (HIDDEN,),
@@ -218,7 +220,7 @@ def write_k_quant_gguf(tmp_path):
     rng = np.random.default_rng(0)
     for seed, (name, shape) in enumerate(shapes.items()):
         gname = _hf_to_gguf_name(name if name.startswith("model.") else f"model.{name}")
-        qtype = _k_quant_type(gname)
+        qtype = _k_quant_type(gname, tied)
         if qtype is None:  # the embedding and norms
             scale = 0.3 if len(shape) == 2 else 0.05
             values = (1.0 if len(shape) == 1 else 0.0) + scale * rng.standard_normal(shape)
@@ -258,10 +260,25 @@ def test_stored_blocks_are_the_loaded_weights_rows(k_quant_file):
         gguf_file.stored_blocks("absent.weight")
 
 
-def test_auto_runs_k_quants_from_their_blocks_close_to_float32(k_quant_file):
+def test_auto_runs_k_quants_from_their_blocks_close_to_float32(k_quant_file, monkeypatch):
     checkpoint = open_checkpoint(k_quant_file)
     cpu = torch.device("cpu")
-    auto = build_model(checkpoint, torch.float32, cpu, 128, quantization="auto")
+    dequantized_at_load = []
+    dequantize = GGUFCheckpoint._dequantize
+
+    def recording(tensor):
+        dequantized_at_load.append(tensor.name)
+        return dequantize(tensor)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(GGUFCheckpoint, "_dequantize", staticmethod(recording))
+        auto = build_model(checkpoint, torch.float32, cpu, 128, quantization="auto")
+    # No K-quant tensor is dequantized to float: the embedding and norms (F32) alone are read.
+    assert sorted(dequantized_at_load) == sorted(
+        n
+        for n in GGUFCheckpoint(k_quant_file).tensor_names
+        if n == "token_embd.weight" or "norm" in n
+    )
     methods = _methods(auto)
     assert methods == {name: KQuantLinearMethod for name in methods}
     attn0, attn1 = auto.layers[0].self_attn, auto.layers[1].self_attn
@@ -324,3 +341,22 @@ def test_tensor_parallel_shards_leave_k_quants_in_float(k_quant_file):
     )
     sharded = _linear_methods("auto", platform, checkpoint, True)
     assert isinstance(sharded.choose(HIDDEN, sources), PackedLinearMethod)
+
+
+def test_a_tied_k_quant_head_runs_from_the_embeddings_blocks(tmp_path):
+    """No output tensor: the head computes with the Q6_K embedding's blocks, while the
+    embedding itself is loaded in float."""
+    checkpoint = open_checkpoint(write_k_quant_gguf(tmp_path, tied=True))
+    assert checkpoint.config.tie_word_embeddings
+    cpu = torch.device("cpu")
+    auto = build_model(checkpoint, torch.float32, cpu, 128, quantization="auto")
+    assert isinstance(auto.lm_head.method, KQuantLinearMethod)
+    assert [type(w) for w in auto.lm_head.prepared] == [kquant.K8Weight]
+    none = build_model(checkpoint, torch.float32, cpu, 128, quantization="none")
+    assert torch.equal(auto.embed_tokens.weight, none.embed_tokens.weight)
+    # The head alone (the random model's own logits swing with the int8 rounding at a few
+    # positions): exact to its math on the embedding's weights.
+    hidden = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1))
+    ref = _dequantize_x(hidden) @ none.embed_tokens.weight.double().T
+    out = auto.lm_head(hidden).double()
+    assert (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()

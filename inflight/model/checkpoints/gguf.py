@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -398,14 +398,15 @@ class GGUFCheckpoint:
             if (name := self._hf_name(tensor.name)) is not None
         }
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
         """Float32 tensors by Hugging Face name (`_hf_name`), with llama.cpp's transforms undone:
-        the q/k row permutation and, of hybrids, the Mamba2 reshapes."""
+        the q/k row permutation and, of hybrids, the Mamba2 reshapes; those named in `skip`
+        (read as stored blocks instead) neither dequantized nor yielded."""
         config = self.config()
         hybrid = config.mamba is not None
         for tensor in self.reader.tensors:
             name = self._hf_name(tensor.name)
-            if name is None:
+            if name is None or name in skip:
                 continue
             values = self._unpermuted(tensor, self._dequantize(tensor), config)
             if hybrid:

@@ -16,6 +16,7 @@ from inflight.model.checkpoints.tokenizer import Tokenizer
 from inflight.model.config import QUANTIZATIONS, ModelConfig
 from inflight.model.hybrid import HybridForCausalLM
 from inflight.model.kernels.cpu.native import NativeBuildError
+from inflight.model.layers.linear import Linear
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import (
     KERNEL_FOR_STORED_TYPE,
@@ -61,8 +62,9 @@ class Checkpoint:
     def name(self) -> str:
         return self.path.stem if self.path.is_file() else self.path.name
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self._source.weights()
+    def weights(self, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        """The float tensors by name; those in `skip` (read as stored blocks) left out."""
+        return self._source.weights(skip) if skip else self._source.weights()
 
     def stored_blocks(self, name: str) -> StoredBlocks:
         """Tensor `name` as the file stores it (GGUF files: see GGUFCheckpoint.stored_blocks)."""
@@ -141,11 +143,25 @@ def build_model(
             model = HybridForCausalLM(*args)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.compute(device)
-    weights = checkpoint.weights()
+    weights = checkpoint.weights(_read_as_blocks(model))
     if show_progress:
         weights = tqdm(weights, desc=f"loading {checkpoint.name}", unit=" tensors")
     model.load_weights(weights)
     return model.eval()
+
+
+def _read_as_blocks(model: LlamaForCausalLM | HybridForCausalLM) -> frozenset[str]:
+    """The checkpoint tensors that only layers running from stored blocks read: the loader
+    skips them (a tied head's is the embedding's, which the embedding loads)."""
+    names = {
+        source
+        for module in model.modules()
+        if isinstance(module, Linear) and not module.method.loads_weight
+        for source in module.sources
+    }
+    if model.config.tie_word_embeddings:
+        names.discard("embed_tokens.weight")
+    return frozenset(names)
 
 
 def _linear_methods(

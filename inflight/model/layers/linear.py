@@ -13,7 +13,8 @@ from inflight.model.layers.quantization import LinearMethod
 
 
 class Linear(nn.Module):
-    """x @ weight^T (+ bias). `weight` [out, in] is the float parameter checkpoints load into;
+    """x @ weight^T (+ bias). `weight` [out, in] is the float parameter checkpoints load into
+    (None where the method runs from the checkpoint's stored blocks instead);
     `process_weights_after_loading` then lets the method replace it by its run form
     (`prepared`), which `forward` runs. `sources`: the checkpoint tensors it loads, in the
     order of its output rows (a fused layer's parts), for methods that build their run form from
@@ -34,7 +35,10 @@ class Linear(nn.Module):
         self.method = method
         self.sources = sources
         self.prepared: Any = None
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        if method.loads_weight:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        else:
+            self.register_parameter("weight", None)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.lora_slots: LoRASlots | None = None
 

@@ -42,6 +42,10 @@ class StoredBlocks(NamedTuple):
 
 
 class LinearMethod:
+    # False: the method builds its run form from the checkpoint's stored blocks of the layer's
+    # sources, and its layers hold no float weight for the checkpoint to load.
+    loads_weight = True
+
     def process_weights_after_loading(self, layer: Linear) -> None:
         """Turn the loaded weight into the form `apply` runs (once); the float weight as
         loaded needs nothing."""
@@ -110,9 +114,12 @@ class KQuantLinearMethod(LinearMethod):
     """CPU float32: GGUF's K-quant weights (Q4_K, Q5_K, Q6_K) run from the stored blocks of the
     layer's sources (`stored_blocks`, by checkpoint tensor name), never re-quantized: Q4_K in
     the 4-bit kernel, Q5_K and Q6_K in k8_matmul.c (kernels/cpu/kquant.py), with per-token
-    int8 activations. The float weight the loader copied in is dropped. A fused layer whose
-    parts are stored in different K-quant types (Q4_K_M's Q6_K v_proj beside Q4_K q/k) runs
-    each stretch of same-typed parts in its kernel, into its slice of the output."""
+    int8 activations. Its layers hold no float weight: the loader skips their tensors. A
+    fused layer whose parts are stored in different K-quant types (Q4_K_M's Q6_K v_proj beside
+    Q4_K q/k) runs each stretch of same-typed parts in its kernel, into its slice of the
+    output."""
+
+    loads_weight = False
 
     def __init__(self, stored_blocks: Callable[[str], StoredBlocks]) -> None:
         q4.load_kernel()
@@ -120,7 +127,8 @@ class KQuantLinearMethod(LinearMethod):
         self.stored_blocks = stored_blocks
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        _take_weight(layer)
+        if layer.weight is not None:  # a tied head holds the embedding's
+            _take_weight(layer)
         runs: list[tuple[str, list[np.ndarray]]] = []
         for source in layer.sources:
             type_name, blocks = self.stored_blocks(source)

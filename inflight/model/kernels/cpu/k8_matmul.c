@@ -9,24 +9,25 @@ f * n is exact in float32 (an fp16 value times at most 13 bits). These are the s
 and scales: nothing is re-quantized.
 
 Activations: int8 per block of 32, x = e * p with p in -127..127, quantized here, per row, on
-every call, with per half block the sum t_h = e * sum(p over h). A half block contributes
-(d c_h) e sum(u p) + (f n_h) t_h.
+every call, with per half block the sum t_h = e * sum(p over h). A block contributes
+d e (c_0 sum_0(u p) + c_1 sum_1(u p)) + f (n_0 t_0 + n_1 t_1), sum_h over half h.
 
 Integer dot. vpmaddubsw multiplies unsigned by signed bytes into int16 pairs: at most
-2 * 63 * 127 = 16002, so two registers' pairs add in int16 before one vpmaddwd by ones widens
-them. A pair never straddles two half blocks.
+2 * 63 * 127 = 16002, so two registers' pairs add in int16; a pair never straddles two half
+blocks. Then one vpmaddwd by the half's scales c (each int16 lane facing its block's) widens
+and scales at once, so that one int32 sum per block covers both halves: at most
+4 * 2 * 32004 * 128 < 2^25 in magnitude, exact.
 
 Layout: a superblock is one group of 8 blocks as block_groups.h lays it out (g = 8): int32 lane
 l of register r holds bytes 4r..4r+3 of block l, so registers 0-3 hold the first halves of the
-8 blocks and 4-7 the second halves, and lane l of their sums is block l's half. Per superblock
-and row, 32 int8: c of the first halves (lane order), c of the second, n of the first, n of the
-second; and 2 float32, d and f. Activations of MR tokens interleave register by register; per
-token and superblock, 8 scales e (lane order) and 16 sums t (first halves, then second).
+8 blocks and 4-7 the second halves. Per superblock and row, 32 int8: c of the first halves
+(lane order), c of the second, n of the first, n of the second; and 2 float32, d and f.
+Activations of MR tokens interleave register by register; per token and superblock, 8 scales
+e (lane order) and 16 sums t (first halves, then second).
 
 Determinism. As in q4_matmul.c: the integer sums are exact and every output takes the same
-float ops (per superblock: the scales' conversions and products, then per half a multiply and
-two fma; then a fixed horizontal sum and the bias) whatever M, N, its tile or its thread.
-Build with -ffp-contract=off.
+float ops (per superblock: convert, multiply, three fma; then a fixed horizontal sum and the
+bias) whatever M, N, its tile or its thread. Build with -ffp-contract=off.
 */
 
 #include <immintrin.h>
@@ -69,14 +70,23 @@ static void quantize_row(const float *x, int64_t supers, int8_t *xq, float *xe, 
     }
 }
 
-/* Integer sums of one superblock for an mr x nr tile: s[h][m][n], lane l the dot of block l's
-   half h. mr and nr are constants after inlining. */
-INLINE void dot_super(const int mr, const int nr, int64_t kq, const uint8_t *w, const int8_t *xq,
-                      __m256i s[2][MR][NR]) {
-    const __m256i ones = _mm256_set1_epi16(1);
+/* c of the 8 blocks' half h (int8 at p), each twice, as int16: lanes 2l and 2l + 1 hold block
+   l's, facing the two int16 pair sums that vpmaddubsw makes of block l's 4 bytes in lane l. */
+static inline __m256i pair_scales(const int8_t *p) {
+    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_blend_epi16(v, _mm256_slli_epi32(v, 16), 0xaa);
+}
+
+/* Integer sums of one superblock for an mr x nr tile: s[m][n] lane l, sum over both halves h
+   of block l of c_h * sum(u p). vpmaddwd by the pair scales widens and scales at once: a lane
+   holds at most 4 * 2 * 32004 * 128 < 2^25. mr and nr are constants after inlining. */
+INLINE void dot_super(const int mr, const int nr, int64_t kq, int64_t sc, const uint8_t *w,
+                      const int8_t *wc, const int8_t *xq, __m256i s[MR][NR]) {
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) s[m][n] = _mm256_setzero_si256();
     for (int h = 0; h < 2; h++) {
-        for (int m = 0; m < mr; m++)
-            for (int n = 0; n < nr; n++) s[h][m][n] = _mm256_setzero_si256();
+        __m256i c[NR];
+        for (int n = 0; n < nr; n++) c[n] = pair_scales(wc + n * sc + 8 * h);
         for (int r = 4 * h; r < 4 * h + 4; r += 2) {
             __m256i u0[NR], u1[NR];
             for (int n = 0; n < nr; n++) {
@@ -85,13 +95,13 @@ INLINE void dot_super(const int mr, const int nr, int64_t kq, const uint8_t *w, 
                 u1[n] = _mm256_loadu_si256((const __m256i *)(w + n * kq + (r + 1) * 32));
             }
             for (int m = 0; m < mr; m++) {
-                const __m256i p0 = _mm256_loadu_si256((const __m256i *)(xq + (r * MR + m) * 32));
-                const __m256i p1 =
-                    _mm256_loadu_si256((const __m256i *)(xq + ((r + 1) * MR + m) * 32));
+                const __m256i *p0 = (const __m256i *)(xq + (r * MR + m) * 32);
+                const __m256i *p1 = (const __m256i *)(xq + ((r + 1) * MR + m) * 32);
                 for (int n = 0; n < nr; n++) {
-                    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0[n], p0),
-                                                           _mm256_maddubs_epi16(u1[n], p1));
-                    s[h][m][n] = _mm256_add_epi32(s[h][m][n], _mm256_madd_epi16(pairs, ones));
+                    const __m256i pairs =
+                        _mm256_add_epi16(_mm256_maddubs_epi16(u0[n], _mm256_loadu_si256(p0)),
+                                         _mm256_maddubs_epi16(u1[n], _mm256_loadu_si256(p1)));
+                    s[m][n] = _mm256_add_epi32(s[m][n], _mm256_madd_epi16(pairs, c[n]));
                 }
             }
         }
@@ -113,25 +123,22 @@ INLINE void tile(const int mr, const int nr, int64_t supers, int64_t kq, int64_t
     __m256 acc[MR * NR];
     for (int i = 0; i < MR * NR; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < supers; sb++) {
-        __m256i s[2][MR][NR];
-        dot_super(mr, nr, kq, w, xq, s);
-        __m256 scale[NR][2], low[NR][2];
+        __m256i s[MR][NR];
+        dot_super(mr, nr, kq, sc, w, wc, xq, s);
+        __m256 d[NR], low[NR][2];
         for (int n = 0; n < nr; n++) {
-            const __m256 d = _mm256_broadcast_ss(wf + n * sf), f = _mm256_broadcast_ss(wf + n * sf + 1);
-            for (int h = 0; h < 2; h++) {
-                scale[n][h] = scaled(wc + n * sc + 8 * h, d);
-                low[n][h] = scaled(wc + n * sc + 16 + 8 * h, f);
-            }
+            d[n] = _mm256_broadcast_ss(wf + n * sf);
+            const __m256 f = _mm256_broadcast_ss(wf + n * sf + 1);
+            for (int h = 0; h < 2; h++) low[n][h] = scaled(wc + n * sc + 16 + 8 * h, f);
         }
         for (int m = 0; m < mr; m++) {
             const __m256 e = _mm256_loadu_ps(xe + m * se);
-            for (int h = 0; h < 2; h++) {
-                const __m256 t = _mm256_loadu_ps(xs + m * ss + 8 * h);
-                for (int n = 0; n < nr; n++) {
-                    const __m256 de = _mm256_mul_ps(e, scale[n][h]);
-                    __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[h][m][n]), de, acc[m * NR + n]);
-                    acc[m * NR + n] = _mm256_fmadd_ps(low[n][h], t, a);
-                }
+            const __m256 t0 = _mm256_loadu_ps(xs + m * ss), t1 = _mm256_loadu_ps(xs + m * ss + 8);
+            for (int n = 0; n < nr; n++) {
+                __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m][n]), _mm256_mul_ps(e, d[n]),
+                                           acc[m * NR + n]);
+                a = _mm256_fmadd_ps(low[n][0], t0, a);
+                acc[m * NR + n] = _mm256_fmadd_ps(low[n][1], t1, a);
             }
         }
         w += SUPER, xq += 8 * MR * 32;

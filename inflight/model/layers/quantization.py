@@ -1,9 +1,11 @@
 """How a linear layer runs its matmul: one method object per kind, and the choice of a method
 for each layer of a model, made when the model is built.
 
-Every method starts from a float weight parameter [out, in] that checkpoints load into; once it
-is loaded, `process_weights_after_loading` turns it into the method's run form, and `apply` runs
-that. A method keeps nothing per layer: one instance serves every layer it runs.
+Every method but one starts from a float weight parameter [out, in] that checkpoints load into;
+once it is loaded, `process_weights_after_loading` turns it into the method's run form, and
+`apply` runs that. The exception, KQuantLinearMethod, builds its run form from the checkpoint's
+stored blocks of the layer's sources instead (`loads_weight` False: no float weight at all). A
+method keeps nothing per layer: one instance serves every layer it runs.
 """
 
 from __future__ import annotations

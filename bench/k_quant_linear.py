@@ -3,9 +3,12 @@ the oneDNN-packed float32 one and the int8 kernel, on shapes whose K is a multip
 
 Per shape and batch size M: the best time per call over `--repeats` rounds, the kernels taking
 turns within a round (the machine's cores are shared: see int8_linear.py). Weights are random
-valid blocks; the float32 and int8 paths run the Q4_K weights dequantized.
+valid blocks; the float32 and int8 paths run the Q4_K weights dequantized. `--copies C`: each
+call runs C copies of its weight in turn (time per copy reported), so that the working set
+outgrows the caches and the weights stream from memory, as a whole model's do.
 
     .venv/bin/python bench/k_quant_linear.py [--repeats 10] [--budget 0.05] [--m 1 16 128]
+        [--copies 1]
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 128])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--budget", type=float, default=0.05, help="seconds per timed run")
+    parser.add_argument("--copies", type=int, default=1, help="weights per call, in turn")
     args = parser.parse_args()
     types = kquant.K_QUANT_TYPES
     print(f"{'shape':>6} {'K':>5} {'N':>5} {'M':>4} {'fp32 ms':>8} {'int8 ms':>8}", end="")
@@ -54,19 +58,23 @@ def main() -> None:
     for name, (k, n) in SHAPES.items():
         raws = {t: random_blocks(t, n, k, seed=0) for t in types}
         weight = torch.from_numpy(dequantize(raws["Q4_K"], GGMLQuantizationType.Q4_K))
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.float(), None)
-        quantized = quantize_weight(weight.float())
-        runs = {t: kquant.k_quant_weight(t, raw, k) for t, raw in raws.items()}
+        copies = range(args.copies)
+        packed = [torch.ops.mkldnn._reorder_linear_weight(weight.float(), None) for _ in copies]
+        quantized = [quantize_weight(weight.float()) for _ in copies]
+        runs = {t: [kquant.k_quant_weight(t, raw, k) for _ in copies] for t, raw in raws.items()}
         for m in args.m:
             x = torch.randn(m, k)
             fns = [
-                lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(
-                    x, p, None, "none", [], ""
+                lambda x=x, ps=packed: [
+                    torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in ps
+                ],
+                lambda x=x, qs=quantized: [int8_linear(x, q) for q in qs],
+                *(
+                    lambda x=x, ws=ws: [kquant.k_quant_linear(x, w) for w in ws]
+                    for ws in runs.values()
                 ),
-                lambda x=x, q=quantized: int8_linear(x, q),
-                *(lambda x=x, w=w: kquant.k_quant_linear(x, w) for w in runs.values()),
             ]
-            times = best_times(fns, args.budget, args.repeats)
+            times = [t / args.copies for t in best_times(fns, args.budget, args.repeats)]
             print(f"{name:>6} {k:>5} {n:>5} {m:>4}" + "".join(f" {t * 1e3:8.3f}" for t in times))
 
 

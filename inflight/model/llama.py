@@ -80,11 +80,13 @@ def build_lm_head(config: ModelConfig, methods: LinearMethods, rows: int | None 
     the embedding's: one of its own would be allocated for nothing)."""
     hidden = config.hidden_size
     source = "embed_tokens" if config.tie_word_embeddings else "lm_head"
+    sources = (f"{source}.weight",)
     head = Linear(
         hidden,
         rows or config.vocab_size,
         False,
-        methods.choose(hidden, [f"{source}.weight"], head=True),
+        methods.choose(hidden, sources, head=True),
+        sources,
     )
     if config.tie_word_embeddings:
         head.weight = None
@@ -108,8 +110,8 @@ def decoder_linear(
     """The linear layer `name` ("layers.0.mlp.down_proj"), with the method its checkpoint
     tensors call for (a fused layer's are its parts)."""
     prefix, _, leaf = name.rpartition(".")
-    sources = [f"{prefix}.{part}.weight" for part in _FUSED_PARTS.get(leaf, (leaf,))]
-    return Linear(in_features, out_features, bias, methods.choose(in_features, sources))
+    sources = tuple(f"{prefix}.{part}.weight" for part in _FUSED_PARTS.get(leaf, (leaf,)))
+    return Linear(in_features, out_features, bias, methods.choose(in_features, sources), sources)
 
 
 class Attention(nn.Module):

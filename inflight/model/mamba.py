@@ -125,11 +125,13 @@ class Mamba2Mixer(nn.Module):
         super().__init__()
         self.config = config
         inner, conv_dim, heads = config.d_inner, config.conv_dim, config.n_heads
+        sources = (f"{prefix}.in_proj.weight",)
         self.in_proj = Linear(
             hidden_size,
             inner + conv_dim + heads,
             config.proj_bias,
-            methods.choose(hidden_size, [f"{prefix}.in_proj.weight"]),
+            methods.choose(hidden_size, sources),
+            sources,
         )
         self.conv1d = nn.Conv1d(
             conv_dim, conv_dim, config.d_conv, groups=conv_dim, bias=config.conv_bias
@@ -138,11 +140,9 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(heads))
         self.D = nn.Parameter(torch.empty(heads))
         self.norm = GatedRMSNorm(inner, inner // config.n_groups, config.norm_eps)
+        sources = (f"{prefix}.out_proj.weight",)
         self.out_proj = Linear(
-            inner,
-            hidden_size,
-            config.proj_bias,
-            methods.choose(inner, [f"{prefix}.out_proj.weight"]),
+            inner, hidden_size, config.proj_bias, methods.choose(inner, sources), sources
         )
 
     def forward(

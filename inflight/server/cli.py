@@ -301,10 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         choices=QUANTIZATIONS,
         default="auto",
-        help="auto (default): a GGUF file's Q4_1 / Q8_0 weights run in the CPU kernels of their "
-        "own type (fast, not bit-exact), others in float32; none: float32 (bf16 on CUDA), "
-        "exact; int8 / q4: quantize every CPU matmul (q4: 4-bit GGUF Q4_1 form, head int8); "
-        "fp8: FP8 decoder weights on CUDA GPUs with FP8 tensor cores (Ada, Hopper)",
+        help="auto (default): a GGUF file's Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights run in the "
+        "CPU kernels of their own type (fast, not bit-exact), others in float32; none: float32 "
+        "(bf16 on CUDA), exact; int8 / q4: quantize every CPU matmul (q4: 4-bit GGUF Q4_1 "
+        "form, head int8); fp8: FP8 decoder weights on CUDA GPUs with FP8 tensor cores (Ada, "
+        "Hopper)",
     )
     serve.add_argument(
         "--kv-cache-dtype",

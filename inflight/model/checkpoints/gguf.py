@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from inflight.model.config import (
     RopeConfig,
     hybrid_config,
 )
+from inflight.model.layers.quantization import StoredBlocks
 
 # llama.cpp's architecture name -> our family. `granitehybrid` is what llama.cpp's converter
 # makes of BambaForCausalLM (and of IBM's Granite 4.0-H, whose multipliers and experts are
@@ -397,26 +398,58 @@ class GGUFCheckpoint:
             if (name := self._hf_name(tensor.name)) is not None
         }
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
         """Float32 tensors by Hugging Face name (`_hf_name`), with llama.cpp's transforms undone:
-        the q/k row permutation and, of hybrids, the Mamba2 reshapes."""
+        the q/k row permutation and, of hybrids, the Mamba2 reshapes; those named in `skip`
+        (read as stored blocks instead) neither dequantized nor yielded."""
         config = self.config()
         hybrid = config.mamba is not None
-        # The converter permutes q/k for llama, and for both hybrids' attention layers: its
-        # GraniteHybridModel (NemotronHModel's base) hands those to LlamaModel's conversion.
-        permuted = self.arch == "llama" or hybrid
         for tensor in self.reader.tensors:
             name = self._hf_name(tensor.name)
-            if name is None:
+            if name is None or name in skip:
                 continue
-            values = self._dequantize(tensor)
-            kind = _layer_kind(tensor.name)
-            if permuted and kind in ("attn_q", "attn_k"):
-                heads = config.num_heads if kind == "attn_q" else config.num_kv_heads
-                values = _unpermute(values, heads)
+            values = self._unpermuted(tensor, self._dequantize(tensor), config)
             if hybrid:
-                values = _undo_mamba2_layout(kind, values)
+                values = _undo_mamba2_layout(_layer_kind(tensor.name), values)
             yield name, torch.from_numpy(values)
+
+    def _unpermuted(self, tensor: Any, rows: np.ndarray, config: ModelConfig) -> np.ndarray:
+        """`rows` of `tensor` (its values, or its raw blocks) with llama.cpp's q/k permutation
+        undone where the converter applied it: llama's, and both hybrids' attention layers (its
+        GraniteHybridModel, NemotronHModel's base, hands those to LlamaModel's conversion)."""
+        kind = _layer_kind(tensor.name)
+        permuted = self.arch == "llama" or config.mamba is not None
+        if permuted and kind in ("attn_q", "attn_k"):
+            return _unpermute(rows, config.num_heads if kind == "attn_q" else config.num_kv_heads)
+        return rows
+
+    def stored_blocks(self, name: str) -> StoredBlocks:
+        """The tensor of Hugging Face name `name` as the file stores it: its GGML type and raw
+        rows [N, bytes] (a copy), rows in the order `weights` gives them (q/k unpermuted). Only
+        for 2-D tensors whose rows are the model's rows (no Mamba2 reshape)."""
+        tensor = self._by_hf_name.get(name)
+        if tensor is None:
+            raise KeyError(f"GGUF file {self.path} has no tensor {name!r}")
+        blocks = np.asarray(tensor.data)
+        if blocks.ndim != 2 or blocks.dtype != np.uint8 or _layer_kind(tensor.name) in _RESHAPED:
+            raise ValueError(
+                f"tensor {name!r} ({tensor.tensor_type.name}, {blocks.dtype} "
+                f"{tuple(blocks.shape)}) has no raw 2-D block rows to hand out"
+            )
+        blocks = np.array(self._unpermuted(tensor, blocks, self._config))
+        return StoredBlocks(tensor.tensor_type.name, blocks)
+
+    @functools.cached_property
+    def _config(self) -> ModelConfig:
+        return self.config()
+
+    @functools.cached_property
+    def _by_hf_name(self) -> dict[str, Any]:
+        return {
+            name: tensor
+            for tensor in self.reader.tensors
+            if (name := self._hf_name(tensor.name)) is not None
+        }
 
     def tokenizer(self) -> Tokenizer:
         kind = self._field("tokenizer.ggml.model")
@@ -530,6 +563,10 @@ def _is_expert_tensor(gguf_name: str) -> bool:
     """A mixture-of-experts tensor: the router, stacked or shared experts, expert biases."""
     kind = _layer_kind(gguf_name)
     return kind in ("ffn_gate_inp", "exp_probs_b") or kind.endswith(("_exps", "_shexp"))
+
+
+# The kinds of tensor `_undo_mamba2_layout` reshapes.
+_RESHAPED = ("ssm_a", "ssm_d", "ssm_norm", "ssm_conv1d")
 
 
 def _undo_mamba2_layout(kind: str, values: np.ndarray) -> np.ndarray:

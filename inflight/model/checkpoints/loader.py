@@ -16,12 +16,15 @@ from inflight.model.checkpoints.tokenizer import Tokenizer
 from inflight.model.config import QUANTIZATIONS, ModelConfig
 from inflight.model.hybrid import HybridForCausalLM
 from inflight.model.kernels.cpu.native import NativeBuildError
+from inflight.model.layers.linear import Linear
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import (
     KERNEL_FOR_STORED_TYPE,
     QUANTIZED_METHODS,
+    KQuantLinearMethod,
     LinearMethod,
     LinearMethods,
+    StoredBlocks,
     unquantized_method,
 )
 from inflight.model.llama import LlamaForCausalLM
@@ -59,8 +62,13 @@ class Checkpoint:
     def name(self) -> str:
         return self.path.stem if self.path.is_file() else self.path.name
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self._source.weights()
+    def weights(self, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        """The float tensors by name; those in `skip` (read as stored blocks) left out."""
+        return self._source.weights(skip) if skip else self._source.weights()
+
+    def stored_blocks(self, name: str) -> StoredBlocks:
+        """Tensor `name` as the file stores it (GGUF files: see GGUFCheckpoint.stored_blocks)."""
+        return self._source.stored_blocks(name)
 
 
 def open_checkpoint(model: str | Path | Checkpoint | None = None) -> Checkpoint:
@@ -108,8 +116,10 @@ def build_model(
       channel, activations quantized per token; the head in bf16.
     - "q4": 4-bit weights (GGUF's Q4_1) for the decoder layers, int8 for the head.
     - "auto" (default): a GGUF file's weights in the kernel that runs their stored type (Q4_1:
-      4-bit, Q8_0: int8), layer by layer; float32 for the rest, for Hugging Face checkpoints,
-      and where the native kernels cannot be built.
+      4-bit, Q8_0: int8; Q4_K, Q5_K, Q6_K: the K-quant kernels, from the stored blocks
+      themselves), layer by layer; float32 for the rest, for Hugging Face checkpoints, and
+      where the native kernels cannot be built. Under tensor parallelism K-quant weights run in
+      float32 (dequantized).
 
     "int8" and "q4" are a ValueError off the CPU float32 path or where their kernel cannot be
     built.
@@ -123,7 +133,7 @@ def build_model(
             f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
         )
     platform = Platform.detect(device, dtype)
-    methods = _linear_methods(quantization, platform, checkpoint.stored_types)
+    methods = _linear_methods(quantization, platform, checkpoint, parallel is not None)
     args = (checkpoint.config, max_positions, platform, methods, max_loras, max_lora_rank)
     with torch.device("meta"):
         # A hybrid under tensor parallelism goes to the Llama decoder, whose check refuses it.
@@ -133,17 +143,32 @@ def build_model(
             model = HybridForCausalLM(*args)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.compute(device)
-    weights = checkpoint.weights()
+    weights = checkpoint.weights(_read_as_blocks(model))
     if show_progress:
         weights = tqdm(weights, desc=f"loading {checkpoint.name}", unit=" tensors")
     model.load_weights(weights)
     return model.eval()
 
 
+def _read_as_blocks(model: LlamaForCausalLM | HybridForCausalLM) -> frozenset[str]:
+    """The checkpoint tensors that only layers running from stored blocks read: the loader
+    skips them (a tied head's is the embedding's, which the embedding loads)."""
+    names = {
+        source
+        for module in model.modules()
+        if isinstance(module, Linear) and not module.method.loads_weight
+        for source in module.sources
+    }
+    if model.config.tie_word_embeddings:
+        names.discard("embed_tokens.weight")
+    return frozenset(names)
+
+
 def _linear_methods(
-    quantization: str, platform: Platform, stored_types: dict[str, str]
+    quantization: str, platform: Platform, checkpoint: Checkpoint, sharded: bool
 ) -> LinearMethods:
     unquantized = unquantized_method(platform)
+    stored_types = checkpoint.stored_types
     if quantization == "fp8":
         device = platform.device
         if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
@@ -167,8 +192,13 @@ def _linear_methods(
         kinds = {
             KERNEL_FOR_STORED_TYPE[t] for t in stored_types.values() if t in KERNEL_FOR_STORED_TYPE
         }
+        # K-quant layers build their run form from the whole tensors' blocks: not from a shard.
+        with_blocks = "k_quant" in kinds and not sharded
+        kinds.discard("k_quant")
         try:
             kernels = _quantized_methods(kinds)
+            if with_blocks:
+                kernels["k_quant"] = KQuantLinearMethod(checkpoint.stored_blocks)
         except NativeBuildError:
             return LinearMethods(unquantized)  # `native` has warned
         return LinearMethods(unquantized, "auto", kernels, stored_types)

@@ -13,18 +13,32 @@ from inflight.model.layers.quantization import LinearMethod
 
 
 class Linear(nn.Module):
-    """x @ weight^T (+ bias). `weight` [out, in] is the float parameter checkpoints load into;
+    """x @ weight^T (+ bias). `weight` [out, in] is the float parameter checkpoints load into
+    (None where the method runs from the checkpoint's stored blocks instead);
     `process_weights_after_loading` then lets the method replace it by its run form
-    (`prepared`), which `forward` runs. `lora_slots`: the adapters this layer can run, where
-    the model has LoRA slots."""
+    (`prepared`), which `forward` runs. `sources`: the checkpoint tensors it loads, in the
+    order of its output rows (a fused layer's parts), for methods that build their run form from
+    the stored blocks. `lora_slots`: the adapters this layer can run, where the model has LoRA
+    slots."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, method: LinearMethod):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        method: LinearMethod,
+        sources: tuple[str, ...] = (),
+    ):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.method = method
+        self.sources = sources
         self.prepared: Any = None
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        if method.loads_weight:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        else:
+            self.register_parameter("weight", None)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.lora_slots: LoRASlots | None = None
 

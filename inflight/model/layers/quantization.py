@@ -1,32 +1,53 @@
 """How a linear layer runs its matmul: one method object per kind, and the choice of a method
 for each layer of a model, made when the model is built.
 
-Every method starts from a float weight parameter [out, in] that checkpoints load into; once it
-is loaded, `process_weights_after_loading` turns it into the method's run form, and `apply` runs
-that. A method keeps nothing per layer: one instance serves every layer it runs.
+Every method but one starts from a float weight parameter [out, in] that checkpoints load into;
+once it is loaded, `process_weights_after_loading` turns it into the method's run form, and
+`apply` runs that. The exception, KQuantLinearMethod, builds its run form from the checkpoint's
+stored blocks of the layer's sources instead (`loads_weight` False: no float weight at all). A
+method keeps nothing per layer: one instance serves every layer it runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from inflight.model.kernels.cpu import int8, q4
+from inflight.model.kernels.cpu import int8, kquant, q4
 from inflight.model.layers.platform import Platform
 
 if TYPE_CHECKING:
     from inflight.model.layers.linear import Linear
 
-# The native kernel that runs a weight stored in a GGUF type as it was stored (up to float
-# rounding): Q4_1 is the 4-bit kernel's own block format, Q8_0 the int8 kernel's.
-KERNEL_FOR_STORED_TYPE = {"Q4_1": "q4", "Q8_0": "int8"}
+# The native kernel that runs a weight stored in a GGUF type as it was stored: Q4_1 is the
+# 4-bit kernel's own block format and Q8_0 the int8 kernel's (both re-quantized from the loaded
+# floats, which gives the stored blocks back up to float rounding); the K-quants (Q4_K, Q5_K,
+# Q6_K) run from their stored blocks, exactly (KQuantLinearMethod).
+KERNEL_FOR_STORED_TYPE = {
+    "Q4_1": "q4",
+    "Q8_0": "int8",
+    **dict.fromkeys(kquant.K_QUANT_TYPES, "k_quant"),
+}
+
+
+class StoredBlocks(NamedTuple):
+    """A checkpoint tensor as its file stores it: the GGML type name and the raw rows [N, bytes]
+    (uint8), in the row order of the loaded float tensor."""
+
+    type_name: str
+    blocks: np.ndarray
 
 
 class LinearMethod:
+    # False: the method builds its run form from the checkpoint's stored blocks of the layer's
+    # sources, and its layers hold no float weight for the checkpoint to load.
+    loads_weight = True
+
     def process_weights_after_loading(self, layer: Linear) -> None:
         """Turn the loaded weight into the form `apply` runs (once); the float weight as
         loaded needs nothing."""
@@ -91,6 +112,52 @@ class Q4LinearMethod(LinearMethod):
         return q4.q4_linear(x, layer.prepared, bias)
 
 
+class KQuantLinearMethod(LinearMethod):
+    """CPU float32: GGUF's K-quant weights (Q4_K, Q5_K, Q6_K) run from the stored blocks of the
+    layer's sources (`stored_blocks`, by checkpoint tensor name), never re-quantized: Q4_K in
+    the 4-bit kernel, Q5_K and Q6_K in k8_matmul.c (kernels/cpu/kquant.py), with per-token
+    int8 activations. Its layers hold no float weight: the loader skips their tensors. A
+    fused layer whose parts are stored in different K-quant types (Q4_K_M's Q6_K v_proj beside
+    Q4_K q/k) runs each stretch of same-typed parts in its kernel, into its slice of the
+    output."""
+
+    loads_weight = False
+
+    def __init__(self, stored_blocks: Callable[[str], StoredBlocks]) -> None:
+        q4.load_kernel()
+        kquant.load_kernel()
+        self.stored_blocks = stored_blocks
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if layer.weight is not None:  # a tied head holds the embedding's
+            _take_weight(layer)
+        runs: list[tuple[str, list[np.ndarray]]] = []
+        for source in layer.sources:
+            type_name, blocks = self.stored_blocks(source)
+            if runs and runs[-1][0] == type_name:
+                runs[-1][1].append(blocks)
+            else:
+                runs.append((type_name, [blocks]))
+        layer.prepared = tuple(
+            kquant.k_quant_weight(t, np.concatenate(parts), layer.in_features) for t, parts in runs
+        )
+        rows = sum(w.out_features for w in layer.prepared)
+        if rows != layer.out_features:
+            raise ValueError(
+                f"stored blocks of {layer.sources} hold {rows} rows, the layer {layer.out_features}"
+            )
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if len(layer.prepared) == 1:
+            return kquant.k_quant_linear(x, layer.prepared[0], bias)
+        outs, start = [], 0
+        for weight in layer.prepared:
+            end = start + weight.out_features
+            outs.append(kquant.k_quant_linear(x, weight, None if bias is None else bias[start:end]))
+            start = end
+        return torch.cat(outs, dim=-1)
+
+
 # The largest magnitude float8_e4m3fn holds.
 FP8_MAX = 448.0
 
@@ -153,7 +220,8 @@ class LinearMethods:
     multiple of 32 (else `unquantized`), except that under "q4" the head is int8: its errors
     reach the logits undamped. "fp8": FP8 for the decoder layers (in_features a multiple of
     32 likewise), the head in float. "auto": the kernel that runs the stored type (`stored_types`,
-    by checkpoint tensor name) of the tensors a layer loads, when they all share one; else
+    by checkpoint tensor name) of the tensors a layer loads, when they all share one (the
+    K-quants Q4_K, Q5_K and Q6_K count as one, "k_quant"); else, or where `kernels` lacks it,
     `unquantized`. `kernels` holds the quantized methods the mode can pick, by kind.
     """
 
@@ -166,7 +234,7 @@ class LinearMethods:
         """The method of a linear layer loaded from the checkpoint tensors `sources` (the parts
         of a fused layer; the embedding for a tied head); `head`: it computes the logits."""
         kind = self._kind(sources, head)
-        if kind is None or in_features % int8.BLOCK:
+        if kind is None or kind not in self.kernels or in_features % int8.BLOCK:
             return self.unquantized
         return self.kernels[kind]
 

@@ -150,3 +150,19 @@ def test_fp8_mode_keeps_the_head_in_float():
     assert fp8.choose(64, ["a.weight", "b.weight"]) is FP8
     assert fp8.choose(64, ["lm_head.weight"], head=True) is FLOAT
     assert fp8.choose(48, ["a.weight"]) is FLOAT
+
+
+def test_auto_takes_the_k_quants_as_one_kind():
+    """Q4_K, Q5_K and Q6_K parts of one fused layer share the K-quant method (it runs each
+    part's type); mixed with another type, or without the method (tensor parallelism), float."""
+    k_quant = LinearMethod()
+    stored = {"q.weight": "Q4_K", "k.weight": "Q4_K", "v.weight": "Q6_K", "o.weight": "Q5_K"}
+    stored["up.weight"] = "Q4_1"
+    auto = LinearMethods(FLOAT, "auto", {**KERNELS, "k_quant": k_quant}, stored)
+    assert auto.choose(256, ["q.weight", "k.weight", "v.weight"]) is k_quant
+    assert auto.choose(256, ["o.weight"]) is k_quant
+    assert auto.choose(256, ["o.weight"], head=True) is k_quant
+    assert auto.choose(256, ["q.weight", "up.weight"]) is FLOAT
+    assert auto.choose(256, ["up.weight"]) is Q4
+    without = LinearMethods(FLOAT, "auto", KERNELS, stored)
+    assert without.choose(256, ["q.weight", "k.weight", "v.weight"]) is FLOAT

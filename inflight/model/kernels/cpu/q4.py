@@ -57,8 +57,14 @@ def quantize_q4_blocks(
 
 def quantize_q4(weight: torch.Tensor) -> Q4Weight:
     """Quantize a float [N, K] weight (K a multiple of 32) into the kernel's layout."""
-    n, k = check_weight(weight, "4-bit")
-    q, d, low = quantize_q4_blocks(weight.detach())
+    check_weight(weight, "4-bit")
+    return pack_q4(*quantize_q4_blocks(weight.detach()))
+
+
+def pack_q4(q: torch.Tensor, d: torch.Tensor, low: torch.Tensor) -> Q4Weight:
+    """The kernel's layout of w = d * q + low per block of 32: q [N, K] uint8 in 0..15, d and
+    low [N, K / 32] float32 (as `quantize_q4_blocks` returns them, or a checkpoint stores them)."""
+    n, k = check_weight(q, "4-bit")
     words, scales, mins = [], [], []
     start = 0
     for g in block_groups(k):

@@ -1,0 +1,216 @@
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for GGUF's Q6_K and Q5_K weights, AVX2.
+
+Weights: per superblock of 256 along K (so K a multiple of 256), unsigned integers u, one byte
+each (Q6_K: 0..63, Q5_K: 0..31), and per half block of 16 values h an integer scale c_h and an
+integer minimum n_h, both int8, with two float32 multipliers per superblock, d and f:
+w = d * c_h * u + f * n_h. Q6_K: w = d * c * (u - 32), so n = c and f = -32 * d. Q5_K: c and n
+are its 6-bit scale and minimum of the 32-block holding h, f = -dmin. Every product d * c and
+f * n is exact in float32 (an fp16 value times at most 13 bits). These are the stored integers
+and scales: nothing is re-quantized.
+
+Activations: int8 per block of 32, x = e * p with p in -127..127, quantized here, per row, on
+every call, with per half block the sum t_h = e * sum(p over h). A block contributes
+d e (c_0 sum_0(u p) + c_1 sum_1(u p)) + f (n_0 t_0 + n_1 t_1), sum_h over half h.
+
+Integer dot. vpmaddubsw multiplies unsigned by signed bytes into int16 pairs: at most
+2 * 63 * 127 = 16002, so two registers' pairs add in int16; a pair never straddles two half
+blocks. Then one vpmaddwd by the half's scales c (each int16 lane facing its block's) widens
+and scales at once, so that one int32 sum per block covers both halves: at most
+4 * 2 * 32004 * 128 < 2^25 in magnitude, exact.
+
+Layout: a superblock is one group of 8 blocks as block_groups.h lays it out (g = 8): int32 lane
+l of register r holds bytes 4r..4r+3 of block l, so registers 0-3 hold the first halves of the
+8 blocks and 4-7 the second halves. Per superblock and row, 32 int8: c of the first halves
+(lane order), c of the second, n of the first, n of the second; and 2 float32, d and f.
+Activations of MR tokens interleave register by register; per token and superblock, 8 scales
+e (lane order) and 16 sums t (first halves, then second).
+
+Determinism. As in q4_matmul.c: the integer sums are exact and every output takes the same
+float ops (per superblock: convert, multiply, three fma; then a fixed horizontal sum and the
+bias) whatever M, N, its tile or its thread. Build with -ffp-contract=off.
+*/
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "block_groups.h"
+#include "simd_math.h"
+#include "work_split.h"
+
+#define SUPER 256
+#define CHUNK_BYTES (96 * 1024) /* weight rows per cache tile, well within L2 */
+#define AHEAD 8                 /* weight rows prefetched ahead (see int8_matmul.c) */
+
+/* Quantizes one row of x (K / 256 superblocks): bytes into its slot of the interleaved tile
+   layout (register stride MR * 32), per superblock 8 scales into xe and 16 half sums into xs. */
+static void quantize_row(const float *x, int64_t supers, int8_t *xq, float *xe, float *xs) {
+    /* packs work per 128-bit half; this puts the 4-byte chunks back in element order */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    int32_t chunks[8], sums[8];
+    for (int64_t sb = 0; sb < supers; sb++, xq += 8 * MR * 32, xe += 8, xs += 16) {
+        for (int i = 0; i < 8; i++, x += 32) {
+            __m256i q[4];
+            const float amax = quantize_block(x, q);
+            const __m256i bytes = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+                order);
+            _mm256_storeu_si256((__m256i *)chunks, bytes);
+            for (int c = 0; c < 8; c++) memcpy(xq + c * MR * 32 + i * 4, &chunks[c], 4);
+            const float e = amax / 127.0f;
+            xe[i] = e;
+            for (int h = 0; h < 2; h++) {
+                _mm256_storeu_si256((__m256i *)sums, _mm256_add_epi32(q[2 * h], q[2 * h + 1]));
+                int32_t sum = 0;
+                for (int j = 0; j < 8; j++) sum += sums[j];
+                xs[8 * h + i] = e * (float)sum;
+            }
+        }
+    }
+}
+
+/* c of the 8 blocks' half h (int8 at p), each twice, as int16: lanes 2l and 2l + 1 hold block
+   l's, facing the two int16 pair sums that vpmaddubsw makes of block l's 4 bytes in lane l. */
+static inline __m256i pair_scales(const int8_t *p) {
+    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_blend_epi16(v, _mm256_slli_epi32(v, 16), 0xaa);
+}
+
+/* Integer sums of one superblock for an mr x nr tile: s[m][n] lane l, sum over both halves h
+   of block l of c_h * sum(u p). vpmaddwd by the pair scales widens and scales at once: a lane
+   holds at most 4 * 2 * 32004 * 128 < 2^25. mr and nr are constants after inlining. */
+INLINE void dot_super(const int mr, const int nr, int64_t kq, int64_t sc, const uint8_t *w,
+                      const int8_t *wc, const int8_t *xq, __m256i s[MR][NR]) {
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) s[m][n] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+        __m256i c[NR];
+        for (int n = 0; n < nr; n++) c[n] = pair_scales(wc + n * sc + 8 * h);
+        for (int r = 4 * h; r < 4 * h + 4; r += 2) {
+            __m256i u0[NR], u1[NR];
+            for (int n = 0; n < nr; n++) {
+                _mm_prefetch((const char *)(w + (n + AHEAD) * kq + r * 32), _MM_HINT_T0);
+                u0[n] = _mm256_loadu_si256((const __m256i *)(w + n * kq + r * 32));
+                u1[n] = _mm256_loadu_si256((const __m256i *)(w + n * kq + (r + 1) * 32));
+            }
+            for (int m = 0; m < mr; m++) {
+                const __m256i *p0 = (const __m256i *)(xq + (r * MR + m) * 32);
+                const __m256i *p1 = (const __m256i *)(xq + ((r + 1) * MR + m) * 32);
+                for (int n = 0; n < nr; n++) {
+                    const __m256i pairs =
+                        _mm256_add_epi16(_mm256_maddubs_epi16(u0[n], _mm256_loadu_si256(p0)),
+                                         _mm256_maddubs_epi16(u1[n], _mm256_loadu_si256(p1)));
+                    s[m][n] = _mm256_add_epi32(s[m][n], _mm256_madd_epi16(pairs, c[n]));
+                }
+            }
+        }
+    }
+}
+
+/* 8 int8 at p times the float f, as float32 lanes (exact: see the top). */
+static inline __m256 scaled(const int8_t *p, __m256 f) {
+    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(v), f);
+}
+
+/* One register tile: mr tokens (interleaved at xq, scales at xe, sums at xs) x nr weight rows
+   (bytes at w, integer scales at wc, multipliers at wf), all of K. */
+INLINE void tile(const int mr, const int nr, int64_t supers, int64_t kq, int64_t n_total,
+                 const uint8_t *w, const int8_t *wc, const float *wf, const int8_t *xq,
+                 const float *xe, const float *xs, const float *bias, float *y) {
+    const int64_t se = 8 * supers, ss = 16 * supers, sc = 32 * supers, sf = 2 * supers;
+    __m256 acc[MR * NR];
+    for (int i = 0; i < MR * NR; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < supers; sb++) {
+        __m256i s[MR][NR];
+        dot_super(mr, nr, kq, sc, w, wc, xq, s);
+        __m256 d[NR], low[NR][2];
+        for (int n = 0; n < nr; n++) {
+            d[n] = _mm256_broadcast_ss(wf + n * sf);
+            const __m256 f = _mm256_broadcast_ss(wf + n * sf + 1);
+            for (int h = 0; h < 2; h++) low[n][h] = scaled(wc + n * sc + 16 + 8 * h, f);
+        }
+        for (int m = 0; m < mr; m++) {
+            const __m256 e = _mm256_loadu_ps(xe + m * se);
+            const __m256 t0 = _mm256_loadu_ps(xs + m * ss), t1 = _mm256_loadu_ps(xs + m * ss + 8);
+            for (int n = 0; n < nr; n++) {
+                __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m][n]), _mm256_mul_ps(e, d[n]),
+                                           acc[m * NR + n]);
+                a = _mm256_fmadd_ps(low[n][0], t0, a);
+                acc[m * NR + n] = _mm256_fmadd_ps(low[n][1], t1, a);
+            }
+        }
+        w += SUPER, xq += 8 * MR * 32;
+        wc += 32, wf += 2, xe += 8, xs += 16;
+    }
+    store_tile(acc, mr, nr, n_total, bias, y);
+}
+
+#define TILE_CASE(a, b)                                                                      \
+    case (a) * NR + (b) - 1:                                                                 \
+        tile(a, b, supers, kq, n_total, w, wc, wf, xq, xe, xs, bias, y);                     \
+        break;
+
+static void run_tile(int mr, int nr, int64_t supers, int64_t kq, int64_t n_total,
+                     const uint8_t *w, const int8_t *wc, const float *wf, const int8_t *xq,
+                     const float *xe, const float *xs, const float *bias, float *y) {
+    switch (mr * NR + nr - 1) {
+        TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(2, 1) TILE_CASE(2, 2)
+        TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(4, 1) TILE_CASE(4, 2)
+    }
+}
+
+/* One call's buffers, for the steps that work_split.h runs. */
+typedef struct {
+    int64_t k, supers, n_total;
+    const float *x, *wf, *bias;
+    const uint8_t *w;
+    const int8_t *wc;
+    int8_t *xq;
+    float *xe, *xs, *y;
+} Call;
+
+static void quantize_token(const void *call, int64_t m) {
+    const Call *c = call;
+    quantize_row(c->x + m * c->k, c->supers, c->xq + (m / MR) * MR * c->k + (m % MR) * 32,
+                 c->xe + m * 8 * c->supers, c->xs + m * 16 * c->supers);
+}
+
+static void run_unit(const void *call, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
+    const Call *c = call;
+    const int64_t sb = c->supers;
+    for (int64_t m = m0; m < m1; m += MR) {
+        const int mr = m1 - m < MR ? (int)(m1 - m) : MR;
+        for (int64_t n = n0; n < n1; n += NR) {
+            const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
+            run_tile(mr, nr, sb, c->k, c->n_total, c->w + n * c->k, c->wc + n * 32 * sb,
+                     c->wf + n * 2 * sb, c->xq + m * c->k, c->xe + m * 8 * sb,
+                     c->xs + m * 16 * sb, c->bias ? c->bias + n : NULL,
+                     c->y + m * c->n_total + n);
+        }
+    }
+}
+
+/* Returns 0, or -1 for a K that is no positive multiple of 256, -2 when out of memory. */
+int k8_linear(const float *x, int64_t m_total, int64_t k, const uint8_t *w, const int8_t *wc,
+              const float *wf, int64_t n_total, const float *bias, float *y, int threads) {
+    if (k <= 0 || k % SUPER) return -1;
+    if (threads < 1) threads = 1;
+    const int64_t supers = k / SUPER, m_tiles = (m_total + MR - 1) / MR;
+    /* sizes rounded up to the alignment, as aligned_alloc requires */
+    const size_t xq_bytes = ((size_t)(m_tiles * MR * k) + 63) & ~(size_t)63;
+    const size_t xe_bytes = ((size_t)(m_total * 8 * supers) * sizeof(float) + 63) & ~(size_t)63;
+    const size_t xs_bytes = ((size_t)(m_total * 16 * supers) * sizeof(float) + 63) & ~(size_t)63;
+    int8_t *xq = aligned_alloc(64, xq_bytes);
+    float *xe = aligned_alloc(64, xe_bytes), *xs = aligned_alloc(64, xs_bytes);
+    if (!xq || !xe || !xs) {
+        free(xq), free(xe), free(xs);
+        return -2;
+    }
+    const Call call = {k, supers, n_total, x, wf, bias, w, wc, xq, xe, xs, y};
+    const Steps steps = {quantize_token, run_unit};
+    split_work(&steps, &call, m_total, n_total, CHUNK_BYTES / k, NR, threads);
+    free(xq), free(xe), free(xs);
+    return 0;
+}

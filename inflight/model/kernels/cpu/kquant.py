@@ -1,0 +1,202 @@
+"""GGUF's K-quant weights (Q4_K, Q5_K, Q6_K) on the CPU in their stored form: the integers and
+scales of the file's blocks, re-laid for a native kernel, never dequantized to float.
+
+A K-quant row is cut into superblocks of 256 values (so K is a multiple of 256):
+- Q4_K: 8 blocks of 32, w = d * sc_j * q - dmin * m_j, q in 0..15, sc_j and m_j 6-bit, d and
+  dmin float16. That is the 4-bit kernel's own form per block of 32 (scale d * sc_j, minimum
+  -dmin * m_j, both exact in float32), so Q4_K runs in q4_matmul.c unchanged.
+- Q5_K: the same with q in 0..31 (a fifth bit per value).
+- Q6_K: 16 blocks of 16, w = d * sc_j * (q - 32), q in 0..63, sc_j int8, d float16.
+Q5_K and Q6_K run in k8_matmul.c: one byte per value, an int8 scale and minimum per 16 and two
+float32 multipliers per superblock (see there). Activations are quantized to int8 per block of
+32 inside every call, per token, as the other kernels do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from inflight.model.kernels.cpu import native, q4
+from inflight.model.kernels.cpu.int8 import run_kernel
+
+SUPER = 256
+# Bytes per superblock of each type (GGML's layout).
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+K_QUANT_TYPES = tuple(BLOCK_BYTES)
+_SOURCE = Path(__file__).with_name("k8_matmul.c")
+
+
+@dataclass(frozen=True)
+class K8Weight:
+    """A Q5_K or Q6_K [N, K] weight in k8_matmul.c's layout: values [N, K] uint8 (register-
+    permuted within superblocks), integer scales and minimums [N, 32 * K / 256] int8, float32
+    multipliers [N, 2 * K / 256]."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    multipliers: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.values.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.values.shape[1]
+
+
+def _superblocks(type_name: str, blocks: np.ndarray | torch.Tensor, in_features: int):
+    """The raw rows [N, bytes] of a `type_name` tensor as uint8 [N, K / 256, block bytes]."""
+    if type_name not in BLOCK_BYTES:
+        raise ValueError(f"not a K-quant type: {type_name!r} (known: {', '.join(K_QUANT_TYPES)})")
+    if in_features <= 0 or in_features % SUPER:
+        raise ValueError(
+            f"{type_name} weights need K (in_features) a multiple of {SUPER}, got {in_features}"
+        )
+    raw = (
+        torch.as_tensor(np.ascontiguousarray(blocks)) if isinstance(blocks, np.ndarray) else blocks
+    )
+    size = in_features // SUPER * BLOCK_BYTES[type_name]
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != size:
+        raise ValueError(
+            f"{type_name} blocks for K={in_features} must be uint8 [N, {size}], got "
+            f"{raw.dtype} {tuple(raw.shape)}"
+        )
+    return raw.reshape(raw.shape[0], in_features // SUPER, BLOCK_BYTES[type_name])
+
+
+def _half(raw: torch.Tensor) -> torch.Tensor:
+    """float16 bytes [..., 2] as float32 [...]."""
+    return raw.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 6-bit scales and 8 6-bit minimums [..., 8] of 12 packed bytes [..., 12]: bytes
+    0-3 and 4-7 hold blocks 0-3's scale and minimum in their low 6 bits, and in their top 2
+    bits the high bits of blocks 4-7's, whose low 4 bits are the nibbles of bytes 8-11."""
+    s = packed.to(torch.int32)
+    first, second, low = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    scales = torch.cat([first & 63, (low & 15) | ((first >> 6) << 4)], dim=-1)
+    mins = torch.cat([second & 63, (low >> 4) | ((second >> 6) << 4)], dim=-1)
+    return scales, mins
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[..., c, 32] bytes -> [..., 2c, 32]: block 2i the low nibbles of row i, 2i + 1 the high."""
+    both = torch.stack([packed & 15, packed >> 4], dim=-2)
+    return both.flatten(-3, -2)
+
+
+def unpack_q4_k(blocks, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K rows as w = d * q + low per block of 32: q [N, K] uint8, d and low [N, K / 32]
+    float32, exact (d * sc and dmin * m are products of at most 17 bits)."""
+    sb = _superblocks("Q4_K", blocks, in_features)
+    n = sb.shape[0]
+    sc, m = _scales_and_mins(sb[..., 4:16])
+    d = _half(sb[..., 0:2])[..., None] * sc.float()
+    low = -(_half(sb[..., 2:4])[..., None] * m.float())
+    q = _nibbles(sb[..., 16:].reshape(n, -1, 4, 32))
+    return q.reshape(n, in_features), d.reshape(n, -1), low.reshape(n, -1)
+
+
+def unpack_q5_k(blocks, in_features: int) -> tuple[torch.Tensor, ...]:
+    """Q5_K rows: q [N, K] uint8 in 0..31, 6-bit scales and minimums [N, K / 32] (int32), d
+    and dmin [N, K / 256] float32; w = d * sc * q - dmin * m."""
+    sb = _superblocks("Q5_K", blocks, in_features)
+    n = sb.shape[0]
+    sc, m = _scales_and_mins(sb[..., 4:16])
+    high = sb[..., 16:48]  # bit j of byte i: the fifth bit of value i of block j
+    bits = (high[..., None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
+    q = _nibbles(sb[..., 48:].reshape(n, -1, 4, 32)) | (bits << 4)
+    return (
+        q.reshape(n, in_features),
+        sc.reshape(n, -1),
+        m.reshape(n, -1),
+        _half(sb[..., 0:2]),
+        _half(sb[..., 2:4]),
+    )
+
+
+def unpack_q6_k(blocks, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K rows: q [N, K] uint8 in 0..63, scales [N, K / 16] int8, d [N, K / 256] float32;
+    w = d * sc * (q - 32). Each half superblock (128 values) keeps the low nibbles of its
+    values in 64 bytes (value i in the low nibble of byte i, 64 + i in the high) and the two
+    high bits in 32 (value 32t + i in bits 2t, 2t + 1 of byte i)."""
+    sb = _superblocks("Q6_K", blocks, in_features)
+    n = sb.shape[0]
+    low = sb[..., 0:128].reshape(n, -1, 2, 1, 64)
+    low = torch.cat([low & 15, low >> 4], dim=-2).reshape(n, -1, 2, 4, 32)
+    high = sb[..., 128:192].reshape(n, -1, 2, 1, 32)
+    high = (high >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3
+    q = low | (high << 4)
+    scales = sb[..., 192:208].contiguous().view(torch.int8)
+    return q.reshape(n, in_features), scales.reshape(n, -1), _half(sb[..., 208:210])
+
+
+def _pack_k8(
+    q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, d: torch.Tensor, f: torch.Tensor
+) -> K8Weight:
+    """k8_matmul.c's layout of w = d * c * q + f * n: q [N, K] uint8, c and n [N, K / 16]
+    integers in int8's range (per half block, in K order), d and f [N, K / 256] float32."""
+    n, k = q.shape
+    supers = k // SUPER
+    # [N, superblock, block i, chunk c, 4 bytes] -> register c, lane i
+    values = q.reshape(n, supers, 8, 8, 4).transpose(2, 3).reshape(n, k)
+
+    def by_half(v: torch.Tensor) -> torch.Tensor:  # [N, K / 16] -> [N, sb, half, block]
+        return v.reshape(n, supers, 8, 2).transpose(2, 3).reshape(n, supers, 16)
+
+    packed = torch.cat([by_half(scales), by_half(mins)], dim=-1).to(torch.int8)
+    multipliers = torch.stack([d, f], dim=-1).float()
+    return K8Weight(
+        values.contiguous(), packed.reshape(n, -1).contiguous(), multipliers.reshape(n, -1)
+    )
+
+
+def k_quant_weight(type_name: str, blocks, in_features: int) -> q4.Q4Weight | K8Weight:
+    """The run form of a K-quant tensor's raw rows [N, bytes] (uint8; K = in_features): Q4_K in
+    the 4-bit kernel's layout, Q5_K and Q6_K in k8_matmul.c's."""
+    if type_name == "Q4_K":
+        return q4.pack_q4(*unpack_q4_k(blocks, in_features))
+    if type_name == "Q5_K":
+        q, sc, m, d, dmin = unpack_q5_k(blocks, in_features)
+        # per 32 -> per 16: both halves of a block share its scale and minimum
+        return _pack_k8(q, sc.repeat_interleave(2, -1), m.repeat_interleave(2, -1), d, -dmin)
+    if type_name == "Q6_K":
+        q, sc, d = unpack_q6_k(blocks, in_features)
+        return _pack_k8(q, sc, sc, d, -32.0 * d)
+    raise ValueError(f"not a K-quant type: {type_name!r} (known: {', '.join(K_QUANT_TYPES)})")
+
+
+@functools.cache
+def load_kernel() -> ctypes.CDLL:
+    """The compiled Q5_K/Q6_K kernel, built on first use and cached across processes; raises
+    native.NativeBuildError when this CPU lacks AVX2 or FMA, or when gcc is missing or fails."""
+    lib = native.build(_SOURCE, "the K-quant CPU matmul")
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.k8_linear.argtypes = [p, i64, i64, p, p, p, i64, p, p, ctypes.c_int]
+    lib.k8_linear.restype = ctypes.c_int
+    return lib
+
+
+def k8_linear(x: torch.Tensor, weight: K8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] float32 (CPU) @ weight^T (+ bias) -> [..., N] float32."""
+    return run_kernel(
+        load_kernel().k8_linear, "k8_linear", x, weight.in_features, weight.out_features,
+        (weight.values, weight.scales, weight.multipliers), bias,
+    )  # fmt: skip
+
+
+def k_quant_linear(
+    x: torch.Tensor, weight: q4.Q4Weight | K8Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight^T (+ bias) in the kernel of the weight's form."""
+    if isinstance(weight, K8Weight):
+        return k8_linear(x, weight, bias)
+    return q4.q4_linear(x, weight, bias)

@@ -22,7 +22,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from inflight.model.kernels.cpu import kquant
+from inflight.model.kernels.cpu import blocks
 from inflight.model.kernels.cpu.int8 import int8_linear, quantize_weight
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -36,7 +36,7 @@ SHAPES = {"down": (1536, 576), "up_1b": (2048, 8192)}
 def random_blocks(type_name: str, rows: int, k: int, seed: int) -> np.ndarray:
     """Valid random rows of `type_name`: random bytes, float16 d (and dmin) about 1e-3."""
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (rows, k // 256, kquant.BLOCK_BYTES[type_name]), dtype=np.uint8)
+    raw = rng.integers(0, 256, (rows, k // 256, blocks.BLOCK_BYTES[type_name]), dtype=np.uint8)
     half = rng.uniform(5e-4, 2e-3, (rows, k // 256, 2)).astype(np.float16).view(np.uint8)
     if type_name == "Q6_K":
         raw[..., 208:210] = half[..., :2]
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.05, help="seconds per timed run")
     parser.add_argument("--copies", type=int, default=1, help="weights per call, in turn")
     args = parser.parse_args()
-    types = kquant.K_QUANT_TYPES
+    types = blocks.BLOCK_TYPES
     print(f"{'shape':>6} {'K':>5} {'N':>5} {'M':>4} {'fp32 ms':>8} {'int8 ms':>8}", end="")
     print("".join(f" {t + ' ms':>8}" for t in types))
     for name, (k, n) in SHAPES.items():
@@ -61,7 +61,7 @@ def main() -> None:
         copies = range(args.copies)
         packed = [torch.ops.mkldnn._reorder_linear_weight(weight.float(), None) for _ in copies]
         quantized = [quantize_weight(weight.float()) for _ in copies]
-        runs = {t: [kquant.k_quant_weight(t, raw, k) for _ in copies] for t, raw in raws.items()}
+        runs = {t: [blocks.block_weight(t, raw, k) for _ in copies] for t, raw in raws.items()}
         for m in args.m:
             x = torch.randn(m, k)
             fns = [
@@ -70,7 +70,7 @@ def main() -> None:
                 ],
                 lambda x=x, qs=quantized: [int8_linear(x, q) for q in qs],
                 *(
-                    lambda x=x, ws=ws: [kquant.k_quant_linear(x, w) for w in ws]
+                    lambda x=x, ws=ws: [blocks.block_linear(x, w) for w in ws]
                     for ws in runs.values()
                 ),
             ]

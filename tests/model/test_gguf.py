@@ -14,9 +14,9 @@ from inflight.model.checkpoints.gguf import GGUFCheckpoint
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
 from inflight.model.layers.linear import Linear
 from inflight.model.layers.quantization import (
-    Int8LinearMethod,
     PackedLinearMethod,
     Q4LinearMethod,
+    StoredBlocksLinearMethod,
 )
 
 from helpers import PagedSequence, prefill_logits
@@ -191,9 +191,10 @@ def _methods(model) -> dict[str, type]:
 
 
 def test_auto_runs_each_linear_in_the_kernel_of_its_stored_type(tmp_path):
-    """Layer 0: q, k, v all Q4_1 -> 4-bit; gate and up both Q8_0 -> int8; down Q4_1 -> 4-bit;
-    o F16 -> float. Layer 1: q, k, v Q4_1, Q4_1, Q8_0 and gate, up Q8_0, Q4_1 disagree -> float;
-    down Q4_0 (no kernel of its own) -> float; o Q8_0 -> int8. The head, output Q8_0 -> int8."""
+    """Layer 0: q, k, v all Q4_1 -> 4-bit; gate and up both Q8_0 -> int8 from their stored
+    blocks; down Q4_1 -> 4-bit; o F16 -> float. Layer 1: q, k, v Q4_1, Q4_1, Q8_0 and gate, up
+    Q8_0, Q4_1 disagree -> float; down Q4_0 (no kernel of its own) -> float; o Q8_0 -> from its
+    blocks. The head, output Q8_0 -> from its blocks."""
     layer0 = {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1, "attn_output": Q.F16,
               "ffn_gate": Q.Q8_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1}  # fmt: skip
     layer1 = {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q8_0,
@@ -211,13 +212,13 @@ def test_auto_runs_each_linear_in_the_kernel_of_its_stored_type(tmp_path):
     assert _methods(auto) == {
         "layers.0.self_attn.qkv_proj": Q4LinearMethod,
         "layers.0.self_attn.o_proj": PackedLinearMethod,
-        "layers.0.mlp.gate_up_proj": Int8LinearMethod,
+        "layers.0.mlp.gate_up_proj": StoredBlocksLinearMethod,
         "layers.0.mlp.down_proj": Q4LinearMethod,
         "layers.1.self_attn.qkv_proj": PackedLinearMethod,
-        "layers.1.self_attn.o_proj": Int8LinearMethod,
+        "layers.1.self_attn.o_proj": StoredBlocksLinearMethod,
         "layers.1.mlp.gate_up_proj": PackedLinearMethod,
         "layers.1.mlp.down_proj": PackedLinearMethod,
-        "lm_head": Int8LinearMethod,
+        "lm_head": StoredBlocksLinearMethod,
     }
     # The weights are the file's in either model: what separates their logits is the int8
     # rounding of activations in the quantized layers.

@@ -20,7 +20,7 @@ from inflight.model.attention import select_backend
 from inflight.model.checkpoints.gguf import GGUFCheckpoint
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
 from inflight.model.config import MAMBA_CHUNK_SIZES
-from inflight.model.layers.quantization import Int8LinearMethod, PackedLinearMethod
+from inflight.model.layers.quantization import PackedLinearMethod, StoredBlocksLinearMethod
 
 from tiny_models import CHAT_TEMPLATE, VOCAB, make_tiny_hybrid
 
@@ -271,7 +271,8 @@ def test_logits_match_transformers(hybrids, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_quantized_file_matches_its_dequantized_weights(hybrids, family, tmp_path):
     """Q8_0 and F16 projections: exact float32 ("none") on the dequantized weights matches
-    transformers holding the same; "auto" runs each Q8_0 layer int8 and stays close."""
+    transformers holding the same; "auto" runs each Q8_0 layer int8 (from its stored blocks)
+    and stays close."""
     hf, source, config, *_, backend = hybrids[family]
     path = tmp_path / "q.gguf"
     held = write_hybrid_gguf(hf, family, source, path, qtypes=QUANTIZED)
@@ -285,11 +286,11 @@ def test_quantized_file_matches_its_dequantized_weights(hybrids, family, tmp_pat
     auto = build_model(checkpoint, torch.float32, CPU, 256, quantization="auto")
     methods = _methods(auto)
     attention = config.mamba.layer_types.index("attention")
-    assert methods["layers.0.mixer.in_proj"] is Int8LinearMethod
+    assert methods["layers.0.mixer.in_proj"] is StoredBlocksLinearMethod
     assert methods["layers.0.mixer.out_proj"] is PackedLinearMethod  # F16
-    assert methods[f"layers.{attention}.mixer.qkv_proj"] is Int8LinearMethod
+    assert methods[f"layers.{attention}.mixer.qkv_proj"] is StoredBlocksLinearMethod
     assert methods[f"layers.{attention}.mixer.o_proj"] is PackedLinearMethod  # F16
-    assert methods["lm_head"] is Int8LinearMethod
+    assert methods["lm_head"] is StoredBlocksLinearMethod
     ours, _ = _logits(auto, backend, 0)
     ref, _ = _logits(exact, backend, 0)
     assert torch.nn.functional.cosine_similarity(ours, ref, dim=-1).min().item() > 0.99

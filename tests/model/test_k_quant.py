@@ -14,22 +14,22 @@ from test_gguf import _hf_to_gguf_name, _methods
 
 from inflight.model.checkpoints.gguf import GGUFCheckpoint
 from inflight.model.checkpoints.loader import _linear_methods, build_model, open_checkpoint
-from inflight.model.kernels.cpu import kquant
-from inflight.model.kernels.cpu.int8 import BLOCK, quantize_blocks
+from inflight.model.kernels.cpu import blocks
+from inflight.model.kernels.cpu.int8 import BLOCK, QuantizedWeight, quantize_blocks
 from inflight.model.kernels.cpu.q4 import Q4Weight
 from inflight.model.layers.linear import Linear, process_weights_after_loading
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import (
     Int8LinearMethod,
-    KQuantLinearMethod,
     PackedLinearMethod,
     StoredBlocks,
+    StoredBlocksLinearMethod,
 )
 
 from helpers import prefill_logits, torch_threads
 from tiny_models import CHAT_TEMPLATE, VOCAB, write_tokenizer
 
-TYPES = ("Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
 # K = 256: one superblock; 576 is no multiple of 256, so SmolLM2-like shapes use 768 / 1536.
 SHAPES = [(1, 256, 9), (7, 512, 64), (33, 768, 13), (4, 1536, 130)]
 
@@ -40,7 +40,8 @@ def random_blocks(
     """Valid random rows [rows, bytes] of `type_name`: random integers and packed scales, and
     float16 d (and dmin) positive and finite, 10^decades[0] up to 2 * 10^decades[1]."""
     rng = np.random.default_rng(seed)
-    supers, size = k // 256, kquant.BLOCK_BYTES[type_name]
+    values, size = blocks.BLOCK_SHAPES[type_name]
+    supers = k // values
     raw = rng.integers(0, 256, (rows, supers, size), dtype=np.uint8)
 
     def half() -> np.ndarray:
@@ -51,6 +52,10 @@ def random_blocks(
 
     if type_name == "Q6_K":
         raw[..., 208:210] = half()
+    elif type_name in ("Q8_0", "Q5_0"):
+        raw[..., 0:2] = half()
+        if type_name == "Q8_0":  # int8 values in -127..127, as GGML's quantizer writes them
+            raw[..., 2:][raw[..., 2:] == 128] = 129
     else:
         raw[..., 0:2], raw[..., 2:4] = half(), half()
     return raw.reshape(rows, -1)
@@ -73,16 +78,23 @@ def test_unpacked_blocks_are_gguf_dequantization_bit_for_bit(type_name):
     k = 768
     raw = random_blocks(type_name, 12, k, seed=1)
     ref = dequantized(type_name, raw)
-    if type_name == "Q4_K":
-        q, d, low = kquant.unpack_q4_k(raw, k)
+    if type_name == "Q8_0":
+        q, d = blocks.unpack_q8_0(raw, k)
+        back = q.float().unflatten(-1, (-1, 32)) * d[..., None]
+    elif type_name == "Q5_0":
+        q, d = blocks.unpack_q5_0(raw, k)
+        assert q.min().item() >= -16 and q.max().item() <= 15
+        back = q.float().unflatten(-1, (-1, 32)) * d[..., None]
+    elif type_name == "Q4_K":
+        q, d, low = blocks.unpack_q4_k(raw, k)
         back = q.float().unflatten(-1, (-1, 32)) * d[..., None] + low[..., None]
     elif type_name == "Q5_K":
-        q, sc, m, d, dmin = kquant.unpack_q5_k(raw, k)
+        q, sc, m, d, dmin = blocks.unpack_q5_k(raw, k)
         d32 = (d.repeat_interleave(8, -1) * sc.float())[..., None]
         m32 = (dmin.repeat_interleave(8, -1) * m.float())[..., None]
         back = d32 * q.float().unflatten(-1, (-1, 32)) - m32
     else:
-        q, sc, d = kquant.unpack_q6_k(raw, k)
+        q, sc, d = blocks.unpack_q6_k(raw, k)
         d16 = (d.repeat_interleave(16, -1) * sc.float())[..., None]
         back = d16 * (q.float() - 32).unflatten(-1, (-1, 16))
     assert torch.equal(back.flatten(-2), ref)
@@ -92,12 +104,13 @@ def test_unpacked_blocks_are_gguf_dequantization_bit_for_bit(type_name):
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
 def test_matches_the_float_matmul_of_the_dequantized_weights(type_name, m, k, n):
     raw = random_blocks(type_name, n, k, seed=m + k + n)
-    weight = kquant.k_quant_weight(type_name, raw, k)
-    assert isinstance(weight, Q4Weight if type_name == "Q4_K" else kquant.K8Weight)
+    weight = blocks.block_weight(type_name, raw, k)
+    kinds = {"Q8_0": QuantizedWeight, "Q5_0": QuantizedWeight, "Q4_K": Q4Weight}
+    assert isinstance(weight, kinds.get(type_name, blocks.K8Weight))
     assert (weight.in_features, weight.out_features) == (k, n)
     torch.manual_seed(n)
     x, bias = torch.randn(m, k), torch.randn(n)
-    out = kquant.k_quant_linear(x, weight, bias)
+    out = blocks.block_linear(x, weight, bias)
     w = dequantized(type_name, raw).double()
     # The block dot products are exact integers and the weights' scales exact: against the
     # same int8-rounded activations only float32 rounding is left.
@@ -111,46 +124,48 @@ def test_matches_the_float_matmul_of_the_dequantized_weights(type_name, m, k, n)
 @pytest.mark.parametrize("type_name", TYPES)
 def test_rows_identical_alone_or_batched_and_across_threads(type_name):
     raw = random_blocks(type_name, 77, 512, seed=5)
-    weight = kquant.k_quant_weight(type_name, raw, 512)
+    weight = blocks.block_weight(type_name, raw, 512)
     torch.manual_seed(0)
     x, bias = torch.randn(33, 512), torch.randn(77)
     with torch_threads(1):
-        alone = torch.cat([kquant.k_quant_linear(row[None], weight, bias) for row in x])
-        assert torch.equal(kquant.k_quant_linear(x, weight, bias), alone)
+        alone = torch.cat([blocks.block_linear(row[None], weight, bias) for row in x])
+        assert torch.equal(blocks.block_linear(x, weight, bias), alone)
     with torch_threads(2):
-        assert torch.equal(kquant.k_quant_linear(x, weight, bias), alone)
+        assert torch.equal(blocks.block_linear(x, weight, bias), alone)
         for m in (7, 16):
             for start in range(0, 33 - m + 1, m):
-                got = kquant.k_quant_linear(x[start : start + m], weight, bias)
+                got = blocks.block_linear(x[start : start + m], weight, bias)
                 assert torch.equal(got, alone[start : start + m])
 
 
 @pytest.mark.parametrize("type_name", ["Q5_K", "Q6_K"])
 def test_long_prompts_split_by_tokens_give_the_same_rows(type_name):
     """203 tokens: the threads split the tokens instead of the weight rows (work_split.h)."""
-    weight = kquant.k_quant_weight(type_name, random_blocks(type_name, 33, 256, seed=3), 256)
+    weight = blocks.block_weight(type_name, random_blocks(type_name, 33, 256, seed=3), 256)
     x, bias = torch.randn(203, 256, generator=torch.Generator().manual_seed(3)), torch.randn(33)
     with torch_threads(2):
-        whole = kquant.k_quant_linear(x, weight, bias)
+        whole = blocks.block_linear(x, weight, bias)
         pieces = torch.cat(
-            [kquant.k_quant_linear(x[i : i + 37], weight, bias) for i in range(0, 203, 37)]
+            [blocks.block_linear(x[i : i + 37], weight, bias) for i in range(0, 203, 37)]
         )
     assert torch.equal(whole, pieces)
     # The bias is added last, to the bits the matmul alone gives.
-    assert torch.equal(kquant.k_quant_linear(x, weight) + bias, whole)
+    assert torch.equal(blocks.block_linear(x, weight) + bias, whole)
 
 
 def test_refuses_what_the_format_cannot_hold():
     raw = random_blocks("Q6_K", 4, 256, seed=0)
     with pytest.raises(ValueError, match="multiple of 256, got 320"):
-        kquant.k_quant_weight("Q6_K", np.zeros((4, 210), np.uint8), 320)
+        blocks.block_weight("Q6_K", np.zeros((4, 210), np.uint8), 320)
     with pytest.raises(ValueError, match=r"Q6_K blocks for K=512 must be uint8 \[N, 420\]"):
-        kquant.k_quant_weight("Q6_K", raw, 512)
-    with pytest.raises(ValueError, match="not a K-quant type"):
-        kquant.k_quant_weight("Q4_1", raw, 256)
-    weight = kquant.k_quant_weight("Q6_K", raw, 256)
+        blocks.block_weight("Q6_K", raw, 512)
+    with pytest.raises(ValueError, match="no native kernel runs 'Q4_1' blocks"):
+        blocks.block_weight("Q4_1", raw, 256)
+    with pytest.raises(ValueError, match="multiple of 32, got 48"):
+        blocks.block_weight("Q5_0", np.zeros((4, 33), np.uint8), 48)
+    weight = blocks.block_weight("Q6_K", raw, 256)
     with pytest.raises(ValueError, match=r"k8_linear needs float32 CPU input \[\.\.\., 256\]"):
-        kquant.k_quant_linear(torch.randn(2, 128), weight)
+        blocks.block_linear(torch.randn(2, 128), weight)
 
 
 # A tiny Llama as llama.cpp's Q4_K_M stores one: Q4_K for most matrices, Q6_K for v and down
@@ -238,7 +253,7 @@ def write_k_quant_gguf(tmp_path, tied: bool = False):
 
 @pytest.fixture(scope="module")
 def k_quant_file(tmp_path_factory):
-    return write_k_quant_gguf(tmp_path_factory.mktemp("k_quant"))
+    return write_k_quant_gguf(tmp_path_factory.mktemp("blocks"))
 
 
 def test_stored_blocks_are_the_loaded_weights_rows(k_quant_file):
@@ -280,13 +295,13 @@ def test_auto_runs_k_quants_from_their_blocks_close_to_float32(k_quant_file, mon
         if n == "token_embd.weight" or "norm" in n
     )
     methods = _methods(auto)
-    assert methods == {name: KQuantLinearMethod for name in methods}
+    assert methods == {name: StoredBlocksLinearMethod for name in methods}
     attn0, attn1 = auto.layers[0].self_attn, auto.layers[1].self_attn
     # Layer 0's qkv: q and k (Q4_K) in the 4-bit kernel, v (Q6_K) in k8; layer 1's all Q4_K.
-    assert [type(w) for w in attn0.qkv_proj.prepared] == [Q4Weight, kquant.K8Weight]
+    assert [type(w) for w in attn0.qkv_proj.prepared] == [Q4Weight, blocks.K8Weight]
     assert [w.out_features for w in attn0.qkv_proj.prepared] == [HIDDEN + HIDDEN // 2, HIDDEN // 2]
     assert [type(w) for w in attn1.qkv_proj.prepared] == [Q4Weight]
-    assert [type(w) for w in attn1.o_proj.prepared] == [kquant.K8Weight]  # Q5_K
+    assert [type(w) for w in attn1.o_proj.prepared] == [blocks.K8Weight]  # Q5_K
     assert auto.layers[0].self_attn.qkv_proj.weight is None
     none = build_model(checkpoint, torch.float32, cpu, 128, quantization="none")
     assert set(_methods(none).values()) == {PackedLinearMethod}
@@ -313,13 +328,13 @@ def test_mixed_parts_each_write_their_slice_bias_included():
         "b.weight": ("Q4_K", random_blocks("Q4_K", 8, k, seed=2)),
         "c.weight": ("Q6_K", random_blocks("Q6_K", 16, k, seed=3)),
     }
-    method = KQuantLinearMethod(lambda name: StoredBlocks(*raws[name]))
+    method = StoredBlocksLinearMethod(lambda name: StoredBlocks(*raws[name]))
     layer = Linear(k, 48, True, method, sources=tuple(raws))
     torch.manual_seed(0)
     with torch.no_grad():
         layer.bias.copy_(torch.randn(48))
     process_weights_after_loading(layer)
-    assert [type(w) for w in layer.prepared] == [Q4Weight, kquant.K8Weight]
+    assert [type(w) for w in layer.prepared] == [Q4Weight, blocks.K8Weight]
     assert [w.out_features for w in layer.prepared] == [32, 16]
     x = torch.randn(3, 5, k)
     out = layer(x)
@@ -327,6 +342,24 @@ def test_mixed_parts_each_write_their_slice_bias_included():
     w = torch.cat([dequantized(t, raw) for t, raw in raws.values()]).double()
     ref = _dequantize_x(x) @ w.T + layer.bias.double()
     assert (out.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_parts_of_one_kernel_are_stacked_into_one_weight():
+    """llama.cpp's fallbacks for rows not a multiple of 256 long (SmolLM2's 576): Q5_0 q/k
+    beside a Q8_0 v run as one int8 weight, equal to the three parts run alone."""
+    k = 576
+    raws = {
+        "q.weight": ("Q5_0", random_blocks("Q5_0", 24, k, seed=1)),
+        "k.weight": ("Q5_0", random_blocks("Q5_0", 8, k, seed=2)),
+        "v.weight": ("Q8_0", random_blocks("Q8_0", 8, k, seed=3)),
+    }
+    method = StoredBlocksLinearMethod(lambda name: StoredBlocks(*raws[name]))
+    layer = Linear(k, 40, False, method, sources=tuple(raws))
+    process_weights_after_loading(layer)
+    assert [type(w) for w in layer.prepared] == [QuantizedWeight]
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(0))
+    alone = [blocks.block_linear(x, blocks.block_weight(t, raw, k)) for t, raw in raws.values()]
+    assert torch.equal(layer(x), torch.cat(alone, dim=-1))
 
 
 def test_tensor_parallel_shards_leave_k_quants_in_float(k_quant_file):
@@ -337,7 +370,7 @@ def test_tensor_parallel_shards_leave_k_quants_in_float(k_quant_file):
     sources = ["layers.1.self_attn.q_proj.weight"]
     assert isinstance(
         _linear_methods("auto", platform, checkpoint, False).choose(HIDDEN, sources),
-        KQuantLinearMethod,
+        StoredBlocksLinearMethod,
     )
     sharded = _linear_methods("auto", platform, checkpoint, True)
     assert isinstance(sharded.choose(HIDDEN, sources), PackedLinearMethod)
@@ -350,8 +383,8 @@ def test_a_tied_k_quant_head_runs_from_the_embeddings_blocks(tmp_path):
     assert checkpoint.config.tie_word_embeddings
     cpu = torch.device("cpu")
     auto = build_model(checkpoint, torch.float32, cpu, 128, quantization="auto")
-    assert isinstance(auto.lm_head.method, KQuantLinearMethod)
-    assert [type(w) for w in auto.lm_head.prepared] == [kquant.K8Weight]
+    assert isinstance(auto.lm_head.method, StoredBlocksLinearMethod)
+    assert [type(w) for w in auto.lm_head.prepared] == [blocks.K8Weight]
     none = build_model(checkpoint, torch.float32, cpu, 128, quantization="none")
     assert torch.equal(auto.embed_tokens.weight, none.embed_tokens.weight)
     # The head alone (the random model's own logits swing with the int8 rounding at a few

@@ -14,7 +14,11 @@ from inflight.model.checkpoints.loader import (
 from inflight.model.kernels.cpu.int8 import BLOCK, QuantizedWeight, quantize_blocks
 from inflight.model.kernels.cpu.q4 import Q4Weight, q4_linear, quantize_q4, quantize_q4_blocks
 from inflight.model.layers.linear import Linear
-from inflight.model.layers.quantization import Int8LinearMethod, Q4LinearMethod
+from inflight.model.layers.quantization import (
+    Int8LinearMethod,
+    Q4LinearMethod,
+    StoredBlocksLinearMethod,
+)
 
 from helpers import prefill_logits
 from tiny_models import FAMILIES
@@ -124,12 +128,17 @@ def test_smollm_logits_close_to_float32(smollm_models, text):
 
 def test_auto_on_the_default_model_is_q4(smollm_models):
     """The default GGUF stores its decoder matmuls as Q4_1 and its tied embedding as Q8_0, so
-    "auto" picks what "q4" does, layer by layer: the same logits, bit for bit."""
+    "auto" runs what "q4" does, layer by layer: the 4-bit kernel, and for the head the int8
+    kernel on the same weight (from the embedding's stored blocks rather than re-quantized
+    from its floats: the same values and scales); the same logits, bit for bit."""
     checkpoint, _, q4 = smollm_models
     auto = build_model(checkpoint, torch.float32, torch.device("cpu"), 256)
-    assert [type(m.method) for m in auto.modules() if isinstance(m, Linear)] == [
-        type(m.method) for m in q4.modules() if isinstance(m, Linear)
-    ]
+    decoder = [m for m in auto.modules() if isinstance(m, Linear) and m is not auto.lm_head]
+    assert {type(m.method) for m in decoder} == {Q4LinearMethod}
+    assert isinstance(auto.lm_head.method, StoredBlocksLinearMethod)
+    (head,) = auto.lm_head.prepared
+    assert torch.equal(head.values, q4.lm_head.prepared.values)
+    assert torch.equal(head.scales, q4.lm_head.prepared.scales)
     ids = checkpoint.tokenizer.encode(TEXTS[0])
     assert torch.equal(prefill_logits(auto, ids), prefill_logits(q4, ids))
 

@@ -21,10 +21,10 @@ from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import (
     KERNEL_FOR_STORED_TYPE,
     QUANTIZED_METHODS,
-    KQuantLinearMethod,
     LinearMethod,
     LinearMethods,
     StoredBlocks,
+    StoredBlocksLinearMethod,
     unquantized_method,
 )
 from inflight.model.llama import LlamaForCausalLM
@@ -116,10 +116,10 @@ def build_model(
       channel, activations quantized per token; the head in bf16.
     - "q4": 4-bit weights (GGUF's Q4_1) for the decoder layers, int8 for the head.
     - "auto" (default): a GGUF file's weights in the kernel that runs their stored type (Q4_1:
-      4-bit, Q8_0: int8; Q4_K, Q5_K, Q6_K: the K-quant kernels, from the stored blocks
-      themselves), layer by layer; float32 for the rest, for Hugging Face checkpoints, and
-      where the native kernels cannot be built. Under tensor parallelism K-quant weights run in
-      float32 (dequantized).
+      4-bit; Q8_0, Q5_0: int8; Q4_K, Q5_K, Q6_K: the K-quant kernels; all but Q4_1 from the
+      stored blocks themselves), layer by layer; float32 for the rest, for Hugging Face
+      checkpoints, and where the native kernels cannot be built. Under tensor parallelism the
+      block-run weights run in float32 (dequantized).
 
     "int8" and "q4" are a ValueError off the CPU float32 path or where their kernel cannot be
     built.
@@ -192,13 +192,13 @@ def _linear_methods(
         kinds = {
             KERNEL_FOR_STORED_TYPE[t] for t in stored_types.values() if t in KERNEL_FOR_STORED_TYPE
         }
-        # K-quant layers build their run form from the whole tensors' blocks: not from a shard.
-        with_blocks = "k_quant" in kinds and not sharded
-        kinds.discard("k_quant")
+        # Block-run layers build their run form from the whole tensors' blocks: not from a shard.
+        with_blocks = "blocks" in kinds and not sharded
+        kinds.discard("blocks")
         try:
             kernels = _quantized_methods(kinds)
             if with_blocks:
-                kernels["k_quant"] = KQuantLinearMethod(checkpoint.stored_blocks)
+                kernels["blocks"] = StoredBlocksLinearMethod(checkpoint.stored_blocks)
         except NativeBuildError:
             return LinearMethods(unquantized)  # `native` has warned
         return LinearMethods(unquantized, "auto", kernels, stored_types)

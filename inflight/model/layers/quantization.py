@@ -3,9 +3,9 @@ for each layer of a model, made when the model is built.
 
 Every method but one starts from a float weight parameter [out, in] that checkpoints load into;
 once it is loaded, `process_weights_after_loading` turns it into the method's run form, and
-`apply` runs that. The exception, KQuantLinearMethod, builds its run form from the checkpoint's
-stored blocks of the layer's sources instead (`loads_weight` False: no float weight at all). A
-method keeps nothing per layer: one instance serves every layer it runs.
+`apply` runs that. The exception, StoredBlocksLinearMethod, builds its run form from the
+checkpoint's stored blocks of the layer's sources instead (`loads_weight` False: no float weight
+at all). A method keeps nothing per layer: one instance serves every layer it runs.
 """
 
 from __future__ import annotations
@@ -18,21 +18,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from inflight.model.kernels.cpu import int8, kquant, q4
+from inflight.model.kernels.cpu import blocks, int8, q4
 from inflight.model.layers.platform import Platform
 
 if TYPE_CHECKING:
     from inflight.model.layers.linear import Linear
 
 # The native kernel that runs a weight stored in a GGUF type as it was stored: Q4_1 is the
-# 4-bit kernel's own block format and Q8_0 the int8 kernel's (both re-quantized from the loaded
-# floats, which gives the stored blocks back up to float rounding); the K-quants (Q4_K, Q5_K,
-# Q6_K) run from their stored blocks, exactly (KQuantLinearMethod).
-KERNEL_FOR_STORED_TYPE = {
-    "Q4_1": "q4",
-    "Q8_0": "int8",
-    **dict.fromkeys(kquant.K_QUANT_TYPES, "k_quant"),
-}
+# 4-bit kernel's own block format (re-quantized from the loaded floats, which gives the stored
+# blocks back up to float rounding); Q8_0, Q5_0 and the K-quants (Q4_K, Q5_K, Q6_K) run from
+# their stored blocks, exactly (StoredBlocksLinearMethod: "blocks").
+KERNEL_FOR_STORED_TYPE = {"Q4_1": "q4", **dict.fromkeys(blocks.BLOCK_TYPES, "blocks")}
 
 
 class StoredBlocks(NamedTuple):
@@ -112,35 +108,35 @@ class Q4LinearMethod(LinearMethod):
         return q4.q4_linear(x, layer.prepared, bias)
 
 
-class KQuantLinearMethod(LinearMethod):
-    """CPU float32: GGUF's K-quant weights (Q4_K, Q5_K, Q6_K) run from the stored blocks of the
-    layer's sources (`stored_blocks`, by checkpoint tensor name), never re-quantized: Q4_K in
-    the 4-bit kernel, Q5_K and Q6_K in k8_matmul.c (kernels/cpu/kquant.py), with per-token
-    int8 activations. Its layers hold no float weight: the loader skips their tensors. A
-    fused layer whose parts are stored in different K-quant types (Q4_K_M's Q6_K v_proj beside
-    Q4_K q/k) runs each stretch of same-typed parts in its kernel, into its slice of the
-    output."""
+class StoredBlocksLinearMethod(LinearMethod):
+    """CPU float32: GGUF weights run from the stored blocks of the layer's sources
+    (`stored_blocks`, by checkpoint tensor name), never re-quantized (kernels/cpu/blocks.py):
+    Q8_0 and Q5_0 in the int8 kernel, Q4_K in the 4-bit kernel, Q5_K and Q6_K in k8_matmul.c,
+    with per-token int8 activations. Its layers hold no float weight: the loader skips their
+    tensors. A fused layer's parts stored in types of one kernel (Q4_K_M's Q8_0 v_proj beside
+    Q5_0 q/k) are stacked into one weight; each stretch of parts of another kernel runs in its
+    own, into its slice of the output."""
 
     loads_weight = False
 
     def __init__(self, stored_blocks: Callable[[str], StoredBlocks]) -> None:
+        int8.load_kernel()
         q4.load_kernel()
-        kquant.load_kernel()
+        blocks.load_kernel()
         self.stored_blocks = stored_blocks
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         if layer.weight is not None:  # a tied head holds the embedding's
             _take_weight(layer)
-        runs: list[tuple[str, list[np.ndarray]]] = []
+        runs: list[list[blocks.BlockWeight]] = []
         for source in layer.sources:
-            type_name, blocks = self.stored_blocks(source)
-            if runs and runs[-1][0] == type_name:
-                runs[-1][1].append(blocks)
+            stored = self.stored_blocks(source)
+            weight = blocks.block_weight(stored.type_name, stored.blocks, layer.in_features)
+            if runs and type(runs[-1][0]) is type(weight):
+                runs[-1].append(weight)
             else:
-                runs.append((type_name, [blocks]))
-        layer.prepared = tuple(
-            kquant.k_quant_weight(t, np.concatenate(parts), layer.in_features) for t, parts in runs
-        )
+                runs.append([weight])
+        layer.prepared = tuple(blocks.concat_rows(run) for run in runs)
         rows = sum(w.out_features for w in layer.prepared)
         if rows != layer.out_features:
             raise ValueError(
@@ -149,11 +145,11 @@ class KQuantLinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if len(layer.prepared) == 1:
-            return kquant.k_quant_linear(x, layer.prepared[0], bias)
+            return blocks.block_linear(x, layer.prepared[0], bias)
         outs, start = [], 0
         for weight in layer.prepared:
             end = start + weight.out_features
-            outs.append(kquant.k_quant_linear(x, weight, None if bias is None else bias[start:end]))
+            outs.append(blocks.block_linear(x, weight, None if bias is None else bias[start:end]))
             start = end
         return torch.cat(outs, dim=-1)
 
@@ -220,8 +216,8 @@ class LinearMethods:
     multiple of 32 (else `unquantized`), except that under "q4" the head is int8: its errors
     reach the logits undamped. "fp8": FP8 for the decoder layers (in_features a multiple of
     32 likewise), the head in float. "auto": the kernel that runs the stored type (`stored_types`,
-    by checkpoint tensor name) of the tensors a layer loads, when they all share one (the
-    K-quants Q4_K, Q5_K and Q6_K count as one, "k_quant"); else, or where `kernels` lacks it,
+    by checkpoint tensor name) of the tensors a layer loads, when they all share one (the types
+    run from their stored blocks count as one, "blocks"); else, or where `kernels` lacks it,
     `unquantized`. `kernels` holds the quantized methods the mode can pick, by kind.
     """
 

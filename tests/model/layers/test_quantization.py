@@ -79,8 +79,8 @@ def test_unquantized_method_by_platform():
     assert isinstance(unquantized_method(Platform.detect(CPU, torch.bfloat16)), TorchLinearMethod)
 
 
-FLOAT, INT8, Q4, FP8 = LinearMethod(), LinearMethod(), LinearMethod(), LinearMethod()
-KERNELS = {"int8": INT8, "q4": Q4}
+FLOAT, INT8, Q4, FP8, BLOCKS = (LinearMethod() for _ in range(5))
+KERNELS = {"int8": INT8, "q4": Q4, "blocks": BLOCKS}
 
 
 def test_explicit_modes():
@@ -103,12 +103,16 @@ def test_auto_follows_the_stored_types():
         "q.weight": "Q4_1",
         "k.weight": "Q4_1",
         "v.weight": "Q8_0",
+        "o.weight": "Q5_0",
+        "gate.weight": "Q4_K",
         "up.weight": "F16",
         "down.weight": "Q4_0",
     }
     auto = LinearMethods(FLOAT, "auto", KERNELS, stored)
     assert auto.choose(64, ["q.weight", "k.weight"]) is Q4
-    assert auto.choose(64, ["v.weight"]) is INT8
+    # Q8_0, Q5_0 and the K-quants run from their stored blocks: one method for all of them.
+    assert auto.choose(64, ["v.weight"]) is BLOCKS
+    assert auto.choose(64, ["v.weight", "o.weight", "gate.weight"]) is BLOCKS
     assert auto.choose(64, ["q.weight", "k.weight", "v.weight"]) is FLOAT  # parts disagree
     assert auto.choose(64, ["q.weight", "up.weight"]) is FLOAT
     assert auto.choose(64, ["up.weight"]) is FLOAT
@@ -117,7 +121,10 @@ def test_auto_follows_the_stored_types():
     assert auto.choose(48, ["v.weight"]) is FLOAT
     # The head goes by its tensor's type too: no int8 override as under "q4".
     assert auto.choose(64, ["q.weight"], head=True) is Q4
-    assert auto.choose(64, ["v.weight"], head=True) is INT8
+    assert auto.choose(64, ["v.weight"], head=True) is BLOCKS
+    # Where the stored-blocks method is not offered (tensor parallelism), float.
+    sharded = LinearMethods(FLOAT, "auto", {"q4": Q4}, stored)
+    assert sharded.choose(64, ["v.weight"]) is FLOAT
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -158,7 +165,7 @@ def test_auto_takes_the_k_quants_as_one_kind():
     k_quant = LinearMethod()
     stored = {"q.weight": "Q4_K", "k.weight": "Q4_K", "v.weight": "Q6_K", "o.weight": "Q5_K"}
     stored["up.weight"] = "Q4_1"
-    auto = LinearMethods(FLOAT, "auto", {**KERNELS, "k_quant": k_quant}, stored)
+    auto = LinearMethods(FLOAT, "auto", {**KERNELS, "blocks": k_quant}, stored)
     assert auto.choose(256, ["q.weight", "k.weight", "v.weight"]) is k_quant
     assert auto.choose(256, ["o.weight"]) is k_quant
     assert auto.choose(256, ["o.weight"], head=True) is k_quant

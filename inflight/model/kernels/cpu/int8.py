@@ -79,8 +79,15 @@ def check_weight(weight: torch.Tensor, what: str) -> tuple[int, int]:
 
 def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
     """Quantize a float [N, K] weight (K a multiple of 32) into the kernel's layout."""
-    n, k = check_weight(weight, "int8")
-    values, scales = quantize_blocks(weight.detach())
+    check_weight(weight, "int8")
+    return pack_int8(*quantize_blocks(weight.detach()))
+
+
+def pack_int8(values: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
+    """The kernel's layout of w = scale * value per block of 32: values [N, K] int8 in
+    -127..127, scales [N, K / 32] float32 (as `quantize_blocks` returns them, or a checkpoint
+    stores them)."""
+    n, k = check_weight(values, "int8")
     packed_values, packed_scales = [], []
     start = 0
     for g in block_groups(k):

@@ -1,5 +1,9 @@
-"""GGUF's K-quant weights (Q4_K, Q5_K, Q6_K) on the CPU in their stored form: the integers and
-scales of the file's blocks, re-laid for a native kernel, never dequantized to float.
+"""GGUF weights on the CPU in their stored form: the integers and scales of the file's blocks,
+re-laid for a native kernel, never dequantized to float.
+
+Q8_0 and Q5_0 are blocks of 32 with a float16 scale d: w = d * q, q int8 (Q8_0), or
+w = d * (q - 16), q 5-bit (Q5_0, which llama.cpp writes for Q4_K's tensors whose rows are not
+a multiple of 256 long): both are the int8 kernel's own form (int8_matmul.c), exactly.
 
 A K-quant row is cut into superblocks of 256 values (so K is a multiple of 256):
 - Q4_K: 8 blocks of 32, w = d * sc_j * q - dmin * m_j, q in 0..15, sc_j and m_j 6-bit, d and
@@ -15,6 +19,7 @@ float32 multipliers per superblock (see there). Activations are quantized to int
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,13 +27,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from inflight.model.kernels.cpu import native, q4
+from inflight.model.kernels.cpu import int8, native, q4
 from inflight.model.kernels.cpu.int8 import run_kernel
 
 SUPER = 256
-# Bytes per superblock of each type (GGML's layout).
-BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-K_QUANT_TYPES = tuple(BLOCK_BYTES)
+# Values and bytes per block of each type (GGML's layout; a K-quant's block is its superblock).
+BLOCK_SHAPES = {
+    "Q8_0": (32, 34),
+    "Q5_0": (32, 22),
+    "Q4_K": (SUPER, 144),
+    "Q5_K": (SUPER, 176),
+    "Q6_K": (SUPER, 210),
+}
+BLOCK_TYPES = tuple(BLOCK_SHAPES)
 _SOURCE = Path(__file__).with_name("k8_matmul.c")
 
 
@@ -51,24 +62,29 @@ class K8Weight:
         return self.values.shape[1]
 
 
-def _superblocks(type_name: str, blocks: np.ndarray | torch.Tensor, in_features: int):
-    """The raw rows [N, bytes] of a `type_name` tensor as uint8 [N, K / 256, block bytes]."""
-    if type_name not in BLOCK_BYTES:
-        raise ValueError(f"not a K-quant type: {type_name!r} (known: {', '.join(K_QUANT_TYPES)})")
-    if in_features <= 0 or in_features % SUPER:
+def _blocks(type_name: str, raw_rows: np.ndarray | torch.Tensor, in_features: int):
+    """The raw rows [N, bytes] of a `type_name` tensor as uint8 [N, K / values, block bytes]."""
+    if type_name not in BLOCK_SHAPES:
         raise ValueError(
-            f"{type_name} weights need K (in_features) a multiple of {SUPER}, got {in_features}"
+            f"no native kernel runs {type_name!r} blocks (known: {', '.join(BLOCK_TYPES)})"
+        )
+    values, nbytes = BLOCK_SHAPES[type_name]
+    if in_features <= 0 or in_features % values:
+        raise ValueError(
+            f"{type_name} weights need K (in_features) a multiple of {values}, got {in_features}"
         )
     raw = (
-        torch.as_tensor(np.ascontiguousarray(blocks)) if isinstance(blocks, np.ndarray) else blocks
+        torch.as_tensor(np.ascontiguousarray(raw_rows))
+        if isinstance(raw_rows, np.ndarray)
+        else raw_rows
     )
-    size = in_features // SUPER * BLOCK_BYTES[type_name]
+    size = in_features // values * nbytes
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != size:
         raise ValueError(
             f"{type_name} blocks for K={in_features} must be uint8 [N, {size}], got "
             f"{raw.dtype} {tuple(raw.shape)}"
         )
-    return raw.reshape(raw.shape[0], in_features // SUPER, BLOCK_BYTES[type_name])
+    return raw.reshape(raw.shape[0], in_features // values, nbytes)
 
 
 def _half(raw: torch.Tensor) -> torch.Tensor:
@@ -93,10 +109,29 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return both.flatten(-3, -2)
 
 
-def unpack_q4_k(blocks, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def unpack_q8_0(raw_rows, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 rows as w = d * q per block of 32: q [N, K] int8, d [N, K / 32] float32."""
+    b = _blocks("Q8_0", raw_rows, in_features)
+    q = b[..., 2:].contiguous().view(torch.int8)
+    return q.reshape(b.shape[0], in_features), _half(b[..., 0:2])
+
+
+def unpack_q5_0(raw_rows, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q5_0 rows as w = d * q per block of 32: q [N, K] int8 in -16..15, d [N, K / 32] float32.
+    A block keeps the fifth bits in a little-endian uint32 (bit j: value j), then value j's
+    low nibble in the low nibble of byte j and value 16 + j's in its high nibble."""
+    b = _blocks("Q5_0", raw_rows, in_features)
+    high = b[..., 2:6].contiguous().view(torch.int32)
+    bits = (high >> torch.arange(32, dtype=torch.int32)) & 1
+    low = b[..., 6:22].to(torch.int32)
+    q = (torch.cat([low & 15, low >> 4], dim=-1) | (bits << 4)) - 16
+    return q.to(torch.int8).reshape(b.shape[0], in_features), _half(b[..., 0:2])
+
+
+def unpack_q4_k(raw_rows, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_K rows as w = d * q + low per block of 32: q [N, K] uint8, d and low [N, K / 32]
     float32, exact (d * sc and dmin * m are products of at most 17 bits)."""
-    sb = _superblocks("Q4_K", blocks, in_features)
+    sb = _blocks("Q4_K", raw_rows, in_features)
     n = sb.shape[0]
     sc, m = _scales_and_mins(sb[..., 4:16])
     d = _half(sb[..., 0:2])[..., None] * sc.float()
@@ -105,10 +140,10 @@ def unpack_q4_k(blocks, in_features: int) -> tuple[torch.Tensor, torch.Tensor, t
     return q.reshape(n, in_features), d.reshape(n, -1), low.reshape(n, -1)
 
 
-def unpack_q5_k(blocks, in_features: int) -> tuple[torch.Tensor, ...]:
+def unpack_q5_k(raw_rows, in_features: int) -> tuple[torch.Tensor, ...]:
     """Q5_K rows: q [N, K] uint8 in 0..31, 6-bit scales and minimums [N, K / 32] (int32), d
     and dmin [N, K / 256] float32; w = d * sc * q - dmin * m."""
-    sb = _superblocks("Q5_K", blocks, in_features)
+    sb = _blocks("Q5_K", raw_rows, in_features)
     n = sb.shape[0]
     sc, m = _scales_and_mins(sb[..., 4:16])
     high = sb[..., 16:48]  # bit j of byte i: the fifth bit of value i of block j
@@ -123,12 +158,12 @@ def unpack_q5_k(blocks, in_features: int) -> tuple[torch.Tensor, ...]:
     )
 
 
-def unpack_q6_k(blocks, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def unpack_q6_k(raw_rows, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q6_K rows: q [N, K] uint8 in 0..63, scales [N, K / 16] int8, d [N, K / 256] float32;
     w = d * sc * (q - 32). Each half superblock (128 values) keeps the low nibbles of its
     values in 64 bytes (value i in the low nibble of byte i, 64 + i in the high) and the two
     high bits in 32 (value 32t + i in bits 2t, 2t + 1 of byte i)."""
-    sb = _superblocks("Q6_K", blocks, in_features)
+    sb = _blocks("Q6_K", raw_rows, in_features)
     n = sb.shape[0]
     low = sb[..., 0:128].reshape(n, -1, 2, 1, 64)
     low = torch.cat([low & 15, low >> 4], dim=-2).reshape(n, -1, 2, 4, 32)
@@ -159,19 +194,43 @@ def _pack_k8(
     )
 
 
-def k_quant_weight(type_name: str, blocks, in_features: int) -> q4.Q4Weight | K8Weight:
-    """The run form of a K-quant tensor's raw rows [N, bytes] (uint8; K = in_features): Q4_K in
-    the 4-bit kernel's layout, Q5_K and Q6_K in k8_matmul.c's."""
+BlockWeight = int8.QuantizedWeight | q4.Q4Weight | K8Weight
+
+
+def block_weight(type_name: str, raw_rows, in_features: int) -> BlockWeight:
+    """The run form of a tensor's raw rows [N, bytes] (uint8; K = in_features) stored as
+    `type_name`: Q8_0 and Q5_0 in the int8 kernel's layout, Q4_K in the 4-bit kernel's, Q5_K
+    and Q6_K in k8_matmul.c's."""
+    if type_name == "Q8_0":
+        return int8.pack_int8(*unpack_q8_0(raw_rows, in_features))
+    if type_name == "Q5_0":
+        return int8.pack_int8(*unpack_q5_0(raw_rows, in_features))
     if type_name == "Q4_K":
-        return q4.pack_q4(*unpack_q4_k(blocks, in_features))
+        return q4.pack_q4(*unpack_q4_k(raw_rows, in_features))
     if type_name == "Q5_K":
-        q, sc, m, d, dmin = unpack_q5_k(blocks, in_features)
+        q, sc, m, d, dmin = unpack_q5_k(raw_rows, in_features)
         # per 32 -> per 16: both halves of a block share its scale and minimum
         return _pack_k8(q, sc.repeat_interleave(2, -1), m.repeat_interleave(2, -1), d, -dmin)
     if type_name == "Q6_K":
-        q, sc, d = unpack_q6_k(blocks, in_features)
+        q, sc, d = unpack_q6_k(raw_rows, in_features)
         return _pack_k8(q, sc, sc, d, -32.0 * d)
-    raise ValueError(f"not a K-quant type: {type_name!r} (known: {', '.join(K_QUANT_TYPES)})")
+    raise ValueError(
+        f"no native kernel runs {type_name!r} blocks (known: {', '.join(BLOCK_TYPES)})"
+    )
+
+
+def concat_rows(weights: list[BlockWeight]) -> BlockWeight:
+    """Weights of one form stacked along N (the parts of a fused layer): every layout is per row."""
+    first = weights[0]
+    if len(weights) == 1:
+        return first
+    parts = {}
+    for f in dataclasses.fields(first):
+        value = getattr(first, f.name)
+        if isinstance(value, torch.Tensor):
+            value = torch.cat([getattr(w, f.name) for w in weights])
+        parts[f.name] = value
+    return type(first)(**parts)
 
 
 @functools.cache
@@ -193,10 +252,12 @@ def k8_linear(x: torch.Tensor, weight: K8Weight, bias: torch.Tensor | None = Non
     )  # fmt: skip
 
 
-def k_quant_linear(
-    x: torch.Tensor, weight: q4.Q4Weight | K8Weight, bias: torch.Tensor | None = None
+def block_linear(
+    x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x @ weight^T (+ bias) in the kernel of the weight's form."""
     if isinstance(weight, K8Weight):
         return k8_linear(x, weight, bias)
+    if isinstance(weight, int8.QuantizedWeight):
+        return int8.int8_linear(x, weight, bias)
     return q4.q4_linear(x, weight, bias)

@@ -20,7 +20,7 @@ from inflight.model.layers.rotary import Angles
 
 
 class TritonAttentionBackend:
-    """Paged attention for CUDA devices (bf16 or fp16 caches)."""
+    """Paged attention for CUDA devices (bf16 or fp16 caches, or float8 e4m3: kv_cache_dtype)."""
 
     takes_qkv = True
 
@@ -46,10 +46,8 @@ class TritonAttentionBackend:
         for x, cache in ((k, k_cache), (v, v_cache)):
             bound = cache_max(cache.dtype)
             if bound:  # float8: clamped, and copied as bytes (index_copy_ has no float8 kernel)
-                x, cache = (
-                    x.clamp(-bound, bound).to(cache.dtype).view(torch.uint8),
-                    cache.view(torch.uint8),
-                )
+                x = x.clamp(-bound, bound).to(cache.dtype).view(torch.uint8)
+                cache = cache.view(torch.uint8)
             cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, x)
         return paged_attention(q, k_cache, v_cache, meta, scale)
 

@@ -50,7 +50,8 @@ def _submit_all(engine, items: list[tuple[list[int], int]]) -> float:
     return produced / (time.perf_counter() - start)
 
 
-def run_inflight(shape: str, work: list[tuple[list[int], int]], args: argparse.Namespace) -> dict:
+def build_engine(shape: str, requests: int, args: argparse.Namespace):
+    """The engine on a random-weight model of `shape`, sized for `requests` at once."""
     from inflight.engine import EngineConfig, RequestEngine
 
     device = torch.device("cuda")
@@ -67,14 +68,18 @@ def run_inflight(shape: str, work: list[tuple[list[int], int]], args: argparse.N
             kv_cache_dtype=args.kv_cache_dtype,
         ),
     )
-    engine = RequestEngine(
+    return RequestEngine(
         runtime,
         EngineConfig(
             max_batch_size=args.batch,
-            max_pending_requests=len(work) + 8,
-            command_queue_capacity=len(work) + 8,
+            max_pending_requests=requests + 8,
+            command_queue_capacity=requests + 8,
         ),
     )
+
+
+def run_inflight(shape: str, work: list[tuple[list[int], int]], args: argparse.Namespace) -> dict:
+    engine = build_engine(shape, len(work), args)
     _submit_all(engine, [(work[0][0][:32], 8)])  # warm-up: compiles the kernels
     tok_s = _submit_all(engine, work)
     engine.shutdown()

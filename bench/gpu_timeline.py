@@ -17,15 +17,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-from gpu_throughput import workload
+from gpu_throughput import _submit_all, build_engine, workload
 
-from inflight.bench.random_model import SHAPES, random_checkpoint
+from inflight.bench.random_model import SHAPES
 from inflight.bench.report import report_path, write_report
-from inflight.engine import EngineConfig, RequestEngine
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.executor import Executor
-from inflight.runtime.request import GenerationRequest, SamplingParams
-from inflight.runtime.runtime import Runtime
 from inflight.runtime.session import GenerationSession
 
 BUCKETS = (8, 32, 64, 128, 192, 256, 1 << 30)
@@ -119,45 +115,17 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--max-num-tokens", type=int, default=8192)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--context-cache", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--quantization", default="none", choices=["none", "fp8"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = parser.parse_args()
     work = workload(args.requests, SHAPES[args.shape].vocab_size)
-    runtime = Runtime(
-        random_checkpoint(args.shape, torch.device("cuda")),
-        RuntimeConfig(
-            device="cuda",
-            max_batch_size=args.batch,
-            max_model_len=2048 + 16,
-            max_num_tokens=args.max_num_tokens,
-            quantization=args.quantization,
-            kv_cache_dtype=args.kv_cache_dtype,
-        ),
-    )
-    engine = RequestEngine(
-        runtime,
-        EngineConfig(
-            max_batch_size=args.batch,
-            max_pending_requests=len(work) + 8,
-            command_queue_capacity=len(work) + 8,
-        ),
-    )
-
-    def run(items: list[tuple[list[int], int]]) -> float:
-        start = time.perf_counter()
-        handles = [
-            engine.submit(
-                GenerationRequest(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-            )
-            for p, n in items
-        ]
-        produced = sum(len(h.get().token_ids) for h in handles)
-        return produced / (time.perf_counter() - start)
-
-    run([(work[0][0][:32], 8)])  # warm-up: compiles the kernels
+    engine = build_engine(args.shape, len(work), args)
+    _submit_all(engine, [(work[0][0][:32], 8)])  # warm-up: compiles the kernels
     steps: list[StepTime] = []
     trace(steps)
-    tok_s = run(work)
+    tok_s = _submit_all(engine, work)
     engine.shutdown()
     print(f"{args.shape}: {tok_s:.0f} output tok/s (timed steps; a little slower than untimed)")
     summary = summarize(steps)

@@ -70,6 +70,41 @@ def _hf_to_gguf_name(name: str) -> str:
     return f"blk.{layer}.{table[part]}.{rest[-1]}"
 
 
+def tiny_llama_writer(
+    path, tokenizer_dir, arch: str, hidden: int, ffn: int, heads: int, kv_heads: int
+) -> gguf.GGUFWriter:
+    """A GGUF writer holding a tiny Llama's hyperparameters (LAYERS layers) and the test
+    tokenizer (written to `tokenizer_dir`); the caller adds the tensors."""
+    write_tokenizer(tokenizer_dir)
+    tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = [None] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    specials = {a["content"] for a in tok["added_tokens"]}
+    tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens))]
+    types = [3 if t in specials else 5 if t.startswith("<unused") else 1 for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS)
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    w.add_chat_template(CHAT_TEMPLATE)
+    return w
+
+
 def write_tiny_gguf(tmp_path, arch: str = "llama", extra_tensor=None, qtypes=None):
     """A tiny random llama GGUF file; `qtypes` maps a tensor's GGUF name to its stored type
     (default: by kind, from QTYPE)."""
@@ -91,35 +126,8 @@ def write_tiny_gguf(tmp_path, arch: str = "llama", extra_tensor=None, qtypes=Non
         for p in hf.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.2)
-    write_tokenizer(tmp_path)
-    tok = json.loads((tmp_path / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    tokens = [None] * len(vocab)
-    for t, i in vocab.items():
-        tokens[i] = t
-    specials = {a["content"] for a in tok["added_tokens"]}
-    tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens))]
-    types = [3 if t in specials else 5 if t.startswith("<unused") else 1 for t in tokens]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-
     path = tmp_path / "tiny.gguf"
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(LAYERS)
-    w.add_context_length(512)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types(types)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(2)
-    w.add_chat_template(CHAT_TEMPLATE)
+    w = tiny_llama_writer(path, tmp_path, arch, HIDDEN, FFN, HEADS, KV_HEADS)
     for name, param in hf.state_dict().items():
         if "rotary" in name:
             continue

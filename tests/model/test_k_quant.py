@@ -3,14 +3,12 @@ gguf-py dequantizes them, each kernel exact to its math against the float matmul
 weights, rows the same bits in any batch, and a Q4_K_M-like Llama file run by "auto" close to
 its float32 self."""
 
-import json
-
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from test_gguf import _hf_to_gguf_name, _methods
+from test_gguf import LAYERS, _hf_to_gguf_name, _methods, tiny_llama_writer
 
 from inflight.model.checkpoints.gguf import GGUFCheckpoint
 from inflight.model.checkpoints.loader import _linear_methods, build_model, open_checkpoint
@@ -27,7 +25,7 @@ from inflight.model.layers.quantization import (
 )
 
 from helpers import prefill_logits, torch_threads
-from tiny_models import CHAT_TEMPLATE, VOCAB, write_tokenizer
+from tiny_models import VOCAB
 
 TYPES = ("Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
 # K = 256: one superblock; 576 is no multiple of 256, so SmolLM2-like shapes use 768 / 1536.
@@ -170,7 +168,7 @@ def test_refuses_what_the_format_cannot_hold():
 
 # A tiny Llama as llama.cpp's Q4_K_M stores one: Q4_K for most matrices, Q6_K for v and down
 # (in layer 0 only, so that layer 1's qkv is all Q4_K) and the head; Q5_K for layer 1's o.
-HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
+HIDDEN, FFN, HEADS, KV_HEADS = 256, 512, 4, 2
 
 
 def _k_quant_type(gguf_name: str, tied: bool = False) -> Q | None:
@@ -188,33 +186,8 @@ def _k_quant_type(gguf_name: str, tied: bool = False) -> Q | None:
 
 def write_k_quant_gguf(tmp_path, tied: bool = False):
     """The file; `tied`: no output tensor, the head is the (Q6_K) embedding."""
-    write_tokenizer(tmp_path)
-    tok = json.loads((tmp_path / "tokenizer.json").read_text())
-    tokens = [None] * len(tok["model"]["vocab"])
-    for t, i in tok["model"]["vocab"].items():
-        tokens[i] = t
-    specials = {a["content"] for a in tok["added_tokens"]}
-    tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens))]
-    types = [3 if t in specials else 5 if t.startswith("<unused") else 1 for t in tokens]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     path = tmp_path / "tiny-k.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(LAYERS)
-    w.add_context_length(512)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types(types)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(2)
-    w.add_chat_template(CHAT_TEMPLATE)
+    w = tiny_llama_writer(path, tmp_path, "llama", HIDDEN, FFN, HEADS, KV_HEADS)
     head_dim, kv = HIDDEN // HEADS, KV_HEADS * HIDDEN // HEADS
     shapes = {"embed_tokens.weight": (VOCAB, HIDDEN), "norm.weight": (HIDDEN,)}
     if not tied:

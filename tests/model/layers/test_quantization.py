@@ -166,10 +166,11 @@ def test_auto_takes_the_k_quants_as_one_kind():
     stored = {"q.weight": "Q4_K", "k.weight": "Q4_K", "v.weight": "Q6_K", "o.weight": "Q5_K"}
     stored["up.weight"] = "Q4_1"
     auto = LinearMethods(FLOAT, "auto", {**KERNELS, "blocks": k_quant}, stored)
+    kernels_without = {kind: m for kind, m in KERNELS.items() if kind != "blocks"}
     assert auto.choose(256, ["q.weight", "k.weight", "v.weight"]) is k_quant
     assert auto.choose(256, ["o.weight"]) is k_quant
     assert auto.choose(256, ["o.weight"], head=True) is k_quant
     assert auto.choose(256, ["q.weight", "up.weight"]) is FLOAT
     assert auto.choose(256, ["up.weight"]) is Q4
-    without = LinearMethods(FLOAT, "auto", KERNELS, stored)
+    without = LinearMethods(FLOAT, "auto", kernels_without, stored)
     assert without.choose(256, ["q.weight", "k.weight", "v.weight"]) is FLOAT

@@ -50,8 +50,25 @@ def _submit_all(engine, items: list[tuple[list[int], int]]) -> float:
     return produced / (time.perf_counter() - start)
 
 
-def build_engine(shape: str, requests: int, args: argparse.Namespace):
-    """The engine on a random-weight model of `shape`, sized for `requests` at once."""
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The workload's size and the runtime's options, as `ready_engine` reads them."""
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--max-num-tokens", type=int, default=8192)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--quantization", default="none", choices=["none", "fp8"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument(
+        "--context-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the context cache, on by default as in the runtime (random prompts never hit it)",
+    )
+
+
+def ready_engine(shape: str, work: list[tuple[list[int], int]], args: argparse.Namespace):
+    """The engine on a random-weight model of `shape`, sized for `work` at once, its kernels
+    compiled by a warm-up request."""
     from inflight.engine import EngineConfig, RequestEngine
 
     device = torch.device("cuda")
@@ -68,19 +85,20 @@ def build_engine(shape: str, requests: int, args: argparse.Namespace):
             kv_cache_dtype=args.kv_cache_dtype,
         ),
     )
-    return RequestEngine(
+    engine = RequestEngine(
         runtime,
         EngineConfig(
             max_batch_size=args.batch,
-            max_pending_requests=requests + 8,
-            command_queue_capacity=requests + 8,
+            max_pending_requests=len(work) + 8,
+            command_queue_capacity=len(work) + 8,
         ),
     )
+    _submit_all(engine, [(work[0][0][:32], 8)])
+    return engine
 
 
 def run_inflight(shape: str, work: list[tuple[list[int], int]], args: argparse.Namespace) -> dict:
-    engine = build_engine(shape, len(work), args)
-    _submit_all(engine, [(work[0][0][:32], 8)])  # warm-up: compiles the kernels
+    engine = ready_engine(shape, work, args)
     tok_s = _submit_all(engine, work)
     engine.shutdown()
     return {"output_tok_s": tok_s}
@@ -208,21 +226,10 @@ def main() -> None:
         default=["qwen3-0.6b"],
         help="shapes to also run through transformers' generate_batch",
     )
-    parser.add_argument("--requests", type=int, default=256)
     parser.add_argument(
         "--hf-batch", type=int, default=64, help="transformers' static batch for hybrid shapes"
     )
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--max-num-tokens", type=int, default=8192)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--quantization", default="none", choices=["none", "fp8"])
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
-    parser.add_argument(
-        "--context-cache",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the context cache, on by default as in the runtime (random prompts never hit it)",
-    )
+    add_engine_args(parser)
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     results: dict[str, dict] = {}

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from gpu_throughput import _submit_all, build_engine, workload
+from gpu_throughput import _submit_all, add_engine_args, ready_engine, workload
 
 from inflight.bench.random_model import SHAPES
 from inflight.bench.report import report_path, write_report
@@ -112,17 +112,10 @@ def summarize(steps: list[StepTime]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-0.6b")
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--max-num-tokens", type=int, default=8192)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--context-cache", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--quantization", default="none", choices=["none", "fp8"])
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    add_engine_args(parser)
     args = parser.parse_args()
     work = workload(args.requests, SHAPES[args.shape].vocab_size)
-    engine = build_engine(args.shape, len(work), args)
-    _submit_all(engine, [(work[0][0][:32], 8)])  # warm-up: compiles the kernels
+    engine = ready_engine(args.shape, work, args)
     steps: list[StepTime] = []
     trace(steps)
     tok_s = _submit_all(engine, work)

@@ -292,6 +292,21 @@ def test_auto_runs_k_quants_from_their_blocks_close_to_float32(k_quant_file, mon
     assert set(_methods(int8).values()) == {Int8LinearMethod}
 
 
+def _fused_layer(raws: dict[str, tuple[str, np.ndarray]], k: int, bias: bool) -> Linear:
+    """A layer of the parts `raws` ({name: (type, raw rows)}) run from their blocks, loaded
+    (a random bias where asked)."""
+    method = StoredBlocksLinearMethod(
+        lambda name: StoredBlocks(*raws[name]), {t for t, _ in raws.values()}
+    )
+    rows = sum(raw.shape[0] for _, raw in raws.values())
+    layer = Linear(k, rows, bias, method, sources=tuple(raws))
+    if bias:
+        with torch.no_grad():
+            layer.bias.copy_(torch.randn(rows, generator=torch.Generator().manual_seed(0)))
+    process_weights_after_loading(layer)
+    return layer
+
+
 def test_mixed_parts_each_write_their_slice_bias_included():
     """A fused layer of Q4_K, Q4_K, Q6_K parts with a bias: the Q4_K parts run as one weight,
     the Q6_K part as another, each with its slice of the bias."""
@@ -301,14 +316,10 @@ def test_mixed_parts_each_write_their_slice_bias_included():
         "b.weight": ("Q4_K", random_blocks("Q4_K", 8, k, seed=2)),
         "c.weight": ("Q6_K", random_blocks("Q6_K", 16, k, seed=3)),
     }
-    method = StoredBlocksLinearMethod(lambda name: StoredBlocks(*raws[name]))
-    layer = Linear(k, 48, True, method, sources=tuple(raws))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        layer.bias.copy_(torch.randn(48))
-    process_weights_after_loading(layer)
+    layer = _fused_layer(raws, k, bias=True)
     assert [type(w) for w in layer.prepared] == [Q4Weight, blocks.K8Weight]
     assert [w.out_features for w in layer.prepared] == [32, 16]
+    torch.manual_seed(0)
     x = torch.randn(3, 5, k)
     out = layer(x)
     assert out.shape == (3, 5, 48)
@@ -326,9 +337,7 @@ def test_parts_of_one_kernel_are_stacked_into_one_weight():
         "k.weight": ("Q5_0", random_blocks("Q5_0", 8, k, seed=2)),
         "v.weight": ("Q8_0", random_blocks("Q8_0", 8, k, seed=3)),
     }
-    method = StoredBlocksLinearMethod(lambda name: StoredBlocks(*raws[name]))
-    layer = Linear(k, 40, False, method, sources=tuple(raws))
-    process_weights_after_loading(layer)
+    layer = _fused_layer(raws, k, bias=False)
     assert [type(w) for w in layer.prepared] == [QuantizedWeight]
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(0))
     alone = [blocks.block_linear(x, blocks.block_weight(t, raw, k)) for t, raw in raws.values()]

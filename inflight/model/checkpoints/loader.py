@@ -198,7 +198,9 @@ def _linear_methods(
         try:
             kernels = _quantized_methods(kinds)
             if with_blocks:
-                kernels["blocks"] = StoredBlocksLinearMethod(checkpoint.stored_blocks)
+                kernels["blocks"] = StoredBlocksLinearMethod(
+                    checkpoint.stored_blocks, set(stored_types.values())
+                )
         except NativeBuildError:
             return LinearMethods(unquantized)  # `native` has warned
         return LinearMethods(unquantized, "auto", kernels, stored_types)

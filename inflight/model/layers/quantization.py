@@ -10,7 +10,7 @@ at all). A method keeps nothing per layer: one instance serves every layer it ru
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -119,10 +119,9 @@ class StoredBlocksLinearMethod(LinearMethod):
 
     loads_weight = False
 
-    def __init__(self, stored_blocks: Callable[[str], StoredBlocks]) -> None:
-        int8.load_kernel()
-        q4.load_kernel()
-        blocks.load_kernel()
+    def __init__(self, stored_blocks: Callable[[str], StoredBlocks], types: Iterable[str]) -> None:
+        """`types`: the stored types it will meet, whose kernels are built now."""
+        blocks.load_kernels(types)
         self.stored_blocks = stored_blocks
 
     def process_weights_after_loading(self, layer: Linear) -> None:

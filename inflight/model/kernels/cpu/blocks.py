@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -231,6 +232,14 @@ def concat_rows(weights: list[BlockWeight]) -> BlockWeight:
             value = torch.cat([getattr(w, f.name) for w in weights])
         parts[f.name] = value
     return type(first)(**parts)
+
+
+def load_kernels(types: Iterable[str]) -> None:
+    """Build (or find cached) the kernels that run `types`, and only those: a failure shows
+    here, as native.NativeBuildError, not mid-generation."""
+    loaders = {"Q8_0": int8.load_kernel, "Q5_0": int8.load_kernel, "Q4_K": q4.load_kernel}
+    for loader in {loaders.get(t, load_kernel) for t in types if t in BLOCK_SHAPES}:
+        loader()
 
 
 @functools.cache

@@ -6,7 +6,8 @@ the listener stays open, so a load balancer is told, not refused), running reque
 clients get a 503, or an error event where the response is a stream); then the server exits 0.
 A second signal exits at once. An engine that stopped on an internal error (every request it
 held failed, `/health` and `/health/ready` answer 503) makes the server exit 1 instead of
-answering errors on.
+answering errors on; it answers 503s naming the fault for `_FAULT_LINGER` seconds first, so that a
+prober polling readiness learns why rather than only meeting a refused connection.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from inflight.server.client import EngineClient
 log = logging.getLogger("inflight.server")
 
 # How often the engine's health is looked at, and how long requests cancelled at the end of a
-# drain get to end (a cancel ends a request within two steps).
+# drain get to end (a cancel ends a request within two steps), and how long a failed engine's
+# 503s are served before the exit.
 _WATCH_INTERVAL = 0.25
 _CANCEL_GRACE = 10.0
+_FAULT_LINGER = 1.0
 
 
 class Server(uvicorn.Server):
@@ -77,6 +80,7 @@ class Server(uvicorn.Server):
             if fault is not None:
                 log.error("the engine stopped on an internal error (%s); shutting down", fault)
                 self.failed = True
+                await asyncio.sleep(_FAULT_LINGER)
                 self.should_exit = True
                 return
             await asyncio.sleep(_WATCH_INTERVAL)

@@ -87,8 +87,8 @@ def test_a_fault_in_a_step_fails_its_requests_and_the_server_serves_on(llm, monk
 
 
 def test_an_engine_that_stops_on_an_error_fails_health_and_stops_the_server(llm, monkeypatch):
-    # The server looks at its engine every 2 s here, so that its 503s can be seen first.
-    monkeypatch.setattr(serving, "_WATCH_INTERVAL", 2.0)
+    # The failed server answers for 5 s here before it exits, so that its 503s can be looked at.
+    monkeypatch.setattr(serving, "_FAULT_LINGER", 5.0)
     _once(GenerationSession, "residents", monkeypatch)  # outside the step: the engine stops
     with running(llm) as handle:
         client = _client(handle.url)

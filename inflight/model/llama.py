@@ -19,8 +19,10 @@ import torch
 from torch import nn
 
 from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
+from inflight.model.attention.cpu import CpuAttentionBackend
 from inflight.model.audio import AudioEncoder
 from inflight.model.config import ModelConfig, VisionConfig
+from inflight.model.kernels.cpu import decoder, native
 from inflight.model.layers.activation import SiluAndMul
 from inflight.model.layers.linear import Linear, process_weights_after_loading
 from inflight.model.layers.lora import INDEXED_MAX_TOKENS, LoRAMapping, LoRASlots
@@ -307,6 +309,11 @@ class LlamaForCausalLM(nn.Module):
                     linear.in_features, parts, max_loras, max_lora_rank, platform.cpu_ops
                 )
         self._lora_native = platform.cpu_ops is not None
+        self._cpu_ops = platform.cpu_ops
+        # Decode-only steps run every layer in one native call where the model allows
+        # (`_decoder_step`); False keeps them on the Python layers (what the step matches).
+        self.native_decode = True
+        self._decoder: tuple[list[KVCache], decoder.DecoderStep | None] | None = None
 
     @property
     def num_attention_layers(self) -> int:
@@ -338,10 +345,71 @@ class LlamaForCausalLM(nn.Module):
                     angles[0].index_copy(0, media.indices, cos),
                     angles[1].index_copy(0, media.indices, sin),
                 )
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, angles, kv_cache, meta, backend, lora)
+        step = None
+        if lora is None and media is None and meta.num_decodes == input_ids.shape[0]:
+            step = self._decoder_step(kv_caches, backend)
+        if step is not None:
+            x, residual = step(x, *angles, meta)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, angles, kv_cache, meta, backend, lora)
         return self.norm.add_forward(x, residual)[0]
+
+    def _decoder_step(
+        self, kv_caches: list[KVCache], backend: AttentionBackend
+    ) -> decoder.DecoderStep | None:
+        """The native decoder step over `kv_caches` (built on first use), or None where a
+        layer cannot run in it: off the CPU float32 path with its native attention, with q/k
+        norms or tensor parallelism, or a linear layer without a native kernel."""
+        if not self.native_decode:
+            return None
+        if self._decoder is None or self._decoder[0] is not kv_caches:
+            self._decoder = (kv_caches, self._build_decoder_step(kv_caches, backend))
+        return self._decoder[1]
+
+    def _build_decoder_step(
+        self, kv_caches: list[KVCache], backend: AttentionBackend
+    ) -> decoder.DecoderStep | None:
+        config = self.layer_config
+        if (
+            not isinstance(backend, CpuAttentionBackend)
+            or self._cpu_ops is None
+            or self.parallel is not None
+            or config.qk_norm
+            or config.head_dim % 8
+            or any(cache.dtype != torch.float32 for kv in kv_caches for cache in kv)
+        ):
+            return None
+        layers = []
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            attention, mlp = layer.self_attn, layer.mlp
+            linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            calls = [linear.method.kernel_calls(linear) for linear in linears]
+            if any(c is None for c in calls):
+                return None
+            layers.append(
+                decoder.LayerKernels(
+                    layer.input_layernorm.weight.detach(),
+                    layer.post_attention_layernorm.weight.detach(),
+                    *calls,
+                    kv_cache=kv_cache,
+                )
+            )
+        try:
+            return decoder.DecoderStep(
+                layers,
+                hidden=config.hidden_size,
+                heads=config.num_heads,
+                kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+                eps=config.rms_norm_eps,
+                scale=config.head_dim**-0.5,
+                ops=self._cpu_ops,
+                attention=backend.library,
+            )
+        except native.NativeBuildError:
+            return None
 
     def media_encoders(self) -> dict[str, ImageEncoder | Qwen2VLImageEncoder | AudioEncoder]:
         """The encoder of each kind of media the model takes."""

@@ -19,7 +19,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     """float32 only; building the kernel happens at construction, so a failure shows there."""
 
     def __init__(self) -> None:
-        self._lib = library()
+        self.library = library()
 
     def forward(
         self,
@@ -30,10 +30,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        store_kv(self._lib, k, v, kv_cache, meta)
+        store_kv(self.library, k, v, kv_cache, meta)
         out = torch.empty(q.shape, dtype=q.dtype)
         if meta.num_decodes:
-            decode_attention(self._lib, q, kv_cache, meta, scale, out)
+            decode_attention(self.library, q, kv_cache, meta, scale, out)
         if meta.num_decodes < len(meta.query_lens_host):
             self.attend_rows(q, kv_cache, meta, scale, out, meta.num_decodes)
         return out

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from inflight.model.kernels.cpu import blocks, int8, q4
+from inflight.model.kernels.cpu.decoder import KernelCall
 from inflight.model.layers.platform import Platform
 
 if TYPE_CHECKING:
@@ -50,6 +51,11 @@ class LinearMethod:
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
+
+    def kernel_calls(self, layer: Linear) -> list[KernelCall] | None:
+        """The native matmuls `apply` runs, by stretch of output rows (for the CPU decoder step,
+        kernels/cpu/decoder.py); None where it runs none."""
+        return None
 
 
 def _take_weight(layer: Linear) -> torch.Tensor:
@@ -92,6 +98,9 @@ class Int8LinearMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return int8.int8_linear(x, layer.prepared, bias)
 
+    def kernel_calls(self, layer: Linear) -> list[KernelCall]:
+        return [blocks.kernel_call(layer.prepared, layer.bias)]
+
 
 class Q4LinearMethod(LinearMethod):
     """CPU float32: 4-bit weights in GGUF's Q4_1 form, so that a Q4_1 checkpoint keeps its own
@@ -106,6 +115,9 @@ class Q4LinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return q4.q4_linear(x, layer.prepared, bias)
+
+    def kernel_calls(self, layer: Linear) -> list[KernelCall]:
+        return [blocks.kernel_call(layer.prepared, layer.bias)]
 
 
 class StoredBlocksLinearMethod(LinearMethod):
@@ -151,6 +163,15 @@ class StoredBlocksLinearMethod(LinearMethod):
             outs.append(blocks.block_linear(x, weight, None if bias is None else bias[start:end]))
             start = end
         return torch.cat(outs, dim=-1)
+
+    def kernel_calls(self, layer: Linear) -> list[KernelCall]:
+        calls, start = [], 0
+        for weight in layer.prepared:
+            end = start + weight.out_features
+            bias = None if layer.bias is None else layer.bias[start:end]
+            calls.append(blocks.kernel_call(weight, bias))
+            start = end
+        return calls
 
 
 # The largest magnitude float8_e4m3fn holds.

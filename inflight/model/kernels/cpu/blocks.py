@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from inflight.model.kernels.cpu import int8, native, q4
+from inflight.model.kernels.cpu.decoder import KernelCall
 from inflight.model.kernels.cpu.int8 import run_kernel
 
 SUPER = 256
@@ -259,6 +260,17 @@ def k8_linear(x: torch.Tensor, weight: K8Weight, bias: torch.Tensor | None = Non
         load_kernel().k8_linear, "k8_linear", x, weight.in_features, weight.out_features,
         (weight.values, weight.scales, weight.multipliers), bias,
     )  # fmt: skip
+
+
+def kernel_call(weight: BlockWeight, bias: torch.Tensor | None) -> KernelCall:
+    """The native matmul that computes x @ weight^T (+ bias), for the decoder step."""
+    if isinstance(weight, K8Weight):
+        kernel, tensors = load_kernel().k8_linear, (weight.values, weight.scales, weight.multipliers)
+    elif isinstance(weight, int8.QuantizedWeight):
+        kernel, tensors = int8.load_kernel().int8_linear, (weight.values, weight.scales)
+    else:
+        kernel, tensors = q4.load_kernel().q4_linear, (weight.values, weight.scales, weight.mins)
+    return KernelCall(kernel, tensors, bias, weight.out_features)
 
 
 def block_linear(

@@ -1,0 +1,177 @@
+/* A whole decode step of a Llama-family decoder in one call: every layer over rows of one query
+   token each, through the same kernels the Python layers call one by one (reached here through
+   function pointers, so this file holds no arithmetic of its own and the results are the Python
+   path's bit for bit).
+
+   At short-chat batch sizes the Python around a layer's ten native calls cost about as much as
+   their arithmetic; here each layer is ten plain C calls. The caller runs the embedding before
+   and the final norm after; the layers' input and residual come back in `x` and `residual`. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int (*linear2_fn)(const float *x, int64_t m, int64_t k, const void *w0, const void *w1,
+                          int64_t n, const float *bias, float *out, int threads);
+typedef int (*linear3_fn)(const float *x, int64_t m, int64_t k, const void *w0, const void *w1,
+                          const void *w2, int64_t n, const float *bias, float *out, int threads);
+typedef void (*rms_norm_fn)(const float *x, int64_t x_stride, const float *residual,
+                            int64_t r_stride, float *out, float *res_out, const float *w,
+                            int64_t rows, int64_t size, float eps, int threads);
+typedef void (*silu_mul_fn)(const float *gate_up, int64_t stride, float *out, int64_t rows,
+                            int64_t size, int threads);
+typedef void (*rope_fn)(const float *x, int64_t stride_t, int64_t stride_h, float *out,
+                        const float *cos_, const float *sin_, int64_t tokens, int64_t heads,
+                        int64_t dim, int threads);
+typedef void (*store_kv_fn)(const float *k, int64_t k_stride_t, int64_t k_stride_h,
+                            const float *v, int64_t v_stride_t, int64_t v_stride_h,
+                            float *k_cache, float *v_cache, int64_t kv_stride_h,
+                            const int64_t *slots, int64_t tokens, int64_t kv_heads,
+                            int64_t head_dim);
+typedef int (*attention_fn)(const float *q, int64_t q_stride_t, int64_t q_stride_h,
+                            const float *k_cache, const float *v_cache, int64_t kv_stride_h,
+                            const int32_t *block_tables, int64_t bt_stride,
+                            const int32_t *seq_lens, int64_t rows, int64_t q_heads,
+                            int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                            int64_t max_seq_len, float scale, float *out, int64_t out_stride_t,
+                            int64_t out_stride_h, int threads);
+
+/* One stretch of a linear layer's output rows run by one kernel (a fused layer whose parts are
+   stored in types of different kernels has several). */
+typedef struct {
+    void *kernel;
+    int64_t arity; /* weight tensors the kernel takes: 2 or 3 */
+    const void *weights[3];
+    const float *bias; /* NULL: none */
+    int64_t out_features;
+} Part;
+
+#define MAX_PARTS 4
+
+typedef struct {
+    int64_t parts;
+    Part part[MAX_PARTS];
+    int64_t in_features, out_features;
+} Linear;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    Linear qkv, o, gate_up, down;
+    float *k_cache, *v_cache;
+} Layer;
+
+typedef struct {
+    void *rms_norm, *silu_mul, *rope, *store_kv, *attention;
+    int64_t layers, tokens, hidden, heads, kv_heads, head_dim;
+    float eps, scale;
+    const float *cos_, *sin_; /* [tokens, head_dim] */
+    const int64_t *slots;
+    const int32_t *block_tables, *seq_lens;
+    int64_t bt_stride, block_size, max_seq_len, kv_stride_h;
+    int64_t threads;
+} Step;
+
+/* Codes the caller turns into errors; a kernel's own nonzero status is returned as it is. */
+enum { NO_MEMORY = -100, TOO_MANY_PARTS = -101 };
+
+static int run_part(const Part *p, const float *x, int64_t m, int64_t k, float *out,
+                    int threads) {
+    if (p->arity == 2)
+        return ((linear2_fn)p->kernel)(x, m, k, p->weights[0], p->weights[1], p->out_features,
+                                       p->bias, out, threads);
+    return ((linear3_fn)p->kernel)(x, m, k, p->weights[0], p->weights[1], p->weights[2],
+                                   p->out_features, p->bias, out, threads);
+}
+
+/* out [m, out_features] = x [m, in_features] @ W^T (+ bias); a part of several writes its
+   columns through `scratch` [m, its out_features], as torch.cat of the parts would. */
+static int run_linear(const Linear *l, const float *x, int64_t m, float *out, float *scratch,
+                      int threads) {
+    if (l->parts == 1) return run_part(&l->part[0], x, m, l->in_features, out, threads);
+    if (l->parts > MAX_PARTS) return TOO_MANY_PARTS;
+    int64_t column = 0;
+    for (int64_t i = 0; i < l->parts; i++) {
+        const Part *p = &l->part[i];
+        const int status = run_part(p, x, m, l->in_features, scratch, threads);
+        if (status != 0) return status;
+        for (int64_t r = 0; r < m; r++)
+            memcpy(out + r * l->out_features + column, scratch + r * p->out_features,
+                   sizeof(float) * p->out_features);
+        column += p->out_features;
+    }
+    return 0;
+}
+
+static int64_t widest(const Layer *layers, int64_t n) {
+    int64_t w = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const Linear *all[4] = {&layers[i].qkv, &layers[i].o, &layers[i].gate_up, &layers[i].down};
+        for (int j = 0; j < 4; j++) {
+            if (all[j]->out_features > w) w = all[j]->out_features;
+            if (all[j]->in_features > w) w = all[j]->in_features;
+        }
+    }
+    return w;
+}
+
+/* x [tokens, hidden]: the embedded tokens in, the last layer's output out; residual: the
+   residual stream the final norm adds x to. Returns 0, or an error code. */
+int decoder_step(const Step *s, const Layer *layers, float *x, float *residual) {
+    const int threads = (int)s->threads;
+    const int64_t t = s->tokens, hidden = s->hidden, d = s->head_dim;
+    const int64_t q_size = s->heads * d, kv_size = s->kv_heads * d;
+    const int64_t qk_heads = s->heads + s->kv_heads;
+    const int64_t wide = widest(layers, s->layers);
+    /* h: a norm's output; qkv, qk (rotated), attn: attention; big: gate_up, then
+       scratch: a part's columns */
+    float *h = malloc(sizeof(float) * t * hidden);
+    float *qk = malloc(sizeof(float) * t * qk_heads * d);
+    float *attn = malloc(sizeof(float) * t * q_size);
+    float *big = malloc(sizeof(float) * t * wide);
+    float *act = malloc(sizeof(float) * t * wide);
+    float *scratch = malloc(sizeof(float) * t * wide);
+    int status = 0;
+    if (!h || !qk || !attn || !big || !act || !scratch) {
+        status = NO_MEMORY;
+        goto done;
+    }
+    const rms_norm_fn rms_norm = (rms_norm_fn)s->rms_norm;
+    for (int64_t i = 0; i < s->layers && status == 0; i++) {
+        const Layer *l = &layers[i];
+        if (i == 0) { /* the residual stream starts as the embeddings */
+            rms_norm(x, hidden, NULL, 0, h, NULL, l->input_norm, t, hidden, s->eps, threads);
+            memcpy(residual, x, sizeof(float) * t * hidden);
+        } else {
+            rms_norm(x, hidden, residual, hidden, h, residual, l->input_norm, t, hidden, s->eps,
+                     threads);
+        }
+        float *qkv = big;
+        const int64_t qkv_n = l->qkv.out_features;
+        if ((status = run_linear(&l->qkv, h, t, qkv, scratch, threads))) break;
+        /* q's and k's heads side by side in the projection: one rotation, as the layer does */
+        ((rope_fn)s->rope)(qkv, qkv_n, d, qk, s->cos_, s->sin_, t, qk_heads, d, threads);
+        ((store_kv_fn)s->store_kv)(qk + q_size, qk_heads * d, d, qkv + q_size + kv_size, qkv_n,
+                                   d, l->k_cache, l->v_cache, s->kv_stride_h, s->slots, t,
+                                   s->kv_heads, d);
+        status = ((attention_fn)s->attention)(
+            qk, qk_heads * d, d, l->k_cache, l->v_cache, s->kv_stride_h, s->block_tables,
+            s->bt_stride, s->seq_lens, t, s->heads, s->kv_heads, d, s->block_size, s->max_seq_len,
+            s->scale, attn, q_size, d, threads);
+        if (status) break;
+        if ((status = run_linear(&l->o, attn, t, x, scratch, threads))) break;
+        rms_norm(x, hidden, residual, hidden, h, residual, l->post_norm, t, hidden, s->eps,
+                 threads);
+        const int64_t inter = l->gate_up.out_features / 2;
+        if ((status = run_linear(&l->gate_up, h, t, big, scratch, threads))) break;
+        ((silu_mul_fn)s->silu_mul)(big, 2 * inter, act, t, inter, threads);
+        status = run_linear(&l->down, act, t, x, scratch, threads);
+    }
+done:
+    free(h);
+    free(qk);
+    free(attn);
+    free(big);
+    free(act);
+    free(scratch);
+    return status;
+}

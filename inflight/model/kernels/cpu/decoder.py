@@ -1,0 +1,210 @@
+"""ctypes bindings of decoder.c: a whole decode step of a Llama-family decoder in one call.
+
+`DecoderStep` is built once per model and KV cache from plain descriptions of its layers (which
+kernel runs each linear layer, on which tensors); each call then fills in the step's metadata.
+It holds the tensors it points at, so none is freed while it lives.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inflight.model.attention.base import AttentionMetadata, KVCache
+from inflight.model.kernels.cpu import native
+
+_SOURCE = Path(__file__).with_name("decoder.c")
+_MAX_PARTS = 4  # decoder.c's MAX_PARTS
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """One stretch of a linear layer's output rows and the native matmul that computes it:
+    `kernel` takes (x, M, K, *tensors, N, bias, out, threads), as the q4, int8 and k8 kernels
+    do."""
+
+    kernel: ctypes._CFuncPtr
+    tensors: tuple[torch.Tensor, ...]
+    bias: torch.Tensor | None
+    out_features: int
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    """What decoder.c runs for one decoder layer (no q/k norm, float32 weights and caches)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Sequence[KernelCall]
+    o: Sequence[KernelCall]
+    gate_up: Sequence[KernelCall]
+    down: Sequence[KernelCall]
+    kv_cache: KVCache
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [
+        ("kernel", _p),
+        ("arity", _i64),
+        ("weights", _p * 3),
+        ("bias", _p),
+        ("out_features", _i64),
+    ]
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("parts", _i64),
+        ("part", _Part * _MAX_PARTS),
+        ("in_features", _i64),
+        ("out_features", _i64),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _p),
+        ("post_norm", _p),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+        ("k_cache", _p),
+        ("v_cache", _p),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("rms_norm", _p),
+        ("silu_mul", _p),
+        ("rope", _p),
+        ("store_kv", _p),
+        ("attention", _p),
+        *((name, _i64) for name in ("layers", "tokens", "hidden", "heads", "kv_heads", "head_dim")),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("cos_", _p),
+        ("sin_", _p),
+        ("slots", _p),
+        ("block_tables", _p),
+        ("seq_lens", _p),
+        *((name, _i64) for name in ("bt_stride", "block_size", "max_seq_len", "kv_stride_h")),
+        ("threads", _i64),
+    ]
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    lib = native.build(_SOURCE, "the CPU decoder step")
+    lib.decoder_step.argtypes = [ctypes.POINTER(_Step), ctypes.POINTER(_Layer), _p, _p]
+    lib.decoder_step.restype = ctypes.c_int
+    return lib
+
+
+def _address(function: ctypes._CFuncPtr) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+def _linear(calls: Sequence[KernelCall], in_features: int) -> _Linear:
+    if not 1 <= len(calls) <= _MAX_PARTS:
+        raise ValueError(f"a linear layer of {len(calls)} kernel parts (at most {_MAX_PARTS})")
+    linear = _Linear(len(calls), in_features=in_features)
+    linear.out_features = sum(call.out_features for call in calls)
+    for part, call in zip(linear.part, calls, strict=False):
+        if len(call.tensors) not in (2, 3):
+            raise ValueError(f"a kernel of {len(call.tensors)} weight tensors")
+        part.kernel = _address(call.kernel)
+        part.arity = len(call.tensors)
+        for i, tensor in enumerate(call.tensors):
+            part.weights[i] = tensor.data_ptr()
+        part.bias = None if call.bias is None else call.bias.data_ptr()
+        part.out_features = call.out_features
+    return linear
+
+
+class DecoderStep:
+    """Every layer of a decoder of `heads` query and `kv_heads` KV heads of `head_dim`, over
+    steps whose rows are all decodes; `ops` and `attention`: the libraries of kernels/cpu/ops.py
+    and kernels/cpu/attention.py."""
+
+    def __init__(
+        self,
+        layers: Sequence[LayerKernels],
+        *,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+        ops: ctypes.CDLL,
+        attention: ctypes.CDLL,
+    ) -> None:
+        self._lib = library()
+        self._layers = list(layers)  # held: the structs point into their tensors
+        self._array = (_Layer * len(layers))()
+        for entry, layer in zip(self._array, layers, strict=True):
+            k_cache, v_cache = layer.kv_cache
+            if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+                raise ValueError("the decoder step needs contiguous KV caches")
+            entry.input_norm = layer.input_norm.data_ptr()
+            entry.post_norm = layer.post_norm.data_ptr()
+            entry.qkv = _linear(layer.qkv, hidden)
+            entry.o = _linear(layer.o, heads * head_dim)
+            entry.gate_up = _linear(layer.gate_up, hidden)
+            entry.down = _linear(layer.down, entry.gate_up.out_features // 2)
+            entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        self.kv_stride_h = layers[0].kv_cache[0].stride(0)
+        self._step = _Step(
+            rms_norm=_address(ops.rms_norm),
+            silu_mul=_address(ops.silu_mul),
+            rope=_address(ops.rope),
+            store_kv=_address(attention.store_kv),
+            attention=_address(attention.decode_attention),
+            layers=len(layers),
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            eps=eps,
+            scale=scale,
+        )
+
+    def __call__(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's output and the residual stream, from the embedded tokens x
+        [T, hidden] (float32; written in place where contiguous) whose cos, sin [T, 1, head_dim]
+        are their positions' angles."""
+        tokens = x.shape[0]
+        if meta.num_decodes != tokens:
+            raise ValueError(f"a decoder step over {tokens} tokens of {meta.num_decodes} rows")
+        x = x.contiguous()
+        residual = torch.empty_like(x)
+        cos = cos.reshape(tokens, -1).contiguous()
+        sin = sin.reshape(tokens, -1).contiguous()
+        slots = meta.slot_mapping.contiguous()
+        tables = meta.block_tables.contiguous()
+        seq_lens = meta.seq_lens.contiguous()
+        step = self._step
+        step.tokens = tokens
+        step.cos_, step.sin_ = cos.data_ptr(), sin.data_ptr()
+        step.slots, step.block_tables = slots.data_ptr(), tables.data_ptr()
+        step.seq_lens, step.bt_stride = seq_lens.data_ptr(), tables.stride(0)
+        step.block_size, step.max_seq_len = meta.block_size, meta.max_seq_len
+        step.kv_stride_h, step.threads = self.kv_stride_h, torch.get_num_threads()
+        status = self._lib.decoder_step(
+            ctypes.byref(step), self._array, x.data_ptr(), residual.data_ptr()
+        )
+        if status == -100:
+            raise MemoryError("the CPU decoder step could not allocate its scratch buffers")
+        if status != 0:
+            raise RuntimeError(f"the CPU decoder step failed with status {status}")
+        return x, residual

@@ -178,9 +178,13 @@ class Attention(nn.Module):
                 qk = self.rope(qk, angles)
                 q, k = qk[:, :heads], qk[:, heads:]
             else:
-                q = qkv[:, : self.q_size].view(tokens, heads, self.head_dim)
-                k = qkv[:, self.q_size : qk_size].view(tokens, self.num_kv_heads, self.head_dim)
-                q, k = self.rope(self.q_norm(q), angles), self.rope(self.k_norm(k), angles)
+                # Heads as rows [T * H, D] (a copy out of the projection), which the native
+                # norm takes.
+                dim = self.head_dim
+                q = self.q_norm(qkv[:, : self.q_size].reshape(-1, dim))
+                k = self.k_norm(qkv[:, self.q_size : qk_size].reshape(-1, dim))
+                q = self.rope(q.view(tokens, heads, dim), angles)
+                k = self.rope(k.view(tokens, self.num_kv_heads, dim), angles)
             out = backend.forward(q, k, v, kv_cache, meta, self.scale)
         out = self.o_proj(out.reshape(tokens, self.q_size), lora)
         return out if self.parallel is None else self.parallel.all_reduce(out)
@@ -346,7 +350,7 @@ class LlamaForCausalLM(nn.Module):
                     angles[1].index_copy(0, media.indices, sin),
                 )
         step = None
-        if lora is None and media is None and meta.num_decodes == input_ids.shape[0]:
+        if lora is None and media is None and meta.num_decodes == input_ids.shape[0] > 0:
             step = self._decoder_step(kv_caches, backend)
         if step is not None:
             x, residual = step(x, *angles, meta)
@@ -360,8 +364,8 @@ class LlamaForCausalLM(nn.Module):
         self, kv_caches: list[KVCache], backend: AttentionBackend
     ) -> decoder.DecoderStep | None:
         """The native decoder step over `kv_caches` (built on first use), or None where a
-        layer cannot run in it: off the CPU float32 path with its native attention, with q/k
-        norms or tensor parallelism, or a linear layer without a native kernel."""
+        layer cannot run in it: off the CPU float32 path with its native attention, under
+        tensor parallelism, or a linear layer without a native kernel."""
         if not self.native_decode:
             return None
         if self._decoder is None or self._decoder[0] is not kv_caches:
@@ -376,7 +380,6 @@ class LlamaForCausalLM(nn.Module):
             not isinstance(backend, CpuAttentionBackend)
             or self._cpu_ops is None
             or self.parallel is not None
-            or config.qk_norm
             or config.head_dim % 8
             or any(cache.dtype != torch.float32 for kv in kv_caches for cache in kv)
         ):
@@ -388,12 +391,16 @@ class LlamaForCausalLM(nn.Module):
             calls = [linear.method.kernel_calls(linear) for linear in linears]
             if any(c is None for c in calls):
                 return None
+            norms = None
+            if attention.q_norm is not None and attention.k_norm is not None:
+                norms = (attention.q_norm.weight.detach(), attention.k_norm.weight.detach())
             layers.append(
                 decoder.LayerKernels(
                     layer.input_layernorm.weight.detach(),
                     layer.post_attention_layernorm.weight.detach(),
                     *calls,
                     kv_cache=kv_cache,
+                    qk_norms=norms,
                 )
             )
         try:

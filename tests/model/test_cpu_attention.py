@@ -80,4 +80,4 @@ def test_runtime_picks_it_for_float32_on_the_cpu(tiny_dirs):
 def test_kernel_rejects_a_head_dim_it_cannot_vectorize():
     q, k, v, cache, meta = _step([(1, 20), (1, 5)], 4, 2, 12)
     with pytest.raises(ValueError, match="head_dim multiple of 8, got 12"):
-        decode_attention(CpuAttentionBackend()._lib, q, cache, meta, 0.3, torch.empty(q.shape))
+        decode_attention(CpuAttentionBackend().library, q, cache, meta, 0.3, torch.empty(q.shape))

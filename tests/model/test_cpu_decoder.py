@@ -58,10 +58,11 @@ def test_the_default_model_decodes_as_its_layers_do():
     _decode_matches_the_layers(runner, runner.model.config.vocab_size)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_int8_layers_with_and_without_biases(tiny_dirs, family):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_int8_layers_with_biases_and_q_k_norms(tiny_dirs, family):
     runner = _runner(tiny_dirs[family], quantization="int8")
     assert runner.model.config.qkv_bias == (family == "qwen2")
+    assert runner.model.config.qk_norm == (family == "qwen3")
     _decode_matches_the_layers(runner, runner.model.config.vocab_size)
 
 
@@ -74,9 +75,8 @@ def test_k_quant_layers_of_mixed_kernels(tmp_path):
 
 
 def test_models_it_cannot_run_keep_their_layers(tiny_dirs):
-    # q/k norms (Qwen3), float weights (no native matmul), the torch attention backend.
+    # Float weights (no native matmul), the torch attention backend.
     for model, options in (
-        (tiny_dirs["qwen3"], {"quantization": "int8"}),
         (tiny_dirs["llama"], {"quantization": "none"}),
         (tiny_dirs["llama"], {"quantization": "int8", "attention_backend": "torch"}),
     ):

@@ -37,7 +37,8 @@ class KernelCall:
 
 @dataclass(frozen=True)
 class LayerKernels:
-    """What decoder.c runs for one decoder layer (no q/k norm, float32 weights and caches)."""
+    """What decoder.c runs for one decoder layer (float32 weights and caches); `qk_norms`: the
+    weights of the per-head q and k RMSNorms (Qwen3), if any."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -46,6 +47,7 @@ class LayerKernels:
     gate_up: Sequence[KernelCall]
     down: Sequence[KernelCall]
     kv_cache: KVCache
+    qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class _Part(ctypes.Structure):
@@ -71,6 +73,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _p),
         ("post_norm", _p),
+        ("q_norm", _p),
+        ("k_norm", _p),
         ("qkv", _Linear),
         ("o", _Linear),
         ("gate_up", _Linear),
@@ -156,6 +160,8 @@ class DecoderStep:
                 raise ValueError("the decoder step needs contiguous KV caches")
             entry.input_norm = layer.input_norm.data_ptr()
             entry.post_norm = layer.post_norm.data_ptr()
+            if layer.qk_norms is not None:
+                entry.q_norm, entry.k_norm = (w.data_ptr() for w in layer.qk_norms)
             entry.qkv = _linear(layer.qkv, hidden)
             entry.o = _linear(layer.o, heads * head_dim)
             entry.gate_up = _linear(layer.gate_up, hidden)

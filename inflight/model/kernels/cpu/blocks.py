@@ -265,7 +265,8 @@ def k8_linear(x: torch.Tensor, weight: K8Weight, bias: torch.Tensor | None = Non
 def kernel_call(weight: BlockWeight, bias: torch.Tensor | None) -> KernelCall:
     """The native matmul that computes x @ weight^T (+ bias), for the decoder step."""
     if isinstance(weight, K8Weight):
-        kernel, tensors = load_kernel().k8_linear, (weight.values, weight.scales, weight.multipliers)
+        tensors = (weight.values, weight.scales, weight.multipliers)
+        kernel = load_kernel().k8_linear
     elif isinstance(weight, int8.QuantizedWeight):
         kernel, tensors = int8.load_kernel().int8_linear, (weight.values, weight.scales)
     else:

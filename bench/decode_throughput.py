@@ -106,7 +106,10 @@ def main() -> None:
         "transformers_single": hf_decode(hf, hf_tok, texts[:1], args.tokens),
         "transformers_batched": hf_decode(hf, hf_tok, texts, args.tokens),
     }
-    print(f"decode tok/s, {path.name}, float32, {torch.get_num_threads()} threads")
+    print(
+        f"decode tok/s, {path.name} (inflight: quantization auto; transformers: float32), "
+        f"{torch.get_num_threads()} threads"
+    )
     print(f"{'engine':<14}{'single':>10}{f'batch {args.batch}':>12}")
     for engine in ("inflight", "transformers"):
         print(f"{engine:<14}{rows[engine + '_single']:>10.1f}{rows[engine + '_batched']:>12.1f}")

@@ -72,8 +72,9 @@ typedef struct {
     int64_t threads;
 } Step;
 
-/* Codes the caller turns into errors; a kernel's own nonzero status is returned as it is. */
-enum { NO_MEMORY = -100, TOO_MANY_PARTS = -101 };
+/* The scratch buffers could not be allocated; a kernel's own nonzero status is returned as it
+   is. */
+#define NO_MEMORY (-100)
 
 static int run_part(const Part *p, const float *x, int64_t m, int64_t k, float *out,
                     int threads) {
@@ -89,7 +90,6 @@ static int run_part(const Part *p, const float *x, int64_t m, int64_t k, float *
 static int run_linear(const Linear *l, const float *x, int64_t m, float *out, float *scratch,
                       int threads) {
     if (l->parts == 1) return run_part(&l->part[0], x, m, l->in_features, out, threads);
-    if (l->parts > MAX_PARTS) return TOO_MANY_PARTS;
     int64_t column = 0;
     for (int64_t i = 0; i < l->parts; i++) {
         const Part *p = &l->part[i];
@@ -123,8 +123,8 @@ int decoder_step(const Step *s, const Layer *layers, float *x, float *residual) 
     const int64_t q_size = s->heads * d, kv_size = s->kv_heads * d;
     const int64_t qk_heads = s->heads + s->kv_heads;
     const int64_t wide = widest(layers, s->layers);
-    /* h: a norm's output; qkv, qk (rotated), attn: attention; big: gate_up, then
-       scratch: a part's columns */
+    /* h: a norm's output; big: the qkv projection, later gate_up; qk: q and k rotated; attn:
+       attention's output; act: silu(gate) * up; scratch: one part's columns of a linear */
     float *h = malloc(sizeof(float) * t * hidden);
     float *qk = malloc(sizeof(float) * t * qk_heads * d);
     float *attn = malloc(sizeof(float) * t * q_size);

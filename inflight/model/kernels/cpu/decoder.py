@@ -209,7 +209,7 @@ class DecoderStep:
         status = self._lib.decoder_step(
             ctypes.byref(step), self._array, x.data_ptr(), residual.data_ptr()
         )
-        if status == -100:
+        if status == -100:  # decoder.c's NO_MEMORY
             raise MemoryError("the CPU decoder step could not allocate its scratch buffers")
         if status != 0:
             raise RuntimeError(f"the CPU decoder step failed with status {status}")

@@ -1,12 +1,14 @@
-"""Where a CPU decode step's time goes, with decode-only steps in the native decoder step and on
-the Python layers, alternated in one process.
+"""Where a CPU step's time goes, with the native decoder step and on the Python layers,
+alternated in one process.
 
-The short-chat workload (16 prompts of random tokens, greedy, EOS ignored, all admitted at once)
-through `LLM` under in-flight batching; every session step is timed, and inside it the forward
-pass and the LM head. Medians are over the steps whose rows all decode.
+The short-chat workload (16 prompts of random tokens, greedy, EOS ignored, all admitted at once,
+no context cache) through `LLM` under in-flight batching; every session step is timed, and
+inside it the forward pass and the LM head. "prefill" is the first step; the medians are over
+the steps after it: decodes alone, unless a small `--max-num-tokens` chunks the prompts, which
+then prefill beside the first rows' decodes.
 
     .venv/bin/python bench/cpu_step.py [--model M] [--prompts 16] [--prompt-len 38]
-        [--output-len 64] [--threads 2] [--rounds 2]
+        [--output-len 64] [--threads 2] [--rounds 2] [--max-num-tokens 2048]
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-num-tokens", type=int, default=2048)
     parser.add_argument("--out", default="bench/out/cpu_step.json")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -59,7 +62,13 @@ def main() -> None:
     ):
         _timed(owner, name, key)
 
-    llm = LLM(args.model, enable_in_flight_batching=True, max_batch_size=args.prompts)
+    llm = LLM(
+        args.model,
+        enable_in_flight_batching=True,
+        max_batch_size=args.prompts,
+        max_num_tokens=args.max_num_tokens,
+        context_cache=False,  # every round computes its prompts
+    )
     model = llm._runtime.executor.runner.model
     rng = random.Random(0)
     vocab = model.config.vocab_size
@@ -71,7 +80,7 @@ def main() -> None:
     llm.generate(prompts[0], SamplingParams(max_tokens=2))  # warm-up
     results: dict[str, list[dict[str, float]]] = defaultdict(list)
     print(f"{args.prompts} x {args.prompt_len} tokens -> {args.output_len}, {args.threads} threads")
-    print(f"{'path':<8}{'tok/s':>8}{'step ms':>9}{'forward':>9}{'head':>7}")
+    print(f"{'path':<8}{'tok/s':>8}{'prefill':>9}{'step ms':>9}{'forward':>9}{'head':>7}")
     for _ in range(args.rounds):
         for path, native in (("native", True), ("layers", False)):
             model.native_decode = native
@@ -79,17 +88,23 @@ def main() -> None:
             start = time.perf_counter()
             llm.generate(prompts, params)
             elapsed = time.perf_counter() - start
-            # The first step prefills every prompt: the rest decode.
             row = {"tok_s": args.prompts * args.output_len / elapsed}
+            row["prefill_ms"] = 1e3 * _times["step"][0]
             for key in ("step", "forward", "head"):
                 row[f"{key}_ms"] = 1e3 * statistics.median(_times[key][1:])
             results[path].append(row)
             print(
-                f"{path:<8}{row['tok_s']:>8.1f}{row['step_ms']:>9.2f}{row['forward_ms']:>9.2f}"
-                f"{row['head_ms']:>7.2f}"
+                f"{path:<8}{row['tok_s']:>8.1f}{row['prefill_ms']:>9.1f}{row['step_ms']:>9.2f}"
+                f"{row['forward_ms']:>9.2f}{row['head_ms']:>7.2f}"
             )
     llm.close()
-    write_report(args.out, model=args.model or "default", threads=args.threads, rounds=results)
+    write_report(
+        args.out,
+        model=args.model or "default",
+        threads=args.threads,
+        max_num_tokens=args.max_num_tokens,
+        rounds=results,
+    )
 
 
 if __name__ == "__main__":

@@ -314,8 +314,8 @@ class LlamaForCausalLM(nn.Module):
                 )
         self._lora_native = platform.cpu_ops is not None
         self._cpu_ops = platform.cpu_ops
-        # Decode-only steps run every layer in one native call where the model allows
-        # (`_decoder_step`); False keeps them on the Python layers (what the step matches).
+        # Steps run every layer in one native call where the model allows (`_decoder_step`);
+        # False keeps them on the Python layers (what the native step matches).
         self.native_decode = True
         self._decoder: tuple[list[KVCache], decoder.DecoderStep | None] | None = None
 
@@ -350,10 +350,15 @@ class LlamaForCausalLM(nn.Module):
                     angles[1].index_copy(0, media.indices, sin),
                 )
         step = None
-        if lora is None and media is None and meta.num_decodes == input_ids.shape[0] > 0:
+        if lora is None and media is None and input_ids.shape[0] > 0:
             step = self._decoder_step(kv_caches, backend)
         if step is not None:
-            x, residual = step(x, *angles, meta)
+            scale, first = self.layer_config.head_dim**-0.5, meta.num_decodes
+
+            def prefill(layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
+                backend.attend_rows(q, kv_caches[layer], meta, scale, out, first)
+
+            x, residual = step(x, *angles, meta, prefill)
         else:
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

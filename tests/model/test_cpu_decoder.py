@@ -1,5 +1,6 @@
-"""The CPU decoder step (kernels/cpu/decoder.c): decode-only steps run every layer in one native
-call, and give the Python layers' results bit for bit (hidden states and the KV they store)."""
+"""The CPU decoder step (kernels/cpu/decoder.c): a step runs every layer in one native call (the
+prefill rows' attention called back in Python), and gives the Python layers' results bit for bit
+(hidden states and the KV they store), for prefill, decode and mixed steps."""
 
 import random
 
@@ -25,37 +26,54 @@ def _forward(runner, rows, native: bool) -> torch.Tensor:
         return runner._forward(batch.input_ids, batch.positions, batch.meta)
 
 
-def _decode_matches_the_layers(runner, vocab: int, lengths=(5, 40, 17, 1)) -> None:
-    """Prefill rows of `lengths` (through the layers), then one decode step both ways from the
-    same caches: the same hidden states and the same stored keys and values."""
-    rng = random.Random(0)
-    size, rows, decodes = runner.block_size, [], []
-    blocks = list(range(1, 60))
-    rng.shuffle(blocks)
-    for length in lengths:
-        table = [blocks.pop() for _ in range(-(-(length + 1) // size))]
-        rows.append(RowInput([rng.randrange(vocab) for _ in range(length)], 0, table, True))
-        decodes.append(RowInput([rng.randrange(vocab)], length, table, True))
-    _forward(runner, rows, native=True)  # a prefill step: the layers either way
+def _same_both_ways(runner, rows) -> torch.Tensor:
+    """One step of `rows` through the native step and through the layers, from the same caches:
+    the same hidden states, the same stored keys and values. Returns the hidden states."""
     caches = [tuple(c.clone() for c in kv) for kv in runner.kv_caches]
-    native = _forward(runner, decodes, native=True)
-    assert runner.model._decoder[1] is not None, "the decoder step did not run"
+    native = _forward(runner, rows, native=True)
+    assert runner.model._decoder[1] is not None, "the native step did not run"
     native_caches = [tuple(c.clone() for c in kv) for kv in runner.kv_caches]
     for kv, saved in zip(runner.kv_caches, caches, strict=True):
         for cache, copy in zip(kv, saved, strict=True):
             cache.copy_(copy)
-    layers = _forward(runner, decodes, native=False)
+    layers = _forward(runner, rows, native=False)
     assert torch.equal(native, layers)
     for a, b in zip(native_caches, runner.kv_caches, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    # Each row alone gets the bits it got in the batch.
-    for i, row in enumerate(decodes):
+    return native
+
+
+def _steps_match_the_layers(runner, vocab: int, lengths=(5, 40, 17, 1)) -> None:
+    """A prefill step of rows of `lengths`, a decode step of them, then a mixed step: their
+    decodes beside a new prompt's first chunk and the rest of another's; each both ways."""
+    rng = random.Random(0)
+    size = runner.block_size
+    blocks = list(range(1, 80))
+    rng.shuffle(blocks)
+
+    def prompt(n):
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    def table(n):
+        return [blocks.pop() for _ in range(-(-n // size))]
+
+    tables = [table(n + 2) for n in lengths]
+    prefills = [RowInput(prompt(n), 0, t, True) for n, t in zip(lengths, tables, strict=True)]
+    _same_both_ways(runner, prefills)
+    decodes = [RowInput(prompt(1), n, t, True) for n, t in zip(lengths, tables, strict=True)]
+    native = _same_both_ways(runner, decodes)
+    for i, row in enumerate(decodes):  # each row alone gets the bits it got in the batch
         assert torch.equal(_forward(runner, [row], native=True)[0], native[i])
+    late = table(30)
+    _same_both_ways(runner, [RowInput(prompt(20), 0, late, False)])
+    mixed = [RowInput(prompt(1), n + 1, t, True) for n, t in zip(lengths, tables, strict=True)]
+    mixed += [RowInput(prompt(9), 0, table(9), False), RowInput(prompt(7), 20, late, True)]
+    _same_both_ways(runner, mixed)
 
 
-def test_the_default_model_decodes_as_its_layers_do():
+def test_the_default_model_steps_as_its_layers_do():
     runner = _runner(None)  # Q4_1 decoder layers in the 4-bit kernel
-    _decode_matches_the_layers(runner, runner.model.config.vocab_size)
+    _steps_match_the_layers(runner, runner.model.config.vocab_size)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -63,7 +81,7 @@ def test_int8_layers_with_biases_and_q_k_norms(tiny_dirs, family):
     runner = _runner(tiny_dirs[family], quantization="int8")
     assert runner.model.config.qkv_bias == (family == "qwen2")
     assert runner.model.config.qk_norm == (family == "qwen3")
-    _decode_matches_the_layers(runner, runner.model.config.vocab_size)
+    _steps_match_the_layers(runner, runner.model.config.vocab_size)
 
 
 def test_k_quant_layers_of_mixed_kernels(tmp_path):
@@ -71,7 +89,7 @@ def test_k_quant_layers_of_mixed_kernels(tmp_path):
     runner = _runner(str(write_k_quant_gguf(tmp_path)))
     layers = runner.model.layers
     assert [len(layer.self_attn.qkv_proj.prepared) for layer in layers] == [2, 1]
-    _decode_matches_the_layers(runner, runner.model.config.vocab_size)
+    _steps_match_the_layers(runner, runner.model.config.vocab_size)
 
 
 def test_models_it_cannot_run_keep_their_layers(tiny_dirs):
@@ -81,7 +99,19 @@ def test_models_it_cannot_run_keep_their_layers(tiny_dirs):
         (tiny_dirs["llama"], {"quantization": "int8", "attention_backend": "torch"}),
     ):
         runner = _runner(model, **options)
-        rows = [RowInput([3, 4, 5], 0, [1], True)]
-        _forward(runner, rows, native=True)
-        _forward(runner, [RowInput([6], 3, [1], True)], native=True)
+        _forward(runner, [RowInput([3, 4, 5], 0, [1], True)], native=True)
         assert runner.model._decoder is not None and runner.model._decoder[1] is None
+
+
+def test_an_error_in_the_prefill_attention_comes_back_as_itself(tiny_dirs, monkeypatch):
+    runner = _runner(tiny_dirs["llama"], quantization="int8")
+
+    def broken(*args):
+        raise RuntimeError("injected in attend_rows")
+
+    monkeypatch.setattr(runner.backend, "attend_rows", broken)
+    with pytest.raises(RuntimeError, match="injected in attend_rows"):
+        _forward(runner, [RowInput([3, 4, 5], 0, [1], True)], native=True)
+    monkeypatch.undo()
+    hidden = _forward(runner, [RowInput([3, 4, 5], 0, [1], True)], native=True)
+    assert torch.isfinite(hidden).all()

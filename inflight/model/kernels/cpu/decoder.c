@@ -1,7 +1,8 @@
-/* A whole decode step of a Llama-family decoder in one call: every layer over rows of one query
-   token each, through the same kernels the Python layers call one by one (reached here through
-   function pointers, so this file holds no arithmetic of its own and the results are the Python
-   path's bit for bit).
+/* A whole step of a Llama-family decoder in one call: every layer, through the same kernels the
+   Python layers call one by one (reached here through function pointers, so this file holds no
+   arithmetic of its own and the results are the Python path's bit for bit). Decode rows attend in
+   the native kernel; the attention of prefill rows, which the layers run in torch, is handed
+   back to the caller once per layer (`prefill`).
 
    At short-chat batch sizes the Python around a layer's ten native calls cost about a third of
    the step; here each layer is ten plain C calls. The caller runs the embedding before and the
@@ -28,6 +29,8 @@ typedef void (*store_kv_fn)(const float *k, int64_t k_stride_t, int64_t k_stride
                             float *k_cache, float *v_cache, int64_t kv_stride_h,
                             const int64_t *slots, int64_t tokens, int64_t kv_heads,
                             int64_t head_dim);
+/* Attends the prefill rows of layer `layer` from `qk` into their rows of `attn`; 0 on success. */
+typedef int (*prefill_fn)(int64_t layer);
 typedef int (*attention_fn)(const float *q, int64_t q_stride_t, int64_t q_stride_h,
                             const float *k_cache, const float *v_cache, int64_t kv_stride_h,
                             const int32_t *block_tables, int64_t bt_stride,
@@ -62,9 +65,13 @@ typedef struct {
 } Layer;
 
 typedef struct {
-    void *rms_norm, *silu_mul, *rope, *store_kv, *attention;
-    int64_t layers, tokens, hidden, heads, kv_heads, head_dim;
+    void *rms_norm, *silu_mul, *rope, *store_kv, *attention, *prefill;
+    int64_t layers, tokens, decodes, hidden, heads, kv_heads, head_dim;
     float eps, scale;
+    /* The caller's buffers, which `prefill` reads and writes: q and k rotated (without q/k norms
+       [tokens, heads + kv_heads, head_dim]; with them q [tokens, heads, head_dim], then k), and
+       attention's output [tokens, heads, head_dim]. */
+    float *qk, *attn;
     const float *cos_, *sin_; /* [tokens, head_dim] */
     const int64_t *slots;
     const int32_t *block_tables, *seq_lens;
@@ -72,9 +79,10 @@ typedef struct {
     int64_t threads;
 } Step;
 
-/* The scratch buffers could not be allocated; a kernel's own nonzero status is returned as it
-   is. */
+/* The scratch buffers could not be allocated, or `prefill` failed (the caller knows why); a
+   kernel's own nonzero status is returned as it is. */
 #define NO_MEMORY (-100)
+#define PREFILL_FAILED (-101)
 
 static int run_part(const Part *p, const float *x, int64_t m, int64_t k, float *out,
                     int threads) {
@@ -115,24 +123,24 @@ static int64_t widest(const Layer *layers, int64_t n) {
     return w;
 }
 
-/* x [tokens, hidden]: the embedded tokens in, the last layer's output out; residual: the
-   residual stream the final norm adds x to. Returns 0, or an error code. */
+/* x [tokens, hidden]: the embedded tokens in (the `decodes` decode rows first), the last layer's
+   output out; residual: the residual stream the final norm adds x to. Returns 0, or an error
+   code. */
 int decoder_step(const Step *s, const Layer *layers, float *x, float *residual) {
     const int threads = (int)s->threads;
     const int64_t t = s->tokens, hidden = s->hidden, d = s->head_dim;
     const int64_t q_size = s->heads * d, kv_size = s->kv_heads * d;
     const int64_t qk_heads = s->heads + s->kv_heads;
     const int64_t wide = widest(layers, s->layers);
-    /* h: a norm's output; big: the qkv projection, later gate_up; qk: q and k rotated; attn:
-       attention's output; act: silu(gate) * up; scratch: one part's columns of a linear */
+    /* h: a norm's output; big: the qkv projection, later gate_up; act: silu(gate) * up;
+       scratch: one part's columns of a linear */
+    float *qk = s->qk, *attn = s->attn;
     float *h = malloc(sizeof(float) * t * hidden);
-    float *qk = malloc(sizeof(float) * t * qk_heads * d);
-    float *attn = malloc(sizeof(float) * t * q_size);
     float *big = malloc(sizeof(float) * t * wide);
     float *act = malloc(sizeof(float) * t * wide);
     float *scratch = malloc(sizeof(float) * t * wide);
     int status = 0;
-    if (!h || !qk || !attn || !big || !act || !scratch) {
+    if (!h || !big || !act || !scratch) {
         status = NO_MEMORY;
         goto done;
     }
@@ -177,11 +185,17 @@ int decoder_step(const Step *s, const Layer *layers, float *x, float *residual) 
         }
         ((store_kv_fn)s->store_kv)(k, k_stride, d, qkv + q_size + kv_size, qkv_n, d, l->k_cache,
                                    l->v_cache, s->kv_stride_h, s->slots, t, s->kv_heads, d);
-        status = ((attention_fn)s->attention)(
-            q, q_stride, d, l->k_cache, l->v_cache, s->kv_stride_h, s->block_tables,
-            s->bt_stride, s->seq_lens, t, s->heads, s->kv_heads, d, s->block_size, s->max_seq_len,
-            s->scale, attn, q_size, d, threads);
-        if (status) break;
+        if (s->decodes > 0) {
+            status = ((attention_fn)s->attention)(
+                q, q_stride, d, l->k_cache, l->v_cache, s->kv_stride_h, s->block_tables,
+                s->bt_stride, s->seq_lens, s->decodes, s->heads, s->kv_heads, d, s->block_size,
+                s->max_seq_len, s->scale, attn, q_size, d, threads);
+            if (status) break;
+        }
+        if (s->decodes < t && ((prefill_fn)s->prefill)(i) != 0) {
+            status = PREFILL_FAILED;
+            break;
+        }
         if ((status = run_linear(&l->o, attn, t, x, scratch, threads))) break;
         rms_norm(x, hidden, residual, hidden, h, residual, l->post_norm, t, hidden, s->eps,
                  threads);
@@ -192,8 +206,6 @@ int decoder_step(const Step *s, const Layer *layers, float *x, float *residual) 
     }
 done:
     free(h);
-    free(qk);
-    free(attn);
     free(big);
     free(act);
     free(scratch);

@@ -1,15 +1,16 @@
-"""ctypes bindings of decoder.c: a whole decode step of a Llama-family decoder in one call.
+"""ctypes bindings of decoder.c: a whole step of a Llama-family decoder in one call.
 
 `DecoderStep` is built once per model and KV cache from plain descriptions of its layers (which
 kernel runs each linear layer, on which tensors); each call then fills in the step's metadata.
-It holds the tensors it points at, so none is freed while it lives.
+It holds the tensors it points at, so none is freed while it lives. The attention of a step's
+prefill rows comes back to Python once per layer, through a callback.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,10 @@ from inflight.model.kernels.cpu import native
 _SOURCE = Path(__file__).with_name("decoder.c")
 _MAX_PARTS = 4  # decoder.c's MAX_PARTS
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
+_PREFILL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64)
+# (layer, q [T, heads, head_dim], out [T, heads, head_dim]): attend the step's prefill rows of
+# that layer into their rows of out.
+PrefillAttention = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -91,9 +96,15 @@ class _Step(ctypes.Structure):
         ("rope", _p),
         ("store_kv", _p),
         ("attention", _p),
-        *((name, _i64) for name in ("layers", "tokens", "hidden", "heads", "kv_heads", "head_dim")),
+        ("prefill", _p),
+        *(
+            (name, _i64)
+            for name in ("layers", "tokens", "decodes", "hidden", "heads", "kv_heads", "head_dim")
+        ),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("qk", _p),
+        ("attn", _p),
         ("cos_", _p),
         ("sin_", _p),
         ("slots", _p),
@@ -134,9 +145,8 @@ def _linear(calls: Sequence[KernelCall], in_features: int) -> _Linear:
 
 
 class DecoderStep:
-    """Every layer of a decoder of `heads` query and `kv_heads` KV heads of `head_dim`, over
-    steps whose rows are all decodes; `ops` and `attention`: the libraries of kernels/cpu/ops.py
-    and kernels/cpu/attention.py."""
+    """Every layer of a decoder of `heads` query and `kv_heads` KV heads of `head_dim`; `ops`
+    and `attention`: the libraries of kernels/cpu/ops.py and kernels/cpu/attention.py."""
 
     def __init__(
         self,
@@ -168,6 +178,7 @@ class DecoderStep:
             entry.down = _linear(layer.down, entry.gate_up.out_features // 2)
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         self.kv_stride_h = layers[0].kv_cache[0].stride(0)
+        self._qk_norms = layers[0].qk_norms is not None
         self._step = _Step(
             rms_norm=_address(ops.rms_norm),
             silu_mul=_address(ops.silu_mul),
@@ -184,23 +195,48 @@ class DecoderStep:
         )
 
     def __call__(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        prefill: PrefillAttention,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's output and the residual stream, from the embedded tokens x
         [T, hidden] (float32; written in place where contiguous) whose cos, sin [T, 1, head_dim]
-        are their positions' angles."""
+        are their positions' angles; `prefill` attends the prefill rows, if the step has any."""
         tokens = x.shape[0]
-        if meta.num_decodes != tokens:
-            raise ValueError(f"a decoder step over {tokens} tokens of {meta.num_decodes} rows")
         x = x.contiguous()
         residual = torch.empty_like(x)
+        step = self._step
+        heads, kv_heads, dim = step.heads, step.kv_heads, step.head_dim
+        qk = torch.empty(tokens * (heads + kv_heads) * dim)
+        attn = torch.empty(tokens, heads, dim)
+        errors: list[BaseException] = []
+        callback = None
+        if meta.num_decodes < tokens:
+            if self._qk_norms:  # decoder.c's layout: q, then k
+                q = qk[: tokens * heads * dim].view(tokens, heads, dim)
+            else:
+                q = qk.view(tokens, heads + kv_heads, dim)[:, :heads]
+
+            def attend(layer: int) -> int:
+                try:
+                    prefill(layer, q, attn)
+                except BaseException as exc:  # raised again below, once back from C
+                    errors.append(exc)
+                    return 1
+                return 0
+
+            callback = _PREFILL(attend)
         cos = cos.reshape(tokens, -1).contiguous()
         sin = sin.reshape(tokens, -1).contiguous()
         slots = meta.slot_mapping.contiguous()
         tables = meta.block_tables.contiguous()
         seq_lens = meta.seq_lens.contiguous()
-        step = self._step
-        step.tokens = tokens
+        step.tokens, step.decodes = tokens, meta.num_decodes
+        step.prefill = None if callback is None else ctypes.cast(callback, _p).value
+        step.qk, step.attn = qk.data_ptr(), attn.data_ptr()
         step.cos_, step.sin_ = cos.data_ptr(), sin.data_ptr()
         step.slots, step.block_tables = slots.data_ptr(), tables.data_ptr()
         step.seq_lens, step.bt_stride = seq_lens.data_ptr(), tables.stride(0)
@@ -209,6 +245,8 @@ class DecoderStep:
         status = self._lib.decoder_step(
             ctypes.byref(step), self._array, x.data_ptr(), residual.data_ptr()
         )
+        if errors:
+            raise errors[0]
         if status == -100:  # decoder.c's NO_MEMORY
             raise MemoryError("the CPU decoder step could not allocate its scratch buffers")
         if status != 0:

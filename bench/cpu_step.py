@@ -83,7 +83,7 @@ def main() -> None:
     print(f"{'path':<8}{'tok/s':>8}{'prefill':>9}{'step ms':>9}{'forward':>9}{'head':>7}")
     for _ in range(args.rounds):
         for path, native in (("native", True), ("layers", False)):
-            model.native_decode = native
+            model.native_step = native
             _times.clear()
             start = time.perf_counter()
             llm.generate(prompts, params)

@@ -316,7 +316,7 @@ class LlamaForCausalLM(nn.Module):
         self._cpu_ops = platform.cpu_ops
         # Steps run every layer in one native call where the model allows (`_decoder_step`);
         # False keeps them on the Python layers (what the native step matches).
-        self.native_decode = True
+        self.native_step = True
         self._decoder: tuple[list[KVCache], decoder.DecoderStep | None] | None = None
 
     @property
@@ -371,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
         """The native decoder step over `kv_caches` (built on first use), or None where a
         layer cannot run in it: off the CPU float32 path with its native attention, under
         tensor parallelism, or a linear layer without a native kernel."""
-        if not self.native_decode:
+        if not self.native_step:
             return None
         if self._decoder is None or self._decoder[0] is not kv_caches:
             self._decoder = (kv_caches, self._build_decoder_step(kv_caches, backend))

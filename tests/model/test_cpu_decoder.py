@@ -19,7 +19,7 @@ def _runner(model, **options):
 
 
 def _forward(runner, rows, native: bool) -> torch.Tensor:
-    runner.model.native_decode = native
+    runner.model.native_step = native
     batch = build_ragged_batch(rows, runner.block_size, torch.device("cpu"))
     runner.backend.plan(batch.meta)
     with torch.inference_mode():

@@ -350,7 +350,10 @@ class LlamaForCausalLM(nn.Module):
                     angles[1].index_copy(0, media.indices, sin),
                 )
         step = None
-        if lora is None and media is None and input_ids.shape[0] > 0:
+        # LoRA runs natively where every adapter token goes through the per-token kernel (long
+        # runs of one adapter's tokens are dense torch matmuls).
+        native_lora = lora is None or (not lora.runs and lora.mask is None)
+        if native_lora and media is None and input_ids.shape[0] > 0:
             step = self._decoder_step(kv_caches, backend)
         if step is not None:
             scale, first = self.layer_config.head_dim**-0.5, meta.num_decodes
@@ -358,7 +361,8 @@ class LlamaForCausalLM(nn.Module):
             def prefill(layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
                 backend.attend_rows(q, kv_caches[layer], meta, scale, out, first)
 
-            x, residual = step(x, *angles, meta, prefill)
+            slots = None if lora is None else lora.token_slots
+            x, residual = step(x, *angles, meta, prefill, slots)
         else:
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -392,10 +396,16 @@ class LlamaForCausalLM(nn.Module):
         layers = []
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             attention, mlp = layer.self_attn, layer.mlp
-            linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            calls = [linear.method.kernel_calls(linear) for linear in linears]
-            if any(c is None for c in calls):
-                return None
+            linears = []
+            for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                calls = linear.method.kernel_calls(linear)
+                if calls is None:
+                    return None
+                slots = linear.lora_slots
+                factors = None
+                if slots is not None:
+                    factors = decoder.LoraFactors(slots.a, slots.bt, slots.ranks, slots.starts)
+                linears.append(decoder.Linear(calls, factors))
             norms = None
             if attention.q_norm is not None and attention.k_norm is not None:
                 norms = (attention.q_norm.weight.detach(), attention.k_norm.weight.detach())
@@ -403,7 +413,7 @@ class LlamaForCausalLM(nn.Module):
                 decoder.LayerKernels(
                     layer.input_layernorm.weight.detach(),
                     layer.post_attention_layernorm.weight.detach(),
-                    *calls,
+                    *linears,
                     kv_cache=kv_cache,
                     qk_norms=norms,
                 )

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from inflight.model.layers.lora import LONG_RUN, LoRAMapping
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
@@ -18,25 +19,30 @@ def _runner(model, **options):
     return Runtime(model, config).executor.runner
 
 
-def _forward(runner, rows, native: bool) -> torch.Tensor:
+def _forward(runner, rows, native: bool, slots=None) -> torch.Tensor:
+    """One step of `rows`; `slots`: each row's LoRA slot (-1: none)."""
     runner.model.native_step = native
     batch = build_ragged_batch(rows, runner.block_size, torch.device("cpu"))
     runner.backend.plan(batch.meta)
+    lora = None
+    if slots is not None:
+        lora = LoRAMapping.native([(s, len(r.token_ids)) for s, r in zip(slots, rows, strict=True)])
     with torch.inference_mode():
-        return runner._forward(batch.input_ids, batch.positions, batch.meta)
+        return runner._forward(batch.input_ids, batch.positions, batch.meta, lora)
 
 
-def _same_both_ways(runner, rows) -> torch.Tensor:
+def _same_both_ways(runner, rows, slots=None) -> torch.Tensor:
     """One step of `rows` through the native step and through the layers, from the same caches:
     the same hidden states, the same stored keys and values. Returns the hidden states."""
     caches = [tuple(c.clone() for c in kv) for kv in runner.kv_caches]
-    native = _forward(runner, rows, native=True)
+    runner.model._decoder = None  # set again only where this step asks for the native step
+    native = _forward(runner, rows, native=True, slots=slots)
     assert runner.model._decoder[1] is not None, "the native step did not run"
     native_caches = [tuple(c.clone() for c in kv) for kv in runner.kv_caches]
     for kv, saved in zip(runner.kv_caches, caches, strict=True):
         for cache, copy in zip(kv, saved, strict=True):
             cache.copy_(copy)
-    layers = _forward(runner, rows, native=False)
+    layers = _forward(runner, rows, native=False, slots=slots)
     assert torch.equal(native, layers)
     for a, b in zip(native_caches, runner.kv_caches, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
@@ -115,3 +121,28 @@ def test_an_error_in_the_prefill_attention_comes_back_as_itself(tiny_dirs, monke
     monkeypatch.undo()
     hidden = _forward(runner, [RowInput([3, 4, 5], 0, [1], True)], native=True)
     assert torch.isfinite(hidden).all()
+
+
+def test_lora_rows_beside_base_rows(tiny_dirs):
+    """Adapters in two slots; a decode step of rows of both and of the base model, then a mixed
+    step with a short prompt chunk of one adapter: the layers' bits, adapters applied."""
+    runner = _runner(tiny_dirs["llama"], quantization="int8", max_loras=2, max_lora_rank=8)
+    torch.manual_seed(0)
+    for slot, rank in ((0, 8), (1, 4)):
+        for layer in runner.model.layers:
+            for linear in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                lora = linear.lora_slots
+                parts = [
+                    (torch.randn(rank, lora.in_features) / 8, torch.randn(size, rank) / 8)
+                    for size in lora.part_sizes
+                ]
+                lora.write(slot, parts, rank, 2.0)
+    rows = [RowInput([5 + i] * (3 + i), 0, [1 + i], True) for i in range(3)]
+    _forward(runner, rows, native=False, slots=[0, 1, -1])
+    decodes = [RowInput([9], 3 + i, [1 + i], True) for i in range(3)]
+    with_adapters = _same_both_ways(runner, decodes, slots=[0, 1, -1])
+    base = _forward(runner, decodes, native=True, slots=[-1, -1, -1])
+    assert not torch.equal(with_adapters[0], base[0]) and torch.equal(with_adapters[2], base[2])
+    assert LONG_RUN > 10  # the chunk's adapter runs per token, as decodes do
+    mixed = [*decodes, RowInput(list(range(10, 20)), 0, [5], True)]
+    _same_both_ways(runner, mixed, slots=[1, -1, 0, 1])

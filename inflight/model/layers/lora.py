@@ -154,7 +154,8 @@ class LoRASlots(nn.Module):
         self.lib = lib
         starts = np.cumsum([0, *part_sizes]).tolist()
         self.part_starts = tuple(starts)
-        self._starts = np.asarray(starts, np.int64)
+        # int64 for the native kernels, which read ranks and starts in place
+        self.starts = np.asarray(starts, np.int64)
         self._columns = [slice(lo, hi) for lo, hi in zip(starts, starts[1:], strict=False)]
         shape_a = (len(part_sizes), max_loras, max_rank, in_features)
         self.register_buffer("a", torch.zeros(shape_a), persistent=False)
@@ -233,7 +234,7 @@ class LoRASlots(nn.Module):
                 y[tokens, columns].addmm_(h, self.bt[slot, :rank, columns])
         if mapping.token_slots is not None:
             cpu_ops.lora_add(
-                self.lib, y, x, mapping.token_slots, self.a, self.bt, self.ranks, self._starts
+                self.lib, y, x, mapping.token_slots, self.a, self.bt, self.ranks, self.starts
             )
 
     def _add_masked(self, y: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> None:

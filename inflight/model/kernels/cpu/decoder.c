@@ -29,6 +29,11 @@ typedef void (*store_kv_fn)(const float *k, int64_t k_stride_t, int64_t k_stride
                             float *k_cache, float *v_cache, int64_t kv_stride_h,
                             const int64_t *slots, int64_t tokens, int64_t kv_heads,
                             int64_t head_dim);
+typedef void (*lora_add_fn)(const float *x, int64_t x_stride, float *y, int64_t y_stride,
+                            const int32_t *token_slots, int64_t tokens, const float *a,
+                            const float *bt, const int32_t *ranks, int64_t slots,
+                            int64_t max_rank, const int64_t *starts, int64_t parts, int64_t in,
+                            int64_t out, int threads);
 /* Attends the prefill rows of layer `layer` from `qk` into their rows of `attn`; 0 on success. */
 typedef int (*prefill_fn)(int64_t layer);
 typedef int (*attention_fn)(const float *q, int64_t q_stride_t, int64_t q_stride_h,
@@ -51,10 +56,19 @@ typedef struct {
 
 #define MAX_PARTS 4
 
+/* A linear layer's LoRA adapter slots (layers/lora.py's LoRASlots), or a = NULL: none. */
+typedef struct {
+    const float *a, *bt;
+    const int32_t *ranks;
+    const int64_t *starts;
+    int64_t slots, max_rank, parts;
+} Lora;
+
 typedef struct {
     int64_t parts;
     Part part[MAX_PARTS];
     int64_t in_features, out_features;
+    Lora lora;
 } Linear;
 
 typedef struct {
@@ -65,7 +79,9 @@ typedef struct {
 } Layer;
 
 typedef struct {
-    void *rms_norm, *silu_mul, *rope, *store_kv, *attention, *prefill;
+    void *rms_norm, *silu_mul, *rope, *store_kv, *attention, *prefill, *lora_add;
+    /* [tokens] each token's LoRA slot (-1: none), or NULL: no token has one */
+    const int32_t *token_slots;
     int64_t layers, tokens, decodes, hidden, heads, kv_heads, head_dim;
     float eps, scale;
     /* The caller's buffers, which `prefill` reads and writes: q and k rotated (without q/k norms
@@ -95,7 +111,7 @@ static int run_part(const Part *p, const float *x, int64_t m, int64_t k, float *
 
 /* out [m, out_features] = x [m, in_features] @ W^T (+ bias); a part of several writes its
    columns through `scratch` [m, its out_features], as torch.cat of the parts would. */
-static int run_linear(const Linear *l, const float *x, int64_t m, float *out, float *scratch,
+static int run_matmul(const Linear *l, const float *x, int64_t m, float *out, float *scratch,
                       int threads) {
     if (l->parts == 1) return run_part(&l->part[0], x, m, l->in_features, out, threads);
     int64_t column = 0;
@@ -109,6 +125,18 @@ static int run_linear(const Linear *l, const float *x, int64_t m, float *out, fl
         column += p->out_features;
     }
     return 0;
+}
+
+/* The matmul, then each token's adapter update (the tokens of the step's slots). */
+static int run_linear(const Step *s, const Linear *l, const float *x, float *out,
+                      float *scratch, int threads) {
+    const int status = run_matmul(l, x, s->tokens, out, scratch, threads);
+    if (status == 0 && s->token_slots != NULL && l->lora.a != NULL)
+        ((lora_add_fn)s->lora_add)(x, l->in_features, out, l->out_features, s->token_slots,
+                                   s->tokens, l->lora.a, l->lora.bt, l->lora.ranks,
+                                   l->lora.slots, l->lora.max_rank, l->lora.starts,
+                                   l->lora.parts, l->in_features, l->out_features, threads);
+    return status;
 }
 
 static int64_t widest(const Layer *layers, int64_t n) {
@@ -157,7 +185,7 @@ int decoder_step(const Step *s, const Layer *layers, float *x, float *residual) 
         }
         float *qkv = big;
         const int64_t qkv_n = l->qkv.out_features;
-        if ((status = run_linear(&l->qkv, h, t, qkv, scratch, threads))) break;
+        if ((status = run_linear(s, &l->qkv, h, qkv, scratch, threads))) break;
         const float *q = qk, *k = qk + q_size;
         int64_t q_stride = qk_heads * d, k_stride = qk_heads * d;
         if (l->q_norm == NULL) {
@@ -196,13 +224,13 @@ int decoder_step(const Step *s, const Layer *layers, float *x, float *residual) 
             status = PREFILL_FAILED;
             break;
         }
-        if ((status = run_linear(&l->o, attn, t, x, scratch, threads))) break;
+        if ((status = run_linear(s, &l->o, attn, x, scratch, threads))) break;
         rms_norm(x, hidden, residual, hidden, h, residual, l->post_norm, t, hidden, s->eps,
                  threads);
         const int64_t inter = l->gate_up.out_features / 2;
-        if ((status = run_linear(&l->gate_up, h, t, big, scratch, threads))) break;
+        if ((status = run_linear(s, &l->gate_up, h, big, scratch, threads))) break;
         ((silu_mul_fn)s->silu_mul)(big, 2 * inter, act, t, inter, threads);
-        status = run_linear(&l->down, act, t, x, scratch, threads);
+        status = run_linear(s, &l->down, act, x, scratch, threads);
     }
 done:
     free(h);

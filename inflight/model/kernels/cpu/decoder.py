@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from inflight.model.attention.base import AttentionMetadata, KVCache
@@ -41,16 +42,36 @@ class KernelCall:
 
 
 @dataclass(frozen=True)
+class LoraFactors:
+    """A linear layer's LoRA adapter slots, as layers/lora.py's LoRASlots holds them (decoder.c
+    reads them in place, so adapters loaded later count): A [parts, slots, max_rank, in], B^T
+    [slots, max_rank, out], int32 ranks [slots], int64 part starts [parts + 1]."""
+
+    a: torch.Tensor
+    bt: torch.Tensor
+    ranks: np.ndarray
+    starts: np.ndarray
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A linear layer as decoder.c runs it: its matmul parts, and its LoRA slots if any."""
+
+    calls: Sequence[KernelCall]
+    lora: LoraFactors | None = None
+
+
+@dataclass(frozen=True)
 class LayerKernels:
     """What decoder.c runs for one decoder layer (float32 weights and caches); `qk_norms`: the
     weights of the per-head q and k RMSNorms (Qwen3), if any."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: Sequence[KernelCall]
-    o: Sequence[KernelCall]
-    gate_up: Sequence[KernelCall]
-    down: Sequence[KernelCall]
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
     kv_cache: KVCache
     qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -65,12 +86,25 @@ class _Part(ctypes.Structure):
     ]
 
 
+class _Lora(ctypes.Structure):
+    _fields_ = [
+        ("a", _p),
+        ("bt", _p),
+        ("ranks", _p),
+        ("starts", _p),
+        ("slots", _i64),
+        ("max_rank", _i64),
+        ("parts", _i64),
+    ]
+
+
 class _Linear(ctypes.Structure):
     _fields_ = [
         ("parts", _i64),
         ("part", _Part * _MAX_PARTS),
         ("in_features", _i64),
         ("out_features", _i64),
+        ("lora", _Lora),
     ]
 
 
@@ -97,6 +131,8 @@ class _Step(ctypes.Structure):
         ("store_kv", _p),
         ("attention", _p),
         ("prefill", _p),
+        ("lora_add", _p),
+        ("token_slots", _p),
         *(
             (name, _i64)
             for name in ("layers", "tokens", "decodes", "hidden", "heads", "kv_heads", "head_dim")
@@ -127,7 +163,8 @@ def _address(function: ctypes._CFuncPtr) -> int:
     return ctypes.cast(function, ctypes.c_void_p).value
 
 
-def _linear(calls: Sequence[KernelCall], in_features: int) -> _Linear:
+def _linear(layer: Linear, in_features: int) -> _Linear:
+    calls = layer.calls
     if not 1 <= len(calls) <= _MAX_PARTS:
         raise ValueError(f"a linear layer of {len(calls)} kernel parts (at most {_MAX_PARTS})")
     linear = _Linear(len(calls), in_features=in_features)
@@ -141,6 +178,20 @@ def _linear(calls: Sequence[KernelCall], in_features: int) -> _Linear:
             part.weights[i] = tensor.data_ptr()
         part.bias = None if call.bias is None else call.bias.data_ptr()
         part.out_features = call.out_features
+    if layer.lora is not None:
+        lora = layer.lora
+        if not (lora.a.is_contiguous() and lora.bt.is_contiguous()):
+            raise ValueError("the decoder step needs contiguous LoRA factors")
+        parts, slots, max_rank, _ = lora.a.shape
+        linear.lora = _Lora(
+            lora.a.data_ptr(),
+            lora.bt.data_ptr(),
+            lora.ranks.ctypes.data,
+            lora.starts.ctypes.data,
+            slots,
+            max_rank,
+            parts,
+        )
     return linear
 
 
@@ -184,6 +235,7 @@ class DecoderStep:
             silu_mul=_address(ops.silu_mul),
             rope=_address(ops.rope),
             store_kv=_address(attention.store_kv),
+            lora_add=_address(ops.lora_add),
             attention=_address(attention.decode_attention),
             layers=len(layers),
             hidden=hidden,
@@ -201,10 +253,12 @@ class DecoderStep:
         sin: torch.Tensor,
         meta: AttentionMetadata,
         prefill: PrefillAttention,
+        token_slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's output and the residual stream, from the embedded tokens x
         [T, hidden] (float32; written in place where contiguous) whose cos, sin [T, 1, head_dim]
-        are their positions' angles; `prefill` attends the prefill rows, if the step has any."""
+        are their positions' angles; `prefill` attends the prefill rows, if the step has any;
+        `token_slots`: [T] int32, each token's LoRA slot (-1: the base model alone)."""
         tokens = x.shape[0]
         x = x.contiguous()
         residual = torch.empty_like(x)
@@ -237,6 +291,9 @@ class DecoderStep:
         step.tokens, step.decodes = tokens, meta.num_decodes
         step.prefill = None if callback is None else ctypes.cast(callback, _p).value
         step.qk, step.attn = qk.data_ptr(), attn.data_ptr()
+        if token_slots is not None:
+            token_slots = token_slots.to(torch.int32).contiguous()
+        step.token_slots = None if token_slots is None else token_slots.data_ptr()
         step.cos_, step.sin_ = cos.data_ptr(), sin.data_ptr()
         step.slots, step.block_tables = slots.data_ptr(), tables.data_ptr()
         step.seq_lens, step.bt_stride = seq_lens.data_ptr(), tables.stride(0)

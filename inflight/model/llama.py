@@ -353,7 +353,7 @@ class LlamaForCausalLM(nn.Module):
         # LoRA runs natively where every adapter token goes through the per-token kernel (long
         # runs of one adapter's tokens are dense torch matmuls).
         native_lora = lora is None or (not lora.runs and lora.mask is None)
-        if native_lora and media is None and input_ids.shape[0] > 0:
+        if native_lora and input_ids.shape[0] > 0:
             step = self._decoder_step(kv_caches, backend)
         if step is not None:
             scale, first = self.layer_config.head_dim**-0.5, meta.num_decodes

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from inflight.model.layers.lora import LONG_RUN, LoRAMapping
+from inflight.model.llama import MediaEmbeds
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
@@ -19,8 +20,8 @@ def _runner(model, **options):
     return Runtime(model, config).executor.runner
 
 
-def _forward(runner, rows, native: bool, slots=None) -> torch.Tensor:
-    """One step of `rows`; `slots`: each row's LoRA slot (-1: none)."""
+def _forward(runner, rows, native: bool, slots=None, media=None) -> torch.Tensor:
+    """One step of `rows`; `slots`: each row's LoRA slot (-1: none); `media`: MediaEmbeds."""
     runner.model.native_step = native
     batch = build_ragged_batch(rows, runner.block_size, torch.device("cpu"))
     runner.backend.plan(batch.meta)
@@ -28,21 +29,21 @@ def _forward(runner, rows, native: bool, slots=None) -> torch.Tensor:
     if slots is not None:
         lora = LoRAMapping.native([(s, len(r.token_ids)) for s, r in zip(slots, rows, strict=True)])
     with torch.inference_mode():
-        return runner._forward(batch.input_ids, batch.positions, batch.meta, lora)
+        return runner._forward(batch.input_ids, batch.positions, batch.meta, lora, media)
 
 
-def _same_both_ways(runner, rows, slots=None) -> torch.Tensor:
+def _same_both_ways(runner, rows, slots=None, media=None) -> torch.Tensor:
     """One step of `rows` through the native step and through the layers, from the same caches:
     the same hidden states, the same stored keys and values. Returns the hidden states."""
     caches = [tuple(c.clone() for c in kv) for kv in runner.kv_caches]
     runner.model._decoder = None  # set again only where this step asks for the native step
-    native = _forward(runner, rows, native=True, slots=slots)
+    native = _forward(runner, rows, native=True, slots=slots, media=media)
     assert runner.model._decoder[1] is not None, "the native step did not run"
     native_caches = [tuple(c.clone() for c in kv) for kv in runner.kv_caches]
     for kv, saved in zip(runner.kv_caches, caches, strict=True):
         for cache, copy in zip(kv, saved, strict=True):
             cache.copy_(copy)
-    layers = _forward(runner, rows, native=False, slots=slots)
+    layers = _forward(runner, rows, native=False, slots=slots, media=media)
     assert torch.equal(native, layers)
     for a, b in zip(native_caches, runner.kv_caches, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
@@ -146,3 +147,16 @@ def test_lora_rows_beside_base_rows(tiny_dirs):
     assert LONG_RUN > 10  # the chunk's adapter runs per token, as decodes do
     mixed = [*decodes, RowInput(list(range(10, 20)), 0, [5], True)]
     _same_both_ways(runner, mixed, slots=[1, -1, 0, 1])
+
+
+def test_a_step_with_media_embeddings(tiny_dirs):
+    """Packed tokens whose input is an encoder's output (an image's, here random) beside a
+    decode row: the layers' bits, and the media changed the result."""
+    runner = _runner(tiny_dirs["llama"], quantization="int8")
+    _forward(runner, [RowInput([3, 4, 5], 0, [1], True)], native=True)
+    rows = [RowInput([6], 3, [1], True), RowInput([7] * 12, 0, [2], True)]
+    torch.manual_seed(0)
+    hidden = runner.model.config.hidden_size
+    media = MediaEmbeds(torch.arange(3, 9), torch.randn(6, hidden))
+    with_media = _same_both_ways(runner, rows, media=media)
+    assert not torch.equal(with_media, _forward(runner, rows, native=True))

@@ -312,7 +312,6 @@ class LlamaForCausalLM(nn.Module):
                 linear.lora_slots = LoRASlots(
                     linear.in_features, parts, max_loras, max_lora_rank, platform.cpu_ops
                 )
-        self._lora_native = platform.cpu_ops is not None
         self._cpu_ops = platform.cpu_ops
         # Steps run every layer in one native call where the model allows (`_decoder_step`);
         # False keeps them on the Python layers (what the native step matches).
@@ -350,13 +349,10 @@ class LlamaForCausalLM(nn.Module):
                     angles[1].index_copy(0, media.indices, sin),
                 )
         step = None
-        # LoRA runs natively where every adapter token goes through the per-token kernel (long
-        # runs of one adapter's tokens are dense torch matmuls).
-        native_lora = lora is None or (not lora.runs and lora.mask is None)
-        if native_lora and input_ids.shape[0] > 0:
+        if (lora is None or lora.per_token) and input_ids.shape[0] > 0:
             step = self._decoder_step(kv_caches, backend)
         if step is not None:
-            scale, first = self.layer_config.head_dim**-0.5, meta.num_decodes
+            scale, first = self.layers[0].self_attn.scale, meta.num_decodes
 
             def prefill(layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
                 backend.attend_rows(q, kv_caches[layer], meta, scale, out, first)
@@ -426,7 +422,7 @@ class LlamaForCausalLM(nn.Module):
                 kv_heads=config.num_kv_heads,
                 head_dim=config.head_dim,
                 eps=config.rms_norm_eps,
-                scale=config.head_dim**-0.5,
+                scale=self.layers[0].self_attn.scale,
                 ops=self._cpu_ops,
                 attention=backend.library,
             )
@@ -489,7 +485,7 @@ class LlamaForCausalLM(nn.Module):
             self._check_slot(slot)
             if not self._lora_loaded[slot]:
                 raise ValueError(f"LoRA slot {slot} holds no adapter")
-        if self._lora_native:
+        if self._cpu_ops is not None:
             return LoRAMapping.native(rows)
         device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
         if device.type == "cuda" and sum(tokens for _, tokens in rows) <= INDEXED_MAX_TOKENS:

@@ -68,6 +68,12 @@ class LoRAMapping:
     # Masked form: [T, max_loras] in the model's dtype and device, each token's one-hot slot.
     mask: torch.Tensor | None = None
 
+    @property
+    def per_token(self) -> bool:
+        """Every adapter token is in `token_slots` (no runs, no mask): the per-token native
+        kernel applies them all, as the CPU decoder step runs it."""
+        return not self.runs and self.mask is None
+
     @classmethod
     def native(cls, rows: Sequence[tuple[int, int]]) -> LoRAMapping:
         """`rows` in packed order: each row's slot (-1: the base model) and number of tokens, a

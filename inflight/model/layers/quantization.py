@@ -10,7 +10,7 @@ at all). A method keeps nothing per layer: one instance serves every layer it ru
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -157,21 +157,22 @@ class StoredBlocksLinearMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if len(layer.prepared) == 1:
             return blocks.block_linear(x, layer.prepared[0], bias)
-        outs, start = [], 0
-        for weight in layer.prepared:
-            end = start + weight.out_features
-            outs.append(blocks.block_linear(x, weight, None if bias is None else bias[start:end]))
-            start = end
-        return torch.cat(outs, dim=-1)
+        parts = _parts(layer.prepared, bias)
+        return torch.cat([blocks.block_linear(x, w, b) for w, b in parts], dim=-1)
 
     def kernel_calls(self, layer: Linear) -> list[KernelCall]:
-        calls, start = [], 0
-        for weight in layer.prepared:
-            end = start + weight.out_features
-            bias = None if layer.bias is None else layer.bias[start:end]
-            calls.append(blocks.kernel_call(weight, bias))
-            start = end
-        return calls
+        return [blocks.kernel_call(w, b) for w, b in _parts(layer.prepared, layer.bias)]
+
+
+def _parts(
+    weights: Sequence[blocks.BlockWeight], bias: torch.Tensor | None
+) -> Iterator[tuple[blocks.BlockWeight, torch.Tensor | None]]:
+    """Each weight of a layer's stretches of output rows, with its slice of the bias."""
+    start = 0
+    for weight in weights:
+        end = start + weight.out_features
+        yield weight, None if bias is None else bias[start:end]
+        start = end
 
 
 # The largest magnitude float8_e4m3fn holds.

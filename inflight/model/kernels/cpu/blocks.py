@@ -254,16 +254,9 @@ def load_kernel() -> ctypes.CDLL:
     return lib
 
 
-def k8_linear(x: torch.Tensor, weight: K8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] float32 (CPU) @ weight^T (+ bias) -> [..., N] float32."""
-    return run_kernel(
-        load_kernel().k8_linear, "k8_linear", x, weight.in_features, weight.out_features,
-        (weight.values, weight.scales, weight.multipliers), bias,
-    )  # fmt: skip
-
-
 def kernel_call(weight: BlockWeight, bias: torch.Tensor | None) -> KernelCall:
-    """The native matmul that computes x @ weight^T (+ bias), for the decoder step."""
+    """The native matmul that computes x @ weight^T (+ bias), in the kernel of the weight's
+    form."""
     if isinstance(weight, K8Weight):
         tensors = (weight.values, weight.scales, weight.multipliers)
         kernel = load_kernel().k8_linear
@@ -277,9 +270,10 @@ def kernel_call(weight: BlockWeight, bias: torch.Tensor | None) -> KernelCall:
 def block_linear(
     x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x @ weight^T (+ bias) in the kernel of the weight's form."""
-    if isinstance(weight, K8Weight):
-        return k8_linear(x, weight, bias)
-    if isinstance(weight, int8.QuantizedWeight):
-        return int8.int8_linear(x, weight, bias)
-    return q4.q4_linear(x, weight, bias)
+    """x [..., K] float32 (CPU) @ weight^T (+ bias) -> [..., N] float32, in the kernel of the
+    weight's form."""
+    call = kernel_call(weight, bias)
+    return run_kernel(
+        call.kernel, call.kernel.__name__, x, weight.in_features, weight.out_features,
+        call.tensors, bias,
+    )  # fmt: skip

@@ -9,7 +9,6 @@
    final norm after; the last layer's output and the residual come back in `x` and `residual`. */
 
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 typedef int (*linear2_fn)(const float *x, int64_t m, int64_t k, const void *w0, const void *w1,
@@ -84,10 +83,13 @@ typedef struct {
     const int32_t *token_slots;
     int64_t layers, tokens, decodes, hidden, heads, kv_heads, head_dim;
     float eps, scale;
-    /* The caller's buffers, which `prefill` reads and writes: q and k rotated (without q/k norms
-       [tokens, heads + kv_heads, head_dim]; with them q [tokens, heads, head_dim], then k), and
-       attention's output [tokens, heads, head_dim]. */
-    float *qk, *attn;
+    /* The caller's buffers. qk and attn, which `prefill` reads and writes: q and k rotated
+       (without q/k norms [tokens, heads + kv_heads, head_dim]; with them q [tokens, heads,
+       head_dim], then k), and attention's output [tokens, heads, head_dim]. h [tokens, hidden]:
+       a norm's output; big, act and scratch [tokens, wide] (wide: the widest input or output
+       of a linear): the qkv projection and later gate_up, silu(gate) * up, and one part's
+       columns of a linear. */
+    float *qk, *attn, *h, *big, *act, *scratch;
     const float *cos_, *sin_; /* [tokens, head_dim] */
     const int64_t *slots;
     const int32_t *block_tables, *seq_lens;
@@ -95,9 +97,8 @@ typedef struct {
     int64_t threads;
 } Step;
 
-/* The scratch buffers could not be allocated, or `prefill` failed (the caller knows why); a
-   kernel's own nonzero status is returned as it is. */
-#define NO_MEMORY (-100)
+/* `prefill` failed (the caller knows why); a kernel's own nonzero status is returned as it
+   is. */
 #define PREFILL_FAILED (-101)
 
 static int run_part(const Part *p, const float *x, int64_t m, int64_t k, float *out,
@@ -128,27 +129,15 @@ static int run_matmul(const Linear *l, const float *x, int64_t m, float *out, fl
 }
 
 /* The matmul, then each token's adapter update (the tokens of the step's slots). */
-static int run_linear(const Step *s, const Linear *l, const float *x, float *out,
-                      float *scratch, int threads) {
-    const int status = run_matmul(l, x, s->tokens, out, scratch, threads);
+static int run_linear(const Step *s, const Linear *l, const float *x, float *out) {
+    const int threads = (int)s->threads;
+    const int status = run_matmul(l, x, s->tokens, out, s->scratch, threads);
     if (status == 0 && s->token_slots != NULL && l->lora.a != NULL)
         ((lora_add_fn)s->lora_add)(x, l->in_features, out, l->out_features, s->token_slots,
                                    s->tokens, l->lora.a, l->lora.bt, l->lora.ranks,
                                    l->lora.slots, l->lora.max_rank, l->lora.starts,
                                    l->lora.parts, l->in_features, l->out_features, threads);
     return status;
-}
-
-static int64_t widest(const Layer *layers, int64_t n) {
-    int64_t w = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const Linear *all[4] = {&layers[i].qkv, &layers[i].o, &layers[i].gate_up, &layers[i].down};
-        for (int j = 0; j < 4; j++) {
-            if (all[j]->out_features > w) w = all[j]->out_features;
-            if (all[j]->in_features > w) w = all[j]->in_features;
-        }
-    }
-    return w;
 }
 
 /* x [tokens, hidden]: the embedded tokens in (the `decodes` decode rows first), the last layer's
@@ -159,19 +148,8 @@ int decoder_step(const Step *s, const Layer *layers, float *x, float *residual) 
     const int64_t t = s->tokens, hidden = s->hidden, d = s->head_dim;
     const int64_t q_size = s->heads * d, kv_size = s->kv_heads * d;
     const int64_t qk_heads = s->heads + s->kv_heads;
-    const int64_t wide = widest(layers, s->layers);
-    /* h: a norm's output; big: the qkv projection, later gate_up; act: silu(gate) * up;
-       scratch: one part's columns of a linear */
-    float *qk = s->qk, *attn = s->attn;
-    float *h = malloc(sizeof(float) * t * hidden);
-    float *big = malloc(sizeof(float) * t * wide);
-    float *act = malloc(sizeof(float) * t * wide);
-    float *scratch = malloc(sizeof(float) * t * wide);
+    float *qk = s->qk, *attn = s->attn, *h = s->h, *big = s->big, *act = s->act;
     int status = 0;
-    if (!h || !big || !act || !scratch) {
-        status = NO_MEMORY;
-        goto done;
-    }
     const rms_norm_fn rms_norm = (rms_norm_fn)s->rms_norm;
     const rope_fn rope = (rope_fn)s->rope;
     for (int64_t i = 0; i < s->layers && status == 0; i++) {
@@ -185,7 +163,7 @@ int decoder_step(const Step *s, const Layer *layers, float *x, float *residual) 
         }
         float *qkv = big;
         const int64_t qkv_n = l->qkv.out_features;
-        if ((status = run_linear(s, &l->qkv, h, qkv, scratch, threads))) break;
+        if ((status = run_linear(s, &l->qkv, h, qkv))) break;
         const float *q = qk, *k = qk + q_size;
         int64_t q_stride = qk_heads * d, k_stride = qk_heads * d;
         if (l->q_norm == NULL) {
@@ -224,18 +202,13 @@ int decoder_step(const Step *s, const Layer *layers, float *x, float *residual) 
             status = PREFILL_FAILED;
             break;
         }
-        if ((status = run_linear(s, &l->o, attn, x, scratch, threads))) break;
+        if ((status = run_linear(s, &l->o, attn, x))) break;
         rms_norm(x, hidden, residual, hidden, h, residual, l->post_norm, t, hidden, s->eps,
                  threads);
         const int64_t inter = l->gate_up.out_features / 2;
-        if ((status = run_linear(s, &l->gate_up, h, big, scratch, threads))) break;
+        if ((status = run_linear(s, &l->gate_up, h, big))) break;
         ((silu_mul_fn)s->silu_mul)(big, 2 * inter, act, t, inter, threads);
-        status = run_linear(s, &l->down, act, x, scratch, threads);
+        status = run_linear(s, &l->down, act, x);
     }
-done:
-    free(h);
-    free(big);
-    free(act);
-    free(scratch);
     return status;
 }

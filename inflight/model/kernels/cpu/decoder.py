@@ -139,8 +139,7 @@ class _Step(ctypes.Structure):
         ),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
-        ("qk", _p),
-        ("attn", _p),
+        *((name, _p) for name in ("qk", "attn", "h", "big", "act", "scratch")),
         ("cos_", _p),
         ("sin_", _p),
         ("slots", _p),
@@ -230,6 +229,12 @@ class DecoderStep:
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         self.kv_stride_h = layers[0].kv_cache[0].stride(0)
         self._qk_norms = layers[0].qk_norms is not None
+        # The widest input or output of a linear layer: the width of the step's work buffers.
+        self._wide = max(
+            max(linear.in_features, linear.out_features)
+            for entry in self._array
+            for linear in (entry.qkv, entry.o, entry.gate_up, entry.down)
+        )
         self._step = _Step(
             rms_norm=_address(ops.rms_norm),
             silu_mul=_address(ops.silu_mul),
@@ -264,8 +269,11 @@ class DecoderStep:
         residual = torch.empty_like(x)
         step = self._step
         heads, kv_heads, dim = step.heads, step.kv_heads, step.head_dim
+        # decoder.c's buffers (see its Step), held here while it writes them.
         qk = torch.empty(tokens * (heads + kv_heads) * dim)
         attn = torch.empty(tokens, heads, dim)
+        h = torch.empty(tokens, step.hidden)
+        big, act, scratch = torch.empty(3, tokens, self._wide)
         errors: list[BaseException] = []
         callback = None
         if meta.num_decodes < tokens:
@@ -290,7 +298,8 @@ class DecoderStep:
         seq_lens = meta.seq_lens.contiguous()
         step.tokens, step.decodes = tokens, meta.num_decodes
         step.prefill = None if callback is None else ctypes.cast(callback, _p).value
-        step.qk, step.attn = qk.data_ptr(), attn.data_ptr()
+        step.qk, step.attn, step.h = qk.data_ptr(), attn.data_ptr(), h.data_ptr()
+        step.big, step.act, step.scratch = big.data_ptr(), act.data_ptr(), scratch.data_ptr()
         if token_slots is not None:
             token_slots = token_slots.to(torch.int32).contiguous()
         step.token_slots = None if token_slots is None else token_slots.data_ptr()
@@ -304,8 +313,6 @@ class DecoderStep:
         )
         if errors:
             raise errors[0]
-        if status == -100:  # decoder.c's NO_MEMORY
-            raise MemoryError("the CPU decoder step could not allocate its scratch buffers")
         if status != 0:
             raise RuntimeError(f"the CPU decoder step failed with status {status}")
         return x, residual

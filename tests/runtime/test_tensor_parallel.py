@@ -117,8 +117,8 @@ def test_joiners_and_cancels_under_in_flight_batching(tp_models):
         handles = [
             llm.start(llm.prepare(p, long if i % 2 else greedy)) for i, p in enumerate(prompts)
         ]
-        time.sleep(0.2)
         for handle in handles[1::2]:
+            next(handle)  # generating: the cancel lands mid-flight, not before admission
             handle.cancel()
         for i, handle in enumerate(handles):
             if i % 2:

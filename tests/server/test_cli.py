@@ -113,8 +113,11 @@ def test_make_serve_command_line_serves_then_drains_on_sigterm():
         finisher = threading.Thread(
             target=lambda: short.append(httpx.post(url + "/v1/completions", json=body, timeout=60))
         )
+        submitted = httpx.get(url + "/health").json()["scheduling"]["submitted"]
         finisher.start()
-        time.sleep(0.2)  # admitted
+        while httpx.get(url + "/health").json()["scheduling"]["submitted"] == submitted:
+            assert time.monotonic() < deadline, "the short request was not accepted"
+            time.sleep(0.02)
         process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 5
         while httpx.get(url + "/health/ready").status_code != 503:

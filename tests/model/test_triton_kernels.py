@@ -1,0 +1,235 @@
+"""The CUDA path's Triton kernels, run by Triton's interpreter on the CPU, against the torch
+formulas they replace: their indexing, masking, splitting and merging, not their speed.
+
+The interpreter computes float32 and float16 faithfully but not bfloat16 or float8 (it rounds
+e4m3 wrongly and has no bf16 constants), so those dtypes stay with `bench/gpu_check.py` on the
+device. `TRITON_INTERPRET` is set by the root conftest, before any kernel is decorated.
+"""
+
+import random
+
+import pytest
+import torch
+
+from inflight.model.attention import TorchAttentionBackend
+from inflight.model.attention.triton import TritonAttentionBackend
+from inflight.model.kernels.triton import attention, lora, mamba, ops, rope
+from inflight.runtime.batch_builder import RowInput, build_ragged_batch
+
+H200_SMS = 132
+
+
+def test_the_kernels_run_in_the_interpreter():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(attention._decode_kernel, InterpretedFunction)
+
+
+def _step(shapes, kv_heads, dim, dtype, block_size=16, num_blocks=96, seed=0):
+    """A ragged step over scattered blocks ((query length, past length) per row) and random
+    caches [blocks, block_size, kv heads, dim]."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    blocks = list(range(num_blocks))
+    rng.shuffle(blocks)
+    rows, cursor = [], 0
+    for qlen, past in shapes:
+        need = -(-(qlen + past) // block_size)
+        rows.append(RowInput([0] * qlen, past, blocks[cursor : cursor + need], True))
+        cursor += need
+    meta = build_ragged_batch(rows, block_size, torch.device("cpu")).meta
+    caches = [torch.randn(num_blocks, block_size, kv_heads, dim).to(dtype) for _ in range(2)]
+    return meta, caches
+
+
+def _head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The torch backend's layout [kv heads, slots, dim], in float32."""
+    kv_heads, dim = cache.shape[2:]
+    return cache.permute(2, 0, 1, 3).reshape(kv_heads, -1, dim).float().contiguous()
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+# Decode rows (their pasts crossing blocks, one a whole number of blocks), then prefill chunks
+# with and without a past (one over several programs of PREFILL_BLOCK_M queries, the last one
+# partial), and a decode row after them.
+SHAPES = [(1, 0), (1, 16), (1, 63), (1, 200), (37, 0), (150, 30), (20, 45), (1, 3)]
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,dtype",
+    [(8, 2, 32, torch.float32), (4, 4, 64, torch.float32), (16, 2, 32, torch.float16)],
+)
+def test_the_backend_stores_the_step_and_attends_like_the_torch_backend(
+    heads, kv_heads, dim, dtype, monkeypatch
+):
+    monkeypatch.setattr(attention, "_multiprocessors", lambda device: H200_SMS)
+    meta, (k_cache, v_cache) = _step(SHAPES, kv_heads, dim, dtype)
+    tokens = sum(q for q, _ in SHAPES)
+    q = torch.randn(tokens, heads, dim).to(dtype)
+    k, v = (torch.randn(tokens, kv_heads, dim).to(dtype) for _ in range(2))
+    reference = TorchAttentionBackend()
+    reference.plan(meta)
+    ref_cache = (_head_major(k_cache), _head_major(v_cache))
+    want = reference.forward(q.float(), k.float(), v.float(), ref_cache, meta, dim**-0.5)
+    backend = TritonAttentionBackend()
+    backend.plan(meta)
+    got = backend.forward(q, k, v, (k_cache, v_cache), meta, dim**-0.5)
+    assert torch.equal(_head_major(k_cache), ref_cache[0])
+    assert torch.equal(_head_major(v_cache), ref_cache[1])
+    # Row by row: an unwritten row would be garbage, not a small error.
+    bound = 1e-6 if dtype == torch.float32 else 2e-3
+    starts = meta.query_start_loc.tolist()
+    for lo, hi in zip(starts, starts[1:], strict=False):
+        assert _rel(got[lo:hi], want[lo:hi]) < bound, (lo, hi)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4, 16])
+def test_decode_rows_split_their_keys_and_merge_to_the_same_output(splits):
+    """Flash decoding: each row's keys walked in `splits` parts (some empty for short rows),
+    merged by their running maxima and sums."""
+    shapes = [(1, 0), (1, 5), (1, 64), (1, 129), (1, 700)]
+    heads, kv_heads, dim = 8, 2, 32
+    meta, caches = _step(shapes, kv_heads, dim, torch.float32)
+    # The new keys are already in the caches: the reference reads them back from there.
+    slots = meta.slot_mapping
+    k, v = (c.view(-1, kv_heads, dim)[slots] for c in caches)
+    q = torch.randn(len(shapes), heads, dim)
+    reference = TorchAttentionBackend()
+    reference.plan(meta)
+    ref_cache = tuple(_head_major(c) for c in caches)
+    want = reference.forward(q, k, v, ref_cache, meta, dim**-0.5)
+    got = attention.paged_attention(q, *caches, meta, dim**-0.5, splits=splits)
+    for row in range(len(shapes)):
+        assert _rel(got[row], want[row]) < 1e-6, row
+
+
+def _rope_reference(qkv, heads, kv_heads, cos, sin, norms):
+    """q and k normed per head (rounded to the dtype where the torch modules round), rotated in
+    float32; v as it came."""
+    tokens, dim = qkv.shape[0], cos.shape[-1]
+    dtype = qkv.dtype
+    parts = qkv.view(tokens, -1, dim).float().split([heads, kv_heads, kv_heads], dim=1)
+    rotated = []
+    for x, weight in zip(parts[:2], norms[:2] if norms else (None, None), strict=True):
+        if norms:
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norms[2])
+            x = (weight.float() * x.to(dtype).float()).to(dtype).float()
+        half = torch.cat((-x[..., dim // 2 :], x[..., : dim // 2]), dim=-1)
+        rotated.append(x * cos.float() + half * sin.float())
+    return rotated[0], rotated[1], parts[2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("normed", [True, False], ids=["qk-norm", "plain"])
+def test_rope_store_rotates_q_and_stores_k_v_at_their_slots_only(dtype, normed):
+    torch.manual_seed(1)
+    tokens, heads, kv_heads, dim, eps = 13, 4, 2, 32, 1e-6
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    angle = torch.rand(tokens, 1, dim // 2) * 40
+    angle = torch.cat((angle, angle), dim=-1)
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    norms = None
+    if normed:
+        norms = (*((1 + 0.1 * torch.randn(dim)).to(dtype) for _ in range(2)), eps)
+    slots = torch.randperm(8 * 16)[:tokens]
+    caches = [torch.full((8, 16, kv_heads, dim), float("nan"), dtype=dtype) for _ in range(2)]
+    q = rope.rope_store(qkv, heads, kv_heads, (cos, sin), slots, *caches, norms)
+    want_q, want_k, want_v = _rope_reference(qkv, heads, kv_heads, cos, sin, norms)
+    k_cache, v_cache = (c.view(-1, kv_heads, dim) for c in caches)
+    # float32 rounds nowhere; float16 rounds the rotation once where torch rounds each term.
+    ulp = 1e-6 if dtype == torch.float32 else 2**-10
+    for got, want in ((q, want_q), (k_cache[slots], want_k)):
+        assert ((got.float() - want).abs() / want.abs().clamp_min(1.0)).max() <= 2 * ulp
+    assert torch.equal(v_cache[slots], want_v.to(dtype))
+    untouched = torch.ones(k_cache.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert k_cache[untouched].isnan().all() and v_cache[untouched].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_with_and_without_the_residual(dtype):
+    torch.manual_seed(2)
+    x, residual = (torch.randn(7, 1000).to(dtype) for _ in range(2))  # not a power of two
+    weight = (1 + 0.1 * torch.randn(1000)).to(dtype)
+
+    def formula(v):
+        f = v.float()
+        return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+
+    plain, none = ops.rms_norm(x, weight, 1e-6)
+    normed, summed = ops.rms_norm(x, weight, 1e-6, residual)
+    assert none is None
+    assert torch.equal(summed, x + residual)
+    # One rounding step apart at most: the kernel sums the squares in its own order.
+    step = 1e-6 if dtype == torch.float32 else 2**-10
+    for got, want in ((plain, formula(x)), (normed, formula(x + residual))):
+        assert ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1)).max() <= step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_mul_matches_the_torch_formula(dtype):
+    torch.manual_seed(3)
+    gate_up = 4 * torch.randn(5, 2 * 1500).to(dtype)  # two column blocks, the second ragged
+    gate, up = gate_up.split(1500, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = ops.silu_mul(gate_up)
+    # float16: the kernel's exp and torch's may round silu(gate) one step apart.
+    step = 1e-6 if dtype == torch.float32 else 2**-10
+    assert ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1)).max() <= step
+
+
+def test_lora_adds_each_tokens_slot_and_leaves_base_tokens_alone():
+    """Three parts (a fused qkv), slots of ranks 16 and 5 and an unused one, tokens of every slot
+    and of the base model (-1), more tokens than one block of them."""
+    gen = torch.Generator().manual_seed(4)
+    parts, in_features, max_rank, num_slots = [300, 100, 100], 200, 16, 3
+    out = sum(parts)
+    starts = (0, 300, 400, 500)
+    a = torch.zeros(3, num_slots, max_rank, in_features)
+    bt = torch.zeros(num_slots, max_rank, out)
+    for slot, rank in ((0, 16), (1, 5)):
+        a[:, slot, :rank] = 0.1 * torch.randn(3, rank, in_features, generator=gen)
+        bt[slot, :rank] = 0.1 * torch.randn(rank, out, generator=gen)
+    token_slots = torch.tensor([0, -1, 1, 0, 2, -1, 1, 1] * 3, dtype=torch.int32)
+    tokens = len(token_slots)
+    x = torch.randn(tokens, in_features, generator=gen)
+    y0 = torch.randn(tokens, out, generator=gen)
+    want = y0.double().clone()
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot >= 0:
+            for p in range(3):
+                lo, hi = starts[p], starts[p + 1]
+                h = x[t].double() @ a[p, slot].double().T
+                want[t, lo:hi] += h @ bt[slot, :, lo:hi].double()
+    y = y0.clone()
+    lora.lora_add(y, x, token_slots, a, bt, starts)
+    assert ((y.double() - want).abs().max() / want.abs().max()).item() < 1e-6
+    base = token_slots < 0
+    assert torch.equal(y[base], y0[base])
+
+
+def test_mamba_decode_step_updates_only_its_rows_slots():
+    torch.manual_seed(5)
+    rows, heads, head_dim, d_state, groups, num_slots = 5, 4, 48, 32, 2, 9
+    state = torch.randn(num_slots, heads, head_dim, d_state)
+    slots = torch.randperm(num_slots)[:rows]
+    x = torch.randn(rows, heads, head_dim)
+    dt = torch.rand(rows, heads) * 0.2
+    a = -torch.rand(heads) * 4
+    b, c = (torch.randn(rows, groups, d_state) for _ in range(2))
+    d = torch.randn(heads)
+    per_group = heads // groups
+    bh, ch = b.repeat_interleave(per_group, 1), c.repeat_interleave(per_group, 1)
+    want = state.clone()
+    s = (
+        want[slots] * torch.exp(dt * a)[:, :, None, None]
+        + (dt[:, :, None] * x)[..., None] * bh[:, :, None]
+    )
+    want[slots] = s
+    want_y = (s * ch[:, :, None]).sum(-1) + d[:, None] * x
+    y = mamba.ssm_decode(state, slots, x, dt, a, b, c, d)
+    assert ((state - want).abs().max() / want.abs().max()).item() < 1e-6
+    assert ((y - want_y).abs().max() / want_y.abs().max()).item() < 1e-5

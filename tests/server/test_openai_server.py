@@ -196,8 +196,8 @@ def test_health_counts_mid_flight_joins_and_metrics_parse(server, server_llm):
     assert before["capabilities"]["in_flight_batching"] is True
     assert before["capabilities"]["max_num_seqs"] == 4
     oa = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-    # A founder that cannot finish before the others arrive (no timing assumptions):
-    # its first chunk means it is resident, and the joiners are sent while it still runs.
+    # A founder that cannot finish before the others arrive (no timing assumptions): its first
+    # token means it is generating, and the joiners are sent while it still runs.
     founder = oa.chat.completions.create(
         model=MODEL,
         messages=MESSAGES,
@@ -207,7 +207,8 @@ def test_health_counts_mid_flight_joins_and_metrics_parse(server, server_llm):
         extra_body={"ignore_eos": True},
     )
     chunks = iter(founder)
-    next(chunks)
+    while not next(chunks).choices[0].delta.content:
+        pass
     threads = [
         threading.Thread(
             target=oa.chat.completions.create,

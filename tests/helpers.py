@@ -1,6 +1,7 @@
 """Assertions and set-ups shared by the tests."""
 
 import contextlib
+import random
 import time
 from collections.abc import Iterator
 
@@ -8,6 +9,7 @@ import torch
 
 from inflight.model.attention import AttentionMetadata, TorchAttentionBackend
 from inflight.model.mamba import MambaStates
+from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.cuda_graphs import DecodeGraphs, DecodeInputs, graph_buckets, graph_rows
 from inflight.runtime.model_runner import allocate_kv_cache
 
@@ -21,6 +23,20 @@ def assert_no_leaks(target) -> None:
         return
     assert target.blocks.num_free == target.blocks.num_blocks, "KV blocks leaked"
     assert target.slots.num_free == target.slots.capacity, "resident slots leaked"
+
+
+def scattered_step(shapes, block_size: int, num_blocks: int, seed: int = 0) -> AttentionMetadata:
+    """The metadata of a ragged CPU step, (query length, past length) per row, each row's
+    blocks drawn from a shuffled pool (so no table is contiguous)."""
+    rng = random.Random(seed)
+    blocks = list(range(num_blocks))
+    rng.shuffle(blocks)
+    rows, cursor = [], 0
+    for qlen, past in shapes:
+        need = -(-(qlen + past) // block_size)
+        rows.append(RowInput([0] * qlen, past, blocks[cursor : cursor + need], True))
+        cursor += need
+    return build_ragged_batch(rows, block_size, torch.device("cpu")).meta
 
 
 def run_staggered(runtime, requests) -> list:

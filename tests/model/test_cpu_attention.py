@@ -1,7 +1,5 @@
 """The CPU attention backend's native decode kernel against the torch reference backend."""
 
-import random
-
 import pytest
 import torch
 
@@ -11,19 +9,13 @@ from inflight.model.kernels.cpu.attention import decode_attention
 from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.runtime import Runtime, RuntimeConfig
 
+from helpers import scattered_step
+
 
 def _step(shapes, heads, kv_heads, dim, block_size=16, num_blocks=160, seed=0):
     """A ragged step over scattered blocks: (query length, past length) per row."""
-    rng = random.Random(seed)
     torch.manual_seed(seed)
-    blocks = list(range(num_blocks))
-    rng.shuffle(blocks)
-    rows, cursor = [], 0
-    for qlen, past in shapes:
-        need = -(-(qlen + past) // block_size)
-        rows.append(RowInput([0] * qlen, past, blocks[cursor : cursor + need], True))
-        cursor += need
-    meta = build_ragged_batch(rows, block_size, torch.device("cpu")).meta
+    meta = scattered_step(shapes, block_size, num_blocks, seed)
     tokens = sum(q for q, _ in shapes)
     # q comes as a strided view, as the model's split of the fused qkv projection gives it.
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)

@@ -6,15 +6,14 @@ e4m3 wrongly and has no bf16 constants), so those dtypes stay with `bench/gpu_ch
 device. `TRITON_INTERPRET` is set by the root conftest, before any kernel is decorated.
 """
 
-import random
-
 import pytest
 import torch
 
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.triton import TritonAttentionBackend
 from inflight.model.kernels.triton import attention, lora, mamba, ops, rope
-from inflight.runtime.batch_builder import RowInput, build_ragged_batch
+
+from helpers import scattered_step
 
 H200_SMS = 132
 
@@ -28,16 +27,8 @@ def test_the_kernels_run_in_the_interpreter():
 def _step(shapes, kv_heads, dim, dtype, block_size=16, num_blocks=96, seed=0):
     """A ragged step over scattered blocks ((query length, past length) per row) and random
     caches [blocks, block_size, kv heads, dim]."""
-    rng = random.Random(seed)
     torch.manual_seed(seed)
-    blocks = list(range(num_blocks))
-    rng.shuffle(blocks)
-    rows, cursor = [], 0
-    for qlen, past in shapes:
-        need = -(-(qlen + past) // block_size)
-        rows.append(RowInput([0] * qlen, past, blocks[cursor : cursor + need], True))
-        cursor += need
-    meta = build_ragged_batch(rows, block_size, torch.device("cpu")).meta
+    meta = scattered_step(shapes, block_size, num_blocks, seed)
     caches = [torch.randn(num_blocks, block_size, kv_heads, dim).to(dtype) for _ in range(2)]
     return meta, caches
 

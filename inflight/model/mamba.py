@@ -208,17 +208,12 @@ class Mamba2Mixer(nn.Module):
         x, b, c = self._split(silu(conv))
         step = self._time_step(dt)  # [R, H]
         a = -torch.exp(self.A_log.float())
+        kernel = ssm_decode
         if ssm_state.is_cuda and cfg.d_state & (cfg.d_state - 1) == 0:
             from inflight.model.kernels.triton import mamba as triton_mamba
 
-            y = triton_mamba.ssm_decode(ssm_state, slots, x, step, a, b, c, self.D.float())
-            return y.reshape(count, cfg.d_inner)
-        b, c = self._per_head(b), self._per_head(c)
-        state = ssm_state.index_select(0, slots)
-        decay = torch.exp(step * a)
-        state = state * decay[:, :, None, None] + (step[:, :, None] * x)[..., None] * b[:, :, None]
-        ssm_state.index_copy_(0, slots, state)
-        y = (state * c[:, :, None]).sum(-1) + self.D.float()[:, None] * x
+            kernel = triton_mamba.ssm_decode
+        y = kernel(ssm_state, slots, x, step, a, b, c, self.D.float())
         return y.reshape(count, cfg.d_inner)
 
     def _prefill(
@@ -263,6 +258,29 @@ class Mamba2Mixer(nn.Module):
     def _time_step(self, dt: torch.Tensor) -> torch.Tensor:
         low, high = self.config.time_step_limit
         return softplus(dt.float() + self.dt_bias.float()).clamp(low, high)
+
+
+def ssm_decode(
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+) -> torch.Tensor:
+    """One step of each decode row's scan, its slot of `state` [slots, H, P, N] updated in
+    place: S = exp(dt a) S + dt outer(x, b); y = S c + D x. x [R, H, P], dt [R, H], a and d
+    [H], b and c [R, G, N] (one per group of heads), all float32 -> y [R, H, P]. CUDA runs the
+    same formula in one Triton kernel (`kernels/triton/mamba.py`)."""
+    per_group = x.shape[1] // b.shape[1]
+    b, c = b.repeat_interleave(per_group, dim=1), c.repeat_interleave(per_group, dim=1)
+    rows = state.index_select(0, slots)
+    decay = torch.exp(dt * a)
+    rows = rows * decay[:, :, None, None] + (dt[:, :, None] * x)[..., None] * b[:, :, None]
+    state.index_copy_(0, slots, rows)
+    return (rows * c[:, :, None]).sum(-1) + d[:, None] * x
 
 
 def chunked_scan(

@@ -12,6 +12,9 @@ import torch
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.triton import TritonAttentionBackend
 from inflight.model.kernels.triton import attention, lora, mamba, ops, rope
+from inflight.model.layers.activation import torch_silu_mul
+from inflight.model.layers.norm import torch_rms_norm
+from inflight.model.layers.rotary import rotate
 from inflight.model.mamba import ssm_decode as torch_ssm_decode
 
 from helpers import scattered_step
@@ -99,18 +102,15 @@ def test_decode_rows_split_their_keys_and_merge_to_the_same_output(splits):
 
 
 def _rope_reference(qkv, heads, kv_heads, cos, sin, norms):
-    """q and k normed per head (rounded to the dtype where the torch modules round), rotated in
-    float32; v as it came."""
+    """The torch path: q and k normed per head in their dtype (`torch_rms_norm`), rotated
+    (`rotate`) in float32, where the kernel rotates; v as it came."""
     tokens, dim = qkv.shape[0], cos.shape[-1]
-    dtype = qkv.dtype
-    parts = qkv.view(tokens, -1, dim).float().split([heads, kv_heads, kv_heads], dim=1)
+    parts = qkv.view(tokens, -1, dim).split([heads, kv_heads, kv_heads], dim=1)
     rotated = []
     for x, weight in zip(parts[:2], norms[:2] if norms else (None, None), strict=True):
         if norms:
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norms[2])
-            x = (weight.float() * x.to(dtype).float()).to(dtype).float()
-        half = torch.cat((-x[..., dim // 2 :], x[..., : dim // 2]), dim=-1)
-        rotated.append(x * cos.float() + half * sin.float())
+            x = torch_rms_norm(x, weight, norms[2])[0]
+        rotated.append(rotate(x.float(), (cos.float(), sin.float())))
     return rotated[0], rotated[1], parts[2]
 
 
@@ -135,7 +135,7 @@ def test_rope_store_rotates_q_and_stores_k_v_at_their_slots_only(dtype, normed):
     ulp = 1e-6 if dtype == torch.float32 else 2**-10
     for got, want in ((q, want_q), (k_cache[slots], want_k)):
         assert ((got.float() - want).abs() / want.abs().clamp_min(1.0)).max() <= 2 * ulp
-    assert torch.equal(v_cache[slots], want_v.to(dtype))
+    assert torch.equal(v_cache[slots], want_v)
     untouched = torch.ones(k_cache.shape[0], dtype=torch.bool)
     untouched[slots] = False
     assert k_cache[untouched].isnan().all() and v_cache[untouched].isnan().all()
@@ -143,30 +143,26 @@ def test_rope_store_rotates_q_and_stores_k_v_at_their_slots_only(dtype, normed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rms_norm_with_and_without_the_residual(dtype):
+    """Against the torch path the layers take without a kernel."""
     torch.manual_seed(2)
     x, residual = (torch.randn(7, 1000).to(dtype) for _ in range(2))  # not a power of two
     weight = (1 + 0.1 * torch.randn(1000)).to(dtype)
-
-    def formula(v):
-        f = v.float()
-        return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
-
     plain, none = ops.rms_norm(x, weight, 1e-6)
     normed, summed = ops.rms_norm(x, weight, 1e-6, residual)
     assert none is None
-    assert torch.equal(summed, x + residual)
+    want_normed, want_summed = torch_rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(summed, want_summed)
     # One rounding step apart at most: the kernel sums the squares in its own order.
     step = 1e-6 if dtype == torch.float32 else 2**-10
-    for got, want in ((plain, formula(x)), (normed, formula(x + residual))):
+    for got, want in ((plain, torch_rms_norm(x, weight, 1e-6)[0]), (normed, want_normed)):
         assert ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1)).max() <= step
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_silu_mul_matches_the_torch_formula(dtype):
+def test_silu_mul_matches_the_torch_path(dtype):
     torch.manual_seed(3)
     gate_up = 4 * torch.randn(5, 2 * 1500).to(dtype)  # two column blocks, the second ragged
-    gate, up = gate_up.split(1500, dim=-1)
-    want = torch.nn.functional.silu(gate) * up
+    want = torch_silu_mul(gate_up)
     got = ops.silu_mul(gate_up)
     # float16: the kernel's exp and torch's may round silu(gate) one step apart.
     step = 1e-6 if dtype == torch.float32 else 2**-10

@@ -31,6 +31,9 @@ BATCH_FIELDS = (
     "params.top_p",
     "params.top_k",
     "params.min_p",
+    "params.presence_penalty",
+    "params.frequency_penalty",
+    "params.repetition_penalty",
     "params.seed",  # compared as "has a seed": seeded rows switch the batch to stable sampling
     "params.max_tokens",
     "params.logprobs",

@@ -271,25 +271,39 @@ class Executor:
         )
 
     @staticmethod
-    def constrained(launched: LaunchedStep) -> bool:
-        """Whether a sampling row of the step is under a structured-outputs constraint."""
-        return any(row.samples and row.resident.matcher is not None for row in launched.step.rows)
+    def reads_tokens(launched: LaunchedStep) -> bool:
+        """Whether a sampling row of the step reads the tokens before it on the host: under a
+        structured-outputs constraint (its matcher) or penalties (its token counts)."""
+        return any(
+            row.samples
+            and (row.resident.matcher is not None or row.resident.request.params.penalized)
+            for row in launched.step.rows
+        )
 
     def sample(self, launched: LaunchedStep) -> None:
         """Queue the sampling of a launched step. Constrained rows are masked by what their
-        matchers allow now: with overlapped steps this runs after the step before has been
-        taken in (its tokens advanced the matchers), while the device computes the forward."""
+        matchers allow now, penalized rows penalized by their tokens so far: with overlapped
+        steps this runs after the step before has been taken in (its tokens advanced the
+        matchers and the outputs), while the device computes the forward."""
         if launched.logits is None:
             return
         samplers = [row for row in launched.step.rows if row.samples]
-        # A row verifying drafts samples at each of its positions as plain decoding would there.
+        # A row verifying drafts samples at each of its positions as plain decoding would there;
+        # penalties read the prompt and the output before each (the drafts before it included).
         sampling, firsts = [], []
         for row in samplers:
             firsts.append(len(sampling))
-            params, index = row.resident.request.params, row.resident.index
-            sampling += [
-                SamplingRow(params, row.position + i, index) for i in range(1 + len(row.drafts))
-            ]
+            resident = row.resident
+            params, index = resident.request.params, resident.index
+            positions = range(row.position, row.position + 1 + len(row.drafts))
+            if params.penalized:
+                known = resident.output[: row.position]
+                sampling += [
+                    SamplingRow(params, p, index, resident.prompt, known + list(row.drafts[:i]))
+                    for i, p in enumerate(positions)
+                ]
+            else:
+                sampling += [SamplingRow(params, p, index) for p in positions]
         launched.sampled = self.sampler.sample(
             launched.logits, sampling, self._masks(samplers, firsts)
         )

@@ -79,6 +79,10 @@ class SamplingParams:
     one only); `prompt_logprobs=N` does the same for every prompt token after the first, and with
     it `max_tokens=0` scores the prompt without generating. Log-probabilities are those of the
     model's raw distribution, also under `structured_outputs` (which masks what can be sampled).
+    Penalties, as vLLM and the OpenAI API apply them: `repetition_penalty` divides the positive
+    logits (multiplies the others) of every token in the prompt or the output so far;
+    `frequency_penalty` subtracts itself times a token's count in the output so far,
+    `presence_penalty` itself once a token is in it.
     """
 
     max_tokens: int | None = None
@@ -86,6 +90,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -153,6 +160,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1: off), got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.logprobs is not None and (
@@ -186,6 +199,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty applies: the row's logits depend on the tokens before it."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1
+        )
 
 
 @dataclass(frozen=True, eq=False)

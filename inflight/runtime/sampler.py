@@ -1,10 +1,12 @@
 """Per-row sampling: every row of a step carries its own parameters.
 
-Greedy rows take the argmax. Sampled rows apply temperature, top-k, top-p and min-p, then draw by
-racing exponential noise (argmax of p / E with E ~ Exp(1), which samples from p). A row with a seed
-draws its noise from a generator seeded by (seed, output position, sequence of its request) alone,
-so it picks the same tokens whatever else shares the step. Log-probabilities are those of the raw
-distribution.
+Logit bias, then penalties (repetition over the prompt and output so far, frequency and presence
+over the output, vLLM's formulas and order), then a structured-outputs mask shape what every row
+may pick. Greedy rows take the argmax. Sampled rows apply temperature, top-k, top-p and min-p,
+then draw by racing exponential noise (argmax of p / E with E ~ Exp(1), which samples from p). A
+row with a seed draws its noise from a generator seeded by (seed, output position, sequence of
+its request) alone, so it picks the same tokens whatever else shares the step. Log-probabilities
+are those of the raw distribution.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ class SamplingRow:
     params: SamplingParams
     position: int  # index of the output token being drawn (0 for the first)
     sequence: int = 0  # which of the request's n sequences
+    # With penalties: the prompt, and the output tokens before `position`.
+    prompt: Sequence[int] = ()
+    output: Sequence[int] = ()
 
 
 @dataclass
@@ -84,7 +89,7 @@ class Sampler:
         [rows, ceil(vocab / 32)] of the tokens each may take (bit i of word j: token 32 j + i).
         They are masked before any other processing; logprobs stay those of the raw logits."""
         logits = logits.float()
-        biased = self._apply_bias(logits, rows)
+        biased = _apply_penalties(self._apply_bias(logits, rows), rows, logits)
         if masks is not None:
             masked, packed = masks
             if biased is logits:
@@ -178,6 +183,43 @@ class Sampler:
                 generator.manual_seed((mixed + row.sequence * _SEQUENCE_STRIDE) % (2**63))
                 noise[i].exponential_(generator=generator)
         return torch.argmax(probs / noise, dim=-1)
+
+
+def _apply_penalties(
+    logits: torch.Tensor, rows: list[SamplingRow], raw: torch.Tensor
+) -> torch.Tensor:
+    """The penalized rows' logits, penalized (a copy, never `raw`, whose logprobs are
+    reported): as vLLM applies them, repetition first, then frequency and presence."""
+    penalized = [i for i, r in enumerate(rows) if r.params.penalized]
+    if not penalized:
+        return logits
+    if logits is raw:
+        logits = logits.clone()
+    device, vocab = logits.device, logits.shape[-1]
+    picked = [rows[i] for i in penalized]
+    counts = torch.zeros(len(picked), vocab, device=device)
+    where = [(j, t) for j, r in enumerate(picked) for t in r.output]
+    if where:
+        at = to_device(where, torch.int64, device)
+        counts.index_put_((at[:, 0], at[:, 1]), torch.ones(len(where), device=device), True)
+    seen = counts > 0
+    where = [(j, t) for j, r in enumerate(picked) for t in r.prompt]
+    if where:
+        at = to_device(where, torch.int64, device)
+        seen[at[:, 0], at[:, 1]] = True
+
+    def column(name: str) -> torch.Tensor:
+        return to_device([getattr(r.params, name) for r in picked], torch.float32, device)[:, None]
+
+    index = to_device(penalized, torch.int64, device)
+    values = logits[index]
+    repetition = column("repetition_penalty")
+    repeated = torch.where(values > 0, values / repetition, values * repetition)
+    values = torch.where(seen, repeated, values)
+    values = values - column("frequency_penalty") * counts
+    values = values - column("presence_penalty") * (counts > 0)
+    logits[index] = values
+    return logits
 
 
 MaskKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]

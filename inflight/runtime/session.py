@@ -3,14 +3,15 @@
 A step is planned by the `Scheduler`, run on the device by the `Executor` and taken in by the
 `OutputProcessor`; the session orders those calls. With `overlap`, a step is completed one call
 later: `step()` launches step N+1 on the device, then completes step N on the host while the
-device computes. Step N+1 reads the tokens step N sampled from the device; a resident that step N
-finishes has one wasted row in step N+1 (its KV reservation covers it), and its outcome is
-reported by the second call. A step with rows under a structured-outputs constraint is sampled
-only after step N is taken in (while its forward pass runs): their masks for step N+1 depend on
-the tokens of step N. With speculative decoding, prompt lookup drafts past step N (see
-`speculative.py`); a draft model cannot, and there step N is taken in before step N+1 is planned
-when a row is ready to draft or when step N verifies drafts; step N+1 is still completed by the
-next call, the device computing it while the caller does its own work.
+device computes. Step N+1 reads the tokens step N sampled from the device; a resident that step
+N finishes has one wasted row in step N+1 (its KV reservation covers it), and its outcome is
+reported by the second call. A step with rows under a structured-outputs constraint or with
+penalties is sampled only after step N is taken in (while its forward pass runs): their masks
+and penalties for step N+1 depend on the tokens of step N. With speculative decoding, prompt
+lookup drafts past step N (see `speculative.py`); a draft model cannot, and there step N is
+taken in before step N+1 is planned when a row is ready to draft or when step N verifies drafts;
+step N+1 is still completed by the next call, the device computing it while the caller does its
+own work.
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ class GenerationSession:
         launched = self._launch()
         if not taken_in:
             result.step_id = self._step_id
-        # A constrained row's mask needs the token of the step before: with overlap, that step
-        # is taken in first (while the device runs this one's forward pass).
-        deferred = self._overlap and launched is not None and self._executor.constrained(launched)
+        # A constrained row's mask, a penalized row's counts need the token of the step before:
+        # with overlap, that step is taken in first (while the device runs this one's forward).
+        deferred = self._overlap and launched is not None and self._executor.reads_tokens(launched)
         if launched is not None and not deferred:
             self._executor.sample(launched)
         completed = launched

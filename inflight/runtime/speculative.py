@@ -15,10 +15,10 @@ Drafters: prompt lookup ("ngram", no weights) and a draft model (`draft_model.py
 checkpoint of the same vocabulary, greedy, its KV in the target's blocks). Both are
 deterministic, which is what makes the verification above exact.
 
-`Speculator` decides how many drafts each decode row may take: none while the row is
-constrained by structured outputs (its mask at a draft position would depend on the draft),
-opted out, or backing off after drafts that were rejected; never more than its length budget
-can take. Its drafter then proposes them, for all the step's rows at once.
+`Speculator` decides how many drafts each decode row may take: none while the row is constrained
+by structured outputs or penalized (its mask or penalties at a draft position would depend on
+the draft), opted out, or backing off after drafts that were rejected; never more than its
+length budget can take. Its drafter then proposes them, for all the step's rows at once.
 
 With overlapped steps (the next step planned while the device runs this one), a row's last
 token is on the device when its next row is planned, and where that step verifies drafts, what
@@ -198,7 +198,8 @@ class Speculator:
 
     def ready(self, r: Resident) -> bool:
         """Whether decode row `r` drafts at its next step if its tokens are all known then."""
-        if r.spec_wait > 0 or r.matcher is not None or not r.request.params.speculative:
+        params = r.request.params
+        if r.spec_wait > 0 or r.matcher is not None or params.penalized or not params.speculative:
             return False
         return self._room(r) > 0
 

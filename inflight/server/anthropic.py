@@ -159,6 +159,7 @@ def sampling_params(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=defaults.top_p if body.top_p is None else body.top_p,
             top_k=defaults.top_k if body.top_k is None else body.top_k,
+            repetition_penalty=defaults.repetition_penalty,
             stop=body.stop_sequences or [],
             structured_outputs=constraint,
         )

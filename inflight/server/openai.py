@@ -53,6 +53,13 @@ def sampling_params(
             top_p=defaults.top_p if body.top_p is None else body.top_p,
             top_k=defaults.top_k if body.top_k is None else body.top_k,
             min_p=defaults.min_p if body.min_p is None else body.min_p,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=(
+                defaults.repetition_penalty
+                if body.repetition_penalty is None
+                else body.repetition_penalty
+            ),
             seed=body.seed,
             stop=[body.stop] if isinstance(body.stop, str) else (body.stop or []),
             stop_token_ids=body.stop_token_ids or [],

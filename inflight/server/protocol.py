@@ -301,24 +301,6 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
 def unsupported(body: BaseModel) -> tuple[str, str] | None:
     """(field, message) for the first option of this request the engine does not serve."""
     checks: list[tuple[str, bool, str]] = []
-    if isinstance(body, SamplingFields):
-        checks += [
-            (
-                "presence_penalty",
-                bool(body.presence_penalty),
-                "presence_penalty is not supported; leave it at 0",
-            ),
-            (
-                "frequency_penalty",
-                bool(body.frequency_penalty),
-                "frequency_penalty is not supported; leave it at 0",
-            ),
-            (
-                "repetition_penalty",
-                body.repetition_penalty not in (None, 1.0),
-                "repetition_penalty is not supported; leave it at 1",
-            ),
-        ]
     if isinstance(body, ChatCompletionRequest):
         checks += [
             (

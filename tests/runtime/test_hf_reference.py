@@ -3,7 +3,7 @@ continuations and the logprobs it reports. (tests/model checks the model's logit
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
 
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.request import GenerationRequest, SamplingParams
@@ -62,3 +62,30 @@ def test_reported_logprobs_are_the_references(smollm, hf_smollm):
         assert len(top) == 5 and top == sorted(top, reverse=True)
         assert [t.token_id for t in entry.top] == ref.topk(5).indices.tolist()
         seq.append(token)
+
+
+def _hf_penalized_greedy(hf, ids, n, repetition, frequency, presence):
+    """Greedy with transformers' repetition penalty processor over the whole sequence, then
+    the OpenAI API's frequency and presence penalties over the output."""
+    processor = RepetitionPenaltyLogitsProcessor(repetition)
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([seq]), logits_to_keep=1).logits[:, -1]
+            logits = processor(torch.tensor([seq]), logits)[0]
+            counts = torch.zeros_like(logits)
+            for token in seq[len(ids) :]:
+                counts[token] += 1
+            logits = logits - frequency * counts - presence * (counts > 0).float()
+            seq.append(int(logits.argmax()))
+    return seq[len(ids) :]
+
+
+@pytest.mark.slow
+def test_smollm2_penalized_greedy_equals_transformers(smollm, hf_smollm):
+    ids = smollm.tokenizer.encode("List the days of the week: Monday, Tuesday,")
+    penalties = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
+    got = list(_greedy(smollm, ids, 24, **penalties).token_ids)
+    assert got == _hf_penalized_greedy(hf_smollm, ids, 24, 1.3, 0.4, 0.2)
+    # The penalties changed the continuation (the prompt invites repeats).
+    assert got != list(_greedy(smollm, ids, 24).token_ids)

@@ -49,6 +49,40 @@ def test_overlapped_steps_give_the_same_outputs(runtimes):
     assert_no_leaks(overlapped)
 
 
+def test_penalized_rows_take_in_the_step_before_and_equal_their_solo_runs(runtimes):
+    """Penalties read the tokens before a row's on the host: with overlap, the step before is
+    taken in before the row is sampled. Beside plain rows, each penalized row gets what it gets
+    alone, and the penalties did change what it gets."""
+    plain, overlapped = runtimes
+    penalized = [
+        dict(max_tokens=14, temperature=0, repetition_penalty=1.6, frequency_penalty=0.5),
+        dict(max_tokens=14, temperature=0.9, seed=3, presence_penalty=-2.0),
+        dict(max_tokens=14, temperature=0, repetition_penalty=0.5),
+    ]
+    prompts = [range(30, 45), range(2, 20), range(60, 64)]
+
+    def requests(penalties=True):
+        made = [
+            GenerationRequest(
+                list(p),
+                SamplingParams(
+                    ignore_eos=True,
+                    **{k: v for k, v in kw.items() if penalties or not k.endswith("penalty")},
+                ),
+            )
+            for p, kw in zip(prompts, penalized, strict=True)
+        ]
+        return [made[0], *_requests()[1:3], made[1], made[2]]
+
+    alone = [plain.handle_request(r).result().token_ids for r in requests()]
+    for runtime in runtimes:
+        assert [o.token_ids for o in run_staggered(runtime, requests())] == alone
+        assert_no_leaks(runtime)
+    unpenalized = [plain.handle_request(r).result().token_ids for r in requests(False)]
+    for i in (0, 3, 4):
+        assert alone[i] != unpenalized[i], i
+
+
 def test_a_step_completes_one_call_later(runtimes):
     _, overlapped = runtimes
     session = overlapped.new_session()

@@ -1,7 +1,10 @@
 """Per-row sampling over synthetic logits."""
 
 import math
+import random
+from collections import Counter
 
+import pytest
 import torch
 
 from inflight.runtime.request import SamplingParams
@@ -68,6 +71,55 @@ def test_logit_bias_applies_to_its_row_only():
     out = Sampler()(logits, [_row(temperature=0, logit_bias={target: 100}), _row(temperature=0)])
     assert out[0].token_id == target
     assert out[1].token_id == int(logits[1].argmax())
+
+
+def _penalized(logits, params, prompt, output):
+    """vLLM's penalties, one token at a time: repetition over the prompt and output, then
+    frequency (per occurrence) and presence (once) over the output."""
+    x = logits.clone()
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+    for t, count in Counter(output).items():
+        x[t] -= params.frequency_penalty * count + params.presence_penalty
+    return x
+
+
+def test_penalties_follow_the_formulas_per_row_and_leave_logprobs_raw():
+    rng = random.Random(0)
+    for trial in range(40):
+        logits = _logits(4, vocab=30, seed=trial)
+        rows = []
+        for _ in range(4):
+            params = SamplingParams(
+                temperature=0,
+                logprobs=1,
+                repetition_penalty=rng.choice([1.0, 0.7, 1.3, 2.5]),
+                frequency_penalty=rng.choice([0.0, 0.4, -0.6, 2.0]),
+                presence_penalty=rng.choice([0.0, 0.5, -1.0]),
+            )
+            prompt = [rng.randrange(30) for _ in range(rng.randrange(6))]
+            output = [rng.randrange(30) for _ in range(rng.randrange(8))]
+            rows.append(SamplingRow(params, len(output), 0, prompt, output))
+        out = Sampler()(logits, rows)
+        for i, (row, got) in enumerate(zip(rows, out, strict=True)):
+            want = _penalized(logits[i], row.params, row.prompt, row.output)
+            assert got.token_id == int(want.argmax()), (trial, i)
+            raw = torch.log_softmax(logits[i], dim=-1)
+            assert got.logprob == pytest.approx(raw[got.token_id].item(), abs=1e-6)
+
+
+def test_a_penalty_turns_the_pick_and_touches_only_its_row():
+    logits = torch.tensor([[2.0, 1.9, 0.0, -3.0], [2.0, 1.9, 0.0, -3.0]])
+    seen = dict(prompt=[0], output=[])
+    repeated = SamplingRow(SamplingParams(temperature=0, repetition_penalty=1.1), 0, 0, **seen)
+    out = Sampler()(logits, [repeated, _row(temperature=0)])
+    assert [o.token_id for o in out] == [1, 0]  # 2.0 / 1.1 < 1.9; the plain row keeps 0
+    # Frequency counts the output only: the prompt's token 0 is not charged.
+    frequent = SamplingParams(temperature=0, frequency_penalty=0.06)
+    out = Sampler()(logits[:1], [SamplingRow(frequent, 2, 0, [0, 0, 0], [1, 1])])
+    assert out[0].token_id == 0
+    out = Sampler()(logits[:1], [SamplingRow(frequent, 2, 0, [], [0, 0])])
+    assert out[0].token_id == 1  # 2.0 - 2 * 0.06 < 1.9
 
 
 def test_seeded_row_draws_the_same_whatever_shares_the_step():

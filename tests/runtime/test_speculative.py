@@ -171,6 +171,34 @@ def test_a_request_may_opt_out(default_runtimes):
     assert spec.speculator.snapshot()["verifications"] == before
 
 
+def test_penalized_rows_are_not_drafted_and_decode_as_plainly(tiny_dirs, monkeypatch):
+    """A penalty at a draft position would depend on the drafts before it: such rows decode
+    without drafts (here beside a row that does draft, with overlapped steps) and give plain
+    decoding's tokens."""
+    config = dict(max_batch_size=4, max_model_len=256, context_cache=False, overlap=True)
+    plain = Runtime(tiny_dirs["llama"], RuntimeConfig(**config))
+    spec = Runtime(tiny_dirs["llama"], RuntimeConfig(**config, speculative=NGRAM))
+    prompt = [5, 6, 7, 8] * 6
+    penalties = dict(repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.2)
+    penalized = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, **penalties)
+    drafting = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = plain.handle_request(GenerationRequest(prompt, penalized)).result()
+    drafted: list[tuple[bool, int]] = []
+    draft_length = spec.speculator.draft_length
+
+    def watch(r, budget):
+        length = draft_length(r, budget)
+        drafted.append((r.request.params.penalized, length))
+        return length
+
+    monkeypatch.setattr(spec.speculator, "draft_length", watch)
+    got = run_staggered(spec, [GenerationRequest(prompt, p) for p in (penalized, drafting)])
+    assert got[0].token_ids == want.token_ids
+    assert any(length for is_penalized, length in drafted if not is_penalized)
+    assert not any(length for is_penalized, length in drafted if is_penalized)
+    assert_no_leaks(spec)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_tiny_models_rejecting_most_drafts_still_decode_exactly(tiny_dirs, family):
     """Random weights reject nearly every draft: each rejection rolls the KV back, and the next

@@ -251,7 +251,9 @@ def test_health_counts_mid_flight_joins_and_metrics_parse(server, server_llm):
         ({"messages": MESSAGES, "temperature": 3}, 400, "temperature"),
         ({"messages": MESSAGES, "top_p": 0}, 400, "top_p"),
         ({"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
-        ({"messages": MESSAGES, "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"messages": MESSAGES, "presence_penalty": 2.5}, 400, "presence_penalty"),
+        ({"messages": MESSAGES, "frequency_penalty": -3}, 400, "frequency_penalty"),
+        ({"messages": MESSAGES, "repetition_penalty": 0}, 400, "repetition_penalty"),
         (
             {
                 "messages": MESSAGES,
@@ -331,6 +333,26 @@ def test_a_bad_response_format_and_n_are_refused_naming_the_field(server):
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param
     assert "n (5) exceeds max_batch_size (4)" in r.json()["error"]["message"]
+
+
+def test_penalties_apply_as_in_the_python_api(oa, server_llm):
+    """OpenAI's presence and frequency penalties, and vLLM's repetition_penalty (extra body)."""
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.8, repetition_penalty=1.3)
+    expected = server_llm.chat(
+        MESSAGES, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **penalties)
+    )[0]
+    plain = server_llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert expected.token_ids != plain[0].token_ids
+    reply = oa.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=24,
+        presence_penalty=0.5,
+        frequency_penalty=0.8,
+        extra_body={"repetition_penalty": 1.3, "ignore_eos": True},
+    )
+    assert reply.choices[0].message.content == expected.text
 
 
 def test_n_choices_whole_and_streamed(oa):

@@ -80,9 +80,11 @@ class HFCheckpoint:
         return self._json("preprocessor_config.json", {})
 
     def sampling_defaults(self) -> dict[str, Any]:
-        """The sampling settings generation_config.json recommends (temperature, top_p, top_k)."""
+        """The sampling settings generation_config.json recommends (temperature, top_p, top_k,
+        repetition_penalty: what vLLM takes from it)."""
         gen = self.generation_config
-        return {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
+        keys = ("temperature", "top_p", "top_k", "repetition_penalty")
+        return {k: gen[k] for k in keys if gen.get(k) is not None}
 
 
 def _token_text(token: Any) -> str | None:

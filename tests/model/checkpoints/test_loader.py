@@ -1,6 +1,8 @@
 """build_model's quantization modes: validation, what each needs, and how "auto" falls back."""
 
+import json
 import logging
+import shutil
 import subprocess
 import sys
 
@@ -82,6 +84,18 @@ def test_auto_is_float_for_hugging_face_checkpoints_and_off_the_cpu_float32_path
     assert _methods(bf16) == {TorchLinearMethod}
     # Tied, the torch head computes with the embedding's own weight.
     assert bf16.lm_head.weight is bf16.embed_tokens.weight
+
+
+def test_sampling_defaults_are_what_generation_config_recommends(tiny_dirs, tmp_path):
+    """As vLLM reads it: temperature, top_p, top_k and repetition_penalty; the rest ignored."""
+    path = shutil.copytree(tiny_dirs["llama"], tmp_path / "llama")
+    config = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.05}
+    (path / "generation_config.json").write_text(json.dumps(config))
+    assert open_checkpoint(path).sampling_defaults == {
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "repetition_penalty": 1.05,
+    }
 
 
 def test_a_cpu_model_never_imports_triton(tiny_dirs):

@@ -1,9 +1,11 @@
-"""What structured outputs cost a decode step: a batch where half the rows are JSON-schema
-constrained, against the same batch all free.
+"""What structured outputs and penalties cost a decode step: a batch where half the rows are
+JSON-schema constrained, or penalized, against the same batch all free.
 
 Seats `--batch` residents of 100-token prompts (every other one constrained by a JSON schema
-that cannot end within the run, so every row decodes through it), prefills them,
-then times `--steps` decode steps; the two modes alternate for `--rounds` rounds. Default: the
+that cannot end within the run, so every row decodes through it, or penalized: repetition,
+frequency and presence penalties, whose counts the sampler builds from the row's tokens each
+step), prefills them, then times `--steps` decode steps; the modes alternate for `--rounds`
+rounds. Default: the
 embedded model on the CPU; `--shape qwen3-0.6b` a random-weight model of that shape on CUDA
 (with the embedded model's tokenizer, which JSON needs). Prints step times and the overhead;
 writes JSON to $OUT (or bench/out).
@@ -37,13 +39,22 @@ SCHEMA = {
 }
 
 
-def step_ms(runtime: Runtime, prompts: list[list[int]], constrained: bool, steps: int) -> float:
-    """Mean wall time of a decode step of every row (every other one constrained)."""
+PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5)
+MODES = ("free", "half constrained", "half penalized")
+
+
+def step_ms(runtime: Runtime, prompts: list[list[int]], mode: str, steps: int) -> float:
+    """Mean wall time of a decode step of every row (every other one as `mode` says)."""
     session = runtime.new_session()
     for i, prompt in enumerate(prompts):
-        constraint = StructuredOutputs(json=SCHEMA) if constrained and i % 2 else None
+        odd = bool(i % 2)
+        constrained = odd and mode == "half constrained"
         params = SamplingParams(
-            max_tokens=steps + 8, temperature=0, ignore_eos=True, structured_outputs=constraint
+            max_tokens=steps + 8,
+            temperature=0,
+            ignore_eos=True,
+            structured_outputs=StructuredOutputs(json=SCHEMA) if constrained else None,
+            **(PENALTIES if odd and mode == "half penalized" else {}),
         )
         assert session.admit(GenerationRequest(prompt, params)).ref is not None
     for _ in range(4):  # the prefill, and a few decode steps to settle
@@ -89,18 +100,22 @@ def main() -> None:
             RuntimeConfig(max_batch_size=batch, max_model_len=512, max_num_tokens=8192, **config),
         )
         work = make_workload(embedded.tokenizer, batch, 100, args.steps)
-        runs: dict[str, list[float]] = {"free": [], "half constrained": []}
+        runs: dict[str, list[float]] = {mode: [] for mode in MODES}
         for _ in range(args.rounds):
             for mode in runs:
-                runs[mode].append(step_ms(runtime, work.prompts, mode != "free", args.steps))
-        free, half = (statistics.median(v) for v in runs.values())
-        results[batch] = {"step_ms": runs, "overhead": half / free - 1}
-        print(
-            f"batch {batch}: free {free:.2f} ms/step ({batch / free * 1000:.0f} tok/s), "
-            f"half constrained {half:.2f} ms/step ({batch / half * 1000:.0f} tok/s): "
-            f"{(half / free - 1) * 100:+.1f} % (medians of {args.rounds}; all: {runs})",
-            flush=True,
+                runs[mode].append(step_ms(runtime, work.prompts, mode, args.steps))
+        medians = {mode: statistics.median(v) for mode, v in runs.items()}
+        free = medians["free"]
+        results[batch] = {
+            "step_ms": runs,
+            "overhead": {mode: ms / free - 1 for mode, ms in medians.items() if mode != "free"},
+        }
+        line = ", ".join(
+            f"{mode} {ms:.2f} ms/step ({batch / ms * 1000:.0f} tok/s, "
+            f"{(ms / free - 1) * 100:+.1f} %)"
+            for mode, ms in medians.items()
         )
+        print(f"batch {batch}: {line} (medians of {args.rounds}; all: {runs})", flush=True)
         del runtime
     write_report(
         report_path("structured_overhead.json"),

@@ -15,6 +15,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from inflight.model.kernels.cpu import ops as cpu_ops
@@ -189,36 +190,40 @@ def _apply_penalties(
     logits: torch.Tensor, rows: list[SamplingRow], raw: torch.Tensor
 ) -> torch.Tensor:
     """The penalized rows' logits, penalized (a copy, never `raw`, whose logprobs are
-    reported): as vLLM applies them, repetition first, then frequency and presence."""
-    penalized = [i for i, r in enumerate(rows) if r.params.penalized]
-    if not penalized:
+    reported): as vLLM applies them, repetition first, then frequency and presence. Only the
+    tokens a row has seen change, so only those are read and written."""
+    row_ids, seen_ids, counts, penalties = [], [], [], []
+    for i, row in enumerate(rows):
+        params = row.params
+        if not params.penalized:
+            continue
+        output = np.asarray(row.output, dtype=np.int64)
+        seen = np.union1d(np.asarray(row.prompt, dtype=np.int64), output)
+        counted, times = np.unique(output, return_counts=True)
+        count = np.zeros(len(seen), dtype=np.float32)
+        count[np.searchsorted(seen, counted)] = times
+        row_ids.append(np.full(len(seen), i))
+        seen_ids.append(seen)
+        counts.append(count)
+        penalties.append(
+            (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
+        )
+    lengths = [len(seen) for seen in seen_ids]
+    if not sum(lengths):
         return logits
     if logits is raw:
         logits = logits.clone()
-    device, vocab = logits.device, logits.shape[-1]
-    picked = [rows[i] for i in penalized]
-    counts = torch.zeros(len(picked), vocab, device=device)
-    where = [(j, t) for j, r in enumerate(picked) for t in r.output]
-    if where:
-        at = to_device(where, torch.int64, device)
-        counts.index_put_((at[:, 0], at[:, 1]), torch.ones(len(where), device=device), True)
-    seen = counts > 0
-    where = [(j, t) for j, r in enumerate(picked) for t in r.prompt]
-    if where:
-        at = to_device(where, torch.int64, device)
-        seen[at[:, 0], at[:, 1]] = True
-
-    def column(name: str) -> torch.Tensor:
-        return to_device([getattr(r.params, name) for r in picked], torch.float32, device)[:, None]
-
-    index = to_device(penalized, torch.int64, device)
-    values = logits[index]
-    repetition = column("repetition_penalty")
-    repeated = torch.where(values > 0, values / repetition, values * repetition)
-    values = torch.where(seen, repeated, values)
-    values = values - column("frequency_penalty") * counts
-    values = values - column("presence_penalty") * (counts > 0)
-    logits[index] = values
+    device = logits.device
+    at = (
+        to_device(np.concatenate(row_ids), torch.int64, device),
+        to_device(np.concatenate(seen_ids), torch.int64, device),
+    )
+    per_token = np.repeat(np.asarray(penalties, dtype=np.float32), lengths, axis=0)
+    repetition, frequency, presence = to_device(per_token, torch.float32, device).unbind(1)
+    count = to_device(np.concatenate(counts), torch.float32, device)
+    values = logits[at]
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    logits[at] = values - frequency * count - presence * (count > 0)
     return logits
 
 

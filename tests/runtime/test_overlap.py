@@ -53,7 +53,7 @@ def test_penalized_rows_take_in_the_step_before_and_equal_their_solo_runs(runtim
     """Penalties read the tokens before a row's on the host: with overlap, the step before is
     taken in before the row is sampled. Beside plain rows, each penalized row gets what it gets
     alone, and the penalties did change what it gets."""
-    plain, overlapped = runtimes
+    plain = runtimes[0]
     penalized = [
         dict(max_tokens=14, temperature=0, repetition_penalty=1.6, frequency_penalty=0.5),
         dict(max_tokens=14, temperature=0.9, seed=3, presence_penalty=-2.0),

@@ -380,13 +380,12 @@ class LlamaForCausalLM(nn.Module):
     def _build_decoder_step(
         self, kv_caches: list[KVCache], backend: AttentionBackend
     ) -> decoder.DecoderStep | None:
+        # The CPU backend implies float32 caches and a head_dim its kernels take.
         config = self.layer_config
         if (
             not isinstance(backend, CpuAttentionBackend)
             or self._cpu_ops is None
             or self.parallel is not None
-            or config.head_dim % 8
-            or any(cache.dtype != torch.float32 for kv in kv_caches for cache in kv)
         ):
             return None
         layers = []

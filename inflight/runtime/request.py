@@ -203,8 +203,10 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         """Whether a penalty applies: the row's logits depend on the tokens before it."""
-        return bool(self.presence_penalty or self.frequency_penalty) or (
-            self.repetition_penalty != 1
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
         )
 
 

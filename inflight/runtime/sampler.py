@@ -88,13 +88,17 @@ class Sampler:
 
         `masks`: the rows under a structured-outputs constraint and the packed int32 bitmask
         [rows, ceil(vocab / 32)] of the tokens each may take (bit i of word j: token 32 j + i).
-        They are masked before any other processing; logprobs stay those of the raw logits."""
+        They are masked after bias and penalties, before sampling's filters; logprobs stay
+        those of the raw logits."""
         logits = logits.float()
-        biased = _apply_penalties(self._apply_bias(logits, rows), rows, logits)
+        biased = logits
+        # One copy for bias, penalties and masks to write: the raw logits give the logprobs.
+        if masks is not None or any(r.params.logit_bias or r.params.penalized for r in rows):
+            biased = logits.clone()
+            _apply_bias(biased, rows)
+            _apply_penalties(biased, rows)
         if masks is not None:
             masked, packed = masks
-            if biased is logits:
-                biased = logits.clone()
             self._apply_masks(biased, to_device(masked, torch.int64, logits.device), packed)
         tokens = torch.argmax(biased, dim=-1)
         drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -151,21 +155,6 @@ class Sampler:
             )
         ]
 
-    @staticmethod
-    def _apply_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        entries = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias.items()]
-        if not entries:
-            return logits
-        biased = logits.clone()
-        row_ids, token_ids, biases = zip(*entries, strict=True)
-        device = logits.device
-        biased.index_put_(
-            (to_device(row_ids, torch.int64, device), to_device(token_ids, torch.int64, device)),
-            to_device(biases, logits.dtype, device),
-            accumulate=True,
-        )
-        return biased
-
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device
         temperature = to_device([r.params.temperature for r in rows], torch.float32, device)
@@ -186,13 +175,25 @@ class Sampler:
         return torch.argmax(probs / noise, dim=-1)
 
 
-def _apply_penalties(
-    logits: torch.Tensor, rows: list[SamplingRow], raw: torch.Tensor
-) -> torch.Tensor:
-    """The penalized rows' logits, penalized (a copy, never `raw`, whose logprobs are
-    reported): as vLLM applies them, repetition first, then frequency and presence. Only the
-    tokens a row has seen change, so only those are read and written."""
-    row_ids, seen_ids, counts, penalties = [], [], [], []
+def _apply_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place: each row's logit bias."""
+    entries = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias.items()]
+    if not entries:
+        return
+    row_ids, token_ids, biases = zip(*entries, strict=True)
+    device = logits.device
+    logits.index_put_(
+        (to_device(row_ids, torch.int64, device), to_device(token_ids, torch.int64, device)),
+        to_device(biases, logits.dtype, device),
+        accumulate=True,
+    )
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place: the penalized rows' penalties, as vLLM applies them, repetition first, then
+    frequency and presence. Only the tokens a row has seen change, so only those are read and
+    written."""
+    penalized, seen_ids, counts, penalties = [], [], [], []
     for i, row in enumerate(rows):
         params = row.params
         if not params.penalized:
@@ -202,7 +203,7 @@ def _apply_penalties(
         counted, times = np.unique(output, return_counts=True)
         count = np.zeros(len(seen), dtype=np.float32)
         count[np.searchsorted(seen, counted)] = times
-        row_ids.append(np.full(len(seen), i))
+        penalized.append(i)
         seen_ids.append(seen)
         counts.append(count)
         penalties.append(
@@ -210,12 +211,10 @@ def _apply_penalties(
         )
     lengths = [len(seen) for seen in seen_ids]
     if not sum(lengths):
-        return logits
-    if logits is raw:
-        logits = logits.clone()
+        return
     device = logits.device
     at = (
-        to_device(np.concatenate(row_ids), torch.int64, device),
+        to_device(np.repeat(penalized, lengths), torch.int64, device),
         to_device(np.concatenate(seen_ids), torch.int64, device),
     )
     per_token = np.repeat(np.asarray(penalties, dtype=np.float32), lengths, axis=0)
@@ -224,7 +223,6 @@ def _apply_penalties(
     values = logits[at]
     values = torch.where(values > 0, values / repetition, values * repetition)
     logits[at] = values - frequency * count - presence * (count > 0)
-    return logits
 
 
 MaskKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]

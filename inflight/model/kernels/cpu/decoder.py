@@ -227,7 +227,6 @@ class DecoderStep:
             entry.gate_up = _linear(layer.gate_up, hidden)
             entry.down = _linear(layer.down, entry.gate_up.out_features // 2)
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-        self.kv_stride_h = layers[0].kv_cache[0].stride(0)
         self._qk_norms = layers[0].qk_norms is not None
         # The widest input or output of a linear layer: the width of the step's work buffers.
         self._wide = max(
@@ -249,6 +248,7 @@ class DecoderStep:
             head_dim=head_dim,
             eps=eps,
             scale=scale,
+            kv_stride_h=layers[0].kv_cache[0].stride(0),
         )
 
     def __call__(
@@ -307,7 +307,7 @@ class DecoderStep:
         step.slots, step.block_tables = slots.data_ptr(), tables.data_ptr()
         step.seq_lens, step.bt_stride = seq_lens.data_ptr(), tables.stride(0)
         step.block_size, step.max_seq_len = meta.block_size, meta.max_seq_len
-        step.kv_stride_h, step.threads = self.kv_stride_h, torch.get_num_threads()
+        step.threads = torch.get_num_threads()
         status = self._lib.decoder_step(
             ctypes.byref(step), self._array, x.data_ptr(), residual.data_ptr()
         )

@@ -20,7 +20,7 @@ from inflight.bench.report import write_report
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.cpu import CpuAttentionBackend
 from inflight.model.kernels.cpu.attention import decode_attention
-from inflight.runtime.batch_builder import RowInput, build_ragged_batch
+from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 
 
 def best_ms(fn, repeats: int) -> float:

@@ -24,8 +24,8 @@ import torch
 
 from inflight import LLM, SamplingParams
 from inflight.bench.report import write_report
-from inflight.runtime.model_runner import ModelRunner
-from inflight.runtime.session import GenerationSession
+from inflight.runtime.device.model_runner import ModelRunner
+from inflight.runtime.host.session import GenerationSession
 
 _times: dict[str, list[float]] = defaultdict(list)
 

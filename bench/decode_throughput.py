@@ -18,8 +18,8 @@ import torch
 
 from inflight.bench.report import write_report
 from inflight.model.checkpoints.loader import default_model_path
+from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 
 PROMPTS = [

@@ -24,8 +24,8 @@ from decode_throughput import PROMPTS
 from inflight.bench.offline import TEXT
 from inflight.bench.report import report_path, write_report
 from inflight.model.checkpoints.loader import open_checkpoint
+from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 
 

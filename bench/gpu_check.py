@@ -46,9 +46,9 @@ from inflight.bench.random_model import random_checkpoint
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.triton import TritonAttentionBackend
 from inflight.model.kernels.triton.attention import paged_attention
-from inflight.runtime.batch_builder import RowInput, build_ragged_batch
+from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.runtime import Runtime
 
 

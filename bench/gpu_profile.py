@@ -22,9 +22,9 @@ import torch
 
 from inflight.bench.random_model import random_checkpoint
 from inflight.model.mamba import MambaRows
-from inflight.runtime.batch_builder import RowInput, build_ragged_batch
+from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.runtime import Runtime
 
 

@@ -21,8 +21,8 @@ from gpu_throughput import _submit_all, add_engine_args, ready_engine, workload
 
 from inflight.bench.random_model import SHAPES
 from inflight.bench.report import report_path, write_report
-from inflight.runtime.executor import Executor
-from inflight.runtime.session import GenerationSession
+from inflight.runtime.device.executor import Executor
+from inflight.runtime.host.session import GenerationSession
 
 BUCKETS = (8, 32, 64, 128, 192, 256, 1 << 30)
 

@@ -18,7 +18,7 @@ from inflight.bench.report import write_report
 from inflight.model.attention import AttentionBackend, KVCache, select_backend
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
 from inflight.model.llama import LlamaForCausalLM
-from inflight.runtime.batch_builder import RowInput, build_ragged_batch
+from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 
 PROMPT = "The history of the Roman Empire begins"
 STEPS = 16

@@ -186,7 +186,7 @@ def step(args: argparse.Namespace) -> dict:
     from inflight.model.attention import select_backend
     from inflight.model.checkpoints.loader import build_model, open_checkpoint
     from inflight.model.checkpoints.lora import LoRAAdapter, target_shapes
-    from inflight.runtime.batch_builder import RowInput, build_ragged_batch
+    from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 
     checkpoint = open_checkpoint(None)
     config = checkpoint.config

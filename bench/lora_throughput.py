@@ -29,8 +29,8 @@ from inflight.bench.random_model import random_checkpoint
 from inflight.bench.report import report_path, write_report
 from inflight.model.checkpoints.loader import open_checkpoint
 from inflight.model.config import ModelConfig
+from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

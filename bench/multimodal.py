@@ -30,8 +30,8 @@ from inflight.bench.online import percentile
 from inflight.bench.random_model import random_checkpoint
 from inflight.bench.report import report_path, write_report
 from inflight.engine import EngineConfig, RequestEngine
+from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 
 SHAPES = ("llava-clip-b16-smollm2", "qwen2-vl-2b", "voxtral-mini-3b")

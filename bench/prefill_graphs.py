@@ -23,9 +23,9 @@ import torch
 from inflight.bench.random_model import random_checkpoint
 from inflight.bench.report import report_path, write_report
 from inflight.model.checkpoints.loader import open_checkpoint
-from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.cuda_graphs import UNFOLD_KEYS
+from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
+from inflight.runtime.device.cuda_graphs import UNFOLD_KEYS
 from inflight.runtime.runtime import Runtime
 
 DECODE_PAST = 300

@@ -30,10 +30,10 @@ from inflight.bench.offline import run_requests
 from inflight.bench.random_model import random_checkpoint
 from inflight.bench.report import report_path, write_report
 from inflight.model.checkpoints.loader import open_checkpoint
+from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.runtime.host.speculative import SpeculativeConfig
 from inflight.runtime.runtime import Runtime
-from inflight.runtime.speculative import SpeculativeConfig
 
 CODE = """def total_price(items, tax):
     result = 0

@@ -15,10 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 
+from inflight.protocol.request import GenerationRequest, SamplingParams  # noqa: E402
 from inflight.runtime.config import RuntimeConfig  # noqa: E402
-from inflight.runtime.request import GenerationRequest, SamplingParams  # noqa: E402
+from inflight.runtime.host.speculative import SpeculativeConfig  # noqa: E402
 from inflight.runtime.runtime import Runtime  # noqa: E402
-from inflight.runtime.speculative import SpeculativeConfig  # noqa: E402
 
 from tiny_models import make_tiny_model  # noqa: E402
 

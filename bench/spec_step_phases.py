@@ -20,14 +20,14 @@ from collections.abc import Callable
 import torch
 from spec_decode import REPETITIVE
 
-import inflight.runtime.executor as executor_module
+import inflight.runtime.device.executor as executor_module
 from inflight.bench.report import report_path, write_report
 from inflight.model.checkpoints.loader import open_checkpoint
+from inflight.protocol.request import GenerationRequest, SamplingParams
+from inflight.protocol.stepped import AdmissionAnswer
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.runtime.host.speculative import SpeculativeConfig
 from inflight.runtime.runtime import Runtime
-from inflight.runtime.speculative import SpeculativeConfig
-from inflight.runtime.stepped import AdmissionAnswer
 
 
 def run(runtime: Runtime, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple:

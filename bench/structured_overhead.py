@@ -26,8 +26,8 @@ from inflight.bench.offline import make_workload
 from inflight.bench.random_model import random_checkpoint
 from inflight.bench.report import report_path, write_report
 from inflight.model.checkpoints.loader import open_checkpoint
+from inflight.protocol.request import GenerationRequest, SamplingParams, StructuredOutputs
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.request import GenerationRequest, SamplingParams, StructuredOutputs
 from inflight.runtime.runtime import Runtime
 
 # Rows must decode through every timed step: an array of strings that cannot end early. (A

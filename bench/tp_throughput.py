@@ -21,8 +21,8 @@ from gpu_throughput import _submit_all, workload
 from inflight.bench.random_model import SHAPES, random_checkpoint
 from inflight.bench.report import report_path, write_report
 from inflight.engine import EngineConfig, RequestEngine
+from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 
 

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from inflight.api import LLM
     from inflight.engine import RequestHandle
-    from inflight.runtime.outputs import CompletionOutput, RequestOutput, StreamChunk
-    from inflight.runtime.request import SamplingParams
+    from inflight.protocol.outputs import CompletionOutput, RequestOutput, StreamChunk
+    from inflight.protocol.request import SamplingParams
 
 __all__ = [
     "LLM",
@@ -32,11 +32,11 @@ def __getattr__(name: str) -> Any:
 
         return RequestHandle
     if name == "SamplingParams":
-        from inflight.runtime.request import SamplingParams
+        from inflight.protocol.request import SamplingParams
 
         return SamplingParams
     if name in ("CompletionOutput", "RequestOutput", "StreamChunk"):
-        from inflight.runtime import outputs
+        from inflight.protocol import outputs
 
         return getattr(outputs, name)
     raise AttributeError(f"module 'inflight' has no attribute {name!r}")

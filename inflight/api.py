@@ -15,14 +15,14 @@ from inflight.engine import (
     ShutdownMode,
     SubmitError,
 )
-from inflight.media_inputs import MediaLimits, as_text, take_media
+from inflight.protocol.options import OPTION_FIELDS
+from inflight.protocol.outputs import RequestOutput
+from inflight.protocol.request import GenerationRequest, SamplingParams
+from inflight.protocol.stepped import ExecutionCapabilities
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.options import OPTION_FIELDS
-from inflight.runtime.outputs import RequestOutput
-from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.runtime.host.speculative import SpeculativeConfig
+from inflight.runtime.inputs.chat_media import MediaLimits, as_text, take_media
 from inflight.runtime.runtime import Runtime
-from inflight.runtime.speculative import SpeculativeConfig
-from inflight.runtime.stepped import ExecutionCapabilities
 
 Message = dict[str, Any]
 # A prompt is raw text, a chat conversation (a list of messages), or pre-tokenized ids.
@@ -204,7 +204,7 @@ class LLM:
         in place of the model's own. Messages may hold images (content parts `{"type": "image",
         "image": PIL image}` or `{"type": "image_url", ...}`) and audio clips (`{"type":
         "audio", "audio": 16 kHz samples or (samples, rate)}`, `{"type": "input_audio", ...}`
-        or `{"type": "audio_url", ...}`; see `media_inputs.py`); `mm_processor_kwargs`
+        or `{"type": "audio_url", ...}`; see `runtime/inputs/chat_media.py`); `mm_processor_kwargs`
         `{"keep_ratio": r}` keeps that share of each image's tokens (the visual-token
         pruner)."""
         if not isinstance(messages, list) or not messages:

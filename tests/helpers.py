@@ -9,9 +9,14 @@ import torch
 
 from inflight.model.attention import AttentionMetadata, TorchAttentionBackend
 from inflight.model.mamba import MambaStates
-from inflight.runtime.batch_builder import RowInput, build_ragged_batch
-from inflight.runtime.cuda_graphs import DecodeGraphs, DecodeInputs, graph_buckets, graph_rows
-from inflight.runtime.model_runner import allocate_kv_cache
+from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
+from inflight.runtime.device.cuda_graphs import (
+    DecodeGraphs,
+    DecodeInputs,
+    graph_buckets,
+    graph_rows,
+)
+from inflight.runtime.device.model_runner import allocate_kv_cache
 
 
 def assert_no_leaks(target) -> None:
@@ -42,7 +47,7 @@ def scattered_step(shapes, block_size: int, num_blocks: int, seed: int = 0) -> A
 def run_staggered(runtime, requests) -> list:
     """Requests admitted to one session every other step (a request waits while there is no
     room), joining the running batch; their outputs in order."""
-    from inflight.runtime.stepped import AdmissionAnswer
+    from inflight.protocol.stepped import AdmissionAnswer
 
     session = runtime.new_session()
     outputs, refs, queue, steps = {}, {}, list(enumerate(requests)), 0

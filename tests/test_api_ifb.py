@@ -8,8 +8,8 @@ import pytest
 from inflight import LLM, SamplingParams
 from inflight.api import ifb_unsupported_reason
 from inflight.engine import RequestCancelled
-from inflight.runtime.request import GenerationRequest
-from inflight.runtime.stepped import ExecutionCapabilities
+from inflight.protocol.request import GenerationRequest
+from inflight.protocol.stepped import ExecutionCapabilities
 
 from helpers import assert_no_leaks
 

@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 
 from inflight import LLM, SamplingParams
-from inflight.runtime.request import StructuredOutputs
+from inflight.protocol.request import StructuredOutputs
 
 from helpers import assert_no_leaks
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from inflight.model.checkpoints.loader import default_model_path
+from inflight.model.checkpoints.loader import default_model_path, open_checkpoint
+from inflight.protocol.tokenizer import Tokenizer
 
 TEXT = (
     "The history of science is the study of the development of science and scientific "
@@ -57,6 +58,11 @@ def run_requests(
     elapsed = time.perf_counter() - start
     engine.shutdown()
     return outputs, elapsed
+
+
+def load_tokenizer(model: str | None) -> Tokenizer:
+    """The tokenizer of a checkpoint (default: the embedded model), without its weights."""
+    return open_checkpoint(model).tokenizer
 
 
 def make_workload(

@@ -12,16 +12,16 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
-from inflight.runtime.blocking import BlockingRun
-from inflight.runtime.outputs import FinishedSnapshot, RequestOutput, materialize
-from inflight.runtime.request import GenerationRequest
-from inflight.runtime.stepped import (
+from inflight.protocol.outputs import FinishedSnapshot, RequestOutput, materialize
+from inflight.protocol.request import GenerationRequest
+from inflight.protocol.stepped import (
     Admission,
     AdmissionAnswer,
     ExecutionCapabilities,
     ResidentRef,
     StepResult,
 )
+from inflight.runtime.host.blocking import BlockingRun
 
 
 class BlockingRuntime(Protocol):

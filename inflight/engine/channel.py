@@ -6,7 +6,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from inflight.runtime.outputs import StreamChunk
+from inflight.protocol.outputs import StreamChunk
 
 
 class StreamChannel:

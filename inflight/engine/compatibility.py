@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.protocol.request import GenerationRequest, SamplingParams
 
 # The request's own data: it travels with its row.
 PAYLOAD_FIELDS = frozenset(

@@ -6,8 +6,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from inflight.engine.record import RequestRecord, TerminalStatus
-from inflight.runtime.outputs import FinishedSnapshot, FinishReason, RequestOutput
-from inflight.runtime.stepped import ResidentRef, StaleResidentRef, SteppedExecution, StepResult
+from inflight.protocol.outputs import FinishedSnapshot, FinishReason, RequestOutput
+from inflight.protocol.stepped import ResidentRef, StaleResidentRef, SteppedExecution, StepResult
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,10 @@ from inflight.engine.coordinator import Commit, RequestCoordinator
 from inflight.engine.errors import RequestCancelled, RequestFailed, SubmitError
 from inflight.engine.metrics import EngineMetrics
 from inflight.engine.record import RequestHandle, RequestRecord, TerminalStatus
-from inflight.runtime.options import submit_refusal
-from inflight.runtime.outputs import RequestOutput, StreamChunk
-from inflight.runtime.request import GenerationRequest
-from inflight.runtime.stepped import (
+from inflight.protocol.options import submit_refusal
+from inflight.protocol.outputs import RequestOutput, StreamChunk
+from inflight.protocol.request import GenerationRequest
+from inflight.protocol.stepped import (
     AdmissionAnswer,
     ExecutionFactory,
     SteppedExecution,

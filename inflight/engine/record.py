@@ -10,8 +10,8 @@ from enum import Enum
 
 from inflight.engine.channel import StreamChannel
 from inflight.engine.errors import RequestCancelled, RequestFailed
-from inflight.runtime.outputs import RequestOutput, StreamChunk, merge_chunks
-from inflight.runtime.request import GenerationRequest
+from inflight.protocol.outputs import RequestOutput, StreamChunk, merge_chunks
+from inflight.protocol.request import GenerationRequest
 
 
 class TerminalStatus(Enum):

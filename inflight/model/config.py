@@ -15,11 +15,6 @@ HF_ARCHITECTURES = {
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
-# How a model's linear layers may run their matmuls (see `checkpoints/loader.build_model`).
-QUANTIZATIONS = ("auto", "none", "int8", "q4", "fp8")
-# What the KV cache holds keys and values in: "auto", the model's dtype; "fp8", float8 e4m3.
-KV_CACHE_DTYPES = ("auto", "fp8")
-
 
 @dataclass(frozen=True)
 class RopeConfig:

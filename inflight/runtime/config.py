@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inflight.model.config import KV_CACHE_DTYPES, QUANTIZATIONS
-from inflight.runtime.speculative import SpeculativeConfig
+from inflight.protocol.deployment import KV_CACHE_DTYPES, QUANTIZATIONS
+from inflight.runtime.host.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)

@@ -13,27 +13,33 @@ import torch
 from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
 from inflight.model.checkpoints.lora import load_lora_adapter
 from inflight.model.parallel import TensorParallel
-from inflight.runtime.adapters import AdapterRegistry
-from inflight.runtime.blocking import BlockingRun
+from inflight.protocol.request import (
+    MEDIA_FIELD,
+    GenerationRequest,
+    MediaItem,
+    RequestFieldError,
+    SamplingParams,
+)
+from inflight.protocol.stepped import ExecutionCapabilities
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.context_cache import ContextCache
-from inflight.runtime.draft_model import DraftModel
-from inflight.runtime.encoder_cache import EncoderCache
-from inflight.runtime.executor import Executor
-from inflight.runtime.kv_cache import BlockPool
-from inflight.runtime.media import MEDIA_FIELD, expand, keep_ratio, media_spec
-from inflight.runtime.model_runner import build_model_runner
-from inflight.runtime.output_processor import OutputProcessor
-from inflight.runtime.parallel import Workers, rank_device
-from inflight.runtime.preprocessing import media_inputs
-from inflight.runtime.request import GenerationRequest, MediaItem, RequestFieldError, SamplingParams
-from inflight.runtime.sampler import Sampler
-from inflight.runtime.scheduler import AdmissionIntent, Scheduler
-from inflight.runtime.session import GenerationSession
-from inflight.runtime.slots import ResidentSlots
-from inflight.runtime.speculative import Speculator, pick_width
-from inflight.runtime.stepped import ExecutionCapabilities
-from inflight.runtime.structured import GrammarCompiler
+from inflight.runtime.device.draft_model import DraftModel
+from inflight.runtime.device.encoder_cache import EncoderCache
+from inflight.runtime.device.executor import Executor
+from inflight.runtime.device.model_runner import build_model_runner
+from inflight.runtime.device.parallel import Workers, rank_device
+from inflight.runtime.device.sampler import Sampler
+from inflight.runtime.host.adapters import AdapterRegistry
+from inflight.runtime.host.blocking import BlockingRun
+from inflight.runtime.host.context_cache import ContextCache
+from inflight.runtime.host.kv_cache import BlockPool
+from inflight.runtime.host.media import expand, keep_ratio, media_spec
+from inflight.runtime.host.output_processor import OutputProcessor
+from inflight.runtime.host.scheduler import AdmissionIntent, Scheduler
+from inflight.runtime.host.session import GenerationSession
+from inflight.runtime.host.slots import ResidentSlots
+from inflight.runtime.host.speculative import Speculator, pick_width
+from inflight.runtime.host.structured import GrammarCompiler
+from inflight.runtime.inputs.preprocessing import media_inputs
 
 DEFAULT_MAX_MODEL_LEN = 4096
 

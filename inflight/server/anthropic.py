@@ -7,8 +7,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from inflight.runtime.outputs import RequestOutput
-from inflight.runtime.request import SamplingParams, StructuredOutputs
+from inflight.protocol.outputs import RequestOutput
+from inflight.protocol.request import SamplingParams, StructuredOutputs
 from inflight.server.chat import ChatSetup
 from inflight.server.client import Run
 from inflight.server.errors import ServerError

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from inflight.model.checkpoints.tokenizer import Tokenizer
-from inflight.runtime.request import StructuredOutputs
+from inflight.protocol.request import StructuredOutputs
+from inflight.protocol.tokenizer import Tokenizer
 from inflight.server.chat_templates import ChatTemplates, choose_templates
 from inflight.server.errors import ServerError
 from inflight.server.parsers import REASONING_PARSERS, TOOL_PARSERS, MessageParser

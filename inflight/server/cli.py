@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from inflight.model.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from inflight.protocol.deployment import KV_CACHE_DTYPES, QUANTIZATIONS
 from inflight.server.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 # `inflight bench throughput` engines that run inflight itself, by the quantization they use.
@@ -162,10 +162,9 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 
     from inflight.bench import offline
     from inflight.bench.report import write_report
-    from inflight.model.checkpoints.loader import open_checkpoint
 
     torch.set_num_threads(args.threads)
-    tokenizer = open_checkpoint(args.model).tokenizer
+    tokenizer = offline.load_tokenizer(args.model)
     work = offline.make_workload(tokenizer, args.num_prompts, args.prompt_len, args.output_len)
     runs = {
         name: functools.partial(
@@ -209,11 +208,10 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 def _bench_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from inflight.bench.offline import make_workload
+    from inflight.bench.offline import load_tokenizer, make_workload
     from inflight.bench.online import run_load
-    from inflight.model.checkpoints.loader import open_checkpoint
 
-    tokenizer = open_checkpoint(args.tokenizer_model).tokenizer
+    tokenizer = load_tokenizer(args.tokenizer_model)
     work = make_workload(tokenizer, args.num_prompts, args.prompt_len, args.output_len)
     for rate in args.rates:
         r = asyncio.run(

@@ -22,8 +22,8 @@ import anyio
 
 from inflight.api import LLM
 from inflight.engine import RequestCancelled, RequestFailed, RequestHandle, SubmitError
-from inflight.runtime.outputs import RequestOutput, StreamChunk
-from inflight.runtime.request import (
+from inflight.protocol.outputs import RequestOutput, StreamChunk
+from inflight.protocol.request import (
     GenerationRequest,
     PromptTooLongError,
     RequestFieldError,

@@ -9,9 +9,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from inflight.model.checkpoints.tokenizer import Tokenizer
-from inflight.runtime.outputs import CompletionOutput, LogprobEntry, RequestOutput, StreamChunk
-from inflight.runtime.request import GenerationRequest, SamplingParams, StructuredOutputs
+from inflight.protocol.outputs import CompletionOutput, LogprobEntry, RequestOutput, StreamChunk
+from inflight.protocol.request import GenerationRequest, SamplingParams, StructuredOutputs
+from inflight.protocol.tokenizer import Tokenizer
 from inflight.server.chat import ChatSetup
 from inflight.server.client import Run
 from inflight.server.errors import ServerError

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from inflight.runtime.request import StructuredOutputs
+from inflight.protocol.request import StructuredOutputs
 from inflight.server.errors import ServerError
 
 ToolMode = Literal["none", "auto", "required", "named"]

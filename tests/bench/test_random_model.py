@@ -6,8 +6,8 @@ import torch
 
 from inflight.bench.random_model import SHAPES, RandomWeights, numbered_tokenizer
 from inflight.model.checkpoints.loader import Checkpoint
+from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 
 from tiny_models import small_shape

@@ -12,16 +12,15 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from inflight.runtime.outputs import (
+from inflight.protocol.outputs import (
     FinishedSnapshot,
     FinishReason,
     RequestOutput,
     StreamChunk,
     materialize,
 )
-from inflight.runtime.request import GenerationRequest
-from inflight.runtime.slots import ResidentSlots
-from inflight.runtime.stepped import (
+from inflight.protocol.request import GenerationRequest
+from inflight.protocol.stepped import (
     Admission,
     AdmissionAnswer,
     ExecutionCapabilities,
@@ -29,6 +28,7 @@ from inflight.runtime.stepped import (
     ScheduledSequence,
     StepResult,
 )
+from inflight.runtime.host.slots import ResidentSlots
 
 
 @dataclass

@@ -9,7 +9,7 @@ from inflight.engine import (
     RequestEngine,
     RequestFailed,
 )
-from inflight.runtime.blocking import BlockingRun
+from inflight.runtime.host.blocking import BlockingRun
 
 from fake_execution import FakeFactory
 from test_request_engine import req, wait_until

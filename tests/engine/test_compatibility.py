@@ -9,8 +9,8 @@ from inflight.engine.compatibility import (
     BatchCompatibility,
     request_fields,
 )
-from inflight.runtime.options import OPTION_FIELDS, REQUEST_OPTIONS, UnderIFB
-from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.protocol.options import OPTION_FIELDS, REQUEST_OPTIONS, UnderIFB
+from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import PER_ROW_FIELDS
 
 DIFFERENT = {

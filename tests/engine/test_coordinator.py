@@ -5,9 +5,9 @@ import pytest
 from inflight.engine.channel import StreamChannel
 from inflight.engine.coordinator import RequestCoordinator
 from inflight.engine.record import RequestRecord, TerminalStatus
-from inflight.runtime.outputs import FinishedSnapshot, FinishReason, materialize
-from inflight.runtime.request import GenerationRequest
-from inflight.runtime.stepped import ResidentRef, StaleResidentRef, StepResult
+from inflight.protocol.outputs import FinishedSnapshot, FinishReason, materialize
+from inflight.protocol.request import GenerationRequest
+from inflight.protocol.stepped import ResidentRef, StaleResidentRef, StepResult
 
 
 class Materializer:

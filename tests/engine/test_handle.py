@@ -7,8 +7,8 @@ import pytest
 
 from inflight.engine import EngineConfig, RequestCancelled, RequestEngine, StreamChannel
 from inflight.engine.record import RequestHandle, RequestRecord, TerminalStatus
-from inflight.runtime.outputs import CompletionOutput, RequestOutput, StreamChunk
-from inflight.runtime.request import GenerationRequest
+from inflight.protocol.outputs import CompletionOutput, RequestOutput, StreamChunk
+from inflight.protocol.request import GenerationRequest
 
 from fake_execution import FakeFactory
 from test_request_engine import req, wait_until

@@ -15,7 +15,7 @@ from inflight.engine import (
     StreamChannel,
     SubmitError,
 )
-from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.protocol.request import GenerationRequest, SamplingParams
 
 from fake_execution import FakeFactory
 

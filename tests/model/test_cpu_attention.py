@@ -6,7 +6,7 @@ import torch
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.cpu import CpuAttentionBackend
 from inflight.model.kernels.cpu.attention import decode_attention
-from inflight.runtime.batch_builder import RowInput, build_ragged_batch
+from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.runtime import Runtime, RuntimeConfig
 
 from helpers import scattered_step

@@ -9,8 +9,8 @@ import torch
 
 from inflight.model.layers.lora import LONG_RUN, LoRAMapping
 from inflight.model.llama import MediaEmbeds
-from inflight.runtime.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.config import RuntimeConfig
+from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.runtime import Runtime
 from tests.model.test_k_quant import write_k_quant_gguf
 

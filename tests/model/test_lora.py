@@ -13,7 +13,7 @@ from inflight.model.attention import select_backend
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
 from inflight.model.checkpoints.lora import load_lora_adapter
 from inflight.model.layers.lora import LoRAMapping
-from inflight.runtime.batch_builder import RowInput, build_ragged_batch
+from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 
 from helpers import PagedSequence
 

@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 
 from inflight.model.llama import MediaEmbeds
-from inflight.runtime.media import PreparedItem, expand, mrope_positions, mrope_shift
-from inflight.runtime.preprocessing import media_inputs
+from inflight.runtime.host.media import PreparedItem, expand, mrope_positions, mrope_shift
+from inflight.runtime.inputs.preprocessing import media_inputs
 
 from helpers import assert_tracks, float32_model
 from tiny_models import QWEN_END_ID, QWEN_IMAGE_ID, QWEN_START_ID, make_tiny_qwen2_vl

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from inflight.model.llama import MediaEmbeds
-from inflight.runtime.media import expand
-from inflight.runtime.preprocessing import media_inputs
+from inflight.runtime.host.media import expand
+from inflight.runtime.inputs.preprocessing import media_inputs
 
 from helpers import assert_tracks, float32_model
 from tiny_models import AUDIO_TOKEN_ID, AUDIO_TOKENS_PER_SECOND, make_tiny_voxtral

@@ -2,10 +2,10 @@
 
 import pytest
 
+from inflight.protocol.request import GenerationRequest, SamplingParams
+from inflight.protocol.stepped import AdmissionAnswer
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
-from inflight.runtime.stepped import AdmissionAnswer
 
 from helpers import assert_no_leaks
 

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from inflight.model.mamba import MambaRows
-from inflight.runtime.batch_builder import RowInput, build_ragged_batch
+from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.cuda_graphs import (
+from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
+from inflight.runtime.device.cuda_graphs import (
     UNFOLD_KEYS,
     DecodeGraphs,
     DecodeInputs,
@@ -16,9 +17,8 @@ from inflight.runtime.cuda_graphs import (
     pick_bucket,
     replayable,
 )
-from inflight.runtime.request import GenerationRequest, SamplingParams
+from inflight.runtime.host.speculative import SpeculativeConfig
 from inflight.runtime.runtime import Runtime
-from inflight.runtime.speculative import SpeculativeConfig
 
 from helpers import assert_no_leaks, run_staggered, with_eager_graphs
 

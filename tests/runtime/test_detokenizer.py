@@ -3,7 +3,7 @@
 import pytest
 
 from inflight.model.checkpoints.loader import open_checkpoint
-from inflight.runtime.detokenizer import IncrementalDetokenizer
+from inflight.runtime.host.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
 
+from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks

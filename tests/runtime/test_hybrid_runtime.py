@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from inflight.engine import EngineConfig, RequestEngine, RequestFailed
+from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks, assert_same_outputs, run_staggered, with_eager_graphs

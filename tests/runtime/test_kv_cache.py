@@ -1,6 +1,6 @@
 """`BlockPool`: contiguous first-fit allocation, then reuse of cached blocks oldest first."""
 
-from inflight.runtime.kv_cache import BlockPool
+from inflight.runtime.host.kv_cache import BlockPool
 
 
 def test_allocation_prefers_one_contiguous_run_of_empty_blocks():

@@ -8,8 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
+from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks, assert_same_outputs, run_staggered, watch_media_prefills

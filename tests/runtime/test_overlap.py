@@ -3,9 +3,9 @@
 import pytest
 
 from inflight.engine import EngineConfig, RequestEngine
+from inflight.protocol.outputs import FinishReason
+from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.outputs import FinishReason
-from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks, run_staggered

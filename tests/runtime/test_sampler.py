@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 import torch
 
-from inflight.runtime.request import SamplingParams
-from inflight.runtime.sampler import (
+from inflight.protocol.request import SamplingParams
+from inflight.runtime.device.sampler import (
     Sampler,
     SamplingRow,
     select_mask_kernel,

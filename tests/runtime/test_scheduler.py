@@ -3,13 +3,13 @@
 import pytest
 
 from inflight.bench.random_model import numbered_tokenizer
-from inflight.runtime.context_cache import ContextCache
-from inflight.runtime.kv_cache import BlockPool
-from inflight.runtime.request import GenerationRequest, RequestFieldError, SamplingParams
-from inflight.runtime.scheduler import Scheduler
-from inflight.runtime.slots import ResidentSlots
-from inflight.runtime.speculative import SpeculativeConfig, Speculator
-from inflight.runtime.structured import GrammarCompiler
+from inflight.protocol.request import GenerationRequest, RequestFieldError, SamplingParams
+from inflight.runtime.host.context_cache import ContextCache
+from inflight.runtime.host.kv_cache import BlockPool
+from inflight.runtime.host.scheduler import Scheduler
+from inflight.runtime.host.slots import ResidentSlots
+from inflight.runtime.host.speculative import SpeculativeConfig, Speculator
+from inflight.runtime.host.structured import GrammarCompiler
 
 
 def _scheduler(slots=4, blocks=32, budget=16, cache=False, speculator=None):

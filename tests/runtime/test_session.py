@@ -2,11 +2,11 @@
 
 import pytest
 
+from inflight.protocol.outputs import FinishReason
+from inflight.protocol.request import GenerationRequest, SamplingParams
+from inflight.protocol.stepped import AdmissionAnswer, ResidentRef, StaleResidentRef
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.outputs import FinishReason
-from inflight.runtime.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
-from inflight.runtime.stepped import AdmissionAnswer, ResidentRef, StaleResidentRef
 
 from helpers import assert_no_leaks
 

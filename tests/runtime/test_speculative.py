@@ -9,17 +9,18 @@ from collections import Counter
 import pytest
 
 from inflight.model.checkpoints.loader import default_model_path
+from inflight.protocol.outputs import FinishReason
+from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.output_processor import OutputProcessor
-from inflight.runtime.outputs import FinishReason, SampledRow
-from inflight.runtime.request import GenerationRequest, SamplingParams
-from inflight.runtime.runtime import Runtime
-from inflight.runtime.speculative import (
+from inflight.runtime.host.output_processor import OutputProcessor
+from inflight.runtime.host.rows import SampledRow
+from inflight.runtime.host.speculative import (
     PromptLookup,
     SpeculativeConfig,
     Speculator,
     lookup_drafts,
 )
+from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks, run_staggered
 from tiny_models import VOCAB

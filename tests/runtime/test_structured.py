@@ -7,13 +7,13 @@ import re
 import jsonschema
 import pytest
 
-from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.request import (
+from inflight.protocol.request import (
     GenerationRequest,
     RequestFieldError,
     SamplingParams,
     StructuredOutputs,
 )
+from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks

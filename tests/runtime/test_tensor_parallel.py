@@ -18,8 +18,8 @@ from inflight import LLM, SamplingParams
 from inflight.bench.random_model import SHAPES, RandomWeights, numbered_tokenizer
 from inflight.engine import RequestCancelled, RequestFailed
 from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
+from inflight.protocol.request import GenerationRequest
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.request import GenerationRequest
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks, run_staggered

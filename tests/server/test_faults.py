@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from inflight import LLM
-from inflight.runtime.detokenizer import IncrementalDetokenizer
-from inflight.runtime.session import GenerationSession
+from inflight.runtime.host.detokenizer import IncrementalDetokenizer
+from inflight.runtime.host.session import GenerationSession
 from inflight.server import serving
 
 from helpers import assert_no_leaks

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from inflight.model.checkpoints.hf import HFCheckpoint
 from inflight.model.checkpoints.tokenizer import Tokenizer
-from inflight.model.config import QUANTIZATIONS, ModelConfig
+from inflight.model.config import ModelConfig
 from inflight.model.hybrid import HybridForCausalLM
 from inflight.model.kernels.cpu.native import NativeBuildError
 from inflight.model.layers.linear import Linear
@@ -29,6 +29,7 @@ from inflight.model.layers.quantization import (
 )
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.parallel import TensorParallel
+from inflight.protocol.deployment import QUANTIZATIONS
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -11,8 +11,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from inflight.runtime.outputs import RequestOutput
-from inflight.runtime.request import SamplingParams
+from inflight.protocol.outputs import RequestOutput
+from inflight.protocol.request import SamplingParams
 from inflight.server import openai
 from inflight.server.client import Run
 from inflight.server.errors import ServerError, openai_error_payload

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from inflight.runtime.detokenizer import IncrementalDetokenizer
-from inflight.runtime.outputs import LogprobEntry
-from inflight.runtime.request import GenerationRequest
-from inflight.runtime.stepped import ResidentRef
+from inflight.protocol.outputs import LogprobEntry
+from inflight.protocol.request import GenerationRequest
+from inflight.protocol.stepped import ResidentRef
+from inflight.runtime.host.detokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True)

@@ -25,8 +25,7 @@ import numpy as np
 from PIL import Image
 
 from inflight.model.audio_processor import SAMPLE_RATE, read_wav
-from inflight.runtime.media import MEDIA_FIELD
-from inflight.runtime.request import RequestFieldError
+from inflight.protocol.request import MEDIA_FIELD, RequestFieldError
 
 
 class MediaInputError(RequestFieldError):

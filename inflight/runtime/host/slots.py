@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from inflight.runtime.stepped import ResidentRef, StaleResidentRef
+from inflight.protocol.stepped import ResidentRef, StaleResidentRef
 
 
 class ResidentSlots:

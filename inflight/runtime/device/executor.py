@@ -18,17 +18,17 @@ from inflight.model.llama import MediaEmbeds
 from inflight.model.mamba import MambaRows
 from inflight.model.transfer import to_device
 from inflight.model.vision import prune_image_tokens
-from inflight.runtime.batch_builder import RowInput, build_ragged_batch
-from inflight.runtime.cuda_graphs import replayable
-from inflight.runtime.encoder_cache import EncoderCache
-from inflight.runtime.media import mrope_positions, mrope_shift
-from inflight.runtime.model_runner import HeadRows, ModelRunner, StepPlan, head_rows
-from inflight.runtime.outputs import SampledRow
-from inflight.runtime.parallel import Workers
-from inflight.runtime.request import MediaItem
-from inflight.runtime.sampler import Sampled, Sampler, SamplingRow
-from inflight.runtime.scheduler import ScheduledRow, ScheduledStep
-from inflight.runtime.structured import GrammarCompiler
+from inflight.protocol.request import MediaItem
+from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
+from inflight.runtime.device.cuda_graphs import replayable
+from inflight.runtime.device.encoder_cache import EncoderCache
+from inflight.runtime.device.model_runner import HeadRows, ModelRunner, StepPlan, head_rows
+from inflight.runtime.device.parallel import Workers
+from inflight.runtime.device.sampler import Sampled, Sampler, SamplingRow
+from inflight.runtime.host.media import mrope_positions, mrope_shift
+from inflight.runtime.host.rows import SampledRow
+from inflight.runtime.host.scheduler import ScheduledRow, ScheduledStep
+from inflight.runtime.host.structured import GrammarCompiler
 
 # Prompt positions scored per LM-head call: bounds the [positions, vocab] logits held at once.
 _SCORE_SLICE = 128

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple, Protocol
 
-from inflight.runtime.outputs import FinishedSnapshot, RequestOutput, StreamChunk
-from inflight.runtime.request import GenerationRequest
+from inflight.protocol.outputs import FinishedSnapshot, RequestOutput, StreamChunk
+from inflight.protocol.request import GenerationRequest
 
 
 class ResidentRef(NamedTuple):

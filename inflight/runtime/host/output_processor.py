@@ -14,22 +14,22 @@ import logging
 from collections.abc import Sequence
 
 from inflight.model.checkpoints.tokenizer import Tokenizer
-from inflight.runtime.context_cache import chain_digest, media_keys, root_digest
-from inflight.runtime.detokenizer import IncrementalDetokenizer
-from inflight.runtime.kv_cache import BlockPool
-from inflight.runtime.outputs import (
+from inflight.protocol.outputs import (
     FinishedSnapshot,
     FinishReason,
     LogprobEntry,
-    SampledRow,
     StreamChunk,
     TopLogprob,
 )
-from inflight.runtime.residents import Resident
-from inflight.runtime.scheduler import ScheduledRow, ScheduledStep, Scheduler
-from inflight.runtime.speculative import Speculator
-from inflight.runtime.stepped import StepResult
-from inflight.runtime.structured import GrammarCompiler
+from inflight.protocol.stepped import StepResult
+from inflight.runtime.host.context_cache import chain_digest, media_keys, root_digest
+from inflight.runtime.host.detokenizer import IncrementalDetokenizer
+from inflight.runtime.host.kv_cache import BlockPool
+from inflight.runtime.host.residents import Resident
+from inflight.runtime.host.rows import SampledRow
+from inflight.runtime.host.scheduler import ScheduledRow, ScheduledStep, Scheduler
+from inflight.runtime.host.speculative import Speculator
+from inflight.runtime.host.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from inflight.runtime.request import SamplingParams
+from inflight.protocol.request import SamplingParams
 
 
 @pytest.mark.parametrize(

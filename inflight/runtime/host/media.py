@@ -19,10 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from inflight.runtime.request import GenerationRequest, MediaItem, RequestFieldError
-
-MEDIA_FIELD = "multi_modal_data"
-PROCESSOR_FIELD = "mm_processor_kwargs"
+from inflight.protocol.request import (
+    MEDIA_FIELD,
+    PROCESSOR_FIELD,
+    GenerationRequest,
+    MediaItem,
+    RequestFieldError,
+)
 
 
 @dataclass(frozen=True)

@@ -18,17 +18,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inflight.runtime.adapters import AdapterRegistry
-from inflight.runtime.context_cache import ContextCache, root_digest
-from inflight.runtime.kv_cache import BlockPool
-from inflight.runtime.media import MediaSpec, check_media
-from inflight.runtime.options import check_runtime_serves
-from inflight.runtime.request import GenerationRequest, PromptTooLongError, RequestFieldError
-from inflight.runtime.residents import Resident
-from inflight.runtime.slots import ResidentSlots
-from inflight.runtime.speculative import Speculator
-from inflight.runtime.stepped import ResidentRef, ScheduledSequence
-from inflight.runtime.structured import GrammarCompiler
+from inflight.protocol.options import check_runtime_serves
+from inflight.protocol.request import GenerationRequest, PromptTooLongError, RequestFieldError
+from inflight.protocol.stepped import ResidentRef, ScheduledSequence
+from inflight.runtime.host.adapters import AdapterRegistry
+from inflight.runtime.host.context_cache import ContextCache, root_digest
+from inflight.runtime.host.kv_cache import BlockPool
+from inflight.runtime.host.media import MediaSpec, check_media
+from inflight.runtime.host.residents import Resident
+from inflight.runtime.host.slots import ResidentSlots
+from inflight.runtime.host.speculative import Speculator
+from inflight.runtime.host.structured import GrammarCompiler
 
 
 @dataclass(frozen=True)

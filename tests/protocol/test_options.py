@@ -1,19 +1,16 @@
 """The options table: one place says where each request option is served or refused."""
 
-import subprocess
-import sys
-
 import pytest
 
 from inflight.engine import EngineConfig, RequestEngine
-from inflight.runtime.options import (
+from inflight.protocol.options import (
     OPTION_FIELDS,
     REQUEST_OPTIONS,
     UnderIFB,
     check_runtime_serves,
     submit_refusal,
 )
-from inflight.runtime.request import GenerationRequest, RequestFieldError
+from inflight.protocol.request import GenerationRequest, RequestFieldError
 
 from fake_execution import FakeFactory
 
@@ -53,13 +50,3 @@ def test_each_option_is_refused_or_waits_where_the_table_says(option):
             check_runtime_serves(request, frozenset())
         assert caught.value.field == option.field
         assert option.runtime_alternative in str(caught.value)
-
-
-def test_torch_free_parts_of_the_runtime_import_no_torch():
-    code = (
-        "import sys\n"
-        "import inflight.engine, inflight.runtime.scheduler, inflight.runtime.output_processor\n"
-        "import inflight.runtime.options, inflight.runtime.blocking, inflight.runtime.media\n"
-        "assert 'torch' not in sys.modules, 'torch was imported'\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)

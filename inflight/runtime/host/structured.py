@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from inflight.model.checkpoints.tokenizer import Tokenizer
-from inflight.runtime.request import RequestFieldError, StructuredOutputs
+from inflight.protocol.request import RequestFieldError, StructuredOutputs
 
 _GRAMMAR_CACHE_SIZE = 256
 # Mask rows computed at once, on llguidance's own threads (while the device runs a forward).

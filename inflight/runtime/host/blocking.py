@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator
 
-from inflight.runtime.outputs import FinishedSnapshot, RequestOutput, StreamChunk, materialize
-from inflight.runtime.request import GenerationRequest
-from inflight.runtime.stepped import AdmissionAnswer, ResidentRef, SteppedExecution, StepResult
+from inflight.protocol.outputs import FinishedSnapshot, RequestOutput, StreamChunk, materialize
+from inflight.protocol.request import GenerationRequest
+from inflight.protocol.stepped import AdmissionAnswer, ResidentRef, SteppedExecution, StepResult
 
 
 class BlockingRun:

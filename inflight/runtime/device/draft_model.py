@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-from inflight.runtime.batch_builder import RowInput, build_ragged_batch
-from inflight.runtime.model_runner import ModelRunner
-from inflight.runtime.residents import Resident
+from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
+from inflight.runtime.device.model_runner import ModelRunner
+from inflight.runtime.host.residents import Resident
 
 
 class DraftModel:

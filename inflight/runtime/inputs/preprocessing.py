@@ -13,7 +13,7 @@ from inflight.model.audio_processor import SAMPLE_RATE, AudioProcessor, resample
 from inflight.model.config import ModelConfig, VisionConfig
 from inflight.model.image_processor import ImageProcessor
 from inflight.model.qwen2_vl_processor import Qwen2VLImageProcessor
-from inflight.runtime.media import MediaSpec, PreparedItem, content_key
+from inflight.runtime.host.media import MediaSpec, PreparedItem, content_key
 
 
 @dataclass(frozen=True)

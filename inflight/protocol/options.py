@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from inflight.runtime.request import GenerationRequest, RequestFieldError
+from inflight.protocol.request import GenerationRequest, RequestFieldError
 
 _BLOCKING_PATH = "use the blocking path (start without --enable-in-flight-batching)"
 

@@ -17,13 +17,36 @@ own work.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from typing import Protocol
 
-from inflight.runtime.executor import Executor, LaunchedStep
-from inflight.runtime.output_processor import OutputProcessor
-from inflight.runtime.outputs import FinishedSnapshot, FinishReason, RequestOutput, materialize
-from inflight.runtime.request import GenerationRequest
-from inflight.runtime.scheduler import AdmissionIntent, Reservation, Scheduler
-from inflight.runtime.stepped import Admission, AdmissionAnswer, ResidentRef, StepResult
+from inflight.protocol.outputs import FinishedSnapshot, FinishReason, RequestOutput, materialize
+from inflight.protocol.request import GenerationRequest
+from inflight.protocol.stepped import Admission, AdmissionAnswer, ResidentRef, StepResult
+from inflight.runtime.host.output_processor import OutputProcessor
+from inflight.runtime.host.rows import SampledRow
+from inflight.runtime.host.scheduler import AdmissionIntent, Reservation, ScheduledStep, Scheduler
+
+
+class LaunchedStep(Protocol):
+    """A step the executor has queued on the device."""
+
+    step: ScheduledStep
+    scores: dict[int, list[SampledRow]]  # row index -> the prompt scores of that row's chunk
+
+
+class StepExecutor(Protocol):
+    """The device half of a step, as the session drives it (`device/executor.py`)."""
+
+    @property
+    def fault(self) -> str | None: ...
+
+    def launch(self, step: ScheduledStep) -> LaunchedStep: ...
+
+    def reads_tokens(self, launched: LaunchedStep) -> bool: ...
+
+    def sample(self, launched: LaunchedStep) -> None: ...
+
+    def fetch(self, launched: LaunchedStep) -> list[SampledRow]: ...
 
 
 class GenerationSession:
@@ -38,7 +61,7 @@ class GenerationSession:
     def __init__(
         self,
         scheduler: Scheduler,
-        executor: Executor,
+        executor: StepExecutor,
         outputs: OutputProcessor,
         *,
         overlap: bool,

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 MAX_LOGPROBS = 20
+# The request fields that carry a prompt's media and their preprocessing options (vLLM's names),
+# as errors name them.
+MEDIA_FIELD = "multi_modal_data"
+PROCESSOR_FIELD = "mm_processor_kwargs"
 
 
 class PromptTooLongError(ValueError):

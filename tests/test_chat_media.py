@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from inflight.media_inputs import (
+from inflight.runtime.inputs.chat_media import (
     MediaInputError,
     MediaLimits,
     as_text,

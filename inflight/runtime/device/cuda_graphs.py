@@ -28,7 +28,7 @@ from inflight.model.attention import AttentionMetadata
 from inflight.model.layers.lora import LoRAMapping
 from inflight.model.mamba import MambaRows
 from inflight.model.transfer import to_device
-from inflight.runtime.batch_builder import BatchRow, RaggedBatch
+from inflight.runtime.device.batch_builder import BatchRow, RaggedBatch
 
 # The keys a step's unfolded prefill rows may read in all (a chunk of n tokens after p in KV
 # reads n * p + n * (n + 1) / 2); larger prefills run eagerly. On an H200 (bench/RESULTS.md,

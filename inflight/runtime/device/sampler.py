@@ -20,8 +20,8 @@ import torch
 
 from inflight.model.kernels.cpu import ops as cpu_ops
 from inflight.model.transfer import to_device
-from inflight.runtime.outputs import SampledRow
-from inflight.runtime.request import SamplingParams
+from inflight.protocol.request import SamplingParams
+from inflight.runtime.host.rows import SampledRow
 
 _SEED_STRIDE = 1_000_003  # mixes (seed, position, sequence) into one generator seed
 _SEQUENCE_STRIDE = 7_919_003_233  # past any position: sequence i's draws are its own

@@ -47,8 +47,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from inflight.runtime.request import is_int
-from inflight.runtime.residents import Resident
+from inflight.protocol.request import is_int
+from inflight.runtime.host.residents import Resident
 
 # After a verification that accepted nothing, a row drafts again after this many plain steps,
 # doubled on each further miss (up to the cap), and reset by any accepted draft: on text the

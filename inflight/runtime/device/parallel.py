@@ -38,7 +38,7 @@ import torch.distributed as dist
 from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
 from inflight.model.parallel import TensorParallel
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.model_runner import StepPlan, build_model_runner
+from inflight.runtime.device.model_runner import StepPlan, build_model_runner
 
 log = logging.getLogger(__name__)
 

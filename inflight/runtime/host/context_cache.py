@@ -15,8 +15,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from inflight.runtime.kv_cache import BlockPool
-from inflight.runtime.request import MediaItem
+from inflight.protocol.request import MediaItem
+from inflight.runtime.host.kv_cache import BlockPool
 
 
 def root_digest(lora_name: str | None) -> bytes:

@@ -29,9 +29,14 @@ from inflight.model.llama import LlamaForCausalLM, MediaEmbeds
 from inflight.model.mamba import MambaRows, MambaStates
 from inflight.model.parallel import TensorParallel
 from inflight.model.transfer import to_device
-from inflight.runtime.batch_builder import RaggedBatch, RowInput, build_ragged_batch
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.cuda_graphs import DecodeGraphs, DecodeInputs, graph_buckets, graph_rows
+from inflight.runtime.device.batch_builder import RaggedBatch, RowInput, build_ragged_batch
+from inflight.runtime.device.cuda_graphs import (
+    DecodeGraphs,
+    DecodeInputs,
+    graph_buckets,
+    graph_rows,
+)
 
 # Which hidden states one LM-head call takes: a packed range [start, end), or listed rows.
 HeadRows = tuple[int, int] | list[int]

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from inflight.runtime.request import GenerationRequest
+from inflight.protocol.request import GenerationRequest
 
 
 class FinishReason(Enum):
@@ -40,18 +40,6 @@ class LogprobEntry:
     token: str
     bytes: bytes
     top: tuple[TopLogprob, ...] = ()
-
-
-# Built for every row of every step: slots and no `frozen`, whose __init__ costs ~10x.
-@dataclass(slots=True)
-class SampledRow:
-    """The sampler's pick for one row, on the host: the token, and with logprobs asked for, its
-    log-probability and the top alternatives."""
-
-    token_id: int
-    logprob: float | None = None
-    top_ids: list[int] | None = None
-    top_logprobs: list[float] | None = None
 
 
 @dataclass(slots=True)

@@ -1,0 +1,33 @@
+"""What the layers above the runtime ask of a tokenizer (torch-free): text to ids and back,
+a token's bytes, and chat rendering. `model/checkpoints/tokenizer.py` implements it for Hugging
+Face and GGUF checkpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+
+class Tokenizer(Protocol):
+    chat_template: str | None  # the checkpoint's own chat template, if it has one
+    eos_token_ids: list[int]  # every token that ends generation
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (a token may hold part of a UTF-8 character)."""
+        ...
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render messages with the checkpoint's template, or `chat_template` in its place
+        (ValueError naming what fails)."""
+        ...

@@ -40,7 +40,7 @@ def time_context(rows: int, context: int, repeats: int, cold: bool, seed: int = 
     blocks = list(range(rows * need))
     random.Random(seed).shuffle(blocks)
     inputs = [RowInput([0], context, blocks[i * need : (i + 1) * need], True) for i in range(rows)]
-    meta = build_ragged_batch(inputs, block_size, torch.device("cpu")).meta
+    meta = build_ragged_batch(inputs, block_size, torch.device("cpu")).forward.attention
     q = torch.randn(rows, heads, dim)
     caches = [
         tuple(torch.randn(kv_heads, len(blocks) * block_size, dim) for _ in range(2))

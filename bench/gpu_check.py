@@ -78,7 +78,7 @@ def check_kernels(
         cursor += need
         rows.append(RowInput([0] * qlen, past, table, True))
     batch = build_ragged_batch(rows, block_size, device)
-    meta = batch.meta
+    meta = batch.forward.attention
     tokens = sum(q for q, _ in shapes)
     q = torch.randn(tokens, heads, dim, device=device, dtype=torch.bfloat16)
     k = torch.randn(tokens, kv_heads, dim, device=device, dtype=torch.bfloat16)

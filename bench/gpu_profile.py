@@ -85,14 +85,14 @@ def main() -> None:
     rows = [RowInput([0], r.computed, r.blocks, True) for r in residents]
     batch = build_ragged_batch(rows, runtime.blocks.block_size, device)
     runner = runtime.executor.runner
-    mamba = None
-    if runner.mamba_states is not None:  # a hybrid's rows read their state slots
-        mamba = MambaRows.build([r.ref.slot for r in residents], [False] * len(rows), device)
-    runner.execute(batch, mamba=mamba)
+    if runner.recurrent:  # a hybrid's rows read their state slots
+        slots = [r.ref.slot for r in residents]
+        batch.forward.recurrent = MambaRows.build(slots, [False] * len(rows), device)
+    runner.execute(batch)
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     for _ in range(10):
-        runner.logits(runner.execute(batch, mamba=mamba))
+        runner.logits(runner.execute(batch))
     end.record()
     torch.cuda.synchronize()
     print(
@@ -108,7 +108,7 @@ def main() -> None:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            runner.logits(runner.execute(batch, mamba=mamba))
+            runner.logits(runner.execute(batch))
         torch.cuda.synchronize()
     print(
         prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)

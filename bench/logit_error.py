@@ -17,6 +17,7 @@ from inflight.bench.offline import hf_model
 from inflight.bench.report import write_report
 from inflight.model.attention import AttentionBackend, KVCache, select_backend
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
+from inflight.model.contract import ModelCaches
 from inflight.model.llama import LlamaForCausalLM
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 
@@ -30,8 +31,8 @@ def _last_logits(
     model: LlamaForCausalLM, backend: AttentionBackend, kv: list[KVCache], row: RowInput
 ) -> torch.Tensor:
     batch = build_ragged_batch([row], BLOCK_SIZE, CPU)
-    backend.plan(batch.meta)
-    hidden = model(batch.input_ids, batch.positions, kv, batch.meta, backend)
+    backend.plan(batch.forward.attention)
+    hidden = model(batch.forward, ModelCaches(kv, backend))
     return model.compute_logits(hidden[batch.logits_indices])[0].double()
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from inflight.bench.report import write_report
+from inflight.model.contract import ModelCaches
 from inflight.model.kernels.cpu import ops as cpu_ops
 from inflight.model.kernels.cpu.q4 import q4_linear, quantize_q4
 from inflight.model.layers import lora
@@ -240,12 +241,10 @@ def step(args: argparse.Namespace) -> dict:
 
         def run(scenario, model=model, backend=backend, caches=caches, batch=batch) -> None:
             # The mapping is built per step, as the executor does.
-            mapping = None if scenario is None else model.lora_mapping(scenario)
-            backend.plan(batch.meta)
+            batch.forward.lora = None if scenario is None else model.lora_mapping(scenario)
+            backend.plan(batch.forward.attention)
             with torch.no_grad():
-                hidden = model(
-                    batch.input_ids, batch.positions, caches, batch.meta, backend, mapping
-                )
+                hidden = model(batch.forward, ModelCaches(caches, backend))
                 model.compute_logits(hidden)
 
         times = median_times([lambda s=s: run(s) for s in cases.values()], args.repeats)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 
 from inflight.model.attention import AttentionMetadata, TorchAttentionBackend
-from inflight.model.mamba import MambaStates
+from inflight.model.contract import ForwardBatch, ModelCaches
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.device.cuda_graphs import (
     DecodeGraphs,
@@ -41,7 +41,7 @@ def scattered_step(shapes, block_size: int, num_blocks: int, seed: int = 0) -> A
         need = -(-(qlen + past) // block_size)
         rows.append(RowInput([0] * qlen, past, blocks[cursor : cursor + need], True))
         cursor += need
-    return build_ragged_batch(rows, block_size, torch.device("cpu")).meta
+    return build_ragged_batch(rows, block_size, torch.device("cpu")).forward.attention
 
 
 def run_staggered(runtime, requests) -> list:
@@ -159,17 +159,11 @@ class PagedSequence:
             contiguous_kv_host=[0],
         )
         self.backend.plan(meta)
+        batch = ForwardBatch(
+            torch.tensor(ids), torch.arange(past, total) + shift, meta, media=media
+        )
         with torch.no_grad():
-            # Only models with media input are given `media` (wrappers take no such argument).
-            extra = {} if media is None else {"media": media}
-            hidden = self.model(
-                torch.tensor(ids),
-                torch.arange(past, total) + shift,
-                self.caches,
-                meta,
-                self.backend,
-                **extra,
-            )
+            hidden = self.model(batch, ModelCaches(self.caches, self.backend))
             logits = self.model.compute_logits(hidden)
         self.length = total
         return logits
@@ -205,7 +199,7 @@ class EagerGraphs(DecodeGraphs):
     def _capture(self, forward):
         # The CPU kernel sizes its scratch by the longest sequence, which the metadata of a
         # graph leaves open (the Triton kernel reads only seq_lens).
-        forward.args[2].max_seq_len = self.max_seq_len
+        forward.args[0].attention.max_seq_len = self.max_seq_len
         hidden = forward()
 
         class Replay:
@@ -219,21 +213,22 @@ def with_eager_graphs(runtime):
     """The (CPU, float32) runtime with EagerGraphs in its model runner, and the scratch block (and,
     for a hybrid, state slot) their padding rows write added, as a CUDA runtime has captured
     graphs."""
-    executor, config = runtime.executor.runner, runtime.config
+    runner, config = runtime.executor.runner, runtime.config
     blocks = runtime.blocks.num_blocks
-    executor.kv_caches = allocate_kv_cache(
+    kv = allocate_kv_cache(
         runtime.checkpoint.config,
+        runner.model.num_attention_layers,
         blocks + 1,
         config.block_size,
-        executor.backend,
+        runner.caches.backend,
         torch.float32,
         torch.device("cpu"),
     )
-    hybrid = runtime.checkpoint.config.mamba is not None
-    if hybrid:  # one state slot more, for the padding rows
-        executor.mamba_states = MambaStates.allocate(
-            runtime.checkpoint.config, config.max_batch_size + 1, torch.float32, torch.device("cpu")
-        )
+    # One state slot more, for the padding rows (a hybrid's).
+    states = runner.model.allocate_states(
+        config.max_batch_size + 1, torch.float32, torch.device("cpu")
+    )
+    runner.caches = ModelCaches(kv, runner.caches.backend, states)
     rows = graph_rows(config.max_batch_size, config.max_num_tokens)
     inputs = DecodeInputs(
         rows,
@@ -241,11 +236,11 @@ def with_eager_graphs(runtime):
         config.block_size,
         scratch_block=blocks,
         device=torch.device("cpu"),
-        lora=executor.model.max_loras > 0,
-        scratch_state=config.max_batch_size if hybrid else None,
+        lora=runner.model.max_loras > 0,
+        scratch_state=config.max_batch_size if states is not None else None,
     )
     with torch.inference_mode():
-        executor.graphs = EagerGraphs(
-            executor._forward, inputs, graph_buckets(rows), runtime.max_model_len
+        runner.graphs = EagerGraphs(
+            runner.forward, inputs, graph_buckets(rows), runtime.max_model_len
         )
     return runtime

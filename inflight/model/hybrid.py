@@ -21,13 +21,13 @@ from torch import nn
 
 from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from inflight.model.config import ModelConfig
+from inflight.model.contract import ForwardBatch, ModelCaches
 from inflight.model.layers.linear import process_weights_after_loading
-from inflight.model.layers.lora import LoRAMapping
 from inflight.model.layers.norm import RMSNorm
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, RotaryEmbedding
-from inflight.model.llama import MLP, Attention, MediaEmbeds, build_lm_head, decoder_linear
+from inflight.model.llama import MLP, Attention, build_lm_head, decoder_linear
 from inflight.model.mamba import Mamba2Mixer, MambaRows, MambaStates
 from inflight.model.weights import load_fused, shard_sizes
 
@@ -220,23 +220,13 @@ class HybridForCausalLM(nn.Module):
         """Layers with a state slot per sequence (`MambaStates.allocate`)."""
         return self.config.mamba.num_mamba_layers
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-        lora: LoRAMapping | None = None,
-        media: MediaEmbeds | None = None,
-        mamba: MambaRows | None = None,
-        states: MambaStates | None = None,
-    ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for every packed token. `kv_caches`:
-        one pair per attention layer; `mamba`: each row's state slot in `states`, which the
-        Mamba layers read and update in place."""
-        if lora is not None or media is not None:
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every packed token. `caches.kv`:
+        one pair per attention layer; `batch.recurrent`: each row's state slot in
+        `caches.states`, which the Mamba layers read and update in place."""
+        if batch.lora is not None or batch.media is not None:
             raise ValueError(f"a {self.config.family} model takes no LoRA and no media input")
+        kv_caches, states, mamba, meta = caches.kv, caches.states, batch.recurrent, batch.attention
         if len(kv_caches) != self.num_attention_layers:
             raise ValueError(
                 f"{len(kv_caches)} KV caches for {self.num_attention_layers} attention layers"
@@ -249,17 +239,23 @@ class HybridForCausalLM(nn.Module):
             raise ValueError(
                 f"Mamba slots for {len(mamba.slots_host)} rows, {len(meta.query_lens_host)} rows"
             )
-        x = self.embed_tokens(input_ids)
-        angles = self.rotary.angles(positions, x.dtype) if self.rotary.rotary_dim else None
-        step = _Step(angles, meta, backend, mamba)
-        caches = {"attention": iter(kv_caches)}
+        x = self.embed_tokens(batch.input_ids)
+        angles = self.rotary.angles(batch.positions, x.dtype) if self.rotary.rotary_dim else None
+        step = _Step(angles, meta, caches.backend, mamba)
+        layer_caches = {"attention": iter(kv_caches)}
         if states is not None:
-            caches["mamba"] = zip(states.conv, states.ssm, strict=True)
+            layer_caches["mamba"] = zip(states.conv, states.ssm, strict=True)
         residual = None
         for layer in self.layers:
-            source = caches.get(layer.kind)  # MLP layers have none
+            source = layer_caches.get(layer.kind)  # MLP layers have none
             x, residual = layer(x, residual, None if source is None else next(source), step)
         return self.norm.add_forward(x, residual)[0]
+
+    def allocate_states(
+        self, num_slots: int, dtype: torch.dtype, device: torch.device
+    ) -> MambaStates:
+        """Zeroed conv and SSM states of every Mamba layer, `num_slots` slots each."""
+        return MambaStates.allocate(self.config, num_slots, dtype, device)
 
     def media_encoders(self) -> dict[str, nn.Module]:
         return {}

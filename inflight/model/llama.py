@@ -12,7 +12,6 @@ forward pass may run each packed token with the adapter of its slot (`LoRAMappin
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +21,7 @@ from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCach
 from inflight.model.attention.cpu import CpuAttentionBackend
 from inflight.model.audio import AudioEncoder
 from inflight.model.config import ModelConfig, VisionConfig
+from inflight.model.contract import ForwardBatch, ModelCaches
 from inflight.model.kernels.cpu import decoder, native
 from inflight.model.layers.activation import SiluAndMul
 from inflight.model.layers.linear import Linear, process_weights_after_loading
@@ -30,6 +30,7 @@ from inflight.model.layers.norm import RMSNorm
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, Rope, RotaryEmbedding
+from inflight.model.mamba import MambaStates
 from inflight.model.parallel import TensorParallel, VocabParallelEmbedding
 from inflight.model.qwen2_vl import Qwen2VLImageEncoder
 from inflight.model.vision import ImageEncoder
@@ -62,18 +63,6 @@ _MULTIMODAL_NAMES = (
 )
 # The media encoder's tensors (LLaVA's and Voxtral's, Qwen2-VL's).
 _ENCODER_NAMES = ("vision_tower.", "multi_modal_projector.", "visual.", "audio_tower.")
-
-
-@dataclass
-class MediaEmbeds:
-    """Packed tokens whose input is an encoder's output (an image's or a clip's, in place of
-    its placeholders) instead of their token's embedding."""
-
-    indices: torch.Tensor  # [M] their packed indices
-    embeds: torch.Tensor  # [M, hidden]
-    # M-RoPE models: their 3-D positions [3, M] (the other tokens' three coordinates are equal,
-    # their 1-D positions).
-    mrope_positions: torch.Tensor | None = None
 
 
 def build_lm_head(config: ModelConfig, methods: LinearMethods, rows: int | None = None) -> Linear:
@@ -323,23 +312,16 @@ class LlamaForCausalLM(nn.Module):
         """Layers with a KV cache: all of them."""
         return self.config.num_layers
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-        lora: LoRAMapping | None = None,
-        media: MediaEmbeds | None = None,
-    ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for every packed token; `lora` says
-        which tokens run with which loaded adapter (None: all with the base model); `media`:
-        tokens whose input is an encoder's output instead of their token's embedding."""
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every packed token; `batch.lora`
+        says which tokens run with which loaded adapter (None: all with the base model),
+        `batch.media` which take an encoder's output instead of their token's embedding."""
+        input_ids, meta, lora, media = batch.input_ids, batch.attention, batch.lora, batch.media
         if lora is not None and lora.num_tokens != input_ids.shape[0]:
             raise ValueError(f"LoRA mapping of {lora.num_tokens} tokens for {input_ids.shape[0]}")
+        kv_caches, backend = caches.kv, caches.backend
         x = self.embed_tokens(input_ids)
-        angles = self.rotary.angles(positions, x.dtype)
+        angles = self.rotary.angles(batch.positions, x.dtype)
         if media is not None:
             x = x.index_copy(0, media.indices, media.embeds.to(x.dtype))
             if media.mrope_positions is not None:
@@ -364,6 +346,12 @@ class LlamaForCausalLM(nn.Module):
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, angles, kv_cache, meta, backend, lora)
         return self.norm.add_forward(x, residual)[0]
+
+    def allocate_states(
+        self, num_slots: int, dtype: torch.dtype, device: torch.device
+    ) -> MambaStates | None:
+        """None: a Llama-family decoder keeps no state beside its KV."""
+        return None
 
     def _decoder_step(
         self, kv_caches: list[KVCache], backend: AttentionBackend

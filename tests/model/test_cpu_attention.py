@@ -48,7 +48,7 @@ def test_a_row_gets_the_same_bits_alone_or_batched():
         table = meta.block_tables[i, : -(-(qlen + past) // block_size)].tolist()
         alone = build_ragged_batch(
             [RowInput([0], past, table, True)], block_size, torch.device("cpu")
-        ).meta
+        ).forward.attention
         one = backend.forward(
             q[i : i + 1], k[i : i + 1], v[i : i + 1], tuple(c.clone() for c in cache), alone, 0.125
         )
@@ -57,7 +57,7 @@ def test_a_row_gets_the_same_bits_alone_or_batched():
 
 def test_runtime_picks_it_for_float32_on_the_cpu(tiny_dirs):
     runtime = Runtime(tiny_dirs["llama"], RuntimeConfig(device="cpu", max_model_len=64))
-    assert isinstance(runtime.executor.runner.backend, CpuAttentionBackend)
+    assert isinstance(runtime.executor.runner.caches.backend, CpuAttentionBackend)
     with pytest.raises(ValueError, match="float32 on the CPU"):
         Runtime(
             tiny_dirs["llama"],
@@ -66,7 +66,7 @@ def test_runtime_picks_it_for_float32_on_the_cpu(tiny_dirs):
     reference = Runtime(
         tiny_dirs["llama"], RuntimeConfig(device="cpu", max_model_len=64, attention_backend="torch")
     )
-    assert type(reference.executor.runner.backend) is TorchAttentionBackend
+    assert type(reference.executor.runner.caches.backend) is TorchAttentionBackend
 
 
 def test_kernel_rejects_a_head_dim_it_cannot_vectorize():

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
+from inflight.model.contract import MediaEmbeds
 from inflight.model.layers.lora import LONG_RUN, LoRAMapping
-from inflight.model.llama import MediaEmbeds
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.runtime import Runtime
@@ -23,29 +23,30 @@ def _runner(model, **options):
 def _forward(runner, rows, native: bool, slots=None, media=None) -> torch.Tensor:
     """One step of `rows`; `slots`: each row's LoRA slot (-1: none); `media`: MediaEmbeds."""
     runner.model.native_step = native
-    batch = build_ragged_batch(rows, runner.block_size, torch.device("cpu"))
-    runner.backend.plan(batch.meta)
-    lora = None
+    batch = build_ragged_batch(rows, runner.block_size, torch.device("cpu")).forward
+    runner.caches.backend.plan(batch.attention)
     if slots is not None:
-        lora = LoRAMapping.native([(s, len(r.token_ids)) for s, r in zip(slots, rows, strict=True)])
+        lengths = [len(r.token_ids) for r in rows]
+        batch.lora = LoRAMapping.native(list(zip(slots, lengths, strict=True)))
+    batch.media = media
     with torch.inference_mode():
-        return runner._forward(batch.input_ids, batch.positions, batch.meta, lora, media)
+        return runner.forward(batch)
 
 
 def _same_both_ways(runner, rows, slots=None, media=None) -> torch.Tensor:
     """One step of `rows` through the native step and through the layers, from the same caches:
     the same hidden states, the same stored keys and values. Returns the hidden states."""
-    caches = [tuple(c.clone() for c in kv) for kv in runner.kv_caches]
+    caches = [tuple(c.clone() for c in kv) for kv in runner.caches.kv]
     runner.model._decoder = None  # set again only where this step asks for the native step
     native = _forward(runner, rows, native=True, slots=slots, media=media)
     assert runner.model._decoder[1] is not None, "the native step did not run"
-    native_caches = [tuple(c.clone() for c in kv) for kv in runner.kv_caches]
-    for kv, saved in zip(runner.kv_caches, caches, strict=True):
+    native_caches = [tuple(c.clone() for c in kv) for kv in runner.caches.kv]
+    for kv, saved in zip(runner.caches.kv, caches, strict=True):
         for cache, copy in zip(kv, saved, strict=True):
             cache.copy_(copy)
     layers = _forward(runner, rows, native=False, slots=slots, media=media)
     assert torch.equal(native, layers)
-    for a, b in zip(native_caches, runner.kv_caches, strict=True):
+    for a, b in zip(native_caches, runner.caches.kv, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     return native
 
@@ -116,7 +117,7 @@ def test_an_error_in_the_prefill_attention_comes_back_as_itself(tiny_dirs, monke
     def broken(*args):
         raise RuntimeError("injected in attend_rows")
 
-    monkeypatch.setattr(runner.backend, "attend_rows", broken)
+    monkeypatch.setattr(runner.caches.backend, "attend_rows", broken)
     with pytest.raises(RuntimeError, match="injected in attend_rows"):
         _forward(runner, [RowInput([3, 4, 5], 0, [1], True)], native=True)
     monkeypatch.undo()

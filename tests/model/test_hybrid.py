@@ -10,6 +10,7 @@ import torch
 from inflight.model.attention import select_backend
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
 from inflight.model.config import hybrid_from_hf
+from inflight.model.contract import ModelCaches
 from inflight.model.mamba import MambaRows, MambaStates
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 
@@ -62,21 +63,15 @@ class HybridSequences:
         batch = build_ragged_batch(rows, self.block_size, CPU)
         seqs = [s for s, _ in work]
         mamba = MambaRows.build(seqs, [self.lengths[s] == 0 for s in seqs], CPU)
-        self.backend.plan(batch.meta)
+        batch.forward.recurrent = mamba
+        self.backend.plan(batch.forward.attention)
         with torch.no_grad():
-            hidden = self.model(
-                batch.input_ids,
-                batch.positions,
-                self.caches,
-                batch.meta,
-                self.backend,
-                mamba=mamba,
-                states=self.states,
-            )
+            caches = ModelCaches(self.caches, self.backend, self.states)
+            hidden = self.model(batch.forward, caches)
             logits = self.model.compute_logits(hidden)
         for s, ids in work:
             self.lengths[s] += len(ids)
-        return list(logits.split(batch.meta.query_lens_host))
+        return list(logits.split(batch.forward.attention.query_lens_host))
 
     def extend(self, seq: int, ids: list[int]) -> torch.Tensor:
         return self.step([(seq, ids)])[0]
@@ -147,7 +142,7 @@ def test_a_mixer_in_chunks_is_the_mixer_in_one(hybrids, family, sizes):
         outs, past = [], 0
         for piece in pieces:
             row = RowInput([0] * len(piece), past, [0, 1], True)
-            meta = build_ragged_batch([row], 16, CPU).meta
+            meta = build_ragged_batch([row], 16, CPU).forward.attention
             rows = MambaRows.build([0], [past == 0], CPU)
             with torch.no_grad():
                 outs.append(mixer(piece, meta, rows, states.conv[0], states.ssm[0]))

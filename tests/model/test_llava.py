@@ -11,8 +11,8 @@ from transformers import AutoImageProcessor
 
 from inflight.model.attention import select_backend
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
+from inflight.model.contract import MediaEmbeds
 from inflight.model.image_processor import ImageProcessor
-from inflight.model.llama import MediaEmbeds
 
 from helpers import assert_tracks
 from tiny_models import IMAGE_TOKEN_ID, make_tiny_llava

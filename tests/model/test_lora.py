@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from inflight.model.attention import select_backend
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
 from inflight.model.checkpoints.lora import load_lora_adapter
+from inflight.model.contract import ForwardBatch, ModelCaches
 from inflight.model.layers.lora import LoRAMapping
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 
@@ -37,9 +38,9 @@ class OnSlot:
     def __init__(self, model, slot: int) -> None:
         self.model, self.slot, self.config = model, slot, model.config
 
-    def __call__(self, input_ids, positions, kv_caches, meta, backend):
-        lora = self.model.lora_mapping([(self.slot, len(input_ids))])
-        return self.model(input_ids, positions, kv_caches, meta, backend, lora)
+    def __call__(self, batch, caches):
+        batch.lora = self.model.lora_mapping([(self.slot, len(batch.input_ids))])
+        return self.model(batch, caches)
 
     def compute_logits(self, hidden):
         return self.model.compute_logits(hidden)
@@ -148,9 +149,10 @@ def test_rows_of_three_adapters_and_the_base_in_one_step(family, form):
             lora = model.lora_mapping(mapped)
         else:
             lora = LoRAMapping.masked(mapped, model.max_loras, torch.float32, CPU)
-        backend.plan(batch.meta)
+        batch.forward.lora = lora
+        backend.plan(batch.forward.attention)
         with torch.no_grad():
-            hidden = model(batch.input_ids, batch.positions, caches, batch.meta, backend, lora)
+            hidden = model(batch.forward, ModelCaches(caches, backend))
             return model.compute_logits(hidden)
 
     prefill = step([RowInput(p, 0, t, True, True) for p, t in zip(prompts, tables, strict=True)])
@@ -206,7 +208,7 @@ def test_slots_refuse_what_does_not_fit(family):
         model.unload_lora(-1)
     mapping = model.lora_mapping([(0, 3)])
     with pytest.raises(ValueError, match="LoRA mapping of 3 tokens for 4"):
-        model(torch.arange(4), torch.arange(4), [], None, None, mapping)
+        model(ForwardBatch(torch.arange(4), torch.arange(4), None, lora=mapping), None)
     small = build_model(
         checkpoint, torch.float32, CPU, 64, quantization="none", max_loras=1, max_lora_rank=4
     )

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from inflight.model.llama import MediaEmbeds
+from inflight.model.contract import MediaEmbeds
 from inflight.runtime.host.media import PreparedItem, expand, mrope_positions, mrope_shift
 from inflight.runtime.inputs.preprocessing import media_inputs
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from inflight.model.llama import MediaEmbeds
+from inflight.model.contract import MediaEmbeds
 from inflight.runtime.host.media import expand
 from inflight.runtime.inputs.preprocessing import media_inputs
 

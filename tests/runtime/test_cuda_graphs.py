@@ -4,6 +4,8 @@
 import pytest
 import torch
 
+from inflight.model.contract import ForwardBatch
+from inflight.model.layers.lora import LoRAMapping
 from inflight.model.mamba import MambaRows
 from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.config import RuntimeConfig
@@ -36,12 +38,15 @@ def test_buckets_and_their_choice():
 
 
 def test_only_steps_of_decode_rows_replay():
-    decode = build_ragged_batch([RowInput([5], 9, [0], True), RowInput([6], 3, [1], True)], 16, CPU)
+    def attention(rows, unfold=False):
+        return build_ragged_batch(rows, 16, CPU, unfold).forward.attention
+
+    decode = attention([RowInput([5], 9, [0], True), RowInput([6], 3, [1], True)])
     mixed_rows = [RowInput([5], 9, [0], True), RowInput([1, 2], 0, [1], True)]
-    not_sampling = build_ragged_batch([RowInput([5], 9, [0], False)], 16, CPU)
+    not_sampling = attention([RowInput([5], 9, [0], False)])
     assert is_decode_only(decode) and is_decode_only(not_sampling)
-    assert not is_decode_only(build_ragged_batch(mixed_rows, 16, CPU))
-    assert is_decode_only(build_ragged_batch(mixed_rows, 16, CPU, unfold=True))
+    assert not is_decode_only(attention(mixed_rows))
+    assert is_decode_only(attention(mixed_rows, unfold=True))
 
 
 def test_a_step_replays_when_its_tokens_fit_and_its_prefill_is_short():
@@ -68,25 +73,35 @@ def test_unfolded_rows_keep_the_hidden_states_the_packed_rows_keep():
     ]
     packed = build_ragged_batch(rows, 16, CPU)
     unfolded = build_ragged_batch(rows, 16, CPU, unfold=True)
-    meta = unfolded.meta
+    meta = unfolded.forward.attention
     assert meta.num_decodes == len(meta.query_lens_host) == 11
-    assert torch.equal(unfolded.input_ids, packed.input_ids)
-    assert torch.equal(unfolded.positions, packed.positions)
-    assert torch.equal(meta.slot_mapping, packed.meta.slot_mapping)
+    assert torch.equal(unfolded.forward.input_ids, packed.forward.input_ids)
+    assert torch.equal(unfolded.forward.positions, packed.forward.positions)
+    assert torch.equal(meta.slot_mapping, packed.forward.attention.slot_mapping)
     assert meta.seq_lens.tolist() == [10, 5, 6, 7, 1, 2, 3, 17, 18, 4, 5]
     assert unfolded.logits_indices.tolist() == packed.logits_indices.tolist()
     assert unfolded.logits_indices.tolist() == [0, 1, 2, 3, 6, 9, 10]
+
+
+def _decode(rows, lora=None, mamba=None) -> ForwardBatch:
+    """A decode step's batch of `rows`, each with its LoRA slot in `lora`, its state slot in
+    `mamba`."""
+    batch = build_ragged_batch(rows, 16, CPU).forward
+    if lora is not None:
+        batch.lora = LoRAMapping.native([(slot, 1) for slot in lora])
+    batch.recurrent = mamba
+    return batch
 
 
 def test_fill_copies_rows_and_parks_spare_rows_on_the_scratch_block():
     inputs = DecodeInputs(max_batch=8, max_blocks=4, block_size=16, scratch_block=99, device=CPU)
     # A previous, larger step left its rows behind.
     big = build_ragged_batch([RowInput([7], 40, [3, 4, 5], True)] * 6, 16, CPU)
-    inputs.fill(big, 8)
+    inputs.fill(big.forward, 8)
     batch = build_ragged_batch(
         [RowInput([11], 20, [5, 6], True), RowInput([12], 2, [9], True)], 16, CPU
     )
-    inputs.fill(batch, 4)
+    inputs.fill(batch.forward, 4)
     assert inputs.input_ids[:4].tolist() == [11, 12, 0, 0]
     assert inputs.positions[:4].tolist() == [20, 2, 0, 0]
     assert inputs.slot_mapping[:4].tolist() == [6 * 16 + 4, 9 * 16 + 2, 99 * 16, 99 * 16]
@@ -102,12 +117,8 @@ def test_fill_writes_each_rows_state_slot_and_parks_spare_rows_on_the_scratch_sl
         max_batch=8, max_blocks=4, block_size=16, scratch_block=99, device=CPU, scratch_state=8
     )
     rows = [RowInput([11], 20, [5, 6], True)] * 3
-    inputs.fill(
-        build_ragged_batch(rows * 2, 16, CPU), 8, mamba=MambaRows.build([0] * 6, [0] * 6, CPU)
-    )
-    inputs.fill(
-        build_ragged_batch(rows, 16, CPU), 4, mamba=MambaRows.build([5, 2, 7], [0] * 3, CPU)
-    )
+    inputs.fill(_decode(rows * 2, mamba=MambaRows.build([0] * 6, [0] * 6, CPU)), 8)
+    inputs.fill(_decode(rows, mamba=MambaRows.build([5, 2, 7], [0] * 3, CPU)), 4)
     assert inputs.state_slots[:4].tolist() == [5, 2, 7, 8]
     captured = inputs.mamba(4)
     assert captured.slots.data_ptr() == inputs.state_slots.data_ptr()
@@ -122,8 +133,8 @@ def test_a_step_that_starts_a_state_is_not_replayed():
         inputs = None
 
     batch = build_ragged_batch([RowInput([11], 0, [5], True)], 16, CPU)
-    fresh = MambaRows.build([3], [True], CPU)
-    assert DecodeGraphs.run(Never(), batch, None, fresh) is None
+    batch.forward.recurrent = MambaRows.build([3], [True], CPU)
+    assert DecodeGraphs.run(Never(), batch) is None
 
 
 def test_fill_writes_each_rows_lora_slot_and_parks_spare_rows_on_the_base():
@@ -131,18 +142,18 @@ def test_fill_writes_each_rows_lora_slot_and_parks_spare_rows_on_the_base():
         max_batch=8, max_blocks=4, block_size=16, scratch_block=99, device=CPU, lora=True
     )
     rows = [RowInput([11], 20, [5, 6], True)] * 3
-    inputs.fill(build_ragged_batch(rows * 2, 16, CPU), 8, [2, 2, 2, 2, 2, 2])
-    inputs.fill(build_ragged_batch(rows, 16, CPU), 4, [1, -1, 0])
+    inputs.fill(_decode(rows * 2, lora=[2, 2, 2, 2, 2, 2]), 8)
+    inputs.fill(_decode(rows, lora=[1, -1, 0]), 4)
     assert inputs.lora_slots[:4].tolist() == [1, -1, 0, -1]
     mapping = inputs.lora(4)
     assert mapping.num_tokens == 4
     assert mapping.token_slots.data_ptr() == inputs.lora_slots.data_ptr()
-    inputs.fill(build_ragged_batch(rows, 16, CPU), 4)  # no row on an adapter
+    inputs.fill(_decode(rows), 4)  # no row on an adapter
     assert inputs.lora_slots[:4].tolist() == [-1] * 4  # the rows the graph of bucket 4 reads
     plain = DecodeInputs(max_batch=8, max_blocks=4, block_size=16, scratch_block=99, device=CPU)
     assert plain.lora(4) is None
     with pytest.raises(ValueError, match="LoRA slots for graphs captured without LoRA"):
-        plain.fill(build_ragged_batch(rows, 16, CPU), 4, [0, -1, -1])
+        plain.fill(_decode(rows, lora=[0, -1, -1]), 4)
 
 
 @pytest.mark.parametrize("speculative", [False, True])
@@ -158,9 +169,11 @@ def test_steps_with_short_prefills_replay_a_graph_and_decode_as_eager_steps_do(
     eager = Runtime(tiny_dirs["qwen3"], RuntimeConfig(**config))
     graphed = with_eager_graphs(Runtime(tiny_dirs["qwen3"], RuntimeConfig(**config, overlap=True)))
     eager_steps = []
-    plan = graphed.executor.runner.backend.plan
+    plan = graphed.executor.runner.caches.backend.plan
     monkeypatch.setattr(
-        graphed.executor.runner.backend, "plan", lambda meta: eager_steps.append(meta) or plan(meta)
+        graphed.executor.runner.caches.backend,
+        "plan",
+        lambda meta: eager_steps.append(meta) or plan(meta),
     )
     prompts = [range(3, 13), range(20, 67), range(5, 9), [4, 5, 6, 7] * 10, range(7, 30)]
     params = [

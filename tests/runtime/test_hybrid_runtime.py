@@ -129,9 +129,11 @@ def test_decode_graphs_and_overlap_give_the_eager_tokens(hybrid, monkeypatch):
     eager = Runtime(hybrid[0], RuntimeConfig(**config))
     graphed = with_eager_graphs(Runtime(hybrid[0], RuntimeConfig(**config, overlap=True)))
     planned = []
-    plan = graphed.executor.runner.backend.plan
+    plan = graphed.executor.runner.caches.backend.plan
     monkeypatch.setattr(
-        graphed.executor.runner.backend, "plan", lambda meta: planned.append(meta) or plan(meta)
+        graphed.executor.runner.caches.backend,
+        "plan",
+        lambda meta: planned.append(meta) or plan(meta),
     )
     requests = [
         _request(_prompt(n, seed), max_tokens=m, logprobs=2)

@@ -101,13 +101,13 @@ def test_graphed_steps_give_each_token_its_rows_adapter(tiny_dirs, adapters):
     graphed = with_eager_graphs(_runtime(tiny_dirs, adapters, context_cache=False))
     replays = []
     run = graphed.executor.runner.graphs.run
-    graphed.executor.runner.graphs.run = lambda batch, slots, mamba=None: (
-        replays.append(slots) or run(batch, slots, mamba)
+    graphed.executor.runner.graphs.run = lambda batch: (
+        replays.append(batch.forward.lora) or run(batch)
     )
     got = run_staggered(graphed, requests)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     # Prefills were replayed, their tokens on their adapters' slots (40 prompt tokens each).
-    assert any(slots is not None and len(slots) > 40 for slots in replays)
+    assert any(lora is not None and lora.num_tokens > 40 for lora in replays)
     assert_no_leaks(graphed)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -67,6 +67,12 @@ class LoRAMapping:
     token_slots: torch.Tensor | None = None
     # Masked form: [T, max_loras] in the model's dtype and device, each token's one-hot slot.
     mask: torch.Tensor | None = None
+    # The rows it was built from, in packed order: (slot or -1, tokens).
+    rows: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+
+    def row_slots(self) -> list[int]:
+        """Each packed token's slot (-1: the base model), on the host."""
+        return _per_token(self.rows).tolist()
 
     @property
     def per_token(self) -> bool:
@@ -92,12 +98,12 @@ class LoRAMapping:
                     token_slots[start : start + tokens] = slot
             start += tokens
         short = torch.from_numpy(token_slots) if (token_slots >= 0).any() else None
-        return cls(total, tuple(runs), short)
+        return cls(total, tuple(runs), short, rows=tuple(rows))
 
     @classmethod
     def indexed(cls, rows: Sequence[tuple[int, int]], device: torch.device) -> LoRAMapping:
         slots = _per_token(rows)
-        return cls(len(slots), token_slots=to_device(slots, torch.int32, device))
+        return cls(len(slots), token_slots=to_device(slots, torch.int32, device), rows=tuple(rows))
 
     @classmethod
     def masked(
@@ -108,7 +114,7 @@ class LoRAMapping:
         device: torch.device,
     ) -> LoRAMapping:
         mask = to_device(one_hot_mask(rows, max_loras), dtype, device)
-        return cls(mask.shape[0], mask=mask)
+        return cls(mask.shape[0], mask=mask, rows=tuple(rows))
 
 
 def _merged(rows: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

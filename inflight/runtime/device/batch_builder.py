@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from inflight.model.attention import AttentionMetadata
+from inflight.model.contract import ForwardBatch
 from inflight.model.transfer import to_device_packed
 
 
@@ -49,11 +50,11 @@ class RowInput:
 
 @dataclass
 class RaggedBatch:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T] rotary positions (their index in the sequence but for M-RoPE)
-    meta: AttentionMetadata
-    # Packed indices of the tokens whose hidden states the step keeps: every token of a scoring
-    # row, else the last token of a sampling row; in row order.
+    """The forward pass's batch (rotary positions: each token's index in its sequence, but for
+    M-RoPE), and the packed indices of the tokens whose hidden states the step keeps: every
+    token of a scoring row, else the last token of a sampling row; in row order."""
+
+    forward: ForwardBatch
     logits_indices: torch.Tensor
 
 
@@ -136,9 +137,7 @@ def build_ragged_batch(
         seq_lens_host=seq_lens.tolist(),
         contiguous_kv_host=contiguous,
     )
-    return RaggedBatch(
-        input_ids=input_ids_t, positions=positions_t, meta=meta, logits_indices=logits_t
-    )
+    return RaggedBatch(ForwardBatch(input_ids_t, positions_t, meta), logits_t)
 
 
 def _unfold(rows: Sequence[BatchRow], every_row: bool) -> Iterator[BatchRow]:

@@ -25,6 +25,7 @@ from functools import partial
 import torch
 
 from inflight.model.attention import AttentionMetadata
+from inflight.model.contract import ForwardBatch
 from inflight.model.layers.lora import LoRAMapping
 from inflight.model.mamba import MambaRows
 from inflight.model.transfer import to_device
@@ -68,8 +69,7 @@ def replayable(rows: Sequence[BatchRow], max_rows: int) -> bool:
     return tokens <= max_rows and keys <= UNFOLD_KEYS
 
 
-def is_decode_only(batch: RaggedBatch) -> bool:
-    meta = batch.meta
+def is_decode_only(meta: AttentionMetadata) -> bool:
     return meta.num_decodes == len(meta.query_lens_host)
 
 
@@ -107,18 +107,12 @@ class DecodeInputs:
             else torch.full((max_batch,), scratch_state, dtype=torch.int64, device=device)
         )
 
-    def fill(
-        self,
-        batch: RaggedBatch,
-        bucket: int,
-        lora_slots: Sequence[int] | None = None,
-        mamba: MambaRows | None = None,
-    ) -> None:
-        """Copy a decode step's rows in (with each row's LoRA slot, -1 or None for the base
-        model, and its state slot); park the bucket's spare rows on the scratch block (and
-        the scratch state slot)."""
+    def fill(self, batch: ForwardBatch, bucket: int) -> None:
+        """Copy a decode step's rows in (with each row's LoRA slot, -1 for the base model, and
+        its state slot); park the bucket's spare rows on the scratch block (and the scratch
+        state slot)."""
         rows = len(batch.input_ids)
-        meta = batch.meta
+        meta = batch.attention
         width = meta.block_tables.shape[1]
         self.input_ids[:rows].copy_(batch.input_ids)
         self.positions[:rows].copy_(batch.positions)
@@ -132,16 +126,18 @@ class DecodeInputs:
             self.block_tables[rows:bucket, 0] = self.scratch_block
             self.seq_lens[rows:bucket] = 1
         if self.lora_slots is not None:
-            if lora_slots is None:
-                self.lora_slots[:bucket] = -1
-            else:
-                self.lora_slots[:rows].copy_(
-                    to_device(lora_slots, torch.int32, self.lora_slots.device)
-                )
-                self.lora_slots[rows:bucket] = -1
-        elif lora_slots is not None:
+            self.lora_slots[:bucket] = -1
+            lora = batch.lora
+            if lora is not None:
+                # The indexed form's slots are on the device already.
+                slots = lora.token_slots
+                if slots is None or lora.runs or slots.device != self.lora_slots.device:
+                    slots = to_device(lora.row_slots(), torch.int32, self.lora_slots.device)
+                self.lora_slots[:rows].copy_(slots)
+        elif batch.lora is not None:
             raise ValueError("LoRA slots for graphs captured without LoRA")
         if self.state_slots is not None:
+            mamba = batch.recurrent
             assert mamba is not None and not any(mamba.fresh_host)
             self.state_slots[:rows].copy_(mamba.slots)
             self.state_slots[rows:bucket] = self.scratch_state
@@ -181,7 +177,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        forward: Callable[..., torch.Tensor],
+        forward: Callable[[ForwardBatch], torch.Tensor],
         inputs: DecodeInputs,
         buckets: list[int],
     ) -> None:
@@ -190,14 +186,14 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None  # made by the first capture: every graph shares its memory
         for bucket in reversed(buckets):  # the largest first, so the rest reuse its memory
-            ids, positions = inputs.input_ids[:bucket], inputs.positions[:bucket]
-            args = (ids, positions, inputs.metadata(bucket), inputs.lora(bucket))
-            mamba = inputs.mamba(bucket)
-            # A hybrid's forward takes its state slots (after `media`, none in a decode step).
-            call = (
-                partial(forward, *args) if mamba is None else partial(forward, *args, None, mamba)
+            captured = ForwardBatch(
+                inputs.input_ids[:bucket],
+                inputs.positions[:bucket],
+                inputs.metadata(bucket),
+                lora=inputs.lora(bucket),
+                recurrent=inputs.mamba(bucket),
             )
-            self._graphs[bucket] = self._capture(call)
+            self._graphs[bucket] = self._capture(partial(forward, captured))
 
     def _capture(
         self, forward: Callable[[], torch.Tensor]
@@ -212,24 +208,20 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         return graph, hidden
 
-    def run(
-        self,
-        batch: RaggedBatch,
-        lora_slots: Sequence[int] | None = None,
-        mamba: MambaRows | None = None,
-    ) -> torch.Tensor | None:
-        """Final hidden states of the tokens in `batch.logits_indices` (each row with its LoRA
-        slot, -1 or None for the base model, and its state slot), or None when no graph fits
-        the step (for a hybrid, one that starts a sequence's state too)."""
-        if not is_decode_only(batch) or (mamba is not None and any(mamba.fresh_host)):
+    def run(self, batch: RaggedBatch) -> torch.Tensor | None:
+        """Final hidden states of the tokens in `batch.logits_indices`, or None when no graph
+        fits the step (for a hybrid, one that starts a sequence's state too)."""
+        forward = batch.forward
+        mamba = forward.recurrent
+        if not is_decode_only(forward.attention) or (mamba is not None and any(mamba.fresh_host)):
             return None
-        bucket = pick_bucket(self.buckets, len(batch.input_ids))
+        rows = len(forward.input_ids)
+        bucket = pick_bucket(self.buckets, rows)
         if bucket is None:
             return None
-        self.inputs.fill(batch, bucket, lora_slots, mamba)
+        self.inputs.fill(forward, bucket)
         graph, hidden = self._graphs[bucket]
         graph.replay()
-        rows = len(batch.input_ids)
         if len(batch.logits_indices) == rows:
             return hidden[:rows]
         return hidden[batch.logits_indices]

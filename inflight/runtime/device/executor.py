@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from inflight.model.llama import MediaEmbeds
+from inflight.model.contract import MediaEmbeds
 from inflight.model.mamba import MambaRows
 from inflight.model.transfer import to_device
 from inflight.model.vision import prune_image_tokens
@@ -139,7 +139,7 @@ class Executor:
         unfold = (
             graphs is not None
             and media is None
-            and self.runner.mamba_states is None
+            and not self.runner.recurrent
             and replayable(rows, graphs.buckets[-1])
         )
         shift = None
@@ -166,12 +166,13 @@ class Executor:
             ]
             self.workers.send(StepPlan(inputs, unfold, bool(pending), heads))
         batch = build_ragged_batch(rows, self.block_size, device, unfold, shift)
+        forward = batch.forward
         if pending:
             positions, picks = to_device(pending, torch.int64, device).unbind(1)
-            batch.input_ids[positions] = self.picks.view(-1)[picks]
+            forward.input_ids[positions] = self.picks.view(-1)[picks]
             if self.workers is not None:
                 self.runner.share_ids(batch)
-        lora_slots = None
+        forward.media = media
         if self.runner.model.max_loras:
             # One per row of the batch: a row verifying drafts (any row, unfolded) is packed as
             # one row per token.
@@ -180,14 +181,16 @@ class Executor:
                 for r in rows
                 for _ in range(len(r.token_ids) if unfold or r.drafts else 1)
             ]
-            if max(lora_slots) < 0:
-                lora_slots = None
-        mamba = None
-        if self.runner.mamba_states is not None:
+            if max(lora_slots) >= 0:
+                lengths = forward.attention.query_lens_host
+                forward.lora = self.runner.model.lora_mapping(
+                    list(zip(lora_slots, lengths, strict=True))
+                )
+        if self.runner.recurrent:
             # A row's first chunk starts its sequence's state from zero.
             slots = [row.resident.ref.slot for row in rows]
-            mamba = MambaRows.build(slots, [row.past_len == 0 for row in rows], device)
-        hidden = self.runner.execute(batch, lora_slots, media, mamba)
+            forward.recurrent = MambaRows.build(slots, [row.past_len == 0 for row in rows], device)
+        hidden = self.runner.execute(batch)
         for i, rows_of_call in enumerate(heads):
             logits = self.runner.logits(head_rows(hidden, rows_of_call))
             if i < len(scoring):

@@ -16,17 +16,13 @@ import torch
 
 from inflight.model.attention import (
     AttentionBackend,
-    AttentionMetadata,
     KVCache,
     TorchAttentionBackend,
     select_backend,
 )
 from inflight.model.checkpoints.loader import Checkpoint, build_model
 from inflight.model.config import ModelConfig
-from inflight.model.hybrid import HybridForCausalLM
-from inflight.model.layers.lora import LoRAMapping
-from inflight.model.llama import LlamaForCausalLM, MediaEmbeds
-from inflight.model.mamba import MambaRows, MambaStates
+from inflight.model.contract import CausalLM, ForwardBatch, ModelCaches
 from inflight.model.parallel import TensorParallel
 from inflight.model.transfer import to_device
 from inflight.runtime.config import RuntimeConfig
@@ -56,22 +52,22 @@ class StepPlan:
 
 def allocate_kv_cache(
     config: ModelConfig,
+    num_layers: int,
     num_blocks: int,
     block_size: int,
     backend: AttentionBackend,
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[KVCache]:
-    """One (key, value) pair per attention layer (a hybrid's Mamba layers keep no KV);
-    `config`: the layers' shape on this rank."""
+    """A (key, value) pair for each of `num_layers` attention layers; `config`: the layers'
+    shape on this rank."""
     shape = backend.kv_cache_shape(num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    layers = config.num_layers if config.mamba is None else config.mamba.num_attention_layers
     return [
         (
             torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device),
         )
-        for _ in range(layers)
+        for _ in range(num_layers)
     ]
 
 
@@ -82,81 +78,52 @@ def head_rows(hidden: torch.Tensor, rows: HeadRows) -> torch.Tensor:
 
 
 class ModelRunner:
-    """Given graph inputs, decode-only steps replay captured CUDA graphs (see `cuda_graphs.py`)."""
+    """Given graph inputs, decode-only steps replay captured CUDA graphs (see `cuda_graphs.py`).
+    `caches`: the model's KV caches and, for a hybrid, its recurrent states (a resident's slot
+    is its state slot)."""
 
     def __init__(
         self,
-        model: LlamaForCausalLM | HybridForCausalLM,
-        kv_caches: list[KVCache],
-        backend: AttentionBackend,
+        model: CausalLM,
+        caches: ModelCaches,
         *,
         block_size: int,
         device: torch.device,
         graph_inputs: DecodeInputs | None = None,
-        mamba_states: MambaStates | None = None,
         parallel: TensorParallel | None = None,
     ) -> None:
         self.model = model
-        self.kv_caches = kv_caches
-        self.backend = backend
+        self.caches = caches
         self.block_size = block_size
         self.device = device
-        # A hybrid model's recurrent states: a resident's slot is its state slot.
-        self.mamba_states = mamba_states
         self.parallel = parallel
         self.graphs: DecodeGraphs | None = None
         if graph_inputs is not None:
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(
-                    self._forward, graph_inputs, graph_buckets(graph_inputs.input_ids.shape[0])
+                    self.forward, graph_inputs, graph_buckets(graph_inputs.input_ids.shape[0])
                 )
 
-    def _forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        lora: LoRAMapping | None = None,
-        media: MediaEmbeds | None = None,
-        mamba: MambaRows | None = None,
-    ) -> torch.Tensor:
-        if mamba is None:
-            return self.model(input_ids, positions, self.kv_caches, meta, self.backend, lora, media)
-        return self.model(
-            input_ids,
-            positions,
-            self.kv_caches,
-            meta,
-            self.backend,
-            lora,
-            media,
-            mamba=mamba,
-            states=self.mamba_states,
-        )
+    @property
+    def recurrent(self) -> bool:
+        """Whether the model's sequences carry recurrent state beside their KV."""
+        return self.caches.states is not None
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's forward pass over its caches: hidden states of every packed token."""
+        return self.model(batch, self.caches)
 
     @torch.inference_mode()
-    def execute(
-        self,
-        batch: RaggedBatch,
-        lora_slots: list[int] | None = None,
-        media: MediaEmbeds | None = None,
-        mamba: MambaRows | None = None,
-    ) -> torch.Tensor:
-        """Final hidden states of the tokens in `batch.logits_indices`, in that order;
-        `lora_slots`: each batch row's LoRA slot (-1: the base model), None where no row has
-        one; `media`: packed tokens whose input is an encoder's output (such a step runs
-        eagerly); `mamba`: each row's state slot (hybrid models)."""
-        if self.graphs is not None and media is None:
-            hidden = self.graphs.run(batch, lora_slots, mamba)
+    def execute(self, batch: RaggedBatch) -> torch.Tensor:
+        """Final hidden states of the tokens in `batch.logits_indices`, in that order. A step
+        with media embeddings runs eagerly; decode-only steps replay a CUDA graph where one
+        fits."""
+        if self.graphs is not None and batch.forward.media is None:
+            hidden = self.graphs.run(batch)
             if hidden is not None:
                 return hidden
-        self.backend.plan(batch.meta)
-        lora = None
-        if lora_slots is not None:
-            rows = zip(lora_slots, batch.meta.query_lens_host, strict=True)
-            lora = self.model.lora_mapping(list(rows))
-        hidden = self._forward(batch.input_ids, batch.positions, batch.meta, lora, media, mamba)
-        return hidden[batch.logits_indices]
+        self.caches.backend.plan(batch.forward.attention)
+        return self.forward(batch.forward)[batch.logits_indices]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -165,7 +132,7 @@ class ModelRunner:
     def share_ids(self, batch: RaggedBatch) -> None:
         """Every rank takes rank 0's input ids (its tokens sampled on the device)."""
         assert self.parallel is not None
-        self.parallel.broadcast(batch.input_ids)
+        self.parallel.broadcast(batch.forward.input_ids)
 
     def follow(self, plan: StepPlan) -> None:
         """A worker rank's part of a step: the forward pass and LM-head calls rank 0 runs."""
@@ -210,7 +177,6 @@ def build_model_runner(
         and device.type == "cuda"
         and not isinstance(backend, TorchAttentionBackend)
     )
-    hybrid = model_config.mamba is not None
     layers = model_config if parallel is None else parallel.local_config(model_config)
     kv_dtype = dtype
     if config.kv_cache_dtype == "fp8":
@@ -221,7 +187,13 @@ def build_model_runner(
         kv_dtype = torch.float8_e4m3fn
     # With graphs, one extra block (never handed out) takes the writes of padding rows.
     kv = allocate_kv_cache(
-        layers, num_blocks + (1 if graphs else 0), config.block_size, backend, kv_dtype, device
+        layers,
+        model.num_attention_layers,
+        num_blocks + (1 if graphs else 0),
+        config.block_size,
+        backend,
+        kv_dtype,
+        device,
     )
     graph_inputs = None
     if graphs:
@@ -233,21 +205,17 @@ def build_model_runner(
             device=device,
             lora=model.max_loras > 0,
             # One state slot past the residents' takes the spare rows' state updates.
-            scratch_state=config.max_batch_size if hybrid else None,
+            scratch_state=config.max_batch_size if model_config.mamba is not None else None,
         )
     if connect is not None:
         connect()
-    states = None
-    if hybrid:
-        slots = config.max_batch_size + (1 if graphs else 0)
-        states = MambaStates.allocate(model_config, slots, dtype, device)
+    # One state slot past the residents' takes the graphs' spare rows' state updates.
+    states = model.allocate_states(config.max_batch_size + (1 if graphs else 0), dtype, device)
     return ModelRunner(
         model,
-        kv,
-        backend,
+        ModelCaches(kv, backend, states),
         block_size=config.block_size,
         device=device,
         graph_inputs=graph_inputs,
-        mamba_states=states,
         parallel=parallel,
     )

@@ -1,0 +1,94 @@
+"""The model contract: one step's batch as a forward pass reads it, the caches it reads and
+writes across steps, and what the runtime asks of every causal language model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
+from inflight.model.config import ModelConfig
+from inflight.model.layers.lora import LoRAMapping
+from inflight.model.mamba import MambaRows, MambaStates
+
+
+@dataclass
+class MediaEmbeds:
+    """Packed tokens whose input is an encoder's output (an image's or a clip's, in place of
+    its placeholders) instead of their token's embedding."""
+
+    indices: torch.Tensor  # [M] their packed indices
+    embeds: torch.Tensor  # [M, hidden]
+    # M-RoPE models: their 3-D positions [3, M] (the other tokens' three coordinates are equal,
+    # their 1-D positions).
+    mrope_positions: torch.Tensor | None = None
+
+
+@dataclass
+class ForwardBatch:
+    """One step's packed tokens (a ragged batch: decode rows first, see `attention/base.py`)
+    and what the forward pass reads beside them. The optional parts are those of the features
+    a step's rows use: each row's LoRA adapter, media embeddings in place of placeholder
+    tokens, each row's recurrent state slot (hybrid models)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] rotary positions
+    attention: AttentionMetadata
+    lora: LoRAMapping | None = None
+    media: MediaEmbeds | None = None
+    recurrent: MambaRows | None = None
+
+
+@dataclass
+class ModelCaches:
+    """What a model's forward passes read and write from one step to the next: a (key, value)
+    pair per attention layer in its attention backend's layout, and a hybrid's recurrent
+    states (a slot per resident)."""
+
+    kv: list[KVCache]
+    backend: AttentionBackend
+    states: MambaStates | None = None
+
+
+class MediaEncoder(Protocol):
+    def encode(self, items: list[object]) -> list[torch.Tensor]:
+        """Each item's embeddings [tokens, hidden] (items as its processor prepared them)."""
+        ...
+
+
+class CausalLM(Protocol):
+    """A causal language model as the runtime drives it. `config`: its shape; `max_loras`: its
+    LoRA adapter slots (0: LoRA off)."""
+
+    config: ModelConfig
+    max_loras: int
+
+    def __call__(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every packed token."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    @property
+    def num_attention_layers(self) -> int:
+        """The (key, value) pairs its forward takes in `ModelCaches.kv`."""
+        ...
+
+    def allocate_states(
+        self, num_slots: int, dtype: torch.dtype, device: torch.device
+    ) -> MambaStates | None:
+        """Zeroed recurrent state slots (None: the model keeps no state beside its KV)."""
+        ...
+
+    def media_encoders(self) -> dict[str, MediaEncoder]:
+        """The encoder of each kind of media it takes (empty: text only)."""
+        ...
+
+    def lora_mapping(self, rows: list[tuple[int, int]]) -> LoRAMapping:
+        """The LoRA mapping of a step whose rows are (slot or -1, tokens), in packed order."""
+        ...

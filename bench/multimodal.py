@@ -117,7 +117,7 @@ def main() -> None:
     )
     # Warm-up on other images (kernel builds, graph capture), then the measured runs.
     run(engine, chats(runtime, 2, seed=99, max_tokens=4))
-    cache = runtime.executor.encoder_cache
+    cache = runtime.encoder_cache
     requests = chats(runtime, args.requests, seed=0, max_tokens=args.max_tokens)
     others = chats(runtime, args.requests, seed=1, max_tokens=args.max_tokens)
     results: dict = {}

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from inflight.engine import (
-    BlockingPath,
     EngineConfig,
     RequestEngine,
     RequestHandle,
@@ -126,6 +125,7 @@ class LLM:
             max_lora_rank=max_lora_rank,
             speculative=speculative_config,
             tensor_parallel_size=tensor_parallel_size,
+            in_flight_batching=enable_in_flight_batching,
         )
         # Validated before the model loads, which takes a while.
         engine_config = EngineConfig(
@@ -149,14 +149,14 @@ class LLM:
                     "start without --enable-in-flight-batching to use the blocking path"
                 ) from exc
         else:
-            self._engine = RequestEngine(BlockingPath(runtime), engine_config)
+            self._engine = RequestEngine(runtime, engine_config)
         self._runtime: Runtime | None = runtime
         self.in_flight_batching = enable_in_flight_batching
         # Kept for the counters, which stay readable after close().
         self._blocks, self._slots = runtime.blocks, runtime.slots
         self._context_cache = runtime.context_cache
         self._speculator = runtime.speculator
-        self._encoder_cache = runtime.executor.encoder_cache
+        self._encoder_cache = runtime.encoder_cache
         # What a prompt may hold: text, and the media the model takes.
         self.input_modalities = ["text", *runtime.media]
         self._sampling_defaults = runtime.checkpoint.sampling_defaults
@@ -392,9 +392,8 @@ class LLM:
                     kwargs = prompt.get("mm_processor_kwargs", kwargs)
                 ids, media = runtime.expand_media(ids, data, kwargs)
             requests.append(GenerationRequest(ids, sp, media=media, **(options or {})))
-        for request in requests:
-            runtime.check_request(request)  # bad input fails here, before anything is queued
-        return requests
+        # Bad input fails here, before anything is queued; each request carries its intent.
+        return [runtime.check(request) for request in requests]
 
     def _tokenize(
         self, prompt: Prompt, template: dict[str, Any] | None = None

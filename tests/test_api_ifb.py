@@ -134,9 +134,9 @@ def test_bad_input_is_a_value_error_before_submit(ifb_llm):
     submitted = ifb_llm.get_scheduling_metrics()["submitted"]
     with pytest.raises(ValueError, match="max_model_len"):
         ifb_llm.generate("word " * 1100, SamplingParams(max_tokens=4))
-    with pytest.raises(ValueError, match=r"speech output.*not served under in-flight batching"):
+    with pytest.raises(ValueError, match=r"speech output.*not served by this deployment"):
         ifb_llm.start(GenerationRequest([1, 2], generate_audio=True))
-    with pytest.raises(ValueError, match=r"LoRA.*not supported by this runtime"):
+    with pytest.raises(ValueError, match=r"LoRA.*not served by this deployment.*--enable-lora"):
         ifb_llm.prepare("hi", SamplingParams(), lora_name="adapter")
     with pytest.raises(ValueError, match=r"n \(5\) exceeds max_batch_size \(4\)"):
         ifb_llm.prepare("hi", SamplingParams(n=5))

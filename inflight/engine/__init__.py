@@ -1,6 +1,5 @@
 """The request engine: in-flight batching over any `SteppedExecution` (no torch here)."""
 
-from inflight.engine.blocking import BlockingPath
 from inflight.engine.channel import StreamChannel
 from inflight.engine.compatibility import BatchCompatibility
 from inflight.engine.config import EngineConfig
@@ -12,7 +11,6 @@ from inflight.engine.record import RequestHandle, TerminalStatus
 
 __all__ = [
     "BatchCompatibility",
-    "BlockingPath",
     "EngineConfig",
     "EngineMetrics",
     "RequestCancelled",

@@ -2,8 +2,9 @@
 
 Every request field is in exactly one list below (a test fails when a new field is in none):
 payload that never concerns the batch, fields two requests must agree on unless the runtime
-declares that it applies them per row, or request options whose rule under in-flight batching is
-the options table's (`runtime/options.py`: refused at submit).
+declares that it applies them per row, or request options no runtime serves yet, which the
+options table's rule refuses when a request is checked (`protocol/options.py`), so they never
+reach admission.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ PAYLOAD_FIELDS = frozenset(
     {
         "prompt_token_ids",
         "media",
+        "intent",
         "params.stop",
         "params.stop_token_ids",
         "params.logit_bias",
@@ -48,7 +50,8 @@ BATCH_FIELDS = (
     "lora_name",
 )
 
-# Ruled by the options table: refused under in-flight batching, they never reach admission.
+# Ruled by the options table: no runtime serves them yet, so a request asking for one is refused
+# when checked and never reaches admission.
 OPTION_RULED_FIELDS = frozenset(
     {"generate_audio", "save_system_prompt_kv_cache", "past_trajectory"}
 )

@@ -1,13 +1,24 @@
-"""`RequestCoordinator`: the batch ledger, where a `StepResult` becomes fact."""
+"""`RequestCoordinator`: the batch ledger, where a `StepResult` becomes fact.
+
+It decides what each request's stream and outcome get of a step: the chunks the step produced
+(a sequence's terminal chunk stands only for a request that completes or runs on; a cancelled or
+failed request's last chunks carry no end), and the outcome of each request whose last sequence
+ended, materialized from the snapshots of all its sequences. It never calls the runtime."""
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from inflight.engine.record import RequestRecord, TerminalStatus
-from inflight.protocol.outputs import FinishedSnapshot, FinishReason, RequestOutput
-from inflight.protocol.stepped import ResidentRef, StaleResidentRef, SteppedExecution, StepResult
+from inflight.protocol.outputs import (
+    FinishedSnapshot,
+    FinishReason,
+    RequestOutput,
+    StreamChunk,
+    materialize,
+)
+from inflight.protocol.stepped import ResidentRef, StaleResidentRef, StepResult
 
 
 @dataclass(frozen=True)
@@ -20,10 +31,10 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Commit:
-    """What a committed step means for the requests: the record behind every delta (looked up
-    before the finished ones left the ledger) and the outcomes of those that ended."""
+    """What a committed step means for the requests: each request's chunks of the step (in
+    the order of the step's deltas), and the outcomes of those that ended."""
 
-    owners: dict[ResidentRef, RequestRecord]
+    chunks: dict[int, tuple[RequestRecord, list[StreamChunk]]]  # by request id
     outcomes: list[Outcome]
 
 
@@ -53,13 +64,16 @@ class RequestCoordinator:
     def residents(self) -> list[tuple[ResidentRef, RequestRecord]]:
         return list(self._table.values())
 
-    def commit(self, result: StepResult, execution: SteppedExecution) -> Commit:
+    def commit(self, result: StepResult) -> Commit:
         """All or nothing: the first pass checks and materializes and may raise, leaving the
         ledger untouched; the second retires the finished and cannot raise.
 
         A request of n sequences has n residents; it ends at the step that evicts the last of
         them (the snapshots of the others wait here), and its outcome covers them all."""
-        owners = {ref: self.owner(ref) for ref in result.deltas}
+        chunks: dict[int, tuple[RequestRecord, list[StreamChunk]]] = {}
+        for ref, chunk in result.deltas.items():
+            record = self.owner(ref)
+            chunks.setdefault(record.id, (record, []))[1].append(chunk)
         ended: dict[int, tuple[RequestRecord, list[FinishedSnapshot]]] = {}
         for ref, snapshot in result.finished.items():
             record = self.owner(ref)
@@ -75,28 +89,18 @@ class RequestCoordinator:
             if running[record.id]:
                 waiting.append((record, snapshots))
                 continue
-            every = self._waiting.get(record.id, []) + snapshots
-            reasons = {s.finish_reason for s in every}
-            # Cancel wins, also over a sequence that finished on its own in the same step.
-            if FinishReason.CANCELLED in reasons or record.cancel_requested:
-                outcomes.append(Outcome(record, TerminalStatus.CANCELLED))
-            elif FinishReason.ERROR in reasons:
-                outcomes.append(
-                    Outcome(
-                        record, TerminalStatus.FAILED, error="a sequence failed during generation"
-                    )
-                )
-            else:
-                outcomes.append(
-                    Outcome(record, TerminalStatus.COMPLETED, execution.materialize(every))
-                )
+            outcome = _outcome(record, self._waiting.get(record.id, []) + snapshots)
+            outcomes.append(outcome)
+            if outcome.status is not TerminalStatus.COMPLETED and record.id in chunks:
+                # Its last chunks stand, but none ends a sequence: the request did not complete.
+                chunks[record.id] = (record, [_unended(c) for c in chunks[record.id][1]])
         for slot in finished_slots:
             del self._table[slot]
         for record, snapshots in waiting:
             self._waiting.setdefault(record.id, []).extend(snapshots)
         for outcome in outcomes:
             self._waiting.pop(outcome.record.id, None)
-        return Commit(owners, outcomes)
+        return Commit(chunks, outcomes)
 
     def retire_missing(self, live: list[ResidentRef]) -> list[RequestRecord]:
         """Records of which the execution no longer holds a resident without having reported
@@ -114,3 +118,22 @@ class RequestCoordinator:
         for request_id in records:
             self._waiting.pop(request_id, None)
         return list(records.values())
+
+
+def _outcome(record: RequestRecord, snapshots: list[FinishedSnapshot]) -> Outcome:
+    """The outcome of a request whose every sequence ended: cancel wins, also over a sequence
+    that finished on its own in the same step; then a failed sequence fails it."""
+    reasons = {s.finish_reason for s in snapshots}
+    if FinishReason.CANCELLED in reasons or record.cancel_requested:
+        return Outcome(record, TerminalStatus.CANCELLED)
+    failed = [s for s in snapshots if s.finish_reason is FinishReason.ERROR]
+    if failed:
+        error = next((s.error for s in failed if s.error), "a sequence failed during generation")
+        return Outcome(record, TerminalStatus.FAILED, error=error)
+    return Outcome(record, TerminalStatus.COMPLETED, materialize(snapshots))
+
+
+def _unended(chunk: StreamChunk) -> StreamChunk:
+    if not chunk.finished:
+        return chunk
+    return replace(chunk, finished=False, finish_reason=None)

@@ -16,6 +16,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Sequence
 from enum import Enum
 
 from inflight.engine.channel import StreamChannel
@@ -25,14 +26,12 @@ from inflight.engine.coordinator import Commit, RequestCoordinator
 from inflight.engine.errors import RequestCancelled, RequestFailed, SubmitError
 from inflight.engine.metrics import EngineMetrics
 from inflight.engine.record import RequestHandle, RequestRecord, TerminalStatus
-from inflight.protocol.options import submit_refusal
 from inflight.protocol.outputs import RequestOutput, StreamChunk
 from inflight.protocol.request import GenerationRequest
 from inflight.protocol.stepped import (
     AdmissionAnswer,
     ExecutionFactory,
     SteppedExecution,
-    StepResult,
 )
 
 log = logging.getLogger(__name__)
@@ -66,11 +65,12 @@ class CommandQueue:
 class RequestEngine:
     """Submit requests from any thread; one actor thread runs them in in-flight batches.
 
-    Refusals: a request option that in-flight batching does not serve (`runtime/options.py`) is
-    a ValueError naming the alternative (permanent: counted in neither `submitted` nor
-    `refused`), except over the blocking path; backpressure (too many requests in flight, a full
-    command queue) and shutdown are a SubmitError (transient). Dropping the last reference to
-    the engine shuts it down in CANCEL mode.
+    Refusals: a request the runtime cannot serve (an option it does not serve, a bad prompt: its
+    `check`, which a request prepared by the runtime has passed already) is a ValueError naming
+    the problem and the alternative (permanent: counted in neither `submitted` nor `refused`);
+    backpressure (too many requests in flight, a full command queue), shutdown and a runtime
+    that can serve no more are a SubmitError (transient, or for good once `fault` is set).
+    Dropping the last reference to the engine shuts it down in CANCEL mode.
     """
 
     def __init__(self, execution_factory: ExecutionFactory, config: EngineConfig | None = None):
@@ -91,7 +91,7 @@ class RequestEngine:
                 f"{caps.max_batch_size} residents"
             )
         self.config = config
-        self._blocking_path = caps.blocking_path
+        self._factory = execution_factory
         self.metrics = EngineMetrics()
         self._actor = _Actor(execution_factory, config, self.metrics)
         weakref.finalize(self, self._actor.shutdown, ShutdownMode.CANCEL)
@@ -99,11 +99,10 @@ class RequestEngine:
     def submit(
         self, request: GenerationRequest, channel: StreamChannel | None = None
     ) -> RequestHandle:
-        """Accept a request (its tokens stream into `channel`, or a new one); never waits."""
-        if not self._blocking_path:
-            refusal = submit_refusal(request)
-            if refusal is not None:
-                raise ValueError(refusal)
+        """Accept a request (its tokens stream into `channel`, or a new one); never waits for
+        the actor. A request the runtime has not checked is checked here."""
+        self._actor.check_runtime()
+        request = self._factory.check(request)
         return self._actor.submit(request, channel or StreamChannel())
 
     def handle_request(self, request: GenerationRequest) -> RequestOutput | None:
@@ -183,6 +182,25 @@ class _Actor:
 
     # -- caller threads -------------------------------------------------------------------------
 
+    def check_runtime(self) -> None:
+        """Refuse new requests for good once the runtime can serve no more (a tensor-parallel
+        rank lost while no step ran): the engine stops as after a fault of its own."""
+        fault = self.factory.fault
+        if fault is not None and self.fault is None:
+            self.fail(f"the runtime stopped: {fault}")
+        if self.fault is not None:
+            raise SubmitError(
+                f"the engine stopped on an internal error: {self.fault}", shutting_down=True
+            )
+
+    def fail(self, fault: str) -> None:
+        """Close admission; the actor fails every request without an outcome and stops."""
+        with self._gate:
+            if self.fault is None:
+                self.fault = fault
+            self._accepting = False
+        self.wake.set()
+
     def submit(self, request: GenerationRequest, channel: StreamChannel) -> RequestHandle:
         with self._pending_lock:
             if self._pending >= self.config.max_pending_requests:
@@ -243,7 +261,7 @@ class _Actor:
         try:
             while True:
                 self._drain_commands()
-                if self.stop_mode is ShutdownMode.CANCEL:
+                if self.stop_mode is ShutdownMode.CANCEL or self._runtime_lost():
                     break
                 if self.queued:
                     self._run_batch()
@@ -267,6 +285,15 @@ class _Actor:
                 raise
         finally:
             self._abandon_everything()
+
+    def _runtime_lost(self) -> bool:
+        """Whether the runtime can serve no more (its fault, seen between batches): then every
+        request without an outcome fails and the actor stops."""
+        fault = self.factory.fault
+        if fault is not None and self.fault is None:
+            log.error("the runtime stopped serving: %s", fault)
+            self.fail(f"the runtime stopped: {fault}")
+        return self.fault is not None
 
     def _drain_commands(self) -> None:
         self.queued.extend(self.commands.pop_batch(self.commands.capacity))
@@ -335,11 +362,11 @@ class _Actor:
             try:
                 result = execution.step(cancelled)
                 self.metrics.add("steps")
-                committed = self.ledger.commit(result, execution)
+                committed = self.ledger.commit(result)
             except Exception as exc:
                 log.exception("a step failed; failing its batch")
                 return f"the step failed: {exc}"
-            self._publish(result, committed)
+            self._publish(committed)
             for record in self.ledger.retire_missing(execution.residents()):
                 self._terminate(record, TerminalStatus.FAILED, error="the runtime lost the request")
             self.resident_count = len(self.ledger)
@@ -389,20 +416,24 @@ class _Actor:
             self._terminate(record, TerminalStatus.FAILED, error=admission.reason)
         return admission.answer
 
-    def _publish(self, result: StepResult, committed: Commit) -> None:
-        for ref, chunk in result.deltas.items():
-            record = committed.owners[ref]
-            if record.published:
+    def _publish(self, committed: Commit) -> None:
+        """Each request's chunks of the step; a request that ended gets them with its outcome
+        (published before its stream ends)."""
+        ended = {outcome.record.id for outcome in committed.outcomes}
+        for request_id, (record, chunks) in committed.chunks.items():
+            if request_id in ended or record.published:
                 continue
             try:
-                record.channel.push(chunk)
+                for chunk in chunks:
+                    record.channel.push(chunk)
             except Exception as exc:
                 # The consumer's channel is broken: only its own request fails (evicted at the
                 # next step), the batch goes on.
                 log.exception("the stream channel of request %d raised", record.id)
                 self._terminate(record, TerminalStatus.FAILED, error=f"its stream raised: {exc}")
         for outcome in committed.outcomes:
-            self._terminate(outcome.record, outcome.status, outcome.output, outcome.error)
+            chunks = committed.chunks.get(outcome.record.id, (outcome.record, []))[1]
+            self._terminate(outcome.record, outcome.status, outcome.output, outcome.error, chunks)
 
     def _fail_batch(self, execution: SteppedExecution, message: str) -> bool:
         """Fail every resident of the batch; whether the runtime closed the batch cleanly."""
@@ -428,9 +459,11 @@ class _Actor:
         status: TerminalStatus,
         output: RequestOutput | None = None,
         error: str = "",
+        chunks: Sequence[StreamChunk] = (),
     ) -> None:
-        """The single exit of every accepted request: one outcome, published before the stream
-        closes; a request that did not complete always gets its stream cancelled."""
+        """The single exit of every accepted request: one outcome, published before its last
+        `chunks` (a completed request's end with each sequence's terminal chunk) and the end of
+        its stream; a request that did not complete always gets its stream cancelled."""
         if record.published:
             return
         with self._pending_lock:
@@ -442,17 +475,9 @@ class _Actor:
         record.publish(status, output, error)
         channel = record.channel
         try:
+            for chunk in chunks:
+                channel.push(chunk)
             if status is TerminalStatus.COMPLETED:
-                assert output is not None
-                for sequence in output.outputs:
-                    channel.push(
-                        StreamChunk(
-                            prompt_tokens=output.prompt_tokens,
-                            finished=True,
-                            finish_reason=sequence.finish_reason,
-                            index=sequence.index,
-                        )
-                    )
                 channel.finish()
             else:
                 channel.cancel()

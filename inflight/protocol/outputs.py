@@ -103,6 +103,7 @@ class FinishedSnapshot:
     prompt_logprobs: list[LogprobEntry | None] | None = None
     cached_tokens: int = 0
     index: int = 0  # which of the request's n sequences
+    error: str = ""  # why it failed (finish_reason ERROR)
 
 
 @dataclass(frozen=True)

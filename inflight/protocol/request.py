@@ -238,11 +238,27 @@ class MediaItem:
 
 
 @dataclass(frozen=True)
+class AdmissionIntent:
+    """What a runtime's check of a request found it needs, so that admission takes it without
+    checking again: its output budget, the KV blocks of each of its n sequences
+    (`sequence_blocks`; the first `shared_blocks`, its prompt's full blocks but the last token,
+    are the first sequence's and leased by the others) and in all (`blocks_needed`).
+    `checked_by` names the runtime that checked it: another checks it again."""
+
+    checked_by: int
+    max_new_tokens: int
+    blocks_needed: int
+    sequence_blocks: int
+    shared_blocks: int = 0
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One prompt, already tokenized, and how to continue it.
 
     The fields after `params` are request options of the design's support matrix; where each is
-    served or refused, and with which message, is the table in `options.py`.
+    served or refused, and with which message, is the table in `options.py`. `intent` is set by
+    a runtime's check (`LLM.prepare`, or `submit` for a request built by hand).
     """
 
     prompt_token_ids: Sequence[int]
@@ -252,6 +268,7 @@ class GenerationRequest:
     save_system_prompt_kv_cache: bool = False  # the legacy system-prompt KV capture
     past_trajectory: Sequence[Any] | None = None  # trajectory execution
     media: Sequence[MediaItem] = ()  # images and audio clips in the prompt, in prompt order
+    intent: AdmissionIntent | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))

@@ -3,19 +3,20 @@
 A scheduler drives a `SteppedExecution` one tick at a time: it `admit`s requests, which become
 residents reached through a stable `ResidentRef(slot, epoch)`; every `step` is one forward pass
 that prefills seated joiners (in chunks, within the token budget) and decodes one token for every
-other resident; a resident that finishes is evicted in the step that finishes it, and its
-`FinishedSnapshot` is reported in that step's `StepResult`. The runtime never calls back into the
-scheduler.
+other resident; a resident that finishes is evicted in the step that finishes it, its terminal
+`StreamChunk` and its `FinishedSnapshot` are reported in that step's `StepResult`, and once
+every sequence of a request has ended, `outputs.materialize` makes its output of the snapshots.
+Neither side calls back into the other.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple, Protocol
 
-from inflight.protocol.outputs import FinishedSnapshot, RequestOutput, StreamChunk
+from inflight.protocol.outputs import FinishedSnapshot, StreamChunk
 from inflight.protocol.request import GenerationRequest
 
 
@@ -77,8 +78,9 @@ class StepResult:
     """One unit of commit.
 
     `deltas` holds every resident that produced tokens or text this step, including those that
-    finished; `finished` holds the snapshot of each resident evicted this step (cancelled ones
-    too). Their refs are stale once the step returns.
+    finished, whose chunk is then terminal (`finished` and `finish_reason` set) where it ended on
+    its own (stop or length); `finished` holds the snapshot of each resident evicted this step
+    (cancelled and failed ones too). Their refs are stale once the step returns.
     """
 
     step_id: int
@@ -122,11 +124,6 @@ class SteppedExecution(Protocol):
         """Run one tick. Residents in `cancelled` are evicted as CANCELLED before it runs."""
         ...
 
-    def materialize(self, snapshots: Sequence[FinishedSnapshot]) -> RequestOutput:
-        """Turn the snapshots of all of a request's sequences into the output returned to the
-        caller."""
-        ...
-
     def finish(self) -> None:
         """End the execution once no residents remain."""
         ...
@@ -137,9 +134,21 @@ class SteppedExecution(Protocol):
 
 
 class ExecutionFactory(Protocol):
-    """A runtime as a scheduler sees it: its capabilities, and a new execution per batch."""
+    """A runtime as a scheduler sees it: its capabilities, the check of a request, its fault,
+    and a new execution per batch."""
 
     @property
     def capabilities(self) -> ExecutionCapabilities: ...
+
+    @property
+    def fault(self) -> str | None:
+        """Why it can serve nothing more (a lost tensor-parallel rank), or None."""
+        ...
+
+    def check(self, request: GenerationRequest) -> GenerationRequest:
+        """The request carrying its admission intent (`GenerationRequest.intent`), or a
+        ValueError naming what this runtime cannot serve; any thread may call it, and a request
+        it checked already comes back as it is."""
+        ...
 
     def new_session(self) -> SteppedExecution: ...

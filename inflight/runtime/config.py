@@ -19,6 +19,8 @@ class RuntimeConfig:
     """
 
     max_batch_size: int = 8
+    # False: the blocking path, each batch one request served alone (`host/blocking.py`).
+    in_flight_batching: bool = True
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None

@@ -20,25 +20,33 @@ from inflight.protocol.request import (
     RequestFieldError,
     SamplingParams,
 )
-from inflight.protocol.stepped import ExecutionCapabilities
+from inflight.protocol.stepped import AdmissionAnswer, ExecutionCapabilities
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.device.draft_model import DraftModel
 from inflight.runtime.device.encoder_cache import EncoderCache
 from inflight.runtime.device.executor import Executor
-from inflight.runtime.device.model_runner import build_model_runner
-from inflight.runtime.device.parallel import Workers, rank_device
+from inflight.runtime.device.inputs import (
+    AdapterInputs,
+    ForwardInput,
+    MediaInputs,
+    RecurrentInputs,
+)
+from inflight.runtime.device.model_runner import ModelRunner, build_model_runner
+from inflight.runtime.device.parallel import ParallelExecutor, Workers, rank_device
 from inflight.runtime.device.sampler import Sampler
 from inflight.runtime.host.adapters import AdapterRegistry
 from inflight.runtime.host.blocking import BlockingRun
 from inflight.runtime.host.context_cache import ContextCache
+from inflight.runtime.host.decoding import Decoding, PlainDecoding
+from inflight.runtime.host.features import RowFeature
 from inflight.runtime.host.kv_cache import BlockPool
-from inflight.runtime.host.media import expand, keep_ratio, media_spec
+from inflight.runtime.host.media import MediaChecks, expand, keep_ratio, media_spec
 from inflight.runtime.host.output_processor import OutputProcessor
-from inflight.runtime.host.scheduler import AdmissionIntent, Scheduler
+from inflight.runtime.host.scheduler import PrefillPolicy, Scheduler
 from inflight.runtime.host.session import GenerationSession
 from inflight.runtime.host.slots import ResidentSlots
-from inflight.runtime.host.speculative import Speculator, pick_width
-from inflight.runtime.host.structured import GrammarCompiler
+from inflight.runtime.host.speculative import SpeculativeDecoding
+from inflight.runtime.host.structured import Constraints, GrammarCompiler
 from inflight.runtime.inputs.preprocessing import media_inputs
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -94,50 +102,92 @@ class Runtime:
         self.blocks = BlockPool(num_blocks, config.block_size)
         self.slots = ResidentSlots(config.max_batch_size)
         self.context_cache = ContextCache(self.blocks) if config.context_cache else None
-        self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size)
         self.workers: Workers | None = None
-        self.executor = self._build_executor(num_blocks, show_progress)
+        runner = self._build_runner(num_blocks, show_progress)
+        self.overlap = self.device.type == "cuda" if config.overlap is None else config.overlap
+        self.media_inputs = media_inputs(model_config, self.checkpoint.processor_config)
+        # The media the model takes, by kind.
+        self.media = {kind: found.spec for kind, found in self.media_inputs.items()}
+        # The per-row features this runtime serves: their hooks in admission and in taking
+        # tokens in (host), their inputs to the forward pass (device).
+        grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size)
+        self.constraints = Constraints(grammars, config.max_batch_size)
+        features: list[RowFeature] = [MediaChecks(self.media), self.constraints]
+        inputs: list[ForwardInput] = []
         self.adapters: AdapterRegistry | None = None
         if config.max_loras:
-            model = self.executor.runner.model
+            model = runner.model
             self.adapters = AdapterRegistry(
                 config.max_loras,
                 lambda path: load_lora_adapter(path, model_config, config.max_lora_rank),
                 model.load_lora,
             )
-        self.overlap = self.device.type == "cuda" if config.overlap is None else config.overlap
-        self.media_inputs = media_inputs(model_config, self.checkpoint.processor_config)
-        # The media the model takes, by kind.
-        self.media = {kind: found.spec for kind, found in self.media_inputs.items()}
-        self.speculator = None
+            features.insert(0, self.adapters)
+            inputs.append(AdapterInputs(model))
+        self.encoder_cache: EncoderCache | None = None
+        if self.media:
+            self.encoder_cache = EncoderCache(config.encoder_cache_mb << 20)
+            mrope = model_config.rope.mrope_section is not None
+            encoders = runner.model.media_encoders()
+            inputs.append(MediaInputs(encoders, self.encoder_cache, mrope, self.device))
+        decoding: Decoding = PlainDecoding()
+        self.speculator: SpeculativeDecoding | None = None
         if config.speculative is not None:
             drafter = None
             if config.speculative.method == "draft_model":
                 drafter = self._build_draft_model(config.speculative.model, num_blocks)
-            self.speculator = Speculator(config.speculative, drafter)
+            decoding = self.speculator = SpeculativeDecoding(config.speculative, drafter)
+            features.append(self.speculator)
+        prefill = PrefillPolicy()
+        if runner.recurrent:
+            # Chunks of a fixed size whatever the batch: a row's prefill is split the same way
+            # alone and beside others, so its state (and output) is the same bits.
+            chunk = config.max_num_tokens - config.max_batch_size
+            if chunk < 1:
+                raise ValueError(
+                    f"a hybrid Mamba model needs max_num_tokens ({config.max_num_tokens}) above "
+                    f"max_batch_size ({config.max_batch_size}): its prefill chunks are the "
+                    "difference"
+                )
+            prefill = PrefillPolicy(chunk=chunk, shares_prefix=False)
+            inputs.append(RecurrentInputs(self.device))
         self.scheduler = Scheduler(
             self.blocks,
             self.slots,
             self.context_cache,
-            self.grammars,
-            self.adapters,
-            self.speculator,
+            features,
+            decoding,
+            prefill,
             max_model_len=self.max_model_len,
             vocab_size=model_config.vocab_size,
             max_num_tokens=config.max_num_tokens,
-            media=self.media,
-            recurrent=model_config.mamba is not None,
+            served_options=self._served_options,
         )
         self.outputs = OutputProcessor(
             self.scheduler,
             self.tokenizer,
             self.blocks,
-            self.grammars,
-            # A hybrid's blocks are never looked up (no state at their ends): not published.
-            publish_blocks=config.context_cache and model_config.mamba is None,
-            speculator=self.speculator,
+            features,
+            decoding,
+            publish_blocks=self.context_cache is not None and prefill.shares_prefix,
+        )
+        executor = Executor if self.workers is None else ParallelExecutor
+        extra = {} if self.workers is None else {"workers": self.workers}
+        self.executor = executor(
+            runner,
+            Sampler(config.seed, self.device),
+            self.constraints,
+            inputs,
+            max_batch_size=config.max_batch_size,
+            pick_width=decoding.pick_width,
+            **extra,
         )
         self._session: GenerationSession | None = None
+
+    @property
+    def _served_options(self) -> frozenset[str]:
+        """The request options of the table this runtime serves: LoRA, when enabled."""
+        return frozenset({"lora_name"}) if self.config.max_loras else frozenset()
 
     def _build_draft_model(self, path: str | None, num_blocks: int) -> DraftModel:
         """The draft model of speculative decoding, its KV cache over the same block ids."""
@@ -156,7 +206,9 @@ class Runtime:
             )
         )
 
-    def _build_executor(self, num_blocks: int, show_progress: bool) -> Executor:
+    def _build_runner(self, num_blocks: int, show_progress: bool) -> ModelRunner:
+        """The model runner; under tensor parallelism, with the worker ranks started and
+        connected."""
         config, model_config, parallel = self.config, self.checkpoint.config, self.parallel
         connect = None
         if parallel is not None:
@@ -192,19 +244,7 @@ class Runtime:
         except BaseException:
             self.close()
             raise
-        return Executor(
-            runner,
-            Sampler(config.seed, self.device),
-            self.grammars,
-            max_batch_size=config.max_batch_size,
-            pick_width=pick_width(config.speculative),
-            encoder_cache=(
-                EncoderCache(config.encoder_cache_mb << 20)
-                if model_config.vision or model_config.audio
-                else None
-            ),
-            workers=self.workers,
-        )
+        return runner
 
     def close(self) -> None:
         """Stop the worker ranks of a tensor-parallel runtime (nothing to do otherwise)."""
@@ -222,11 +262,15 @@ class Runtime:
 
     @property
     def capabilities(self) -> ExecutionCapabilities:
+        if not self.config.in_flight_batching:
+            return ExecutionCapabilities(
+                stepped=True, seated_admission=False, max_batch_size=1, blocking_path=True
+            )
         return ExecutionCapabilities(
             stepped=True,
             seated_admission=True,
             max_batch_size=self.slots.capacity,
-            per_row_fields=PER_ROW_FIELDS | self.scheduler.row_fields,
+            per_row_fields=PER_ROW_FIELDS | self._served_options,
         )
 
     def register_lora(self, name: str, path: str) -> None:
@@ -273,13 +317,21 @@ class Runtime:
             groups.append((spec, prepared))
         return expand(prompt, groups, ratio)
 
-    def check_request(self, request: GenerationRequest) -> AdmissionIntent:
-        """Validate a request against this runtime (ValueError naming the problem) and size what
-        it needs. Reads only what never changes after load, so any thread may call it."""
-        return self.scheduler.check(request)
+    def check(self, request: GenerationRequest) -> GenerationRequest:
+        """The request carrying its admission intent, checked against this runtime (ValueError
+        naming the problem); one this runtime has checked already is returned as it is. Reads
+        only what never changes after load, so any thread may call it."""
+        intent = self.scheduler.intent(request)
+        return request if intent is request.intent else replace(request, intent=intent)
 
-    def new_session(self) -> GenerationSession:
-        """The execution for one batch; a runtime runs one at a time."""
+    def new_session(self) -> GenerationSession | BlockingRun:
+        """The execution for one batch (on the blocking path, of one request); a runtime runs
+        one at a time."""
+        if not self.config.in_flight_batching:
+            return BlockingRun(self._new_session())
+        return self._new_session()
+
+    def _new_session(self) -> GenerationSession:
         if self._session is not None:
             raise RuntimeError("a generation session is already open on this runtime")
         if self.fault is not None:
@@ -300,5 +352,11 @@ class Runtime:
         self._session = None
 
     def handle_request(self, request: GenerationRequest) -> BlockingRun:
-        """The blocking path: serve one request alone, on the caller's thread."""
-        return BlockingRun(self.new_session(), request)
+        """The blocking path: serve one request alone, on the caller's thread (a ValueError
+        where it is refused)."""
+        run = BlockingRun(self._new_session())
+        admission = run.admit(request)
+        if admission.answer is not AdmissionAnswer.ADMITTED:
+            run.finish()
+            raise ValueError(admission.reason)
+        return run

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from inflight.protocol.outputs import (
     FinishedSnapshot,
     FinishReason,
-    RequestOutput,
     StreamChunk,
-    materialize,
 )
 from inflight.protocol.request import GenerationRequest
 from inflight.protocol.stepped import (
@@ -49,6 +47,8 @@ class FakeFactory:
     lose_joiners: bool = False  # joiners vanish after their first step without being reported
     residents_raise: bool = False  # residents() raises (an error outside the step)
     abort_raises: bool = False  # abort() raises (the runtime cannot recover from a failure)
+    check_refuses: Callable[[GenerationRequest], bool] | None = None  # check() raises for these
+    fault: str | None = None  # the runtime can serve no more
     on_step: Callable[[FakeExecution], None] | None = None
     sessions: int = 0
     admitted: list[GenerationRequest] = field(default_factory=list)
@@ -67,6 +67,11 @@ class FakeFactory:
             max_batch_size=self.max_batch_size,
             per_row_fields=self.per_row_fields,
         )
+
+    def check(self, request: GenerationRequest) -> GenerationRequest:
+        if self.check_refuses and self.check_refuses(request):
+            raise ValueError("the fake's check refuses this request")
+        return request
 
     def new_session(self) -> FakeExecution:
         if self.refuse_founding:
@@ -144,6 +149,8 @@ class FakeExecution:
             )
             if len(r.tokens) >= (r.request.params.max_tokens or 3) + r.index:
                 result.finished[ref] = self._evict(r, FinishReason.LENGTH)
+                result.deltas[ref].finished = True
+                result.deltas[ref].finish_reason = "length"
         return result
 
     def _evict(self, r: _Resident, reason: FinishReason) -> FinishedSnapshot:
@@ -157,9 +164,6 @@ class FakeExecution:
             stop_reason=None,
             index=r.index,
         )
-
-    def materialize(self, snapshots: Sequence[FinishedSnapshot]) -> RequestOutput:
-        return materialize(snapshots)
 
     def finish(self) -> None:
         assert not self.live, "finish() with residents"

@@ -1,14 +1,10 @@
-"""BlockingPath: the runtime's blocking path behind the engine's interface, against a fake."""
+"""The blocking path behind the engine's interface (`BlockingRun`: each batch one request in
+a session of its own), against a fake session."""
 
 import pytest
 
-from inflight.engine import (
-    BlockingPath,
-    EngineConfig,
-    RequestCancelled,
-    RequestEngine,
-    RequestFailed,
-)
+from inflight.engine import EngineConfig, RequestCancelled, RequestEngine, RequestFailed
+from inflight.protocol.stepped import ExecutionCapabilities
 from inflight.runtime.host.blocking import BlockingRun
 
 from fake_execution import FakeFactory
@@ -16,21 +12,30 @@ from test_request_engine import req, wait_until
 
 
 class FakeBlockingRuntime:
-    """A runtime whose blocking path runs each request alone in a fresh fake session."""
+    """A runtime on the blocking path: each batch is one request alone in a fresh fake
+    session."""
+
+    capabilities = ExecutionCapabilities(
+        stepped=True, seated_admission=False, max_batch_size=1, blocking_path=True
+    )
 
     def __init__(self, **factory) -> None:
         self.factory = FakeFactory(max_batch_size=1, **factory)
-        self.runs: list[BlockingRun] = []
 
-    def handle_request(self, request):
-        run = BlockingRun(self.factory.new_session(), request)
-        self.runs.append(run)
-        return run
+    @property
+    def fault(self):
+        return self.factory.fault
+
+    def check(self, request):
+        return self.factory.check(request)
+
+    def new_session(self):
+        return BlockingRun(self.factory.new_session())
 
 
 def blocking_engine(runtime, **config):
     return RequestEngine(
-        BlockingPath(runtime), EngineConfig(**{"max_batch_size": 1, "idle_wait": 0.01, **config})
+        runtime, EngineConfig(**{"max_batch_size": 1, "idle_wait": 0.01, **config})
     )
 
 
@@ -88,17 +93,20 @@ def test_a_failing_run_fails_its_request_only():
     e.shutdown()
 
 
-def test_options_refused_under_ifb_reach_the_runtime():
-    """The blocking path refuses nothing for the sake of in-flight batching: what the runtime
-    does not serve, the runtime says (here the fake serves it)."""
-    e = blocking_engine(FakeBlockingRuntime())
+def test_what_the_runtime_refuses_is_refused_at_submit_as_under_ifb():
+    """The blocking path refuses what its runtime's check refuses, a permanent refusal at
+    submit (nothing queued); what the runtime serves runs (here the fake serves speech)."""
+    e = blocking_engine(FakeBlockingRuntime(check_refuses=lambda r: r.past_trajectory))
     assert e.submit(req(tokens=2, generate_audio=True)).get(timeout=5).token_ids == (1, 2)
+    with pytest.raises(ValueError, match="check refuses"):
+        e.submit(req(past_trajectory=[1]))
+    assert e.metrics.submitted == 1
     e.shutdown()
 
 
 def test_the_blocking_path_batches_nothing():
     with pytest.raises(RuntimeError, match="mid-flight"):
-        RequestEngine(BlockingPath(FakeBlockingRuntime()), EngineConfig(max_batch_size=2))
+        RequestEngine(FakeBlockingRuntime(), EngineConfig(max_batch_size=2))
 
 
 def test_shutdown_drains_the_queue():

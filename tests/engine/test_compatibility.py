@@ -9,7 +9,7 @@ from inflight.engine.compatibility import (
     BatchCompatibility,
     request_fields,
 )
-from inflight.protocol.options import OPTION_FIELDS, REQUEST_OPTIONS, UnderIFB
+from inflight.protocol.options import OPTION_FIELDS
 from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import PER_ROW_FIELDS
 
@@ -88,9 +88,9 @@ def test_unknown_per_row_field_is_an_error():
         BatchCompatibility(frozenset({"params.nope"}))
 
 
-def test_fields_ruled_by_the_options_table_are_its_unserved_options():
-    """An option the table rules at admission (founder-only) or at submit (refused) is not
-    compared as well; every request option is either compared or ruled by the table."""
-    unserved = {o.field for o in REQUEST_OPTIONS if o.under_ifb is not UnderIFB.SERVED}
-    assert unserved >= OPTION_RULED_FIELDS
+def test_every_request_option_is_compared_or_ruled_by_the_options_table():
+    """An option no runtime serves is refused when checked (the options table), never compared
+    as well; every other option is compared unless the runtime applies it per row."""
+    assert OPTION_RULED_FIELDS <= OPTION_FIELDS
+    assert not OPTION_RULED_FIELDS & set(BATCH_FIELDS)
     assert OPTION_RULED_FIELDS | set(BATCH_FIELDS) >= OPTION_FIELDS

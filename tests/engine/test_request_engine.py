@@ -73,19 +73,35 @@ def test_batch_of_one_runs_fcfs_each_founding_its_batch():
     e.shutdown()
 
 
-@pytest.mark.parametrize(
-    ("option", "needle"),
-    [
-        ({"generate_audio": True}, "blocking path"),
-        ({"save_system_prompt_kv_cache": True}, "context cache"),
-        ({"past_trajectory": [1]}, "blocking path"),
-    ],
-)
-def test_unserved_options_are_permanent_refusals(option, needle):
-    e = engine()
-    with pytest.raises(ValueError, match=needle):
-        e.submit(req(**option))
+def test_what_the_runtimes_check_refuses_is_a_permanent_refusal_at_submit():
+    """A request built by hand is checked at submit (a prepared one carries its check): what
+    the runtime cannot serve is a ValueError naming it, counted as neither submitted nor
+    refused, and nothing is queued."""
+    factory = FakeFactory(check_refuses=lambda r: r.generate_audio)
+    e = engine(factory)
+    with pytest.raises(ValueError, match="check refuses"):
+        e.submit(req(generate_audio=True))
     assert e.metrics.submitted == 0 and e.metrics.refused == 0
+    assert e.submit(req(tokens=1)).get(timeout=5).text == "<1>"
+    assert factory.admitted == [req(tokens=1)]
+    e.shutdown()
+
+
+def test_a_runtime_that_stops_serving_between_batches_closes_admission():
+    """A runtime fault seen while no step runs (a tensor-parallel rank lost while idle): new
+    requests are refused for good naming it, the queued ones fail, the engine stops."""
+    factory = FakeFactory(step_delay=0.02)
+    e = engine(factory)
+    running = e.submit(req(tokens=20))
+    wait_until(lambda: e.resident == 1)
+    queued = e.submit(req(tokens=1))
+    factory.fault = "tensor-parallel rank 1 exited with code -9"
+    assert running.get(timeout=5).token_ids == tuple(range(1, 21))  # its batch ends as it was
+    with pytest.raises(RequestFailed, match="rank 1 exited"):
+        queued.get(timeout=5)
+    with pytest.raises(SubmitError, match="rank 1 exited") as refused:
+        e.submit(req())
+    assert refused.value.shutting_down and not e.running and "rank 1" in e.fault
     e.shutdown()
 
 
@@ -540,7 +556,7 @@ def test_the_engine_layer_does_not_import_torch():
 
 
 def test_handle_request_keeps_its_blocking_contract():
-    e = engine(FakeFactory(fail_steps=1))
+    e = engine(FakeFactory(fail_steps=1, check_refuses=lambda r: r.past_trajectory))
     assert e.handle_request(req()) is None  # the step failed: None, no exception
     assert e.handle_request(req(tokens=2)).token_ids == (1, 2)
     assert e.handle_request(req(past_trajectory=[1])) is None  # refused: None, no exception

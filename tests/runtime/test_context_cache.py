@@ -69,7 +69,8 @@ def _req(prompt, max_tokens=4, **params):
 
 def _admit_cached(session, runtime, request):
     """Admit through the three admission stages; the prompt tokens leased from the cache."""
-    reservation = session.reserve_admission(session.build_admission_intent(request))
+    intent = session.build_admission_intent(request)
+    reservation = session.reserve_admission(request, intent)
     session.seat(reservation)
     return reservation.cached_blocks * runtime.blocks.block_size
 

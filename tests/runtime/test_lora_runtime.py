@@ -151,14 +151,14 @@ def test_the_context_cache_keys_on_the_adapter(tiny_dirs, adapters):
 def test_unknown_and_unloaded_adapters_are_refused_and_running_ones_finish(tiny_dirs, adapters):
     runtime = _runtime(tiny_dirs, adapters)
     with pytest.raises(ValueError, match=r"unknown LoRA adapter 'zzz'; served: \['a', 'b', 'c'\]"):
-        runtime.check_request(_request("zzz"))
+        runtime.check(_request("zzz"))
     engine = RequestEngine(runtime, EngineConfig(max_batch_size=4))
     running = engine.submit(_request("a", max_tokens=60))
     next(running)
     runtime.unregister_lora("a")
     assert len(running.get(timeout=60).token_ids) == 60
     with pytest.raises(ValueError, match="unknown LoRA adapter 'a'"):
-        runtime.check_request(_request("a"))
+        runtime.check(_request("a"))
     engine.shutdown()
     assert_no_leaks(runtime)
 

@@ -79,7 +79,7 @@ def test_a_repeated_image_is_not_encoded_again(tiny_llava):
     path, _ = tiny_llava
     config = RuntimeConfig(max_batch_size=2, max_model_len=256, block_size=8, context_cache=False)
     runtime = Runtime(path, config)
-    metrics = runtime.executor.encoder_cache.snapshot
+    metrics = runtime.encoder_cache.snapshot
     first = _alone(runtime, _request(runtime, ONE, [image(6)]))
     assert (metrics()["encoder_runs"], metrics()["encoder_cache_hits"]) == (1, 0)
     again = _alone(runtime, _request(runtime, ONE, [image(6)]))
@@ -106,13 +106,13 @@ def test_the_context_cache_reuses_a_prefix_only_with_the_same_image(tiny_llava):
     )
     text = [1, 60, 61, 62, 63, 64, 65, 66, IMAGE_TOKEN_ID, 70, 71, 72, 73, 74, 75, 76, 77, 78]
     _alone(cached, _request(cached, text, [image(9)]))
-    runs = cached.executor.encoder_cache.snapshot()["encoder_runs"]
+    runs = cached.encoder_cache.snapshot()["encoder_runs"]
     other = _alone(cached, _request(cached, text, [image(10)]))
     assert other.cached_tokens == 8
     assert other.token_ids == _alone(fresh, _request(fresh, text, [image(10)])).token_ids
     same = _alone(cached, _request(cached, text, [image(9)]))
     assert same.cached_tokens == 32  # 8 text + 16 image + 8 text; the last token is computed
-    assert cached.executor.encoder_cache.snapshot()["encoder_runs"] == runs + 1
+    assert cached.encoder_cache.snapshot()["encoder_runs"] == runs + 1
     assert_no_leaks(cached)
 
 
@@ -126,7 +126,7 @@ def test_bad_media_is_refused_naming_the_field(runtime, tiny_dirs):
         runtime.expand_media(ONE, {"audio": b"..."})
     # Placeholder tokens with no image for them.
     with pytest.raises(RequestFieldError, match="with no image"):
-        runtime.check_request(GenerationRequest(ONE, SamplingParams(max_tokens=2)))
+        runtime.check(GenerationRequest(ONE, SamplingParams(max_tokens=2)))
     text_only = Runtime(tiny_dirs["llama"], RuntimeConfig(max_batch_size=1, max_model_len=64))
     with pytest.raises(RequestFieldError, match="takes no image input"):
         text_only.expand_media([1, 2, 3], {"image": image(0)})
@@ -171,6 +171,6 @@ def test_pruned_and_whole_images_share_the_encoder_but_not_the_context_cache(tin
     request = GenerationRequest(ids, SamplingParams(max_tokens=12, temperature=0), media=media)
     pruned = _alone(cached, request)
     assert pruned.cached_tokens == 4  # the text block before the image only
-    assert cached.executor.encoder_cache.snapshot()["encoder_runs"] == 1
+    assert cached.encoder_cache.snapshot()["encoder_runs"] == 1
     assert whole.prompt_tokens == pruned.prompt_tokens + 12
     assert_no_leaks(cached)

@@ -143,7 +143,7 @@ def test_voxtral_greedy_is_transformers_greedy(voxtral):
 
 def test_voxtral_rows_share_steps_and_a_repeated_clip_is_not_encoded_again(voxtral):
     runtime = Runtime(voxtral[0], RuntimeConfig(**CONFIG))
-    metrics = runtime.executor.encoder_cache.snapshot
+    metrics = runtime.encoder_cache.snapshot
     clip = tone(0.8, 3)
     requests = [
         _request(runtime, TEXT, logprobs=2),

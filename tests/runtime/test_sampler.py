@@ -10,10 +10,10 @@ import torch
 from inflight.protocol.request import SamplingParams
 from inflight.runtime.device.sampler import (
     Sampler,
-    SamplingRow,
     select_mask_kernel,
     torch_apply_masks,
 )
+from inflight.runtime.host.rows import SamplingRow
 
 
 def _row(position=0, **params):

@@ -5,33 +5,41 @@ import pytest
 from inflight.bench.random_model import numbered_tokenizer
 from inflight.protocol.request import GenerationRequest, RequestFieldError, SamplingParams
 from inflight.runtime.host.context_cache import ContextCache
+from inflight.runtime.host.decoding import PlainDecoding
 from inflight.runtime.host.kv_cache import BlockPool
-from inflight.runtime.host.scheduler import Scheduler
+from inflight.runtime.host.media import MediaChecks
+from inflight.runtime.host.scheduler import PrefillPolicy, Scheduler
 from inflight.runtime.host.slots import ResidentSlots
-from inflight.runtime.host.speculative import SpeculativeConfig, Speculator
-from inflight.runtime.host.structured import GrammarCompiler
+from inflight.runtime.host.speculative import SpeculativeConfig, SpeculativeDecoding
+from inflight.runtime.host.structured import Constraints, GrammarCompiler
 
 
-def _scheduler(slots=4, blocks=32, budget=16, cache=False, speculator=None):
+def _scheduler(slots=4, blocks=32, budget=16, cache=False, speculative=None):
     pool = BlockPool(blocks, 4)
+    constraints = Constraints(GrammarCompiler(numbered_tokenizer(100), 100), slots)
+    features = [MediaChecks({}), constraints] + ([speculative] if speculative else [])
     return Scheduler(
         pool,
         ResidentSlots(slots),
         ContextCache(pool) if cache else None,
-        GrammarCompiler(numbered_tokenizer(100), 100),
-        None,
-        speculator,
+        features,
+        speculative or PlainDecoding(),
+        PrefillPolicy(),
         max_model_len=64,
         vocab_size=100,
         max_num_tokens=budget,
     )
 
 
+def _reserve(scheduler, request):
+    return scheduler.reserve(request, scheduler.check(request))
+
+
 def _seat(scheduler, prompt_len, max_tokens=4, **params):
     request = GenerationRequest(
         list(range(1, 1 + prompt_len)), SamplingParams(max_tokens=max_tokens, **params)
     )
-    reservation = scheduler.reserve(scheduler.check(request))
+    reservation = _reserve(scheduler, request)
     assert reservation is not None
     (resident,) = scheduler.seat(reservation)
     return resident
@@ -68,8 +76,8 @@ def test_reserve_takes_everything_or_nothing():
     s = _scheduler(slots=2, blocks=6)
     _seat(s, 8, max_tokens=4)  # 12 tokens: 3 blocks
     before = (s.blocks.num_free, s.slots.num_free)
-    too_big = s.check(GenerationRequest(list(range(1, 13)), SamplingParams(max_tokens=4)))
-    assert s.reserve(too_big) is None  # 4 blocks, 3 free
+    too_big = GenerationRequest(list(range(1, 13)), SamplingParams(max_tokens=4))
+    assert _reserve(s, too_big) is None  # 4 blocks, 3 free
     assert (s.blocks.num_free, s.slots.num_free) == before
 
 
@@ -79,7 +87,7 @@ def test_a_reservation_that_raises_half_way_gives_everything_back(monkeypatch):
     s = _scheduler(slots=4, blocks=32)
     _seat(s, 8)
     before = (s.blocks.num_free, s.slots.num_free)
-    intent = s.check(GenerationRequest(list(range(1, 13)), SamplingParams(max_tokens=4, n=2)))
+    request = GenerationRequest(list(range(1, 13)), SamplingParams(max_tokens=4, n=2))
     allocate, calls = s.blocks.allocate, []
 
     def second_call_raises(count):
@@ -90,10 +98,10 @@ def test_a_reservation_that_raises_half_way_gives_everything_back(monkeypatch):
 
     monkeypatch.setattr(s.blocks, "allocate", second_call_raises)
     with pytest.raises(IndexError):
-        s.reserve(intent)
+        _reserve(s, request)
     assert (s.blocks.num_free, s.slots.num_free) == before
     monkeypatch.setattr(s.blocks, "allocate", allocate)
-    assert s.reserve(intent) is not None
+    assert _reserve(s, request) is not None
 
 
 def test_check_names_the_problem():
@@ -120,14 +128,15 @@ def test_prompt_logprobs_skip_the_context_cache_lookup():
     prompt = list(range(1, 14))
     r = _seat(s, 13)
     s.schedule(1)
+    blocks = r.kv.blocks
     for i in range(3):  # what the output processor publishes after the step
-        s.blocks.publish(r.blocks[i], bytes([i]))
+        s.blocks.publish(blocks[i], bytes([i]))
     cache = s.context_cache
-    cache.match = lambda tokens, root, media=(): ([r.blocks[0], r.blocks[1]], [b"\x00", b"\x01"])
-    hit = s.reserve(s.check(GenerationRequest(prompt, SamplingParams(max_tokens=1))))
+    cache.match = lambda tokens, root, media=(): ([blocks[0], blocks[1]], [b"\x00", b"\x01"])
+    hit = _reserve(s, GenerationRequest(prompt, SamplingParams(max_tokens=1)))
     assert hit.cached_blocks == 2
-    scored = s.check(GenerationRequest(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0)))
-    assert s.reserve(scored).cached_blocks == 0
+    scored = GenerationRequest(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    assert _reserve(s, scored).cached_blocks == 0
 
 
 def test_n_sequences_share_the_prompt_blocks_but_the_last_token():
@@ -138,16 +147,16 @@ def test_n_sequences_share_the_prompt_blocks_but_the_last_token():
     intent = s.check(request)
     # 10 + 6 tokens: 4 blocks of 4 each; tokens 0..7 (two full blocks) shared by all three.
     assert (intent.sequence_blocks, intent.shared_blocks, intent.blocks_needed) == (4, 2, 8)
-    first, second, third = s.seat(s.reserve(intent))
-    assert second.blocks[:2] == third.blocks[:2] == first.blocks[:2]
-    assert len({*first.blocks[2:], *second.blocks[2:], *third.blocks[2:]}) == 6
+    first, second, third = (r.kv.blocks for r in s.seat(s.reserve(request, intent)))
+    assert second[:2] == third[:2] == first[:2]
+    assert len({*first[2:], *second[2:], *third[2:]}) == 6
     assert s.blocks.num_free == 32 - 8 and s.slots.num_free == 1
     step = s.schedule(1)
     assert [(r.resident.index, r.past_len, len(r.token_ids)) for r in step.rows] == [(0, 0, 10)]
     step = s.schedule(2)  # the first's prompt is launched: the others compute tokens 8 and 9
     rows = [(r.resident.index, r.past_len, len(r.token_ids), r.samples) for r in step.rows]
     assert rows == [(0, 10, 1, True), (1, 8, 2, True), (2, 8, 2, True)]
-    for r in (first, second, third):
+    for r in list(s.residents.values()):
         s.evict(r)
     assert s.blocks.num_free == 32 and s.slots.num_free == 4
 
@@ -158,7 +167,7 @@ def test_n_above_the_batch_is_refused_and_a_request_takes_all_its_slots_or_none(
         s.check(GenerationRequest([1, 2], SamplingParams(n=4)))
     _seat(s, 3)
     before = (s.blocks.num_free, s.slots.num_free)
-    assert s.reserve(s.check(GenerationRequest([1, 2], SamplingParams(max_tokens=2, n=3)))) is None
+    assert _reserve(s, GenerationRequest([1, 2], SamplingParams(max_tokens=2, n=3))) is None
     assert (s.blocks.num_free, s.slots.num_free) == before
 
 
@@ -168,10 +177,11 @@ def test_a_row_drafting_past_drafts_in_flight_is_hedged_by_fallback_rows():
     computes it where it stands if exactly j drafts are accepted, in the epoch a rejection
     opens. Fallback rows do not move the resident's counts."""
     config = SpeculativeConfig(num_speculative_tokens=3)
-    s = _scheduler(budget=32, speculator=Speculator(config))
+    s = _scheduler(budget=32, speculative=SpeculativeDecoding(config))
     # A prompt that repeats, so prompt lookup drafts: after "5 6" came "7 8 9 5".
     request = GenerationRequest([5, 6, 7, 8, 9, 5, 6], SamplingParams(max_tokens=20))
-    (r,) = s.seat(s.reserve(s.check(request)))
+    (r,) = s.seat(_reserve(s, request))
+    state = r.features.speculative
     s.schedule(1)  # the prompt; its pick stays on the device
     verify = s.schedule(2).rows
     # Its pick on the device stands for the 7 the lookup found; 8 9 5 are drafts.
@@ -180,7 +190,7 @@ def test_a_row_drafting_past_drafts_in_flight_is_hedged_by_fallback_rows():
     ]
     r.output.append(7)  # step 1 taken in, as the output processor does, while 2 is in flight
     r.pending -= 1
-    assert (r.computed, r.pending, r.unverified, r.pick_index) == (11, 4, (8, 9, 5), 3)
+    assert (r.computed, r.pending, state.unverified, r.pick_index) == (11, 4, (8, 9, 5), 3)
     rows = s.schedule(3).rows
     fallbacks, (ahead,) = rows[:3], rows[3:]
     assert [(f.fallback, f.pick_index, f.past_len, f.position) for f in fallbacks] == [
@@ -188,9 +198,14 @@ def test_a_row_drafting_past_drafts_in_flight_is_hedged_by_fallback_rows():
         (1, 1, 9, 3),
         (2, 2, 10, 4),
     ]
-    assert all(f.device_token and f.samples and f.epoch == r.epoch + 1 for f in fallbacks)
+    assert all(f.device_token and f.samples and f.epoch == state.epoch + 1 for f in fallbacks)
     assert [f.pick_base for f in fallbacks] == [4, 5, 6]
     # The row as if every draft is accepted: after 7 8 9, the pick on the device, then drafts.
-    assert (ahead.past_len, ahead.position, ahead.pick_index, ahead.epoch) == (11, 5, 3, r.epoch)
+    assert (ahead.past_len, ahead.position, ahead.pick_index, ahead.epoch) == (
+        11,
+        5,
+        3,
+        state.epoch,
+    )
     assert ahead.drafts == (7, 8, 9)  # "6 7 8 9 5" occurred before: 6 stands for the pick
-    assert r.hedged and (r.computed, r.pending) == (15, 8)
+    assert state.hedged and (r.computed, r.pending) == (15, 8)

@@ -11,13 +11,14 @@ import pytest
 from inflight.model.checkpoints.loader import default_model_path
 from inflight.protocol.outputs import FinishReason
 from inflight.protocol.request import GenerationRequest, SamplingParams
+from inflight.protocol.stepped import ResidentRef
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.host.output_processor import OutputProcessor
-from inflight.runtime.host.rows import SampledRow
+from inflight.runtime.host.residents import Resident, SequenceKV, SpeculativeState
+from inflight.runtime.host.rows import SampledRow, ScheduledRow
 from inflight.runtime.host.speculative import (
     PromptLookup,
     SpeculativeConfig,
-    Speculator,
+    SpeculativeDecoding,
     lookup_drafts,
 )
 from inflight.runtime.runtime import Runtime
@@ -53,12 +54,11 @@ def test_lookup_drafts_past_the_tokens_still_on_the_device():
     over the known tokens and those drafts, and its first token stands for the one on the
     device; a row with nothing pending looks up its own tokens."""
 
-    class Row:
-        def __init__(self, tokens, pending=0, unverified=()):
-            self.known, self.pending, self.unverified = tokens, pending, unverified
-
-        def tokens(self, start):
-            return tuple(self.known[start:])
+    def Row(tokens, pending=0, unverified=()):  # noqa: N802 (stands for a resident)
+        r = _resident(tokens)
+        r.pending = pending
+        r.features.speculative = SpeculativeState(unverified=unverified)
+        return r
 
     lookup = PromptLookup(SpeculativeConfig(3, prompt_lookup_min=2, prompt_lookup_max=2))
     known = [1, 2, 3, 4, 5, 6, 7, 1, 2]
@@ -460,33 +460,47 @@ def test_sampling_keeps_the_target_distribution(default_runtimes, monkeypatch):
     stat = _chi_square(want, got, bins)
     assert stat < _CHI2_4DF_P001, (stat, want.most_common(6), got.most_common(6))
 
-    def accept_all(self, r, row, picks):
+    def accept_all(row, picks):
+        row.resident.features.speculative.fallback = -1
+        if not row.drafts:
+            return picks, 0
         return [SampledRow(token_id=d) for d in row.drafts] + [picks[-1]], 0
 
-    monkeypatch.setattr(OutputProcessor, "_verify", accept_all)
+    monkeypatch.setattr(spec.speculator, "take", accept_all)
     wrong = _continuations(spec, prompt, 16)
     stat = _chi_square(want, wrong, bins)
     assert math.isfinite(stat) and stat > _CHI2_4DF_P001, (stat, wrong.most_common(6))
 
 
+def _resident(prompt, max_tokens=64) -> Resident:
+    """A resident of `prompt` (no model behind it), computed up to its last token."""
+    r = Resident(ResidentRef(0, 1), GenerationRequest(prompt), 0, SequenceKV([], None), max_tokens)
+    r.computed = len(prompt)
+    return r
+
+
 def test_backoff_after_rejections():
     """A row whose drafts are all rejected waits 2, 4, 8 ... steps (up to 32) before drafting
     again; an accepted draft resets it."""
-    speculator = Speculator(NGRAM)
+    speculative = SpeculativeDecoding(NGRAM)
+    r = _resident([1, 2, 3])
+    speculative.seat(r, True)
+    state = r.features.speculative
 
-    class Row:
-        spec_wait = spec_backoff = 0
-        prompt_len, output = 3, []
+    def verify(accepted: int) -> None:
+        """A row of 4 drafts whose first `accepted` picks equal them."""
+        row = ScheduledRow(r, (3, 5, 6, 7, 8), r.computed - 5, True, drafts=(5, 6, 7, 8))
+        picks = [SampledRow(d) for d in row.drafts[:accepted]]
+        speculative.take(row, picks + [SampledRow(0)] * (5 - accepted))
 
-    row = Row()
     waits = []
     for _ in range(6):
-        speculator.record(row, 4, 0)
-        waits.append(row.spec_wait)
+        verify(0)
+        waits.append(state.wait)
     assert waits == [2, 4, 8, 16, 32, 32]
-    speculator.record(row, 4, 1)
-    assert row.spec_backoff == 0
-    snapshot = speculator.snapshot()
+    verify(1)
+    assert state.backoff == 0
+    snapshot = speculative.snapshot()
     assert snapshot["drafted_tokens"] == 28 and snapshot["accepted_tokens"] == 1
     assert snapshot["verifications"] == 7
     assert snapshot["mean_accepted_length"] == pytest.approx(1 + 1 / 7)

@@ -168,7 +168,7 @@ def test_overlapped_steps_give_the_same_constrained_outputs(tiny_dirs, runtime):
 def test_a_constraint_that_does_not_compile_is_refused_when_checked(runtime, constraint, needle):
     request = GenerationRequest([5], SamplingParams(structured_outputs=constraint))
     with pytest.raises(RequestFieldError, match=needle) as refused:
-        runtime.check_request(request)
+        runtime.check(request)
     assert refused.value.field == "structured_outputs"
     assert_no_leaks(runtime)
 

@@ -51,11 +51,13 @@ class RowInput:
 @dataclass
 class RaggedBatch:
     """The forward pass's batch (rotary positions: each token's index in its sequence, but for
-    M-RoPE), and the packed indices of the tokens whose hidden states the step keeps: every
-    token of a scoring row, else the last token of a sampling row; in row order."""
+    M-RoPE), the packed indices of the tokens whose hidden states the step keeps (every token
+    of a scoring row, else the last token of a sampling row; in row order), and for each packed
+    row the index of the step's row it comes from (an unfolded row packs as several)."""
 
     forward: ForwardBatch
     logits_indices: torch.Tensor
+    row_index: list[int]
 
 
 def build_ragged_batch(
@@ -63,18 +65,16 @@ def build_ragged_batch(
     block_size: int,
     device: torch.device,
     unfold: bool = False,
-    rope_shift: np.ndarray | None = None,
 ) -> RaggedBatch:
     """Rows must come decode-first: the leading rows of one query token form the decode group,
     rows verifying drafts right after them. `unfold`: pack every token as a decode row.
-    `rope_shift`: per packed token, its rotary position minus its index (M-RoPE; the KV slot
-    is the index's).
 
     Host work is a few operations per row; everything per token or per block is vectorized."""
     if not rows:
         raise ValueError("a step needs at least one row")
+    row_index = list(range(len(rows)))
     if any(len(r.token_ids) > 1 and (unfold or r.drafts) for r in rows):
-        rows = list(_unfold(rows, unfold))
+        row_index, rows = map(list, zip(*_unfold(rows, unfold), strict=True))
     query_lens = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
     past = np.fromiter((r.past_len for r in rows), np.int64, len(rows))
     if query_lens.min() < 1:
@@ -119,8 +119,6 @@ def build_ragged_batch(
     query_start_loc, seq_lens_t, tables_t = to_device_packed(
         [starts, seq_lens, tables], torch.int32, device
     )
-    if rope_shift is not None:
-        positions = positions + rope_shift
     input_ids_t, positions_t, slots_t, logits_t = to_device_packed(
         [input_ids, positions, slots, np.asarray(logits_indices, np.int64)], torch.int64, device
     )
@@ -137,19 +135,19 @@ def build_ragged_batch(
         seq_lens_host=seq_lens.tolist(),
         contiguous_kv_host=contiguous,
     )
-    return RaggedBatch(ForwardBatch(input_ids_t, positions_t, meta), logits_t)
+    return RaggedBatch(ForwardBatch(input_ids_t, positions_t, meta), logits_t, row_index)
 
 
-def _unfold(rows: Sequence[BatchRow], every_row: bool) -> Iterator[BatchRow]:
-    """Each row verifying drafts (with `every_row`, each row) as one decode row per token; the
-    rows' hidden states kept as packing them whole keeps them: every token of a scoring or
-    verifying row, the last of a sampling one."""
-    for row in rows:
+def _unfold(rows: Sequence[BatchRow], every_row: bool) -> Iterator[tuple[int, BatchRow]]:
+    """Each row verifying drafts (with `every_row`, each row) as one decode row per token, with
+    the index of the row it comes from; the rows' hidden states kept as packing them whole
+    keeps them: every token of a scoring or verifying row, the last of a sampling one."""
+    for index, row in enumerate(rows):
         if len(row.token_ids) == 1 or not (every_row or row.drafts):
-            yield row
+            yield index, row
             continue
         table, last = row.block_table, len(row.token_ids) - 1
         keep_all = row.scores or bool(row.drafts)
         for i, token in enumerate(row.token_ids):
             keep = keep_all or (row.samples and i == last)
-            yield RowInput((token,), row.past_len + i, table, keep)
+            yield index, RowInput((token,), row.past_len + i, table, keep)

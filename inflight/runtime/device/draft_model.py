@@ -3,11 +3,11 @@ drafts greedily.
 
 Its KV lives in the target's blocks (the same block ids, its own cache tensors): a resident's
 block table serves both, and its reservation covers every position the draft writes (the last
-token and the drafts but the last). `Resident.draft_computed` counts the tokens of the sequence
-in the draft's KV. For a step, the draft first catches up on the row's tokens it has not seen
-(the prompt at first, then the tokens the last step emitted) and drafts one token from the
-last; each further draft is one more single-token forward over the rows still drafting. After
-verification only the accepted drafts stay (`rewind`).
+token and the drafts but the last). `SpeculativeState.draft_computed` counts the tokens of the
+sequence in the draft's KV. For a step, the draft first catches up on the row's tokens it has
+not seen (the prompt at first, then the tokens the last step emitted) and drafts one token from
+the last; each further draft is one more single-token forward over the rows still drafting.
+After verification only the accepted drafts stay (`rewind`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.device.model_runner import ModelRunner
-from inflight.runtime.host.residents import Resident
+from inflight.runtime.host.residents import Resident, SpeculativeState
 
 
 class DraftModel:
@@ -35,25 +35,26 @@ class DraftModel:
             return [() for _ in rows]
         inputs = []
         for _, r, _ in live:
-            unseen = r.tokens(r.draft_computed)
-            inputs.append(RowInput(unseen, r.draft_computed, r.block_table, True))
+            seen = _state(r).draft_computed
+            inputs.append(RowInput(r.tokens(seen), seen, r.kv.table, True))
         picks = self._greedy(inputs)
         for (i, r, _), pick in zip(live, picks, strict=True):
-            r.draft_computed = r.prompt_len + len(r.output)
+            _state(r).draft_computed = r.prompt_len + len(r.output)
             drafts[i].append(pick)
         for step in range(1, max(k for _, _, k in live)):
             live = [(i, r, k) for i, r, k in live if k > step]
             inputs = [
-                RowInput((drafts[i][-1],), r.draft_computed, r.block_table, True)
+                RowInput((drafts[i][-1],), _state(r).draft_computed, r.kv.table, True)
                 for i, r, _ in live
             ]
             for (i, r, _), pick in zip(live, self._greedy(inputs), strict=True):
-                r.draft_computed += 1
+                _state(r).draft_computed += 1
                 drafts[i].append(pick)
         return [tuple(d) for d in drafts]
 
     def rewind(self, r: Resident, valid: int) -> None:
-        r.draft_computed = min(r.draft_computed, valid)
+        state = _state(r)
+        state.draft_computed = min(state.draft_computed, valid)
 
     @torch.inference_mode()
     def _greedy(self, rows: list[RowInput]) -> list[int]:
@@ -67,3 +68,9 @@ class DraftModel:
         for slot, i in enumerate(order):
             picks[i] = tokens[slot]
         return picks
+
+
+def _state(r: Resident) -> SpeculativeState:
+    state = r.features.speculative
+    assert state is not None  # every resident has one where speculation is on
+    return state

@@ -38,7 +38,10 @@ import torch.distributed as dist
 from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
 from inflight.model.parallel import TensorParallel
 from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.device.model_runner import StepPlan, build_model_runner
+from inflight.runtime.device.batch_builder import RaggedBatch, RowInput
+from inflight.runtime.device.executor import Executor, LaunchedStep
+from inflight.runtime.device.model_runner import HeadRows, StepPlan, build_model_runner
+from inflight.runtime.host.rows import ScheduledRow, ScheduledStep
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,8 @@ log = logging.getLogger(__name__)
 _TIMEOUT = timedelta(minutes=10)
 # How long `close` waits for a worker to leave before it is killed.
 _STOP_WAIT_S = 10.0
+# How long a failed step waits for a worker to end before it blames rank 0.
+_LOST_WAIT_S = 5.0
 
 
 def process_group(rank: int, size: int, store: dist.Store, device: torch.device) -> Any:
@@ -162,8 +167,9 @@ class Workers:
 
     def lost(self) -> str | None:
         """Why the ranks stopped serving, once a worker has ended: a step's collective that
-        raised may have lost a worker, which ends moments later."""
-        self._reap(timeout=1.0)
+        raised may have lost a worker, which ends moments later (on a loaded machine, a few
+        seconds: a failed step that waits names the rank rather than rank 0's collective)."""
+        self._reap(timeout=_LOST_WAIT_S)
         self._watch_once()
         return self.fault
 
@@ -280,3 +286,38 @@ def _worker_main(
         finally:
             os._exit(1)
     os._exit(0)
+
+
+class ParallelExecutor(Executor):
+    """Rank 0's executor of a tensor-parallel runtime: each step's plan goes to the worker
+    ranks, which run the same forward pass and LM-head calls; decode rows whose input token
+    rank 0 sampled on its device get it by a broadcast. Once a rank is lost (or rank 0 fails
+    after a plan went out, leaving the ranks out of step), every later step fails."""
+
+    def __init__(self, *args: Any, workers: Workers, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.workers = workers
+
+    @property
+    def fault(self) -> str | None:
+        return self.workers.fault
+
+    def launch(self, step: ScheduledStep) -> LaunchedStep:
+        try:
+            return super().launch(step)
+        except Exception as exc:
+            self.workers.fail(self.workers.lost() or f"a step failed on rank 0 ({exc})")
+            raise RuntimeError(self.workers.fault) from exc
+
+    def _forward(
+        self, rows: list[ScheduledRow], batch: RaggedBatch, unfold: bool, heads: list[HeadRows]
+    ) -> torch.Tensor:
+        inputs = [
+            RowInput(r.token_ids, r.past_len, r.block_table, r.samples, r.scores, r.drafts)
+            for r in rows
+        ]
+        share_ids = any(row.device_token for row in rows)
+        self.workers.send(StepPlan(inputs, unfold, share_ids, heads))
+        if share_ids:
+            self.runner.share_ids(batch)
+        return self.runner.execute(batch)

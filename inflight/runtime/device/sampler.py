@@ -20,22 +20,10 @@ import torch
 
 from inflight.model.kernels.cpu import ops as cpu_ops
 from inflight.model.transfer import to_device
-from inflight.protocol.request import SamplingParams
-from inflight.runtime.host.rows import SampledRow
+from inflight.runtime.host.rows import SampledRow, SamplingRow
 
 _SEED_STRIDE = 1_000_003  # mixes (seed, position, sequence) into one generator seed
 _SEQUENCE_STRIDE = 7_919_003_233  # past any position: sequence i's draws are its own
-
-
-# Built for every row of every step: slots and no `frozen`, whose __init__ costs ~10x.
-@dataclass(slots=True)
-class SamplingRow:
-    params: SamplingParams
-    position: int  # index of the output token being drawn (0 for the first)
-    sequence: int = 0  # which of the request's n sequences
-    # With penalties: the prompt, and the output tokens before `position`.
-    prompt: Sequence[int] = ()
-    output: Sequence[int] = ()
 
 
 @dataclass

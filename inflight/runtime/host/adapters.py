@@ -6,6 +6,8 @@ reason and changes nothing). A request names its adapter; when it is seated the 
 slot: its own if loaded, else a free one, else the least recently used one no resident runs
 with. When every slot runs an adapter some resident uses, the request waits (NO_CAPACITY). Slots
 are written only by `acquire`, on the thread that steps the model, never during a forward pass.
+As a per-row feature it checks a request's adapter, reserves its slot at admission, and gives
+each of its residents that slot.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from inflight.protocol.request import GenerationRequest, RequestFieldError
+from inflight.runtime.host.features import RowFeature
+from inflight.runtime.host.residents import Resident
 
 
 @dataclass
@@ -26,7 +32,7 @@ class _Adapter:
     last_used: int = 0
 
 
-class AdapterRegistry:
+class AdapterRegistry(RowFeature):
     def __init__(
         self,
         max_loras: int,
@@ -105,3 +111,36 @@ class AdapterRegistry:
             if a and not a.users
         ]
         return min(idle)[2] if idle else None
+
+    # -- as a per-row feature ------------------------------------------------------------------
+
+    def check(self, request: GenerationRequest) -> None:
+        name = request.lora_name
+        if name is not None and not self.known(name):
+            raise RequestFieldError(
+                f"unknown LoRA adapter {name!r}; served: {self.names()}", "lora_name"
+            )
+
+    def reserve(self, request: GenerationRequest, sequences: int) -> int | None:
+        """The slot the request's residents run in (-1: the base model)."""
+        name = request.lora_name
+        if name is None:
+            return -1
+        try:
+            return self.acquire(name, users=sequences)
+        except KeyError as exc:  # unregistered since it was checked
+            raise ValueError(f"LoRA adapter {exc} is no longer served") from exc
+
+    def unreserve(self, request: GenerationRequest, sequences: int, held: object) -> None:
+        assert isinstance(held, int)
+        if held >= 0:
+            for _ in range(sequences):
+                self.release(held)
+
+    def seat(self, resident: Resident, held: object) -> None:
+        assert isinstance(held, int)
+        resident.features.adapter = held
+
+    def evict(self, resident: Resident) -> None:
+        if resident.features.adapter >= 0:
+            self.release(resident.features.adapter)

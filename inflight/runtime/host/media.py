@@ -26,6 +26,7 @@ from inflight.protocol.request import (
     MediaItem,
     RequestFieldError,
 )
+from inflight.runtime.host.features import RowFeature
 
 
 @dataclass(frozen=True)
@@ -185,3 +186,15 @@ def mrope_positions(media: Sequence[MediaItem], which: int) -> np.ndarray:
     assert item.grid is not None
     start = item.offset + sum(m.span - m.length for m in media[:which])
     return np.indices(item.grid).reshape(3, -1) + start
+
+
+class MediaChecks(RowFeature):
+    """Media as a per-row feature at admission: a request's media must be of kinds the model
+    takes (`specs`; none for a text model), each lying exactly on its placeholder tokens. Their
+    encoding, when the prefill starts, is the device's (`device/inputs.py`)."""
+
+    def __init__(self, specs: Mapping[str, MediaSpec]) -> None:
+        self.specs = specs
+
+    def check(self, request: GenerationRequest) -> None:
+        check_media(request, self.specs)

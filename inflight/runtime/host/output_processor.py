@@ -1,17 +1,17 @@
 """`OutputProcessor`: takes a completed step in (torch-free).
 
 For every row of the step it commits the KV the step wrote (publishing newly full blocks to the
-context cache), records prompt scores, and accepts the sampled token: detokenize, check EOS, stop
-tokens, stop strings and the length budget, and evict a resident that finished, reporting its
-`FinishedSnapshot` in the step's result. A row that verified speculative drafts accepts its
-picks in order while each equals the next draft (see `speculative.py`), and gives back the KV of
-the drafts it rejected.
+context cache), records prompt scores, and accepts the sampled tokens: detokenize, check EOS,
+stop tokens, stop strings, what each per-row feature says of the token (a constraint's end) and
+the length budget, and evict a resident that finished, reporting its `FinishedSnapshot` in the
+step's result. The runtime's `Decoding` says which rows no longer stand and what a row's picks
+emit (a row verifying speculative drafts emits its accepted drafts and gives back the KV of the
+rejected ones). A sequence that fails ends its whole request: its siblings are evicted with it.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from inflight.model.checkpoints.tokenizer import Tokenizer
 from inflight.protocol.outputs import (
@@ -23,51 +23,53 @@ from inflight.protocol.outputs import (
 )
 from inflight.protocol.stepped import StepResult
 from inflight.runtime.host.context_cache import chain_digest, media_keys, root_digest
+from inflight.runtime.host.decoding import Decoding
 from inflight.runtime.host.detokenizer import IncrementalDetokenizer
+from inflight.runtime.host.features import RowFailure, RowFeature
 from inflight.runtime.host.kv_cache import BlockPool
-from inflight.runtime.host.residents import Resident
-from inflight.runtime.host.rows import SampledRow
-from inflight.runtime.host.scheduler import ScheduledRow, ScheduledStep, Scheduler
-from inflight.runtime.host.speculative import Speculator
-from inflight.runtime.host.structured import GrammarCompiler
-
-log = logging.getLogger(__name__)
+from inflight.runtime.host.residents import OutputText, Resident
+from inflight.runtime.host.rows import SampledRow, ScheduledStep
+from inflight.runtime.host.scheduler import Scheduler
 
 
 class OutputProcessor:
+    """`publish_blocks`: the context cache is on (and the model's KV prefixes reusable): full
+    blocks become findable once a completed step has written them."""
+
     def __init__(
         self,
         scheduler: Scheduler,
         tokenizer: Tokenizer,
         blocks: BlockPool,
-        grammars: GrammarCompiler,
+        features: Sequence[RowFeature],
+        decoding: Decoding,
         publish_blocks: bool,
-        speculator: Speculator | None = None,
     ) -> None:
         self.scheduler = scheduler
-        self.speculator = speculator
         self.tokenizer = tokenizer
-        self.grammars = grammars
         self.blocks = blocks
-        self.publish_blocks = publish_blocks  # the context cache is on
+        self.features = tuple(features)
+        self.decoding = decoding
+        self._publish: Callable[[Resident], None] = (
+            self._publish_full_blocks if publish_blocks else _publish_nothing
+        )
         self._eos = frozenset(tokenizer.eos_token_ids)
 
-    def track(self, r: Resident, grammar: str | None) -> None:
-        """Start a newly seated resident's output (and its constraint's matcher)."""
+    def track(self, r: Resident) -> None:
+        """Start a newly seated resident's output."""
         params = r.request.params
-        if grammar is not None:
-            r.matcher = self.grammars.matcher(grammar)
-        r.detokenizer = IncrementalDetokenizer(
+        detokenizer = IncrementalDetokenizer(
             self.tokenizer,
             r.prompt,
             params.skip_special_tokens,
             params.stop,
             params.include_stop_str_in_output,
         )
-        r.logprobs = None if params.logprobs is None else []
         # The first sequence scores the prompt for the request.
         scored = params.prompt_logprobs is not None and r.index == 0
-        r.prompt_logprobs = [None] if scored else None
+        r.text = OutputText(
+            detokenizer, None if params.logprobs is None else [], [None] if scored else None
+        )
 
     def complete(
         self,
@@ -82,149 +84,125 @@ class OutputProcessor:
         result.work = [row.work() for row in step.rows]
         offset = 0
         for i, row in enumerate(step.rows):
-            emitted: Sequence[SampledRow] = ()
+            picked: Sequence[SampledRow] = ()
             if row.samples:
-                width = 1 + len(row.drafts)
-                emitted = picks[offset : offset + width]
-                offset += width
+                picked = picks[offset : offset + 1 + len(row.drafts)]
+                offset += len(picked)
             r = row.resident
-            if not self.scheduler.is_live(r):
-                continue  # evicted since this step was launched: its row was wasted work
-            if row.epoch != r.epoch or row.fallback != r.fallback:
-                # Planned on drafts the row before rejected, or a fallback row for what that
-                # row did not do: void. (A step's fallback rows come before the row verifying
-                # drafts that may move its resident's epoch on.)
+            # Evicted since this step was launched (its row was wasted work), or void.
+            if not self.scheduler.is_live(r) or self.decoding.void(row):
                 continue
-            r.fallback = -1  # a fallback row that stands: the rows after it are plain again
-            r.pending -= len(emitted)
-            rejected = 0
-            if row.drafts:
-                emitted, rejected = self._verify(r, row, emitted)
-            r.committed += len(row.token_ids) - rejected
-            if self.publish_blocks:
-                self._publish(r)
+            r.pending -= len(picked)
+            emitted, rejected = self.decoding.take(row, picked)
+            r.kv.committed += len(row.token_ids) - rejected
+            self._publish(r)
+            assert r.text is not None
             if i in scores:
-                assert r.prompt_logprobs is not None
-                r.prompt_logprobs += [self._logprob_entry(s) for s in scores[i]]
-            if emitted:
-                for pick in emitted:
-                    if self._accept(r, pick, result):
-                        break
-            elif not r.prefilling and r.max_new_tokens == 0:
+                r.text.prompt_logprobs += [self._logprob_entry(s) for s in scores[i]]
+            for pick in emitted:
+                if self._accept(r, pick, result):
+                    break
+            if not emitted and not r.prefilling and r.max_new_tokens == 0:
                 # A scoring-only request (max_tokens=0) ends once its prompt is computed.
-                result.finished[r.ref] = self.finish(r, FinishReason.LENGTH, None)
+                self.finish(r, FinishReason.LENGTH, None, result)
 
     def finish(
-        self, r: Resident, reason: FinishReason, stop_reason: str | int | None
+        self,
+        r: Resident,
+        reason: FinishReason,
+        stop_reason: str | int | None,
+        result: StepResult,
+        error: str = "",
+    ) -> None:
+        """Evict a resident, its snapshot in `result`. One that ended on its own (stop,
+        length) gets its terminal chunk; one that failed (ERROR) takes its request's other
+        sequences with it: the request has failed."""
+        result.finished[r.ref] = self._evict(r, reason, stop_reason, error)
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            chunk = result.deltas.get(r.ref)
+            if chunk is None:
+                chunk = result.deltas[r.ref] = StreamChunk(
+                    prompt_tokens=r.prompt_len, index=r.index
+                )
+            chunk.finished, chunk.finish_reason = True, reason.value
+        elif reason is FinishReason.ERROR:
+            for sibling in self.scheduler.siblings(r):
+                result.finished[sibling.ref] = self._evict(
+                    sibling, FinishReason.ERROR, None, f"sequence {r.index} failed: {error}"
+                )
+
+    def _evict(
+        self, r: Resident, reason: FinishReason, stop_reason: str | int | None, error: str
     ) -> FinishedSnapshot:
         """Evict a resident and take its snapshot."""
         self.scheduler.evict(r)
-        assert r.detokenizer is not None
+        assert r.text is not None
         return FinishedSnapshot(
             request=r.request,
             token_ids=list(r.output),
-            text=r.detokenizer.text,
+            text=r.text.detokenizer.text,
             finish_reason=reason,
             stop_reason=stop_reason,
-            logprobs=r.logprobs,
-            prompt_logprobs=r.prompt_logprobs,
-            cached_tokens=r.cached_tokens,
+            logprobs=r.text.logprobs,
+            prompt_logprobs=r.text.prompt_logprobs,
+            cached_tokens=r.kv.cached_tokens,
             index=r.index,
+            error=error,
         )
 
-    def _publish(self, r: Resident) -> None:
+    def _publish_full_blocks(self, r: Resident) -> None:
         """Make the resident's newly completed blocks findable (this step has written them)."""
-        bs = self.blocks.block_size
+        kv, bs = r.kv, self.blocks.block_size
         # Runs for every row of every step: the common case (no block completed) costs O(1).
-        full = min(r.committed, r.prompt_len + len(r.output)) // bs
-        while len(r.digests) < full:
-            i = len(r.digests)
+        full = min(kv.committed, r.prompt_len + len(r.output)) // bs
+        while len(kv.digests) < full:
+            i = len(kv.digests)
             start, end = i * bs, (i + 1) * bs
             if end > r.prompt_len and not r.request.params.cache_generated_tokens:
                 return
-            parent = r.digests[-1] if r.digests else root_digest(r.request.lora_name)
+            parent = kv.digests[-1] if kv.digests else root_digest(r.request.lora_name)
             digest = chain_digest(
                 parent, r.tokens(start, end), media_keys(r.request.media, start, end)
             )
             # If another block already holds this digest, ours stays private.
-            self.blocks.publish(r.blocks[i], digest)
-            r.digests.append(digest)
-
-    def _verify(
-        self, r: Resident, row: ScheduledRow, picks: Sequence[SampledRow]
-    ) -> tuple[Sequence[SampledRow], int]:
-        """The tokens a row that verified drafts emits: its picks while each equals the next
-        draft, then the first that does not (or the pick after the last draft); and how many
-        drafts it rejected, whose KV is given back: the next step computes from the first.
-        A row launched after this one was planned as if every draft was accepted: where one
-        was not, it is void, and its KV is given back too."""
-        assert self.speculator is not None
-        accepted = 0
-        while accepted < len(row.drafts) and picks[accepted].token_id == row.drafts[accepted]:
-            accepted += 1
-        rejected = len(row.drafts) - accepted
-        voided = rejected > 0 and r.pending > 0
-        if voided:
-            # The picks still pending are the void row's: one row, 1 + its drafts tokens.
-            r.computed -= r.pending
-            r.pending = 0
-            r.epoch += 1
-            r.unverified = ()
-        r.computed -= rejected
-        if voided and r.hedged:
-            # The fallback row for `accepted` computes the target's pick at the rejection.
-            r.fallback = accepted
-            r.computed += 1
-            r.pending = 1
-            r.pick_index = self.speculator.fallback_pick(accepted)
-        self.speculator.record(r, len(row.drafts), accepted, voided, r.hedged and voided)
-        return picks[: accepted + 1], rejected
+            self.blocks.publish(kv.blocks[i], digest)
+            kv.digests.append(digest)
 
     def _accept(self, r: Resident, sampled: SampledRow, result: StepResult) -> bool:
         """Take one output token in; whether it ended the resident."""
         token = sampled.token_id
-        params = r.request.params
+        params, text = r.request.params, r.text
+        assert text is not None
         r.output.append(token)
-        chunk = result.deltas.get(r.ref)
-        if chunk is None:
-            chunk = result.deltas[r.ref] = StreamChunk(prompt_tokens=r.prompt_len, index=r.index)
+        chunk = _delta(r, result)
         chunk.token_ids.append(token)
-        if r.logprobs is not None:
+        if text.logprobs is not None:
             entry = self._logprob_entry(sampled)
-            r.logprobs.append(entry)
+            text.logprobs.append(entry)
             chunk.logprobs = [*(chunk.logprobs or []), entry]
-        assert r.detokenizer is not None
-        reason, stop_reason = None, None
+        reason, stop_reason, error = None, None, ""
         if token in params.stop_token_ids:
             reason, stop_reason = FinishReason.STOP, token
         elif not params.ignore_eos and token in self._eos:
             reason = FinishReason.STOP
         else:
-            text, matched = r.detokenizer.add(token)
-            chunk.text += text
+            released, matched = text.detokenizer.add(token)
+            chunk.text += released
             if matched is not None:
                 reason, stop_reason = FinishReason.STOP, matched
-            elif r.matcher is not None:
-                reason = self._advance(r, token)
+        try:
+            for feature in self.features:
+                reason = reason or feature.accept(r, token)
+        except RowFailure as exc:
+            reason, error = FinishReason.ERROR, str(exc)
         if reason is None and len(r.output) >= r.max_new_tokens:
             reason = FinishReason.LENGTH
         if reason is None:
             return False
         if stop_reason is None or isinstance(stop_reason, int):
-            chunk.text += r.detokenizer.flush()
-        result.finished[r.ref] = self.finish(r, reason, stop_reason)
+            chunk.text += text.detokenizer.flush()
+        self.finish(r, reason, stop_reason, result, error)
         return True
-
-    @staticmethod
-    def _advance(r: Resident, token: int) -> FinishReason | None:
-        """Advance the resident's matcher by its token: STOP once its output is complete in the
-        constraint's language (the mask then allows EOS alone, which need not be sampled)."""
-        if not r.matcher.consume_token(token):
-            # The mask allows only what the matcher accepts, so this is a fault of ours: it
-            # fails this row alone.
-            log.error("structured outputs of %s: %s", r.ref, r.matcher.get_error())
-            return FinishReason.ERROR
-        return FinishReason.STOP if r.matcher.is_stopped() else None
 
     def _logprob_entry(self, sampled: SampledRow) -> LogprobEntry:
         tok = self.tokenizer
@@ -238,3 +216,15 @@ class OutputProcessor:
         )
         t = sampled.token_id
         return LogprobEntry(t, sampled.logprob, text(t), tok.token_bytes(t), top)
+
+
+def _publish_nothing(r: Resident) -> None:
+    """Without the context cache (or with a model whose KV prefixes hold no state): nothing."""
+
+
+def _delta(r: Resident, result: StepResult) -> StreamChunk:
+    """The resident's chunk of the step (made on first use)."""
+    chunk = result.deltas.get(r.ref)
+    if chunk is None:
+        chunk = result.deltas[r.ref] = StreamChunk(prompt_tokens=r.prompt_len, index=r.index)
+    return chunk

@@ -1,10 +1,11 @@
-"""`Resident`: one seated request's state, shared by the step's three parts (torch-free).
+"""`Resident`: one seated sequence's state, shared by the step's three parts (torch-free).
 
-The scheduler owns its KV (blocks, block table) and its progress (`computed`, `pending`); the
-output processor owns what it produced (`output`, detokenizer, logprobs, the matcher of its
-structured-outputs constraint) and what of its KV is published (`committed`, `digests`); the
-executor reads the matcher to mask what the row may sample. They reach it through the
-scheduler's table of residents.
+The scheduler owns its KV reservation and its progress (`computed`, `pending`); the output
+processor owns what it produced (`output`, `text`) and what of its KV is published
+(`kv.committed`, `kv.digests`). Each feature the sequence uses keeps its own state object in
+`features`: speculative decoding's drafts and backoff, the constraint's matcher, the encoder
+outputs of its media, its LoRA adapter's slot. They reach it through the scheduler's table of
+residents.
 """
 
 from __future__ import annotations
@@ -21,58 +22,93 @@ from inflight.runtime.host.detokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True)
-class Resident:
-    ref: ResidentRef
-    request: GenerationRequest
+class SequenceKV:
+    """A sequence's KV blocks (never changed while it lives) and how much of them is written
+    and findable: `committed` tokens' KV written by completed steps, the first
+    `cached_tokens` of its prompt leased from the context cache, `digests` the chain digests of
+    its published full blocks."""
+
     blocks: list[int]
-    block_table: np.ndarray  # `blocks` as an array: never changes while the resident lives
-    max_new_tokens: int
-    prompt_len: int
-    computed: int = 0  # tokens (prompt, then output) whose KV launched steps write
-    pending: int = 0  # picks on the device, not yet seen by the host (1 + drafts a row)
-    cached_tokens: int = 0  # prompt tokens whose KV came from the context cache
-    committed: int = 0  # tokens whose KV a completed step has written
-    digests: list[bytes] = field(default_factory=list)  # chain digests of its full blocks
-    output: list[int] = field(default_factory=list)
-    detokenizer: IncrementalDetokenizer | None = None
+    table: np.ndarray  # `blocks` as an array
+    committed: int = 0
+    cached_tokens: int = 0
+    digests: list[bytes] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class OutputText:
+    """What the output processor keeps of a sequence's output beside its tokens: its text so
+    far, and the log-probabilities it was asked for (of its output, of its prompt)."""
+
+    detokenizer: IncrementalDetokenizer
     logprobs: list[LogprobEntry] | None = None
     prompt_logprobs: list[LogprobEntry | None] | None = None
-    matcher: Any = None  # its structured-outputs constraint's llguidance matcher, if any
-    index: int = 0  # which of its request's n sequences
-    lora_slot: int = -1  # the model's adapter slot it runs with (-1: the base model)
-    # Speculative decoding: steps to decode without drafts, and the length of the last such
-    # wait (see `speculative.Speculator`).
-    spec_wait: int = 0
-    spec_backoff: int = 0
+
+
+@dataclass(slots=True)
+class SpeculativeState:
+    """A sequence's part in speculative decoding (see `speculative.py`)."""
+
+    wait: int = 0  # steps to decode without drafts
+    backoff: int = 0  # the length of the last such wait
     # The drafts of its latest launched row (read while picks are pending): with overlapped
     # steps, the next row is planned as if they are all accepted; where they are not, that row
     # is void and `epoch` moves on (a row planned in an earlier epoch is dropped when taken in).
     unverified: tuple[int, ...] = ()
     epoch: int = 0
-    # The step after such a row holds a fallback row for each of its drafts (`hedged`); once
-    # a draft is rejected, the one that stands is `fallback` (see `speculative.py`).
+    # The step after such a row holds a fallback row for each of its drafts (`hedged`); once a
+    # draft is rejected, the one that stands is `fallback`.
     hedged: bool = False
     fallback: int = -1
-    pick_index: int = 0  # which of its slot's picks on the device its next row reads
     draft_computed: int = 0  # tokens of its sequence in the draft model's KV
+
+
+@dataclass(slots=True)
+class FeatureStates:
+    """One state object per feature a sequence uses (None, or -1: it does not use it)."""
+
+    speculative: SpeculativeState | None = None
+    matcher: Any = None  # its structured-outputs constraint's llguidance matcher
     # The encoder output of each of its request's media items (None where its KV is cached),
-    # from the step that starts its prefill (see `Executor._encode`).
-    media_embeds: list[Any] | None = None
+    # from the step that starts its prefill.
+    media: list[Any] | None = None
+    adapter: int = -1  # the model's LoRA slot it runs with (-1: the base model)
+
+
+# Compared by identity: a resident is one sequence's seat, whatever it holds.
+@dataclass(slots=True, eq=False)
+class Resident:
+    ref: ResidentRef
+    request: GenerationRequest
+    index: int  # which of its request's n sequences
+    kv: SequenceKV
+    max_new_tokens: int
+    computed: int = 0  # tokens (prompt, then output) whose KV launched steps write
+    pending: int = 0  # picks on the device, not yet seen by the host (1 + drafts a row)
+    pick_index: int = 0  # which of its slot's picks on the device its next row reads
+    output: list[int] = field(default_factory=list)
+    text: OutputText | None = None  # set by the output processor at seating
     # A later sequence of an n > 1 request, until the first has launched the prompt blocks
     # they share: it waits for them.
     leader: Resident | None = None
+    features: FeatureStates = field(default_factory=FeatureStates)
 
     @property
     def prompt(self) -> tuple[int, ...]:
         return self.request.prompt_token_ids
 
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_token_ids)
+
     def tokens(self, start: int, end: int | None = None) -> tuple[int, ...]:
         """Tokens start .. end (default: all known) of its sequence, prompt then output."""
-        end = self.prompt_len + len(self.output) if end is None else end
-        if end <= self.prompt_len:
+        prompt_len = self.prompt_len
+        end = prompt_len + len(self.output) if end is None else end
+        if end <= prompt_len:
             return self.prompt[start:end]
-        head = self.prompt[start:] if start < self.prompt_len else ()
-        return (*head, *self.output[max(0, start - self.prompt_len) : end - self.prompt_len])
+        head = self.prompt[start:] if start < prompt_len else ()
+        return (*head, *self.output[max(0, start - prompt_len) : end - prompt_len])
 
     @property
     def prefilling(self) -> bool:

@@ -1,112 +1,77 @@
 """`Scheduler`: admission of requests as residents, and the plan of each step (torch-free).
 
-Admission runs in three stages: `check` validates a request and sizes it (an `AdmissionIntent`;
-a ValueError names what is wrong), `reserve` takes a resident slot and every KV block the
-request can need, prompt plus max_tokens, leasing its cached prefix (None when they are not
-free, having taken nothing), and `seat` makes the reservation a resident.
+Admission runs in three stages: `check` validates a request and sizes it (its
+`AdmissionIntent`; a ValueError names what is wrong), `reserve` takes a resident slot and every
+KV block the request can need, prompt plus max_tokens, leasing its cached prefix, and what each
+per-row feature reserves (None when something is not free, having taken nothing), and `seat`
+makes the reservation a resident per sequence.
 
-`schedule` plans one step: a decode row for every resident whose prompt is computed (with its
-speculative drafts, if any: those rows come after the plain ones), then prefill chunks of the
-others in seating order within `max_num_tokens`. Planning a step commits it: the rows' computed
-lengths advance, and each sampling row counts its picks (1 + drafts) pending on the device.
+`schedule` plans one step: a decode row for every resident whose prompt is computed (as the
+runtime's `Decoding` plans them: with speculative drafts, those rows come after the plain ones),
+then prefill chunks of the others in seating order within `max_num_tokens`. Planning a step
+commits it: the rows' computed lengths advance, and each sampling row counts its picks
+(1 + drafts) pending on the device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from inflight.protocol.options import check_runtime_serves
-from inflight.protocol.request import GenerationRequest, PromptTooLongError, RequestFieldError
-from inflight.protocol.stepped import ResidentRef, ScheduledSequence
-from inflight.runtime.host.adapters import AdapterRegistry
+from inflight.protocol.request import (
+    AdmissionIntent,
+    GenerationRequest,
+    PromptTooLongError,
+    RequestFieldError,
+)
+from inflight.protocol.stepped import ResidentRef
 from inflight.runtime.host.context_cache import ContextCache, root_digest
+from inflight.runtime.host.decoding import Decoding
+from inflight.runtime.host.features import RowFeature
 from inflight.runtime.host.kv_cache import BlockPool
-from inflight.runtime.host.media import MediaSpec, check_media
-from inflight.runtime.host.residents import Resident
+from inflight.runtime.host.residents import Resident, SequenceKV
+from inflight.runtime.host.rows import ScheduledRow, ScheduledStep, commit
 from inflight.runtime.host.slots import ResidentSlots
-from inflight.runtime.host.speculative import Speculator
-from inflight.runtime.host.structured import GrammarCompiler
+
+_scheduler_ids = itertools.count(1)
 
 
 @dataclass(frozen=True)
-class AdmissionIntent:
-    """A validated request and what it needs: its output budget and KV blocks.
+class PrefillPolicy:
+    """How prompts are prefilled. `chunk`: every chunk of this many tokens (the last one
+    shorter) whatever the batch (a hybrid's: a row's recurrent state is then computed the same
+    way alone and beside others), None: as much as the step's budget takes. `shares_prefix`:
+    whether a prompt's KV prefix may come from elsewhere (the context cache, or the first of
+    its request's n sequences); not where sequences keep recurrent state beside their KV, which
+    no KV prefix holds."""
 
-    Each of its n sequences holds `sequence_blocks` blocks; the `shared_blocks` first ones, the
-    full blocks of its prompt but the last token, are the first sequence's, which the others
-    lease (so `blocks_needed` counts them once)."""
+    chunk: int | None = None
+    shares_prefix: bool = True
 
-    request: GenerationRequest
-    max_new_tokens: int
-    blocks_needed: int
-    sequence_blocks: int
-    shared_blocks: int = 0
-    grammar: str | None = None  # its structured-outputs constraint, compiled
+    def size(self, remaining: int, budget: int) -> int:
+        """The tokens of a prompt's next chunk (0: none this step)."""
+        if self.chunk is None:
+            return min(remaining, budget)
+        size = min(remaining, self.chunk)
+        return size if size <= budget else 0
 
 
 @dataclass(frozen=True)
 class Reservation:
-    """A slot and the KV blocks of each of the request's sequences."""
+    """A slot and the KV blocks of each of the request's sequences, and what each feature took
+    for them (in the scheduler's order of features)."""
 
+    request: GenerationRequest
     intent: AdmissionIntent
     refs: tuple[ResidentRef, ...]
     blocks: tuple[list[int], ...]
     cached_blocks: int = 0  # leading blocks of the first sequence leased from the context cache
     digests: tuple[bytes, ...] = ()  # their chain digests
-    lora_slot: int = -1  # the adapter slot its sequences run with (-1: the base model)
-
-
-# Built for every row of every step: slots and no `frozen`, whose __init__ costs ~10x.
-@dataclass(slots=True)
-class ScheduledRow:
-    """One resident's work in a step: `token_ids` computed after `past_len` tokens in KV."""
-
-    resident: Resident
-    token_ids: Sequence[int]
-    past_len: int
-    samples: bool  # samples a token (a decode row, or a prompt's last chunk)
-    scores: bool = False  # scores its prompt tokens (prompt logprobs)
-    device_token: bool = False  # a decode row whose input is a token still on the device
-    pick_index: int = 0  # with `device_token`: which of its slot's picks on the device it reads
-    position: int = 0  # a sampling row: the index in the output of the token it draws
-    # A decode row's speculative drafts, computed after its last token (`token_ids` ends with
-    # them): the row samples a token at each of its 1 + len(drafts) positions.
-    drafts: tuple[int, ...] = ()
-    epoch: int = 0  # its resident's epoch when planned (see `Resident.unverified`)
-    # A fallback row (see `speculative.py`): valid only if the row in flight before it accepts
-    # exactly this many of its drafts (-1: not a fallback row).
-    fallback: int = -1
-    pick_base: int = 0  # where in its slot's picks on the device its own picks are kept
-
-    @property
-    def block_table(self) -> np.ndarray:
-        return self.resident.block_table
-
-    def work(self) -> ScheduledSequence:
-        return ScheduledSequence(
-            self.resident.ref,
-            len(self.token_ids),
-            self.past_len,
-            self.samples,
-            self.scores,
-            len(self.drafts),
-        )
-
-
-@dataclass
-class ScheduledStep:
-    """A step's rows, decode rows first."""
-
-    step_id: int
-    rows: list[ScheduledRow]
-
-    @property
-    def verifies(self) -> bool:
-        """Whether a row verifies drafts (its computed length waits on what it accepts)."""
-        return any(row.drafts for row in self.rows)
+    held: tuple[object, ...] = ()
 
 
 class Scheduler:
@@ -115,52 +80,35 @@ class Scheduler:
         blocks: BlockPool,
         slots: ResidentSlots,
         context_cache: ContextCache | None,
-        grammars: GrammarCompiler,
-        adapters: AdapterRegistry | None,
-        speculator: Speculator | None = None,
+        features: Sequence[RowFeature],
+        decoding: Decoding,
+        prefill: PrefillPolicy,
         *,
         max_model_len: int,
         vocab_size: int,
         max_num_tokens: int,
-        media: Mapping[str, MediaSpec] | None = None,
-        recurrent: bool = False,
+        served_options: frozenset[str] = frozenset(),
     ) -> None:
+        self.id = next(_scheduler_ids)  # what the intents it checks name
         self.blocks = blocks
         self.slots = slots
         self.context_cache = context_cache
-        self.grammars = grammars
-        self.adapters = adapters
-        # Request fields served beside the sampling parameters, per row: with LoRA, each row
-        # runs with its own adapter (or none).
-        self.row_fields = frozenset() if adapters is None else frozenset({"lora_name"})
-        self.speculator = speculator
+        self.features = tuple(features)
+        self.decoding = decoding
+        self.prefill = prefill
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_num_tokens = max_num_tokens
-        self.media = media or {}  # the media the model takes, by kind
-        # A hybrid Mamba model's sequences carry recurrent state beside their KV: a KV prefix
-        # (cached, or shared by n sequences) holds no state, so each sequence computes its whole
-        # prompt (context-cache lookups are skipped, and counted).
-        self.recurrent = recurrent
-        if recurrent and max_num_tokens <= slots.capacity:
-            raise ValueError(
-                f"a hybrid Mamba model needs max_num_tokens ({max_num_tokens}) above "
-                f"max_batch_size ({slots.capacity}): its prefill chunks are the difference"
-            )
+        self.served_options = served_options  # the request options of the table it serves
         self.residents: dict[ResidentRef, Resident] = {}
 
     # -- admission ------------------------------------------------------------------------------
 
     def check(self, request: GenerationRequest) -> AdmissionIntent:
         """Validate a request against this runtime (ValueError naming the problem) and size what
-        it needs. Any thread may call it: it reads what never changes after load, and the
-        (locked) adapter registry."""
-        check_runtime_serves(request, self.row_fields)
-        name = request.lora_name
-        if self.adapters is not None and name is not None and not self.adapters.known(name):
-            raise RequestFieldError(
-                f"unknown LoRA adapter {name!r}; served: {self.adapters.names()}", "lora_name"
-            )
+        it needs. Any thread may call it: it reads what never changes after load, and what the
+        features lock."""
+        check_runtime_serves(request, self.served_options)
         prompt, params = request.prompt_token_ids, request.params
         vocab, limit = self.vocab_size, self.max_model_len
         if not prompt:
@@ -168,7 +116,6 @@ class Scheduler:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
-        check_media(request, self.media)
         if len(prompt) >= limit:
             raise PromptTooLongError(
                 f"prompt is {len(prompt)} tokens; max_model_len is {limit}, which leaves room "
@@ -202,11 +149,9 @@ class Scheduler:
         blocks = self.blocks.blocks_for(len(prompt) + max_new)
         # The n sequences share the full blocks of the prompt but its last token (which each
         # computes itself, so that each draws its first token from its own row).
-        shared = (
-            (len(prompt) - 1) // self.blocks.block_size
-            if params.n > 1 and not self.recurrent
-            else 0
-        )
+        shared = 0
+        if params.n > 1 and self.prefill.shares_prefix:
+            shared = (len(prompt) - 1) // self.blocks.block_size
         total = blocks + (params.n - 1) * (blocks - shared)
         if total > self.blocks.num_blocks:
             raise RequestFieldError(
@@ -214,75 +159,88 @@ class Scheduler:
                 f"{self.blocks.num_blocks}; lower max_tokens or raise the KV cache size",
                 "max_tokens",
             )
-        spec = params.structured_outputs
-        grammar = None if spec is None else self.grammars.compile(spec)
-        return AdmissionIntent(request, max_new, total, blocks, shared, grammar)
+        for feature in self.features:
+            feature.check(request)
+        return AdmissionIntent(self.id, max_new, total, blocks, shared)
 
-    def reserve(self, intent: AdmissionIntent) -> Reservation | None:
-        """Take a slot per sequence and every KV block the request can need, leasing its cached
-        prefix; or None, having changed nothing (a request never holds part of its slots)."""
-        pool, cache, n = self.blocks, self.context_cache, intent.request.params.n
+    def intent(self, request: GenerationRequest) -> AdmissionIntent:
+        """The request's intent: as this scheduler's check found it (checking it now if no
+        check of this scheduler's did)."""
+        if request.intent is not None and request.intent.checked_by == self.id:
+            return request.intent
+        return self.check(request)
+
+    def reserve(self, request: GenerationRequest, intent: AdmissionIntent) -> Reservation | None:
+        """Take a slot per sequence, every KV block the request can need (leasing its cached
+        prefix) and what each feature needs; or None, having changed nothing (a request never
+        holds part of what it needs)."""
+        pool, n = self.blocks, request.params.n
         hits: list[int] = []
         digests: list[bytes] = []
-        if cache is not None and self._looks_up(intent.request):
-            root = root_digest(intent.request.lora_name)
-            hits, digests = cache.match(intent.request.prompt_token_ids, root, intent.request.media)
+        if self._looks_up(request):
+            root = root_digest(request.lora_name)
+            hits, digests = self.context_cache.match(request.prompt_token_ids, root, request.media)
         fresh = intent.blocks_needed - len(hits)
         revived = sum(1 for block in hits if not pool.in_use(block))
         if pool.num_free - revived < fresh or self.slots.num_free < n:
             return None
-        lora_slot = -1
-        if intent.request.lora_name is not None:
-            assert self.adapters is not None
-            try:
-                slot = self.adapters.acquire(intent.request.lora_name, users=n)
-            except KeyError as exc:  # unregistered since it was checked
-                raise ValueError(f"LoRA adapter {exc} is no longer served") from exc
-            if slot is None:
-                return None  # every adapter slot runs an adapter in use
-            lora_slot = slot
-        refs: list[ResidentRef | None] = []
-        held: list[int] = []  # each block reference taken so far
+        held: list[object] = []
+        refs: list[ResidentRef] = []
+        taken: list[int] = []  # each block reference taken so far
         try:
+            for feature in self.features:
+                claim = feature.reserve(request, n)
+                if claim is None:
+                    self._unreserve(request, held)
+                    return None
+                held.append(claim)
             for _ in range(n):
-                refs.append(self.slots.acquire())
+                ref = self.slots.acquire()
+                assert ref is not None
+                refs.append(ref)
             for block in hits:
                 pool.lease(block)
-                held.append(block)
+                taken.append(block)
             first = hits + (pool.allocate(intent.sequence_blocks - len(hits)) or [])
-            held += first[len(hits) :]
+            taken += first[len(hits) :]
             shared = first[: intent.shared_blocks]
             blocks = [first]
             for _ in range(n - 1):
                 for block in shared:
                     pool.lease(block)
-                    held.append(block)
+                    taken.append(block)
                 more = pool.allocate(intent.sequence_blocks - len(shared)) or []
-                held += more
+                taken += more
                 blocks.append(shared + more)
         except BaseException:
-            # A reservation that fails half-way (a bug) gives back what it took: a request
-            # that failed at admission must not keep slots or blocks from everyone after it.
-            pool.release(held)
+            # A reservation that fails half-way gives back what it took: a request that failed
+            # at admission must not keep slots or blocks from everyone after it.
+            pool.release(taken)
             for ref in refs:
-                if ref is not None:
-                    self.slots.release(ref)
-            if lora_slot >= 0:
-                assert self.adapters is not None
-                for _ in range(n):
-                    self.adapters.release(lora_slot)
+                self.slots.release(ref)
+            self._unreserve(request, held)
             raise
-        assert None not in refs and all(len(b) == intent.sequence_blocks for b in blocks)
-        return Reservation(intent, tuple(refs), tuple(blocks), len(hits), tuple(digests), lora_slot)
+        assert all(len(b) == intent.sequence_blocks for b in blocks)
+        return Reservation(
+            request, intent, tuple(refs), tuple(blocks), len(hits), tuple(digests), tuple(held)
+        )
+
+    def _unreserve(self, request: GenerationRequest, held: list[object]) -> None:
+        for feature, claim in zip(self.features, held, strict=False):
+            feature.unreserve(request, request.params.n, claim)
 
     def seat(self, reservation: Reservation) -> list[Resident]:
         """The request's residents, one per sequence. Sequences after the first wait until the
         first has computed the prompt they share, then compute its rest themselves."""
-        intent, request = reservation.intent, reservation.intent.request
+        request, intent = reservation.request, reservation.intent
         cached = reservation.cached_blocks * self.blocks.block_size
-        if self.context_cache is not None and self._looks_up(request):
+        if self._looks_up(request):
             self.context_cache.record_lookup(len(request.prompt_token_ids), cached)
-        elif self.context_cache is not None and self.recurrent and request.params.reuse_context:
+        elif (
+            self.context_cache is not None
+            and request.params.reuse_context
+            and not self.prefill.shares_prefix  # asked for, but the model reuses no prefix
+        ):
             self.context_cache.record_skipped()
         shared = intent.shared_blocks * self.blocks.block_size
         residents: list[Resident] = []
@@ -290,149 +248,96 @@ class Scheduler:
             zip(reservation.refs, reservation.blocks, strict=True)
         ):
             start = cached if index == 0 else shared
-            resident = Resident(
-                ref=ref,
-                request=request,
-                blocks=blocks,
-                block_table=np.asarray(blocks, dtype=np.int64),
-                max_new_tokens=intent.max_new_tokens,
-                prompt_len=len(request.prompt_token_ids),
-                computed=start,
+            kv = SequenceKV(
+                blocks,
+                np.asarray(blocks, dtype=np.int64),
                 committed=start,
                 cached_tokens=cached if index == 0 else 0,
                 digests=list(reservation.digests) if index == 0 else [],
-                index=index,
-                leader=residents[0] if index else None,
-                lora_slot=reservation.lora_slot,
             )
+            resident = Resident(
+                ref,
+                request,
+                index,
+                kv,
+                intent.max_new_tokens,
+                computed=start,
+                leader=residents[0] if index else None,
+            )
+            for feature, claim in zip(self.features, reservation.held, strict=True):
+                feature.seat(resident, claim)
             self.residents[ref] = resident
             residents.append(resident)
         return residents
 
     def _looks_up(self, request: GenerationRequest) -> bool:
-        """Whether the request's prompt prefix is looked up in the context cache: asked for, no
-        prompt logprobs (which need every prompt position computed), and a model whose
-        sequences keep no recurrent state."""
+        """Whether the request's prompt prefix is looked up in the context cache: there is one,
+        the request asks for it, wants no prompt logprobs (which need every prompt position
+        computed), and the model's KV prefixes are reusable."""
         params = request.params
-        return params.reuse_context and params.prompt_logprobs is None and not self.recurrent
+        return (
+            self.context_cache is not None
+            and params.reuse_context
+            and params.prompt_logprobs is None
+            and self.prefill.shares_prefix
+        )
 
     # -- stepping -------------------------------------------------------------------------------
 
     def schedule(self, step_id: int) -> ScheduledStep | None:
         """Step `step_id`'s rows (None when there is nothing to compute), committed as planned."""
-        rows: list[ScheduledRow] = []
-        verifying: list[ScheduledRow] = []
         decodes = [r for r in self.residents.values() if not r.prefilling]
-        budget = self.max_num_tokens - len(decodes)
-        drafted: list[tuple[int, ...]] = [()] * len(decodes)
-        if self.speculator is not None:
-            lengths = []
-            for r in decodes:
-                k = self.speculator.draft_length(r, budget)
-                budget -= k
-                lengths.append(k)
-            drafted = self.speculator.propose(list(zip(decodes, lengths, strict=True)))
-        for r, drafts in zip(decodes, drafted, strict=True):
-            # A pending token is read on the device; the host does not know it yet.
-            token = 0 if r.pending else r.output[-1]
-            row = ScheduledRow(
-                r,
-                (token, *drafts),
-                r.computed,
-                True,
-                device_token=r.pending > 0,
-                pick_index=r.pick_index,
-                drafts=drafts,
-            )
-            # Rows of one query token come first: they form the batch's decode group.
-            (verifying if drafts else rows).append(row)
-            r.hedged = False
-            if r.pending and r.unverified and budget >= len(r.unverified):
-                rows += self._fallbacks(r)
-                budget -= len(r.unverified)
-        rows += verifying
+        rows, budget = self.decoding.plan(decodes, self.max_num_tokens - len(decodes))
+        prefills: list[ScheduledRow] = []
         for r in self.residents.values():
             if budget <= 0:
                 break
-            if not r.prefilling:
+            if not r.prefilling or self._waits_for_leader(r):
                 continue
-            if r.leader is not None:
-                if r.leader.computed < r.computed:
-                    continue  # the shared prompt blocks are not all launched yet
-                r.leader = None
-            n = min(r.prompt_len - r.computed, budget)
-            if self.recurrent:
-                # Chunks of a fixed size whatever the batch: a row's prefill is split the same
-                # way alone and beside others, so its state (and output) is the same bits. The
-                # first prefill of a step always fits (budget >= max_num_tokens - max_batch).
-                n = min(r.prompt_len - r.computed, self.max_num_tokens - self.slots.capacity)
-                if n > budget:
-                    continue
+            n = self.prefill.size(r.prompt_len - r.computed, budget)
+            if not n:
+                continue
             budget -= n
             samples = r.computed + n == r.prompt_len and r.max_new_tokens > 0
-            scores = r.request.params.prompt_logprobs is not None and r.index == 0
             chunk = r.prompt[r.computed : r.computed + n]
-            rows.append(ScheduledRow(r, chunk, r.computed, samples, scores))
-        if not rows:
-            return None
-        for row in rows:
-            r = row.resident
-            if row.fallback >= 0:
-                continue  # computes a token its resident's computed length already counts
-            r.computed += len(row.token_ids)
-            row.epoch = r.epoch
-            if row.samples:
-                # Drafts still on the device count as accepted: if they are not, this row is
-                # void (see `Resident.unverified`).
-                row.position = len(r.output) + r.pending
-                r.pending += 1 + len(row.drafts)
-                r.unverified = row.drafts
-                r.pick_index = len(row.drafts)  # its last pick, the next row's input
-        return ScheduledStep(step_id, rows)
+            prefills.append(ScheduledRow(r, chunk, r.computed, samples, _scores(r)))
+        # Committed once all are planned: a sequence waiting for its leader's prompt blocks
+        # waits for a step that launched them, not one that launches them beside it.
+        for row in prefills:
+            commit(row)
+        rows += prefills
+        return ScheduledStep(step_id, rows) if rows else None
 
-    def _fallbacks(self, r: Resident) -> list[ScheduledRow]:
-        """A fallback row for each draft the resident's row in flight may reject: the j-th
-        computes the target's pick at that row's position j (read on the device), as the next
-        row would if exactly j drafts are accepted (see `speculative.py`). Planned before the
-        row drafted past them (the resident's counts are those of the row in flight)."""
-        assert self.speculator is not None
-        k = len(r.unverified)
-        r.hedged = True
-        return [
-            ScheduledRow(
-                r,
-                (0,),
-                r.computed - k + j,
-                True,
-                device_token=True,
-                pick_index=j,
-                position=len(r.output) + r.pending - k + j,
-                epoch=r.epoch + 1,
-                fallback=j,
-                pick_base=self.speculator.fallback_pick(j),
-            )
-            for j in range(k)
-        ]
-
-    def drafts_wait(self, inflight: ScheduledStep) -> bool:
-        """Whether the next step's drafts need the step in flight taken in first: a drafter that
-        cannot draft ahead, where that step verifies drafts or a decode row would draft."""
-        spec = self.speculator
-        if spec is None or spec.ahead:
+    @staticmethod
+    def _waits_for_leader(r: Resident) -> bool:
+        """Whether a later sequence of an n > 1 request still waits for the first to launch the
+        prompt blocks they share."""
+        if r.leader is None:
             return False
-        return inflight.verifies or any(
-            not r.prefilling and spec.ready(r) for r in self.residents.values()
-        )
+        if r.leader.computed < r.computed:
+            return True
+        r.leader = None
+        return False
 
     def is_live(self, resident: Resident) -> bool:
         """Whether `resident` is still seated (a launched step may outlive its residents)."""
         return self.residents.get(resident.ref) is resident
 
     def evict(self, resident: Resident) -> None:
-        """Unseat a resident and give its KV blocks and slot back."""
+        """Unseat a resident and give its KV blocks, its slot and what its features held back."""
         del self.residents[resident.ref]
-        self.blocks.release(resident.blocks)
+        self.blocks.release(resident.kv.blocks)
         self.slots.release(resident.ref)
-        if resident.lora_slot >= 0:
-            assert self.adapters is not None
-            self.adapters.release(resident.lora_slot)
+        for feature in self.features:
+            feature.evict(resident)
+
+    def siblings(self, resident: Resident) -> list[Resident]:
+        """The other live sequences of the resident's request."""
+        request = resident.request
+        return [r for r in self.residents.values() if r.request is request and r is not resident]
+
+
+def _scores(r: Resident) -> bool:
+    """Whether the resident's prefill rows score its prompt (the first sequence of a request
+    asking for prompt logprobs)."""
+    return r.text is not None and r.text.prompt_logprobs is not None

@@ -11,7 +11,8 @@ and penalties for step N+1 depend on the tokens of step N. With speculative deco
 lookup drafts past step N (see `speculative.py`); a draft model cannot, and there step N is
 taken in before step N+1 is planned when a row is ready to draft or when step N verifies drafts;
 step N+1 is still completed by the next call, the device computing it while the caller does its
-own work.
+own work. A row the executor cannot run (its media failed to encode) fails its request at once,
+in the step that launched it; the rest of the step goes on.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from inflight.protocol.outputs import FinishedSnapshot, FinishReason, RequestOutput, materialize
-from inflight.protocol.request import GenerationRequest
+from inflight.protocol.request import AdmissionIntent, GenerationRequest
 from inflight.protocol.stepped import Admission, AdmissionAnswer, ResidentRef, StepResult
 from inflight.runtime.host.output_processor import OutputProcessor
-from inflight.runtime.host.rows import SampledRow
-from inflight.runtime.host.scheduler import AdmissionIntent, Reservation, ScheduledStep, Scheduler
+from inflight.runtime.host.residents import Resident
+from inflight.runtime.host.rows import SampledRow, ScheduledStep, reads_tokens
+from inflight.runtime.host.scheduler import Reservation, Scheduler
 
 
 class LaunchedStep(Protocol):
@@ -32,6 +34,7 @@ class LaunchedStep(Protocol):
 
     step: ScheduledStep
     scores: dict[int, list[SampledRow]]  # row index -> the prompt scores of that row's chunk
+    failed: dict[Resident, str]  # residents whose rows it could not run, and why
 
 
 class StepExecutor(Protocol):
@@ -42,8 +45,6 @@ class StepExecutor(Protocol):
 
     def launch(self, step: ScheduledStep) -> LaunchedStep: ...
 
-    def reads_tokens(self, launched: LaunchedStep) -> bool: ...
-
     def sample(self, launched: LaunchedStep) -> None: ...
 
     def fetch(self, launched: LaunchedStep) -> list[SampledRow]: ...
@@ -52,10 +53,11 @@ class StepExecutor(Protocol):
 class GenerationSession:
     """Residents of one batch, stepped by one driver thread.
 
-    Admission runs in three stages: `build_admission_intent` validates (a failure is REJECTED),
-    `reserve_admission` takes a slot and every KV block the request can need (a shortfall is
-    NO_CAPACITY, having taken nothing), and `seat` makes it a resident, whose prompt is prefilled
-    in place by the following steps.
+    Admission runs in three stages: `build_admission_intent` validates (a failure is REJECTED;
+    a request its runtime has checked already carries its intent), `reserve_admission` takes a
+    slot and every KV block the request can need (a shortfall is NO_CAPACITY, having taken
+    nothing), and `seat` makes it a resident per sequence, whose prompt is prefilled in place by
+    the following steps.
     """
 
     def __init__(
@@ -85,33 +87,38 @@ class GenerationSession:
         self._check_open()
         try:
             intent = self.build_admission_intent(request)
+            # A ValueError here: its adapter stopped being served since it was checked.
+            reservation = self.reserve_admission(request, intent)
         except ValueError as exc:
-            return Admission(AdmissionAnswer.REJECTED, reason=str(exc))
-        try:
-            reservation = self.reserve_admission(intent)
-        except ValueError as exc:  # its adapter stopped being served since it was checked
             return Admission(AdmissionAnswer.REJECTED, reason=str(exc))
         if reservation is None:
             return Admission(
                 AdmissionAnswer.NO_CAPACITY,
-                reason=f"needs {intent.request.params.n} resident slot(s) and "
+                reason=f"needs {request.params.n} resident slot(s) and "
                 f"{intent.blocks_needed} free KV blocks",
             )
         return Admission(AdmissionAnswer.ADMITTED, refs=self.seat(reservation))
 
     def step(self, cancelled: Collection[ResidentRef] = ()) -> StepResult:
         self._check_open()
-        result = StepResult(0, finished={ref: self._cancel(ref) for ref in cancelled})
+        result = StepResult(0)
+        for ref in cancelled:
+            self._scheduler.slots.check(ref)
+            self._outputs.finish(
+                self._scheduler.residents[ref], FinishReason.CANCELLED, None, result
+            )
         inflight, taken_in = self._inflight, False
-        if inflight is not None and self._scheduler.drafts_wait(inflight.step):
+        if inflight is not None and self._scheduler.decoding.waits(
+            inflight.step, list(self._scheduler.residents.values())
+        ):
             self._inflight, taken_in = None, True
             self._complete(inflight, result)
-        launched = self._launch()
+        launched = self._launch(result)
         if not taken_in:
             result.step_id = self._step_id
         # A constrained row's mask, a penalized row's counts need the token of the step before:
         # with overlap, that step is taken in first (while the device runs this one's forward).
-        deferred = self._overlap and launched is not None and self._executor.reads_tokens(launched)
+        deferred = self._overlap and launched is not None and reads_tokens(launched.step)
         if launched is not None and not deferred:
             self._executor.sample(launched)
         completed = launched
@@ -141,42 +148,48 @@ class GenerationSession:
     def abort(self) -> list[ResidentRef]:
         self._settle()
         refs = self.residents()
+        discarded = StepResult(0)
         for ref in refs:
-            self._outputs.finish(self._scheduler.residents[ref], FinishReason.ERROR, None)
+            if ref in self._scheduler.residents:  # not evicted with a sibling
+                resident = self._scheduler.residents[ref]
+                self._outputs.finish(resident, FinishReason.ERROR, None, discarded)
         return refs
 
     # -- admission stages -----------------------------------------------------------------------
 
     def build_admission_intent(self, request: GenerationRequest) -> AdmissionIntent:
-        return self._scheduler.check(request)
+        return self._scheduler.intent(request)
 
-    def reserve_admission(self, intent: AdmissionIntent) -> Reservation | None:
-        return self._scheduler.reserve(intent)
+    def reserve_admission(
+        self, request: GenerationRequest, intent: AdmissionIntent
+    ) -> Reservation | None:
+        return self._scheduler.reserve(request, intent)
 
     def seat(self, reservation: Reservation) -> tuple[ResidentRef, ...]:
         residents = self._scheduler.seat(reservation)
         for resident in residents:
-            self._outputs.track(resident, reservation.intent.grammar)
+            self._outputs.track(resident)
         return tuple(r.ref for r in residents)
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _launch(self) -> LaunchedStep | None:
+    def _launch(self, result: StepResult) -> LaunchedStep | None:
+        """Plan and launch the next step; residents whose rows it could not run fail here."""
         planned = self._scheduler.schedule(self._step_id + 1)
         if planned is None:
             return None
         self._step_id += 1
-        return self._executor.launch(planned)
+        launched = self._executor.launch(planned)
+        for resident, error in launched.failed.items():
+            if self._scheduler.is_live(resident):
+                self._outputs.finish(resident, FinishReason.ERROR, None, result, error)
+        return launched
 
     def _complete(self, launched: LaunchedStep, result: StepResult) -> None:
         """Take a launched step's sampled tokens in (waits for the device)."""
         result.step_id = launched.step.step_id
         picks = self._executor.fetch(launched)
         self._outputs.complete(launched.step, picks, launched.scores, result)
-
-    def _cancel(self, ref: ResidentRef) -> FinishedSnapshot:
-        self._scheduler.slots.check(ref)
-        return self._outputs.finish(self._scheduler.residents[ref], FinishReason.CANCELLED, None)
 
     def _settle(self) -> None:
         """Wait for a launched step nobody will complete (its residents are all gone)."""

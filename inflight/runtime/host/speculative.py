@@ -15,10 +15,11 @@ Drafters: prompt lookup ("ngram", no weights) and a draft model (`draft_model.py
 checkpoint of the same vocabulary, greedy, its KV in the target's blocks). Both are
 deterministic, which is what makes the verification above exact.
 
-`Speculator` decides how many drafts each decode row may take: none while the row is constrained
-by structured outputs or penalized (its mask or penalties at a draft position would depend on
-the draft), opted out, or backing off after drafts that were rejected; never more than its
-length budget can take. Its drafter then proposes them, for all the step's rows at once.
+`SpeculativeDecoding` is the whole protocol's one home: it decides how many drafts each decode
+row may take (none while the row is constrained by structured outputs or penalized, its mask or
+penalties at a draft position depending on the draft; opted out; or backing off after drafts
+that were rejected; never more than its length budget can take), has its drafter propose them
+for all the step's rows at once, plans the fallback rows, and verifies the picks.
 
 With overlapped steps (the next step planned while the device runs this one), a row's last
 token is on the device when its next row is planned, and where that step verifies drafts, what
@@ -41,6 +42,7 @@ next where a row is `ready` to draft or that step verifies drafts.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
@@ -48,7 +50,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from inflight.protocol.request import is_int
-from inflight.runtime.host.residents import Resident
+from inflight.runtime.host.features import RowFeature
+from inflight.runtime.host.residents import Resident, SpeculativeState
+from inflight.runtime.host.rows import SampledRow, ScheduledRow, ScheduledStep, commit, decode_row
+
+log = logging.getLogger(__name__)
 
 # After a verification that accepted nothing, a row drafts again after this many plain steps,
 # doubled on each further miss (up to the cap), and reset by any accepted draft: on text the
@@ -114,7 +120,7 @@ class Drafter(Protocol):
         """Up to k drafts for each (resident, k) decode row (k may be 0: no drafts, though a
         drafter with state may still catch up on the row's tokens). A drafter `ahead` is also
         given rows with picks pending on the device: it drafts past them as if every draft of
-        the row in flight (`Resident.unverified`) is accepted."""
+        the row in flight (`SpeculativeState.unverified`) is accepted."""
         ...
 
     def rewind(self, r: Resident, valid: int) -> None:
@@ -161,19 +167,14 @@ class PromptLookup:
                 continue
             # With a pick on the device, the lookup's first token stands for it.
             guessed = 1 if r.pending else 0
-            tokens = (*r.tokens(0), *r.unverified) if guessed else r.tokens(0)
+            unverified = _state(r).unverified
+            tokens = (*r.tokens(0), *unverified) if guessed else r.tokens(0)
             found = lookup_drafts(tokens, k + guessed, self.low, self.high)
             drafts.append(tuple(found[guessed:]))
         return drafts
 
     def rewind(self, r: Resident, valid: int) -> None:
         """Stateless."""
-
-
-def pick_width(config: SpeculativeConfig | None) -> int:
-    """Picks kept on the device per slot: its latest row's (1 + drafts), then one per fallback
-    row."""
-    return 1 + 2 * (config.num_speculative_tokens if config is not None else 0)
 
 
 @dataclass
@@ -185,21 +186,64 @@ class SpeculativeMetrics:
     fallbacks: int = 0  # of those, rows whose fallback row stood in their place
 
 
-class Speculator:
+class SpeculativeDecoding(RowFeature):
+    """Decode rows with drafts (see the module docstring): the rows' plan within the step's
+    token budget, the verification of their picks, the backoff, and the metrics. Every resident
+    gets its `SpeculativeState` at seating."""
+
     def __init__(self, config: SpeculativeConfig, drafter: Drafter | None = None) -> None:
         self.config = config
         self.drafter = drafter or PromptLookup(config)
         self.metrics = SpeculativeMetrics()
+        # Picks kept on the device per slot: its latest row's (1 + drafts), then one per
+        # fallback row.
+        self.pick_width = 1 + 2 * config.num_speculative_tokens
+
+    def seat(self, resident: Resident, held: object) -> None:
+        resident.features.speculative = SpeculativeState()
 
     @property
     def ahead(self) -> bool:
         """Whether rows draft while their last token is on the device."""
         return self.drafter.ahead
 
+    # -- planning ------------------------------------------------------------------------------
+
+    def plan(self, decodes: list[Resident], budget: int) -> tuple[list[ScheduledRow], int]:
+        """Each decode row with the drafts it takes (its length budget and the step's allowing),
+        a fallback row for each draft of a row in flight (see the module docstring), then the
+        rows committed: rows of one token first, then those verifying drafts."""
+        lengths = []
+        for r in decodes:
+            k = self.draft_length(r, budget)
+            budget -= k
+            lengths.append(k)
+        drafted = self._propose(list(zip(decodes, lengths, strict=True)))
+        plain: list[ScheduledRow] = []
+        verifying: list[ScheduledRow] = []
+        fallbacks: list[ScheduledRow] = []
+        for r, drafts in zip(decodes, drafted, strict=True):
+            (verifying if drafts else plain).append(decode_row(r, drafts))
+            state = _state(r)
+            state.hedged = False
+            if r.pending and state.unverified and budget >= len(state.unverified):
+                fallbacks += self._fallbacks(r)
+                budget -= len(state.unverified)
+        for row in (*plain, *verifying):
+            state = _state(row.resident)
+            commit(row)
+            row.epoch = state.epoch
+            state.unverified = row.drafts
+        return [*plain, *fallbacks, *verifying], budget
+
     def ready(self, r: Resident) -> bool:
-        """Whether decode row `r` drafts at its next step if its tokens are all known then."""
+        """Whether decode row `r` drafts at its next step if its tokens are all known then:
+        not while it waits, nor under a structured-outputs constraint or penalties (its mask or
+        penalties at a draft position would depend on the draft), nor where it opted out."""
         params = r.request.params
-        if r.spec_wait > 0 or r.matcher is not None or params.penalized or not params.speculative:
+        if _state(r).wait > 0 or r.features.matcher is not None:
+            return False
+        if params.penalized or not params.speculative:
             return False
         return self._room(r) > 0
 
@@ -207,8 +251,9 @@ class Speculator:
         """How many drafts decode row `r` takes in the next step, at most `budget` (0 while its
         last token is on the device, unless the drafter drafts ahead). Every call is a step of
         the row's backoff."""
-        if r.spec_wait > 0:
-            r.spec_wait -= 1
+        state = _state(r)
+        if state.wait > 0:
+            state.wait -= 1
             return 0
         if (r.pending and not self.ahead) or not self.ready(r):
             return 0
@@ -220,21 +265,99 @@ class Speculator:
         pending, and those past `max_tokens` would be dropped."""
         return r.max_new_tokens - len(r.output) - r.pending - 1
 
-    def propose(self, rows: Sequence[tuple[Resident, int]]) -> list[tuple[int, ...]]:
-        return self.drafter.propose(rows)
+    def _propose(self, rows: list[tuple[Resident, int]]) -> list[tuple[int, ...]]:
+        """The drafter's proposals. A drafter that fails costs its rows their drafts only (their
+        output is plain decoding's all the same): they back off as after a miss."""
+        try:
+            return self.drafter.propose(rows)
+        except Exception:
+            log.exception("the drafter failed; its rows decode without drafts")
+            for r, k in rows:
+                if k:
+                    state = _state(r)
+                    state.backoff = state.wait = _BACKOFF_CAP
+            return [()] * len(rows)
+
+    def _fallbacks(self, r: Resident) -> list[ScheduledRow]:
+        """A fallback row for each draft the resident's row in flight may reject: the j-th
+        computes the target's pick at that row's position j (read on the device), as the next
+        row would if exactly j drafts are accepted. Planned before the row drafted past them
+        (the resident's counts are those of the row in flight)."""
+        state = _state(r)
+        k = len(state.unverified)
+        state.hedged = True
+        return [
+            ScheduledRow(
+                r,
+                (0,),
+                r.computed - k + j,
+                True,
+                device_token=True,
+                pick_index=j,
+                position=len(r.output) + r.pending - k + j,
+                epoch=state.epoch + 1,
+                fallback=j,
+                pick_base=self.fallback_pick(j),
+            )
+            for j in range(k)
+        ]
 
     def fallback_pick(self, j: int) -> int:
-        """Where the pick of fallback row `j` is kept among its slot's picks (see
-        `pick_width`)."""
+        """Where the pick of fallback row `j` is kept among its slot's picks."""
         return 1 + self.config.num_speculative_tokens + j
 
-    def record(
-        self,
-        r: Resident,
-        drafted: int,
-        accepted: int,
-        voided: bool = False,
-        recovered: bool = False,
+    def waits(self, inflight: ScheduledStep, residents: Sequence[Resident]) -> bool:
+        """Whether the next step's drafts need the step in flight taken in first: a drafter that
+        cannot draft ahead, where that step verifies drafts or a decode row would draft."""
+        if self.ahead:
+            return False
+        return inflight.verifies or any(not r.prefilling and self.ready(r) for r in residents)
+
+    # -- taking picks in -----------------------------------------------------------------------
+
+    def void(self, row: ScheduledRow) -> bool:
+        """Planned on drafts the row before rejected, or a fallback row for what that row did
+        not do. (A step's fallback rows come before the row verifying drafts that may move its
+        resident's epoch on.)"""
+        state = _state(row.resident)
+        return row.epoch != state.epoch or row.fallback != state.fallback
+
+    def take(
+        self, row: ScheduledRow, picks: Sequence[SampledRow]
+    ) -> tuple[Sequence[SampledRow], int]:
+        """The tokens a row that verified drafts emits: its picks while each equals the next
+        draft, then the first that does not (or the pick after the last draft); and how many
+        drafts it rejected, whose KV is given back: the next step computes from the first.
+        A row launched after this one was planned as if every draft was accepted: where one
+        was not, it is void, and its KV is given back too."""
+        r, state = row.resident, _state(row.resident)
+        state.fallback = -1  # a fallback row that stands: the rows after it are plain again
+        if not row.drafts:
+            return picks, 0
+        accepted = 0
+        while accepted < len(row.drafts) and picks[accepted].token_id == row.drafts[accepted]:
+            accepted += 1
+        rejected = len(row.drafts) - accepted
+        voided = rejected > 0 and r.pending > 0
+        if voided:
+            # The picks still pending are the void row's: one row, 1 + its drafts tokens.
+            r.computed -= r.pending
+            r.pending = 0
+            state.epoch += 1
+            state.unverified = ()
+        r.computed -= rejected
+        recovered = voided and state.hedged
+        if recovered:
+            # The fallback row for `accepted` computes the target's pick at the rejection.
+            state.fallback = accepted
+            r.computed += 1
+            r.pending = 1
+            r.pick_index = self.fallback_pick(accepted)
+        self._record(r, len(row.drafts), accepted, voided, recovered)
+        return picks[: accepted + 1], rejected
+
+    def _record(
+        self, r: Resident, drafted: int, accepted: int, voided: bool, recovered: bool
     ) -> None:
         """A row verified `drafted` drafts and accepted the first `accepted` (its output does
         not hold them yet); `voided`: the row planned after it was dropped; `recovered`: a
@@ -246,11 +369,12 @@ class Speculator:
         m.verifications += 1
         m.voided += voided
         m.fallbacks += recovered
+        state = _state(r)
         if accepted:
-            r.spec_backoff = 0
+            state.backoff = 0
         else:
-            r.spec_backoff = min(_BACKOFF_CAP, max(_BACKOFF_START, 2 * r.spec_backoff))
-            r.spec_wait = r.spec_backoff
+            state.backoff = min(_BACKOFF_CAP, max(_BACKOFF_START, 2 * state.backoff))
+            state.wait = state.backoff
 
     def snapshot(self) -> dict[str, float]:
         m = self.metrics
@@ -264,3 +388,10 @@ class Speculator:
             # Tokens a verified row emits per step: its accepted drafts plus the target's own.
             "mean_accepted_length": (1 + m.accepted / m.verifications if m.verifications else 0.0),
         }
+
+
+def _state(r: Resident) -> SpeculativeState:
+    """The resident's speculative state (every resident has one where speculation is on)."""
+    state = r.features.speculative
+    assert state is not None
+    return state

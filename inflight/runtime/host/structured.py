@@ -5,14 +5,15 @@ A request's constraint is compiled and validated when the request is checked (on
 thread, before anything is queued; a bad schema or grammar is a `RequestFieldError` naming the
 problem), the grammar text cached by constraint. Each resident that carries one gets its own
 `LLMatcher` at seating; every step fills the mask rows of the constrained sampling rows only, and
-the accepted token advances the matcher. llguidance is imported on first use: a deployment that
-never sees a constraint never loads it.
+the accepted token advances the matcher (`Constraints`, the per-row feature). llguidance is
+imported on first use: a deployment that never sees a constraint never loads it.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -22,7 +23,13 @@ from typing import Any
 import numpy as np
 
 from inflight.model.checkpoints.tokenizer import Tokenizer
-from inflight.protocol.request import RequestFieldError, StructuredOutputs
+from inflight.protocol.outputs import FinishReason
+from inflight.protocol.request import GenerationRequest, RequestFieldError, StructuredOutputs
+from inflight.runtime.host.features import RowFailure, RowFeature
+from inflight.runtime.host.residents import Resident
+from inflight.runtime.host.rows import ScheduledRow
+
+log = logging.getLogger(__name__)
 
 _GRAMMAR_CACHE_SIZE = 256
 # Mask rows computed at once, on llguidance's own threads (while the device runs a forward).
@@ -129,3 +136,57 @@ class GrammarCompiler:
     @functools.cached_property
     def _executor(self) -> Any:
         return _llguidance().LLExecutor(num_threads=_FILL_THREADS)
+
+
+class Constraints(RowFeature):
+    """Structured outputs as a per-row feature: a request's constraint compiles when it is
+    checked, each of its residents gets a matcher at seating, each accepted token advances it,
+    and a step's constrained sampling rows get the mask of what their matchers allow."""
+
+    def __init__(self, grammars: GrammarCompiler, max_rows: int) -> None:
+        self.grammars = grammars
+        self.max_rows = max_rows
+        self._bitmask: np.ndarray | None = None  # made on first use
+
+    def check(self, request: GenerationRequest) -> None:
+        spec = request.params.structured_outputs
+        if spec is not None:
+            self.grammars.compile(spec)
+
+    def seat(self, resident: Resident, held: object) -> None:
+        spec = resident.request.params.structured_outputs
+        if spec is not None:  # compiled when checked: the cache holds it
+            resident.features.matcher = self.grammars.matcher(self.grammars.compile(spec))
+
+    def accept(self, resident: Resident, token: int) -> FinishReason | None:
+        """STOP once the output is complete in the constraint's language (the mask then allows
+        EOS alone, which need not be sampled)."""
+        matcher = resident.features.matcher
+        if matcher is None:
+            return None
+        if not matcher.consume_token(token):
+            # The mask allows only what the matcher accepts, so this is a fault of ours: it
+            # fails this request alone.
+            error = matcher.get_error()
+            log.error("structured outputs of %s: %s", resident.ref, error)
+            raise RowFailure(f"its structured-outputs constraint rejected token {token}: {error}")
+        return FinishReason.STOP if matcher.is_stopped() else None
+
+    def masks(self, samplers: list[ScheduledRow]) -> tuple[list[int], np.ndarray] | None:
+        """The constrained rows among a step's sampling rows (indices into `samplers`, a
+        constrained row having no drafts) and the packed bitmask of what each may sample next;
+        None when no row is constrained. A row whose matcher has stopped (its resident finished
+        in the step before: its row is wasted) is left free."""
+        constrained = [
+            i
+            for i, row in enumerate(samplers)
+            if row.resident.features.matcher is not None
+            and not row.resident.features.matcher.is_stopped()
+        ]
+        if not constrained:
+            return None
+        if self._bitmask is None:
+            self._bitmask = self.grammars.bitmask(self.max_rows)
+        bitmask = self._bitmask[: len(constrained)]
+        self.grammars.fill([samplers[i].resident.features.matcher for i in constrained], bitmask)
+        return constrained, bitmask

@@ -1,0 +1,59 @@
+"""How a step's decode rows are planned and their picks taken in (torch-free): one token per
+row here; with drafts in `speculative.py`. The scheduler, the output processor and the session
+each ask the runtime's `Decoding` instead of branching on speculative decoding."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from inflight.runtime.host.residents import Resident
+from inflight.runtime.host.rows import SampledRow, ScheduledRow, ScheduledStep, commit, decode_row
+
+
+class Decoding(Protocol):
+    # Picks kept on the device per resident slot (a step's rows read their input token there).
+    pick_width: int
+
+    def plan(self, decodes: list[Resident], budget: int) -> tuple[list[ScheduledRow], int]:
+        """The step's decode rows for residents whose prompt is computed, committed (rows of
+        one query token first), and what they leave of the token budget."""
+        ...
+
+    def void(self, row: ScheduledRow) -> bool:
+        """Whether a completed row no longer stands (planned on what turned out otherwise)."""
+        ...
+
+    def take(
+        self, row: ScheduledRow, picks: Sequence[SampledRow]
+    ) -> tuple[Sequence[SampledRow], int]:
+        """The tokens a completed decode row emits of its picks, and how many of its query
+        tokens' KV it gives back."""
+        ...
+
+    def waits(self, inflight: ScheduledStep, residents: Sequence[Resident]) -> bool:
+        """Whether the step in flight must be taken in before the next one is planned."""
+        ...
+
+
+class PlainDecoding:
+    """One token per decode row; its pick is its token."""
+
+    pick_width = 1
+
+    def plan(self, decodes: list[Resident], budget: int) -> tuple[list[ScheduledRow], int]:
+        rows = [decode_row(r) for r in decodes]
+        for row in rows:
+            commit(row)
+        return rows, budget
+
+    def void(self, row: ScheduledRow) -> bool:
+        return False
+
+    def take(
+        self, row: ScheduledRow, picks: Sequence[SampledRow]
+    ) -> tuple[Sequence[SampledRow], int]:
+        return picks, 0
+
+    def waits(self, inflight: ScheduledStep, residents: Sequence[Resident]) -> bool:
+        return False

@@ -39,7 +39,7 @@ def server_flags(args: argparse.Namespace) -> list[str]:
         str(args.max_batch_size),
         "--max-queued-requests",
         str(args.max_queued_requests),
-        "--max-kv-cache-capacity",
+        "--max-model-len",
         str(args.max_model_len),
         "--shutdown-timeout",
         "5",

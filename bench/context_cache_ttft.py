@@ -65,7 +65,7 @@ def main() -> None:
             max_batch_size=args.batch,
             max_model_len=args.prefix + 128,
             max_num_tokens=512,
-            context_cache=cache,
+            enable_context_reuse=cache,
         )
         tok = llm.tokenizer
         prefix = tok.encode(SYSTEM * (args.prefix // 20 + 1))[: args.prefix]

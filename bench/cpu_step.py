@@ -67,7 +67,7 @@ def main() -> None:
         enable_in_flight_batching=True,
         max_batch_size=args.prompts,
         max_num_tokens=args.max_num_tokens,
-        context_cache=False,  # every round computes its prompts
+        enable_context_reuse=False,  # every round computes its prompts
     )
     model = llm._runtime.executor.runner.model
     rng = random.Random(0)

@@ -18,8 +18,8 @@ import torch
 
 from inflight.bench.report import write_report
 from inflight.model.checkpoints.loader import default_model_path
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 PROMPTS = [
@@ -92,7 +92,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     texts = (PROMPTS * (args.batch // len(PROMPTS) + 1))[: args.batch]
-    runtime = Runtime(args.model, RuntimeConfig(max_batch_size=args.batch, max_model_len=512))
+    runtime = Runtime(args.model, DeploymentOptions(max_batch_size=args.batch, max_model_len=512))
     ids = [runtime.tokenizer.encode(t) for t in texts]
     path = Path(args.model) if args.model else default_model_path()
     kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}

@@ -24,8 +24,8 @@ from decode_throughput import PROMPTS
 from inflight.bench.offline import TEXT
 from inflight.bench.report import report_path, write_report
 from inflight.model.checkpoints.loader import open_checkpoint
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 
@@ -72,7 +72,7 @@ def main() -> None:
     for name, (quantization, kv_cache_dtype) in variants.items():
         runtime = Runtime(
             checkpoint,
-            RuntimeConfig(
+            DeploymentOptions(
                 device="cuda",
                 max_model_len=1024,
                 quantization=quantization,

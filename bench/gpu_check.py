@@ -46,8 +46,8 @@ from inflight.bench.random_model import random_checkpoint
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.triton import TritonAttentionBackend
 from inflight.model.kernels.triton.attention import paged_attention
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.runtime import Runtime
 
@@ -122,11 +122,11 @@ def check_end_to_end(shape: str, device: torch.device, seed: int) -> tuple[bool,
     config = dict(device="cuda", max_batch_size=8, max_model_len=512)
     fast = Runtime(
         random_checkpoint(shape, device, seed),
-        RuntimeConfig(attention_backend="triton", **config),
+        DeploymentOptions(attention_backend="triton", **config),
     )
     ref = Runtime(
         random_checkpoint(shape, device, seed),
-        RuntimeConfig(attention_backend="torch", **config),
+        DeploymentOptions(attention_backend="torch", **config),
     )
     rng = random.Random(seed)
     vocab = fast.checkpoint.config.vocab_size
@@ -150,7 +150,7 @@ def check_end_to_end(shape: str, device: torch.device, seed: int) -> tuple[bool,
             if exact is None:
                 exact = Runtime(
                     random_checkpoint(shape, device, seed),
-                    RuntimeConfig(attention_backend="torch", dtype="float32", **config),
+                    DeploymentOptions(attention_backend="torch", dtype="float32", **config),
                 )
             (top,) = _run_all(exact, [request])[0].outputs[0].logprobs
             found = {t.token_id: t.logprob for t in top.top}
@@ -195,14 +195,14 @@ MEDIA_CHECKS = {
 
 def check_media(which: str, device: torch.device, seed: int) -> tuple[bool, str]:
     shape, kind, make = MEDIA_CHECKS[which]
-    config = dict(device="cuda", max_batch_size=8, max_model_len=2048, context_cache=False)
+    config = dict(device="cuda", max_batch_size=8, max_model_len=2048, enable_context_reuse=False)
     fast = Runtime(
         random_checkpoint(shape, device, seed),
-        RuntimeConfig(attention_backend="triton", **config),
+        DeploymentOptions(attention_backend="triton", **config),
     )
     ref = Runtime(
         random_checkpoint(shape, device, seed),
-        RuntimeConfig(attention_backend="torch", cuda_graphs=False, overlap=False, **config),
+        DeploymentOptions(attention_backend="torch", cuda_graphs=False, overlap=False, **config),
     )
     rng = np.random.default_rng(seed)
     placeholder = fast.media_placeholder(kind)
@@ -476,7 +476,9 @@ def check_structured_outputs(device: torch.device, seed: int) -> tuple[bool, str
 
     tokenizer = open_checkpoint(os.environ.get("INFLIGHT_TOKENIZER")).tokenizer
     checkpoint = random_checkpoint("qwen3-0.6b", device, seed, tokenizer)
-    runtime = Runtime(checkpoint, RuntimeConfig(device="cuda", max_batch_size=8, max_model_len=512))
+    runtime = Runtime(
+        checkpoint, DeploymentOptions(device="cuda", max_batch_size=8, max_model_len=512)
+    )
     schema = {
         "type": "object",
         "properties": {

@@ -22,8 +22,8 @@ import torch
 
 from inflight.bench.random_model import random_checkpoint
 from inflight.model.mamba import MambaRows
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.runtime import Runtime
 
@@ -39,7 +39,7 @@ def main() -> None:
     device = torch.device("cuda")
     runtime = Runtime(
         random_checkpoint(args.shape, device),
-        RuntimeConfig(
+        DeploymentOptions(
             device="cuda",
             max_batch_size=args.batch,
             max_model_len=args.prompt + 1000 + 16,

@@ -24,8 +24,8 @@ import torch
 
 from inflight.bench.random_model import SHAPES, random_checkpoint
 from inflight.bench.report import report_path, write_report
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 
@@ -74,13 +74,13 @@ def ready_engine(shape: str, work: list[tuple[list[int], int]], args: argparse.N
     device = torch.device("cuda")
     runtime = Runtime(
         random_checkpoint(shape, device),
-        RuntimeConfig(
+        DeploymentOptions(
             device="cuda",
             max_batch_size=args.batch,
             max_model_len=2048 + 16,
             max_num_tokens=args.max_num_tokens,
             block_size=args.block_size,
-            context_cache=args.context_cache,
+            enable_context_reuse=args.context_cache,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
         ),

@@ -29,8 +29,8 @@ from inflight.bench.random_model import random_checkpoint
 from inflight.bench.report import report_path, write_report
 from inflight.model.checkpoints.loader import open_checkpoint
 from inflight.model.config import ModelConfig
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -88,11 +88,11 @@ def throughput(
 def make_runtime(checkpoint, args: argparse.Namespace, device: dict, **config) -> Runtime:
     return Runtime(
         checkpoint,
-        RuntimeConfig(
+        DeploymentOptions(
             max_batch_size=args.requests,
             max_model_len=512,
             max_lora_rank=args.rank,
-            context_cache=False,  # every round recomputes its prompts
+            enable_context_reuse=False,  # every round recomputes its prompts
             **device,
             **config,
         ),
@@ -121,7 +121,7 @@ def main() -> None:
         device = dict(device="cuda")
     else:
         checkpoint, device = embedded, {}
-    runtime = make_runtime(checkpoint, args, device, max_loras=args.adapters)
+    runtime = make_runtime(checkpoint, args, device, enable_lora=True, max_loras=args.adapters)
     work = make_workload(embedded.tokenizer, args.requests, 100, args.output_len)
     mixed = [f"a{i % args.adapters}" for i in range(args.requests)]
     base_only: list[str | None] = [None] * args.requests
@@ -132,7 +132,12 @@ def main() -> None:
             runtime.register_lora(f"a{a}", str(Path(root) / f"a{a}"))
         if args.shape:
             eager = make_runtime(
-                checkpoint, args, device, max_loras=args.adapters, cuda_graphs=False
+                checkpoint,
+                args,
+                device,
+                enable_lora=True,
+                max_loras=args.adapters,
+                cuda_graphs=False,
             )
             for a in range(args.adapters):
                 eager.register_lora(f"a{a}", str(Path(root) / f"a{a}"))

@@ -30,8 +30,8 @@ from inflight.bench.online import percentile
 from inflight.bench.random_model import random_checkpoint
 from inflight.bench.report import report_path, write_report
 from inflight.engine import EngineConfig, RequestEngine
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 SHAPES = ("llava-clip-b16-smollm2", "qwen2-vl-2b", "voxtral-mini-3b")
@@ -105,10 +105,10 @@ def main() -> None:
     parser.add_argument("--shape", choices=SHAPES, default=SHAPES[0])
     args = parser.parse_args()
     device = torch.device(args.device)
-    config = RuntimeConfig(
+    config = DeploymentOptions(
         max_batch_size=args.requests,
         max_model_len=1024,
-        context_cache=False,
+        enable_context_reuse=False,
         device=args.device,
     )
     runtime = Runtime(random_checkpoint(args.shape, device), config)

@@ -23,7 +23,7 @@ import torch
 from inflight.bench.random_model import random_checkpoint
 from inflight.bench.report import report_path, write_report
 from inflight.model.checkpoints.loader import open_checkpoint
-from inflight.runtime.config import RuntimeConfig
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.device.cuda_graphs import UNFOLD_KEYS
 from inflight.runtime.runtime import Runtime
@@ -32,7 +32,7 @@ DECODE_PAST = 300
 
 
 def step_ms(runtime: Runtime, chunk: int, past: int, unfold: bool, repeats: int) -> float:
-    runner, block_size = runtime.executor.runner, runtime.config.block_size
+    runner, block_size = runtime.executor.runner, runtime.plan.block_size
     blocks_each = runtime.max_model_len // block_size
     rows = [
         RowInput([7], DECODE_PAST, range(i * blocks_each, (i + 1) * blocks_each), True)
@@ -67,7 +67,9 @@ def main() -> None:
     start = time.perf_counter()
     runtime = Runtime(
         checkpoint,
-        RuntimeConfig(max_batch_size=8, max_model_len=4096, context_cache=False, device="cuda"),
+        DeploymentOptions(
+            max_batch_size=8, max_model_len=4096, enable_context_reuse=False, device="cuda"
+        ),
     )
     build_s = time.perf_counter() - start
     buckets = runtime.executor.runner.graphs.buckets

@@ -21,7 +21,7 @@ from inflight.model.checkpoints.loader import open_checkpoint
 
 def _flags(ifb: bool, batch: int) -> list[str]:
     flags = ["--served-model-name", "bench", "--max-batch-size", str(batch)]
-    flags += ["--max-queued-requests", "64", "--max-kv-cache-capacity", "1024"]
+    flags += ["--max-queued-requests", "64", "--max-model-len", "1024"]
     flags += ["--log-level", "warning"]
     return flags + (["--enable-in-flight-batching"] if ifb else [])
 

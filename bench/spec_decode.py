@@ -30,9 +30,8 @@ from inflight.bench.offline import run_requests
 from inflight.bench.random_model import random_checkpoint
 from inflight.bench.report import report_path, write_report
 from inflight.model.checkpoints.loader import open_checkpoint
+from inflight.protocol.deployment import DeploymentOptions, SpeculativeConfig
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.host.speculative import SpeculativeConfig
 from inflight.runtime.runtime import Runtime
 
 CODE = """def total_price(items, tax):
@@ -113,13 +112,13 @@ def main() -> None:
     base = dict(
         max_batch_size=max(args.batches),
         max_model_len=1024,
-        context_cache=False,
+        enable_context_reuse=False,
         device=args.device,
     )
     spec = SpeculativeConfig(num_speculative_tokens=args.k)
     runtimes = {
-        "plain": Runtime(checkpoint, RuntimeConfig(**base)),
-        "speculative": Runtime(checkpoint, RuntimeConfig(**base, speculative=spec)),
+        "plain": Runtime(checkpoint, DeploymentOptions(**base)),
+        "speculative": Runtime(checkpoint, DeploymentOptions(**base, speculative_config=spec)),
     }
     for runtime in runtimes.values():  # warm-up (kernel builds, graph capture)
         run_pool(runtime, workloads["plain"][:1], 8, 1)

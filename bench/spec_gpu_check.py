@@ -15,9 +15,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 
+from inflight.protocol.deployment import (
+    DeploymentOptions,  # noqa: E402
+    SpeculativeConfig,  # noqa: E402
+)
 from inflight.protocol.request import GenerationRequest, SamplingParams  # noqa: E402
-from inflight.runtime.config import RuntimeConfig  # noqa: E402
-from inflight.runtime.host.speculative import SpeculativeConfig  # noqa: E402
 from inflight.runtime.runtime import Runtime  # noqa: E402
 
 from tiny_models import make_tiny_model  # noqa: E402
@@ -41,8 +43,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp())
     for family in ("llama", "qwen3"):
         make_tiny_model(family, root / family)
-    config = dict(max_batch_size=4, max_model_len=256, context_cache=False, device="cuda")
-    want = outputs(Runtime(root / "qwen3", RuntimeConfig(**config)))
+    config = dict(max_batch_size=4, max_model_len=256, enable_context_reuse=False, device="cuda")
+    want = outputs(Runtime(root / "qwen3", DeploymentOptions(**config)))
     drafters = {
         "prompt lookup": SpeculativeConfig(4, prompt_lookup_min=1),
         "draft = target": SpeculativeConfig(4, method="draft_model", model=str(root / "qwen3")),
@@ -51,7 +53,7 @@ def main() -> None:
         ),
     }
     for name, spec in drafters.items():
-        runtime = Runtime(root / "qwen3", RuntimeConfig(**config, speculative=spec))
+        runtime = Runtime(root / "qwen3", DeploymentOptions(**config, speculative_config=spec))
         got = outputs(runtime)
         same = sum(a == b for a, b in zip(got, want, strict=True))
         print(f"{name}: {same}/{len(want)} identical, {runtime.speculator.snapshot()}", flush=True)

@@ -23,10 +23,9 @@ from spec_decode import REPETITIVE
 import inflight.runtime.device.executor as executor_module
 from inflight.bench.report import report_path, write_report
 from inflight.model.checkpoints.loader import open_checkpoint
+from inflight.protocol.deployment import DeploymentOptions, SpeculativeConfig
 from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.protocol.stepped import AdmissionAnswer
-from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.host.speculative import SpeculativeConfig
 from inflight.runtime.runtime import Runtime
 
 
@@ -136,12 +135,12 @@ def main() -> None:
     prompts = [checkpoint.tokenizer.encode(p) for p in REPETITIVE] * (args.repeats * args.batch)
     results = {}
     for name, spec in (("plain", None), ("speculative", SpeculativeConfig(args.k))):
-        config = RuntimeConfig(
+        config = DeploymentOptions(
             device="cuda",
             max_batch_size=args.batch,
             max_model_len=1024,
-            context_cache=False,
-            speculative=spec,
+            enable_context_reuse=False,
+            speculative_config=spec,
         )
         runtime = Runtime(checkpoint, config)
         results[name] = phases(runtime, prompts, args)

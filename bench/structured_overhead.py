@@ -26,8 +26,8 @@ from inflight.bench.offline import make_workload
 from inflight.bench.random_model import random_checkpoint
 from inflight.bench.report import report_path, write_report
 from inflight.model.checkpoints.loader import open_checkpoint
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams, StructuredOutputs
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 # Rows must decode through every timed step: an array of strings that cannot end early. (A
@@ -97,7 +97,9 @@ def main() -> None:
     for batch in args.batch:
         runtime = Runtime(
             checkpoint,
-            RuntimeConfig(max_batch_size=batch, max_model_len=512, max_num_tokens=8192, **config),
+            DeploymentOptions(
+                max_batch_size=batch, max_model_len=512, max_num_tokens=8192, **config
+            ),
         )
         work = make_workload(embedded.tokenizer, batch, 100, args.steps)
         runs: dict[str, list[float]] = {mode: [] for mode in MODES}

@@ -21,8 +21,8 @@ from gpu_throughput import _submit_all, workload
 from inflight.bench.random_model import SHAPES, random_checkpoint
 from inflight.bench.report import report_path, write_report
 from inflight.engine import EngineConfig, RequestEngine
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 
@@ -37,7 +37,7 @@ def run(size: int, work: list[tuple[list[int], int]], args: argparse.Namespace) 
     start = time.perf_counter()
     runtime = Runtime(
         random_checkpoint(args.shape, torch.device("cuda")),
-        RuntimeConfig(
+        DeploymentOptions(
             device="cuda",
             max_batch_size=args.batch,
             max_model_len=2048 + 16,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +15,11 @@ from inflight.engine import (
     ShutdownMode,
     SubmitError,
 )
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.options import OPTION_FIELDS
 from inflight.protocol.outputs import RequestOutput
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.protocol.stepped import ExecutionCapabilities
-from inflight.runtime.config import RuntimeConfig
-from inflight.runtime.host.speculative import SpeculativeConfig
+from inflight.runtime.deployment import ifb_unsupported_reason
 from inflight.runtime.inputs.chat_media import MediaLimits, as_text, take_media
 from inflight.runtime.runtime import Runtime
 
@@ -28,130 +28,66 @@ Message = dict[str, Any]
 Prompt = str | list[Message] | dict[str, Any]
 
 
-def ifb_unsupported_reason(capabilities: ExecutionCapabilities) -> str | None:
-    """Why this deployment cannot run under in-flight batching, or None. Decided once, at load."""
-    if not capabilities.stepped:
-        return "the runtime cannot run stepped execution (it spans several ranks)"
-    return None
-
-
 class LLM:
     """A loaded model you can generate from.
 
     `model` is a Hugging Face checkpoint directory or a `.gguf` file; None loads the embedded
-    default, SmolLM2-135M-Instruct. By default requests run one at a time, each to completion (the
-    blocking path). With `enable_in_flight_batching=True` up to `max_batch_size` generate
-    together, a queued request joins the running batch as soon as it may, and callers on several
-    threads overlap. Either way a `RequestEngine` takes the requests: the same calls, streams,
-    cancellation and shutdown serve both paths.
+    default, SmolLM2-135M-Instruct. `options` are the deployment's knobs, by the names of
+    `DeploymentOptions` (the command line's too: `max_model_len` is `--max-model-len`), which
+    says what each does and its default; a deployment the plan cannot serve is a ValueError
+    naming what would (`runtime/deployment.py`), before any weight loads.
+
+    By default requests run one at a time, each to completion (the blocking path). With
+    `enable_in_flight_batching=True` up to `max_batch_size` generate together, a queued request
+    joins the running batch as soon as it may, and callers on several threads overlap. Either
+    way a `RequestEngine` takes the requests: the same calls, streams, cancellation and shutdown
+    serve both paths.
 
     `enable_lora`: requests may name a LoRA adapter (`lora_name`), several in one batch, up to
     `max_loras` of them at once in the model (others wait; idle ones are swapped out), of rank
     up to `max_lora_rank`; `lora_modules` ({name: PEFT directory}) registers adapters at load,
-    `load_lora_adapter` later.
-
-    `speculative_config` (vLLM's shape, e.g. {"method": "ngram", "num_speculative_tokens": 4})
-    turns on speculative decoding: prompt-lookup drafts verified in the batch's steps, with the
-    output plain decoding would give (a request may opt out: `SamplingParams(speculative=False)`).
-
-    `quantization`: "auto" (default) runs a GGUF file's weights in the CPU kernel of their stored
-    type where one exists (Q4_1 and Q8_0 files: fast, not bit-exact with float32), float32
-    otherwise; "none" runs float32 (bf16 on CUDA) exactly; "int8" / "q4" quantize every CPU
-    matmul; "fp8" keeps the decoder's weights in FP8 on CUDA GPUs with FP8 tensor cores.
-    `kv_cache_dtype="fp8"` keeps keys and values in float8 e4m3 (CUDA): half the bytes that
-    decode steps read, at some cost in accuracy (uncalibrated: scale 1, clamped at +-448).
-    `context_cache` (on by default) reuses the KV of prompt prefixes computed before.
-
-    `tensor_parallel_size` > 1 splits a Llama-family model over that many ranks, one process
-    each (one GPU each on CUDA) that the LLM spawns and `close()` stops: a script doing so
-    needs the `if __name__ == "__main__":` guard of Python's spawned processes.
+    `load_lora_adapter` later. `speculative_config` (vLLM's shape, e.g. {"method": "ngram",
+    "num_speculative_tokens": 4}) turns on speculative decoding: drafts verified in the batch's
+    steps, with the output plain decoding would give (a request may opt out:
+    `SamplingParams(speculative=False)`). `tensor_parallel_size` > 1 splits a Llama-family
+    model over that many ranks, one process each (one GPU each on CUDA) that the LLM spawns and
+    `close()` stops: a script doing so needs the `if __name__ == "__main__":` guard of
+    Python's spawned processes.
     """
 
     def __init__(
-        self,
-        model: str | Path | None = None,
-        *,
-        enable_in_flight_batching: bool = False,
-        max_batch_size: int = 8,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_tokens: int = 2048,
-        max_pending_requests: int = 256,
-        context_cache: bool = True,
-        dtype: str | None = None,
-        quantization: str = "auto",
-        kv_cache_dtype: str = "auto",
-        device: str | None = None,
-        seed: int | None = None,
-        enable_lora: bool = False,
-        max_loras: int = 4,
-        max_lora_rank: int = 16,
-        lora_modules: Mapping[str, str | Path] | None = None,
-        speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
-        limit_mm_per_prompt: Mapping[str, int] | None = None,
-        allow_media_fetch: bool = False,
-        tensor_parallel_size: int = 1,
-        show_progress: bool = False,
+        self, model: str | Path | None = None, *, show_progress: bool = False, **options: Any
     ) -> None:
-        limits = dict(limit_mm_per_prompt or {})
-        if set(limits) - {"image", "audio"} or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limits.values()
-        ):
-            raise ValueError(
-                "limit_mm_per_prompt takes {'image': count >= 0, 'audio': count >= 0}, got "
-                f"{limit_mm_per_prompt!r}"
-            )
+        known = {f.name for f in fields(DeploymentOptions)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown LLM options {unknown}; known: {sorted(known)}")
+        deployment = DeploymentOptions(**options)
+        limits = deployment.limit_mm_per_prompt
         self.media_limits = MediaLimits(
             max_images=limits.get("image", MediaLimits.max_images),
             max_audios=limits.get("audio", MediaLimits.max_audios),
-            allow_fetch=allow_media_fetch,
+            allow_fetch=deployment.allow_media_fetch,
         )
-        if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
-            speculative_config = SpeculativeConfig.from_dict(speculative_config)
-        config = RuntimeConfig(
-            max_batch_size=max_batch_size,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            max_num_tokens=max_num_tokens,
-            context_cache=context_cache,
-            dtype=dtype,
-            quantization=quantization,
-            kv_cache_dtype=kv_cache_dtype,
-            device=device,
-            seed=seed,
-            max_loras=max_loras if enable_lora else 0,
-            max_lora_rank=max_lora_rank,
-            speculative=speculative_config,
-            tensor_parallel_size=tensor_parallel_size,
-            in_flight_batching=enable_in_flight_batching,
-        )
+        ifb = deployment.enable_in_flight_batching
         # Validated before the model loads, which takes a while.
         engine_config = EngineConfig(
-            max_batch_size=max_batch_size if enable_in_flight_batching else 1,
-            max_pending_requests=max_pending_requests,
+            max_batch_size=deployment.max_batch_size if ifb else 1,
+            max_pending_requests=deployment.max_pending_requests,
         )
-        if lora_modules and not enable_lora:
-            raise ValueError("lora_modules needs enable_lora=True (--enable-lora)")
-        runtime = Runtime(model, config, show_progress)
-        for name, path in (lora_modules or {}).items():
-            runtime.register_lora(name, str(path))
-        if enable_in_flight_batching:
-            reason = ifb_unsupported_reason(runtime.capabilities)
-            try:
-                if reason is not None:
-                    raise RuntimeError(reason)
-                self._engine = RequestEngine(runtime, engine_config)
-            except RuntimeError as exc:
-                raise ValueError(
-                    f"in-flight batching is not supported for this deployment: {exc}; "
-                    "start without --enable-in-flight-batching to use the blocking path"
-                ) from exc
-        else:
-            self._engine = RequestEngine(runtime, engine_config)
+        runtime = Runtime(model, deployment, show_progress)
+        for name, path in deployment.lora_modules.items():
+            runtime.register_lora(name, path)
+        reason = ifb_unsupported_reason(runtime.plan)
+        if ifb and reason is not None:
+            runtime.close()
+            raise ValueError(
+                f"in-flight batching is not supported for this deployment: {reason}; "
+                "start without --enable-in-flight-batching to use the blocking path"
+            )
+        self._engine = RequestEngine(runtime, engine_config)
         self._runtime: Runtime | None = runtime
-        self.in_flight_batching = enable_in_flight_batching
+        self.in_flight_batching = ifb
         # Kept for the counters, which stay readable after close().
         self._blocks, self._slots = runtime.blocks, runtime.slots
         self._context_cache = runtime.context_cache

@@ -51,11 +51,11 @@ def llm():
 def smollm_runtime():
     """A runtime on the default model in exact float32 (quantization "none") without the context
     cache: the plain reference the comparisons with HF transformers run."""
-    from inflight.runtime.config import RuntimeConfig
+    from inflight.protocol.deployment import DeploymentOptions
     from inflight.runtime.runtime import Runtime
 
-    config = RuntimeConfig(
-        max_batch_size=8, max_model_len=1024, quantization="none", context_cache=False
+    config = DeploymentOptions(
+        max_batch_size=8, max_model_len=1024, quantization="none", enable_context_reuse=False
     )
     return Runtime(None, config)
 
@@ -99,7 +99,9 @@ def server_llm():
 @pytest.fixture(scope="session")
 def smollm_cached():
     """A second float32 runtime on the default model, with the context cache on (the default)."""
-    from inflight.runtime.config import RuntimeConfig
+    from inflight.protocol.deployment import DeploymentOptions
     from inflight.runtime.runtime import Runtime
 
-    return Runtime(None, RuntimeConfig(max_batch_size=4, max_model_len=1024, quantization="none"))
+    return Runtime(
+        None, DeploymentOptions(max_batch_size=4, max_model_len=1024, quantization="none")
+    )

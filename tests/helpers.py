@@ -213,7 +213,7 @@ def with_eager_graphs(runtime):
     """The (CPU, float32) runtime with EagerGraphs in its model runner, and the scratch block (and,
     for a hybrid, state slot) their padding rows write added, as a CUDA runtime has captured
     graphs."""
-    runner, config = runtime.executor.runner, runtime.config
+    runner, config = runtime.executor.runner, runtime.plan
     blocks = runtime.blocks.num_blocks
     kv = allocate_kv_cache(
         runtime.checkpoint.config,

@@ -6,10 +6,9 @@ import time
 import pytest
 
 from inflight import LLM, SamplingParams
-from inflight.api import ifb_unsupported_reason
 from inflight.engine import RequestCancelled
 from inflight.protocol.request import GenerationRequest
-from inflight.protocol.stepped import ExecutionCapabilities
+from inflight.runtime import deployment
 
 from helpers import assert_no_leaks
 
@@ -169,19 +168,22 @@ def test_blocking_path_has_no_scheduling_metrics(tiny_dirs):
     llm.close()
 
 
-def test_deployment_gate(tiny_dirs, monkeypatch):
-    assert ifb_unsupported_reason(ExecutionCapabilities(True, True, 4)) is None
-    reason = ifb_unsupported_reason(ExecutionCapabilities(False, True, 4))
-    assert "stepped" in reason
-    from inflight.runtime.runtime import Runtime
-
-    monkeypatch.setattr(
-        Runtime, "capabilities", property(lambda self: ExecutionCapabilities(False, True, 4))
-    )
-    with pytest.raises(ValueError, match="stepped.*start without --enable-in-flight-batching"):
-        LLM(tiny_dirs["qwen2"], max_model_len=64, enable_in_flight_batching=True)
+def test_the_deployment_gate_reads_the_plan(tiny_dirs, monkeypatch):
+    """`ifb_unsupported_reason` reads the deployment plan: a feature the deployment uses that
+    cannot run beside joiners refuses in-flight batching at load, naming it; the same
+    deployment serves on the blocking path; a deployment without the feature is not refused."""
+    monkeypatch.setitem(deployment.STEPPED, "lora", "its adapters would swap mid-batch")
+    path = tiny_dirs["qwen2"]
+    plain = LLM(path, max_model_len=64, enable_in_flight_batching=True)
+    assert plain.in_flight_batching
+    plain.close()
+    with pytest.raises(
+        ValueError,
+        match="lora: its adapters would swap mid-batch; start without --enable-in-flight-batching",
+    ):
+        LLM(path, max_model_len=64, enable_in_flight_batching=True, enable_lora=True)
     # Without the flag the same deployment serves on the blocking path; never a silent fallback.
-    llm = LLM(tiny_dirs["qwen2"], max_model_len=64)
+    llm = LLM(path, max_model_len=64, enable_lora=True)
     assert llm.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
     llm.close()
 
@@ -204,7 +206,7 @@ def test_context_cache_reuse_metrics_under_ifb(tiny_dirs):
         max_model_len=512,
         enable_in_flight_batching=True,
         max_batch_size=2,
-        context_cache=True,
+        enable_context_reuse=True,
         block_size=8,
     )
     prefix = {"prompt_token_ids": list(range(10, 90))}

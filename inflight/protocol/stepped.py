@@ -93,21 +93,18 @@ class StepResult:
 class ExecutionCapabilities:
     """What a runtime declares to the scheduler that drives it.
 
-    `stepped`: it can run one tick at a time (false for a runtime that only runs a request
-    whole; a tensor-parallel `Runtime` is stepped: rank 0 sends each step to the other ranks).
-    `seated_admission`: a request can join a batch that is already generating.
-    `max_batch_size`: the most residents it can hold.
+    `stepped`: it can run one tick at a time (false for a deployment whose features cannot:
+    its deployment plan says, see `ifb_unsupported_reason`). `seated_admission`: a request can
+    join a batch that is already generating. `max_batch_size`: the most residents it can hold.
     `per_row_fields`: request fields it applies per row, which therefore never keep two
-    requests from sharing a step (dotted names such as "params.temperature"). `blocking_path`:
-    each batch is one request, served whole by the runtime's blocking path (no in-flight
-    batching), so no request option is refused for the sake of in-flight batching.
+    requests from sharing a step (dotted names such as "params.temperature"). The blocking path
+    is an engine whose batches hold one request each, over the same execution.
     """
 
     stepped: bool
     seated_admission: bool
     max_batch_size: int
     per_row_fields: frozenset[str] = frozenset()
-    blocking_path: bool = False
 
 
 class SteppedExecution(Protocol):

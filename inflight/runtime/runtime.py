@@ -12,7 +12,9 @@ import torch
 
 from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
 from inflight.model.checkpoints.lora import load_lora_adapter
+from inflight.model.config import ModelConfig
 from inflight.model.parallel import TensorParallel
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import (
     MEDIA_FIELD,
     GenerationRequest,
@@ -20,8 +22,8 @@ from inflight.protocol.request import (
     RequestFieldError,
     SamplingParams,
 )
-from inflight.protocol.stepped import AdmissionAnswer, ExecutionCapabilities
-from inflight.runtime.config import RuntimeConfig
+from inflight.protocol.stepped import ExecutionCapabilities
+from inflight.runtime.deployment import ModelFacts, ifb_unsupported_reason, resolve
 from inflight.runtime.device.draft_model import DraftModel
 from inflight.runtime.device.encoder_cache import EncoderCache
 from inflight.runtime.device.executor import Executor
@@ -31,6 +33,7 @@ from inflight.runtime.device.inputs import (
     MediaInputs,
     RecurrentInputs,
 )
+from inflight.runtime.device.machine import probe_machine
 from inflight.runtime.device.model_runner import ModelRunner, build_model_runner
 from inflight.runtime.device.parallel import ParallelExecutor, Workers, rank_device
 from inflight.runtime.device.sampler import Sampler
@@ -49,107 +52,100 @@ from inflight.runtime.host.speculative import SpeculativeDecoding
 from inflight.runtime.host.structured import Constraints, GrammarCompiler
 from inflight.runtime.inputs.preprocessing import media_inputs
 
-DEFAULT_MAX_MODEL_LEN = 4096
-
 # Each resident carries its own SamplingParams: the sampler, detokenizer, stop checks and KV
 # reservation all work per row, so no sampling parameter keeps two requests from sharing a step.
 PER_ROW_FIELDS = frozenset(f"params.{f.name}" for f in fields(SamplingParams))
 
 
+def model_facts(config: ModelConfig, processor_config: dict[str, Any]) -> ModelFacts:
+    """What the deployment plan reads of a model."""
+    return ModelFacts(
+        family=config.family,
+        vocab_size=config.vocab_size,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
+        max_position_embeddings=config.max_position_embeddings,
+        sliding_window=config.sliding_window,
+        recurrent=config.mamba is not None,
+        media=tuple(media_inputs(config, processor_config)),
+        mrope=config.rope.mrope_section is not None,
+    )
+
+
 class Runtime:
+    """A loaded model and everything its steps run with, built from the deployment plan its
+    options resolve to on this model and machine (`plan`; a ValueError names a combination it
+    cannot serve, before any weight loads)."""
+
     def __init__(
         self,
         model: str | Path | Checkpoint | None = None,
-        config: RuntimeConfig | None = None,
+        options: DeploymentOptions | None = None,
         show_progress: bool = False,
     ) -> None:
-        config = config or RuntimeConfig()
-        self.config = config
-        self.device = torch.device(
-            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        )
-        self.parallel = None
-        if config.tensor_parallel_size > 1:
-            size = config.tensor_parallel_size
-            if self.device.type == "cuda" and torch.cuda.device_count() < size:
-                raise ValueError(
-                    f"tensor_parallel_size={size} needs {size} GPUs (one per rank); "
-                    f"{torch.cuda.device_count()} are visible"
-                )
-            self.parallel = TensorParallel(0, size)
-            self.device = rank_device(self.device, 0)
-        dtype_name = config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
-        self.dtype = getattr(torch, dtype_name)
+        options = options or DeploymentOptions()
         self.checkpoint = open_checkpoint(model)
         self.tokenizer = self.checkpoint.tokenizer
         model_config = self.checkpoint.config
-        if config.max_model_len and config.max_model_len > model_config.max_context:
-            raise ValueError(
-                f"max_model_len ({config.max_model_len}) exceeds the model's context "
-                f"({model_config.max_context})"
-            )
-        self.max_model_len = min(
-            config.max_model_len or DEFAULT_MAX_MODEL_LEN, model_config.max_context
-        )
-        if model_config.mamba is not None and config.speculative is not None:
-            raise ValueError(
-                "speculative decoding is not served for hybrid Mamba models: a rejected draft "
-                "would need its sequence's recurrent state rolled back"
-            )
-        num_blocks = config.num_kv_blocks or config.max_batch_size * -(
-            -self.max_model_len // config.block_size
-        )
-        self.blocks = BlockPool(num_blocks, config.block_size)
-        self.slots = ResidentSlots(config.max_batch_size)
-        self.context_cache = ContextCache(self.blocks) if config.context_cache else None
+        spec = options.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft_checkpoint = open_checkpoint(spec.model)
+            draft = model_facts(draft_checkpoint.config, draft_checkpoint.processor_config)
+        facts = model_facts(model_config, self.checkpoint.processor_config)
+        self.plan = plan = resolve(options, facts, probe_machine(), draft)
+        self.device = torch.device(plan.device)
+        self.parallel = None
+        if plan.tensor_parallel_size > 1:
+            self.parallel = TensorParallel(0, plan.tensor_parallel_size)
+            self.device = rank_device(self.device, 0)
+        self.dtype = getattr(torch, plan.dtype)
+        self.max_model_len = plan.max_model_len
+        self.blocks = BlockPool(plan.num_kv_blocks, plan.block_size)
+        self.slots = ResidentSlots(plan.max_batch_size)
+        self.context_cache = ContextCache(self.blocks) if options.enable_context_reuse else None
         self.workers: Workers | None = None
-        runner = self._build_runner(num_blocks, show_progress)
-        self.overlap = self.device.type == "cuda" if config.overlap is None else config.overlap
+        runner = self._build_runner(show_progress)
+        self.overlap = plan.overlap
         self.media_inputs = media_inputs(model_config, self.checkpoint.processor_config)
         # The media the model takes, by kind.
         self.media = {kind: found.spec for kind, found in self.media_inputs.items()}
         # The per-row features this runtime serves: their hooks in admission and in taking
         # tokens in (host), their inputs to the forward pass (device).
         grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size)
-        self.constraints = Constraints(grammars, config.max_batch_size)
+        self.constraints = Constraints(grammars, plan.max_batch_size)
         features: list[RowFeature] = [MediaChecks(self.media), self.constraints]
         inputs: list[ForwardInput] = []
         self.adapters: AdapterRegistry | None = None
-        if config.max_loras:
+        if plan.lora:
             model = runner.model
             self.adapters = AdapterRegistry(
-                config.max_loras,
-                lambda path: load_lora_adapter(path, model_config, config.max_lora_rank),
+                options.max_loras,
+                lambda path: load_lora_adapter(path, model_config, options.max_lora_rank),
                 model.load_lora,
             )
             features.insert(0, self.adapters)
             inputs.append(AdapterInputs(model))
         self.encoder_cache: EncoderCache | None = None
-        if self.media:
-            self.encoder_cache = EncoderCache(config.encoder_cache_mb << 20)
-            mrope = model_config.rope.mrope_section is not None
+        if plan.media:
+            self.encoder_cache = EncoderCache(options.encoder_cache_mb << 20)
             encoders = runner.model.media_encoders()
-            inputs.append(MediaInputs(encoders, self.encoder_cache, mrope, self.device))
+            inputs.append(MediaInputs(encoders, self.encoder_cache, plan.mrope, self.device))
         decoding: Decoding = PlainDecoding()
         self.speculator: SpeculativeDecoding | None = None
-        if config.speculative is not None:
+        if plan.speculative is not None:
             drafter = None
-            if config.speculative.method == "draft_model":
-                drafter = self._build_draft_model(config.speculative.model, num_blocks)
-            decoding = self.speculator = SpeculativeDecoding(config.speculative, drafter)
+            if plan.speculative.method == "draft_model":
+                drafter = self._build_draft_model(plan.speculative.model)
+            decoding = self.speculator = SpeculativeDecoding(plan.speculative, drafter)
             features.append(self.speculator)
-        prefill = PrefillPolicy()
-        if runner.recurrent:
-            # Chunks of a fixed size whatever the batch: a row's prefill is split the same way
-            # alone and beside others, so its state (and output) is the same bits.
-            chunk = config.max_num_tokens - config.max_batch_size
-            if chunk < 1:
-                raise ValueError(
-                    f"a hybrid Mamba model needs max_num_tokens ({config.max_num_tokens}) above "
-                    f"max_batch_size ({config.max_batch_size}): its prefill chunks are the "
-                    "difference"
-                )
-            prefill = PrefillPolicy(chunk=chunk, shares_prefix=False)
+        # A hybrid's prefill chunks have a fixed size whatever the batch: a row's prefill is
+        # split the same way alone and beside others, so its state (and output) is the same
+        # bits; and no KV prefix holds its recurrent state.
+        prefill = PrefillPolicy(plan.prefill_chunk, shares_prefix=not plan.recurrent)
+        if plan.recurrent:
             inputs.append(RecurrentInputs(self.device))
         self.scheduler = Scheduler(
             self.blocks,
@@ -160,8 +156,8 @@ class Runtime:
             prefill,
             max_model_len=self.max_model_len,
             vocab_size=model_config.vocab_size,
-            max_num_tokens=config.max_num_tokens,
-            served_options=self._served_options,
+            max_num_tokens=plan.max_num_tokens,
+            served_options=plan.served_options,
         )
         self.outputs = OutputProcessor(
             self.scheduler,
@@ -175,52 +171,31 @@ class Runtime:
         extra = {} if self.workers is None else {"workers": self.workers}
         self.executor = executor(
             runner,
-            Sampler(config.seed, self.device),
+            Sampler(options.seed, self.device),
             self.constraints,
             inputs,
-            max_batch_size=config.max_batch_size,
+            max_batch_size=plan.max_batch_size,
             pick_width=decoding.pick_width,
             **extra,
         )
         self._session: GenerationSession | None = None
 
-    @property
-    def _served_options(self) -> frozenset[str]:
-        """The request options of the table this runtime serves: LoRA, when enabled."""
-        return frozenset({"lora_name"}) if self.config.max_loras else frozenset()
-
-    def _build_draft_model(self, path: str | None, num_blocks: int) -> DraftModel:
-        """The draft model of speculative decoding, its KV cache over the same block ids."""
-        config, target = self.config, self.checkpoint.config
+    def _build_draft_model(self, path: str | None) -> DraftModel:
+        """The draft model of speculative decoding, its KV cache over the same block ids; eager
+        and without adapters: its steps are a few rows' catch-up and single tokens."""
+        options = replace(self.plan.options, cuda_graphs=False, enable_lora=False)
+        plan = replace(self.plan, options=options, cuda_graphs=False, lora=False)
         checkpoint = open_checkpoint(path)
-        if checkpoint.config.vocab_size != target.vocab_size:
-            raise ValueError(
-                f"the draft model's vocabulary ({checkpoint.config.vocab_size} tokens) is not "
-                f"the target's ({target.vocab_size})"
-            )
-        # Eager and without adapters: its steps are a few rows' catch-up and single tokens.
-        eager = replace(config, cuda_graphs=False, max_loras=0)
-        return DraftModel(
-            build_model_runner(
-                checkpoint, eager, self.dtype, self.device, self.max_model_len, num_blocks
-            )
-        )
+        return DraftModel(build_model_runner(checkpoint, plan, self.dtype, self.device))
 
-    def _build_runner(self, num_blocks: int, show_progress: bool) -> ModelRunner:
+    def _build_runner(self, show_progress: bool) -> ModelRunner:
         """The model runner; under tensor parallelism, with the worker ranks started and
         connected."""
-        config, model_config, parallel = self.config, self.checkpoint.config, self.parallel
+        plan, parallel = self.plan, self.parallel
         connect = None
         if parallel is not None:
-            parallel.check(model_config)  # before any worker starts
             workers = self.workers = Workers(
-                parallel.size,
-                self.checkpoint,
-                config,
-                self.dtype,
-                self.device,
-                self.max_model_len,
-                num_blocks,
+                parallel.size, self.checkpoint, plan, self.dtype, self.device
             )
 
             def connect() -> None:
@@ -230,11 +205,9 @@ class Runtime:
         try:
             runner = build_model_runner(
                 self.checkpoint,
-                config,
+                plan,
                 self.dtype,
                 self.device,
-                self.max_model_len,
-                num_blocks,
                 parallel=parallel,
                 connect=connect,
                 show_progress=show_progress,
@@ -262,21 +235,21 @@ class Runtime:
 
     @property
     def capabilities(self) -> ExecutionCapabilities:
-        if not self.config.in_flight_batching:
-            return ExecutionCapabilities(
-                stepped=True, seated_admission=False, max_batch_size=1, blocking_path=True
-            )
         return ExecutionCapabilities(
             stepped=True,
-            seated_admission=True,
+            # A deployment one of whose features cannot run beside joiners batches one request
+            # at a time (the blocking path); `LLM` refuses it in-flight batching at load.
+            seated_admission=ifb_unsupported_reason(self.plan) is None,
             max_batch_size=self.slots.capacity,
-            per_row_fields=PER_ROW_FIELDS | self._served_options,
+            per_row_fields=PER_ROW_FIELDS | self.plan.served_options,
         )
 
     def register_lora(self, name: str, path: str) -> None:
         """Serve the PEFT adapter at `path` as `name` (ValueError naming what is wrong)."""
         if self.adapters is None:
-            raise ValueError("LoRA is off: build the runtime with max_loras > 0")
+            raise ValueError(
+                "LoRA is off in this deployment: start with enable_lora=True (--enable-lora)"
+            )
         self.adapters.register(name, path)
 
     def unregister_lora(self, name: str) -> None:
@@ -324,14 +297,8 @@ class Runtime:
         intent = self.scheduler.intent(request)
         return request if intent is request.intent else replace(request, intent=intent)
 
-    def new_session(self) -> GenerationSession | BlockingRun:
-        """The execution for one batch (on the blocking path, of one request); a runtime runs
-        one at a time."""
-        if not self.config.in_flight_batching:
-            return BlockingRun(self._new_session())
-        return self._new_session()
-
-    def _new_session(self) -> GenerationSession:
+    def new_session(self) -> GenerationSession:
+        """The execution for one batch; a runtime runs one at a time."""
         if self._session is not None:
             raise RuntimeError("a generation session is already open on this runtime")
         if self.fault is not None:
@@ -352,11 +319,5 @@ class Runtime:
         self._session = None
 
     def handle_request(self, request: GenerationRequest) -> BlockingRun:
-        """The blocking path: serve one request alone, on the caller's thread (a ValueError
-        where it is refused)."""
-        run = BlockingRun(self._new_session())
-        admission = run.admit(request)
-        if admission.answer is not AdmissionAnswer.ADMITTED:
-            run.finish()
-            raise ValueError(admission.reason)
-        return run
+        """The blocking path: serve one request alone, on the caller's thread."""
+        return BlockingRun(self.new_session(), request)

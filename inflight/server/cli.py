@@ -8,11 +8,24 @@ import functools
 import json
 import logging
 import os
+import re
 import sys
+from collections.abc import Collection
+from dataclasses import fields
+from typing import Any
 
-from inflight.protocol.deployment import KV_CACHE_DTYPES, QUANTIZATIONS
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.server.parsers import REASONING_PARSERS, TOOL_PARSERS
 
+# `inflight bench throughput`: the knobs its inflight engines take from the command line.
+BENCH_KNOBS = (
+    "max_batch_size",
+    "max_num_tokens",
+    "max_model_len",
+    "enable_context_reuse",
+    "device",
+    "dtype",
+)
 # `inflight bench throughput` engines that run inflight itself, by the quantization they use.
 INFLIGHT_ENGINES = {
     "inflight": "auto",
@@ -60,6 +73,57 @@ def _json_object(value: str) -> dict:
     return config
 
 
+# How a knob's flag reads its value, by the knob's type (`parse` in its metadata where the type
+# alone does not say).
+_PARSERS: dict[str, dict[str, Any]] = {
+    "int": {"type": int},
+    "int | None": {"type": int},
+    "str": {},
+    "str | None": {},
+    "bool": {"action": argparse.BooleanOptionalAction},
+    "bool | None": {"action": argparse.BooleanOptionalAction},
+    "json": {"type": _json_object},
+    "name=path": {"type": _lora_module, "nargs": "+"},
+}
+
+
+def add_deployment_arguments(
+    parser: argparse.ArgumentParser, names: Collection[str] | None = None
+) -> None:
+    """A flag for each knob of `DeploymentOptions` (those in `names`, default all), named and
+    explained as the knob is; a flag not given leaves the knob's one default."""
+    group = parser.add_argument_group("deployment")
+    for knob in fields(DeploymentOptions):
+        if names is not None and knob.name not in names:
+            continue
+        meta = knob.metadata
+        flags = ["--" + knob.name.replace("_", "-"), *([meta["alias"]] if "alias" in meta else [])]
+        group.add_argument(
+            *flags,
+            dest=knob.name,
+            default=argparse.SUPPRESS,
+            help=meta["help"],
+            **({"choices": meta["choices"]} if "choices" in meta else {}),
+            **({"metavar": meta["metavar"]} if "metavar" in meta else {}),
+            **_PARSERS[meta.get("parse", knob.type)],
+        )
+
+
+def deployment_options(args: argparse.Namespace) -> DeploymentOptions:
+    """The knobs the command line gave (a ValueError naming a bad one by its flag too)."""
+    given = {f.name: getattr(args, f.name) for f in fields(DeploymentOptions) if f.name in args}
+    if "lora_modules" in given:
+        given["lora_modules"] = dict(given["lora_modules"])
+    try:
+        return DeploymentOptions(**given)
+    except ValueError as exc:
+        message = str(exc)
+        for knob in fields(DeploymentOptions):
+            flag = "--" + knob.name.replace("_", "-")
+            message = re.sub(rf"\b{knob.name}\b(?! \()", f"{knob.name} ({flag})", message)
+        raise ValueError(message) from exc
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -76,25 +140,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         chat_template = read_template(args.chat_template) if args.chat_template else None
-        llm = LLM(
-            args.model,
-            enable_in_flight_batching=args.enable_in_flight_batching,
-            max_batch_size=args.max_batch_size,
-            max_model_len=args.max_kv_cache_capacity,
-            max_num_tokens=args.max_num_tokens,
-            context_cache=args.enable_context_reuse,
-            quantization=args.quantization,
-            kv_cache_dtype=args.kv_cache_dtype,
-            enable_lora=args.enable_lora,
-            max_loras=args.max_loras,
-            max_lora_rank=args.max_lora_rank,
-            lora_modules=dict(args.lora_modules or []),
-            speculative_config=args.speculative_config,
-            limit_mm_per_prompt=args.limit_mm_per_prompt,
-            allow_media_fetch=args.allow_media_fetch,
-            tensor_parallel_size=args.tensor_parallel_size,
-            show_progress=True,
-        )
+        options = deployment_options(args)
+        llm = LLM(args.model, show_progress=True, **_knobs(options))
     except ValueError as exc:
         print(f"inflight: invalid server configuration: {exc}", file=sys.stderr)
         return 2
@@ -122,7 +169,7 @@ def _serve(args: argparse.Namespace) -> int:
         llm.close()
         print(f"inflight: invalid server configuration: {exc}", file=sys.stderr)
         return 2
-    tp = args.tensor_parallel_size
+    tp = options.tensor_parallel_size
     mode = (
         f"in-flight batching, batch {llm.max_batch_size}"
         if llm.in_flight_batching
@@ -131,13 +178,13 @@ def _serve(args: argparse.Namespace) -> int:
     print(
         f"inflight: serving {name} at http://{args.host}:{args.port}/v1 "
         f"({mode}; max_model_len {llm.max_model_len}; queue {args.max_queued_requests}"
-        f"{'; context cache' if args.enable_context_reuse else ''}"
-        f"; quantization {args.quantization}"
-        f"{'; KV cache fp8' if args.kv_cache_dtype == 'fp8' else ''}"
+        f"{'; context cache' if options.enable_context_reuse else ''}"
+        f"; quantization {options.quantization}"
+        f"{'; KV cache fp8' if options.kv_cache_dtype == 'fp8' else ''}"
         f"{f'; tensor parallel {tp}' if tp > 1 else ''}"
         f"{f'; tool calls: {args.tool_call_parser}' if args.tool_call_parser else ''}"
         f"{f'; reasoning: {args.reasoning_parser}' if args.reasoning_parser else ''}"
-        f"{f'; LoRA adapters: {llm.lora_adapters}' if args.enable_lora else ''}"
+        f"{f'; LoRA adapters: {llm.lora_adapters}' if options.enable_lora else ''}"
         f"{'; API key required' if args.api_key else ''})",
         flush=True,
     )
@@ -145,10 +192,18 @@ def _serve(args: argparse.Namespace) -> int:
     return asyncio.run(Server(config, client, args.shutdown_timeout).run_until_stopped())
 
 
+def _knobs(options: DeploymentOptions) -> dict[str, Any]:
+    return {f.name: getattr(options, f.name) for f in fields(DeploymentOptions)}
+
+
 def _chat(args: argparse.Namespace) -> int:
     from inflight import LLM, SamplingParams
 
-    llm = LLM(args.model, max_model_len=args.max_model_len)
+    try:
+        llm = LLM(args.model, **_knobs(deployment_options(args)))
+    except ValueError as exc:
+        print(f"inflight: invalid configuration: {exc}", file=sys.stderr)
+        return 2
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     for delta in llm.generate_stream([{"role": "user", "content": args.message}], params):
         print(delta.text, end="", flush=True)
@@ -166,14 +221,11 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     tokenizer = offline.load_tokenizer(args.model)
     work = offline.make_workload(tokenizer, args.num_prompts, args.prompt_len, args.output_len)
+    knobs = {k: v for k, v in _knobs(deployment_options(args)).items() if k in BENCH_KNOBS}
+    batch = knobs.pop("max_batch_size")
     runs = {
         name: functools.partial(
-            offline.run_inflight,
-            args.model,
-            work,
-            args.batch,
-            max_num_tokens=args.max_num_tokens,
-            quantization=quantization,
+            offline.run_inflight, args.model, work, batch, quantization=quantization, **knobs
         )
         for name, quantization in INFLIGHT_ENGINES.items()
     }
@@ -241,17 +293,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument(
-        "--enable-in-flight-batching",
-        action="store_true",
-        help="admit queued requests into the running batch",
-    )
-    serve.add_argument(
-        "--max-batch-size",
-        type=_positive,
-        default=8,
-        help="requests generating at once under in-flight batching",
-    )
-    serve.add_argument(
         "--max-queued-requests",
         type=_non_negative,
         default=16,
@@ -278,48 +319,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest prompt in tokens (413 beyond)",
     )
     serve.add_argument(
-        "--max-kv-cache-capacity",
-        type=_positive,
-        default=None,
-        help="longest sequence (prompt + output) in tokens",
-    )
-    serve.add_argument(
-        "--max-num-tokens",
-        type=_positive,
-        default=512,
-        help="tokens computed per step (decode rows plus prefill chunks)",
-    )
-    serve.add_argument(
-        "--enable-context-reuse",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV of prompt prefixes computed before (prefix cache; on by default)",
-    )
-    serve.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default="auto",
-        help="auto (default): a GGUF file's Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights run in the "
-        "CPU kernels of their own type (fast, not bit-exact), others in float32; none: float32 "
-        "(bf16 on CUDA), exact; int8 / q4: quantize every CPU matmul (q4: 4-bit GGUF Q4_1 "
-        "form, head int8); fp8: FP8 decoder weights on CUDA GPUs with FP8 tensor cores (Ada, "
-        "Hopper)",
-    )
-    serve.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default="auto",
-        help="auto (default): keys and values in the model's dtype; fp8: float8 e4m3 on CUDA "
-        "(half the KV bytes; uncalibrated, values clamped at +-448)",
-    )
-    serve.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=_positive,
-        default=1,
-        help="split the model over this many ranks: one process each (one GPU each on CUDA)",
-    )
-    serve.add_argument(
         "--chat-template",
         default=None,
         help="a Jinja chat template (a file, or the template's text) in place of the model's own",
@@ -343,46 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="split the reasoning (<think>...</think>) into the message's reasoning fields",
     )
     serve.add_argument(
-        "--enable-lora",
-        action="store_true",
-        help="serve LoRA adapters: a request picks one by its `model` name",
-    )
-    serve.add_argument(
-        "--lora-modules",
-        nargs="+",
-        type=_lora_module,
-        default=None,
-        metavar="NAME=PATH",
-        help="PEFT adapters to serve, each as name=path (more with POST /v1/load_lora_adapter)",
-    )
-    serve.add_argument(
-        "--max-loras", type=_positive, default=4, help="LoRA adapters in the model at once"
-    )
-    serve.add_argument(
-        "--max-lora-rank", type=_positive, default=16, help="the largest LoRA rank served"
-    )
-    serve.add_argument(
-        "--speculative-config",
-        type=_json_object,
-        default=None,
-        metavar="JSON",
-        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
-    )
-    serve.add_argument(
-        "--limit-mm-per-prompt",
-        type=_json_object,
-        default=None,
-        metavar="JSON",
-        help='media items a prompt may hold, e.g. \'{"image": 4, "audio": 1}\' (default 4 each)',
-    )
-    serve.add_argument(
-        "--allow-media-fetch",
-        action="store_true",
-        help="fetch http(s) image and audio URLs (default: data URLs only)",
-    )
-    serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    add_deployment_arguments(serve)
     serve.set_defaults(run=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -391,8 +353,6 @@ def build_parser() -> argparse.ArgumentParser:
     through.add_argument("--num-prompts", type=_positive, default=16)
     through.add_argument("--prompt-len", type=_positive, default=100)
     through.add_argument("--output-len", type=_positive, default=64)
-    through.add_argument("--batch", type=_positive, default=16)
-    through.add_argument("--max-num-tokens", type=_positive, default=2048)
     through.add_argument("--threads", type=_positive, default=os.cpu_count() or 1)
     through.add_argument(
         "--engines",
@@ -402,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     through.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server")
     through.add_argument("--out", default=None, help="write the results as JSON here")
+    # The knobs the inflight engines take; each engine sets its quantization and in-flight
+    # batching itself.
+    add_deployment_arguments(through, BENCH_KNOBS)
     through.set_defaults(run=_bench_throughput)
     online = bench.add_parser("serve", help="online: Poisson arrivals against a running server")
     online.add_argument("--url", default="http://127.0.0.1:8000")
@@ -422,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0)
-    chat.add_argument("--max-model-len", type=int, default=2048)
+    add_deployment_arguments(chat)
     chat.set_defaults(run=_chat)
     return parser
 

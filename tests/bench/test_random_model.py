@@ -6,8 +6,8 @@ import torch
 
 from inflight.bench.random_model import SHAPES, RandomWeights, numbered_tokenizer
 from inflight.model.checkpoints.loader import Checkpoint
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 from tiny_models import small_shape
@@ -23,7 +23,7 @@ def test_a_small_random_model_loads_and_generates():
             _source=RandomWeights(small, torch.device("cpu")),
         )
         runtime = Runtime(
-            checkpoint, RuntimeConfig(max_batch_size=2, max_model_len=64, dtype="float32")
+            checkpoint, DeploymentOptions(max_batch_size=2, max_model_len=64, dtype="float32")
         )
         out = runtime.handle_request(
             GenerationRequest(

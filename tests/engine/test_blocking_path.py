@@ -1,41 +1,24 @@
-"""The blocking path behind the engine's interface (`BlockingRun`: each batch one request in
-a session of its own), against a fake session."""
+"""The blocking path: the engine with batches of one request each, every request run whole
+alone in a session of its own (against a fake execution)."""
 
 import pytest
 
 from inflight.engine import EngineConfig, RequestCancelled, RequestEngine, RequestFailed
-from inflight.protocol.stepped import ExecutionCapabilities
-from inflight.runtime.host.blocking import BlockingRun
 
 from fake_execution import FakeFactory
 from test_request_engine import req, wait_until
 
 
 class FakeBlockingRuntime:
-    """A runtime on the blocking path: each batch is one request alone in a fresh fake
-    session."""
-
-    capabilities = ExecutionCapabilities(
-        stepped=True, seated_admission=False, max_batch_size=1, blocking_path=True
-    )
+    """The fake execution factory, and what the tests read of it."""
 
     def __init__(self, **factory) -> None:
         self.factory = FakeFactory(max_batch_size=1, **factory)
 
-    @property
-    def fault(self):
-        return self.factory.fault
-
-    def check(self, request):
-        return self.factory.check(request)
-
-    def new_session(self):
-        return BlockingRun(self.factory.new_session())
-
 
 def blocking_engine(runtime, **config):
     return RequestEngine(
-        runtime, EngineConfig(**{"max_batch_size": 1, "idle_wait": 0.01, **config})
+        runtime.factory, EngineConfig(**{"max_batch_size": 1, "idle_wait": 0.01, **config})
     )
 
 
@@ -102,11 +85,6 @@ def test_what_the_runtime_refuses_is_refused_at_submit_as_under_ifb():
         e.submit(req(past_trajectory=[1]))
     assert e.metrics.submitted == 1
     e.shutdown()
-
-
-def test_the_blocking_path_batches_nothing():
-    with pytest.raises(RuntimeError, match="mid-flight"):
-        RequestEngine(FakeBlockingRuntime(), EngineConfig(max_batch_size=2))
 
 
 def test_shutdown_drains_the_queue():

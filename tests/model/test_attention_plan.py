@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from inflight.model.attention.plan import decode_splits, plan_prefill
-from inflight.runtime.runtime import Runtime, RuntimeConfig
+from inflight.runtime.runtime import DeploymentOptions, Runtime
 
 
 def test_programs_cover_every_prefill_query_once():
@@ -27,9 +27,9 @@ def test_a_decode_only_step_has_no_prefill_programs():
 
 def test_triton_backend_needs_cuda(tiny_dirs):
     with pytest.raises(ValueError, match="CUDA"):
-        Runtime(tiny_dirs["llama"], RuntimeConfig(device="cpu", attention_backend="triton"))
+        Runtime(tiny_dirs["llama"], DeploymentOptions(device="cpu", attention_backend="triton"))
     with pytest.raises(ValueError, match="attention_backend"):
-        RuntimeConfig(attention_backend="flash")
+        DeploymentOptions(attention_backend="flash")
 
 
 def test_decode_rows_split_their_keys_only_when_few():
@@ -44,11 +44,12 @@ def test_decode_rows_split_their_keys_only_when_few():
 
 def test_fp8_kv_cache_is_refused_where_no_triton_backend_runs_it(tiny_dirs):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
-        RuntimeConfig(kv_cache_dtype="float16")
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' needs a CUDA device"):
-        RuntimeConfig(device="cpu", kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' needs a CUDA device"):
-        RuntimeConfig(attention_backend="torch", kv_cache_dtype="fp8")
-    # The device left to the runtime: the CPU here, found when the cache is allocated.
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' needs the triton attention"):
-        Runtime(tiny_dirs["llama"], RuntimeConfig(kv_cache_dtype="fp8"))
+        DeploymentOptions(kv_cache_dtype="float16")
+    # The deployment plan names the device and backend it found, whichever the user left open.
+    for options in (
+        DeploymentOptions(device="cpu", kv_cache_dtype="fp8"),
+        DeploymentOptions(attention_backend="torch", kv_cache_dtype="fp8"),
+        DeploymentOptions(kv_cache_dtype="fp8"),
+    ):
+        with pytest.raises(ValueError, match="kv_cache_dtype='fp8' needs a CUDA device"):
+            Runtime(tiny_dirs["llama"], options)

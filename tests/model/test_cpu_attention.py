@@ -7,7 +7,7 @@ from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.cpu import CpuAttentionBackend
 from inflight.model.kernels.cpu.attention import decode_attention
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
-from inflight.runtime.runtime import Runtime, RuntimeConfig
+from inflight.runtime.runtime import DeploymentOptions, Runtime
 
 from helpers import scattered_step
 
@@ -56,15 +56,16 @@ def test_a_row_gets_the_same_bits_alone_or_batched():
 
 
 def test_runtime_picks_it_for_float32_on_the_cpu(tiny_dirs):
-    runtime = Runtime(tiny_dirs["llama"], RuntimeConfig(device="cpu", max_model_len=64))
+    runtime = Runtime(tiny_dirs["llama"], DeploymentOptions(device="cpu", max_model_len=64))
     assert isinstance(runtime.executor.runner.caches.backend, CpuAttentionBackend)
     with pytest.raises(ValueError, match="float32 on the CPU"):
         Runtime(
             tiny_dirs["llama"],
-            RuntimeConfig(device="cpu", dtype="bfloat16", attention_backend="cpu"),
+            DeploymentOptions(device="cpu", dtype="bfloat16", attention_backend="cpu"),
         )
     reference = Runtime(
-        tiny_dirs["llama"], RuntimeConfig(device="cpu", max_model_len=64, attention_backend="torch")
+        tiny_dirs["llama"],
+        DeploymentOptions(device="cpu", max_model_len=64, attention_backend="torch"),
     )
     assert type(reference.executor.runner.caches.backend) is TorchAttentionBackend
 

@@ -9,14 +9,16 @@ import torch
 
 from inflight.model.contract import MediaEmbeds
 from inflight.model.layers.lora import LONG_RUN, LoRAMapping
-from inflight.runtime.config import RuntimeConfig
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.runtime import Runtime
 from tests.model.test_k_quant import write_k_quant_gguf
 
 
 def _runner(model, **options):
-    config = RuntimeConfig(device="cpu", max_model_len=256, context_cache=False, **options)
+    config = DeploymentOptions(
+        device="cpu", max_model_len=256, enable_context_reuse=False, **options
+    )
     return Runtime(model, config).executor.runner
 
 
@@ -128,7 +130,9 @@ def test_an_error_in_the_prefill_attention_comes_back_as_itself(tiny_dirs, monke
 def test_lora_rows_beside_base_rows(tiny_dirs):
     """Adapters in two slots; a decode step of rows of both and of the base model, then a mixed
     step with a short prompt chunk of one adapter: the layers' bits, adapters applied."""
-    runner = _runner(tiny_dirs["llama"], quantization="int8", max_loras=2, max_lora_rank=8)
+    runner = _runner(
+        tiny_dirs["llama"], quantization="int8", enable_lora=True, max_loras=2, max_lora_rank=8
+    )
     torch.manual_seed(0)
     for slot, rank in ((0, 8), (1, 4)):
         for layer in runner.model.layers:

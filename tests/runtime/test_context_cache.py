@@ -2,9 +2,9 @@
 
 import pytest
 
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.protocol.stepped import AdmissionAnswer
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks
@@ -54,8 +54,8 @@ def test_shared_system_prompt_prefills_only_the_tail(smollm_cached, smollm):
 @pytest.fixture
 def tiny(tiny_dirs):
     def make(**config):
-        cfg = {"max_model_len": 256, "context_cache": True, "block_size": 8, **config}
-        return Runtime(tiny_dirs["qwen2"], RuntimeConfig(**cfg))
+        cfg = {"max_model_len": 256, "enable_context_reuse": True, "block_size": 8, **config}
+        return Runtime(tiny_dirs["qwen2"], DeploymentOptions(**cfg))
 
     return make
 
@@ -90,7 +90,7 @@ def test_a_block_is_visible_only_after_the_step_that_wrote_it(tiny):
 
 
 def test_small_cache_evicts_lru_and_stays_correct(tiny):
-    plain = tiny(max_batch_size=2, context_cache=False)
+    plain = tiny(max_batch_size=2, enable_context_reuse=False)
     cached = tiny(max_batch_size=2, num_kv_blocks=14)
     prefixes = [list(range(3 + 40 * k, 43 + 40 * k)) for k in range(4)]
     order = [0, 1, 0, 2, 3, 0, 1, 2, 3, 3, 0]
@@ -138,7 +138,7 @@ def test_per_request_policies(tiny):
 
 
 def test_chunked_prefill_of_a_2000_token_prompt_keeps_decoders_going(tiny_dirs):
-    config = RuntimeConfig(max_batch_size=3, max_model_len=2100, max_num_tokens=256)
+    config = DeploymentOptions(max_batch_size=3, max_model_len=2100, max_num_tokens=256)
     runtime = Runtime(tiny_dirs["qwen3"], config)
     session = runtime.new_session()
     a = session.admit(_req(range(3, 13), max_tokens=100)).ref

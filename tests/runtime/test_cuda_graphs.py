@@ -7,8 +7,8 @@ import torch
 from inflight.model.contract import ForwardBatch
 from inflight.model.layers.lora import LoRAMapping
 from inflight.model.mamba import MambaRows
+from inflight.protocol.deployment import DeploymentOptions, SpeculativeConfig
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.device.cuda_graphs import (
     UNFOLD_KEYS,
@@ -19,7 +19,6 @@ from inflight.runtime.device.cuda_graphs import (
     pick_bucket,
     replayable,
 )
-from inflight.runtime.host.speculative import SpeculativeConfig
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks, run_staggered, with_eager_graphs
@@ -165,9 +164,12 @@ def test_steps_with_short_prefills_replay_a_graph_and_decode_as_eager_steps_do(
     as the eager runtime, log-probabilities equal to float32 rounding."""
     config = dict(max_batch_size=4, max_model_len=256, max_num_tokens=24, block_size=8)
     if speculative:
-        config["speculative"] = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
-    eager = Runtime(tiny_dirs["qwen3"], RuntimeConfig(**config))
-    graphed = with_eager_graphs(Runtime(tiny_dirs["qwen3"], RuntimeConfig(**config, overlap=True)))
+        spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+        config["speculative_config"] = spec
+    eager = Runtime(tiny_dirs["qwen3"], DeploymentOptions(**config))
+    graphed = with_eager_graphs(
+        Runtime(tiny_dirs["qwen3"], DeploymentOptions(**config, overlap=True))
+    )
     eager_steps = []
     plan = graphed.executor.runner.caches.backend.plan
     monkeypatch.setattr(

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
 
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks
@@ -34,7 +34,7 @@ def _greedy(runtime, ids, n, **params):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiny_family_greedy_equals_transformers(family, tiny_dirs):
     hf = AutoModelForCausalLM.from_pretrained(tiny_dirs[family], dtype=torch.float32).eval()
-    config = RuntimeConfig(max_batch_size=2, max_model_len=256, quantization="none")
+    config = DeploymentOptions(max_batch_size=2, max_model_len=256, quantization="none")
     runtime = Runtime(tiny_dirs[family], config)
     ids = runtime.tokenizer.encode(PROMPT)
     assert list(_greedy(runtime, ids, 48).token_ids) == _hf_greedy(hf, ids, 48)

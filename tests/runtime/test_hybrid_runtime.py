@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from inflight.engine import EngineConfig, RequestEngine, RequestFailed
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks, assert_same_outputs, run_staggered, with_eager_graphs
 from tiny_models import make_tiny_hybrid
 
 FAMILIES = ("bamba", "nemotron_h")
-CONFIG = dict(max_batch_size=4, max_model_len=256, block_size=8, context_cache=False)
+CONFIG = dict(max_batch_size=4, max_model_len=256, block_size=8, enable_context_reuse=False)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -43,7 +43,7 @@ def test_greedy_with_chunked_prefill_is_transformers_greedy(hybrid):
     differently from its own full forward)."""
     path, hf = hybrid
     hf = copy.deepcopy(hf).double()
-    runtime = Runtime(path, RuntimeConfig(**dict(CONFIG, max_num_tokens=16)))
+    runtime = Runtime(path, DeploymentOptions(**dict(CONFIG, max_num_tokens=16)))
     for ids in (_prompt(21, 1), _prompt(45, 2)):
         got = runtime.handle_request(_request(ids, max_tokens=32)).result().token_ids
         seq = list(ids)
@@ -59,7 +59,7 @@ def test_rows_are_bit_identical_alone_and_in_a_changing_batch(hybrid, max_num_to
     """Requests of different lengths join a running batch every other step and leave as they
     finish (max_tokens 6 to 20), prefilled whole or (12 tokens a step) in chunks of 8: each
     row's tokens and logprobs equal its run alone, bit for bit."""
-    runtime = Runtime(hybrid[0], RuntimeConfig(**dict(CONFIG, max_num_tokens=max_num_tokens)))
+    runtime = Runtime(hybrid[0], DeploymentOptions(**dict(CONFIG, max_num_tokens=max_num_tokens)))
     requests = [
         _request(_prompt(n, seed), max_tokens=m, logprobs=2)
         for seed, (n, m) in enumerate(((9, 20), (30, 6), (17, 12), (5, 16), (23, 9), (12, 14)))
@@ -74,7 +74,7 @@ def test_state_slots_are_freed_after_cancels_failures_and_shutdown(hybrid):
     """Under the engine: two requests cancelled while running, two failed by a step that
     raises, then a request in slots those left dirty computes what it computes alone, and
     shutdown with one running. Every state slot (a resident's slot) is free at the end."""
-    runtime = Runtime(hybrid[0], RuntimeConfig(**CONFIG))
+    runtime = Runtime(hybrid[0], DeploymentOptions(**CONFIG))
     later = _request(_prompt(8, 7), max_tokens=6)
     want = runtime.handle_request(later).result().token_ids
     engine = RequestEngine(runtime, EngineConfig(max_batch_size=4, max_pending_requests=16))
@@ -102,7 +102,7 @@ def test_state_slots_are_freed_after_cancels_failures_and_shutdown(hybrid):
 
 def test_the_context_cache_is_bypassed_and_n_sequences_each_compute_their_prompt(hybrid):
     path, _ = hybrid
-    cached = Runtime(path, RuntimeConfig(**dict(CONFIG, context_cache=True)))
+    cached = Runtime(path, DeploymentOptions(**dict(CONFIG, enable_context_reuse=True)))
     ids = _prompt(40, 3)
     first = cached.handle_request(_request(ids)).result()
     again = cached.handle_request(_request(ids)).result()
@@ -118,7 +118,7 @@ def test_the_context_cache_is_bypassed_and_n_sequences_each_compute_their_prompt
 def test_speculative_decoding_is_refused_for_hybrids(hybrid):
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match="not served for hybrid Mamba models"):
-        Runtime(hybrid[0], RuntimeConfig(**dict(CONFIG, speculative=spec)))
+        Runtime(hybrid[0], DeploymentOptions(**dict(CONFIG, speculative_config=spec)))
 
 
 def test_decode_graphs_and_overlap_give_the_eager_tokens(hybrid, monkeypatch):
@@ -126,8 +126,8 @@ def test_decode_graphs_and_overlap_give_the_eager_tokens(hybrid, monkeypatch):
     scratch state slot as on CUDA) with overlapped steps: every row's tokens and logprobs are
     those of eager steps."""
     config = dict(CONFIG, max_num_tokens=12)
-    eager = Runtime(hybrid[0], RuntimeConfig(**config))
-    graphed = with_eager_graphs(Runtime(hybrid[0], RuntimeConfig(**config, overlap=True)))
+    eager = Runtime(hybrid[0], DeploymentOptions(**config))
+    graphed = with_eager_graphs(Runtime(hybrid[0], DeploymentOptions(**config, overlap=True)))
     planned = []
     plan = graphed.executor.runner.caches.backend.plan
     monkeypatch.setattr(

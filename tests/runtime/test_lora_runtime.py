@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from inflight.engine import EngineConfig, RequestEngine
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks, run_staggered, with_eager_graphs
@@ -35,12 +35,13 @@ def adapters(tiny_dirs, tmp_path_factory):
 def _runtime(tiny_dirs, adapters, max_loras=3, names="abc", **config):
     runtime = Runtime(
         tiny_dirs["llama"],
-        RuntimeConfig(
+        DeploymentOptions(
             **{
                 "max_batch_size": 6,
                 "max_model_len": 256,
                 "quantization": "none",
                 "block_size": 8,
+                "enable_lora": True,
                 "max_loras": max_loras,
                 **config,
             }
@@ -65,7 +66,7 @@ def _hf_greedy(model, ids, n):
 
 
 def test_each_adapter_greedy_equals_transformers_and_peft(tiny_dirs, adapters):
-    runtime = _runtime(tiny_dirs, adapters, context_cache=False)
+    runtime = _runtime(tiny_dirs, adapters, enable_context_reuse=False)
     base = runtime.handle_request(_request(None)).result().token_ids
     for name, (_, reference) in adapters.items():
         out = runtime.handle_request(_request(name)).result()
@@ -75,7 +76,7 @@ def test_each_adapter_greedy_equals_transformers_and_peft(tiny_dirs, adapters):
 
 
 def test_rows_of_three_adapters_and_the_base_share_steps(tiny_dirs, adapters):
-    runtime = _runtime(tiny_dirs, adapters, context_cache=False)
+    runtime = _runtime(tiny_dirs, adapters, enable_context_reuse=False)
     requests = [_request(lora, 10 + 3 * i) for i, lora in enumerate(["a", None, "b", "c", "a"])]
     alone = [runtime.handle_request(r).result().token_ids for r in requests]
     session = runtime.new_session()
@@ -97,8 +98,8 @@ def test_graphed_steps_give_each_token_its_rows_adapter(tiny_dirs, adapters):
     """With decode graphs (run eagerly on the CPU), prefills are packed as one row per token:
     each row's adapter follows its tokens, and the outputs are the eager runtime's."""
     requests = [_request(lora, 8 + 2 * i) for i, lora in enumerate(["a", None, "c", "b", "a"])]
-    want = run_staggered(_runtime(tiny_dirs, adapters, context_cache=False), requests)
-    graphed = with_eager_graphs(_runtime(tiny_dirs, adapters, context_cache=False))
+    want = run_staggered(_runtime(tiny_dirs, adapters, enable_context_reuse=False), requests)
+    graphed = with_eager_graphs(_runtime(tiny_dirs, adapters, enable_context_reuse=False))
     replays = []
     run = graphed.executor.runner.graphs.run
     graphed.executor.runner.graphs.run = lambda batch: (
@@ -114,9 +115,9 @@ def test_graphed_steps_give_each_token_its_rows_adapter(tiny_dirs, adapters):
 def test_more_adapters_than_slots_wait_and_swap_in(tiny_dirs, adapters):
     """Two slots for three adapters: the third waits (nothing taken) until a slot runs no
     resident, then replaces the least recently used adapter; outputs stay each adapter's own."""
-    plain = _runtime(tiny_dirs, adapters, context_cache=False)
+    plain = _runtime(tiny_dirs, adapters, enable_context_reuse=False)
     want = {n: plain.handle_request(_request(n)).result().token_ids for n in ("a", "b", "c")}
-    runtime = _runtime(tiny_dirs, adapters, max_loras=2, context_cache=False)
+    runtime = _runtime(tiny_dirs, adapters, max_loras=2, enable_context_reuse=False)
     session = runtime.new_session()
     first = session.admit(_request("a")).ref
     second = session.admit(_request("b", max_tokens=4)).ref
@@ -164,7 +165,7 @@ def test_unknown_and_unloaded_adapters_are_refused_and_running_ones_finish(tiny_
 
 
 def test_the_engine_batches_adapters_together(tiny_dirs, adapters):
-    runtime = _runtime(tiny_dirs, adapters, context_cache=False)
+    runtime = _runtime(tiny_dirs, adapters, enable_context_reuse=False)
     want = [runtime.handle_request(_request(n, 12)).result().token_ids for n in "abc"]
     engine = RequestEngine(runtime, EngineConfig(max_batch_size=6))
     handles = [engine.submit(_request(n, 12)) for n in "abc"]

@@ -7,8 +7,8 @@ import pytest
 import torch
 from PIL import Image
 
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, RequestFieldError, SamplingParams
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks, assert_same_outputs, run_staggered, watch_media_prefills
@@ -23,7 +23,9 @@ def image(seed: int) -> Image.Image:
 @pytest.fixture(scope="module")
 def runtime(tiny_llava):
     path, _ = tiny_llava
-    config = RuntimeConfig(max_batch_size=4, max_model_len=256, block_size=8, context_cache=False)
+    config = DeploymentOptions(
+        max_batch_size=4, max_model_len=256, block_size=8, enable_context_reuse=False
+    )
     return Runtime(path, config)
 
 
@@ -77,7 +79,9 @@ def test_rows_with_and_without_images_share_steps_as_they_run_alone(runtime, mon
 
 def test_a_repeated_image_is_not_encoded_again(tiny_llava):
     path, _ = tiny_llava
-    config = RuntimeConfig(max_batch_size=2, max_model_len=256, block_size=8, context_cache=False)
+    config = DeploymentOptions(
+        max_batch_size=2, max_model_len=256, block_size=8, enable_context_reuse=False
+    )
     runtime = Runtime(path, config)
     metrics = runtime.encoder_cache.snapshot
     first = _alone(runtime, _request(runtime, ONE, [image(6)]))
@@ -99,10 +103,16 @@ def test_the_context_cache_reuses_a_prefix_only_with_the_same_image(tiny_llava):
     with the same image it reuses the image's blocks too, and runs no encoder."""
     path, _ = tiny_llava
     cached = Runtime(
-        path, RuntimeConfig(max_batch_size=2, max_model_len=256, block_size=8, context_cache=True)
+        path,
+        DeploymentOptions(
+            max_batch_size=2, max_model_len=256, block_size=8, enable_context_reuse=True
+        ),
     )
     fresh = Runtime(
-        path, RuntimeConfig(max_batch_size=2, max_model_len=256, block_size=8, context_cache=False)
+        path,
+        DeploymentOptions(
+            max_batch_size=2, max_model_len=256, block_size=8, enable_context_reuse=False
+        ),
     )
     text = [1, 60, 61, 62, 63, 64, 65, 66, IMAGE_TOKEN_ID, 70, 71, 72, 73, 74, 75, 76, 77, 78]
     _alone(cached, _request(cached, text, [image(9)]))
@@ -127,7 +137,7 @@ def test_bad_media_is_refused_naming_the_field(runtime, tiny_dirs):
     # Placeholder tokens with no image for them.
     with pytest.raises(RequestFieldError, match="with no image"):
         runtime.check(GenerationRequest(ONE, SamplingParams(max_tokens=2)))
-    text_only = Runtime(tiny_dirs["llama"], RuntimeConfig(max_batch_size=1, max_model_len=64))
+    text_only = Runtime(tiny_dirs["llama"], DeploymentOptions(max_batch_size=1, max_model_len=64))
     with pytest.raises(RequestFieldError, match="takes no image input"):
         text_only.expand_media([1, 2, 3], {"image": image(0)})
 
@@ -163,7 +173,9 @@ def test_the_pruner_keeps_the_share_asked_for_by_its_rule(runtime, tiny_llava):
 
 def test_pruned_and_whole_images_share_the_encoder_but_not_the_context_cache(tiny_llava):
     path, _ = tiny_llava
-    config = RuntimeConfig(max_batch_size=2, max_model_len=256, block_size=4, context_cache=True)
+    config = DeploymentOptions(
+        max_batch_size=2, max_model_len=256, block_size=4, enable_context_reuse=True
+    )
     cached = Runtime(path, config)
     text = [1, 60, 61, 62, IMAGE_TOKEN_ID, 70, 71, 72, 73]
     whole = _alone(cached, _request(cached, text, [image(12)]))

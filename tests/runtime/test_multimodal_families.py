@@ -8,8 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks, assert_same_outputs, run_staggered, watch_media_prefills
@@ -22,7 +22,7 @@ from tiny_models import (
     make_tiny_voxtral,
 )
 
-CONFIG = dict(max_batch_size=4, max_model_len=256, block_size=8, context_cache=False)
+CONFIG = dict(max_batch_size=4, max_model_len=256, block_size=8, enable_context_reuse=False)
 # Prefill chunks of 16 tokens: an image's tokens and the text after it are split across steps.
 # (Rows share steps without chunking: on the CPU a prompt prefilled in other chunks than alone
 # may differ in the last bits of its logprobs, media or not.)
@@ -83,7 +83,7 @@ def _hf_greedy(hf, prompt: list[int], n: int, inputs) -> tuple[int, ...]:
 
 def test_qwen2_vl_greedy_is_transformers_greedy(qwen):
     path, hf = qwen
-    runtime = Runtime(path, RuntimeConfig(**CHUNKED))
+    runtime = Runtime(path, DeploymentOptions(**CHUNKED))
     for text_ids, images in (
         (ONE_IMAGE, [image(0)]),
         (TWO_IMAGES, [image(1, (20, 64)), image(2, (64, 30))]),
@@ -106,7 +106,7 @@ def test_qwen2_vl_rows_share_steps_as_they_run_alone(qwen, monkeypatch):
     """Image, pruned-image and text requests join a running batch every other step, their
     prefills sharing steps with rows already decoding: each row's greedy tokens and logprobs
     are those of its run alone."""
-    runtime = Runtime(qwen[0], RuntimeConfig(**CONFIG))
+    runtime = Runtime(qwen[0], DeploymentOptions(**CONFIG))
     requests = [
         _request(runtime, TEXT, logprobs=2),
         _request(runtime, ONE_IMAGE, {"image": [image(3)]}, logprobs=2),
@@ -126,7 +126,7 @@ def test_qwen2_vl_rows_share_steps_as_they_run_alone(qwen, monkeypatch):
 
 def test_voxtral_greedy_is_transformers_greedy(voxtral):
     path, hf = voxtral
-    runtime = Runtime(path, RuntimeConfig(**CHUNKED))
+    runtime = Runtime(path, DeploymentOptions(**CHUNKED))
     for text_ids, clips in ((ONE_CLIP, [tone(0.6, 0)]), (TWO_CLIPS, [tone(1.5, 1), tone(0.4, 2)])):
         request = _request(runtime, text_ids, {"audio": clips}, max_tokens=16)
         got = _alone(runtime, request).token_ids
@@ -142,7 +142,7 @@ def test_voxtral_greedy_is_transformers_greedy(voxtral):
 
 
 def test_voxtral_rows_share_steps_and_a_repeated_clip_is_not_encoded_again(voxtral):
-    runtime = Runtime(voxtral[0], RuntimeConfig(**CONFIG))
+    runtime = Runtime(voxtral[0], DeploymentOptions(**CONFIG))
     metrics = runtime.encoder_cache.snapshot
     clip = tone(0.8, 3)
     requests = [
@@ -167,8 +167,8 @@ def test_qwen2_vl_reuses_a_cached_prefix_with_its_image_and_shift(qwen):
     """A prompt whose cached prefix holds an image: the text computed after it takes the
     image's M-RoPE shift from the request, and the answer is the one computed from scratch."""
     path, _ = qwen
-    cached = Runtime(path, RuntimeConfig(**dict(CONFIG, context_cache=True)))
-    fresh = Runtime(path, RuntimeConfig(**CONFIG))
+    cached = Runtime(path, DeploymentOptions(**dict(CONFIG, enable_context_reuse=True)))
+    fresh = Runtime(path, DeploymentOptions(**CONFIG))
     text = [1, 60, 61, 62, *VISION, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81]
     picture = image(11, (40, 60))
     first = _alone(cached, _request(cached, text, {"image": [picture]}))

@@ -3,9 +3,9 @@
 import pytest
 
 from inflight.engine import EngineConfig, RequestEngine
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.outputs import FinishReason
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks, run_staggered
@@ -14,7 +14,7 @@ from helpers import assert_no_leaks, run_staggered
 @pytest.fixture(scope="module")
 def runtimes(tiny_dirs):
     def make(overlap):
-        config = RuntimeConfig(
+        config = DeploymentOptions(
             max_batch_size=4, max_model_len=256, max_num_tokens=24, overlap=overlap, block_size=8
         )
         return Runtime(tiny_dirs["qwen3"], config)

@@ -2,8 +2,8 @@
 
 import pytest
 
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks
@@ -13,7 +13,9 @@ PROMPT = list(range(5, 45))  # 40 tokens: blocks of 8 -> 4 full blocks shared (3
 
 @pytest.fixture(scope="module")
 def runtime(tiny_dirs):
-    config = RuntimeConfig(max_batch_size=6, max_model_len=256, block_size=8, context_cache=False)
+    config = DeploymentOptions(
+        max_batch_size=6, max_model_len=256, block_size=8, enable_context_reuse=False
+    )
     return Runtime(tiny_dirs["qwen3"], config)
 
 
@@ -92,7 +94,7 @@ def test_the_sequences_share_a_batch_with_others_unchanged(runtime):
 
 def test_with_the_context_cache_the_shared_prompt_comes_from_it(tiny_dirs):
     cached = Runtime(
-        tiny_dirs["qwen3"], RuntimeConfig(max_batch_size=6, max_model_len=256, block_size=8)
+        tiny_dirs["qwen3"], DeploymentOptions(max_batch_size=6, max_model_len=256, block_size=8)
     )
     first = _run(cached, n=3, temperature=0.9, seed=2)
     second = _run(cached, n=3, temperature=0.9, seed=2)

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks
@@ -15,7 +15,7 @@ from helpers import assert_no_leaks
 def pair(tiny_dirs):
     hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], dtype=torch.float32).eval()
     # A small token budget splits the prompt's prefill (and its scoring) over several steps.
-    runtime = Runtime(tiny_dirs["llama"], RuntimeConfig(max_batch_size=2, max_num_tokens=16))
+    runtime = Runtime(tiny_dirs["llama"], DeploymentOptions(max_batch_size=2, max_num_tokens=16))
     return hf, runtime
 
 

@@ -3,6 +3,7 @@
 import pytest
 
 from inflight.bench.random_model import numbered_tokenizer
+from inflight.protocol.deployment import SpeculativeConfig
 from inflight.protocol.request import GenerationRequest, RequestFieldError, SamplingParams
 from inflight.runtime.host.context_cache import ContextCache
 from inflight.runtime.host.decoding import PlainDecoding
@@ -10,7 +11,7 @@ from inflight.runtime.host.kv_cache import BlockPool
 from inflight.runtime.host.media import MediaChecks
 from inflight.runtime.host.scheduler import PrefillPolicy, Scheduler
 from inflight.runtime.host.slots import ResidentSlots
-from inflight.runtime.host.speculative import SpeculativeConfig, SpeculativeDecoding
+from inflight.runtime.host.speculative import SpeculativeDecoding
 from inflight.runtime.host.structured import Constraints, GrammarCompiler
 
 

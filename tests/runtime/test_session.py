@@ -2,10 +2,10 @@
 
 import pytest
 
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.outputs import FinishReason
 from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.protocol.stepped import AdmissionAnswer, ResidentRef, StaleResidentRef
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks
@@ -70,7 +70,7 @@ def test_greedy_batched_equals_alone(smollm):
 def test_quantized_greedy_batched_equals_alone(quantization):
     """The quantized kernels quantize each token's activations on their own: a row's tokens
     never depend on what it is batched with."""
-    runtime = Runtime(None, RuntimeConfig(max_batch_size=8, quantization=quantization))
+    runtime = Runtime(None, DeploymentOptions(max_batch_size=8, quantization=quantization))
     requests = _requests(runtime.tokenizer, temperature=0)
     alone = [_run_alone(runtime, r) for r in requests]
     batched = _run_staggered(runtime, requests, JOIN_AT_STEP)
@@ -103,7 +103,7 @@ def test_seeded_sampling_batched_equals_alone(smollm):
 @pytest.fixture
 def tiny(tiny_dirs):
     def make(**config):
-        return Runtime(tiny_dirs["qwen3"], RuntimeConfig(**{"max_model_len": 256, **config}))
+        return Runtime(tiny_dirs["qwen3"], DeploymentOptions(**{"max_model_len": 256, **config}))
 
     return make
 
@@ -117,7 +117,7 @@ def _req(n_prompt, max_tokens=8, **params):
 
 def test_chunked_prefill_keeps_decoders_advancing(tiny):
     # Without the context cache, which would serve the second run the prompt the first computed.
-    runtime = tiny(max_batch_size=4, max_num_tokens=16, context_cache=False)
+    runtime = tiny(max_batch_size=4, max_num_tokens=16, enable_context_reuse=False)
     long_request = _req(150, max_tokens=4)
     alone = _run_alone(runtime, long_request)
     session = runtime.new_session()

@@ -9,18 +9,13 @@ from collections import Counter
 import pytest
 
 from inflight.model.checkpoints.loader import default_model_path
+from inflight.protocol.deployment import DeploymentOptions, SpeculativeConfig
 from inflight.protocol.outputs import FinishReason
 from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.protocol.stepped import ResidentRef
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.host.residents import Resident, SequenceKV, SpeculativeState
 from inflight.runtime.host.rows import SampledRow, ScheduledRow
-from inflight.runtime.host.speculative import (
-    PromptLookup,
-    SpeculativeConfig,
-    SpeculativeDecoding,
-    lookup_drafts,
-)
+from inflight.runtime.host.speculative import PromptLookup, SpeculativeDecoding, lookup_drafts
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks, run_staggered
@@ -99,18 +94,18 @@ def test_config_refuses_what_it_cannot_serve():
 
 @pytest.fixture(scope="module")
 def default_runtimes():
-    config = dict(max_batch_size=8, max_model_len=512, context_cache=False)
+    config = dict(max_batch_size=8, max_model_len=512, enable_context_reuse=False)
     return (
-        Runtime(None, RuntimeConfig(**config)),
-        Runtime(None, RuntimeConfig(**config, speculative=NGRAM)),
+        Runtime(None, DeploymentOptions(**config)),
+        Runtime(None, DeploymentOptions(**config, speculative_config=NGRAM)),
     )
 
 
 @pytest.fixture(scope="module")
 def overlapped_speculative():
     """Speculation with overlapped steps, as on CUDA: rows draft past the step in flight."""
-    config = dict(max_batch_size=8, max_model_len=512, context_cache=False, overlap=True)
-    return Runtime(None, RuntimeConfig(**config, speculative=NGRAM))
+    config = dict(max_batch_size=8, max_model_len=512, enable_context_reuse=False, overlap=True)
+    return Runtime(None, DeploymentOptions(**config, speculative_config=NGRAM))
 
 
 def _generate(runtime, prompt, **params):
@@ -176,9 +171,9 @@ def test_penalized_rows_are_not_drafted_and_decode_as_plainly(tiny_dirs, monkeyp
     """A penalty at a draft position would depend on the drafts before it: such rows decode
     without drafts (here beside a row that does draft, with overlapped steps) and give plain
     decoding's tokens."""
-    config = dict(max_batch_size=4, max_model_len=256, context_cache=False, overlap=True)
-    plain = Runtime(tiny_dirs["llama"], RuntimeConfig(**config))
-    spec = Runtime(tiny_dirs["llama"], RuntimeConfig(**config, speculative=NGRAM))
+    config = dict(max_batch_size=4, max_model_len=256, enable_context_reuse=False, overlap=True)
+    plain = Runtime(tiny_dirs["llama"], DeploymentOptions(**config))
+    spec = Runtime(tiny_dirs["llama"], DeploymentOptions(**config, speculative_config=NGRAM))
     prompt = [5, 6, 7, 8] * 6
     penalties = dict(repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.2)
     penalized = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, **penalties)
@@ -205,10 +200,10 @@ def test_tiny_models_rejecting_most_drafts_still_decode_exactly(tiny_dirs, famil
     """Random weights reject nearly every draft: each rejection rolls the KV back, and the next
     step recomputes from there. A prompt holding most of the vocabulary and lookups of one token
     make a draft at almost every step."""
-    config = dict(max_batch_size=4, max_model_len=512, block_size=8, context_cache=False)
+    config = dict(max_batch_size=4, max_model_len=512, block_size=8, enable_context_reuse=False)
     lookup = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
-    plain = Runtime(tiny_dirs[family], RuntimeConfig(**config))
-    spec = Runtime(tiny_dirs[family], RuntimeConfig(**config, speculative=lookup))
+    plain = Runtime(tiny_dirs[family], DeploymentOptions(**config))
+    spec = Runtime(tiny_dirs[family], DeploymentOptions(**config, speculative_config=lookup))
     prompt = [(7 * i) % VOCAB for i in range(VOCAB)]
     for params in (
         dict(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
@@ -226,13 +221,13 @@ def test_tiny_models_rejecting_most_drafts_still_decode_exactly(tiny_dirs, famil
 def tiny_pair(tiny_dirs):
     """The tiny qwen3 plain, with itself as draft model, and with the tiny llama (random
     weights of another family, same vocabulary) as draft model."""
-    config = dict(max_batch_size=4, max_model_len=256, block_size=8, context_cache=False)
+    config = dict(max_batch_size=4, max_model_len=256, block_size=8, enable_context_reuse=False)
 
     def drafted_by(family):
         spec = SpeculativeConfig(4, method="draft_model", model=str(tiny_dirs[family]))
-        return Runtime(tiny_dirs["qwen3"], RuntimeConfig(**config, speculative=spec))
+        return Runtime(tiny_dirs["qwen3"], DeploymentOptions(**config, speculative_config=spec))
 
-    plain = Runtime(tiny_dirs["qwen3"], RuntimeConfig(**config))
+    plain = Runtime(tiny_dirs["qwen3"], DeploymentOptions(**config))
     return plain, drafted_by("qwen3"), drafted_by("llama")
 
 
@@ -264,9 +259,9 @@ def test_draft_model_rows_join_a_running_batch(tiny_dirs, tiny_pair):
     on the device) has the step in flight taken in first."""
     plain, itself, _ = tiny_pair
     spec = SpeculativeConfig(4, method="draft_model", model=str(tiny_dirs["llama"]))
-    config = dict(max_batch_size=4, max_model_len=256, block_size=8, context_cache=False)
+    config = dict(max_batch_size=4, max_model_len=256, block_size=8, enable_context_reuse=False)
     overlapped = Runtime(
-        tiny_dirs["qwen3"], RuntimeConfig(**config, overlap=True, speculative=spec)
+        tiny_dirs["qwen3"], DeploymentOptions(**config, overlap=True, speculative_config=spec)
     )
     requests = [
         GenerationRequest(
@@ -288,8 +283,8 @@ def test_the_default_model_drafting_for_itself(default_runtimes):
     logprobs are plain decoding's."""
     plain, _ = default_runtimes
     spec = SpeculativeConfig(3, method="draft_model", model=str(default_model_path()))
-    config = RuntimeConfig(
-        max_batch_size=2, max_model_len=512, context_cache=False, speculative=spec
+    config = DeploymentOptions(
+        max_batch_size=2, max_model_len=512, enable_context_reuse=False, speculative_config=spec
     )
     drafted = Runtime(None, config)
     prompt = plain.tokenizer.encode("Write a short story about a robot who learns to paint.")
@@ -309,7 +304,9 @@ def test_the_default_model_drafting_for_itself(default_runtimes):
 def test_a_draft_model_of_another_vocabulary_is_refused(tiny_dirs):
     spec = SpeculativeConfig(2, method="draft_model", model=str(tiny_dirs["llama"]))
     with pytest.raises(ValueError, match=r"vocabulary \(320 tokens\) is not the target's"):
-        Runtime(None, RuntimeConfig(max_batch_size=2, max_model_len=256, speculative=spec))
+        Runtime(
+            None, DeploymentOptions(max_batch_size=2, max_model_len=256, speculative_config=spec)
+        )
 
 
 def test_under_ifb_rows_that_verify_share_steps_with_joining_and_plain_rows(default_runtimes):

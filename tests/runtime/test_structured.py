@@ -7,13 +7,13 @@ import re
 import jsonschema
 import pytest
 
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import (
     GenerationRequest,
     RequestFieldError,
     SamplingParams,
     StructuredOutputs,
 )
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks
@@ -39,7 +39,7 @@ GRAMMAR = 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]{1,3}/'
 
 @pytest.fixture(scope="module")
 def runtime(tiny_dirs):
-    config = RuntimeConfig(max_batch_size=8, max_model_len=512, max_num_tokens=64)
+    config = DeploymentOptions(max_batch_size=8, max_model_len=512, max_num_tokens=64)
     return Runtime(tiny_dirs["qwen2"], config)
 
 
@@ -131,7 +131,7 @@ def test_with_stop_strings_logprobs_chunked_prefill_and_the_cache(runtime):
 def test_overlapped_steps_give_the_same_constrained_outputs(tiny_dirs, runtime):
     overlapped = Runtime(
         tiny_dirs["qwen2"],
-        RuntimeConfig(max_batch_size=8, max_model_len=512, max_num_tokens=64, overlap=True),
+        DeploymentOptions(max_batch_size=8, max_model_len=512, max_num_tokens=64, overlap=True),
     )
     requests = [
         GenerationRequest([7, 8], SamplingParams(max_tokens=30, temperature=0)),

@@ -18,8 +18,8 @@ from inflight import LLM, SamplingParams
 from inflight.bench.random_model import SHAPES, RandomWeights, numbered_tokenizer
 from inflight.engine import RequestCancelled, RequestFailed
 from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
+from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest
-from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks, run_staggered
@@ -42,8 +42,8 @@ def tp_models(tmp_path_factory):
     return {"split": (root / "split", split), "replicated": (root / "replicated", replicated)}
 
 
-def _config(tp: int, **kw) -> RuntimeConfig:
-    return RuntimeConfig(
+def _config(tp: int, **kw) -> DeploymentOptions:
+    return DeploymentOptions(
         max_batch_size=4, max_model_len=256, quantization="none", tensor_parallel_size=tp, **kw
     )
 
@@ -197,10 +197,10 @@ def test_uneven_splits_are_refused_before_any_worker_starts(tp_models):
     path, _ = tp_models["split"]
     with pytest.raises(ValueError, match=r"attention heads \(4\) do not split over 3 ranks"):
         Runtime(path, _config(3))
-    with pytest.raises(ValueError, match="not served with tensor parallelism"):
-        RuntimeConfig(tensor_parallel_size=2, max_loras=2)
+    with pytest.raises(ValueError, match="LoRA is not served with tensor parallelism"):
+        Runtime(path, DeploymentOptions(tensor_parallel_size=2, enable_lora=True))
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
-        RuntimeConfig(tensor_parallel_size=0)
+        DeploymentOptions(tensor_parallel_size=0)
 
 
 def test_a_checkpoint_without_files_is_sent_to_the_workers():

@@ -91,7 +91,7 @@ def test_context_cache_in_health_metrics_and_usage(tiny_dirs):
         max_model_len=512,
         enable_in_flight_batching=True,
         max_batch_size=2,
-        context_cache=True,
+        enable_context_reuse=True,
         block_size=8,
     )
     with serve(llm) as (url, _):

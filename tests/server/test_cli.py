@@ -51,21 +51,48 @@ def test_a_bad_option_is_a_clear_error(tiny_dirs):
 
 
 def test_defaults_are_auto_quantization_and_the_context_cache_on():
-    from inflight.server.cli import build_parser
+    from inflight.server.cli import build_parser, deployment_options
 
     parser = build_parser()
     args = parser.parse_args(["serve"])
-    assert args.quantization == "auto" and args.enable_context_reuse is True
+    options = deployment_options(args)
+    assert options.quantization == "auto" and options.enable_context_reuse is True
+    assert options.kv_cache_dtype == "auto"
     assert args.host == "127.0.0.1"  # reachable from elsewhere only when --host says so
     assert args.shutdown_timeout == 30.0
     args = parser.parse_args(["serve", "--no-enable-context-reuse", "--quantization", "none"])
-    assert args.quantization == "none" and args.enable_context_reuse is False
+    options = deployment_options(args)
+    assert options.quantization == "none" and options.enable_context_reuse is False
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--quantization", "q3"])
-    assert args.kv_cache_dtype == "auto"
-    assert parser.parse_args(["serve", "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    fp8 = deployment_options(parser.parse_args(["serve", "--kv-cache-dtype", "fp8"]))
+    assert fp8.kv_cache_dtype == "fp8"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--kv-cache-dtype", "int4"])
+
+
+def test_every_command_takes_the_deployment_knobs_by_one_name_and_default(capsys):
+    """`serve`, `chat` and `bench throughput` read the knobs of `DeploymentOptions` (the names
+    `LLM` takes): a flag per knob, and a knob not given keeps the one default."""
+    from dataclasses import fields
+
+    from inflight.protocol.deployment import DeploymentOptions
+    from inflight.server.cli import build_parser, deployment_options
+
+    parser = build_parser()
+    given = ["--max-model-len", "300", "--max-num-tokens", "64", "--max-batch-size", "4"]
+    for command in (["serve"], ["chat", "hi"], ["bench", "throughput"]):
+        options = deployment_options(parser.parse_args([*command, *given]))
+        assert (options.max_model_len, options.max_num_tokens, options.max_batch_size) == (
+            300,
+            64,
+            4,
+        )
+        assert deployment_options(parser.parse_args(command)) == DeploymentOptions()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    assert all(f"--{f.name.replace('_', '-')}" in help_text for f in fields(DeploymentOptions))
 
 
 @pytest.mark.slow

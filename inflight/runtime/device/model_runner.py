@@ -25,7 +25,7 @@ from inflight.model.config import ModelConfig
 from inflight.model.contract import CausalLM, ForwardBatch, ModelCaches
 from inflight.model.parallel import TensorParallel
 from inflight.model.transfer import to_device
-from inflight.runtime.config import RuntimeConfig
+from inflight.runtime.deployment import DeploymentPlan
 from inflight.runtime.device.batch_builder import RaggedBatch, RowInput, build_ragged_batch
 from inflight.runtime.device.cuda_graphs import (
     DecodeGraphs,
@@ -146,51 +146,40 @@ class ModelRunner:
 
 def build_model_runner(
     checkpoint: Checkpoint,
-    config: RuntimeConfig,
+    plan: DeploymentPlan,
     dtype: torch.dtype,
     device: torch.device,
-    max_model_len: int,
-    num_blocks: int,
     *,
     parallel: TensorParallel | None = None,
     connect: Callable[[], None] | None = None,
     show_progress: bool = False,
 ) -> ModelRunner:
-    """The runner of the model (this rank's shard of it under `parallel`). `connect` is called
-    once the weights are loaded: there a tensor-parallel rank joins its group, before graphs
-    are captured (a capture runs collectives)."""
-    model_config = checkpoint.config
+    """The runner of the model as `plan` has it (this rank's shard of it under `parallel`).
+    `connect` is called once the weights are loaded: there a tensor-parallel rank joins its
+    group, before graphs are captured (a capture runs collectives)."""
+    model_config, options = checkpoint.config, plan.options
     model = build_model(
         checkpoint,
         dtype,
         device,
-        max_model_len,
+        plan.max_model_len,
         show_progress,
-        config.quantization,
-        config.max_loras,
-        config.max_lora_rank,
+        plan.quantization,
+        options.max_loras if plan.lora else 0,
+        options.max_lora_rank,
         parallel,
     )
-    backend = select_backend(config.attention_backend, device, dtype, model_config.head_dim)
-    graphs = (
-        config.cuda_graphs
-        and device.type == "cuda"
-        and not isinstance(backend, TorchAttentionBackend)
-    )
+    backend = select_backend(plan.attention_backend, device, dtype, model_config.head_dim)
+    graphs = plan.cuda_graphs and not isinstance(backend, TorchAttentionBackend)
     layers = model_config if parallel is None else parallel.local_config(model_config)
-    kv_dtype = dtype
-    if config.kv_cache_dtype == "fp8":
-        if isinstance(backend, TorchAttentionBackend):  # the CPU's too
-            raise ValueError(
-                f"kv_cache_dtype='fp8' needs the triton attention backend (CUDA), got {device}"
-            )
-        kv_dtype = torch.float8_e4m3fn
+    kv_dtype = torch.float8_e4m3fn if plan.kv_cache_dtype == "fp8" else dtype
+    num_blocks = plan.num_kv_blocks
     # With graphs, one extra block (never handed out) takes the writes of padding rows.
     kv = allocate_kv_cache(
         layers,
         model.num_attention_layers,
         num_blocks + (1 if graphs else 0),
-        config.block_size,
+        plan.block_size,
         backend,
         kv_dtype,
         device,
@@ -198,23 +187,22 @@ def build_model_runner(
     graph_inputs = None
     if graphs:
         graph_inputs = DecodeInputs(
-            graph_rows(config.max_batch_size, config.max_num_tokens),
-            -(-max_model_len // config.block_size),
-            config.block_size,
+            graph_rows(plan.max_batch_size, plan.max_num_tokens),
+            -(-plan.max_model_len // plan.block_size),
+            plan.block_size,
             scratch_block=num_blocks,
             device=device,
             lora=model.max_loras > 0,
             # One state slot past the residents' takes the spare rows' state updates.
-            scratch_state=config.max_batch_size if model_config.mamba is not None else None,
+            scratch_state=plan.max_batch_size if plan.recurrent else None,
         )
     if connect is not None:
         connect()
-    # One state slot past the residents' takes the graphs' spare rows' state updates.
-    states = model.allocate_states(config.max_batch_size + (1 if graphs else 0), dtype, device)
+    states = model.allocate_states(plan.max_batch_size + (1 if graphs else 0), dtype, device)
     return ModelRunner(
         model,
         ModelCaches(kv, backend, states),
-        block_size=config.block_size,
+        block_size=plan.block_size,
         device=device,
         graph_inputs=graph_inputs,
         parallel=parallel,

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
 from inflight.model.parallel import TensorParallel
-from inflight.runtime.config import RuntimeConfig
+from inflight.runtime.deployment import DeploymentPlan
 from inflight.runtime.device.batch_builder import RaggedBatch, RowInput
 from inflight.runtime.device.executor import Executor, LaunchedStep
 from inflight.runtime.device.model_runner import HeadRows, StepPlan, build_model_runner
@@ -73,11 +73,9 @@ class Workers:
         self,
         size: int,
         checkpoint: Checkpoint,
-        config: RuntimeConfig,
+        plan: DeploymentPlan,
         dtype: torch.dtype,
         device: torch.device,
-        max_model_len: int,
-        num_blocks: int,
     ) -> None:
         self.size = size
         self.device = device
@@ -93,8 +91,8 @@ class Workers:
             ours, theirs = context.Pipe()
             process = context.Process(
                 target=_worker_main,
-                args=(rank, size, source, config, dtype, device, max_model_len),
-                kwargs={"num_blocks": num_blocks, "pipe": theirs},
+                args=(rank, size, source, plan, dtype, device),
+                kwargs={"pipe": theirs},
                 name=f"inflight-tp-rank-{rank}",
                 daemon=True,
             )
@@ -241,12 +239,10 @@ def _worker_main(
     rank: int,
     size: int,
     checkpoint: Path | Checkpoint,
-    config: RuntimeConfig,
+    plan: DeploymentPlan,
     dtype: torch.dtype,
     device: torch.device,
-    max_model_len: int,
     *,
-    num_blocks: int,
     pipe: Connection,
 ) -> None:
     """A worker rank: load its shard, join the group, then run each step rank 0 sends until
@@ -266,18 +262,11 @@ def _worker_main(
             parallel.group = process_group(rank, size, store, device)
 
         runner = build_model_runner(
-            open_checkpoint(checkpoint),
-            config,
-            dtype,
-            device,
-            max_model_len,
-            num_blocks,
-            parallel=parallel,
-            connect=join,
+            open_checkpoint(checkpoint), plan, dtype, device, parallel=parallel, connect=join
         )
         pipe.send(("ready", None))
-        while (plan := pipe.recv()) is not None:
-            runner.follow(plan)
+        while (step := pipe.recv()) is not None:
+            runner.follow(step)
     except (EOFError, SystemExit):
         os._exit(0)  # rank 0 is gone or stopped us before the group formed
     except BaseException as exc:

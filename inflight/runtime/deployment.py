@@ -1,0 +1,356 @@
+"""The deployment plan (torch-free): what a deployment's options resolve to on its model and
+its machine, decided once at load, and every rule between its features.
+
+`resolve` takes the options (`protocol/deployment.py`), what the runtime read of the model
+(`ModelFacts`) and of the machine (`MachineFacts`), and returns a frozen `DeploymentPlan`: the
+device, dtype, attention backend, quantization, KV dtype, graphs, overlap, tensor parallelism,
+the context length and KV cache size, and which per-row features are on. A combination that
+cannot be served is a ValueError from the one rule that names it (`RULES`, each rule once),
+saying what would serve. `ifb_unsupported_reason` reads the plan: a deployment one of whose
+features cannot run stepped is refused in-flight batching there, once, at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from inflight.protocol.deployment import DeploymentOptions, SpeculativeConfig
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the plan reads of a model: its family, its shape where rules depend on it, the
+    context it computes exactly, and which of its parts need features."""
+
+    family: str
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    # The attention window of its layers (None: full attention): a sequence within it is
+    # computed exactly by full attention, which is what the runtime runs.
+    sliding_window: int | None = None
+    recurrent: bool = False  # hybrid Mamba layers: recurrent state beside the KV
+    media: tuple[str, ...] = ()  # the kinds of media it takes
+    mrope: bool = False  # M-RoPE positions (Qwen2-VL)
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    """What the plan reads of the machine: its CUDA devices and their compute capability."""
+
+    cuda_devices: int = 0
+    cuda_capability: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """The options, the model and the machine a plan is resolved from (what rules read)."""
+
+    options: DeploymentOptions
+    model: ModelFacts
+    machine: MachineFacts
+    draft: ModelFacts | None = None  # speculative decoding's draft model
+
+    @property
+    def device(self) -> str:
+        if self.options.device is not None:
+            return self.options.device
+        return "cuda" if self.machine.cuda_devices else "cpu"
+
+    @property
+    def dtype(self) -> str:
+        default = "bfloat16" if self.device == "cuda" else "float32"
+        return self.options.dtype or default
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.options.tensor_parallel_size > 1
+
+
+Rule = Callable[[Deployment], str | None]
+
+
+def _cuda_present(d: Deployment) -> str | None:
+    if d.options.device == "cuda" and not d.machine.cuda_devices:
+        return "device='cuda' but no CUDA device is visible; start with device='cpu' (--device cpu)"
+    return None
+
+
+def _context(d: Deployment) -> str | None:
+    limit, asked = _max_context(d.model), d.options.max_model_len
+    if asked is not None and asked > limit:
+        why = (
+            f"its attention window of {d.model.sliding_window} tokens, within which full "
+            "attention computes it exactly"
+            if d.model.sliding_window is not None
+            and d.model.sliding_window < d.model.max_position_embeddings
+            else "its max_position_embeddings"
+        )
+        return (
+            f"max_model_len ({asked}) exceeds the model's context ({limit}: {why}); "
+            f"start with max_model_len <= {limit}"
+        )
+    return None
+
+
+def _lora_modules_need_lora(d: Deployment) -> str | None:
+    if d.options.lora_modules and not d.options.enable_lora:
+        return "lora_modules needs enable_lora=True (--enable-lora)"
+    return None
+
+
+def _tensor_parallel(d: Deployment) -> str | None:
+    """What tensor parallelism splits: a text decoder's heads and MLP width, one GPU a rank."""
+    if not d.tensor_parallel:
+        return None
+    size, o, m = d.options.tensor_parallel_size, d.options, d.model
+    alternative = "; start with tensor_parallel_size=1 (--tensor-parallel-size 1)"
+    if o.enable_lora:
+        return "LoRA is not served with tensor parallelism" + alternative
+    if o.speculative_config is not None:
+        return "speculative decoding is not served with tensor parallelism" + alternative
+    if m.recurrent or m.media:
+        return (
+            "tensor parallelism serves text decoders (Llama, Qwen2, Qwen3 families); this "
+            f"model is {m.family!r} with {'Mamba layers' if m.recurrent else 'media input'}"
+            + alternative
+        )
+    for what, value in (
+        ("attention heads", m.num_heads),
+        ("intermediate size", m.intermediate_size),
+    ):
+        if value % size:
+            return f"{what} ({value}) do not split over {size} ranks" + alternative
+    if m.num_kv_heads % size and size % m.num_kv_heads:
+        return (
+            f"{m.num_kv_heads} KV heads neither split over {size} ranks nor divide them (to be "
+            "replicated)" + alternative
+        )
+    if d.device == "cuda" and d.machine.cuda_devices < size:
+        return (
+            f"tensor_parallel_size={size} needs {size} GPUs (one per rank); "
+            f"{d.machine.cuda_devices} are visible"
+        )
+    return None
+
+
+def _recurrent(d: Deployment) -> str | None:
+    """A hybrid Mamba model's sequences carry state that no rollback or adapter covers."""
+    if not d.model.recurrent:
+        return None
+    o, family = d.options, d.model.family
+    if o.speculative_config is not None:
+        return (
+            f"speculative decoding is not served for hybrid Mamba models ({family}): a rejected "
+            "draft would need its sequence's recurrent state rolled back; start without "
+            "speculative_config (--speculative-config)"
+        )
+    if o.enable_lora:
+        return f"LoRA is not served for hybrid Mamba models ({family}); start without --enable-lora"
+    if o.max_num_tokens <= o.max_batch_size:
+        return (
+            f"a hybrid Mamba model needs max_num_tokens ({o.max_num_tokens}) above "
+            f"max_batch_size ({o.max_batch_size}): its prefill chunks are the difference"
+        )
+    return None
+
+
+def _quantization(d: Deployment) -> str | None:
+    q = d.options.quantization
+    if q == "fp8":
+        capability = d.machine.cuda_capability
+        if d.device != "cuda" or capability is None or capability < (8, 9):
+            return (
+                "quantization='fp8' needs a CUDA GPU with FP8 tensor cores (compute capability "
+                f"8.9 or above: Ada, Hopper), got {d.device}"
+                f"{'' if capability is None else f' {capability[0]}.{capability[1]}'}; "
+                "start with quantization='auto' (--quantization auto)"
+            )
+    if q in ("int8", "q4") and (d.device != "cpu" or d.dtype != "float32"):
+        return (
+            f"quantization={q!r} needs the CPU float32 path, got {d.device} {d.dtype}; on CUDA "
+            "use quantization='fp8' or 'none'"
+        )
+    return None
+
+
+def _attention(d: Deployment) -> str | None:
+    backend = d.options.attention_backend
+    if backend == "triton" and d.device != "cuda":
+        return (
+            "the triton attention backend needs a CUDA device; start with "
+            "attention_backend='cpu' or 'torch'"
+        )
+    if backend == "cpu" and not (
+        d.device == "cpu" and d.dtype == "float32" and d.model.head_dim % 8 == 0
+    ):
+        return (
+            "the cpu attention backend runs float32 on the CPU with a head_dim multiple of 8 "
+            f"only, got {d.dtype} on {d.device} with head_dim {d.model.head_dim}; start with "
+            "attention_backend='torch'"
+        )
+    return None
+
+
+def _kv_cache_dtype(d: Deployment) -> str | None:
+    if d.options.kv_cache_dtype == "fp8" and (
+        d.device != "cuda" or d.options.attention_backend == "torch"
+    ):
+        return (
+            "kv_cache_dtype='fp8' needs a CUDA device and the triton attention backend, got "
+            f"device={d.device!r}, attention_backend={d.options.attention_backend!r}; start with "
+            "kv_cache_dtype='auto'"
+        )
+    return None
+
+
+def _draft_model(d: Deployment) -> str | None:
+    if d.draft is not None and d.draft.vocab_size != d.model.vocab_size:
+        return (
+            f"the draft model's vocabulary ({d.draft.vocab_size} tokens) is not the target's "
+            f"({d.model.vocab_size}); draft with a model of the same tokenizer, or with "
+            '{"method": "ngram"}'
+        )
+    return None
+
+
+# Every rule between the options, the model and the machine, each once; the first that fails
+# names the problem.
+RULES: tuple[Rule, ...] = (
+    _cuda_present,
+    _context,
+    _lora_modules_need_lora,
+    _tensor_parallel,
+    _recurrent,
+    _quantization,
+    _attention,
+    _kv_cache_dtype,
+    _draft_model,
+)
+
+# Features a deployment may use, and why one cannot run stepped beside joiners (None: it can, so
+# in-flight batching serves it; otherwise the blocking path does, one request at a time). Every
+# feature today runs stepped.
+STEPPED: dict[str, str | None] = {
+    "text": None,
+    "lora": None,
+    "speculative": None,
+    "media": None,
+    "recurrent": None,
+    "tensor_parallel": None,
+    "structured_outputs": None,
+}
+
+
+@dataclass(frozen=True)
+class DeploymentPlan:
+    """A deployment resolved: every choice the runtime's parts are built from."""
+
+    options: DeploymentOptions
+    device: str  # "cpu" or "cuda"
+    dtype: str
+    attention_backend: str | None  # None: the device's default (`attention.select_backend`)
+    quantization: str
+    kv_cache_dtype: str
+    cuda_graphs: bool
+    overlap: bool
+    tensor_parallel_size: int
+    max_model_len: int
+    num_kv_blocks: int
+    lora: bool
+    speculative: SpeculativeConfig | None
+    recurrent: bool
+    media: tuple[str, ...]
+    mrope: bool
+    features: tuple[str, ...]  # the features it uses (keys of STEPPED)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.options.max_batch_size
+
+    @property
+    def block_size(self) -> int:
+        return self.options.block_size
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.options.max_num_tokens
+
+    @property
+    def served_options(self) -> frozenset[str]:
+        """The request options of the options table this deployment serves."""
+        return frozenset({"lora_name"}) if self.lora else frozenset()
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """A hybrid's fixed prefill chunk (its state then never depends on the batch)."""
+        return self.max_num_tokens - self.max_batch_size if self.recurrent else None
+
+
+def resolve(
+    options: DeploymentOptions,
+    model: ModelFacts,
+    machine: MachineFacts,
+    draft: ModelFacts | None = None,
+) -> DeploymentPlan:
+    """The plan of a deployment, or a ValueError from the first rule it breaks."""
+    d = Deployment(options, model, machine, draft)
+    for rule in RULES:
+        problem = rule(d)
+        if problem is not None:
+            raise ValueError(problem)
+    max_model_len = min(options.max_model_len or DEFAULT_MAX_MODEL_LEN, _max_context(model))
+    blocks_per_sequence = -(-max_model_len // options.block_size)
+    cuda = d.device == "cuda"
+    features = ["text", "structured_outputs"]
+    for name, on in (
+        ("lora", options.enable_lora),
+        ("speculative", options.speculative_config is not None),
+        ("media", bool(model.media)),
+        ("recurrent", model.recurrent),
+        ("tensor_parallel", d.tensor_parallel),
+    ):
+        if on:
+            features.append(name)
+    return DeploymentPlan(
+        options=options,
+        device=d.device,
+        dtype=d.dtype,
+        attention_backend=options.attention_backend,
+        quantization=options.quantization,
+        kv_cache_dtype=options.kv_cache_dtype,
+        cuda_graphs=options.cuda_graphs and cuda and options.attention_backend != "torch",
+        overlap=cuda if options.overlap is None else options.overlap,
+        tensor_parallel_size=options.tensor_parallel_size,
+        max_model_len=max_model_len,
+        num_kv_blocks=options.num_kv_blocks or options.max_batch_size * blocks_per_sequence,
+        lora=options.enable_lora,
+        speculative=options.speculative_config,
+        recurrent=model.recurrent,
+        media=model.media,
+        mrope=model.mrope,
+        features=tuple(features),
+    )
+
+
+def ifb_unsupported_reason(plan: DeploymentPlan) -> str | None:
+    """Why this deployment cannot run under in-flight batching, or None: a feature it uses
+    that cannot run stepped. Decided once, at load."""
+    return next(
+        (f"{f}: {STEPPED[f]}" for f in plan.features if STEPPED[f] is not None),
+        None,
+    )
+
+
+def _max_context(model: ModelFacts) -> int:
+    """The longest sequence the model computes exactly: its positions, and within its
+    attention window (full attention equals the window's there)."""
+    if model.sliding_window is not None:
+        return min(model.max_position_embeddings, model.sliding_window)
+    return model.max_position_embeddings

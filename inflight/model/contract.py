@@ -9,10 +9,11 @@ from typing import Protocol
 
 import torch
 
-from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
+from inflight.model.attention import AttentionBackend
 from inflight.model.config import ModelConfig
 from inflight.model.layers.lora import LoRAMapping
 from inflight.model.mamba import MambaRows, MambaStates
+from inflight.model.metadata import AttentionMetadata, KVCache
 
 
 @dataclass
@@ -29,7 +30,7 @@ class MediaEmbeds:
 
 @dataclass
 class ForwardBatch:
-    """One step's packed tokens (a ragged batch: decode rows first, see `attention/base.py`)
+    """One step's packed tokens (a ragged batch: decode rows first, see `metadata.py`)
     and what the forward pass reads beside them. The optional parts are those of the features
     a step's rows use: each row's LoRA adapter, media embeddings in place of placeholder
     tokens, each row's recurrent state slot (hybrid models)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
+from inflight.model.attention import AttentionBackend
 from inflight.model.config import ModelConfig
 from inflight.model.contract import ForwardBatch, ModelCaches
 from inflight.model.layers.linear import process_weights_after_loading
@@ -29,6 +29,7 @@ from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, RotaryEmbedding
 from inflight.model.llama import MLP, Attention, build_lm_head, decoder_linear
 from inflight.model.mamba import Mamba2Mixer, MambaRows, MambaStates
+from inflight.model.metadata import AttentionMetadata, KVCache
 from inflight.model.weights import load_fused, shard_sizes
 
 # Checkpoint name prefix -> ours, per family (NemotronH's checkpoints say `backbone.`,

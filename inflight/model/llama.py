@@ -1,6 +1,6 @@
 """One Llama-family decoder: Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and SmolLM2.
 
-The forward pass runs over a packed ragged batch (see `attention/base.py`): tokens [T],
+The forward pass runs over a packed ragged batch (see `metadata.py`): tokens [T],
 positions [T] and one KV cache pair per layer. Parameters keep Hugging Face names, except that
 q/k/v and gate/up are stored fused (`qkv_proj`, `gate_up_proj`) so that each is one matmul per
 layer.
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
+from inflight.model.attention import AttentionBackend
 from inflight.model.attention.cpu import CpuAttentionBackend
 from inflight.model.audio import AudioEncoder
 from inflight.model.config import ModelConfig, VisionConfig
@@ -31,6 +31,7 @@ from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, Rope, RotaryEmbedding
 from inflight.model.mamba import MambaStates
+from inflight.model.metadata import AttentionMetadata, KVCache
 from inflight.model.parallel import TensorParallel, VocabParallelEmbedding
 from inflight.model.qwen2_vl import Qwen2VLImageEncoder
 from inflight.model.vision import ImageEncoder

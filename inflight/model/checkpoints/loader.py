@@ -16,12 +16,11 @@ from inflight.model.checkpoints.tokenizer import Tokenizer
 from inflight.model.config import ModelConfig
 from inflight.model.hybrid import HybridForCausalLM
 from inflight.model.kernels.cpu.native import NativeBuildError
-from inflight.model.layers.linear import Linear
+from inflight.model.layers.linear import Linear, LinearMethod
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import (
     KERNEL_FOR_STORED_TYPE,
     QUANTIZED_METHODS,
-    LinearMethod,
     LinearMethods,
     StoredBlocks,
     StoredBlocksLinearMethod,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -20,10 +20,8 @@ import torch.nn.functional as F
 
 from inflight.model.kernels.cpu import blocks, int8, q4
 from inflight.model.kernels.cpu.decoder import KernelCall
+from inflight.model.layers.linear import Linear, LinearMethod
 from inflight.model.layers.platform import Platform
-
-if TYPE_CHECKING:
-    from inflight.model.layers.linear import Linear
 
 # The native kernel that runs a weight stored in a GGUF type as it was stored: Q4_1 is the
 # 4-bit kernel's own block format (re-quantized from the loaded floats, which gives the stored
@@ -38,24 +36,6 @@ class StoredBlocks(NamedTuple):
 
     type_name: str
     blocks: np.ndarray
-
-
-class LinearMethod:
-    # False: the method builds its run form from the checkpoint's stored blocks of the layer's
-    # sources, and its layers hold no float weight for the checkpoint to load.
-    loads_weight = True
-
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        """Turn the loaded weight into the form `apply` runs (once); the float weight as
-        loaded needs nothing."""
-
-    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
-
-    def kernel_calls(self, layer: Linear) -> list[KernelCall] | None:
-        """The native matmuls `apply` runs, by stretch of output rows (for the CPU decoder step,
-        kernels/cpu/decoder.py); None where it runs none."""
-        return None
 
 
 def _take_weight(layer: Linear) -> torch.Tensor:

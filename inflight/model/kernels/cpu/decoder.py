@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from inflight.model.attention.base import AttentionMetadata, KVCache
 from inflight.model.kernels.cpu import native
+from inflight.model.metadata import AttentionMetadata, KVCache
 
 _SOURCE = Path(__file__).with_name("decoder.c")
 _MAX_PARTS = 4  # decoder.c's MAX_PARTS

@@ -21,6 +21,7 @@ from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import (
     KERNEL_FOR_STORED_TYPE,
     QUANTIZED_METHODS,
+    Fp8LinearMethod,
     LinearMethods,
     StoredBlocks,
     StoredBlocksLinearMethod,
@@ -176,7 +177,7 @@ def _linear_methods(
                 "quantization='fp8' needs a CUDA GPU with FP8 tensor cores (compute capability "
                 f"8.9 or above: Ada, Hopper), got {device}"
             )
-        return LinearMethods(unquantized, "fp8", _quantized_methods({"fp8"}))
+        return LinearMethods(unquantized, "fp8", {"fp8": Fp8LinearMethod(platform)})
     if quantization in ("int8", "q4"):
         if not platform.onednn:
             raise ValueError(

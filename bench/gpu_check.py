@@ -446,7 +446,7 @@ def check_mamba_decode(device: torch.device, seed: int) -> tuple[bool, str]:
     """The Triton recurrent step of Mamba2 decode rows against the torch formula in float32:
     rows in scattered slots, heads sharing B and C in groups; the other slots untouched."""
     from inflight.model.kernels.triton.mamba import ssm_decode
-    from inflight.model.mamba import ssm_decode as torch_ssm_decode
+    from inflight.model.layers.mamba import ssm_decode as torch_ssm_decode
 
     torch.manual_seed(seed)
     rows, heads, head_dim, d_state, groups, num_slots = 13, 16, 64, 128, 2, 40

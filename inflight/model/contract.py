@@ -12,7 +12,7 @@ import torch
 from inflight.model.attention import AttentionBackend
 from inflight.model.config import ModelConfig
 from inflight.model.layers.lora import LoRAMapping
-from inflight.model.mamba import MambaRows, MambaStates
+from inflight.model.layers.mamba import MambaRows, MambaStates
 from inflight.model.metadata import AttentionMetadata, KVCache
 
 

@@ -1,6 +1,6 @@
 """Hybrid Mamba2/attention decoders: Bamba and NemotronH.
 
-Each layer is of one kind (`MambaConfig.layer_types`): a Mamba2 mixer (mamba.py), which reads
+Each layer is of one kind (`MambaConfig.layer_types`): a Mamba2 mixer (layers/mamba.py), which reads
 and writes each sequence's state slot; attention over the paged KV cache (llama.py's, with RoPE
 on the leading part of each head only (Bamba) or none at all (NemotronH)); or NemotronH's relu²
 MLP. A layer is norm -> mixer, added to the residual stream; Bamba's layers then add norm ->
@@ -23,12 +23,12 @@ from inflight.model.attention import AttentionBackend
 from inflight.model.config import ModelConfig
 from inflight.model.contract import ForwardBatch, ModelCaches
 from inflight.model.layers.linear import process_weights_after_loading
+from inflight.model.layers.mamba import Mamba2Mixer, MambaRows, MambaStates
 from inflight.model.layers.norm import RMSNorm
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, RotaryEmbedding
 from inflight.model.llama import MLP, Attention, build_lm_head, decoder_linear
-from inflight.model.mamba import Mamba2Mixer, MambaRows, MambaStates
 from inflight.model.metadata import AttentionMetadata, KVCache
 from inflight.model.weights import load_fused, shard_sizes
 

@@ -26,13 +26,13 @@ from inflight.model.kernels.cpu import decoder, native
 from inflight.model.layers.activation import SiluAndMul
 from inflight.model.layers.linear import Linear, process_weights_after_loading
 from inflight.model.layers.lora import INDEXED_MAX_TOKENS, LoRAMapping, LoRASlots
+from inflight.model.layers.mamba import MambaStates
 from inflight.model.layers.norm import RMSNorm
+from inflight.model.layers.parallel import TensorParallel, VocabParallelEmbedding
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, Rope, RotaryEmbedding
-from inflight.model.mamba import MambaStates
 from inflight.model.metadata import AttentionMetadata, KVCache
-from inflight.model.parallel import TensorParallel, VocabParallelEmbedding
 from inflight.model.qwen2_vl import Qwen2VLImageEncoder
 from inflight.model.vision import ImageEncoder
 from inflight.model.weights import load_fused, shard_sizes
@@ -246,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
     """Built for one platform, each linear layer with the method `methods` chooses for it (see
     `checkpoints.loader.build_model`), and with `max_loras` LoRA adapter slots of ranks up to
     `max_lora_rank` in every decoder linear (none: LoRA off, at no cost). With `parallel`, this
-    rank's shard of the model (see `parallel.py`)."""
+    rank's shard of the model (see `layers/parallel.py`)."""
 
     def __init__(
         self,

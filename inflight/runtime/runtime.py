@@ -12,7 +12,7 @@ import torch
 
 from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
 from inflight.model.checkpoints.lora import load_lora_adapter
-from inflight.model.parallel import TensorParallel
+from inflight.model.layers.parallel import TensorParallel
 from inflight.protocol.request import (
     MEDIA_FIELD,
     GenerationRequest,

@@ -11,7 +11,7 @@ from inflight.model.attention import select_backend
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
 from inflight.model.config import hybrid_from_hf
 from inflight.model.contract import ModelCaches
-from inflight.model.mamba import MambaRows, MambaStates
+from inflight.model.layers.mamba import MambaRows, MambaStates
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 
 from tiny_models import VOCAB, make_tiny_hybrid

@@ -13,9 +13,9 @@ from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.triton import TritonAttentionBackend
 from inflight.model.kernels.triton import attention, lora, mamba, ops, rope
 from inflight.model.layers.activation import torch_silu_mul
+from inflight.model.layers.mamba import ssm_decode as torch_ssm_decode
 from inflight.model.layers.norm import torch_rms_norm
 from inflight.model.layers.rotary import rotate
-from inflight.model.mamba import ssm_decode as torch_ssm_decode
 
 from helpers import scattered_step
 

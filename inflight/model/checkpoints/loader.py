@@ -17,6 +17,7 @@ from inflight.model.config import ModelConfig
 from inflight.model.hybrid import HybridForCausalLM
 from inflight.model.kernels.cpu.native import NativeBuildError
 from inflight.model.layers.linear import Linear, LinearMethod
+from inflight.model.layers.parallel import TensorParallel
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import (
     KERNEL_FOR_STORED_TYPE,
@@ -28,7 +29,6 @@ from inflight.model.layers.quantization import (
     unquantized_method,
 )
 from inflight.model.llama import LlamaForCausalLM
-from inflight.model.parallel import TensorParallel
 from inflight.protocol.deployment import QUANTIZATIONS
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -128,7 +128,7 @@ def build_model(
     `max_loras` > 0 gives every decoder linear that many LoRA adapter slots of ranks up to
     `max_lora_rank` (see `LlamaForCausalLM.load_lora`), on top of whichever method it runs.
 
-    `parallel`: build this tensor-parallel rank's shard (see `model/parallel.py`)."""
+    `parallel`: build this tensor-parallel rank's shard (see `layers/parallel.py`)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"

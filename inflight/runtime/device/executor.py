@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from inflight.model.contract import MediaEmbeds
-from inflight.model.mamba import MambaRows
+from inflight.model.layers.mamba import MambaRows
 from inflight.model.transfer import to_device
 from inflight.model.vision import prune_image_tokens
 from inflight.protocol.request import MediaItem

@@ -22,8 +22,8 @@ from inflight.model.attention import (
 from inflight.model.checkpoints.loader import Checkpoint, build_model
 from inflight.model.config import ModelConfig
 from inflight.model.contract import CausalLM, ForwardBatch, ModelCaches
+from inflight.model.layers.parallel import TensorParallel
 from inflight.model.metadata import KVCache
-from inflight.model.parallel import TensorParallel
 from inflight.model.transfer import to_device
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.device.batch_builder import RaggedBatch, RowInput, build_ragged_batch

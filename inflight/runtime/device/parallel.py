@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
-from inflight.model.parallel import TensorParallel
+from inflight.model.layers.parallel import TensorParallel
 from inflight.runtime.config import RuntimeConfig
 from inflight.runtime.device.model_runner import StepPlan, build_model_runner
 

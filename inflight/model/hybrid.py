@@ -23,6 +23,7 @@ from inflight.model.attention import AttentionBackend
 from inflight.model.config import ModelConfig
 from inflight.model.contract import ForwardBatch, ModelCaches
 from inflight.model.layers.linear import process_weights_after_loading
+from inflight.model.layers.lora_adapters import LoRAAdapters
 from inflight.model.layers.mamba import Mamba2Mixer, MambaRows, MambaStates
 from inflight.model.layers.norm import RMSNorm
 from inflight.model.layers.platform import Platform
@@ -180,7 +181,7 @@ class HybridLayer(nn.Module):
 
 class HybridForCausalLM(nn.Module):
     """A Bamba or NemotronH model (config.mamba set), with LlamaForCausalLM's surface where the
-    runtime uses it; no LoRA and no media input. `max_lora_rank` is taken and ignored."""
+    runtime uses it; no LoRA (no adapter slots) and no media input."""
 
     def __init__(
         self,
@@ -197,7 +198,6 @@ class HybridForCausalLM(nn.Module):
         if max_loras:
             raise ValueError(f"LoRA is not supported on {config.family} models (max_loras=0)")
         self.config = config
-        self.max_loras = 0
         self.image_encoder = self.audio_encoder = None
         hidden = config.hidden_size
         rotary_dim = int(config.head_dim * config.mamba.partial_rotary_factor)
@@ -210,6 +210,11 @@ class HybridForCausalLM(nn.Module):
         self.lm_head = build_lm_head(config, methods)
         # NemotronH (rotary_dim 0) gets an empty table, which no layer reads.
         self.rotary = RotaryEmbedding(config, max_positions, rotary_dim)
+        self.lora = LoRAAdapters(self.layers, {}, 0, max_lora_rank, platform)
+
+    @property
+    def max_loras(self) -> int:
+        return self.lora.max_loras
 
     @property
     def num_attention_layers(self) -> int:

@@ -5,14 +5,14 @@ positions [T] and one KV cache pair per layer. Parameters keep Hugging Face name
 q/k/v and gate/up are stored fused (`qkv_proj`, `gate_up_proj`) so that each is one matmul per
 layer.
 
-Built with `max_loras` > 0, every decoder linear also holds that many LoRA adapter slots, and a
-forward pass may run each packed token with the adapter of its slot (`LoRAMapping`).
+Built with `max_loras` > 0, every decoder linear also holds that many LoRA adapter slots
+(`LoRAAdapters`, the model's `lora`), and a forward pass may run each packed token with the
+adapter of its slot (`LoRAMapping`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -25,7 +25,8 @@ from inflight.model.contract import ForwardBatch, ModelCaches
 from inflight.model.kernels.cpu import decoder, native
 from inflight.model.layers.activation import SiluAndMul
 from inflight.model.layers.linear import Linear, process_weights_after_loading
-from inflight.model.layers.lora import INDEXED_MAX_TOKENS, LoRAMapping, LoRASlots
+from inflight.model.layers.lora import LoRAMapping
+from inflight.model.layers.lora_adapters import LoRAAdapters
 from inflight.model.layers.mamba import MambaStates
 from inflight.model.layers.norm import RMSNorm
 from inflight.model.layers.parallel import TensorParallel, VocabParallelEmbedding
@@ -36,9 +37,6 @@ from inflight.model.metadata import AttentionMetadata, KVCache
 from inflight.model.qwen2_vl import Qwen2VLImageEncoder
 from inflight.model.vision import ImageEncoder
 from inflight.model.weights import load_fused, shard_sizes
-
-if TYPE_CHECKING:
-    from inflight.model.checkpoints.lora import LoRAAdapter
 
 # Fused parameter -> the Hugging Face parameters it stacks, in order.
 _FUSED_PARTS = {
@@ -259,10 +257,6 @@ class LlamaForCausalLM(nn.Module):
         parallel: TensorParallel | None = None,
     ) -> None:
         super().__init__()
-        if max_loras < 0 or max_lora_rank < 1:
-            raise ValueError(
-                f"max_loras must be >= 0 and max_lora_rank >= 1, got {max_loras}, {max_lora_rank}"
-            )
         self.config = config
         self.parallel = parallel
         # The decoder layers' shape on this rank.
@@ -293,20 +287,18 @@ class LlamaForCausalLM(nn.Module):
             self.audio_encoder = encoder
         else:
             self.image_encoder = encoder
-        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
-        self._lora_loaded = [False] * max_loras
-        if max_loras:
-            sizes = shard_sizes(config)
-            for _, name, linear in self._decoder_linears():
-                parts = sizes.get(name, [linear.out_features])
-                linear.lora_slots = LoRASlots(
-                    linear.in_features, parts, max_loras, max_lora_rank, platform.cpu_ops
-                )
+        self.lora = LoRAAdapters(
+            self.layers, shard_sizes(config), max_loras, max_lora_rank, platform
+        )
         self._cpu_ops = platform.cpu_ops
         # Steps run every layer in one native call where the model allows (`_decoder_step`);
         # False keeps them on the Python layers (what the native step matches).
         self.native_step = True
         self._decoder: tuple[list[KVCache], decoder.DecoderStep | None] | None = None
+
+    @property
+    def max_loras(self) -> int:
+        return self.lora.max_loras
 
     @property
     def num_attention_layers(self) -> int:
@@ -428,58 +420,6 @@ class LlamaForCausalLM(nn.Module):
             return logits
         return self.parallel.gather_vocab(logits, self.config.vocab_size)
 
-    def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Put `adapter` in `slot` (replacing what it held), in the model's device and dtype."""
-        self._check_slot(slot)
-        if adapter.rank > self.max_lora_rank:
-            raise ValueError(
-                f"LoRA adapter rank {adapter.rank} is above max_lora_rank={self.max_lora_rank}"
-            )
-        layers = max((layer for layer, _ in adapter.weights), default=-1) + 1
-        if layers > self.config.num_layers:
-            raise ValueError(
-                f"LoRA adapter has {layers} layers, the model {self.config.num_layers}"
-            )
-        # A write that fails part way leaves the slot unusable until a load succeeds.
-        self._lora_loaded[slot] = False
-        for i, name, linear in self._decoder_linears():
-            parts = [adapter.weights.get((i, part)) for part in _FUSED_PARTS.get(name, (name,))]
-            linear.lora_slots.write(slot, parts, adapter.rank, adapter.scale)
-        self._lora_loaded[slot] = True
-
-    def unload_lora(self, slot: int) -> None:
-        """Empty `slot`: a forward pass may no longer name it."""
-        self._check_slot(slot)
-        self._lora_loaded[slot] = False
-        for _, _, linear in self._decoder_linears():
-            linear.lora_slots.clear(slot)
-
-    def _decoder_linears(self) -> Iterator[tuple[int, str, Linear]]:
-        """(layer index, parameter name, layer) of every linear layer of the decoder layers."""
-        for i, layer in enumerate(self.layers):
-            for name, module in layer.named_modules():
-                if isinstance(module, Linear):
-                    yield i, name.rpartition(".")[2], module
-
-    def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.max_loras:
-            raise ValueError(f"LoRA slot {slot} does not exist: this model has {self.max_loras}")
-
-    def lora_mapping(self, rows: Sequence[tuple[int, int]]) -> LoRAMapping:
-        """The mapping of a step whose rows, in packed order, are (slot or -1 for the base
-        model, number of tokens), in the form this model's side path runs; every slot named
-        must hold an adapter."""
-        for slot in {slot for slot, _ in rows if slot != -1}:
-            self._check_slot(slot)
-            if not self._lora_loaded[slot]:
-                raise ValueError(f"LoRA slot {slot} holds no adapter")
-        if self._cpu_ops is not None:
-            return LoRAMapping.native(rows)
-        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
-        if device.type == "cuda" and sum(tokens for _, tokens in rows) <= INDEXED_MAX_TOKENS:
-            return LoRAMapping.indexed(rows, device)
-        return LoRAMapping.masked(rows, self.max_loras, dtype, device)
-
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in (fail if a parameter is missing or unknown), then
@@ -519,8 +459,4 @@ class LlamaForCausalLM(nn.Module):
                 "which this model's config does not describe"
             )
         process_weights_after_loading(self)
-        # A model built on the meta device holds uninitialized slots (to_empty), and a step
-        # reads empty slots beside the ones it runs: they must hold zeros.
-        if self.max_loras:
-            for _, _, linear in self._decoder_linears():
-                linear.lora_slots.reset()
+        self.lora.reset()

@@ -103,7 +103,7 @@ class Runtime:
             self.adapters = AdapterRegistry(
                 config.max_loras,
                 lambda path: load_lora_adapter(path, model_config, config.max_lora_rank),
-                model.load_lora,
+                model.lora.load,
             )
         self.overlap = self.device.type == "cuda" if config.overlap is None else config.overlap
         self.media_inputs = media_inputs(model_config, self.checkpoint.processor_config)

@@ -183,7 +183,7 @@ class Executor:
             ]
             if max(lora_slots) >= 0:
                 lengths = forward.attention.query_lens_host
-                forward.lora = self.runner.model.lora_mapping(
+                forward.lora = self.runner.model.lora.mapping(
                     list(zip(lora_slots, lengths, strict=True))
                 )
         if self.runner.recurrent:

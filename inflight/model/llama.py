@@ -22,7 +22,7 @@ from inflight.model.attention.cpu import CpuAttentionBackend
 from inflight.model.audio import AudioEncoder
 from inflight.model.config import ModelConfig, VisionConfig
 from inflight.model.contract import ForwardBatch, ModelCaches
-from inflight.model.kernels.cpu import decoder, native
+from inflight.model.kernels.cpu import decoder
 from inflight.model.layers.activation import SiluAndMul
 from inflight.model.layers.linear import Linear, process_weights_after_loading
 from inflight.model.layers.lora import LoRAMapping
@@ -239,6 +239,27 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h, lora), residual
 
+    def native_kernels(self, kv_cache: KVCache) -> decoder.LayerKernels | None:
+        """This layer over `kv_cache` as the native CPU decoder step runs it; None where one of
+        its linear layers runs no native kernel."""
+        attention, mlp = self.self_attn, self.mlp
+        linears = [
+            linear.native_kernels()
+            for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        ]
+        if any(linear is None for linear in linears):
+            return None
+        norms = None
+        if attention.q_norm is not None and attention.k_norm is not None:
+            norms = (attention.q_norm.weight.detach(), attention.k_norm.weight.detach())
+        return decoder.LayerKernels(
+            self.input_layernorm.weight.detach(),
+            self.post_attention_layernorm.weight.detach(),
+            *linears,
+            kv_cache=kv_cache,
+            qk_norms=norms,
+        )
+
 
 class LlamaForCausalLM(nn.Module):
     """Built for one platform, each linear layer with the method `methods` chooses for it (see
@@ -291,10 +312,13 @@ class LlamaForCausalLM(nn.Module):
             self.layers, shard_sizes(config), max_loras, max_lora_rank, platform
         )
         self._cpu_ops = platform.cpu_ops
-        # Steps run every layer in one native call where the model allows (`_decoder_step`);
-        # False keeps them on the Python layers (what the native step matches).
+        # The switch: steps run every layer in one native call where the model allows
+        # (`_native_step`); False keeps them on the Python layers (what the native step
+        # matches). `ran_native_step`: whether the last forward pass ran in it.
         self.native_step = True
-        self._decoder: tuple[list[KVCache], decoder.DecoderStep | None] | None = None
+        self.ran_native_step = False
+        # The native step, and the KV caches it was built over.
+        self._step: tuple[list[KVCache], decoder.DecoderStep | None] | None = None
 
     @property
     def max_loras(self) -> int:
@@ -325,7 +349,8 @@ class LlamaForCausalLM(nn.Module):
                 )
         step = None
         if (lora is None or lora.per_token) and input_ids.shape[0] > 0:
-            step = self._decoder_step(kv_caches, backend)
+            step = self._native_step(kv_caches, backend)
+        self.ran_native_step = step is not None
         if step is not None:
             scale, first = self.layers[0].self_attn.scale, meta.num_decodes
 
@@ -346,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
         """None: a Llama-family decoder keeps no state beside its KV."""
         return None
 
-    def _decoder_step(
+    def _native_step(
         self, kv_caches: list[KVCache], backend: AttentionBackend
     ) -> decoder.DecoderStep | None:
         """The native decoder step over `kv_caches` (built on first use), or None where a
@@ -354,60 +379,33 @@ class LlamaForCausalLM(nn.Module):
         tensor parallelism, or a linear layer without a native kernel."""
         if not self.native_step:
             return None
-        if self._decoder is None or self._decoder[0] is not kv_caches:
-            self._decoder = (kv_caches, self._build_decoder_step(kv_caches, backend))
-        return self._decoder[1]
+        if self._step is None or self._step[0] is not kv_caches:
+            self._step = (kv_caches, self._build_native_step(kv_caches, backend))
+        return self._step[1]
 
-    def _build_decoder_step(
+    def _build_native_step(
         self, kv_caches: list[KVCache], backend: AttentionBackend
     ) -> decoder.DecoderStep | None:
         # The CPU backend implies float32 caches and a head_dim its kernels take.
-        config = self.layer_config
         if (
             not isinstance(backend, CpuAttentionBackend)
             or self._cpu_ops is None
             or self.parallel is not None
         ):
             return None
-        layers = []
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            attention, mlp = layer.self_attn, layer.mlp
-            linears = []
-            for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                calls = linear.method.kernel_calls(linear)
-                if calls is None:
-                    return None
-                slots = linear.lora_slots
-                factors = None
-                if slots is not None:
-                    factors = decoder.LoraFactors(slots.a, slots.bt, slots.ranks, slots.starts)
-                linears.append(decoder.Linear(calls, factors))
-            norms = None
-            if attention.q_norm is not None and attention.k_norm is not None:
-                norms = (attention.q_norm.weight.detach(), attention.k_norm.weight.detach())
-            layers.append(
-                decoder.LayerKernels(
-                    layer.input_layernorm.weight.detach(),
-                    layer.post_attention_layernorm.weight.detach(),
-                    *linears,
-                    kv_cache=kv_cache,
-                    qk_norms=norms,
-                )
-            )
-        try:
-            return decoder.DecoderStep(
-                layers,
-                hidden=config.hidden_size,
-                heads=config.num_heads,
-                kv_heads=config.num_kv_heads,
-                head_dim=config.head_dim,
-                eps=config.rms_norm_eps,
-                scale=self.layers[0].self_attn.scale,
-                ops=self._cpu_ops,
-                attention=backend.library,
-            )
-        except native.NativeBuildError:
-            return None
+        config = self.layer_config
+        shape = decoder.StepShape(
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.rms_norm_eps,
+            self.layers[0].self_attn.scale,
+        )
+        layers = [
+            layer.native_kernels(kv) for layer, kv in zip(self.layers, kv_caches, strict=True)
+        ]
+        return decoder.build_step(layers, shape, self._cpu_ops, backend.library)
 
     def media_encoders(self) -> dict[str, ImageEncoder | Qwen2VLImageEncoder | AudioEncoder]:
         """The encoder of each kind of media the model takes."""

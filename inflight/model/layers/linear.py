@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from inflight.model.kernels.cpu.decoder import KernelCall
+from inflight.model.kernels.cpu.decoder import KernelCall, LinearKernels
 from inflight.model.layers.lora import LoRAMapping, LoRASlots
 
 
@@ -68,6 +68,15 @@ class Linear(nn.Module):
         if lora is not None:
             self.lora_slots.add(y, x, lora)
         return y
+
+    def native_kernels(self) -> LinearKernels | None:
+        """This layer as the native CPU decoder step runs it (kernels/cpu/decoder.py): its
+        method's native matmuls and its LoRA slots; None where its method runs none."""
+        calls = self.method.kernel_calls(self)
+        if calls is None:
+            return None
+        lora = None if self.lora_slots is None else self.lora_slots.native_factors()
+        return LinearKernels(calls, lora)
 
     def extra_repr(self) -> str:
         return (

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from inflight.model.encoders.audio import audio_from_hf
+from inflight.model.encoders.qwen2_vl import QWEN2_VL_FAMILIES, qwen2_vl_vision_from_hf
+from inflight.model.encoders.vision import vision_from_hf
+
+if TYPE_CHECKING:
+    from inflight.model.encoders.base import EncoderConfig
 
 # Hugging Face `architectures` entries this decoder implements, and the family each belongs to.
 HF_ARCHITECTURES = {
@@ -38,54 +45,6 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
-class VisionConfig:
-    """LLaVA-style image input: a CLIP or SigLIP vision tower, whose `feature_layer` output
-    (Hugging Face's `vision_feature_layer`: 0 the embeddings, -1 the last layer) is projected
-    into the decoder's width and takes the place of `image_token_id` placeholders, one per
-    patch feature (`keep_cls`: the "full" strategy; "default" drops the first)."""
-
-    tower: str  # "clip" or "siglip"
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    image_size: int
-    patch_size: int
-    layer_norm_eps: float
-    hidden_act: str
-    image_token_id: int
-    feature_layer: int = -2
-    keep_cls: bool = False
-    projector_act: str = "gelu"
-    projector_bias: bool = True
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.layers_run <= self.num_layers:
-            raise ValueError(
-                f"vision_feature_layer {self.feature_layer} is outside a tower of "
-                f"{self.num_layers} layers"
-            )
-
-    @property
-    def num_positions(self) -> int:
-        patches = (self.image_size // self.patch_size) ** 2
-        return patches + 1 if self.tower == "clip" else patches
-
-    @property
-    def layers_run(self) -> int:
-        """Tower layers computed: those up to the one whose output is read."""
-        return (
-            self.feature_layer
-            if self.feature_layer >= 0
-            else self.num_layers + 1 + self.feature_layer
-        )
-
-    @property
-    def tokens_per_image(self) -> int:
-        return self.num_positions - (0 if self.keep_cls else 1)
-
-
-@dataclass(frozen=True)
 class ModelConfig:
     family: str
     vocab_size: int
@@ -105,8 +64,8 @@ class ModelConfig:
     qk_norm: bool = False
     # Mistral v0.1 attends over a sliding window; sequences never grow past it here.
     sliding_window: int | None = None
-    vision: VisionConfig | Qwen2VLVisionConfig | None = None  # image input, if any
-    audio: AudioConfig | None = None  # audio input (Voxtral), if any
+    vision: EncoderConfig | None = None  # image input, if any
+    audio: EncoderConfig | None = None  # audio input (Voxtral), if any
     mamba: MambaConfig | None = None  # hybrid Mamba2 layers (Bamba, NemotronH), if any
 
     def __post_init__(self) -> None:
@@ -115,6 +74,11 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+
+    @property
+    def encoders(self) -> tuple[EncoderConfig, ...]:
+        """The media encoders it takes input through (images', then audio's)."""
+        return tuple(encoder for encoder in (self.vision, self.audio) if encoder is not None)
 
     @property
     def max_context(self) -> int:
@@ -150,11 +114,6 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
 
 # Multimodal `architectures` entries, by the layout of their config: their decoder is one of
 # the families.
-# Qwen2-VL's and Qwen2.5-VL's `architectures` entries, and the family of their image towers.
-QWEN2_VL_FAMILIES = {
-    "Qwen2VLForConditionalGeneration": "qwen2_vl",
-    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
-}
 HF_MULTIMODAL = {
     "LlavaForConditionalGeneration": "llava",
     "VoxtralForConditionalGeneration": "llava",  # the same layout, an audio tower instead
@@ -172,56 +131,6 @@ _LLAMA_DEFAULTS = dict(
     max_position_embeddings=2048,
     rms_norm_eps=1e-6,
 )
-# CLIPVisionConfig's and SiglipVisionConfig's defaults (both a ViT-B at 224 pixels), for what
-# a vision_config leaves out.
-_VIT_B = dict(
-    hidden_size=768,
-    intermediate_size=3072,
-    num_hidden_layers=12,
-    num_attention_heads=12,
-    image_size=224,
-)
-_TOWER_DEFAULTS = {
-    "clip_vision_model": dict(_VIT_B, patch_size=32, hidden_act="quick_gelu", layer_norm_eps=1e-5),
-    "siglip_vision_model": dict(
-        _VIT_B, patch_size=16, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6
-    ),
-}
-
-
-def _vision_from_hf(cfg: dict[str, Any]) -> VisionConfig:
-    vision = dict(cfg.get("vision_config") or {})
-    kind = vision.get("model_type", "clip_vision_model")
-    if kind not in _TOWER_DEFAULTS:
-        raise ValueError(
-            f"unsupported vision tower {kind!r}; supported: {', '.join(_TOWER_DEFAULTS)}"
-        )
-    vision = {**_TOWER_DEFAULTS[kind], **vision}
-    layer = cfg.get("vision_feature_layer", -2)
-    if not isinstance(layer, int):
-        raise ValueError(f"vision_feature_layer {layer!r}: only a single layer is supported")
-    strategy = cfg.get("vision_feature_select_strategy", "default")
-    if strategy not in ("default", "full"):
-        raise ValueError(f"unsupported vision_feature_select_strategy {strategy!r}")
-    token = cfg.get("image_token_id", cfg.get("image_token_index"))
-    if token is None:
-        raise ValueError("a LLaVA config.json needs image_token_index (or image_token_id)")
-    return VisionConfig(
-        tower="clip" if kind == "clip_vision_model" else "siglip",
-        hidden_size=vision["hidden_size"],
-        intermediate_size=vision["intermediate_size"],
-        num_layers=vision["num_hidden_layers"],
-        num_heads=vision["num_attention_heads"],
-        image_size=vision["image_size"],
-        patch_size=vision["patch_size"],
-        layer_norm_eps=float(vision["layer_norm_eps"]),
-        hidden_act=vision["hidden_act"],
-        image_token_id=int(token),
-        feature_layer=layer,
-        keep_cls=strategy == "full",
-        projector_act=cfg.get("projector_hidden_act", "gelu"),
-        projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
-    )
 
 
 def _multimodal_text(cfg: dict[str, Any], layout: str) -> dict[str, Any]:
@@ -256,7 +165,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             if config.rope.mrope_section is None:
                 raise ValueError("a Qwen2-VL config.json needs rope mrope_section")
             return replace(config, vision=qwen2_vl_vision_from_hf(cfg))
-        return replace(config, vision=_vision_from_hf(cfg))
+        return replace(config, vision=vision_from_hf(cfg))
     family = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
     if family is None:
         raise ValueError(
@@ -288,214 +197,6 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=family == "qwen3",
         sliding_window=sliding,
-    )
-
-
-# Qwen2VLVisionConfig's and Qwen2_5_VLVisionConfig's defaults in transformers (the 7B towers),
-# for what a vision_config leaves out.
-_QWEN_VISION_DEFAULTS = {
-    "qwen2_vl": dict(depth=32, embed_dim=1280, mlp_ratio=4, num_heads=16, hidden_act="quick_gelu"),
-    "qwen2_5_vl": dict(
-        depth=32,
-        hidden_size=3584,
-        intermediate_size=3420,
-        num_heads=16,
-        hidden_act="silu",
-        out_hidden_size=3584,
-        window_size=112,
-        fullatt_block_indexes=[7, 15, 23, 31],
-    ),
-}
-
-
-@dataclass(frozen=True)
-class Qwen2VLVisionConfig:
-    """The image tower of Qwen2-VL or Qwen2.5-VL: a ViT over patch_size^2 x temporal_patch_size
-    patches at the image's own resolution, with a 2-D rotary position per patch, whose
-    spatial_merge_size^2 neighbouring patches are merged into one prompt token of
-    `out_hidden_size` (the decoder's width) in place of an `image_token_id` placeholder.
-    Qwen2.5-VL ("qwen2_5_vl") uses RMSNorm and a SwiGLU MLP, and attends within windows of
-    window_size pixels square except in the `fullatt_block_indexes` blocks."""
-
-    family: str  # "qwen2_vl" or "qwen2_5_vl"
-    depth: int
-    embed_dim: int
-    intermediate_size: int
-    num_heads: int
-    hidden_act: str
-    patch_size: int
-    temporal_patch_size: int
-    spatial_merge_size: int
-    in_channels: int
-    out_hidden_size: int
-    image_token_id: int
-    vision_start_token_id: int
-    rope_theta: float = 10000.0
-    window_size: int | None = None  # pixels; Qwen2.5-VL only
-    fullatt_block_indexes: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.family not in _QWEN_VISION_DEFAULTS:
-            raise ValueError(f"unknown Qwen vision family {self.family!r}")
-        if self.embed_dim % self.num_heads or (self.embed_dim // self.num_heads) % 4:
-            raise ValueError(
-                f"vision embed_dim {self.embed_dim} must split into {self.num_heads} heads "
-                "of a width divisible by 4 (the 2-D rotary halves)"
-            )
-        if self.windowed and self.window_size < self.patch_size * self.spatial_merge_size:
-            raise ValueError(
-                f"window_size {self.window_size} is smaller than one merged patch "
-                f"({self.patch_size * self.spatial_merge_size} pixels)"
-            )
-
-    @property
-    def windowed(self) -> bool:
-        return self.family == "qwen2_5_vl"
-
-    @property
-    def patch_dim(self) -> int:
-        """Values in one flattened patch: channels x temporal x patch x patch."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
-
-
-def qwen2_vl_vision_from_hf(cfg: dict[str, Any]) -> Qwen2VLVisionConfig:
-    """The image tower of a Qwen2-VL or Qwen2.5-VL `config.json` dict: transformers 5's layout
-    (decoder fields in text_config) or the older hub one (decoder fields at the top level)."""
-    archs = cfg.get("architectures") or []
-    family = next((QWEN2_VL_FAMILIES[a] for a in archs if a in QWEN2_VL_FAMILIES), None)
-    family = family or cfg.get("model_type")
-    if family not in _QWEN_VISION_DEFAULTS:
-        raise ValueError(
-            f"not a Qwen2-VL config: {archs or cfg.get('model_type')!r}; "
-            f"supported: {', '.join(QWEN2_VL_FAMILIES)}"
-        )
-    vision = {**_QWEN_VISION_DEFAULTS[family], **(cfg.get("vision_config") or {})}
-    text_hidden = (cfg.get("text_config") or {}).get("hidden_size", cfg.get("hidden_size"))
-    if family == "qwen2_vl":
-        width = vision["embed_dim"]
-        intermediate = int(width * vision["mlp_ratio"])
-        # Qwen2-VL's vision_config.hidden_size is the merger's output: the decoder's width.
-        out = vision.get("hidden_size", text_hidden)
-    else:
-        width, intermediate = vision["hidden_size"], vision["intermediate_size"]
-        out = vision["out_hidden_size"]
-    if out is None:
-        raise ValueError("a Qwen2-VL config.json needs the decoder's hidden_size")
-    rope = vision.get("rope_parameters") or {}
-    return Qwen2VLVisionConfig(
-        family=family,
-        depth=vision["depth"],
-        embed_dim=width,
-        intermediate_size=intermediate,
-        num_heads=vision["num_heads"],
-        hidden_act=vision["hidden_act"],
-        patch_size=vision.get("patch_size", 14),
-        temporal_patch_size=vision.get("temporal_patch_size", 2),
-        spatial_merge_size=vision.get("spatial_merge_size", 2),
-        # Older hub configs spell it in_chans.
-        in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
-        out_hidden_size=out,
-        image_token_id=int(cfg.get("image_token_id", 151655)),
-        vision_start_token_id=int(cfg.get("vision_start_token_id", 151652)),
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        window_size=vision["window_size"] if family == "qwen2_5_vl" else None,
-        fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", ())),
-    )
-
-
-@dataclass(frozen=True)
-class AudioConfig:
-    """Voxtral's audio input: a Whisper-style encoder over log-mel windows of
-    `frames_per_window` frames, which halves them to `max_source_positions` encoder frames;
-    the projector stacks `intermediate_size // hidden_size` consecutive frames into one vector
-    and maps it into the decoder's width, where it takes the place of one `audio_token_id`
-    placeholder."""
-
-    num_mel_bins: int
-    hidden_size: int  # Whisper's d_model
-    num_layers: int
-    num_heads: int
-    intermediate_size: int  # the layers' MLP width, and the width of a stack of frames
-    max_source_positions: int
-    audio_token_id: int
-    activation: str = "gelu"
-    projector_act: str = "gelu"
-
-    def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"audio hidden_size {self.hidden_size} is not a multiple of "
-                f"num_attention_heads {self.num_heads}"
-            )
-        # Transformers flattens the whole batch before stacking: only whole stacks per window
-        # keep one window's frames out of another's tokens.
-        if (
-            self.intermediate_size % self.hidden_size
-            or self.max_source_positions % self.frames_per_token
-        ):
-            raise ValueError(
-                f"audio intermediate_size {self.intermediate_size} must stack a whole number "
-                f"of {self.hidden_size}-wide frames, dividing max_source_positions "
-                f"{self.max_source_positions}"
-            )
-
-    @property
-    def frames_per_token(self) -> int:
-        """Encoder frames stacked into one audio token."""
-        return self.intermediate_size // self.hidden_size
-
-    @property
-    def frames_per_window(self) -> int:
-        """Mel frames one encoder window takes (its second convolution has stride 2)."""
-        return 2 * self.max_source_positions
-
-    @property
-    def tokens_per_window(self) -> int:
-        return self.max_source_positions * self.hidden_size // self.intermediate_size
-
-
-# VoxtralEncoderConfig's defaults (Voxtral Mini's encoder), for what an audio_config leaves
-# out, and the Whisper spellings it also accepts.
-_VOXTRAL_ENCODER = dict(
-    num_mel_bins=128,
-    hidden_size=1280,
-    num_hidden_layers=32,
-    num_attention_heads=20,
-    intermediate_size=5120,
-    max_source_positions=1500,
-    activation_function="gelu",
-)
-_WHISPER_NAMES = {
-    "d_model": "hidden_size",
-    "encoder_layers": "num_hidden_layers",
-    "encoder_attention_heads": "num_attention_heads",
-    "encoder_ffn_dim": "intermediate_size",
-}
-
-
-def audio_from_hf(cfg: dict[str, Any]) -> AudioConfig:
-    """The audio side of a `VoxtralForConditionalGeneration` config.json dict."""
-    audio = dict(cfg.get("audio_config") or {})
-    kind = audio.get("model_type", "voxtral_encoder")
-    if kind != "voxtral_encoder":
-        raise ValueError(f"unsupported audio encoder {kind!r}; supported: voxtral_encoder")
-    for whisper, name in _WHISPER_NAMES.items():
-        if whisper in audio:
-            audio.setdefault(name, audio[whisper])
-    audio = {**_VOXTRAL_ENCODER, **audio}
-    token = cfg.get("audio_token_id")
-    if token is None:
-        raise ValueError("a Voxtral config.json needs audio_token_id")
-    return AudioConfig(
-        num_mel_bins=audio["num_mel_bins"],
-        hidden_size=audio["hidden_size"],
-        num_layers=audio["num_hidden_layers"],
-        num_heads=audio["num_attention_heads"],
-        intermediate_size=audio["intermediate_size"],
-        max_source_positions=audio["max_source_positions"],
-        audio_token_id=int(token),
-        activation=audio["activation_function"],
-        projector_act=cfg.get("projector_hidden_act", "gelu"),
     )
 
 

@@ -29,9 +29,9 @@ from inflight.model.layers.norm import RMSNorm
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, RotaryEmbedding
-from inflight.model.llama import MLP, Attention, build_lm_head, decoder_linear
+from inflight.model.llama import MLP, Attention, build_lm_head, decoder_linear, shard_sizes
 from inflight.model.metadata import AttentionMetadata, KVCache
-from inflight.model.weights import load_fused, shard_sizes
+from inflight.model.weights import load_fused
 
 # Checkpoint name prefix -> ours, per family (NemotronH's checkpoints say `backbone.`,
 # transformers' module tree `model.`).
@@ -198,7 +198,6 @@ class HybridForCausalLM(nn.Module):
         if max_loras:
             raise ValueError(f"LoRA is not supported on {config.family} models (max_loras=0)")
         self.config = config
-        self.image_encoder = self.audio_encoder = None
         hidden = config.hidden_size
         rotary_dim = int(config.head_dim * config.mamba.partial_rotary_factor)
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden)

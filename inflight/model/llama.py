@@ -19,8 +19,7 @@ from torch import nn
 
 from inflight.model.attention import AttentionBackend
 from inflight.model.attention.cpu import CpuAttentionBackend
-from inflight.model.audio import AudioEncoder
-from inflight.model.config import ModelConfig, VisionConfig
+from inflight.model.config import ModelConfig
 from inflight.model.contract import ForwardBatch, ModelCaches
 from inflight.model.kernels.cpu import decoder
 from inflight.model.layers.activation import SiluAndMul
@@ -34,9 +33,7 @@ from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, Rope, RotaryEmbedding
 from inflight.model.metadata import AttentionMetadata, KVCache
-from inflight.model.qwen2_vl import Qwen2VLImageEncoder
-from inflight.model.vision import ImageEncoder
-from inflight.model.weights import load_fused, shard_sizes
+from inflight.model.weights import load_fused
 
 # Fused parameter -> the Hugging Face parameters it stacks, in order.
 _FUSED_PARTS = {
@@ -64,6 +61,15 @@ _MULTIMODAL_NAMES = (
 _ENCODER_NAMES = ("vision_tower.", "multi_modal_projector.", "visual.", "audio_tower.")
 
 
+def shard_sizes(config: ModelConfig) -> dict[str, list[int]]:
+    """The output size of each part of a fused decoder parameter."""
+    kv_size = config.num_kv_heads * config.head_dim
+    return {
+        "qkv_proj": [config.num_heads * config.head_dim, kv_size, kv_size],
+        "gate_up_proj": [config.intermediate_size] * 2,
+    }
+
+
 def build_lm_head(config: ModelConfig, methods: LinearMethods, rows: int | None = None) -> Linear:
     """The LM head (of `rows` vocabulary rows: a tensor-parallel rank's; default all), with the
     method its weight calls for; a tied one holds no weight of its own (load_weights gives it
@@ -81,17 +87,6 @@ def build_lm_head(config: ModelConfig, methods: LinearMethods, rows: int | None 
     if config.tie_word_embeddings:
         head.weight = None
     return head
-
-
-def encoder_for(config: ModelConfig) -> ImageEncoder | Qwen2VLImageEncoder | AudioEncoder | None:
-    """The media encoder a model of `config` takes its images or audio through, if any."""
-    if isinstance(config.vision, VisionConfig):
-        return ImageEncoder(config.vision, config.hidden_size)
-    if config.vision is not None:
-        return Qwen2VLImageEncoder(config.vision)
-    if config.audio is not None:
-        return AudioEncoder(config.audio, config.hidden_size)
-    return None
 
 
 def decoder_linear(
@@ -301,13 +296,10 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(hidden, config.rms_norm_eps, platform)
         # A tied head computes with the embedding's weight (see load_weights).
         self.rotary = RotaryEmbedding(config, max_positions)
-        self.image_encoder: ImageEncoder | Qwen2VLImageEncoder | None = None
-        self.audio_encoder: AudioEncoder | None = None
-        encoder = encoder_for(config)
-        if config.audio is not None:
-            self.audio_encoder = encoder
-        else:
-            self.image_encoder = encoder
+        # The media encoders, by the kind of media each takes.
+        self.encoders = nn.ModuleDict(
+            {encoder.kind: encoder.build(hidden) for encoder in config.encoders}
+        )
         self.lora = LoRAAdapters(
             self.layers, shard_sizes(config), max_loras, max_lora_rank, platform
         )
@@ -407,10 +399,9 @@ class LlamaForCausalLM(nn.Module):
         ]
         return decoder.build_step(layers, shape, self._cpu_ops, backend.library)
 
-    def media_encoders(self) -> dict[str, ImageEncoder | Qwen2VLImageEncoder | AudioEncoder]:
+    def media_encoders(self) -> dict[str, nn.Module]:
         """The encoder of each kind of media the model takes."""
-        found = {"image": self.image_encoder, "audio": self.audio_encoder}
-        return {kind: encoder for kind, encoder in found.items() if encoder is not None}
+        return dict(self.encoders)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
@@ -446,12 +437,10 @@ class LlamaForCausalLM(nn.Module):
                     tensor = self.parallel.shard(name, tensor, self.config)
                 yield name, tensor
 
-        skip = ("image_encoder.", "audio_encoder.")
-        load_fused(self, decoder_weights(), _FUSED, shard_sizes(self.layer_config), skip)
-        encoder = self.image_encoder or self.audio_encoder
-        if encoder is not None:
+        load_fused(self, decoder_weights(), _FUSED, shard_sizes(self.layer_config), ("encoders.",))
+        for encoder in self.encoders.values():
             encoder.load_weights(encoder_weights)
-        elif encoder_weights:
+        if encoder_weights and not self.encoders:
             raise ValueError(
                 f"checkpoint tensor {encoder_weights[0][0]!r} belongs to a media encoder, "
                 "which this model's config does not describe"

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from inflight.model.contract import MediaEmbeds
+from inflight.model.encoders.vision import prune_image_tokens
 from inflight.model.layers.mamba import MambaRows
 from inflight.model.transfer import to_device
-from inflight.model.vision import prune_image_tokens
 from inflight.protocol.request import MediaItem
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.device.cuda_graphs import replayable

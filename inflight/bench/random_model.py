@@ -196,5 +196,5 @@ def random_checkpoint(
         path=Path(f"{shape}-random"),
         config=config,
         tokenizer=tokenizer or numbered_tokenizer(config.vocab_size),
-        _source=RandomWeights(config, device, seed),
+        source=RandomWeights(config, device, seed),
     )

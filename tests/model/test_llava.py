@@ -107,7 +107,7 @@ def test_a_checkpoint_tensor_without_a_place_is_refused(llava_dirs, tmp_path):
     checkpoint = open_checkpoint(path)
     weights = list(checkpoint.weights())
     weights.append(("model.vision_tower.encoder.extra.weight", torch.zeros(1)))
-    checkpoint._source = type("Source", (), {"weights": lambda self: iter(weights)})()
+    checkpoint.source = type("Source", (), {"weights": lambda self: iter(weights)})()
     with pytest.raises(ValueError, match="has no place in the image encoder"):
         build_model(checkpoint, torch.float32, torch.device("cpu"), 64, quantization="none")
 
@@ -122,7 +122,7 @@ def test_the_llava_hf_naming_loads_the_same_model(llava_dirs):
         for name, tensor in checkpoint.weights()
     ]
     renamed.append(("vision_tower.vision_model.embeddings.position_ids", torch.arange(17)[None]))
-    checkpoint._source = type("Source", (), {"weights": lambda self: iter(renamed)})()
+    checkpoint.source = type("Source", (), {"weights": lambda self: iter(renamed)})()
     cpu = torch.device("cpu")
     theirs = build_model(checkpoint, torch.float32, cpu, 64, quantization="none")
     _, ours, _ = _ours(path)

@@ -1,4 +1,6 @@
-"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and SmolLM2.
+"""The Llama family: one decoder for Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and SmolLM2, its
+flavours' config parsing (Hugging Face and GGUF) and llama.cpp's names for its tensors. Registers
+the flavours llama, mistral, qwen2 and qwen3 (a config's `family`).
 
 The forward pass runs over a packed ragged batch (see `metadata.py`): tokens [T],
 positions [T] and one KV cache pair per layer. Parameters keep Hugging Face names, except that
@@ -12,14 +14,17 @@ adapter of its slot (`LoRAMapping`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
+from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from inflight.model.attention import AttentionBackend
 from inflight.model.attention.cpu import CpuAttentionBackend
-from inflight.model.config import ModelConfig
+from inflight.model.config import ModelConfig, RopeConfig, rope_from_hf
 from inflight.model.contract import ForwardBatch, ModelCaches
 from inflight.model.kernels.cpu import decoder
 from inflight.model.layers.activation import SiluAndMul
@@ -33,6 +38,7 @@ from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, Rope, RotaryEmbedding
 from inflight.model.metadata import AttentionMetadata, KVCache
+from inflight.model.registry import Family, GGUFMetadata, register
 from inflight.model.weights import load_fused
 
 # Fused parameter -> the Hugging Face parameters it stacks, in order.
@@ -447,3 +453,174 @@ class LlamaForCausalLM(nn.Module):
             )
         process_weights_after_loading(self)
         self.lora.reset()
+
+
+# The family's flavours: its configs' `family`.
+FLAVOURS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def llama_from_hf(cfg: dict[str, Any], flavour: str) -> ModelConfig:
+    """The ModelConfig of a `config.json` dict of the family's `flavour` (its `family`)."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}; this decoder implements SwiGLU (silu)")
+    num_heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+    sliding = cfg.get("sliding_window") if flavour == "mistral" else None
+    attention_bias = bool(cfg.get("attention_bias", False))
+    return ModelConfig(
+        family=flavour,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        rope=rope_from_hf(cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=flavour == "qwen2" or attention_bias,
+        o_bias=flavour in ("llama", "qwen3") and attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=flavour == "qwen3",
+        sliding_window=sliding,
+    )
+
+
+# A layer's tensor (after "blk.N.") -> its Hugging Face name (after "layers.N.").
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# The tensors outside the layers (hybrids' files name them so too).
+GLOBAL_TENSORS = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+
+
+def llama_from_gguf(gguf: GGUFMetadata, flavour: str) -> ModelConfig:
+    """The ModelConfig of a GGUF file of the family's `flavour`, from llama.cpp's metadata."""
+    a = gguf.architecture
+    hidden = gguf.field(f"{a}.embedding_length")
+    heads = gguf.field(f"{a}.attention.head_count")
+    names = gguf.tensor_names
+    return ModelConfig(
+        family=flavour,
+        vocab_size=gguf_vocab_size(gguf),
+        hidden_size=hidden,
+        intermediate_size=gguf.field(f"{a}.feed_forward_length"),
+        num_layers=gguf.field(f"{a}.block_count"),
+        num_heads=heads,
+        num_kv_heads=gguf.field(f"{a}.attention.head_count_kv") or heads,
+        head_dim=gguf.field(f"{a}.attention.key_length") or hidden // heads,
+        rms_norm_eps=float(gguf.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=gguf.field(f"{a}.context_length", 4096),
+        rope=gguf_rope(gguf),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_up.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+    )
+
+
+def gguf_vocab_size(gguf: GGUFMetadata) -> int:
+    """The vocabulary's size: the metadata's, or the tokenizer's token count."""
+    a = gguf.architecture
+    return gguf.field(f"{a}.vocab_size") or len(gguf.field("tokenizer.ggml.tokens") or [])
+
+
+def gguf_rope(gguf: GGUFMetadata) -> RopeConfig:
+    """The rotary embedding of a GGUF file; Llama 3's frequency scaling comes as the divisors of
+    tensor `rope_freqs`."""
+    a = gguf.architecture
+    scaling = gguf.field(f"{a}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ValueError(f"unsupported GGUF rope scaling type {scaling!r}")
+    freq_factors = None
+    if "rope_freqs.weight" in gguf.tensor_names:
+        freq_factors = tuple(float(x) for x in gguf.tensor("rope_freqs.weight"))
+    return RopeConfig(
+        theta=float(gguf.field(f"{a}.rope.freq_base", 10000.0)),
+        type="linear" if scaling == "linear" else "default",
+        factor=float(gguf.field(f"{a}.rope.scaling.factor", 1.0)),
+        freq_factors=freq_factors,
+    )
+
+
+def gguf_layer_kind(name: str) -> str:
+    """What a layer's tensor is ("attn_q" of "blk.3.attn_q.weight"); "" outside the layers."""
+    return name.split(".")[2] if name.startswith("blk.") else ""
+
+
+def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of each head's rotary halves (rows of q/k, or a bias)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def unpermute_qk(name: str, rows: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """`rows` of tensor `name` with llama.cpp's q/k permutation undone where it applies."""
+    kind = gguf_layer_kind(name)
+    if kind in ("attn_q", "attn_k"):
+        return unpermute(rows, config.num_heads if kind == "attn_q" else config.num_kv_heads)
+    return rows
+
+
+class LlamaGGUFTensors:
+    """The family's tensors in llama.cpp's files; `permuted`: the converter interleaved q's and
+    k's rotary halves (its llama conversion; not its qwen2 or qwen3)."""
+
+    def __init__(self, permuted: bool) -> None:
+        self.permuted = permuted
+
+    def hf_name(self, name: str) -> str | None:
+        base, _, suffix = name.rpartition(".")
+        if base == "rope_freqs":
+            return None  # folded into the rope config
+        parts = base.split(".")
+        if parts[0] == "blk" and len(parts) == 3:
+            return f"layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
+        return f"{GLOBAL_TENSORS[base]}.{suffix}"
+
+    def rows(self, name: str, rows: np.ndarray, config: ModelConfig) -> np.ndarray:
+        return unpermute_qk(name, rows, config) if self.permuted else rows
+
+    def keeps_shape(self, name: str) -> bool:
+        return True
+
+    def reshape(self, name: str, values: np.ndarray) -> np.ndarray:
+        return values
+
+
+def _flavour(name: str, architecture: str, gguf: str | None = None) -> Family:
+    """One flavour of the family: its Hugging Face architecture and, where llama.cpp converts
+    it to one of its own, its GGUF architecture."""
+    return Family(
+        name,
+        LlamaForCausalLM,
+        hf_architectures=(architecture,),
+        from_hf=functools.partial(llama_from_hf, flavour=name),
+        gguf_architectures=() if gguf is None else (gguf,),
+        from_gguf=functools.partial(llama_from_gguf, flavour=name),
+        gguf_tensors=LlamaGGUFTensors(permuted=gguf == "llama"),
+    )
+
+
+register(_flavour("llama", "LlamaForCausalLM", gguf="llama"))
+register(_flavour("mistral", "MistralForCausalLM"))  # llama.cpp converts Mistral to llama
+register(_flavour("qwen2", "Qwen2ForCausalLM", gguf="qwen2"))
+register(_flavour("qwen3", "Qwen3ForCausalLM", gguf="qwen3"))

@@ -5,7 +5,7 @@ from a LLaVA `config.json` by `vision_from_hf`), and the visual-token pruner.
 `ImageEncoder` turns preprocessed images [N, 3, H, W] (`image_processor.py`) into
 [N, tokens_per_image, hidden] prompt embeddings, which the decoder takes in place of the image
 placeholder tokens. It runs eagerly, in the decoder's dtype, once per image: in the step that
-starts its request's prefill (see `runtime/executor.py`, `runtime/encoder_cache.py`).
+starts its request's prefill (see `runtime/device/executor.py`, `runtime/device/encoder_cache.py`).
 Parameters keep Hugging Face names below `vision_tower` and `multi_modal_projector`
 (older checkpoints have a `vision_tower.vision_model` level, read as well).
 """

@@ -412,6 +412,7 @@ def check_fp8(device: torch.device, seed: int) -> tuple[bool, str]:
     linear against its float64 formula."""
     from inflight.model.kernels.triton import ops as triton_ops
     from inflight.model.layers.linear import Linear, process_weights_after_loading
+    from inflight.model.layers.platform import Platform
     from inflight.model.layers.quantization import FP8_MAX, Fp8LinearMethod, fp8_rows
 
     torch.manual_seed(seed)
@@ -426,7 +427,8 @@ def check_fp8(device: torch.device, seed: int) -> tuple[bool, str]:
         exact &= torch.equal(scale, ref_scale)
         if size % 16:
             continue
-        layer = Linear(size, 512, True, Fp8LinearMethod()).to(device, torch.bfloat16)
+        method = Fp8LinearMethod(Platform(device, torch.bfloat16))
+        layer = Linear(size, 512, True, method).to(device, torch.bfloat16)
         with torch.no_grad():
             layer.weight.normal_()
             layer.bias.normal_()
@@ -444,7 +446,7 @@ def check_mamba_decode(device: torch.device, seed: int) -> tuple[bool, str]:
     """The Triton recurrent step of Mamba2 decode rows against the torch formula in float32:
     rows in scattered slots, heads sharing B and C in groups; the other slots untouched."""
     from inflight.model.kernels.triton.mamba import ssm_decode
-    from inflight.model.mamba import ssm_decode as torch_ssm_decode
+    from inflight.model.layers.mamba import ssm_decode as torch_ssm_decode
 
     torch.manual_seed(seed)
     rows, heads, head_dim, d_state, groups, num_slots = 13, 16, 64, 128, 2, 40

@@ -21,7 +21,7 @@ import traceback
 import torch
 
 from inflight.bench.random_model import random_checkpoint
-from inflight.model.mamba import MambaRows
+from inflight.model.layers.mamba import MambaRows
 from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch

@@ -15,10 +15,11 @@ import torch
 
 from inflight.bench.offline import hf_model
 from inflight.bench.report import write_report
-from inflight.model.attention import AttentionBackend, KVCache, select_backend
+from inflight.model.attention import AttentionBackend, select_backend
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
 from inflight.model.contract import ModelCaches
-from inflight.model.llama import LlamaForCausalLM
+from inflight.model.families.llama import LlamaForCausalLM
+from inflight.model.metadata import KVCache
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 
 PROMPT = "The history of the Roman Empire begins"

@@ -186,7 +186,8 @@ def step(args: argparse.Namespace) -> dict:
     """Whole decode steps of SmolLM2 through `build_model`, as the tests run a model directly."""
     from inflight.model.attention import select_backend
     from inflight.model.checkpoints.loader import build_model, open_checkpoint
-    from inflight.model.checkpoints.lora import LoRAAdapter, target_shapes
+    from inflight.model.checkpoints.lora import target_shapes
+    from inflight.model.layers.lora_adapters import LoRAAdapter
     from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 
     checkpoint = open_checkpoint(None)
@@ -221,7 +222,7 @@ def step(args: argparse.Namespace) -> dict:
             max_lora_rank=args.rank,
         )
         for slot, adapter in enumerate(adapters):
-            model.load_lora(slot, adapter)
+            model.lora.load(slot, adapter)
         backend = select_backend(None, CPU, torch.float32, config.head_dim)
         shape = backend.kv_cache_shape(
             rows * blocks, block_size, config.num_kv_heads, config.head_dim
@@ -241,7 +242,7 @@ def step(args: argparse.Namespace) -> dict:
 
         def run(scenario, model=model, backend=backend, caches=caches, batch=batch) -> None:
             # The mapping is built per step, as the executor does.
-            batch.forward.lora = None if scenario is None else model.lora_mapping(scenario)
+            batch.forward.lora = None if scenario is None else model.lora.mapping(scenario)
             backend.plan(batch.forward.attention)
             with torch.no_grad():
                 hidden = model(batch.forward, ModelCaches(caches, backend))

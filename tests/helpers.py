@@ -7,8 +7,9 @@ from collections.abc import Iterator
 
 import torch
 
-from inflight.model.attention import AttentionMetadata, TorchAttentionBackend
+from inflight.model.attention import TorchAttentionBackend
 from inflight.model.contract import ForwardBatch, ModelCaches
+from inflight.model.metadata import AttentionMetadata
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.device.cuda_graphs import (
     DecodeGraphs,

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from inflight.model.config import ModelConfig, VisionConfig
+from inflight.model.config import ModelConfig
+from inflight.model.encoders.vision import VisionConfig
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

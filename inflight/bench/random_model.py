@@ -11,15 +11,10 @@ from tokenizers import models
 
 from inflight.model.checkpoints.loader import Checkpoint
 from inflight.model.checkpoints.tokenizer import SpecialTokens, Tokenizer
-from inflight.model.config import (
-    AudioConfig,
-    MambaConfig,
-    ModelConfig,
-    Qwen2VLVisionConfig,
-    RopeConfig,
-    VisionConfig,
-)
-from inflight.model.llama import encoder_for
+from inflight.model.config import MambaConfig, ModelConfig, RopeConfig
+from inflight.model.encoders.audio import AudioConfig
+from inflight.model.encoders.qwen2_vl import Qwen2VLVisionConfig
+from inflight.model.encoders.vision import VisionConfig
 
 SHAPES = {
     "qwen3-0.6b": ModelConfig(
@@ -171,16 +166,15 @@ class RandomWeights:
         """The media encoder's (tower and projector), under their Hugging Face names: the
         names the encoder modules keep. Norm weights one, biases zero."""
         with torch.device("meta"):  # its names and shapes only
-            encoder = encoder_for(self.config)
-        if encoder is None:
-            return
-        for name, param in encoder.named_parameters():
-            if name.endswith("bias"):
-                yield name, ones(param.shape[0]).zero_()
-            elif "norm" in name and param.dim() == 1:
-                yield name, ones(param.shape[0])
-            else:
-                yield name, matrix(param.shape[0], param[0].numel()).view(param.shape)
+            encoders = [e.build(self.config.hidden_size) for e in self.config.encoders]
+        for encoder in encoders:
+            for name, param in encoder.named_parameters():
+                if name.endswith("bias"):
+                    yield name, ones(param.shape[0]).zero_()
+                elif "norm" in name and param.dim() == 1:
+                    yield name, ones(param.shape[0])
+                else:
+                    yield name, matrix(param.shape[0], param[0].numel()).view(param.shape)
 
 
 def numbered_tokenizer(vocab_size: int) -> Tokenizer:
@@ -202,5 +196,5 @@ def random_checkpoint(
         path=Path(f"{shape}-random"),
         config=config,
         tokenizer=tokenizer or numbered_tokenizer(config.vocab_size),
-        _source=RandomWeights(config, device, seed),
+        source=RandomWeights(config, device, seed),
     )

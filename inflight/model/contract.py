@@ -9,10 +9,12 @@ from typing import Protocol
 
 import torch
 
-from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
+from inflight.model.attention import AttentionBackend
 from inflight.model.config import ModelConfig
 from inflight.model.layers.lora import LoRAMapping
-from inflight.model.mamba import MambaRows, MambaStates
+from inflight.model.layers.lora_adapters import LoRAAdapters
+from inflight.model.layers.mamba import MambaRows, MambaStates
+from inflight.model.metadata import AttentionMetadata, KVCache
 
 
 @dataclass
@@ -29,7 +31,7 @@ class MediaEmbeds:
 
 @dataclass
 class ForwardBatch:
-    """One step's packed tokens (a ragged batch: decode rows first, see `attention/base.py`)
+    """One step's packed tokens (a ragged batch: decode rows first, see `metadata.py`)
     and what the forward pass reads beside them. The optional parts are those of the features
     a step's rows use: each row's LoRA adapter, media embeddings in place of placeholder
     tokens, each row's recurrent state slot (hybrid models)."""
@@ -61,10 +63,12 @@ class MediaEncoder(Protocol):
 
 class CausalLM(Protocol):
     """A causal language model as the runtime drives it. `config`: its shape; `max_loras`: its
-    LoRA adapter slots (0: LoRA off)."""
+    LoRA adapter slots (0: LoRA off); `lora`: those slots, which adapters it loads into and the
+    mapping of a step's rows onto them."""
 
     config: ModelConfig
     max_loras: int
+    lora: LoRAAdapters
 
     def __call__(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every packed token."""
@@ -87,8 +91,4 @@ class CausalLM(Protocol):
 
     def media_encoders(self) -> dict[str, MediaEncoder]:
         """The encoder of each kind of media it takes (empty: text only)."""
-        ...
-
-    def lora_mapping(self, rows: list[tuple[int, int]]) -> LoRAMapping:
-        """The LoRA mapping of a step whose rows are (slot or -1, tokens), in packed order."""
         ...

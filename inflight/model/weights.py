@@ -9,17 +9,6 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from inflight.model.config import ModelConfig
-
-
-def shard_sizes(config: ModelConfig) -> dict[str, list[int]]:
-    """The output size of each part of a fused decoder parameter."""
-    kv_size = config.num_kv_heads * config.head_dim
-    return {
-        "qkv_proj": [config.num_heads * config.head_dim, kv_size, kv_size],
-        "gate_up_proj": [config.intermediate_size] * 2,
-    }
-
 
 def copy_into(dest: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
     """Copy checkpoint tensor `name` into `dest` (a ValueError when the shapes differ)."""

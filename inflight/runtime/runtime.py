@@ -13,7 +13,7 @@ import torch
 from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
 from inflight.model.checkpoints.lora import load_lora_adapter
 from inflight.model.config import ModelConfig
-from inflight.model.parallel import TensorParallel
+from inflight.model.layers.parallel import TensorParallel
 from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import (
     MEDIA_FIELD,
@@ -124,7 +124,7 @@ class Runtime:
             self.adapters = AdapterRegistry(
                 options.max_loras,
                 lambda path: load_lora_adapter(path, model_config, options.max_lora_rank),
-                model.load_lora,
+                model.lora.load,
             )
             features.insert(0, self.adapters)
             inputs.append(AdapterInputs(model))
@@ -277,7 +277,7 @@ class Runtime:
         samples, (samples, sampling rate), or a list of those; one per placeholder of the kind,
         in order}), and its media, preprocessed; `processor_kwargs` (vLLM's
         `mm_processor_kwargs`): {"keep_ratio": r} keeps that share of each image's tokens
-        (`model.vision.prune_image_tokens`). A RequestFieldError names what is wrong."""
+        (`model.encoders.vision.prune_image_tokens`). A RequestFieldError names what is wrong."""
         ratio = keep_ratio(processor_kwargs)
         groups = []
         for kind, given in data.items():

@@ -20,7 +20,7 @@ def test_a_small_random_model_loads_and_generates():
             Path("small"),
             small,
             numbered_tokenizer(512),
-            _source=RandomWeights(small, torch.device("cpu")),
+            source=RandomWeights(small, torch.device("cpu")),
         )
         runtime = Runtime(
             checkpoint, DeploymentOptions(max_batch_size=2, max_model_len=64, dtype="float32")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from inflight.model.attention.plan import decode_splits, plan_prefill
+from inflight.model.kernels.triton.plan import decode_splits, plan_prefill
 from inflight.runtime.runtime import DeploymentOptions, Runtime
 
 

@@ -39,9 +39,8 @@ def _same_both_ways(runner, rows, slots=None, media=None) -> torch.Tensor:
     """One step of `rows` through the native step and through the layers, from the same caches:
     the same hidden states, the same stored keys and values. Returns the hidden states."""
     caches = [tuple(c.clone() for c in kv) for kv in runner.caches.kv]
-    runner.model._decoder = None  # set again only where this step asks for the native step
     native = _forward(runner, rows, native=True, slots=slots, media=media)
-    assert runner.model._decoder[1] is not None, "the native step did not run"
+    assert runner.model.ran_native_step, "the native step did not run"
     native_caches = [tuple(c.clone() for c in kv) for kv in runner.caches.kv]
     for kv, saved in zip(runner.caches.kv, caches, strict=True):
         for cache, copy in zip(kv, saved, strict=True):
@@ -110,7 +109,7 @@ def test_models_it_cannot_run_keep_their_layers(tiny_dirs):
     ):
         runner = _runner(model, **options)
         _forward(runner, [RowInput([3, 4, 5], 0, [1], True)], native=True)
-        assert runner.model._decoder is not None and runner.model._decoder[1] is None
+        assert not runner.model.ran_native_step
 
 
 def test_an_error_in_the_prefill_attention_comes_back_as_itself(tiny_dirs, monkeypatch):

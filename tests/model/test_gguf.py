@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as Q
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from inflight.model.attention import TorchAttentionBackend
-from inflight.model.checkpoints.gguf import GGUFCheckpoint
+from inflight.model.checkpoints.gguf import GGUFCheckpoint, dequantize
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
 from inflight.model.layers.linear import Linear
 from inflight.model.layers.quantization import (
@@ -266,7 +266,7 @@ def test_k_quant_tensors_dequantize_to_gguf_reference(tmp_path, qtype):
     path = write_tiny_gguf(tmp_path, extra_tensor=("extra.weight", raw, qtype))
     reader = gguf.GGUFReader(str(path))
     tensor = next(t for t in reader.tensors if t.name == "extra.weight")
-    ours = GGUFCheckpoint._dequantize(tensor)
+    ours = dequantize(tensor)
     expected = gguf.quants.dequantize(raw, qtype)
     assert ours.shape == (rows, cols)
     # Random bytes may spell inf/NaN scales; those must come through in the same places.
@@ -280,7 +280,7 @@ def test_unsupported_quantization_is_named(tmp_path):
     reader = gguf.GGUFReader(str(path))
     tensor = next(t for t in reader.tensors if t.name == "extra.weight")
     with pytest.raises(ValueError, match="IQ4_NL"):
-        GGUFCheckpoint._dequantize(tensor)
+        dequantize(tensor)
 
 
 def test_unsupported_gguf_architecture_is_named(tmp_path):

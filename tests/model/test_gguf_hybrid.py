@@ -19,7 +19,7 @@ from test_hybrid import PROMPT, TOL, HybridSequences
 from inflight.model.attention import select_backend
 from inflight.model.checkpoints.gguf import GGUFCheckpoint
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
-from inflight.model.config import MAMBA_CHUNK_SIZES
+from inflight.model.families.hybrid import MAMBA_CHUNK_SIZES
 from inflight.model.layers.quantization import PackedLinearMethod, StoredBlocksLinearMethod
 
 from tiny_models import CHAT_TEMPLATE, VOCAB, make_tiny_hybrid
@@ -252,9 +252,9 @@ def test_weights_are_the_hugging_face_ones(hybrids, family):
     to the rounding of log(-(-exp(A_log)))."""
     _, _, _, path, held, model, _ = hybrids[family]
     ours = dict(GGUFCheckpoint(path).weights())
-    assert set(ours) == {model._our_name(name) for name in held}
+    assert set(ours) == {model.parameter_name(name) for name in held}
     for name, want in held.items():
-        got = ours[model._our_name(name)]
+        got = ours[model.parameter_name(name)]
         if name.endswith("A_log"):
             torch.testing.assert_close(got, torch.from_numpy(want), rtol=1e-6, atol=0)
         else:

@@ -9,9 +9,9 @@ import torch
 
 from inflight.model.attention import select_backend
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
-from inflight.model.config import hybrid_from_hf
 from inflight.model.contract import ModelCaches
-from inflight.model.mamba import MambaRows, MambaStates
+from inflight.model.families.hybrid import hybrid_from_hf
+from inflight.model.layers.mamba import MambaRows, MambaStates
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 
 from tiny_models import VOCAB, make_tiny_hybrid
@@ -227,7 +227,7 @@ def test_a_fresh_row_ignores_its_slots_stale_state(hybrids, family, length):
 
 
 def _with_weights(checkpoint, weights):
-    checkpoint._source = type("Source", (), {"weights": lambda self: iter(weights)})()
+    checkpoint.source = type("Source", (), {"weights": lambda self: iter(weights)})()
     return checkpoint
 
 

@@ -10,8 +10,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from test_gguf import LAYERS, _hf_to_gguf_name, _methods, tiny_llama_writer
 
+from inflight.model.checkpoints import gguf as gguf_checkpoint
 from inflight.model.checkpoints.gguf import GGUFCheckpoint
-from inflight.model.checkpoints.loader import _linear_methods, build_model, open_checkpoint
+from inflight.model.checkpoints.loader import build_model, linear_methods, open_checkpoint
 from inflight.model.kernels.cpu import blocks
 from inflight.model.kernels.cpu.int8 import BLOCK, QuantizedWeight, quantize_blocks
 from inflight.model.kernels.cpu.q4 import Q4Weight
@@ -252,14 +253,14 @@ def test_auto_runs_k_quants_from_their_blocks_close_to_float32(k_quant_file, mon
     checkpoint = open_checkpoint(k_quant_file)
     cpu = torch.device("cpu")
     dequantized_at_load = []
-    dequantize = GGUFCheckpoint._dequantize
+    dequantize = gguf_checkpoint.dequantize
 
     def recording(tensor):
         dequantized_at_load.append(tensor.name)
         return dequantize(tensor)
 
     with monkeypatch.context() as patch:
-        patch.setattr(GGUFCheckpoint, "_dequantize", staticmethod(recording))
+        patch.setattr(gguf_checkpoint, "dequantize", recording)
         auto = build_model(checkpoint, torch.float32, cpu, 128, quantization="auto")
     # No K-quant tensor is dequantized to float: the embedding and norms (F32) alone are read.
     assert sorted(dequantized_at_load) == sorted(
@@ -351,10 +352,10 @@ def test_tensor_parallel_shards_leave_k_quants_in_float(k_quant_file):
     platform = Platform.detect(torch.device("cpu"), torch.float32)
     sources = ["layers.1.self_attn.q_proj.weight"]
     assert isinstance(
-        _linear_methods("auto", platform, checkpoint, False).choose(HIDDEN, sources),
+        linear_methods("auto", platform, checkpoint, False).choose(HIDDEN, sources),
         StoredBlocksLinearMethod,
     )
-    sharded = _linear_methods("auto", platform, checkpoint, True)
+    sharded = linear_methods("auto", platform, checkpoint, True)
     assert isinstance(sharded.choose(HIDDEN, sources), PackedLinearMethod)
 
 

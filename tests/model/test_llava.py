@@ -12,7 +12,7 @@ from transformers import AutoImageProcessor
 from inflight.model.attention import select_backend
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
 from inflight.model.contract import MediaEmbeds
-from inflight.model.image_processor import ImageProcessor
+from inflight.model.encoders.image_processor import ImageProcessor
 
 from helpers import assert_tracks
 from tiny_models import IMAGE_TOKEN_ID, make_tiny_llava
@@ -59,7 +59,7 @@ def test_image_encoder_matches_transformers(llava_dirs, tower):
     path, hf = llava_dirs[tower]
     _, model, _ = _ours(path)
     pixels = torch.randn(2, 3, 32, 32)
-    got = model.image_encoder(pixels)
+    got = model.encoders["image"](pixels)
     with torch.no_grad():
         want = torch.stack(hf.model.get_image_features(pixel_values=pixels).pooler_output)
     assert got.shape == want.shape == (2, model.config.vision.tokens_per_image, 64)
@@ -79,7 +79,7 @@ def _embeds(model, ids, pixels):
     at = torch.tensor([i for i, t in enumerate(ids) if t == IMAGE_TOKEN_ID])
     if not len(at):
         return None
-    return MediaEmbeds(at, model.image_encoder(pixels).reshape(-1, model.config.hidden_size))
+    return MediaEmbeds(at, model.encoders["image"](pixels).reshape(-1, model.config.hidden_size))
 
 
 @pytest.mark.parametrize("tower", TOWERS)
@@ -107,7 +107,7 @@ def test_a_checkpoint_tensor_without_a_place_is_refused(llava_dirs, tmp_path):
     checkpoint = open_checkpoint(path)
     weights = list(checkpoint.weights())
     weights.append(("model.vision_tower.encoder.extra.weight", torch.zeros(1)))
-    checkpoint._source = type("Source", (), {"weights": lambda self: iter(weights)})()
+    checkpoint.source = type("Source", (), {"weights": lambda self: iter(weights)})()
     with pytest.raises(ValueError, match="has no place in the image encoder"):
         build_model(checkpoint, torch.float32, torch.device("cpu"), 64, quantization="none")
 
@@ -122,9 +122,9 @@ def test_the_llava_hf_naming_loads_the_same_model(llava_dirs):
         for name, tensor in checkpoint.weights()
     ]
     renamed.append(("vision_tower.vision_model.embeddings.position_ids", torch.arange(17)[None]))
-    checkpoint._source = type("Source", (), {"weights": lambda self: iter(renamed)})()
+    checkpoint.source = type("Source", (), {"weights": lambda self: iter(renamed)})()
     cpu = torch.device("cpu")
     theirs = build_model(checkpoint, torch.float32, cpu, 64, quantization="none")
     _, ours, _ = _ours(path)
     pixels = torch.randn(1, 3, 32, 32)
-    assert torch.equal(theirs.image_encoder(pixels), ours.image_encoder(pixels))
+    assert torch.equal(theirs.encoders["image"](pixels), ours.encoders["image"](pixels))

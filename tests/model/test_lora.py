@@ -39,7 +39,7 @@ class OnSlot:
         self.model, self.slot, self.config = model, slot, model.config
 
     def __call__(self, batch, caches):
-        batch.lora = self.model.lora_mapping([(self.slot, len(batch.input_ids))])
+        batch.lora = self.model.lora.mapping([(self.slot, len(batch.input_ids))])
         return self.model(batch, caches)
 
     def compute_logits(self, hidden):
@@ -82,7 +82,7 @@ def family(request, tiny_dirs, tmp_path_factory):
     for slot, (name, config) in enumerate(ADAPTERS.items()):
         dirs[name] = tmp_path_factory.mktemp(f"{request.param}-{name}")
         refs[name] = make_adapter(hf, dirs[name], seed=slot, **config)
-        model.load_lora(slot, load_lora_adapter(dirs[name], checkpoint.config, MAX_RANK))
+        model.lora.load(slot, load_lora_adapter(dirs[name], checkpoint.config, MAX_RANK))
     return dict(
         path=path,
         checkpoint=checkpoint,
@@ -146,7 +146,7 @@ def test_rows_of_three_adapters_and_the_base_in_one_step(family, form):
         batch = build_ragged_batch(rows, block_size, CPU)
         mapped = [(s, len(r.token_ids)) for s, r in zip(slots, rows, strict=True)]
         if form == "native":
-            lora = model.lora_mapping(mapped)
+            lora = model.lora.mapping(mapped)
         else:
             lora = LoRAMapping.masked(mapped, model.max_loras, torch.float32, CPU)
         batch.forward.lora = lora
@@ -186,34 +186,34 @@ def test_load_unload_reload(family):
     adapters = {
         n: load_lora_adapter(d, checkpoint.config, MAX_RANK) for n, d in family["dirs"].items()
     }
-    model.load_lora(spare, adapters["qv"])
+    model.lora.load(spare, adapters["qv"])
     qv = logits(spare)
     assert torch.equal(qv, logits(list(ADAPTERS).index("qv")))
-    model.load_lora(spare, adapters["mlp"])
+    model.lora.load(spare, adapters["mlp"])
     assert torch.equal(logits(spare), logits(list(ADAPTERS).index("mlp")))
-    model.unload_lora(spare)
+    model.lora.unload(spare)
     with pytest.raises(ValueError, match=f"LoRA slot {spare} holds no adapter"):
         logits(spare)
-    model.load_lora(spare, adapters["qv"])
+    model.lora.load(spare, adapters["qv"])
     assert torch.equal(logits(spare), qv)
-    model.unload_lora(spare)
+    model.lora.unload(spare)
 
 
 def test_slots_refuse_what_does_not_fit(family):
     checkpoint, model = family["checkpoint"], family["model"]
     adapter = load_lora_adapter(family["dirs"]["all"], checkpoint.config, MAX_RANK)
     with pytest.raises(ValueError, match="LoRA slot 4 does not exist: this model has 4"):
-        model.load_lora(len(ADAPTERS) + 1, adapter)
+        model.lora.load(len(ADAPTERS) + 1, adapter)
     with pytest.raises(ValueError, match="LoRA slot -1 does not exist"):
-        model.unload_lora(-1)
-    mapping = model.lora_mapping([(0, 3)])
+        model.lora.unload(-1)
+    mapping = model.lora.mapping([(0, 3)])
     with pytest.raises(ValueError, match="LoRA mapping of 3 tokens for 4"):
         model(ForwardBatch(torch.arange(4), torch.arange(4), None, lora=mapping), None)
     small = build_model(
         checkpoint, torch.float32, CPU, 64, quantization="none", max_loras=1, max_lora_rank=4
     )
     with pytest.raises(ValueError, match="rank 8 is above max_lora_rank=4"):
-        small.load_lora(0, adapter)
+        small.lora.load(0, adapter)
 
 
 def test_without_slots_or_adapters_the_logits_are_unchanged(family):
@@ -230,7 +230,7 @@ def test_without_slots_or_adapters_the_logits_are_unchanged(family):
     )
     adapter = load_lora_adapter(family["dirs"]["qv"], checkpoint.config, MAX_RANK)
     with pytest.raises(ValueError, match="LoRA slot 0 does not exist: this model has 0"):
-        plain.load_lora(0, adapter)
+        plain.lora.load(0, adapter)
     with pytest.raises(ValueError, match="LoRA slot 0 does not exist: this model has 0"):
         PagedSequence(OnSlot(plain, 0), backend, len(ids)).extend(ids)
 
@@ -240,7 +240,7 @@ def test_adapters_run_on_int8_weights(family):
     to the float32 model's with the adapter as the int8 base is to the float32 base."""
     checkpoint = family["checkpoint"]
     _, int8, backend = float32_model(family["path"], max_loras=1, quantization="int8")
-    int8.load_lora(0, load_lora_adapter(family["dirs"]["all"], checkpoint.config, MAX_RANK))
+    int8.lora.load(0, load_lora_adapter(family["dirs"]["all"], checkpoint.config, MAX_RANK))
     ids = torch.randint(
         0, checkpoint.config.vocab_size, (96,), generator=torch.Generator().manual_seed(0)
     ).tolist()
@@ -265,7 +265,7 @@ def test_adapter_on_the_default_model_matches_peft(hf_smollm, tmp_path):
     on transformers' load of the same file."""
     checkpoint, model, backend = float32_model(None, max_loras=1)
     ref = make_adapter(hf_smollm, tmp_path, seed=0, **ADAPTERS["all"])
-    model.load_lora(0, load_lora_adapter(tmp_path, checkpoint.config, MAX_RANK))
+    model.lora.load(0, load_lora_adapter(tmp_path, checkpoint.config, MAX_RANK))
     ids = checkpoint.tokenizer.encode("The history of the Roman Empire begins")
     sequence = PagedSequence(OnSlot(model, 0), backend, len(ids) + 4)
     ours, want = sequence.extend(ids)[-1], _ref_logits(ref, ids)

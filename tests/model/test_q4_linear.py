@@ -161,7 +161,7 @@ def test_tiny_model_matches_its_own_4bit_weights(family, tiny_dirs):
                 yield name, tensor
 
     four_bit = Checkpoint(
-        checkpoint.path, checkpoint.config, checkpoint.tokenizer, _source=FourBitWeights()
+        checkpoint.path, checkpoint.config, checkpoint.tokenizer, source=FourBitWeights()
     )
     reference = build_model(four_bit, torch.float32, cpu, 256, quantization="none")
     ids = torch.randint(

@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 
 from inflight.model.contract import MediaEmbeds
-from inflight.runtime.host.media import PreparedItem, expand, mrope_positions, mrope_shift
+from inflight.model.encoders.base import PreparedItem
+from inflight.runtime.host.media import expand, mrope_positions, mrope_shift
 from inflight.runtime.inputs.preprocessing import media_inputs
 
 from helpers import assert_tracks, float32_model
@@ -56,7 +57,7 @@ def test_logits_with_images_match_transformers(qwen2_vl, images):
     if images:
         # The grids differ, so the two images' text shifts differ.
         assert len({item.grid for item in media}) == images
-        encoded = model.image_encoder.encode([item.data for item in media])
+        encoded = model.encoders["image"].encode([item.data for item in media])
         at = torch.tensor([i for i, t in enumerate(ids) if t == QWEN_IMAGE_ID])
         grid = np.concatenate([mrope_positions(media, i) for i in range(images)], axis=1)
         ours_media = MediaEmbeds(at, torch.cat(encoded), torch.from_numpy(grid))

@@ -7,9 +7,12 @@ import torch
 import transformers as tf
 from PIL import Image
 
-from inflight.model.config import qwen2_vl_vision_from_hf
-from inflight.model.qwen2_vl import Qwen2VLImageEncoder, merged_grid
-from inflight.model.qwen2_vl_processor import Qwen2VLImageProcessor
+from inflight.model.encoders.qwen2_vl import (
+    Qwen2VLImageEncoder,
+    merged_grid,
+    qwen2_vl_vision_from_hf,
+)
+from inflight.model.encoders.qwen2_vl_processor import Qwen2VLImageProcessor
 
 VOCAB = 320
 TEXT = dict(

@@ -50,7 +50,7 @@ def test_logits_with_audio_match_transformers(voxtral, clips):
     ids, media = expand(_prompt(clips), [(audio.spec, prepared)])
     extra, ours_media = {}, None
     if clips:
-        encoded = model.audio_encoder.encode([item.data for item in media])
+        encoded = model.encoders["audio"].encode([item.data for item in media])
         at = torch.tensor([i for i, t in enumerate(ids) if t == AUDIO_TOKEN_ID])
         ours_media = MediaEmbeds(at, torch.cat(encoded))
         windows = np.concatenate([p.data for p in prepared])

@@ -12,9 +12,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import VoxtralProcessor, WhisperFeatureExtractor
 
-from inflight.model.audio import AudioEncoder
-from inflight.model.audio_processor import AudioProcessor, read_wav
-from inflight.model.config import audio_from_hf
+from inflight.model.encoders.audio import AudioEncoder, audio_from_hf
+from inflight.model.encoders.audio_processor import AudioProcessor, read_wav
 
 from tiny_models import AUDIO_FEATURES, AUDIO_TOKEN_ID, COMMON, make_tiny_voxtral
 

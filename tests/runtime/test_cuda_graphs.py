@@ -6,7 +6,7 @@ import torch
 
 from inflight.model.contract import ForwardBatch
 from inflight.model.layers.lora import LoRAMapping
-from inflight.model.mamba import MambaRows
+from inflight.model.layers.mamba import MambaRows
 from inflight.protocol.deployment import DeploymentOptions, SpeculativeConfig
 from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch

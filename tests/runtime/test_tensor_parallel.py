@@ -213,7 +213,7 @@ def test_a_checkpoint_without_files_is_sent_to_the_workers():
             Path("random-small"),
             config,
             numbered_tokenizer(512),
-            _source=RandomWeights(config, cpu),
+            source=RandomWeights(config, cpu),
         )
         runtime = Runtime(checkpoint, _config(tp))
         try:

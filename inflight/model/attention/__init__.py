@@ -8,16 +8,10 @@ import logging
 
 import torch
 
-from inflight.model.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from inflight.model.attention.base import AttentionBackend
 from inflight.model.attention.reference import TorchAttentionBackend
 
-__all__ = [
-    "AttentionBackend",
-    "AttentionMetadata",
-    "KVCache",
-    "TorchAttentionBackend",
-    "select_backend",
-]
+__all__ = ["AttentionBackend", "TorchAttentionBackend", "select_backend"]
 
 log = logging.getLogger(__name__)
 BACKENDS = ("torch", "cpu", "triton")

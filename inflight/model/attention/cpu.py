@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from inflight.model.attention.base import AttentionMetadata, KVCache
 from inflight.model.attention.reference import TorchAttentionBackend
 from inflight.model.kernels.cpu.attention import decode_attention, library, store_kv
+from inflight.model.metadata import AttentionMetadata, KVCache
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inflight.model.attention.base import AttentionMetadata, KVCache
+from inflight.model.metadata import AttentionMetadata, KVCache
 
 
 class TorchAttentionBackend:

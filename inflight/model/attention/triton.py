@@ -4,19 +4,20 @@ cache.
 Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] per layer (a block holds every
 head's keys for `block_size` consecutive positions). Decode rows go to a kernel with one program
 per (row, KV head); prefill chunks to one with a program per (BLOCK_M queries, query head), which
-this backend plans on the host once per step (`plan.py`). `forward_qkv` takes a layer's fused
-projection instead of its rotated q and k: one kernel norms and rotates them and stores k, v.
+this backend plans on the host once per step (`kernels/triton/plan.py`). `forward_qkv` takes a
+layer's fused projection instead of its rotated q and k: one kernel norms and rotates them and
+stores k, v.
 """
 
 from __future__ import annotations
 
 import torch
 
-from inflight.model.attention.base import AttentionMetadata, KVCache, QKNorms
-from inflight.model.attention.plan import plan_prefill
 from inflight.model.kernels.triton.attention import paged_attention
+from inflight.model.kernels.triton.plan import plan_prefill
 from inflight.model.kernels.triton.rope import cache_max, rope_store
 from inflight.model.layers.rotary import Angles
+from inflight.model.metadata import AttentionMetadata, KVCache, QKNorms
 
 
 class TritonAttentionBackend:

@@ -11,8 +11,10 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer as BackendTokenizer
 
+import inflight.model.families  # noqa: F401 (registers every family)
+from inflight.model import registry
 from inflight.model.checkpoints.tokenizer import SpecialTokens, Tokenizer
-from inflight.model.config import ModelConfig, config_from_hf
+from inflight.model.config import ModelConfig
 
 
 class HFCheckpoint:
@@ -32,7 +34,8 @@ class HFCheckpoint:
         return json.loads(file.read_text(encoding="utf-8"))
 
     def config(self) -> ModelConfig:
-        return config_from_hf(self.raw_config)
+        """Parsed by the family registered for its `architectures`."""
+        return registry.config_from_hf(self.raw_config)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         index = self.path / "model.safetensors.index.json"

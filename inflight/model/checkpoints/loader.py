@@ -11,24 +11,25 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+import inflight.model.families  # noqa: F401 (registers every family)
+from inflight.model import registry
 from inflight.model.checkpoints.hf import HFCheckpoint
 from inflight.model.checkpoints.tokenizer import Tokenizer
 from inflight.model.config import ModelConfig
-from inflight.model.hybrid import HybridForCausalLM
+from inflight.model.contract import CausalLM
 from inflight.model.kernels.cpu.native import NativeBuildError
-from inflight.model.layers.linear import Linear
+from inflight.model.layers.linear import Linear, LinearMethod
+from inflight.model.layers.parallel import TensorParallel
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import (
     KERNEL_FOR_STORED_TYPE,
     QUANTIZED_METHODS,
-    LinearMethod,
+    Fp8LinearMethod,
     LinearMethods,
     StoredBlocks,
     StoredBlocksLinearMethod,
     unquantized_method,
 )
-from inflight.model.llama import LlamaForCausalLM
-from inflight.model.parallel import TensorParallel
 from inflight.protocol.deployment import QUANTIZATIONS
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -52,7 +53,7 @@ class Checkpoint:
     tokenizer: Tokenizer
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     # Where weights come from: an HF or GGUF checkpoint, or anything with `weights()`.
-    _source: Any = None
+    source: Any = None
     # The GGML type each weight is stored in, by Hugging Face name (GGUF files; empty for the
     # rest, whose weights are plain floats).
     stored_types: dict[str, str] = field(default_factory=dict)
@@ -65,11 +66,11 @@ class Checkpoint:
 
     def weights(self, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """The float tensors by name; those in `skip` (read as stored blocks) left out."""
-        return self._source.weights(skip) if skip else self._source.weights()
+        return self.source.weights(skip) if skip else self.source.weights()
 
     def stored_blocks(self, name: str) -> StoredBlocks:
         """Tensor `name` as the file stores it (GGUF files: see GGUFCheckpoint.stored_blocks)."""
-        return self._source.stored_blocks(name)
+        return self.source.stored_blocks(name)
 
 
 def open_checkpoint(model: str | Path | Checkpoint | None = None) -> Checkpoint:
@@ -107,9 +108,10 @@ def build_model(
     max_loras: int = 0,
     max_lora_rank: int = 16,
     parallel: TensorParallel | None = None,
-) -> LlamaForCausalLM | HybridForCausalLM:
-    """The model with its weights loaded, each linear layer in the method `quantization` picks
-    for it on the CPU float32 path (elsewhere all run in float):
+) -> CausalLM:
+    """The model of the checkpoint's family (`ModelConfig.family`, see `registry.py`) with its
+    weights loaded, each linear layer in the method `quantization` picks for it on the CPU
+    float32 path (elsewhere all run in float):
 
     - "none": float32 (oneDNN-packed).
     - "int8": int8 weights wherever in_features is a multiple of 32, the head included.
@@ -126,22 +128,19 @@ def build_model(
     built.
 
     `max_loras` > 0 gives every decoder linear that many LoRA adapter slots of ranks up to
-    `max_lora_rank` (see `LlamaForCausalLM.load_lora`), on top of whichever method it runs.
+    `max_lora_rank` (see `layers/lora_adapters.py`), on top of whichever method it runs.
 
-    `parallel`: build this tensor-parallel rank's shard (see `model/parallel.py`)."""
+    `parallel`: build this tensor-parallel rank's shard (see `layers/parallel.py`)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
         )
+    config = checkpoint.config
+    build = registry.model_builder(config)
     platform = Platform.detect(device, dtype)
-    methods = _linear_methods(quantization, platform, checkpoint, parallel is not None)
-    args = (checkpoint.config, max_positions, platform, methods, max_loras, max_lora_rank)
+    methods = linear_methods(quantization, platform, checkpoint, parallel is not None)
     with torch.device("meta"):
-        # A hybrid under tensor parallelism goes to the Llama decoder, whose check refuses it.
-        if checkpoint.config.mamba is None or parallel is not None:
-            model = LlamaForCausalLM(*args, parallel)
-        else:
-            model = HybridForCausalLM(*args)
+        model = build(config, max_positions, platform, methods, max_loras, max_lora_rank, parallel)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.compute(device)
     weights = checkpoint.weights(_read_as_blocks(model))
@@ -151,7 +150,7 @@ def build_model(
     return model.eval()
 
 
-def _read_as_blocks(model: LlamaForCausalLM | HybridForCausalLM) -> frozenset[str]:
+def _read_as_blocks(model: CausalLM) -> frozenset[str]:
     """The checkpoint tensors that only layers running from stored blocks read: the loader
     skips them (a tied head's is the embedding's, which the embedding loads)."""
     names = {
@@ -165,9 +164,11 @@ def _read_as_blocks(model: LlamaForCausalLM | HybridForCausalLM) -> frozenset[st
     return frozenset(names)
 
 
-def _linear_methods(
+def linear_methods(
     quantization: str, platform: Platform, checkpoint: Checkpoint, sharded: bool
 ) -> LinearMethods:
+    """The method of each linear layer under `quantization` (see `build_model`), for this
+    platform and checkpoint; `sharded`: under tensor parallelism."""
     unquantized = unquantized_method(platform)
     stored_types = checkpoint.stored_types
     if quantization == "fp8":
@@ -177,7 +178,7 @@ def _linear_methods(
                 "quantization='fp8' needs a CUDA GPU with FP8 tensor cores (compute capability "
                 f"8.9 or above: Ada, Hopper), got {device}"
             )
-        return LinearMethods(unquantized, "fp8", _quantized_methods({"fp8"}))
+        return LinearMethods(unquantized, "fp8", {"fp8": Fp8LinearMethod(platform)})
     if quantization in ("int8", "q4"):
         if not platform.onednn:
             raise ValueError(

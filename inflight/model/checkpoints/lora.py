@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from inflight.model.config import ModelConfig
+from inflight.model.layers.lora_adapters import LoRAAdapter
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -41,17 +41,6 @@ _UNSUPPORTED_OPTIONS = {
 _TENSOR = re.compile(
     r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
 )
-
-
-@dataclass(frozen=True)
-class LoRAAdapter:
-    """A LoRA adapter's low-rank factors, their shapes checked against one base model's config:
-    the targeted module `m` of layer `i` computes y += scale * (x A^T) B^T."""
-
-    rank: int
-    scale: float
-    # (layer index, target module) -> (A [rank, in], B [out, rank]), in the stored dtype.
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 def target_shapes(config: ModelConfig) -> dict[str, tuple[str, int, int]]:

@@ -1,7 +1,7 @@
 """Text <-> token ids, the chat template, and the special tokens of a checkpoint.
 
 Built on the `tokenizers` library directly: from `tokenizer.json` for a Hugging Face directory,
-or assembled from a GGUF file's vocabulary, merges and token types (see `gguf_checkpoint.py`).
+or assembled from a GGUF file's vocabulary, merges and token types (see `gguf_tokenizer.py`).
 """
 
 from __future__ import annotations

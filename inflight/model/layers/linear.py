@@ -8,8 +8,28 @@ from typing import Any
 import torch
 from torch import nn
 
+from inflight.model.kernels.cpu.decoder import KernelCall, LinearKernels
 from inflight.model.layers.lora import LoRAMapping, LoRASlots
-from inflight.model.layers.quantization import LinearMethod
+
+
+class LinearMethod:
+    """How a linear layer runs its matmul; layers/quantization.py holds one subclass per kind."""
+
+    # False: the method builds its run form from the checkpoint's stored blocks of the layer's
+    # sources, and its layers hold no float weight for the checkpoint to load.
+    loads_weight = True
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Turn the loaded weight into the form `apply` runs (once); the float weight as
+        loaded needs nothing."""
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def kernel_calls(self, layer: Linear) -> list[KernelCall] | None:
+        """The native matmuls `apply` runs, by stretch of output rows (for the CPU decoder step,
+        kernels/cpu/decoder.py); None where it runs none."""
+        return None
 
 
 class Linear(nn.Module):
@@ -48,6 +68,15 @@ class Linear(nn.Module):
         if lora is not None:
             self.lora_slots.add(y, x, lora)
         return y
+
+    def native_kernels(self) -> LinearKernels | None:
+        """This layer as the native CPU decoder step runs it (kernels/cpu/decoder.py): its
+        method's native matmuls and its LoRA slots; None where its method runs none."""
+        calls = self.method.kernel_calls(self)
+        if calls is None:
+            return None
+        lora = None if self.lora_slots is None else self.lora_slots.native_factors()
+        return LinearKernels(calls, lora)
 
     def extra_repr(self) -> str:
         return (

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from inflight.model.kernels.cpu import ops as cpu_ops
+from inflight.model.kernels.cpu.decoder import LoraFactors
 from inflight.model.transfer import to_device
 
 # A run of at least this many tokens of one slot runs as dense matmuls on the native path.
@@ -208,6 +209,11 @@ class LoRASlots(nn.Module):
             self.clear(slot)
             raise ValueError("LoRA factors must be finite")
         self.ranks[slot] = rank
+
+    def native_factors(self) -> LoraFactors:
+        """The slots as the native decoder step reads them: in place, so that adapters loaded
+        later count."""
+        return LoraFactors(self.a, self.bt, self.ranks, self.starts)
 
     @torch.no_grad()
     def reset(self) -> None:

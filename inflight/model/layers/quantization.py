@@ -10,9 +10,10 @@ at all). A method keeps nothing per layer: one instance serves every layer it ru
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -20,10 +21,8 @@ import torch.nn.functional as F
 
 from inflight.model.kernels.cpu import blocks, int8, q4
 from inflight.model.kernels.cpu.decoder import KernelCall
+from inflight.model.layers.linear import Linear, LinearMethod
 from inflight.model.layers.platform import Platform
-
-if TYPE_CHECKING:
-    from inflight.model.layers.linear import Linear
 
 # The native kernel that runs a weight stored in a GGUF type as it was stored: Q4_1 is the
 # 4-bit kernel's own block format (re-quantized from the loaded floats, which gives the stored
@@ -38,24 +37,6 @@ class StoredBlocks(NamedTuple):
 
     type_name: str
     blocks: np.ndarray
-
-
-class LinearMethod:
-    # False: the method builds its run form from the checkpoint's stored blocks of the layer's
-    # sources, and its layers hold no float weight for the checkpoint to load.
-    loads_weight = True
-
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        """Turn the loaded weight into the form `apply` runs (once); the float weight as
-        loaded needs nothing."""
-
-    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
-
-    def kernel_calls(self, layer: Linear) -> list[KernelCall] | None:
-        """The native matmuls `apply` runs, by stretch of output rows (for the CPU decoder step,
-        kernels/cpu/decoder.py); None where it runs none."""
-        return None
 
 
 def _take_weight(layer: Linear) -> torch.Tensor:
@@ -193,19 +174,20 @@ class Fp8LinearMethod(LinearMethod):
     the weights' bytes. For CUDA devices with FP8 tensor cores (Hopper, Ada), where one Triton
     kernel quantizes the activations; the formula runs on the CPU too, which the tests use."""
 
+    def __init__(self, platform: Platform) -> None:
+        self.quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = fp8_rows
+        if platform.device.type == "cuda":
+            from inflight.model.kernels.triton import ops as triton_ops
+
+            self.quantize_rows = functools.partial(triton_ops.fp8_rows, fp8_max=FP8_MAX)
+
     def process_weights_after_loading(self, layer: Linear) -> None:
         layer.prepared = fp8_rows(_take_weight(layer))
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight, weight_scale = layer.prepared
         shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        if x.is_cuda:
-            from inflight.model.kernels.triton import ops as triton_ops
-
-            xq, x_scale = triton_ops.fp8_rows(x, FP8_MAX)
-        else:
-            xq, x_scale = fp8_rows(x)
+        xq, x_scale = self.quantize_rows(x.reshape(-1, shape[-1]))
         y = torch._scaled_mm(
             xq,
             weight.t(),
@@ -217,11 +199,8 @@ class Fp8LinearMethod(LinearMethod):
         return y.reshape(*shape[:-1], y.shape[-1])
 
 
-QUANTIZED_METHODS: dict[str, type[LinearMethod]] = {
-    "int8": Int8LinearMethod,
-    "q4": Q4LinearMethod,
-    "fp8": Fp8LinearMethod,
-}
+# The CPU kernels' methods, by kind (FP8's takes the platform it quantizes activations on).
+QUANTIZED_METHODS: dict[str, type[LinearMethod]] = {"int8": Int8LinearMethod, "q4": Q4LinearMethod}
 
 
 def unquantized_method(platform: Platform) -> LinearMethod:

@@ -17,8 +17,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from inflight.model.attention import AttentionMetadata
 from inflight.model.contract import ForwardBatch
+from inflight.model.metadata import AttentionMetadata
 from inflight.model.transfer import to_device_packed
 
 

@@ -24,10 +24,10 @@ from functools import partial
 
 import torch
 
-from inflight.model.attention import AttentionMetadata
 from inflight.model.contract import ForwardBatch
 from inflight.model.layers.lora import LoRAMapping
-from inflight.model.mamba import MambaRows
+from inflight.model.layers.mamba import MambaRows
+from inflight.model.metadata import AttentionMetadata
 from inflight.model.transfer import to_device
 from inflight.runtime.device.batch_builder import BatchRow, RaggedBatch
 

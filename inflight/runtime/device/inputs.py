@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from inflight.model.contract import CausalLM, MediaEmbeds, MediaEncoder
-from inflight.model.mamba import MambaRows
+from inflight.model.encoders.vision import prune_image_tokens
+from inflight.model.layers.mamba import MambaRows
 from inflight.model.transfer import to_device
-from inflight.model.vision import prune_image_tokens
 from inflight.protocol.request import MediaItem
 from inflight.runtime.device.batch_builder import RaggedBatch
 from inflight.runtime.device.encoder_cache import EncoderCache
@@ -184,7 +184,7 @@ class AdapterInputs(ForwardInput):
             return
         packed = [slots[i] for i in batch.row_index]
         lengths = batch.forward.attention.query_lens_host
-        batch.forward.lora = self.model.lora_mapping(list(zip(packed, lengths, strict=True)))
+        batch.forward.lora = self.model.lora.mapping(list(zip(packed, lengths, strict=True)))
 
 
 class RecurrentInputs(ForwardInput):

@@ -16,14 +16,14 @@ import torch
 
 from inflight.model.attention import (
     AttentionBackend,
-    KVCache,
     TorchAttentionBackend,
     select_backend,
 )
 from inflight.model.checkpoints.loader import Checkpoint, build_model
 from inflight.model.config import ModelConfig
 from inflight.model.contract import CausalLM, ForwardBatch, ModelCaches
-from inflight.model.parallel import TensorParallel
+from inflight.model.layers.parallel import TensorParallel
+from inflight.model.metadata import KVCache
 from inflight.model.transfer import to_device
 from inflight.runtime.deployment import DeploymentPlan
 from inflight.runtime.device.batch_builder import RaggedBatch, RowInput, build_ragged_batch

@@ -2,7 +2,7 @@
 
 Rank 0 is the runtime's own process: it schedules, plans each step and samples. Ranks 1..N-1
 are worker processes it spawns (a fresh interpreter each; on CUDA rank r runs on GPU r), each
-holding its shard of the model (`model/parallel.py`) and its share of every KV block.
+holding its shard of the model (`model/layers/parallel.py`) and its share of every KV block.
 
 Start-up: each worker opens the checkpoint and loads its shard while rank 0 loads its own. Once
 every rank reports its weights loaded, they join one process group (gloo on the CPU, NCCL on
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
-from inflight.model.parallel import TensorParallel
+from inflight.model.layers.parallel import TensorParallel
 from inflight.runtime.deployment import DeploymentPlan
 from inflight.runtime.device.batch_builder import RaggedBatch, RowInput
 from inflight.runtime.device.executor import Executor, LaunchedStep

@@ -12,13 +12,13 @@ those tokens' embeddings (see `Executor._encode` and `encoder_cache.py`).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from inflight.model.encoders.base import PreparedItem
 from inflight.protocol.request import (
     MEDIA_FIELD,
     PROCESSOR_FIELD,
@@ -37,17 +37,6 @@ class MediaSpec:
     placeholder: int
 
 
-@dataclass(frozen=True)
-class PreparedItem:
-    """One item preprocessed for its encoder: `data` (what the encoder takes), the embeddings
-    it yields for it, its content key, and (M-RoPE) its tokens' grid."""
-
-    data: Any
-    tokens: int
-    key: bytes
-    grid: tuple[int, int, int] | None = None
-
-
 def media_spec(specs: Mapping[str, MediaSpec], kind: str) -> MediaSpec:
     """How the model takes media of `kind` (a RequestFieldError when it takes none)."""
     spec = specs.get(kind)
@@ -55,14 +44,6 @@ def media_spec(specs: Mapping[str, MediaSpec], kind: str) -> MediaSpec:
         taken = ", ".join(specs) or "text only"
         raise RequestFieldError(f"this model takes no {kind} input (it takes {taken})", MEDIA_FIELD)
     return spec
-
-
-def content_key(kind: str, data: np.ndarray, extra: str = "") -> bytes:
-    """What identifies an item's content: its preprocessed input, shape included (and `extra`,
-    what else its encoder reads)."""
-    h = hashlib.sha256(f"{kind}:{data.dtype}:{data.shape}:{extra}".encode())
-    h.update(np.ascontiguousarray(data).tobytes())
-    return h.digest()
 
 
 def keep_ratio(kwargs: Mapping[str, Any] | None) -> float:

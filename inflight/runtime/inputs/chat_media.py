@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from inflight.model.audio_processor import SAMPLE_RATE, read_wav
+from inflight.model.encoders.audio_processor import SAMPLE_RATE, read_wav
 from inflight.protocol.request import MEDIA_FIELD, RequestFieldError
 
 

@@ -131,7 +131,7 @@ def test_auto_follows_the_stored_types():
 def test_fp8_method_is_the_rowwise_scaled_formula(operands, dtype):
     x, weight, bias = (t.to(dtype) for t in operands)
     x[2] = 0  # an all-zero token keeps scale 1 and gives the bias alone
-    layer = _loaded(Fp8LinearMethod(), weight, bias)
+    layer = _loaded(Fp8LinearMethod(Platform(CPU, dtype)), weight, bias)
     wq, w_scale = layer.prepared
     assert layer.weight is None and wq.dtype == torch.float8_e4m3fn and w_scale.shape == (40, 1)
     # Each row's largest magnitude maps to the format's largest value.

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from inflight.model.attention.base import AttentionMetadata, KVCache
 from inflight.model.kernels.cpu import native
+from inflight.model.metadata import AttentionMetadata, KVCache
 
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
 

@@ -1,9 +1,10 @@
 """ctypes bindings of decoder.c: a whole step of a Llama-family decoder in one call.
 
-`DecoderStep` is built once per model and KV cache from plain descriptions of its layers (which
-kernel runs each linear layer, on which tensors); each call then fills in the step's metadata.
-It holds the tensors it points at, so none is freed while it lives. The attention of a step's
-prefill rows comes back to Python once per layer, through a callback.
+`build_step` builds a `DecoderStep` once per model and KV cache from the plain descriptions its
+layers give of themselves (`LayerKernels`: their norms' weights, which kernel runs each linear
+layer on which tensors, their LoRA slots, their KV cache); each call then fills in the step's
+metadata. It holds the tensors it points at, so none is freed while it lives. The attention of a
+step's prefill rows comes back to Python once per layer, through a callback.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from inflight.model.attention.base import AttentionMetadata, KVCache
 from inflight.model.kernels.cpu import native
+from inflight.model.metadata import AttentionMetadata, KVCache
 
 _SOURCE = Path(__file__).with_name("decoder.c")
 _MAX_PARTS = 4  # decoder.c's MAX_PARTS
@@ -54,7 +55,7 @@ class LoraFactors:
 
 
 @dataclass(frozen=True)
-class Linear:
+class LinearKernels:
     """A linear layer as decoder.c runs it: its matmul parts, and its LoRA slots if any."""
 
     calls: Sequence[KernelCall]
@@ -68,12 +69,25 @@ class LayerKernels:
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: Linear
-    o: Linear
-    gate_up: Linear
-    down: Linear
+    qkv: LinearKernels
+    o: LinearKernels
+    gate_up: LinearKernels
+    down: LinearKernels
     kv_cache: KVCache
     qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The width of a decoder's layers: `heads` query and `kv_heads` KV heads of `head_dim`,
+    its norms' epsilon and its attention's scale."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
 
 
 class _Part(ctypes.Structure):
@@ -162,7 +176,7 @@ def _address(function: ctypes._CFuncPtr) -> int:
     return ctypes.cast(function, ctypes.c_void_p).value
 
 
-def _linear(layer: Linear, in_features: int) -> _Linear:
+def _linear(layer: LinearKernels, in_features: int) -> _Linear:
     calls = layer.calls
     if not 1 <= len(calls) <= _MAX_PARTS:
         raise ValueError(f"a linear layer of {len(calls)} kernel parts (at most {_MAX_PARTS})")
@@ -194,24 +208,35 @@ def _linear(layer: Linear, in_features: int) -> _Linear:
     return linear
 
 
+def build_step(
+    layers: Sequence[LayerKernels | None],
+    shape: StepShape,
+    ops: ctypes.CDLL,
+    attention: ctypes.CDLL,
+) -> DecoderStep | None:
+    """The step over every layer of a decoder of `shape`, from each layer's description; None
+    where a layer has none (it cannot run in the step) or decoder.c cannot be built here."""
+    if any(layer is None for layer in layers):
+        return None
+    try:
+        return DecoderStep(layers, shape, ops, attention)
+    except native.NativeBuildError:
+        return None
+
+
 class DecoderStep:
-    """Every layer of a decoder of `heads` query and `kv_heads` KV heads of `head_dim`; `ops`
-    and `attention`: the libraries of kernels/cpu/ops.py and kernels/cpu/attention.py."""
+    """Every layer of a decoder of `shape`; `ops` and `attention`: the libraries of
+    kernels/cpu/ops.py and kernels/cpu/attention.py."""
 
     def __init__(
         self,
         layers: Sequence[LayerKernels],
-        *,
-        hidden: int,
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
-        eps: float,
-        scale: float,
+        shape: StepShape,
         ops: ctypes.CDLL,
         attention: ctypes.CDLL,
     ) -> None:
         self._lib = library()
+        hidden, heads, head_dim = shape.hidden, shape.heads, shape.head_dim
         self._layers = list(layers)  # held: the structs point into their tensors
         self._array = (_Layer * len(layers))()
         for entry, layer in zip(self._array, layers, strict=True):
@@ -244,10 +269,10 @@ class DecoderStep:
             layers=len(layers),
             hidden=hidden,
             heads=heads,
-            kv_heads=kv_heads,
+            kv_heads=shape.kv_heads,
             head_dim=head_dim,
-            eps=eps,
-            scale=scale,
+            eps=shape.eps,
+            scale=shape.scale,
             kv_stride_h=layers[0].kv_cache[0].stride(0),
         )
 

@@ -8,7 +8,7 @@ head's keys for `block_size` consecutive positions). Two kernels:
   split into parts walked side by side (flash decoding) and a small kernel merges the parts;
 - prefill: one program per (BLOCK_M queries of a prefill chunk, query head) attends over the
   chunk's past (read through the block table) and, causally, over the chunk itself. Which
-  program serves which queries is planned on the host once per step (`attention/plan.py`).
+  program serves which queries is planned on the host once per step (`plan.py`).
 
 The block tables' row stride (the step's longest table) is not specialized on: Triton compiles a
 kernel per case of an integer argument (1, a multiple of 16, other), and each new case met while
@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from inflight.model.attention.base import AttentionMetadata
-from inflight.model.attention.plan import PREFILL_BLOCK_M, PrefillPlan, decode_splits
+from inflight.model.kernels.triton.plan import PREFILL_BLOCK_M, PrefillPlan, decode_splits
+from inflight.model.metadata import AttentionMetadata
 
 DECODE_BLOCK_N = 64  # keys per decode iteration
 PREFILL_BLOCK_N = 64

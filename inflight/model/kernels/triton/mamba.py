@@ -4,7 +4,7 @@ Torch computes it in some ten passes over the [rows, heads, head_dim, d_state] f
 (gather, decay, outer product, add, scatter, product with C, sum): at Bamba-9B's width that is
 268 MB per pass and layer for 64 rows, the bulk of a decode step. Here each program reads a
 block of one row's state for one head once, updates it in place in its slot and writes its
-share of y: the formula of `model/mamba.py: ssm_decode`, in the same order of operations (the
+share of y: the formula of `layers/mamba.py: ssm_decode`, in the same order of operations (the
 sum over d_state aside, which Triton orders its own way).
 """
 

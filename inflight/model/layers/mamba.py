@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inflight.model.attention import AttentionMetadata
 from inflight.model.config import MambaConfig, ModelConfig
 from inflight.model.layers.linear import Linear
 from inflight.model.layers.quantization import LinearMethods
+from inflight.model.metadata import AttentionMetadata
 from inflight.model.transfer import to_device
 
 

@@ -1,10 +1,11 @@
 """The image side of a LLaVA-style model: a CLIP or SigLIP vision tower and the projector that
-maps its patch features into the decoder's embedding width.
+maps its patch features into the decoder's embedding width, its config (`VisionConfig`, read
+from a LLaVA `config.json` by `vision_from_hf`), and the visual-token pruner.
 
-`ImageEncoder` turns preprocessed images [N, 3, H, W] into [N, tokens_per_image, hidden] prompt
-embeddings, which the decoder takes in place of the image placeholder tokens. It runs eagerly,
-in the decoder's dtype, once per image: in the step that starts its request's prefill (see
-`runtime/executor.py`, `runtime/encoder_cache.py`).
+`ImageEncoder` turns preprocessed images [N, 3, H, W] (`image_processor.py`) into
+[N, tokens_per_image, hidden] prompt embeddings, which the decoder takes in place of the image
+placeholder tokens. It runs eagerly, in the decoder's dtype, once per image: in the step that
+starts its request's prefill (see `runtime/device/executor.py`, `runtime/device/encoder_cache.py`).
 Parameters keep Hugging Face names below `vision_tower` and `multi_modal_projector`
 (older checkpoints have a `vision_tower.vision_model` level, read as well).
 """
@@ -12,15 +13,139 @@ Parameters keep Hugging Face names below `vision_tower` and `multi_modal_project
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inflight.model.config import VisionConfig
+from inflight.model.encoders.base import PreparedItem, content_key
+from inflight.model.encoders.image_processor import ImageProcessor
 from inflight.model.weights import copy_weights
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """LLaVA-style image input: a CLIP or SigLIP vision tower, whose `feature_layer` output
+    (Hugging Face's `vision_feature_layer`: 0 the embeddings, -1 the last layer) is projected
+    into the decoder's width and takes the place of `image_token_id` placeholders, one per
+    patch feature (`keep_cls`: the "full" strategy; "default" drops the first)."""
+
+    tower: str  # "clip" or "siglip"
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    image_token_id: int
+    feature_layer: int = -2
+    keep_cls: bool = False
+    projector_act: str = "gelu"
+    projector_bias: bool = True
+
+    kind = "image"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.layers_run <= self.num_layers:
+            raise ValueError(
+                f"vision_feature_layer {self.feature_layer} is outside a tower of "
+                f"{self.num_layers} layers"
+            )
+
+    @property
+    def num_positions(self) -> int:
+        patches = (self.image_size // self.patch_size) ** 2
+        return patches + 1 if self.tower == "clip" else patches
+
+    @property
+    def layers_run(self) -> int:
+        """Tower layers computed: those up to the one whose output is read."""
+        return (
+            self.feature_layer
+            if self.feature_layer >= 0
+            else self.num_layers + 1 + self.feature_layer
+        )
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.num_positions - (0 if self.keep_cls else 1)
+
+    @property
+    def placeholder(self) -> int:
+        return self.image_token_id
+
+    def build(self, text_hidden: int) -> ImageEncoder:
+        return ImageEncoder(self, text_hidden)
+
+    def preparer(self, processor_config: dict[str, Any]) -> Callable[[Any], PreparedItem]:
+        pixels = ImageProcessor.from_config(processor_config, self)
+        tokens = self.tokens_per_image
+
+        def prepare(image: Any) -> PreparedItem:
+            data = pixels(image)
+            return PreparedItem(data, tokens, content_key("image", data))
+
+        return prepare
+
+
+# CLIPVisionConfig's and SiglipVisionConfig's defaults (both a ViT-B at 224 pixels), for what
+# a vision_config leaves out.
+_VIT_B = dict(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    image_size=224,
+)
+_TOWER_DEFAULTS = {
+    "clip_vision_model": dict(_VIT_B, patch_size=32, hidden_act="quick_gelu", layer_norm_eps=1e-5),
+    "siglip_vision_model": dict(
+        _VIT_B, patch_size=16, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6
+    ),
+}
+
+
+def vision_from_hf(cfg: dict[str, Any]) -> VisionConfig:
+    """The vision tower of a LLaVA `config.json` dict."""
+    vision = dict(cfg.get("vision_config") or {})
+    kind = vision.get("model_type", "clip_vision_model")
+    if kind not in _TOWER_DEFAULTS:
+        raise ValueError(
+            f"unsupported vision tower {kind!r}; supported: {', '.join(_TOWER_DEFAULTS)}"
+        )
+    vision = {**_TOWER_DEFAULTS[kind], **vision}
+    layer = cfg.get("vision_feature_layer", -2)
+    if not isinstance(layer, int):
+        raise ValueError(f"vision_feature_layer {layer!r}: only a single layer is supported")
+    strategy = cfg.get("vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full"):
+        raise ValueError(f"unsupported vision_feature_select_strategy {strategy!r}")
+    token = cfg.get("image_token_id", cfg.get("image_token_index"))
+    if token is None:
+        raise ValueError("a LLaVA config.json needs image_token_index (or image_token_id)")
+    return VisionConfig(
+        tower="clip" if kind == "clip_vision_model" else "siglip",
+        hidden_size=vision["hidden_size"],
+        intermediate_size=vision["intermediate_size"],
+        num_layers=vision["num_hidden_layers"],
+        num_heads=vision["num_attention_heads"],
+        image_size=vision["image_size"],
+        patch_size=vision["patch_size"],
+        layer_norm_eps=float(vision["layer_norm_eps"]),
+        hidden_act=vision["hidden_act"],
+        image_token_id=int(token),
+        feature_layer=layer,
+        keep_cls=strategy == "full",
+        projector_act=cfg.get("projector_hidden_act", "gelu"),
+        projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
+    )
+
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -171,7 +296,7 @@ class ImageEncoder(nn.Module):
 
     def encode(self, items: list[np.ndarray]) -> list[torch.Tensor]:
         """The prompt embeddings [tokens_per_image, text hidden] of each of preprocessed images
-        [3, H, W] (`image_processor.py`), in one tower run."""
+        [3, H, W] (`VisionConfig.preparer`), in one tower run."""
         device = self.multi_modal_projector.linear_1.weight.device
         return list(self(torch.from_numpy(np.stack(items)).to(device)))
 

@@ -7,19 +7,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from PIL import Image
 
-from inflight.model.config import Qwen2VLVisionConfig
-from inflight.model.image_processor import _CLIP_MEAN, _CLIP_STD, _RESAMPLE
+from inflight.model.encoders.image_processor import _CLIP_MEAN, _CLIP_STD, _RESAMPLE
 
 # Qwen2VLImageProcessor's pixel budget when the config names none.
 _MIN_PIXELS = 56 * 56
 _MAX_PIXELS = 28 * 28 * 1280
 # The most elongated image smart_resize takes (Hugging Face's limit).
 _MAX_ASPECT = 200
+
+
+class PatchGeometry(Protocol):
+    """What the processor reads of its vision tower's config (`qwen2_vl.Qwen2VLVisionConfig`)."""
+
+    @property
+    def patch_size(self) -> int: ...
+
+    @property
+    def temporal_patch_size(self) -> int: ...
+
+    @property
+    def spatial_merge_size(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -36,9 +48,7 @@ class Qwen2VLImageProcessor:
     std: tuple[float, ...] | None
 
     @classmethod
-    def from_config(
-        cls, config: dict[str, Any], vision: Qwen2VLVisionConfig
-    ) -> Qwen2VLImageProcessor:
+    def from_config(cls, config: dict[str, Any], vision: PatchGeometry) -> Qwen2VLImageProcessor:
         """From a `preprocessor_config.json` dict ({} takes Hugging Face's defaults). Its patch
         geometry must be the tower's."""
         # Newer files write size {shortest_edge, longest_edge} (pixel counts, despite the

@@ -6,21 +6,141 @@ into the decoder's embedding width.
 decoder takes in place of the audio placeholder tokens. Each window is encoded on its own
 (full attention within it); the projector stacks `intermediate_size // hidden_size`
 consecutive encoder frames into one token.
-Parameters keep Hugging Face names below `audio_tower.` and `multi_modal_projector.`.
+Parameters keep Hugging Face names below `audio_tower.` and `multi_modal_projector.`. Its
+config (`AudioConfig`) is read from a Voxtral `config.json` by `audio_from_hf`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inflight.model.config import AudioConfig
-from inflight.model.vision import activation
+from inflight.model.encoders.audio_processor import AudioProcessor, clip_samples
+from inflight.model.encoders.base import PreparedItem, content_key
+from inflight.model.encoders.vision import activation
 from inflight.model.weights import copy_weights
+
+
+@dataclass(frozen=True)
+class AudioConfig:
+    """Voxtral's audio input: a Whisper-style encoder over log-mel windows of
+    `frames_per_window` frames, which halves them to `max_source_positions` encoder frames;
+    the projector stacks `intermediate_size // hidden_size` consecutive frames into one vector
+    and maps it into the decoder's width, where it takes the place of one `audio_token_id`
+    placeholder."""
+
+    num_mel_bins: int
+    hidden_size: int  # Whisper's d_model
+    num_layers: int
+    num_heads: int
+    intermediate_size: int  # the layers' MLP width, and the width of a stack of frames
+    max_source_positions: int
+    audio_token_id: int
+    activation: str = "gelu"
+    projector_act: str = "gelu"
+
+    kind = "audio"
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"audio hidden_size {self.hidden_size} is not a multiple of "
+                f"num_attention_heads {self.num_heads}"
+            )
+        # Transformers flattens the whole batch before stacking: only whole stacks per window
+        # keep one window's frames out of another's tokens.
+        if (
+            self.intermediate_size % self.hidden_size
+            or self.max_source_positions % self.frames_per_token
+        ):
+            raise ValueError(
+                f"audio intermediate_size {self.intermediate_size} must stack a whole number "
+                f"of {self.hidden_size}-wide frames, dividing max_source_positions "
+                f"{self.max_source_positions}"
+            )
+
+    @property
+    def frames_per_token(self) -> int:
+        """Encoder frames stacked into one audio token."""
+        return self.intermediate_size // self.hidden_size
+
+    @property
+    def frames_per_window(self) -> int:
+        """Mel frames one encoder window takes (its second convolution has stride 2)."""
+        return 2 * self.max_source_positions
+
+    @property
+    def tokens_per_window(self) -> int:
+        return self.max_source_positions * self.hidden_size // self.intermediate_size
+
+    @property
+    def placeholder(self) -> int:
+        return self.audio_token_id
+
+    def build(self, text_hidden: int) -> AudioEncoder:
+        return AudioEncoder(self, text_hidden)
+
+    def preparer(self, processor_config: dict[str, Any]) -> Callable[[Any], PreparedItem]:
+        mel = AudioProcessor.from_config(processor_config, self)
+        per_window = self.tokens_per_window
+
+        def prepare(clip: Any) -> PreparedItem:
+            data = mel(clip_samples(clip))
+            return PreparedItem(data, data.shape[0] * per_window, content_key("audio", data))
+
+        return prepare
+
+
+# VoxtralEncoderConfig's defaults (Voxtral Mini's encoder), for what an audio_config leaves
+# out, and the Whisper spellings it also accepts.
+_VOXTRAL_ENCODER = dict(
+    num_mel_bins=128,
+    hidden_size=1280,
+    num_hidden_layers=32,
+    num_attention_heads=20,
+    intermediate_size=5120,
+    max_source_positions=1500,
+    activation_function="gelu",
+)
+_WHISPER_NAMES = {
+    "d_model": "hidden_size",
+    "encoder_layers": "num_hidden_layers",
+    "encoder_attention_heads": "num_attention_heads",
+    "encoder_ffn_dim": "intermediate_size",
+}
+
+
+def audio_from_hf(cfg: dict[str, Any]) -> AudioConfig:
+    """The audio side of a `VoxtralForConditionalGeneration` config.json dict."""
+    audio = dict(cfg.get("audio_config") or {})
+    kind = audio.get("model_type", "voxtral_encoder")
+    if kind != "voxtral_encoder":
+        raise ValueError(f"unsupported audio encoder {kind!r}; supported: voxtral_encoder")
+    for whisper, name in _WHISPER_NAMES.items():
+        if whisper in audio:
+            audio.setdefault(name, audio[whisper])
+    audio = {**_VOXTRAL_ENCODER, **audio}
+    token = cfg.get("audio_token_id")
+    if token is None:
+        raise ValueError("a Voxtral config.json needs audio_token_id")
+    return AudioConfig(
+        num_mel_bins=audio["num_mel_bins"],
+        hidden_size=audio["hidden_size"],
+        num_layers=audio["num_hidden_layers"],
+        num_heads=audio["num_attention_heads"],
+        intermediate_size=audio["intermediate_size"],
+        max_source_positions=audio["max_source_positions"],
+        audio_token_id=int(token),
+        activation=audio["activation_function"],
+        projector_act=cfg.get("projector_hidden_act", "gelu"),
+    )
+
 
 # Whisper's layer norms take torch's default epsilon: the config has none.
 _LN_EPS = 1e-5

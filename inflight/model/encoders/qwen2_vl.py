@@ -9,23 +9,165 @@ Hugging Face's `get_rope_index` gives those tokens their (t, h, w) positions in.
 of one call share one tower forward; attention stays within a frame, and for Qwen2.5-VL within
 a window except in its full-attention blocks (the tower then runs on the patches reordered
 window by window and restores the order at the end, as Hugging Face does).
-Parameters keep Hugging Face names below `visual`.
+Parameters keep Hugging Face names below `visual`. Its config (`Qwen2VLVisionConfig`) is read
+from a Qwen2-VL `config.json` by `qwen2_vl_vision_from_hf`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inflight.model.config import Qwen2VLVisionConfig
-from inflight.model.vision import activation
+from inflight.model.encoders.base import PreparedItem, content_key
+from inflight.model.encoders.qwen2_vl_processor import Qwen2VLImageProcessor
+from inflight.model.encoders.vision import activation
 from inflight.model.weights import copy_weights
+
+# Qwen2-VL's and Qwen2.5-VL's `architectures` entries, and the family of their image towers.
+QWEN2_VL_FAMILIES = {
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+}
+# Qwen2VLVisionConfig's and Qwen2_5_VLVisionConfig's defaults in transformers (the 7B towers),
+# for what a vision_config leaves out.
+_QWEN_VISION_DEFAULTS = {
+    "qwen2_vl": dict(depth=32, embed_dim=1280, mlp_ratio=4, num_heads=16, hidden_act="quick_gelu"),
+    "qwen2_5_vl": dict(
+        depth=32,
+        hidden_size=3584,
+        intermediate_size=3420,
+        num_heads=16,
+        hidden_act="silu",
+        out_hidden_size=3584,
+        window_size=112,
+        fullatt_block_indexes=[7, 15, 23, 31],
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Qwen2VLVisionConfig:
+    """The image tower of Qwen2-VL or Qwen2.5-VL: a ViT over patch_size^2 x temporal_patch_size
+    patches at the image's own resolution, with a 2-D rotary position per patch, whose
+    spatial_merge_size^2 neighbouring patches are merged into one prompt token of
+    `out_hidden_size` (the decoder's width) in place of an `image_token_id` placeholder.
+    Qwen2.5-VL ("qwen2_5_vl") uses RMSNorm and a SwiGLU MLP, and attends within windows of
+    window_size pixels square except in the `fullatt_block_indexes` blocks."""
+
+    family: str  # "qwen2_vl" or "qwen2_5_vl"
+    depth: int
+    embed_dim: int
+    intermediate_size: int
+    num_heads: int
+    hidden_act: str
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    out_hidden_size: int
+    image_token_id: int
+    vision_start_token_id: int
+    rope_theta: float = 10000.0
+    window_size: int | None = None  # pixels; Qwen2.5-VL only
+    fullatt_block_indexes: tuple[int, ...] = ()
+
+    kind = "image"
+
+    def __post_init__(self) -> None:
+        if self.family not in _QWEN_VISION_DEFAULTS:
+            raise ValueError(f"unknown Qwen vision family {self.family!r}")
+        if self.embed_dim % self.num_heads or (self.embed_dim // self.num_heads) % 4:
+            raise ValueError(
+                f"vision embed_dim {self.embed_dim} must split into {self.num_heads} heads "
+                "of a width divisible by 4 (the 2-D rotary halves)"
+            )
+        if self.windowed and self.window_size < self.patch_size * self.spatial_merge_size:
+            raise ValueError(
+                f"window_size {self.window_size} is smaller than one merged patch "
+                f"({self.patch_size * self.spatial_merge_size} pixels)"
+            )
+
+    @property
+    def windowed(self) -> bool:
+        return self.family == "qwen2_5_vl"
+
+    @property
+    def patch_dim(self) -> int:
+        """Values in one flattened patch: channels x temporal x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def placeholder(self) -> int:
+        return self.image_token_id
+
+    def build(self, text_hidden: int) -> Qwen2VLImageEncoder:
+        """The tower (its merger outputs `out_hidden_size`, the decoder's width)."""
+        return Qwen2VLImageEncoder(self)
+
+    def preparer(self, processor_config: dict[str, Any]) -> Callable[[Any], PreparedItem]:
+        patches = Qwen2VLImageProcessor.from_config(processor_config, self)
+        merge = self.spatial_merge_size
+
+        def prepare(image: Any) -> PreparedItem:
+            data, (t, h, w) = patches(image)
+            grid = (t, h // merge, w // merge)
+            key = content_key("image", data, f"{t}x{h}x{w}")
+            return PreparedItem((data, (t, h, w)), t * h * w // merge**2, key, grid)
+
+        return prepare
+
+
+def qwen2_vl_vision_from_hf(cfg: dict[str, Any]) -> Qwen2VLVisionConfig:
+    """The image tower of a Qwen2-VL or Qwen2.5-VL `config.json` dict: transformers 5's layout
+    (decoder fields in text_config) or the older hub one (decoder fields at the top level)."""
+    archs = cfg.get("architectures") or []
+    family = next((QWEN2_VL_FAMILIES[a] for a in archs if a in QWEN2_VL_FAMILIES), None)
+    family = family or cfg.get("model_type")
+    if family not in _QWEN_VISION_DEFAULTS:
+        raise ValueError(
+            f"not a Qwen2-VL config: {archs or cfg.get('model_type')!r}; "
+            f"supported: {', '.join(QWEN2_VL_FAMILIES)}"
+        )
+    vision = {**_QWEN_VISION_DEFAULTS[family], **(cfg.get("vision_config") or {})}
+    text_hidden = (cfg.get("text_config") or {}).get("hidden_size", cfg.get("hidden_size"))
+    if family == "qwen2_vl":
+        width = vision["embed_dim"]
+        intermediate = int(width * vision["mlp_ratio"])
+        # Qwen2-VL's vision_config.hidden_size is the merger's output: the decoder's width.
+        out = vision.get("hidden_size", text_hidden)
+    else:
+        width, intermediate = vision["hidden_size"], vision["intermediate_size"]
+        out = vision["out_hidden_size"]
+    if out is None:
+        raise ValueError("a Qwen2-VL config.json needs the decoder's hidden_size")
+    rope = vision.get("rope_parameters") or {}
+    return Qwen2VLVisionConfig(
+        family=family,
+        depth=vision["depth"],
+        embed_dim=width,
+        intermediate_size=intermediate,
+        num_heads=vision["num_heads"],
+        hidden_act=vision["hidden_act"],
+        patch_size=vision.get("patch_size", 14),
+        temporal_patch_size=vision.get("temporal_patch_size", 2),
+        spatial_merge_size=vision.get("spatial_merge_size", 2),
+        # Older hub configs spell it in_chans.
+        in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
+        out_hidden_size=out,
+        image_token_id=int(cfg.get("image_token_id", 151655)),
+        vision_start_token_id=int(cfg.get("vision_start_token_id", 151652)),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        window_size=vision["window_size"] if family == "qwen2_5_vl" else None,
+        fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", ())),
+    )
+
 
 # Hugging Face's eps for every norm of both towers.
 _EPS = 1e-6

@@ -1,8 +1,9 @@
 """Audio preprocessing for Voxtral, as transformers' VoxtralProcessor does it with its
 WhisperFeatureExtractor: a clip is padded with silence to whole windows (30 s by default),
 turned into one Whisper log-mel spectrogram, and cut into the windows the encoder takes.
-Also `read_wav`, which decodes a PCM WAV file into the 16 kHz mono samples the processor takes.
-numpy and the standard library only.
+Also `read_wav`, which decodes a PCM WAV file into the 16 kHz mono samples the processor takes,
+and `clip_samples`, which takes them from the forms a caller hands a clip in. numpy and the
+standard library only.
 """
 
 from __future__ import annotations
@@ -14,18 +15,26 @@ import struct
 import wave
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
-
-from inflight.model.config import AudioConfig
 
 SAMPLE_RATE = 16000
 # Mel filters span 0 Hz to the Nyquist frequency of 16 kHz audio.
 _MAX_FREQUENCY = 8000.0
 # Frames per FFT batch: bounds the memory a long clip's spectrogram takes.
 _FFT_BATCH = 4096
+
+
+class Frames(Protocol):
+    """What the processor reads of its encoder's config (`audio.AudioConfig`)."""
+
+    @property
+    def num_mel_bins(self) -> int: ...
+
+    @property
+    def frames_per_window(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -37,7 +46,7 @@ class AudioProcessor:
     padding_value: float = 0.0
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], audio: AudioConfig) -> AudioProcessor:
+    def from_config(cls, config: dict[str, Any], audio: Frames) -> AudioProcessor:
         """From a `preprocessor_config.json` dict ({} takes WhisperFeatureExtractor's defaults,
         with the encoder's mel bins)."""
         rate = config.get("sampling_rate", SAMPLE_RATE)
@@ -214,3 +223,23 @@ def resample(samples: np.ndarray, rate: int) -> np.ndarray:
         window = padded[base[:, None] + half + offsets]
         out[n] = np.einsum("ij,ij->i", window, taps[phase])
     return out
+
+
+def clip_samples(clip: Any) -> np.ndarray:
+    """Mono samples at 16 kHz from vLLM's audio forms: an array (16 kHz) or (array, rate)."""
+    if isinstance(clip, tuple):
+        if len(clip) != 2:
+            raise ValueError("an audio clip is an array of samples or (samples, sampling rate)")
+        samples, rate = clip
+        if isinstance(rate, bool) or not isinstance(rate, int) or rate <= 0:
+            raise ValueError(
+                f"an audio clip's sampling rate must be a positive integer, got {rate!r}"
+            )
+        samples = np.asarray(samples, np.float32)
+        return samples if rate == SAMPLE_RATE else resample(samples, rate).astype(np.float32)
+    if not isinstance(clip, np.ndarray | list):
+        raise ValueError(
+            f"an audio clip must be an array of 16 kHz samples or (samples, sampling rate), "
+            f"got {type(clip).__name__}"
+        )
+    return np.asarray(clip, np.float32)

@@ -5,17 +5,25 @@ first. Pillow and numpy only."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from PIL import Image
-
-from inflight.model.config import VisionConfig
 
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 # Hugging Face's `resample` codes are Pillow's.
 _RESAMPLE = {int(f): f for f in Image.Resampling}
+
+
+class Tower(Protocol):
+    """What the processor reads of its vision tower's config (`vision.VisionConfig`)."""
+
+    @property
+    def tower(self) -> str: ...
+
+    @property
+    def image_size(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -29,7 +37,7 @@ class ImageProcessor:
     std: tuple[float, ...] | None
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], vision: VisionConfig) -> ImageProcessor:
+    def from_config(cls, config: dict[str, Any], vision: Tower) -> ImageProcessor:
         """From a `preprocessor_config.json` dict ({} takes the tower's usual processor)."""
         clip = vision.tower == "clip"
         edge = vision.image_size

@@ -1,43 +1,45 @@
-"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and SmolLM2.
+"""The Llama family: one decoder for Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and SmolLM2, its
+flavours' config parsing (Hugging Face and GGUF) and llama.cpp's names for its tensors. Registers
+the flavours llama, mistral, qwen2 and qwen3 (a config's `family`).
 
-The forward pass runs over a packed ragged batch (see `attention/base.py`): tokens [T],
+The forward pass runs over a packed ragged batch (see `metadata.py`): tokens [T],
 positions [T] and one KV cache pair per layer. Parameters keep Hugging Face names, except that
 q/k/v and gate/up are stored fused (`qkv_proj`, `gate_up_proj`) so that each is one matmul per
 layer.
 
-Built with `max_loras` > 0, every decoder linear also holds that many LoRA adapter slots, and a
-forward pass may run each packed token with the adapter of its slot (`LoRAMapping`).
+Built with `max_loras` > 0, every decoder linear also holds that many LoRA adapter slots
+(`LoRAAdapters`, the model's `lora`), and a forward pass may run each packed token with the
+adapter of its slot (`LoRAMapping`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+import functools
+from collections.abc import Iterable, Iterator
+from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from inflight.model.attention import AttentionBackend, AttentionMetadata, KVCache
+from inflight.model.attention import AttentionBackend
 from inflight.model.attention.cpu import CpuAttentionBackend
-from inflight.model.audio import AudioEncoder
-from inflight.model.config import ModelConfig, VisionConfig
+from inflight.model.config import ModelConfig, RopeConfig, rope_from_hf
 from inflight.model.contract import ForwardBatch, ModelCaches
-from inflight.model.kernels.cpu import decoder, native
+from inflight.model.kernels.cpu import decoder
 from inflight.model.layers.activation import SiluAndMul
 from inflight.model.layers.linear import Linear, process_weights_after_loading
-from inflight.model.layers.lora import INDEXED_MAX_TOKENS, LoRAMapping, LoRASlots
+from inflight.model.layers.lora import LoRAMapping
+from inflight.model.layers.lora_adapters import LoRAAdapters
+from inflight.model.layers.mamba import MambaStates
 from inflight.model.layers.norm import RMSNorm
+from inflight.model.layers.parallel import TensorParallel, VocabParallelEmbedding
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, Rope, RotaryEmbedding
-from inflight.model.mamba import MambaStates
-from inflight.model.parallel import TensorParallel, VocabParallelEmbedding
-from inflight.model.qwen2_vl import Qwen2VLImageEncoder
-from inflight.model.vision import ImageEncoder
-from inflight.model.weights import load_fused, shard_sizes
-
-if TYPE_CHECKING:
-    from inflight.model.checkpoints.lora import LoRAAdapter
+from inflight.model.metadata import AttentionMetadata, KVCache
+from inflight.model.registry import Family, GGUFMetadata, register
+from inflight.model.weights import load_fused
 
 # Fused parameter -> the Hugging Face parameters it stacks, in order.
 _FUSED_PARTS = {
@@ -65,6 +67,15 @@ _MULTIMODAL_NAMES = (
 _ENCODER_NAMES = ("vision_tower.", "multi_modal_projector.", "visual.", "audio_tower.")
 
 
+def shard_sizes(config: ModelConfig) -> dict[str, list[int]]:
+    """The output size of each part of a fused decoder parameter."""
+    kv_size = config.num_kv_heads * config.head_dim
+    return {
+        "qkv_proj": [config.num_heads * config.head_dim, kv_size, kv_size],
+        "gate_up_proj": [config.intermediate_size] * 2,
+    }
+
+
 def build_lm_head(config: ModelConfig, methods: LinearMethods, rows: int | None = None) -> Linear:
     """The LM head (of `rows` vocabulary rows: a tensor-parallel rank's; default all), with the
     method its weight calls for; a tied one holds no weight of its own (load_weights gives it
@@ -82,17 +93,6 @@ def build_lm_head(config: ModelConfig, methods: LinearMethods, rows: int | None 
     if config.tie_word_embeddings:
         head.weight = None
     return head
-
-
-def encoder_for(config: ModelConfig) -> ImageEncoder | Qwen2VLImageEncoder | AudioEncoder | None:
-    """The media encoder a model of `config` takes its images or audio through, if any."""
-    if isinstance(config.vision, VisionConfig):
-        return ImageEncoder(config.vision, config.hidden_size)
-    if config.vision is not None:
-        return Qwen2VLImageEncoder(config.vision)
-    if config.audio is not None:
-        return AudioEncoder(config.audio, config.hidden_size)
-    return None
 
 
 def decoder_linear(
@@ -240,12 +240,33 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h, lora), residual
 
+    def native_kernels(self, kv_cache: KVCache) -> decoder.LayerKernels | None:
+        """This layer over `kv_cache` as the native CPU decoder step runs it; None where one of
+        its linear layers runs no native kernel."""
+        attention, mlp = self.self_attn, self.mlp
+        linears = [
+            linear.native_kernels()
+            for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        ]
+        if any(linear is None for linear in linears):
+            return None
+        norms = None
+        if attention.q_norm is not None and attention.k_norm is not None:
+            norms = (attention.q_norm.weight.detach(), attention.k_norm.weight.detach())
+        return decoder.LayerKernels(
+            self.input_layernorm.weight.detach(),
+            self.post_attention_layernorm.weight.detach(),
+            *linears,
+            kv_cache=kv_cache,
+            qk_norms=norms,
+        )
+
 
 class LlamaForCausalLM(nn.Module):
     """Built for one platform, each linear layer with the method `methods` chooses for it (see
     `checkpoints.loader.build_model`), and with `max_loras` LoRA adapter slots of ranks up to
     `max_lora_rank` in every decoder linear (none: LoRA off, at no cost). With `parallel`, this
-    rank's shard of the model (see `parallel.py`)."""
+    rank's shard of the model (see `layers/parallel.py`)."""
 
     def __init__(
         self,
@@ -258,10 +279,6 @@ class LlamaForCausalLM(nn.Module):
         parallel: TensorParallel | None = None,
     ) -> None:
         super().__init__()
-        if max_loras < 0 or max_lora_rank < 1:
-            raise ValueError(
-                f"max_loras must be >= 0 and max_lora_rank >= 1, got {max_loras}, {max_lora_rank}"
-            )
         self.config = config
         self.parallel = parallel
         # The decoder layers' shape on this rank.
@@ -285,27 +302,25 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(hidden, config.rms_norm_eps, platform)
         # A tied head computes with the embedding's weight (see load_weights).
         self.rotary = RotaryEmbedding(config, max_positions)
-        self.image_encoder: ImageEncoder | Qwen2VLImageEncoder | None = None
-        self.audio_encoder: AudioEncoder | None = None
-        encoder = encoder_for(config)
-        if config.audio is not None:
-            self.audio_encoder = encoder
-        else:
-            self.image_encoder = encoder
-        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
-        self._lora_loaded = [False] * max_loras
-        if max_loras:
-            sizes = shard_sizes(config)
-            for _, name, linear in self._decoder_linears():
-                parts = sizes.get(name, [linear.out_features])
-                linear.lora_slots = LoRASlots(
-                    linear.in_features, parts, max_loras, max_lora_rank, platform.cpu_ops
-                )
+        # The media encoders, by the kind of media each takes.
+        self.encoders = nn.ModuleDict(
+            {encoder.kind: encoder.build(hidden) for encoder in config.encoders}
+        )
+        self.lora = LoRAAdapters(
+            self.layers, shard_sizes(config), max_loras, max_lora_rank, platform
+        )
         self._cpu_ops = platform.cpu_ops
-        # Steps run every layer in one native call where the model allows (`_decoder_step`);
-        # False keeps them on the Python layers (what the native step matches).
+        # The switch: steps run every layer in one native call where the model allows
+        # (`_native_step`); False keeps them on the Python layers (what the native step
+        # matches). `ran_native_step`: whether the last forward pass ran in it.
         self.native_step = True
-        self._decoder: tuple[list[KVCache], decoder.DecoderStep | None] | None = None
+        self.ran_native_step = False
+        # The native step, and the KV caches it was built over.
+        self._step: tuple[list[KVCache], decoder.DecoderStep | None] | None = None
+
+    @property
+    def max_loras(self) -> int:
+        return self.lora.max_loras
 
     @property
     def num_attention_layers(self) -> int:
@@ -332,7 +347,8 @@ class LlamaForCausalLM(nn.Module):
                 )
         step = None
         if (lora is None or lora.per_token) and input_ids.shape[0] > 0:
-            step = self._decoder_step(kv_caches, backend)
+            step = self._native_step(kv_caches, backend)
+        self.ran_native_step = step is not None
         if step is not None:
             scale, first = self.layers[0].self_attn.scale, meta.num_decodes
 
@@ -353,7 +369,7 @@ class LlamaForCausalLM(nn.Module):
         """None: a Llama-family decoder keeps no state beside its KV."""
         return None
 
-    def _decoder_step(
+    def _native_step(
         self, kv_caches: list[KVCache], backend: AttentionBackend
     ) -> decoder.DecoderStep | None:
         """The native decoder step over `kv_caches` (built on first use), or None where a
@@ -361,123 +377,43 @@ class LlamaForCausalLM(nn.Module):
         tensor parallelism, or a linear layer without a native kernel."""
         if not self.native_step:
             return None
-        if self._decoder is None or self._decoder[0] is not kv_caches:
-            self._decoder = (kv_caches, self._build_decoder_step(kv_caches, backend))
-        return self._decoder[1]
+        if self._step is None or self._step[0] is not kv_caches:
+            self._step = (kv_caches, self._build_native_step(kv_caches, backend))
+        return self._step[1]
 
-    def _build_decoder_step(
+    def _build_native_step(
         self, kv_caches: list[KVCache], backend: AttentionBackend
     ) -> decoder.DecoderStep | None:
         # The CPU backend implies float32 caches and a head_dim its kernels take.
-        config = self.layer_config
         if (
             not isinstance(backend, CpuAttentionBackend)
             or self._cpu_ops is None
             or self.parallel is not None
         ):
             return None
-        layers = []
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            attention, mlp = layer.self_attn, layer.mlp
-            linears = []
-            for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                calls = linear.method.kernel_calls(linear)
-                if calls is None:
-                    return None
-                slots = linear.lora_slots
-                factors = None
-                if slots is not None:
-                    factors = decoder.LoraFactors(slots.a, slots.bt, slots.ranks, slots.starts)
-                linears.append(decoder.Linear(calls, factors))
-            norms = None
-            if attention.q_norm is not None and attention.k_norm is not None:
-                norms = (attention.q_norm.weight.detach(), attention.k_norm.weight.detach())
-            layers.append(
-                decoder.LayerKernels(
-                    layer.input_layernorm.weight.detach(),
-                    layer.post_attention_layernorm.weight.detach(),
-                    *linears,
-                    kv_cache=kv_cache,
-                    qk_norms=norms,
-                )
-            )
-        try:
-            return decoder.DecoderStep(
-                layers,
-                hidden=config.hidden_size,
-                heads=config.num_heads,
-                kv_heads=config.num_kv_heads,
-                head_dim=config.head_dim,
-                eps=config.rms_norm_eps,
-                scale=self.layers[0].self_attn.scale,
-                ops=self._cpu_ops,
-                attention=backend.library,
-            )
-        except native.NativeBuildError:
-            return None
+        config = self.layer_config
+        shape = decoder.StepShape(
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.rms_norm_eps,
+            self.layers[0].self_attn.scale,
+        )
+        layers = [
+            layer.native_kernels(kv) for layer, kv in zip(self.layers, kv_caches, strict=True)
+        ]
+        return decoder.build_step(layers, shape, self._cpu_ops, backend.library)
 
-    def media_encoders(self) -> dict[str, ImageEncoder | Qwen2VLImageEncoder | AudioEncoder]:
+    def media_encoders(self) -> dict[str, nn.Module]:
         """The encoder of each kind of media the model takes."""
-        found = {"image": self.image_encoder, "audio": self.audio_encoder}
-        return {kind: encoder for kind, encoder in found.items() if encoder is not None}
+        return dict(self.encoders)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         if self.parallel is None:
             return logits
         return self.parallel.gather_vocab(logits, self.config.vocab_size)
-
-    def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Put `adapter` in `slot` (replacing what it held), in the model's device and dtype."""
-        self._check_slot(slot)
-        if adapter.rank > self.max_lora_rank:
-            raise ValueError(
-                f"LoRA adapter rank {adapter.rank} is above max_lora_rank={self.max_lora_rank}"
-            )
-        layers = max((layer for layer, _ in adapter.weights), default=-1) + 1
-        if layers > self.config.num_layers:
-            raise ValueError(
-                f"LoRA adapter has {layers} layers, the model {self.config.num_layers}"
-            )
-        # A write that fails part way leaves the slot unusable until a load succeeds.
-        self._lora_loaded[slot] = False
-        for i, name, linear in self._decoder_linears():
-            parts = [adapter.weights.get((i, part)) for part in _FUSED_PARTS.get(name, (name,))]
-            linear.lora_slots.write(slot, parts, adapter.rank, adapter.scale)
-        self._lora_loaded[slot] = True
-
-    def unload_lora(self, slot: int) -> None:
-        """Empty `slot`: a forward pass may no longer name it."""
-        self._check_slot(slot)
-        self._lora_loaded[slot] = False
-        for _, _, linear in self._decoder_linears():
-            linear.lora_slots.clear(slot)
-
-    def _decoder_linears(self) -> Iterator[tuple[int, str, Linear]]:
-        """(layer index, parameter name, layer) of every linear layer of the decoder layers."""
-        for i, layer in enumerate(self.layers):
-            for name, module in layer.named_modules():
-                if isinstance(module, Linear):
-                    yield i, name.rpartition(".")[2], module
-
-    def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.max_loras:
-            raise ValueError(f"LoRA slot {slot} does not exist: this model has {self.max_loras}")
-
-    def lora_mapping(self, rows: Sequence[tuple[int, int]]) -> LoRAMapping:
-        """The mapping of a step whose rows, in packed order, are (slot or -1 for the base
-        model, number of tokens), in the form this model's side path runs; every slot named
-        must hold an adapter."""
-        for slot in {slot for slot, _ in rows if slot != -1}:
-            self._check_slot(slot)
-            if not self._lora_loaded[slot]:
-                raise ValueError(f"LoRA slot {slot} holds no adapter")
-        if self._cpu_ops is not None:
-            return LoRAMapping.native(rows)
-        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
-        if device.type == "cuda" and sum(tokens for _, tokens in rows) <= INDEXED_MAX_TOKENS:
-            return LoRAMapping.indexed(rows, device)
-        return LoRAMapping.masked(rows, self.max_loras, dtype, device)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -507,19 +443,184 @@ class LlamaForCausalLM(nn.Module):
                     tensor = self.parallel.shard(name, tensor, self.config)
                 yield name, tensor
 
-        skip = ("image_encoder.", "audio_encoder.")
-        load_fused(self, decoder_weights(), _FUSED, shard_sizes(self.layer_config), skip)
-        encoder = self.image_encoder or self.audio_encoder
-        if encoder is not None:
+        load_fused(self, decoder_weights(), _FUSED, shard_sizes(self.layer_config), ("encoders.",))
+        for encoder in self.encoders.values():
             encoder.load_weights(encoder_weights)
-        elif encoder_weights:
+        if encoder_weights and not self.encoders:
             raise ValueError(
                 f"checkpoint tensor {encoder_weights[0][0]!r} belongs to a media encoder, "
                 "which this model's config does not describe"
             )
         process_weights_after_loading(self)
-        # A model built on the meta device holds uninitialized slots (to_empty), and a step
-        # reads empty slots beside the ones it runs: they must hold zeros.
-        if self.max_loras:
-            for _, _, linear in self._decoder_linears():
-                linear.lora_slots.reset()
+        self.lora.reset()
+
+
+# The family's flavours: its configs' `family`.
+FLAVOURS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def llama_from_hf(cfg: dict[str, Any], flavour: str) -> ModelConfig:
+    """The ModelConfig of a `config.json` dict of the family's `flavour` (its `family`)."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}; this decoder implements SwiGLU (silu)")
+    num_heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+    sliding = cfg.get("sliding_window") if flavour == "mistral" else None
+    attention_bias = bool(cfg.get("attention_bias", False))
+    return ModelConfig(
+        family=flavour,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        rope=rope_from_hf(cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=flavour == "qwen2" or attention_bias,
+        o_bias=flavour in ("llama", "qwen3") and attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=flavour == "qwen3",
+        sliding_window=sliding,
+    )
+
+
+# A layer's tensor (after "blk.N.") -> its Hugging Face name (after "layers.N.").
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# The tensors outside the layers (hybrids' files name them so too).
+GLOBAL_TENSORS = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+
+
+def llama_from_gguf(gguf: GGUFMetadata, flavour: str) -> ModelConfig:
+    """The ModelConfig of a GGUF file of the family's `flavour`, from llama.cpp's metadata."""
+    a = gguf.architecture
+    hidden = gguf.field(f"{a}.embedding_length")
+    heads = gguf.field(f"{a}.attention.head_count")
+    names = gguf.tensor_names
+    return ModelConfig(
+        family=flavour,
+        vocab_size=gguf_vocab_size(gguf),
+        hidden_size=hidden,
+        intermediate_size=gguf.field(f"{a}.feed_forward_length"),
+        num_layers=gguf.field(f"{a}.block_count"),
+        num_heads=heads,
+        num_kv_heads=gguf.field(f"{a}.attention.head_count_kv") or heads,
+        head_dim=gguf.field(f"{a}.attention.key_length") or hidden // heads,
+        rms_norm_eps=float(gguf.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=gguf.field(f"{a}.context_length", 4096),
+        rope=gguf_rope(gguf),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_up.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+    )
+
+
+def gguf_vocab_size(gguf: GGUFMetadata) -> int:
+    """The vocabulary's size: the metadata's, or the tokenizer's token count."""
+    a = gguf.architecture
+    return gguf.field(f"{a}.vocab_size") or len(gguf.field("tokenizer.ggml.tokens") or [])
+
+
+def gguf_rope(gguf: GGUFMetadata) -> RopeConfig:
+    """The rotary embedding of a GGUF file; Llama 3's frequency scaling comes as the divisors of
+    tensor `rope_freqs`."""
+    a = gguf.architecture
+    scaling = gguf.field(f"{a}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ValueError(f"unsupported GGUF rope scaling type {scaling!r}")
+    freq_factors = None
+    if "rope_freqs.weight" in gguf.tensor_names:
+        freq_factors = tuple(float(x) for x in gguf.tensor("rope_freqs.weight"))
+    return RopeConfig(
+        theta=float(gguf.field(f"{a}.rope.freq_base", 10000.0)),
+        type="linear" if scaling == "linear" else "default",
+        factor=float(gguf.field(f"{a}.rope.scaling.factor", 1.0)),
+        freq_factors=freq_factors,
+    )
+
+
+def gguf_layer_kind(name: str) -> str:
+    """What a layer's tensor is ("attn_q" of "blk.3.attn_q.weight"); "" outside the layers."""
+    return name.split(".")[2] if name.startswith("blk.") else ""
+
+
+def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of each head's rotary halves (rows of q/k, or a bias)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def unpermute_qk(name: str, rows: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """`rows` of tensor `name` with llama.cpp's q/k permutation undone where it applies."""
+    kind = gguf_layer_kind(name)
+    if kind in ("attn_q", "attn_k"):
+        return unpermute(rows, config.num_heads if kind == "attn_q" else config.num_kv_heads)
+    return rows
+
+
+class LlamaGGUFTensors:
+    """The family's tensors in llama.cpp's files; `permuted`: the converter interleaved q's and
+    k's rotary halves (its llama conversion; not its qwen2 or qwen3)."""
+
+    def __init__(self, permuted: bool) -> None:
+        self.permuted = permuted
+
+    def hf_name(self, name: str) -> str | None:
+        base, _, suffix = name.rpartition(".")
+        if base == "rope_freqs":
+            return None  # folded into the rope config
+        parts = base.split(".")
+        if parts[0] == "blk" and len(parts) == 3:
+            return f"layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
+        return f"{GLOBAL_TENSORS[base]}.{suffix}"
+
+    def rows(self, name: str, rows: np.ndarray, config: ModelConfig) -> np.ndarray:
+        return unpermute_qk(name, rows, config) if self.permuted else rows
+
+    def keeps_shape(self, name: str) -> bool:
+        return True
+
+    def reshape(self, name: str, values: np.ndarray) -> np.ndarray:
+        return values
+
+
+def _flavour(name: str, architecture: str, gguf: str | None = None) -> Family:
+    """One flavour of the family: its Hugging Face architecture and, where llama.cpp converts
+    it to one of its own, its GGUF architecture."""
+    return Family(
+        name,
+        LlamaForCausalLM,
+        hf_architectures=(architecture,),
+        from_hf=functools.partial(llama_from_hf, flavour=name),
+        gguf_architectures=() if gguf is None else (gguf,),
+        from_gguf=functools.partial(llama_from_gguf, flavour=name),
+        gguf_tensors=LlamaGGUFTensors(permuted=gguf == "llama"),
+    )
+
+
+register(_flavour("llama", "LlamaForCausalLM", gguf="llama"))
+register(_flavour("mistral", "MistralForCausalLM"))  # llama.cpp converts Mistral to llama
+register(_flavour("qwen2", "Qwen2ForCausalLM", gguf="qwen2"))
+register(_flavour("qwen3", "Qwen3ForCausalLM", gguf="qwen3"))

@@ -1,0 +1,10 @@
+"""The model families, a module each; importing this package registers them all (see
+`registry.py`). Adding a family is adding its module and its line here."""
+
+from inflight.model.families import (  # noqa: F401 (imported to register)
+    hybrid,
+    llama,
+    llava,
+    qwen2_vl,
+    voxtral,
+)

@@ -124,8 +124,8 @@ def build_model(
       checkpoints, and where the native kernels cannot be built. Under tensor parallelism the
       block-run weights run in float32 (dequantized).
 
-    "int8" and "q4" are a ValueError off the CPU float32 path or where their kernel cannot be
-    built.
+    "int8" and "q4" are a ValueError where their kernel cannot be built. Which device and dtype
+    each method runs on is the deployment plan's rule (`runtime/deployment.py`).
 
     `max_loras` > 0 gives every decoder linear that many LoRA adapter slots of ranks up to
     `max_lora_rank` (see `layers/lora_adapters.py`), on top of whichever method it runs.
@@ -171,20 +171,10 @@ def linear_methods(
     platform and checkpoint; `sharded`: under tensor parallelism."""
     unquantized = unquantized_method(platform)
     stored_types = checkpoint.stored_types
+    # Where each method runs is the deployment plan's rule (runtime/deployment.py).
     if quantization == "fp8":
-        device = platform.device
-        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-            raise ValueError(
-                "quantization='fp8' needs a CUDA GPU with FP8 tensor cores (compute capability "
-                f"8.9 or above: Ada, Hopper), got {device}"
-            )
         return LinearMethods(unquantized, "fp8", {"fp8": Fp8LinearMethod(platform)})
     if quantization in ("int8", "q4"):
-        if not platform.onednn:
-            raise ValueError(
-                f"quantization={quantization!r} needs the CPU float32 path, "
-                f"got {platform.device} {platform.dtype}"
-            )
         try:
             kernels = _quantized_methods({"int8", quantization})
         except NativeBuildError as exc:

@@ -216,10 +216,9 @@ class HybridForCausalLM(nn.Module):
         super().__init__()
         if config.mamba is None:
             raise ValueError(f"a {config.family} config describes no hybrid Mamba model")
-        if parallel is not None:
-            parallel.check(config)  # which refuses Mamba layers
-        if max_loras:
-            raise ValueError(f"LoRA is not supported on {config.family} models (max_loras=0)")
+        if parallel is not None or max_loras:
+            # The deployment plan refuses both with their alternatives; a direct build too.
+            raise ValueError(f"a {config.family} model is built whole, with no LoRA slots")
         self.config = config
         hidden = config.hidden_size
         rotary_dim = int(config.head_dim * config.mamba.partial_rotary_factor)

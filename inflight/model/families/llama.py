@@ -288,9 +288,6 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
             self.lm_head = build_lm_head(config, methods)
         else:
-            parallel.check(config)
-            if max_loras:
-                raise ValueError("LoRA is not served with tensor parallelism")
             self.layer_config = parallel.local_config(config)
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, parallel)
             start, end = parallel.vocab_rows(config.vocab_size)
@@ -466,7 +463,7 @@ def llama_from_hf(cfg: dict[str, Any], flavour: str) -> ModelConfig:
         raise ValueError(f"unsupported hidden_act {act!r}; this decoder implements SwiGLU (silu)")
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-    sliding = cfg.get("sliding_window") if flavour == "mistral" else None
+    sliding = _sliding_window(cfg, flavour)
     attention_bias = bool(cfg.get("attention_bias", False))
     return ModelConfig(
         family=flavour,
@@ -487,6 +484,25 @@ def llama_from_hf(cfg: dict[str, Any], flavour: str) -> ModelConfig:
         qk_norm=flavour == "qwen3",
         sliding_window=sliding,
     )
+
+
+def _sliding_window(cfg: dict[str, Any], flavour: str) -> int | None:
+    """The window some layers attend over, or None. Qwen2/Qwen3 configs carry a `sliding_window`
+    that only counts under `use_sliding_window`, for the layers their `layer_types` (else
+    `max_window_layers`) mark sliding; the deployment plan then caps the context at the window,
+    where full attention is exact, and refuses a longer max_model_len by naming it."""
+    if flavour == "mistral":
+        return cfg.get("sliding_window")
+    if not cfg.get("use_sliding_window", False):
+        return None
+    # Absent keys take transformers' Qwen2/Qwen3 defaults.
+    window = cfg.get("sliding_window", 4096)
+    first = cfg.get("max_window_layers", 28)
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention"
+        for i in range(cfg["num_hidden_layers"])
+    ]
+    return window if "sliding_attention" in types else None
 
 
 # A layer's tensor (after "blk.N.") -> its Hugging Face name (after "layers.N.").

@@ -30,26 +30,6 @@ class TensorParallel:
     size: int
     group: Any = None
 
-    def check(self, config: ModelConfig) -> None:
-        """A ValueError naming what does not split evenly over the ranks."""
-        if config.mamba is not None or config.vision is not None or config.audio is not None:
-            raise ValueError(
-                "tensor parallelism serves text decoders (Llama, Qwen2, Qwen3 families); "
-                f"this model is {config.family!r} with media or Mamba layers"
-            )
-        kv = config.num_kv_heads
-        for what, value in (
-            ("attention heads", config.num_heads),
-            ("intermediate size", config.intermediate_size),
-        ):
-            if value % self.size:
-                raise ValueError(f"{what} ({value}) do not split over {self.size} ranks")
-        if kv % self.size and self.size % kv:
-            raise ValueError(
-                f"{kv} KV heads neither split over {self.size} ranks nor divide them "
-                "(to be replicated)"
-            )
-
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """The decoder layers' shape on this rank."""
         return replace(

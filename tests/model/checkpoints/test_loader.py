@@ -13,6 +13,8 @@ from inflight.model.checkpoints.loader import build_model, open_checkpoint
 from inflight.model.kernels.cpu import attention, int8, native, ops, q4
 from inflight.model.layers.linear import Linear
 from inflight.model.layers.quantization import PackedLinearMethod, TorchLinearMethod
+from inflight.protocol.deployment import DeploymentOptions
+from inflight.runtime.runtime import Runtime
 
 CPU = torch.device("cpu")
 
@@ -51,11 +53,14 @@ def test_rejects_unknown_values(tiny_dirs):
 
 @pytest.mark.parametrize("quantization", ["int8", "q4"])
 def test_quantized_modes_need_the_cpu_float32_path(tiny_dirs, quantization):
-    checkpoint = open_checkpoint(tiny_dirs["llama"])
+    """The deployment plan refuses them elsewhere, naming what runs there."""
+    options = DeploymentOptions(dtype="bfloat16", quantization=quantization)
     with pytest.raises(
-        ValueError, match=f"quantization='{quantization}' needs the CPU float32 path"
+        ValueError,
+        match=f"quantization='{quantization}' needs the CPU float32 path, got cpu bfloat16; "
+        "on CUDA use quantization='fp8' or 'none'",
     ):
-        build_model(checkpoint, torch.bfloat16, CPU, 64, quantization=quantization)
+        Runtime(tiny_dirs["llama"], options)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "q4"])
@@ -116,6 +121,10 @@ def test_a_cpu_model_never_imports_triton(tiny_dirs):
 
 
 def test_fp8_needs_a_gpu_with_fp8_tensor_cores(tiny_dirs):
-    checkpoint = open_checkpoint(tiny_dirs["llama"])
-    with pytest.raises(ValueError, match="quantization='fp8' needs a CUDA GPU with FP8 tensor"):
-        build_model(checkpoint, torch.bfloat16, CPU, 64, quantization="fp8")
+    """The deployment plan refuses it elsewhere, naming the option that runs."""
+    with pytest.raises(
+        ValueError,
+        match="quantization='fp8' needs a CUDA GPU with FP8 tensor cores .* got cpu; start with "
+        r"quantization='auto' \(--quantization auto\)",
+    ):
+        Runtime(tiny_dirs["llama"], DeploymentOptions(dtype="bfloat16", quantization="fp8"))

@@ -205,7 +205,7 @@ def check_media(which: str, device: torch.device, seed: int) -> tuple[bool, str]
         DeploymentOptions(attention_backend="torch", cuda_graphs=False, overlap=False, **config),
     )
     rng = np.random.default_rng(seed)
-    placeholder = fast.media_placeholder(kind)
+    placeholder = fast.input_processor.placeholder(kind)
     prompts = []
     for _ in range(8):
         text = rng.integers(100, 40000, int(rng.integers(8, 60))).tolist()
@@ -213,7 +213,7 @@ def check_media(which: str, device: torch.device, seed: int) -> tuple[bool, str]
 
     def request(runtime: Runtime, index: int, prefix=(), **params) -> GenerationRequest:
         ids, item = prompts[index]
-        expanded, media = runtime.expand_media(ids, {kind: item})
+        expanded, media = runtime.input_processor.expand_media(ids, {kind: item})
         return GenerationRequest([*expanded, *prefix], SamplingParams(**params), media=media)
 
     def greedy(runtime: Runtime) -> list[tuple[int, ...]]:

@@ -50,13 +50,13 @@ def chats(runtime: Runtime, count: int, seed: int, max_tokens: int) -> list[Gene
     """`count` requests: a few text tokens, an image or clip (random), a question."""
     rng = np.random.default_rng(seed)
     (kind,) = runtime.media
-    placeholder = runtime.media_placeholder(kind)
+    placeholder = runtime.input_processor.placeholder(kind)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     requests = []
     for _ in range(count):
         text = rng.integers(100, 40000, 24).tolist()
         prompt = [1, *text[:8], placeholder, *text[8:]]
-        ids, media = runtime.expand_media(prompt, {kind: _item(kind, rng)})
+        ids, media = runtime.input_processor.expand_media(prompt, {kind: _item(kind, rng)})
         requests.append(GenerationRequest(ids, params, media=media))
     return requests
 

@@ -20,12 +20,8 @@ from inflight.protocol.options import OPTION_FIELDS
 from inflight.protocol.outputs import RequestOutput
 from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.deployment import ifb_unsupported_reason
-from inflight.runtime.inputs.chat_media import MediaLimits, as_text, take_media
+from inflight.runtime.inputs.processor import Message, Prompt, template_args
 from inflight.runtime.runtime import Runtime
-
-Message = dict[str, Any]
-# A prompt is raw text, a chat conversation (a list of messages), or pre-tokenized ids.
-Prompt = str | list[Message] | dict[str, Any]
 
 
 class LLM:
@@ -63,12 +59,6 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown LLM options {unknown}; known: {sorted(known)}")
         deployment = DeploymentOptions(**options)
-        limits = deployment.limit_mm_per_prompt
-        self.media_limits = MediaLimits(
-            max_images=limits.get("image", MediaLimits.max_images),
-            max_audios=limits.get("audio", MediaLimits.max_audios),
-            allow_fetch=deployment.allow_media_fetch,
-        )
         ifb = deployment.enable_in_flight_batching
         # Validated before the model loads, which takes a while.
         engine_config = EngineConfig(
@@ -146,7 +136,7 @@ class LLM:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of chat messages")
         conversations = messages if isinstance(messages[0], list) else [messages]
-        template = _template_args(tools, chat_template, chat_template_kwargs)
+        template = template_args(tools, chat_template, chat_template_kwargs)
         options = {"lora_name": lora_name}
         requests = self._requests(conversations, params, options, template, mm_processor_kwargs)
         return self._run(requests)
@@ -190,7 +180,7 @@ class LLM:
         unknown = sorted(set(options) - OPTION_FIELDS)
         if unknown:
             raise ValueError(f"unknown request options {unknown}; known: {sorted(OPTION_FIELDS)}")
-        template = _template_args(tools, chat_template, chat_template_kwargs)
+        template = template_args(tools, chat_template, chat_template_kwargs)
         (request,) = self._requests(prompt, params, options, template, mm_processor_kwargs)
         return request
 
@@ -301,142 +291,11 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None,
-        options: dict[str, Any] | None = None,
+        options: dict[str, Any],
         template: dict[str, Any] | None = None,
         processor_kwargs: dict[str, Any] | None = None,
     ) -> list[GenerationRequest]:
-        runtime = self._live()
-        items = _as_prompt_list(prompts)
         if params is None:
             params = self.get_default_sampling_params()
-        if isinstance(params, SamplingParams):
-            param_list = [params] * len(items)
-        else:
-            param_list = list(params)
-            if len(param_list) != len(items):
-                raise ValueError(
-                    f"got {len(param_list)} SamplingParams for {len(items)} prompts; "
-                    "pass one, or one per prompt"
-                )
-        requests = []
-        for prompt, sp in zip(items, param_list, strict=True):
-            ids, data = self._tokenize(prompt, template)
-            media = []
-            if data:
-                kwargs = processor_kwargs
-                if isinstance(prompt, dict):
-                    kwargs = prompt.get("mm_processor_kwargs", kwargs)
-                ids, media = runtime.expand_media(ids, data, kwargs)
-            requests.append(GenerationRequest(ids, sp, media=media, **(options or {})))
-        # Bad input fails here, before anything is queued; each request carries its intent.
-        return [runtime.check(request) for request in requests]
-
-    def _tokenize(
-        self, prompt: Prompt, template: dict[str, Any] | None = None
-    ) -> tuple[list[int], dict[str, Any] | None]:
-        """A prompt's token ids, and its media (`multi_modal_data`) if any."""
-        tokenizer = self.tokenizer
-        if template and not isinstance(prompt, list):
-            raise ValueError("tools and chat template arguments apply to chat messages only")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return tokenizer.encode(prompt, add_special_tokens=True), None
-        if isinstance(prompt, dict):
-            unknown = sorted(set(prompt) - _PROMPT_KEYS)
-            if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
-                raise ValueError(
-                    "a prompt dict holds 'prompt' (text) or 'prompt_token_ids' ([int, ...]), "
-                    "and optionally 'multi_modal_data' and 'mm_processor_kwargs'; got keys "
-                    f"{sorted(prompt)}"
-                )
-            data = prompt.get("multi_modal_data")
-            if data is not None and not isinstance(data, dict):
-                raise ValueError("multi_modal_data must be a dict such as {'image': image}")
-            for kind, items in (data or {}).items():
-                items = items if isinstance(items, list) else [items]
-                self.media_limits.check_count(kind, len(items))
-                if kind == "audio":
-                    for clip in items:
-                        self.media_limits.check_audio(clip)
-            if "prompt" in prompt:
-                if not isinstance(prompt["prompt"], str):
-                    raise ValueError("a prompt dict's 'prompt' must be a string")
-                return self._tokenize(prompt["prompt"])[0], data
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                raise ValueError("a token prompt must be {'prompt_token_ids': [int, ...]}")
-            return ids, data
-        _check_messages(prompt)
-        runtime = self._live()
-        messages, media = take_media(prompt, self.media_limits, runtime.media)
-        if not media:
-            return self._render(as_text(messages, {}), template), None
-        placeholders = {kind: runtime.media_placeholder(kind) for kind in media}
-        # A template of a media model renders media parts as their placeholders; one that
-        # renders text only gets each placeholder's text on a line before the message's text.
-        ids = self._render(messages, template)
-        counts = {kind: sum(1 for t in ids if t == token) for kind, token in placeholders.items()}
-        if any(counts[kind] != len(items) for kind, items in media.items()):
-            texts = {
-                kind: tokenizer.decode([token], skip_special_tokens=False)
-                for kind, token in placeholders.items()
-            }
-            ids = self._render(as_text(messages, texts), template)
-        return ids, media
-
-    def _render(self, messages: list[dict[str, Any]], template: dict[str, Any] | None) -> list[int]:
-        tokenizer = self.tokenizer
-        text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, **(template or {})
-        )
-        return tokenizer.encode(text, add_special_tokens=False)
-
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str | dict):
-        return [prompts]
-    if isinstance(prompts, list | tuple):
-        if not prompts:
-            raise ValueError("prompts is empty")
-        if all(isinstance(m, dict) and "role" in m for m in prompts):
-            return [list(prompts)]  # one conversation
-        return list(prompts)
-    raise ValueError(
-        f"prompts must be a string, a list of strings or a list of chat conversations, "
-        f"got {type(prompts).__name__}"
-    )
-
-
-# What a prompt given as a dict may hold (vLLM's keys).
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"})
-
-# Variables the rendering itself sets; chat_template_kwargs may not replace them.
-_RESERVED_TEMPLATE_VARIABLES = frozenset(
-    {"messages", "tools", "add_generation_prompt", "chat_template"}
-)
-
-
-def _template_args(
-    tools: list[dict[str, Any]] | None,
-    chat_template: str | None,
-    chat_template_kwargs: dict[str, Any] | None,
-) -> dict[str, Any]:
-    """The keyword arguments of `Tokenizer.apply_chat_template` for a conversation."""
-    kwargs = dict(chat_template_kwargs or {})
-    reserved = sorted(_RESERVED_TEMPLATE_VARIABLES & set(kwargs))
-    if reserved:
-        raise ValueError(f"chat_template_kwargs may not set {reserved}; pass them as arguments")
-    if tools is not None:
-        kwargs["tools"] = tools
-    if chat_template is not None:
-        kwargs["chat_template"] = chat_template
-    return kwargs
-
-
-def _check_messages(messages: Any) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("a chat conversation must be a non-empty list of messages")
-    for m in messages:
-        if not isinstance(m, dict) or "role" not in m:
-            raise ValueError(f"each chat message must be a dict with a 'role', got {m!r}")
+        inputs = self._live().input_processor
+        return inputs.requests(prompts, params, options, template, processor_kwargs)

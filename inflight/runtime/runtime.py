@@ -3,7 +3,6 @@ session at a time, and serves the blocking path (`handle_request`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -16,10 +15,7 @@ from inflight.model.config import ModelConfig
 from inflight.model.layers.parallel import TensorParallel
 from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import (
-    MEDIA_FIELD,
     GenerationRequest,
-    MediaItem,
-    RequestFieldError,
     SamplingParams,
 )
 from inflight.protocol.stepped import ExecutionCapabilities
@@ -43,14 +39,16 @@ from inflight.runtime.host.context_cache import ContextCache
 from inflight.runtime.host.decoding import Decoding, PlainDecoding
 from inflight.runtime.host.features import RowFeature
 from inflight.runtime.host.kv_cache import BlockPool
-from inflight.runtime.host.media import MediaChecks, expand, keep_ratio, media_spec
+from inflight.runtime.host.media import MediaChecks
 from inflight.runtime.host.output_processor import OutputProcessor
 from inflight.runtime.host.scheduler import PrefillPolicy, Scheduler
 from inflight.runtime.host.session import GenerationSession
 from inflight.runtime.host.slots import ResidentSlots
 from inflight.runtime.host.speculative import SpeculativeDecoding
 from inflight.runtime.host.structured import Constraints, GrammarCompiler
+from inflight.runtime.inputs.chat_media import MediaLimits
 from inflight.runtime.inputs.preprocessing import media_inputs
+from inflight.runtime.inputs.processor import InputProcessor
 
 # Each resident carries its own SamplingParams: the sampler, detokenizer, stop checks and KV
 # reservation all work per row, so no sampling parameter keeps two requests from sharing a step.
@@ -109,9 +107,9 @@ class Runtime:
         self.workers: Workers | None = None
         runner = self._build_runner(show_progress)
         self.overlap = plan.overlap
-        self.media_inputs = media_inputs(model_config, self.checkpoint.processor_config)
+        prepared = media_inputs(model_config, self.checkpoint.processor_config)
         # The media the model takes, by kind.
-        self.media = {kind: found.spec for kind, found in self.media_inputs.items()}
+        self.media = {kind: found.spec for kind, found in prepared.items()}
         # The per-row features this runtime serves: their hooks in admission and in taking
         # tokens in (host), their inputs to the forward pass (device).
         grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size)
@@ -179,6 +177,14 @@ class Runtime:
             **extra,
         )
         self._session: GenerationSession | None = None
+        limits = options.limit_mm_per_prompt
+        media_limits = MediaLimits(
+            max_images=limits.get("image", MediaLimits.max_images),
+            max_audios=limits.get("audio", MediaLimits.max_audios),
+            allow_fetch=options.allow_media_fetch,
+        )
+        # Prompts in, requests carrying their checked admission intent out.
+        self.input_processor = InputProcessor(self.tokenizer, prepared, media_limits, self.check)
 
     def _build_draft_model(self, path: str | None) -> DraftModel:
         """The draft model of speculative decoding, its KV cache over the same block ids; eager
@@ -260,35 +266,6 @@ class Runtime:
 
     def lora_names(self) -> list[str]:
         return [] if self.adapters is None else self.adapters.names()
-
-    def media_placeholder(self, kind: str) -> int:
-        """The token that stands for one `kind` item in a prompt (RequestFieldError when the
-        model takes none)."""
-        return media_spec(self.media, kind).placeholder
-
-    def expand_media(
-        self,
-        prompt: Sequence[int],
-        data: Mapping[str, Any],
-        processor_kwargs: Mapping[str, Any] | None = None,
-    ) -> tuple[list[int], list[MediaItem]]:
-        """A tokenized prompt with its placeholders expanded for `data` (vLLM's
-        `multi_modal_data`: {"image": a PIL image or a list of them, "audio": an array of 16 kHz
-        samples, (samples, sampling rate), or a list of those; one per placeholder of the kind,
-        in order}), and its media, preprocessed; `processor_kwargs` (vLLM's
-        `mm_processor_kwargs`): {"keep_ratio": r} keeps that share of each image's tokens
-        (`model.encoders.vision.prune_image_tokens`). A RequestFieldError names what is wrong."""
-        ratio = keep_ratio(processor_kwargs)
-        groups = []
-        for kind, given in data.items():
-            spec = media_spec(self.media, kind)
-            items = list(given) if isinstance(given, list) else [given]
-            try:
-                prepared = [self.media_inputs[kind].prepare(item) for item in items]
-            except (ValueError, OSError) as exc:
-                raise RequestFieldError(f"cannot read an {kind}: {exc}", MEDIA_FIELD) from exc
-            groups.append((spec, prepared))
-        return expand(prompt, groups, ratio)
 
     def check(self, request: GenerationRequest) -> GenerationRequest:
         """The request carrying its admission intent, checked against this runtime (ValueError

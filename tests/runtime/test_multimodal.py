@@ -30,7 +30,9 @@ def runtime(tiny_llava):
 
 
 def _request(runtime, text_ids, images=(), max_tokens=12, **params):
-    ids, media = runtime.expand_media(text_ids, {"image": list(images)} if images else {})
+    ids, media = runtime.input_processor.expand_media(
+        text_ids, {"image": list(images)} if images else {}
+    )
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **params)
     return GenerationRequest(ids, params, media=media)
 
@@ -131,15 +133,15 @@ def test_bad_media_is_refused_naming_the_field(runtime, tiny_dirs):
         _request(runtime, ONE, [image(0), image(1)])
     assert info.value.field == "multi_modal_data"
     with pytest.raises(RequestFieldError, match="must be a PIL image"):
-        runtime.expand_media(ONE, {"image": b"not an image"})
+        runtime.input_processor.expand_media(ONE, {"image": b"not an image"})
     with pytest.raises(RequestFieldError, match="no audio input"):
-        runtime.expand_media(ONE, {"audio": b"..."})
+        runtime.input_processor.expand_media(ONE, {"audio": b"..."})
     # Placeholder tokens with no image for them.
     with pytest.raises(RequestFieldError, match="with no image"):
         runtime.check(GenerationRequest(ONE, SamplingParams(max_tokens=2)))
     text_only = Runtime(tiny_dirs["llama"], DeploymentOptions(max_batch_size=1, max_model_len=64))
     with pytest.raises(RequestFieldError, match="takes no image input"):
-        text_only.expand_media([1, 2, 3], {"image": image(0)})
+        text_only.input_processor.expand_media([1, 2, 3], {"image": image(0)})
 
 
 def test_the_pruner_keeps_the_share_asked_for_by_its_rule(runtime, tiny_llava):
@@ -148,7 +150,9 @@ def test_the_pruner_keeps_the_share_asked_for_by_its_rule(runtime, tiny_llava):
     encoder output is shared with the unpruned request (one run), and the context cache keeps
     the two apart."""
     _, hf = tiny_llava
-    ids, media = runtime.expand_media(ONE, {"image": image(11)}, {"keep_ratio": 0.5})
+    ids, media = runtime.input_processor.expand_media(
+        ONE, {"image": image(11)}, {"keep_ratio": 0.5}
+    )
     assert ids.count(IMAGE_TOKEN_ID) == 8 and media[0].length == 8
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     got = _alone(runtime, GenerationRequest(ids, params, media=media)).token_ids
@@ -167,7 +171,7 @@ def test_the_pruner_keeps_the_share_asked_for_by_its_rule(runtime, tiny_llava):
             embeds = torch.cat([embeds, hf.get_input_embeddings()(torch.tensor([[token]]))], 1)
     assert got == tuple(want)
     with pytest.raises(RequestFieldError, match="keep_ratio must be a number in") as info:
-        runtime.expand_media(ONE, {"image": image(11)}, {"keep_ratio": 0})
+        runtime.input_processor.expand_media(ONE, {"image": image(11)}, {"keep_ratio": 0})
     assert info.value.field == "mm_processor_kwargs"
 
 
@@ -179,7 +183,9 @@ def test_pruned_and_whole_images_share_the_encoder_but_not_the_context_cache(tin
     cached = Runtime(path, config)
     text = [1, 60, 61, 62, IMAGE_TOKEN_ID, 70, 71, 72, 73]
     whole = _alone(cached, _request(cached, text, [image(12)]))
-    ids, media = cached.expand_media(text, {"image": image(12)}, {"keep_ratio": 0.25})
+    ids, media = cached.input_processor.expand_media(
+        text, {"image": image(12)}, {"keep_ratio": 0.25}
+    )
     request = GenerationRequest(ids, SamplingParams(max_tokens=12, temperature=0), media=media)
     pruned = _alone(cached, request)
     assert pruned.cached_tokens == 4  # the text block before the image only

@@ -54,7 +54,7 @@ def voxtral(tmp_path_factory):
 
 
 def _request(runtime, text_ids, data=None, max_tokens=12, kwargs=None, **params):
-    ids, media = runtime.expand_media(text_ids, data or {}, kwargs)
+    ids, media = runtime.input_processor.expand_media(text_ids, data or {}, kwargs)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **params)
     return GenerationRequest(ids, params, media=media)
 

@@ -14,6 +14,7 @@ from inflight.model.config import ModelConfig
 from inflight.model.layers.lora import LoRAMapping
 from inflight.model.layers.lora_adapters import LoRAAdapters
 from inflight.model.layers.mamba import MambaRows, MambaStates
+from inflight.model.layers.rotary import Angles, RotaryEmbedding
 from inflight.model.metadata import AttentionMetadata, KVCache
 
 
@@ -42,6 +43,25 @@ class ForwardBatch:
     lora: LoRAMapping | None = None
     media: MediaEmbeds | None = None
     recurrent: MambaRows | None = None
+
+    def embed(
+        self, embed_tokens: torch.nn.Module, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, Angles]:
+        """The packed tokens' input embeddings [T, hidden] and rotary angles: the tokens'
+        own, with media tokens taking their encoder's output (and, M-RoPE, their 3-D angles)."""
+        x = embed_tokens(self.input_ids)
+        angles = rotary.angles(self.positions, x.dtype)
+        media = self.media
+        if media is None:
+            return x, angles
+        x = x.index_copy(0, media.indices, media.embeds.to(x.dtype))
+        if media.mrope_positions is not None:
+            cos, sin = rotary.mrope_angles(media.mrope_positions, x.dtype)
+            angles = (
+                angles[0].index_copy(0, media.indices, cos),
+                angles[1].index_copy(0, media.indices, sin),
+            )
+        return x, angles
 
 
 @dataclass

@@ -129,6 +129,11 @@ def unregister(name: str) -> None:
         del _BY_GGUF[architecture]
 
 
+def families() -> list[Family]:
+    """The registered families, in the order they registered."""
+    return list(_FAMILIES.values())
+
+
 def by_name(name: str) -> Family:
     """The family `name` (a ModelConfig's `family`)."""
     family = _FAMILIES.get(name)

@@ -122,6 +122,12 @@ def test_a_drained_batch_takes_no_admission():
     e.shutdown()
 
 
+def _without_outcome(e):
+    """Accepted requests that have no outcome yet (each holds a backlog reservation)."""
+    m = e.metrics.snapshot()
+    return m["submitted"] - m["completed"] - m["cancelled"] - m["failed"]
+
+
 def test_retired_admissions_release_their_backlog_reservation():
     factory = FakeFactory(step_delay=0.01, reject_if=lambda r: r.prompt_token_ids == (66,))
     e = engine(factory, max_pending_requests=3)
@@ -130,8 +136,12 @@ def test_retired_admissions_release_their_backlog_reservation():
         for h in handles:
             with contextlib.suppress(RequestFailed):
                 h.get(timeout=5)
-        wait_until(lambda: e._actor._pending == 0)
+        wait_until(lambda: _without_outcome(e) == 0)
     assert e.metrics.refused == 0 and e.metrics.failed == 6
+    # The whole backlog is free again: max_pending_requests more are accepted at once.
+    handles = [e.submit(req(tokens=5)) for _ in range(3)]
+    assert e.metrics.refused == 0
+    assert all(h.get(timeout=5) for h in handles)
     e.shutdown()
 
 

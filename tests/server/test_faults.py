@@ -11,6 +11,8 @@ import openai
 import pytest
 
 from inflight import LLM
+from inflight.runtime.device.executor import Executor
+from inflight.runtime.device.sampler import Sampler
 from inflight.runtime.host.detokenizer import IncrementalDetokenizer
 from inflight.runtime.host.session import GenerationSession
 from inflight.server import serving
@@ -61,10 +63,10 @@ def _stream(client, max_tokens):
 
 @pytest.mark.parametrize("where", ["forward", "sampler", "detokenizer"])
 def test_a_fault_in_a_step_fails_its_requests_and_the_server_serves_on(llm, monkeypatch, where):
-    runtime = llm._runtime
+    # Patched on the classes: the LLM's runtime is the only one that steps in this test.
     target = {
-        "forward": (runtime.executor, "launch"),
-        "sampler": (runtime.executor.sampler, "sample"),
+        "forward": (Executor, "launch"),
+        "sampler": (Sampler, "sample"),
         "detokenizer": (IncrementalDetokenizer, "add"),
     }[where]
     calls = _once(*target, monkeypatch)  # the third call raises: the stream has begun

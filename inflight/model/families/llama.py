@@ -328,20 +328,11 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm, for every packed token; `batch.lora`
         says which tokens run with which loaded adapter (None: all with the base model),
         `batch.media` which take an encoder's output instead of their token's embedding."""
-        input_ids, meta, lora, media = batch.input_ids, batch.attention, batch.lora, batch.media
+        input_ids, meta, lora = batch.input_ids, batch.attention, batch.lora
         if lora is not None and lora.num_tokens != input_ids.shape[0]:
             raise ValueError(f"LoRA mapping of {lora.num_tokens} tokens for {input_ids.shape[0]}")
         kv_caches, backend = caches.kv, caches.backend
-        x = self.embed_tokens(input_ids)
-        angles = self.rotary.angles(batch.positions, x.dtype)
-        if media is not None:
-            x = x.index_copy(0, media.indices, media.embeds.to(x.dtype))
-            if media.mrope_positions is not None:
-                cos, sin = self.rotary.mrope_angles(media.mrope_positions, x.dtype)
-                angles = (
-                    angles[0].index_copy(0, media.indices, cos),
-                    angles[1].index_copy(0, media.indices, sin),
-                )
+        x, angles = batch.embed(self.embed_tokens, self.rotary)
         step = None
         if (lora is None or lora.per_token) and input_ids.shape[0] > 0:
             step = self._native_step(kv_caches, backend)

@@ -220,3 +220,42 @@ def test_context_cache_reuse_metrics_under_ifb(tiny_dirs):
     assert metrics["context_cache_hit_tokens"] == 72
     assert metrics["context_cache_hit_ratio"] == pytest.approx(72 / 160)
     llm.close()
+
+
+def test_the_options_table_refuses_alike_on_both_paths(tiny_dirs):
+    """Speech output, system-prompt KV capture and trajectory execution, asked for by hand-built
+    requests, are refused at start() with the same message under in-flight batching as on the
+    blocking path: one naming what serves the caller instead, never "the blocking path" (which
+    refuses them too). Each LLM serves on after its refusals."""
+    options = {
+        "generate_audio": True,
+        "save_system_prompt_kv_cache": True,
+        "past_trajectory": [1],
+    }
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    refusals = {}
+    for ifb in (False, True):
+        with LLM(tiny_dirs["qwen2"], max_model_len=64, enable_in_flight_batching=ifb) as llm:
+            for field, value in options.items():
+                with pytest.raises(ValueError) as info:
+                    llm.start(GenerationRequest([1, 2, 3], params, **{field: value}))
+                refusals[field, ifb] = str(info.value)
+            assert len(llm.generate({"prompt_token_ids": [1, 2, 3]}, params)[0].token_ids) == 2
+    for field in options:
+        refusal = refusals[field, True]
+        assert refusal == refusals[field, False]
+        assert f"({field}) is not served by this deployment: " in refusal
+        assert "blocking path" not in refusal
+
+
+def test_an_unprepared_request_is_refused_at_start_and_the_queue_serves_on(tiny_dirs):
+    """A request built by hand (no prepare()) naming a LoRA adapter, on an LLM without LoRA:
+    start() refuses it at once, a ValueError naming the option and --enable-lora, and queues
+    nothing; a request started right after it completes."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with LLM(tiny_dirs["qwen2"], max_model_len=64, enable_in_flight_batching=True) as llm:
+        with pytest.raises(ValueError, match=r"LoRA \(lora_name\) is not served.*--enable-lora"):
+            llm.start(GenerationRequest([1, 2, 3], params, lora_name="sql"))
+        metrics = llm.get_scheduling_metrics()
+        assert metrics["submitted"] == 0 and metrics["queued"] == 0
+        assert len(llm.start(GenerationRequest([1, 2, 3], params)).get(timeout=30).token_ids) == 4

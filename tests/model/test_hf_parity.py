@@ -2,11 +2,14 @@
 quantization "none")."""
 
 import copy
+import json
+import shutil
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from inflight import LLM, SamplingParams
 from inflight.model.attention import select_backend
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
 
@@ -98,3 +101,45 @@ def test_log_softmax_matches_the_reference(smollm_float32, hf_smollm):
         assert ours.topk(5).indices.tolist() == ref.topk(5).indices.tolist()
         seq.append(token)
         logits = sequence.extend([token])[-1]
+
+
+def _qwen_config(source, path, **changes):
+    """A copy of the checkpoint directory `source` at `path`, its config.json changed and
+    without `layer_types`, as Qwen2/Qwen3 checkpoints write it (`max_window_layers` then says
+    which layers slide)."""
+    shutil.copytree(source, path)
+    config = json.loads((path / "config.json").read_text())
+    del config["layer_types"]
+    (path / "config.json").write_text(json.dumps({**config, **changes}))
+    return path
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_qwen_sliding_window_caps_the_context_at_the_window(family, tiny_dirs, tmp_path):
+    """A Qwen2/Qwen3 config.json with `use_sliding_window` (a window of 40 tokens, below its
+    4096 positions; layer 1 of 2 slides: max_window_layers 1) has that window, and is served
+    within it, where full attention is exact: the context is capped at 40 tokens, a longer
+    max_model_len is a ValueError naming the window, and greedy output up to the window is
+    transformers' (the config as written, its sliding-window attention). The same config with
+    `use_sliding_window: false` has no window and an uncapped context."""
+    window = dict(sliding_window=40, max_window_layers=1)
+    on = _qwen_config(tiny_dirs[family], tmp_path / "on", use_sliding_window=True, **window)
+    off = _qwen_config(tiny_dirs[family], tmp_path / "off", use_sliding_window=False, **window)
+    assert open_checkpoint(on).config.sliding_window == 40
+    assert open_checkpoint(off).config.sliding_window is None
+    with pytest.raises(
+        ValueError,
+        match=r"max_model_len \(64\) exceeds the model's context \(40: its attention window of "
+        r"40 tokens, within which full attention computes it exactly\)",
+    ):
+        LLM(on, max_model_len=64)
+    ids = list(range(5, 21))  # 16 prompt tokens, 24 generated: the whole window
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with LLM(on, quantization="none") as llm:
+        assert llm.max_model_len == 40
+        got = llm.generate({"prompt_token_ids": ids}, params)[0].token_ids
+    hf = AutoModelForCausalLM.from_pretrained(on, dtype=torch.float32).eval()
+    assert hf.config.layer_types == ["full_attention", "sliding_attention"]
+    assert list(got) == _hf_greedy(hf, ids, 24)
+    with LLM(off, max_model_len=1024) as llm:
+        assert llm.max_model_len == 1024

@@ -7,7 +7,9 @@ import pytest
 import torch
 from PIL import Image
 
+from inflight.model.encoders.vision import ImageEncoder
 from inflight.protocol.deployment import DeploymentOptions
+from inflight.protocol.outputs import FinishReason
 from inflight.protocol.request import GenerationRequest, RequestFieldError, SamplingParams
 from inflight.runtime.runtime import Runtime
 
@@ -192,3 +194,36 @@ def test_pruned_and_whole_images_share_the_encoder_but_not_the_context_cache(tin
     assert cached.encoder_cache.snapshot()["encoder_runs"] == 1
     assert whole.prompt_tokens == pruned.prompt_tokens + 12
     assert_no_leaks(cached)
+
+
+def test_an_image_that_fails_to_encode_fails_its_request_alone(runtime, monkeypatch):
+    """Two image requests start their prefill in one step, and the encoder raises for one of the
+    images only: that request fails in the step, naming the encoder's error; the other finishes
+    in the same session with the tokens of its run alone."""
+    failing = _request(runtime, ONE, [image(20)])
+    other = _request(runtime, ONE, [image(21)])
+    poison = failing.media[0].data
+    runs: list[int] = []
+    encode = ImageEncoder.encode
+
+    def encode_or_fail(self, items):
+        runs.append(len(items))
+        if any(x.shape == poison.shape and np.array_equal(x, poison) for x in items):
+            raise RuntimeError("the tower choked on these pixels")
+        return encode(self, items)
+
+    monkeypatch.setattr(ImageEncoder, "encode", encode_or_fail)
+    session = runtime.new_session()
+    refs = [session.admit(r).ref for r in (failing, other)]
+    finished = {}
+    while session.residents():
+        finished.update(session.step().finished)
+    session.finish()
+    assert runs[0] == 2  # both images in the first step's one encoder run
+    bad, good = finished[refs[0]], finished[refs[1]]
+    assert bad.finish_reason is FinishReason.ERROR and bad.token_ids == []
+    assert "could not be encoded" in bad.error
+    assert "the tower choked on these pixels" in bad.error
+    assert good.finish_reason is FinishReason.LENGTH
+    assert tuple(good.token_ids) == _alone(runtime, other).token_ids
+    assert_no_leaks(runtime)

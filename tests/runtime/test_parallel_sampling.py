@@ -4,6 +4,8 @@ import pytest
 
 from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
+from inflight.runtime.host.features import RowFailure, RowFeature
+from inflight.runtime.host.output_processor import OutputProcessor
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks
@@ -101,3 +103,49 @@ def test_with_the_context_cache_the_shared_prompt_comes_from_it(tiny_dirs):
     assert second.cached_tokens == 32 and first.cached_tokens == 0
     assert [s.token_ids for s in second.outputs] == [s.token_ids for s in first.outputs]
     assert_no_leaks(cached)
+
+
+class _FailsSequenceOne(RowFeature):
+    """A feature that cannot go on with sequence 1 once it holds three output tokens."""
+
+    def accept(self, resident, token):
+        if resident.index == 1 and len(resident.output) == 3:
+            raise RowFailure("sequence 1's feature broke")
+        return None
+
+
+def test_a_failed_sequence_ends_its_whole_request_at_once(runtime, monkeypatch):
+    """Sequence 1 of n = 3 fails at its third token: the whole request fails in that step, its
+    siblings evicted with it (each naming the failed sequence), not run on to max_tokens."""
+    outputs = runtime.outputs
+    patched = OutputProcessor(
+        runtime.scheduler,
+        runtime.tokenizer,
+        runtime.blocks,
+        (*outputs.features, _FailsSequenceOne()),
+        outputs.decoding,
+        publish_blocks=runtime.context_cache is not None,
+    )
+    monkeypatch.setattr(runtime, "outputs", patched)
+    session = runtime.new_session()
+    params = SamplingParams(max_tokens=12, n=3, temperature=0, ignore_eos=True)
+    refs = session.admit(GenerationRequest(PROMPT, params)).refs
+    snapshots, evicted_by, steps = {}, {}, 0
+    while session.residents():
+        result = session.step()
+        steps += 1
+        snapshots.update(result.finished)
+        evicted_by.update(dict.fromkeys(result.finished, steps))
+    session.finish()
+    assert set(snapshots) == set(refs)
+    assert len(set(evicted_by.values())) == 1  # all three in one step
+    assert steps <= 4  # the prefill, then 2 or 3 decode steps (not 11)
+    output = session.materialize(list(snapshots.values()))
+    assert [s.finish_reason for s in output.outputs] == ["error"] * 3
+    # Sequence 0 prefills the shared prompt, so it samples a step ahead of its siblings.
+    lengths = [len(s.token_ids) for s in output.outputs]
+    assert all(got <= most for got, most in zip(lengths, [4, 3, 3], strict=True)), lengths
+    errors = {s.index: s.error for s in snapshots.values()}
+    assert errors[1] == "sequence 1's feature broke"
+    assert errors[0] == errors[2] == "sequence 1 failed: sequence 1's feature broke"
+    assert_no_leaks(runtime)

@@ -5,6 +5,7 @@ log-probabilities the runtime reports (logits less their logsumexp: prompt token
 LM head in slices, and sampled tokens), then under in-flight batching with joiners and cancels,
 and against a worker that is killed or cannot start."""
 
+import multiprocessing
 import os
 import signal
 import time
@@ -16,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from inflight import LLM, SamplingParams
 from inflight.bench.random_model import SHAPES, RandomWeights, numbered_tokenizer
-from inflight.engine import RequestCancelled, RequestFailed
+from inflight.engine import RequestCancelled, RequestFailed, SubmitError
 from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
 from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest
@@ -136,15 +137,21 @@ def _wait_idle(llm, timeout=10.0):
         time.sleep(0.01)
 
 
-def _worker_pids(runtime: Runtime) -> list[int]:
-    return [p.pid for p in runtime.workers._processes]
+def _spawned_pids(start):
+    """The pids of the processes `start()` spawns (its tensor-parallel ranks 1..N-1, one
+    process each), and what it returns."""
+    before = set(multiprocessing.active_children())
+    started = start()
+    return [p.pid for p in multiprocessing.active_children() if p not in before], started
 
 
 def test_killed_worker_fails_its_requests_and_the_engine(tp_models):
     path, _ = tp_models["split"]
-    llm = LLM(path, enable_in_flight_batching=True, tensor_parallel_size=2)
+    pids, llm = _spawned_pids(
+        lambda: LLM(path, enable_in_flight_batching=True, tensor_parallel_size=2)
+    )
     try:
-        (pid,) = _worker_pids(llm._live())
+        (pid,) = pids
         long = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
         handle = llm.generate_stream("Once upon a time", long)
         first = next(iter(handle))  # generating
@@ -164,9 +171,9 @@ def test_killed_worker_fails_its_requests_and_the_engine(tp_models):
 
 def test_idle_worker_death_is_a_fault(tp_models):
     path, _ = tp_models["split"]
-    runtime = Runtime(path, _config(2))
+    pids, runtime = _spawned_pids(lambda: Runtime(path, _config(2)))
     try:
-        (pid,) = _worker_pids(runtime)
+        (pid,) = pids
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while runtime.fault is None and time.monotonic() < deadline:
@@ -176,6 +183,35 @@ def test_idle_worker_death_is_a_fault(tp_models):
             runtime.new_session()
     finally:
         runtime.close()
+
+
+def test_start_after_an_idle_rank_died_is_refused_naming_it(tp_models):
+    """Under in-flight batching, a worker rank killed between requests (no step running): once
+    its death is seen (within seconds), start() refuses new requests for good, a SubmitError
+    naming the lost rank, even with wait_for_room; none is accepted only to fail."""
+    path, _ = tp_models["split"]
+    pids, llm = _spawned_pids(
+        lambda: LLM(path, enable_in_flight_batching=True, tensor_parallel_size=2)
+    )
+    try:
+        (pid,) = pids
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        assert len(llm.generate("Once upon a time", params)[0].token_ids) == 4
+        _wait_idle(llm)
+        request = llm.prepare("And then", params)
+        submitted = llm.get_scheduling_metrics()["submitted"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while llm.engine_fault is None:
+            assert time.monotonic() < deadline, "the rank's death was not seen"
+            time.sleep(0.05)
+        with pytest.raises(SubmitError, match="tensor-parallel rank 1 exited"):
+            llm.start(request)
+        with pytest.raises(SubmitError, match="tensor-parallel rank 1 exited"):
+            llm.start(request, wait_for_room=True)
+        assert llm.get_scheduling_metrics()["submitted"] == submitted
+    finally:
+        llm.close()
 
 
 def test_a_rank_that_cannot_start_is_named(tp_models, tmp_path):

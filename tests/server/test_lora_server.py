@@ -109,3 +109,19 @@ def test_bad_loads_are_400_with_the_reason(setup, tmp_path):
         url + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(root / "sql")}
     )
     assert taken.status_code == 400 and "already served" in taken.text
+
+
+def test_loading_an_adapter_without_lora_is_400_naming_the_flag(tiny_dirs, tmp_path):
+    """A server started without --enable-lora answers POST /v1/load_lora_adapter with a 400
+    whose message names --enable-lora, and goes on serving its base model alone."""
+    adapter = tmp_path / "sql"
+    make_lora_adapter(tiny_dirs["llama"], adapter, 0, r=8, target_modules=TARGETS)
+    with LLM(tiny_dirs["llama"], max_model_len=128) as llm, serve(llm, name="base") as (url, _):
+        r = httpx.post(
+            url + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(adapter)}
+        )
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert "--enable-lora" in error["message"]
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["base"]

@@ -82,7 +82,7 @@ def main() -> None:
 
     # Device time of the forward alone, on rows like the decode steps'.
     residents = list(runtime.scheduler.residents.values())
-    rows = [RowInput([0], r.computed, r.blocks, True) for r in residents]
+    rows = [RowInput([0], r.computed, r.kv.blocks, True) for r in residents]
     batch = build_ragged_batch(rows, runtime.blocks.block_size, device)
     runner = runtime.executor.runner
     if runner.recurrent:  # a hybrid's rows read their state slots

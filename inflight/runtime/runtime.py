@@ -184,7 +184,11 @@ class Runtime:
             allow_fetch=options.allow_media_fetch,
         )
         # Prompts in, requests carrying their checked admission intent out.
-        self.input_processor = InputProcessor(self.tokenizer, prepared, media_limits, self.check)
+        # The scheduler's check, not this runtime's: a runtime -> processor -> runtime cycle
+        # would keep its device memory alive until the cyclic collector runs.
+        self.input_processor = InputProcessor(
+            self.tokenizer, prepared, media_limits, self.scheduler.checked
+        )
 
     def _build_draft_model(self, path: str | None) -> DraftModel:
         """The draft model of speculative decoding, its KV cache over the same block ids; eager
@@ -271,8 +275,7 @@ class Runtime:
         """The request carrying its admission intent, checked against this runtime (ValueError
         naming the problem); one this runtime has checked already is returned as it is. Reads
         only what never changes after load, so any thread may call it."""
-        intent = self.scheduler.intent(request)
-        return request if intent is request.intent else replace(request, intent=intent)
+        return self.scheduler.checked(request)
 
     def new_session(self) -> GenerationSession:
         """The execution for one batch; a runtime runs one at a time."""

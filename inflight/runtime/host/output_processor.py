@@ -49,6 +49,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.blocks = blocks
         self.features = tuple(features)
+        # The features that take tokens in: each output token of every row visits them.
+        self._accepting = tuple(f for f in features if type(f).accept is not RowFeature.accept)
         self.decoding = decoding
         self._publish: Callable[[Resident], None] = (
             self._publish_full_blocks if publish_blocks else _publish_nothing
@@ -153,7 +155,9 @@ class OutputProcessor:
     def _publish_full_blocks(self, r: Resident) -> None:
         """Make the resident's newly completed blocks findable (this step has written them)."""
         kv, bs = r.kv, self.blocks.block_size
-        # Runs for every row of every step: the common case (no block completed) costs O(1).
+        # Runs for every row of every step: the common case (no block completed) returns here.
+        if len(kv.digests) >= kv.committed // bs:
+            return
         full = min(kv.committed, r.prompt_len + len(r.output)) // bs
         while len(kv.digests) < full:
             i = len(kv.digests)
@@ -174,7 +178,9 @@ class OutputProcessor:
         params, text = r.request.params, r.text
         assert text is not None
         r.output.append(token)
-        chunk = _delta(r, result)
+        chunk = result.deltas.get(r.ref)
+        if chunk is None:
+            chunk = result.deltas[r.ref] = StreamChunk(prompt_tokens=r.prompt_len, index=r.index)
         chunk.token_ids.append(token)
         if text.logprobs is not None:
             entry = self._logprob_entry(sampled)
@@ -191,7 +197,7 @@ class OutputProcessor:
             if matched is not None:
                 reason, stop_reason = FinishReason.STOP, matched
         try:
-            for feature in self.features:
+            for feature in self._accepting:
                 reason = reason or feature.accept(r, token)
         except RowFailure as exc:
             reason, error = FinishReason.ERROR, str(exc)
@@ -220,11 +226,3 @@ class OutputProcessor:
 
 def _publish_nothing(r: Resident) -> None:
     """Without the context cache (or with a model whose KV prefixes hold no state): nothing."""
-
-
-def _delta(r: Resident, result: StepResult) -> StreamChunk:
-    """The resident's chunk of the step (made on first use)."""
-    chunk = result.deltas.get(r.ref)
-    if chunk is None:
-        chunk = result.deltas[r.ref] = StreamChunk(prompt_tokens=r.prompt_len, index=r.index)
-    return chunk

@@ -112,4 +112,4 @@ class Resident:
 
     @property
     def prefilling(self) -> bool:
-        return self.computed < self.prompt_len
+        return self.computed < len(self.request.prompt_token_ids)

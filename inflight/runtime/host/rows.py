@@ -125,6 +125,9 @@ def sampling_rows(rows: Sequence[ScheduledRow]) -> list[SamplingRow]:
     for row in rows:
         r = row.resident
         params, index = r.request.params, r.index
+        if not row.drafts and not params.penalized:  # most rows: one plain draw
+            sampling.append(SamplingRow(params, row.position, index))
+            continue
         positions = range(row.position, row.position + 1 + len(row.drafts))
         if params.penalized:
             known = r.output[: row.position]

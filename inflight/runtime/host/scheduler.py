@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -170,6 +170,11 @@ class Scheduler:
             return request.intent
         return self.check(request)
 
+    def checked(self, request: GenerationRequest) -> GenerationRequest:
+        """The request carrying its intent (itself, where it carries this scheduler's)."""
+        intent = self.intent(request)
+        return request if intent is request.intent else replace(request, intent=intent)
+
     def reserve(self, request: GenerationRequest, intent: AdmissionIntent) -> Reservation | None:
         """Take a slot per sequence, every KV block the request can need (leasing its cached
         prefix) and what each feature needs; or None, having changed nothing (a request never
@@ -286,13 +291,16 @@ class Scheduler:
 
     def schedule(self, step_id: int) -> ScheduledStep | None:
         """Step `step_id`'s rows (None when there is nothing to compute), committed as planned."""
-        decodes = [r for r in self.residents.values() if not r.prefilling]
+        decodes: list[Resident] = []
+        prefilling: list[Resident] = []
+        for r in self.residents.values():
+            (prefilling if r.prefilling else decodes).append(r)
         rows, budget = self.decoding.plan(decodes, self.max_num_tokens - len(decodes))
         prefills: list[ScheduledRow] = []
-        for r in self.residents.values():
+        for r in prefilling:
             if budget <= 0:
                 break
-            if not r.prefilling or self._waits_for_leader(r):
+            if self._waits_for_leader(r):
                 continue
             n = self.prefill.size(r.prompt_len - r.computed, budget)
             if not n:

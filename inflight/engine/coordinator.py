@@ -73,15 +73,21 @@ class RequestCoordinator:
         chunks: dict[int, tuple[RequestRecord, list[StreamChunk]]] = {}
         for ref, chunk in result.deltas.items():
             record = self.owner(ref)
-            chunks.setdefault(record.id, (record, []))[1].append(chunk)
+            entry = chunks.get(record.id)
+            if entry is None:
+                chunks[record.id] = (record, [chunk])
+            else:
+                entry[1].append(chunk)
         ended: dict[int, tuple[RequestRecord, list[FinishedSnapshot]]] = {}
         for ref, snapshot in result.finished.items():
             record = self.owner(ref)
             ended.setdefault(record.id, (record, []))[1].append(snapshot)
         finished_slots = {ref.slot for ref in result.finished}
         # Residents each request keeps after this step: one still running makes it wait.
-        running = Counter(
-            r.id for slot, (_, r) in self._table.items() if ended and slot not in finished_slots
+        running = (
+            Counter(r.id for slot, (_, r) in self._table.items() if slot not in finished_slots)
+            if ended
+            else Counter()
         )
         outcomes: list[Outcome] = []
         waiting: list[tuple[RequestRecord, list[FinishedSnapshot]]] = []

@@ -20,15 +20,12 @@ class Decoding(Protocol):
         one query token first), and what they leave of the token budget."""
         ...
 
-    def void(self, row: ScheduledRow) -> bool:
-        """Whether a completed row no longer stands (planned on what turned out otherwise)."""
-        ...
-
     def take(
         self, row: ScheduledRow, picks: Sequence[SampledRow]
-    ) -> tuple[Sequence[SampledRow], int]:
-        """The tokens a completed decode row emits of its picks, and how many of its query
-        tokens' KV it gives back."""
+    ) -> tuple[Sequence[SampledRow], int] | None:
+        """A completed row's picks taken in (no longer pending on the device): the tokens it
+        emits and how many of its query tokens' KV it gives back; None where the row no longer
+        stands (planned on what turned out otherwise)."""
         ...
 
     def waits(self, inflight: ScheduledStep, residents: Sequence[Resident]) -> bool:
@@ -47,12 +44,10 @@ class PlainDecoding:
             commit(row)
         return rows, budget
 
-    def void(self, row: ScheduledRow) -> bool:
-        return False
-
     def take(
         self, row: ScheduledRow, picks: Sequence[SampledRow]
     ) -> tuple[Sequence[SampledRow], int]:
+        row.resident.pending -= len(picks)
         return picks, 0
 
     def waits(self, inflight: ScheduledStep, residents: Sequence[Resident]) -> bool:

@@ -92,10 +92,12 @@ class OutputProcessor:
                 offset += len(picked)
             r = row.resident
             # Evicted since this step was launched (its row was wasted work), or void.
-            if not self.scheduler.is_live(r) or self.decoding.void(row):
+            if not self.scheduler.is_live(r):
                 continue
-            r.pending -= len(picked)
-            emitted, rejected = self.decoding.take(row, picked)
+            taken = self.decoding.take(row, picked)
+            if taken is None:
+                continue
+            emitted, rejected = taken
             r.kv.committed += len(row.token_ids) - rejected
             self._publish(r)
             assert r.text is not None

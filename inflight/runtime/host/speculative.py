@@ -315,22 +315,21 @@ class SpeculativeDecoding(RowFeature):
 
     # -- taking picks in -----------------------------------------------------------------------
 
-    def void(self, row: ScheduledRow) -> bool:
-        """Planned on drafts the row before rejected, or a fallback row for what that row did
-        not do. (A step's fallback rows come before the row verifying drafts that may move its
-        resident's epoch on.)"""
-        state = _state(row.resident)
-        return row.epoch != state.epoch or row.fallback != state.fallback
-
     def take(
         self, row: ScheduledRow, picks: Sequence[SampledRow]
-    ) -> tuple[Sequence[SampledRow], int]:
-        """The tokens a row that verified drafts emits: its picks while each equals the next
-        draft, then the first that does not (or the pick after the last draft); and how many
-        drafts it rejected, whose KV is given back: the next step computes from the first.
-        A row launched after this one was planned as if every draft was accepted: where one
-        was not, it is void, and its KV is given back too."""
+    ) -> tuple[Sequence[SampledRow], int] | None:
+        """None for a void row: planned on drafts the row before rejected, or a fallback row
+        for what that row did not do (a step's fallback rows come before the row verifying
+        drafts that may move its resident's epoch on). Else the tokens a row that verified
+        drafts emits: its picks while each equals the next draft, then the first that does not
+        (or the pick after the last draft); and how many drafts it rejected, whose KV is given
+        back: the next step computes from the first. A row launched after this one was planned
+        as if every draft was accepted: where one was not, it is void, and its KV is given back
+        too."""
         r, state = row.resident, _state(row.resident)
+        if row.epoch != state.epoch or row.fallback != state.fallback:
+            return None
+        r.pending -= len(picks)
         state.fallback = -1  # a fallback row that stands: the rows after it are plain again
         if not row.drafts:
             return picks, 0

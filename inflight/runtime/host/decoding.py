@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from inflight.runtime.host.residents import Resident
-from inflight.runtime.host.rows import SampledRow, ScheduledRow, ScheduledStep, commit, decode_row
+from inflight.runtime.host.rows import SampledRow, ScheduledRow, ScheduledStep, plain_decode_rows
 
 
 class Decoding(Protocol):
@@ -39,10 +39,7 @@ class PlainDecoding:
     pick_width = 1
 
     def plan(self, decodes: list[Resident], budget: int) -> tuple[list[ScheduledRow], int]:
-        rows = [decode_row(r) for r in decodes]
-        for row in rows:
-            commit(row)
-        return rows, budget
+        return plain_decode_rows(decodes), budget
 
     def take(
         self, row: ScheduledRow, picks: Sequence[SampledRow]

@@ -182,7 +182,8 @@ class OutputProcessor:
         r.output.append(token)
         chunk = result.deltas.get(r.ref)
         if chunk is None:
-            chunk = result.deltas[r.ref] = StreamChunk(prompt_tokens=r.prompt_len, index=r.index)
+            prompt_tokens = len(r.request.prompt_token_ids)  # not the property: every row
+            chunk = result.deltas[r.ref] = StreamChunk(prompt_tokens=prompt_tokens, index=r.index)
         chunk.token_ids.append(token)
         if text.logprobs is not None:
             entry = self._logprob_entry(sampled)

@@ -93,6 +93,23 @@ def commit(row: ScheduledRow) -> None:
         r.pick_index = len(row.drafts)
 
 
+def plain_decode_rows(decodes: Sequence[Resident]) -> list[ScheduledRow]:
+    """A one-token decode row per resident, committed: `decode_row` then `commit` without
+    drafts, in one pass (every step plans one per resident)."""
+    rows = []
+    for r in decodes:
+        pending = r.pending
+        token = 0 if pending else r.output[-1]
+        position = len(r.output) + pending
+        row = ScheduledRow(r, (token,), r.computed, True, device_token=pending > 0)
+        row.pick_index, row.position = r.pick_index, position
+        rows.append(row)
+        r.computed += 1
+        r.pending = pending + 1
+        r.pick_index = 0
+    return rows
+
+
 @dataclass(slots=True)
 class SamplingRow:
     """What the sampler draws one token with: the row's parameters and output position (and

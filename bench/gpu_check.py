@@ -47,6 +47,7 @@ from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.triton import TritonAttentionBackend
 from inflight.model.kernels.triton.attention import paged_attention
 from inflight.protocol.deployment import DeploymentOptions
+from inflight.protocol.outputs import materialize
 from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.runtime import Runtime
@@ -258,7 +259,7 @@ def _run_all(runtime: Runtime, requests: list[GenerationRequest]) -> list:
     outputs = {}
     while session.residents():
         for ref, snapshot in session.step().finished.items():
-            outputs[refs[ref]] = session.materialize([snapshot])
+            outputs[refs[ref]] = materialize([snapshot])
     session.finish()
     return [outputs[i] for i in range(len(requests))]
 

@@ -10,6 +10,7 @@ import torch
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.contract import ForwardBatch, ModelCaches
 from inflight.model.metadata import AttentionMetadata
+from inflight.protocol.outputs import materialize
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.device.cuda_graphs import (
     DecodeGraphs,
@@ -58,7 +59,7 @@ def run_staggered(runtime, requests) -> list:
             if admission.answer is AdmissionAnswer.ADMITTED:
                 refs[admission.ref] = queue.pop(0)[0]
         for ref, snapshot in session.step().finished.items():
-            outputs[refs[ref]] = session.materialize([snapshot])
+            outputs[refs[ref]] = materialize([snapshot])
         steps += 1
     session.finish()
     return [outputs[i] for i in range(len(requests))]

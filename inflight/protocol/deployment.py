@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from inflight.protocol.request import is_int
+
 # How a model's linear layers may run their matmuls (see `model/checkpoints/loader.build_model`).
 QUANTIZATIONS = ("auto", "none", "int8", "q4", "fp8")
 # What the KV cache holds keys and values in: "auto", the model's dtype; "fp8", float8 e4m3.
@@ -19,10 +21,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 DEVICES = ("cpu", "cuda")
 MEDIA_KINDS = ("image", "audio")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -47,10 +45,10 @@ class SpeculativeConfig:
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("a draft model is given by `model`, with method 'draft_model' only")
         k = self.num_speculative_tokens
-        if not _is_int(k) or not 1 <= k <= 16:
+        if not is_int(k) or not 1 <= k <= 16:
             raise ValueError(f"num_speculative_tokens must be an integer in 1..16, got {k!r}")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        if not (_is_int(low) and _is_int(high)):
+        if not (is_int(low) and is_int(high)):
             raise ValueError("prompt_lookup_min and prompt_lookup_max must be integers")
         if not 1 <= low <= high:
             raise ValueError(
@@ -176,7 +174,9 @@ class DeploymentOptions:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(spec))
         modules = dict(self.lora_modules or {})
         for name, path in modules.items():
-            if not (isinstance(name, str) and name and isinstance(path, str | os.PathLike)):
+            if not (
+                isinstance(name, str) and name and isinstance(path, str | os.PathLike) and path
+            ):
                 raise ValueError(
                     f"lora_modules maps adapter names to paths, got {name!r}: {path!r}"
                 )
@@ -196,42 +196,33 @@ class DeploymentOptions:
         )
         for name in positive:
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name in ("max_model_len", "num_kv_blocks"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 2):
+            if value is not None and (not is_int(value) or value < 2):
                 raise ValueError(f"{name} must be an integer >= 2, got {value!r}")
-        if not _is_int(self.encoder_cache_mb) or self.encoder_cache_mb < 0:
+        if not is_int(self.encoder_cache_mb) or self.encoder_cache_mb < 0:
             raise ValueError(
                 f"encoder_cache_mb must be an integer >= 0, got {self.encoder_cache_mb!r}"
             )
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for f in fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
             if choices and value is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {value!r}")
+            if f.type in ("bool", "bool | None") and not isinstance(value, bool | None):
+                raise ValueError(f"{f.name} must be true or false, got {value!r}")
         limits = self.limit_mm_per_prompt
-        if set(limits) - set(MEDIA_KINDS) or not all(
-            _is_int(v) and v >= 0 for v in limits.values()
-        ):
+        if set(limits) - set(MEDIA_KINDS) or not all(is_int(v) and v >= 0 for v in limits.values()):
             raise ValueError(
                 "limit_mm_per_prompt takes {'image': count >= 0, 'audio': count >= 0}, got "
                 f"{limits!r}"
             )
-        for name, path in self.lora_modules.items():
-            if not (isinstance(name, str) and name and isinstance(path, str) and path):
-                raise ValueError(
-                    f"lora_modules maps adapter names to paths, got {name!r}: {path!r}"
-                )
         if self.max_num_tokens < self.max_batch_size:
             raise ValueError(
                 f"max_num_tokens ({self.max_num_tokens}) must be at least max_batch_size "
                 f"({self.max_batch_size}): every resident decodes one token per step"
             )
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type in ("bool", "bool | None") and not isinstance(value, bool | None):
-                raise ValueError(f"{f.name} must be true or false, got {value!r}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from inflight.protocol.deployment import DeploymentOptions, SpeculativeConfig
+from inflight.protocol.deployment import DeploymentOptions
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -250,24 +250,17 @@ STEPPED: dict[str, str | None] = {
 
 @dataclass(frozen=True)
 class DeploymentPlan:
-    """A deployment resolved: every choice the runtime's parts are built from."""
+    """A deployment resolved: every choice the runtime's parts are built from beside the
+    options and model facts it was resolved from (which the parts read as they are)."""
 
     options: DeploymentOptions
+    model: ModelFacts
     device: str  # "cpu" or "cuda"
     dtype: str
-    attention_backend: str | None  # None: the device's default (`attention.select_backend`)
-    quantization: str
-    kv_cache_dtype: str
     cuda_graphs: bool
     overlap: bool
-    tensor_parallel_size: int
     max_model_len: int
     num_kv_blocks: int
-    lora: bool
-    speculative: SpeculativeConfig | None
-    recurrent: bool
-    media: tuple[str, ...]
-    mrope: bool
     features: tuple[str, ...]  # the features it uses (keys of STEPPED)
 
     @property
@@ -285,12 +278,12 @@ class DeploymentPlan:
     @property
     def served_options(self) -> frozenset[str]:
         """The request options of the options table this deployment serves."""
-        return frozenset({"lora_name"}) if self.lora else frozenset()
+        return frozenset({"lora_name"}) if self.options.enable_lora else frozenset()
 
     @property
     def prefill_chunk(self) -> int | None:
         """A hybrid's fixed prefill chunk (its state then never depends on the batch)."""
-        return self.max_num_tokens - self.max_batch_size if self.recurrent else None
+        return self.max_num_tokens - self.max_batch_size if self.model.recurrent else None
 
 
 def resolve(
@@ -320,21 +313,13 @@ def resolve(
             features.append(name)
     return DeploymentPlan(
         options=options,
+        model=model,
         device=d.device,
         dtype=d.dtype,
-        attention_backend=options.attention_backend,
-        quantization=options.quantization,
-        kv_cache_dtype=options.kv_cache_dtype,
         cuda_graphs=options.cuda_graphs and cuda and options.attention_backend != "torch",
         overlap=cuda if options.overlap is None else options.overlap,
-        tensor_parallel_size=options.tensor_parallel_size,
         max_model_len=max_model_len,
         num_kv_blocks=options.num_kv_blocks or options.max_batch_size * blocks_per_sequence,
-        lora=options.enable_lora,
-        speculative=options.speculative_config,
-        recurrent=model.recurrent,
-        media=model.media,
-        mrope=model.mrope,
         features=tuple(features),
     )
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -55,7 +54,7 @@ from inflight.runtime.inputs.processor import InputProcessor
 PER_ROW_FIELDS = frozenset(f"params.{f.name}" for f in fields(SamplingParams))
 
 
-def model_facts(config: ModelConfig, processor_config: dict[str, Any]) -> ModelFacts:
+def model_facts(config: ModelConfig) -> ModelFacts:
     """What the deployment plan reads of a model."""
     return ModelFacts(
         family=config.family,
@@ -67,7 +66,7 @@ def model_facts(config: ModelConfig, processor_config: dict[str, Any]) -> ModelF
         max_position_embeddings=config.max_position_embeddings,
         sliding_window=config.sliding_window,
         recurrent=config.mamba is not None,
-        media=tuple(media_inputs(config, processor_config)),
+        media=tuple(encoder.kind for encoder in config.encoders),
         mrope=config.rope.mrope_section is not None,
     )
 
@@ -90,14 +89,13 @@ class Runtime:
         spec = options.speculative_config
         draft = None
         if spec is not None and spec.method == "draft_model":
-            draft_checkpoint = open_checkpoint(spec.model)
-            draft = model_facts(draft_checkpoint.config, draft_checkpoint.processor_config)
-        facts = model_facts(model_config, self.checkpoint.processor_config)
-        self.plan = plan = resolve(options, facts, probe_machine(), draft)
+            draft = open_checkpoint(spec.model)
+        draft_facts = None if draft is None else model_facts(draft.config)
+        self.plan = plan = resolve(options, model_facts(model_config), probe_machine(), draft_facts)
         self.device = torch.device(plan.device)
         self.parallel = None
-        if plan.tensor_parallel_size > 1:
-            self.parallel = TensorParallel(0, plan.tensor_parallel_size)
+        if options.tensor_parallel_size > 1:
+            self.parallel = TensorParallel(0, options.tensor_parallel_size)
             self.device = rank_device(self.device, 0)
         self.dtype = getattr(torch, plan.dtype)
         self.max_model_len = plan.max_model_len
@@ -117,7 +115,7 @@ class Runtime:
         features: list[RowFeature] = [MediaChecks(self.media), self.constraints]
         inputs: list[ForwardInput] = []
         self.adapters: AdapterRegistry | None = None
-        if plan.lora:
+        if options.enable_lora:
             model = runner.model
             self.adapters = AdapterRegistry(
                 options.max_loras,
@@ -127,23 +125,23 @@ class Runtime:
             features.insert(0, self.adapters)
             inputs.append(AdapterInputs(model))
         self.encoder_cache: EncoderCache | None = None
-        if plan.media:
+        if plan.model.media:
             self.encoder_cache = EncoderCache(options.encoder_cache_mb << 20)
             encoders = runner.model.media_encoders()
-            inputs.append(MediaInputs(encoders, self.encoder_cache, plan.mrope, self.device))
+            inputs.append(MediaInputs(encoders, self.encoder_cache, plan.model.mrope, self.device))
         decoding: Decoding = PlainDecoding()
         self.speculator: SpeculativeDecoding | None = None
-        if plan.speculative is not None:
+        if spec is not None:
             drafter = None
-            if plan.speculative.method == "draft_model":
-                drafter = self._build_draft_model(plan.speculative.model)
-            decoding = self.speculator = SpeculativeDecoding(plan.speculative, drafter)
+            if draft is not None:
+                drafter = self._build_draft_model(draft)
+            decoding = self.speculator = SpeculativeDecoding(spec, drafter)
             features.append(self.speculator)
         # A hybrid's prefill chunks have a fixed size whatever the batch: a row's prefill is
         # split the same way alone and beside others, so its state (and output) is the same
         # bits; and no KV prefix holds its recurrent state.
-        prefill = PrefillPolicy(plan.prefill_chunk, shares_prefix=not plan.recurrent)
-        if plan.recurrent:
+        prefill = PrefillPolicy(plan.prefill_chunk, shares_prefix=not plan.model.recurrent)
+        if plan.model.recurrent:
             inputs.append(RecurrentInputs(self.device))
         self.scheduler = Scheduler(
             self.blocks,
@@ -190,12 +188,11 @@ class Runtime:
             self.tokenizer, prepared, media_limits, self.scheduler.checked
         )
 
-    def _build_draft_model(self, path: str | None) -> DraftModel:
+    def _build_draft_model(self, checkpoint: Checkpoint) -> DraftModel:
         """The draft model of speculative decoding, its KV cache over the same block ids; eager
         and without adapters: its steps are a few rows' catch-up and single tokens."""
         options = replace(self.plan.options, cuda_graphs=False, enable_lora=False)
-        plan = replace(self.plan, options=options, cuda_graphs=False, lora=False)
-        checkpoint = open_checkpoint(path)
+        plan = replace(self.plan, options=options, cuda_graphs=False)
         return DraftModel(build_model_runner(checkpoint, plan, self.dtype, self.device))
 
     def _build_runner(self, show_progress: bool) -> ModelRunner:

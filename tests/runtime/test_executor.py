@@ -54,7 +54,7 @@ def checkpoint(tiny_dirs):
 
 def _executor(checkpoint, inputs=()):
     """An executor built as the runtime builds it, for a CPU float32 deployment."""
-    facts = model_facts(checkpoint.config, checkpoint.processor_config)
+    facts = model_facts(checkpoint.config)
     options = DeploymentOptions(max_batch_size=BATCH, max_model_len=64, quantization="none")
     plan = resolve(options, facts, MachineFacts())
     runner = build_model_runner(checkpoint, plan, torch.float32, CPU)

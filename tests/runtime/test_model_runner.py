@@ -27,7 +27,7 @@ PROMPTS = [
 def _runner(path, **options):
     """The runner of a CPU float32 deployment of the checkpoint at `path`, and its checkpoint."""
     checkpoint = open_checkpoint(path)
-    facts = model_facts(checkpoint.config, checkpoint.processor_config)
+    facts = model_facts(checkpoint.config)
     deployment = DeploymentOptions(
         max_batch_size=2, max_model_len=64, quantization="none", **options
     )

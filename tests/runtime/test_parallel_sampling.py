@@ -3,6 +3,7 @@
 import pytest
 
 from inflight.protocol.deployment import DeploymentOptions
+from inflight.protocol.outputs import materialize
 from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.host.features import RowFailure, RowFeature
 from inflight.runtime.host.output_processor import OutputProcessor
@@ -88,9 +89,9 @@ def test_the_sequences_share_a_batch_with_others_unchanged(runtime):
     while session.residents():
         snapshots.update(session.step().finished)
     session.finish()
-    joined = session.materialize([snapshots[ref] for ref in refs])
+    joined = materialize([snapshots[ref] for ref in refs])
     assert [s.token_ids for s in joined.outputs] == [s.token_ids for s in alone.outputs]
-    assert session.materialize([snapshots[other_ref]]).token_ids == other_alone.token_ids
+    assert materialize([snapshots[other_ref]]).token_ids == other_alone.token_ids
     assert_no_leaks(runtime)
 
 
@@ -140,7 +141,7 @@ def test_a_failed_sequence_ends_its_whole_request_at_once(runtime, monkeypatch):
     assert set(snapshots) == set(refs)
     assert len(set(evicted_by.values())) == 1  # all three in one step
     assert steps <= 4  # the prefill, then 2 or 3 decode steps (not 11)
-    output = session.materialize(list(snapshots.values()))
+    output = materialize(list(snapshots.values()))
     assert [s.finish_reason for s in output.outputs] == ["error"] * 3
     # Sequence 0 prefills the shared prompt, so it samples a step ahead of its siblings.
     lengths = [len(s.token_ids) for s in output.outputs]

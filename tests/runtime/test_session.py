@@ -3,7 +3,7 @@
 import pytest
 
 from inflight.protocol.deployment import DeploymentOptions
-from inflight.protocol.outputs import FinishReason
+from inflight.protocol.outputs import FinishReason, materialize
 from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.protocol.stepped import AdmissionAnswer, ResidentRef, StaleResidentRef
 from inflight.runtime.runtime import Runtime
@@ -39,7 +39,7 @@ def _run_staggered(runtime, requests, join_at):
             refs[admission.ref] = i
         result = session.step()
         for ref, snapshot in result.finished.items():
-            outputs[refs.pop(ref)] = session.materialize([snapshot])
+            outputs[refs.pop(ref)] = materialize([snapshot])
         step += 1
     session.finish()
     return [outputs[i] for i in range(len(requests))]

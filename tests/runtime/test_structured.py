@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 
 from inflight.protocol.deployment import DeploymentOptions
+from inflight.protocol.outputs import materialize
 from inflight.protocol.request import (
     GenerationRequest,
     RequestFieldError,
@@ -107,7 +108,7 @@ def test_a_constrained_row_is_the_same_alone_and_in_a_changing_batch(runtime):
             request = order.pop(0)
             refs[session.admit(request).ref] = request
         for ref, snapshot in session.step().finished.items():
-            outputs[id(refs.pop(ref))] = session.materialize([snapshot])
+            outputs[id(refs.pop(ref))] = materialize([snapshot])
         step += 1
     session.finish()
     batched = [outputs[id(r)] for r in constrained + free]

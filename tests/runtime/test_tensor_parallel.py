@@ -131,10 +131,15 @@ def test_joiners_and_cancels_under_in_flight_batching(tp_models):
         assert_no_leaks(llm)  # rank 0 owns every block and slot; workers hold no requests
 
 
-def _wait_idle(llm, timeout=10.0):
+def _wait_for(predicate, timeout=10.0):
+    """Until `predicate()` holds or `timeout` seconds pass (the caller asserts what it needs)."""
     deadline = time.monotonic() + timeout
-    while llm.resident_slot_usage()[0] and time.monotonic() < deadline:
+    while not predicate() and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def _wait_idle(llm):
+    _wait_for(lambda: not llm.resident_slot_usage()[0])
 
 
 def _spawned_pids(start):
@@ -159,9 +164,7 @@ def test_killed_worker_fails_its_requests_and_the_engine(tp_models):
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(RequestFailed, match="tensor-parallel rank 1 exited"):
             handle.get()
-        deadline = time.monotonic() + 10
-        while llm.engine_fault is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_for(lambda: llm.engine_fault is not None)
         assert "tensor-parallel rank 1" in llm.engine_fault
         with pytest.raises(Exception, match="tensor-parallel rank 1"):
             llm.generate("again", SamplingParams(max_tokens=2))
@@ -175,9 +178,7 @@ def test_idle_worker_death_is_a_fault(tp_models):
     try:
         (pid,) = pids
         os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while runtime.fault is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_for(lambda: runtime.fault is not None)
         assert runtime.fault == "tensor-parallel rank 1 exited with code -9"
         with pytest.raises(RuntimeError, match="rank 1 exited"):
             runtime.new_session()
@@ -201,10 +202,8 @@ def test_start_after_an_idle_rank_died_is_refused_naming_it(tp_models):
         request = llm.prepare("And then", params)
         submitted = llm.get_scheduling_metrics()["submitted"]
         os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while llm.engine_fault is None:
-            assert time.monotonic() < deadline, "the rank's death was not seen"
-            time.sleep(0.05)
+        _wait_for(lambda: llm.engine_fault is not None)
+        assert llm.engine_fault is not None, "the rank's death was not seen"
         with pytest.raises(SubmitError, match="tensor-parallel rank 1 exited"):
             llm.start(request)
         with pytest.raises(SubmitError, match="tensor-parallel rank 1 exited"):

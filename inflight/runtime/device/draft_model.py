@@ -18,7 +18,8 @@ import torch
 
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.device.model_runner import ModelRunner
-from inflight.runtime.host.residents import Resident, SpeculativeState
+from inflight.runtime.host.residents import Resident
+from inflight.runtime.host.speculative import speculative_state
 
 
 class DraftModel:
@@ -35,25 +36,25 @@ class DraftModel:
             return [() for _ in rows]
         inputs = []
         for _, r, _ in live:
-            seen = _state(r).draft_computed
+            seen = speculative_state(r).draft_computed
             inputs.append(RowInput(r.tokens(seen), seen, r.kv.table, True))
         picks = self._greedy(inputs)
         for (i, r, _), pick in zip(live, picks, strict=True):
-            _state(r).draft_computed = r.prompt_len + len(r.output)
+            speculative_state(r).draft_computed = r.prompt_len + len(r.output)
             drafts[i].append(pick)
         for step in range(1, max(k for _, _, k in live)):
             live = [(i, r, k) for i, r, k in live if k > step]
             inputs = [
-                RowInput((drafts[i][-1],), _state(r).draft_computed, r.kv.table, True)
+                RowInput((drafts[i][-1],), speculative_state(r).draft_computed, r.kv.table, True)
                 for i, r, _ in live
             ]
             for (i, r, _), pick in zip(live, self._greedy(inputs), strict=True):
-                _state(r).draft_computed += 1
+                speculative_state(r).draft_computed += 1
                 drafts[i].append(pick)
         return [tuple(d) for d in drafts]
 
     def rewind(self, r: Resident, valid: int) -> None:
-        state = _state(r)
+        state = speculative_state(r)
         state.draft_computed = min(state.draft_computed, valid)
 
     @torch.inference_mode()
@@ -68,9 +69,3 @@ class DraftModel:
         for slot, i in enumerate(order):
             picks[i] = tokens[slot]
         return picks
-
-
-def _state(r: Resident) -> SpeculativeState:
-    state = r.features.speculative
-    assert state is not None  # every resident has one where speculation is on
-    return state

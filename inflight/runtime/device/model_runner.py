@@ -164,15 +164,15 @@ def build_model_runner(
         device,
         plan.max_model_len,
         show_progress,
-        plan.quantization,
-        options.max_loras if plan.lora else 0,
+        options.quantization,
+        options.max_loras if options.enable_lora else 0,
         options.max_lora_rank,
         parallel,
     )
-    backend = select_backend(plan.attention_backend, device, dtype, model_config.head_dim)
+    backend = select_backend(options.attention_backend, device, dtype, model_config.head_dim)
     graphs = plan.cuda_graphs and not isinstance(backend, TorchAttentionBackend)
     layers = model_config if parallel is None else parallel.local_config(model_config)
-    kv_dtype = torch.float8_e4m3fn if plan.kv_cache_dtype == "fp8" else dtype
+    kv_dtype = torch.float8_e4m3fn if options.kv_cache_dtype == "fp8" else dtype
     num_blocks = plan.num_kv_blocks
     # With graphs, one extra block (never handed out) takes the writes of padding rows.
     kv = allocate_kv_cache(
@@ -194,7 +194,7 @@ def build_model_runner(
             device=device,
             lora=model.max_loras > 0,
             # One state slot past the residents' takes the spare rows' state updates.
-            scratch_state=plan.max_batch_size if plan.recurrent else None,
+            scratch_state=plan.max_batch_size if plan.model.recurrent else None,
         )
     if connect is not None:
         connect()

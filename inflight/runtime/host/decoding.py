@@ -4,7 +4,7 @@ each ask the runtime's `Decoding` instead of branching on speculative decoding."
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from inflight.runtime.host.residents import Resident
@@ -28,7 +28,7 @@ class Decoding(Protocol):
         stands (planned on what turned out otherwise)."""
         ...
 
-    def waits(self, inflight: ScheduledStep, residents: Sequence[Resident]) -> bool:
+    def waits(self, inflight: ScheduledStep, residents: Iterable[Resident]) -> bool:
         """Whether the step in flight must be taken in before the next one is planned."""
         ...
 
@@ -47,5 +47,5 @@ class PlainDecoding:
         row.resident.pending -= len(picks)
         return picks, 0
 
-    def waits(self, inflight: ScheduledStep, residents: Sequence[Resident]) -> bool:
+    def waits(self, inflight: ScheduledStep, residents: Iterable[Resident]) -> bool:
         return False

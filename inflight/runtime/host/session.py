@@ -17,10 +17,10 @@ in the step that launched it; the rest of the step goes on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from typing import Protocol
 
-from inflight.protocol.outputs import FinishedSnapshot, FinishReason, RequestOutput, materialize
+from inflight.protocol.outputs import FinishReason
 from inflight.protocol.request import AdmissionIntent, GenerationRequest
 from inflight.protocol.stepped import Admission, AdmissionAnswer, ResidentRef, StepResult
 from inflight.runtime.host.output_processor import OutputProcessor
@@ -109,7 +109,7 @@ class GenerationSession:
             )
         inflight, taken_in = self._inflight, False
         if inflight is not None and self._scheduler.decoding.waits(
-            inflight.step, list(self._scheduler.residents.values())
+            inflight.step, self._scheduler.residents.values()
         ):
             self._inflight, taken_in = None, True
             self._complete(inflight, result)
@@ -129,9 +129,6 @@ class GenerationSession:
         if deferred:
             self._executor.sample(launched)
         return result
-
-    def materialize(self, snapshots: Sequence[FinishedSnapshot]) -> RequestOutput:
-        return materialize(snapshots)
 
     def finish(self) -> None:
         if self._scheduler.residents:

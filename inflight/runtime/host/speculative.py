@@ -43,13 +43,13 @@ next where a row is `ready` to draft or that step verifies drafts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from inflight.protocol.request import is_int
+from inflight.protocol.deployment import SpeculativeConfig
 from inflight.runtime.host.features import RowFeature
 from inflight.runtime.host.residents import Resident, SpeculativeState
 from inflight.runtime.host.rows import SampledRow, ScheduledRow, ScheduledStep, commit, decode_row
@@ -61,55 +61,6 @@ log = logging.getLogger(__name__)
 # drafter does not predict, verification costs at most a few percent of the steps.
 _BACKOFF_START = 2
 _BACKOFF_CAP = 32
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """vLLM's `speculative_config`: up to `num_speculative_tokens` drafts per row and step, by
-    `method` "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of
-    the output's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`) or
-    "draft_model" (the greedy tokens of the checkpoint at `model`, which needs the target's
-    vocabulary; giving `model` alone picks it)."""
-
-    num_speculative_tokens: int
-    method: str = "ngram"
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 5
-    model: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft_model"):
-            raise ValueError(
-                f"speculative method must be 'ngram' or 'draft_model', got {self.method!r}"
-            )
-        if (self.method == "draft_model") != (self.model is not None):
-            raise ValueError("a draft model is given by `model`, with method 'draft_model' only")
-        k = self.num_speculative_tokens
-        if not is_int(k) or not 1 <= k <= 16:
-            raise ValueError(f"num_speculative_tokens must be an integer in 1..16, got {k!r}")
-        low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        if not (is_int(low) and is_int(high)):
-            raise ValueError("prompt_lookup_min and prompt_lookup_max must be integers")
-        if not 1 <= low <= high:
-            raise ValueError(
-                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {low} and {high}"
-            )
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> SpeculativeConfig:
-        """From the JSON object `--speculative-config` takes (unknown keys are refused)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(
-                f"speculative_config has unknown keys {unknown}; known: {sorted(known)}"
-            )
-        if "num_speculative_tokens" not in values:
-            raise ValueError("speculative_config needs num_speculative_tokens")
-        values = dict(values)
-        if values.get("model") is not None:
-            values.setdefault("method", "draft_model")
-        return cls(**values)
 
 
 class Drafter(Protocol):
@@ -167,7 +118,7 @@ class PromptLookup:
                 continue
             # With a pick on the device, the lookup's first token stands for it.
             guessed = 1 if r.pending else 0
-            unverified = _state(r).unverified
+            unverified = speculative_state(r).unverified
             tokens = (*r.tokens(0), *unverified) if guessed else r.tokens(0)
             found = lookup_drafts(tokens, k + guessed, self.low, self.high)
             drafts.append(tuple(found[guessed:]))
@@ -224,13 +175,13 @@ class SpeculativeDecoding(RowFeature):
         fallbacks: list[ScheduledRow] = []
         for r, drafts in zip(decodes, drafted, strict=True):
             (verifying if drafts else plain).append(decode_row(r, drafts))
-            state = _state(r)
+            state = speculative_state(r)
             state.hedged = False
             if r.pending and state.unverified and budget >= len(state.unverified):
                 fallbacks += self._fallbacks(r)
                 budget -= len(state.unverified)
         for row in (*plain, *verifying):
-            state = _state(row.resident)
+            state = speculative_state(row.resident)
             commit(row)
             row.epoch = state.epoch
             state.unverified = row.drafts
@@ -241,7 +192,7 @@ class SpeculativeDecoding(RowFeature):
         not while it waits, nor under a structured-outputs constraint or penalties (its mask or
         penalties at a draft position would depend on the draft), nor where it opted out."""
         params = r.request.params
-        if _state(r).wait > 0 or r.features.matcher is not None:
+        if speculative_state(r).wait > 0 or r.features.matcher is not None:
             return False
         if params.penalized or not params.speculative:
             return False
@@ -251,7 +202,7 @@ class SpeculativeDecoding(RowFeature):
         """How many drafts decode row `r` takes in the next step, at most `budget` (0 while its
         last token is on the device, unless the drafter drafts ahead). Every call is a step of
         the row's backoff."""
-        state = _state(r)
+        state = speculative_state(r)
         if state.wait > 0:
             state.wait -= 1
             return 0
@@ -274,7 +225,7 @@ class SpeculativeDecoding(RowFeature):
             log.exception("the drafter failed; its rows decode without drafts")
             for r, k in rows:
                 if k:
-                    state = _state(r)
+                    state = speculative_state(r)
                     state.backoff = state.wait = _BACKOFF_CAP
             return [()] * len(rows)
 
@@ -283,7 +234,7 @@ class SpeculativeDecoding(RowFeature):
         computes the target's pick at that row's position j (read on the device), as the next
         row would if exactly j drafts are accepted. Planned before the row drafted past them
         (the resident's counts are those of the row in flight)."""
-        state = _state(r)
+        state = speculative_state(r)
         k = len(state.unverified)
         state.hedged = True
         return [
@@ -306,7 +257,7 @@ class SpeculativeDecoding(RowFeature):
         """Where the pick of fallback row `j` is kept among its slot's picks."""
         return 1 + self.config.num_speculative_tokens + j
 
-    def waits(self, inflight: ScheduledStep, residents: Sequence[Resident]) -> bool:
+    def waits(self, inflight: ScheduledStep, residents: Iterable[Resident]) -> bool:
         """Whether the next step's drafts need the step in flight taken in first: a drafter that
         cannot draft ahead, where that step verifies drafts or a decode row would draft."""
         if self.ahead:
@@ -326,7 +277,7 @@ class SpeculativeDecoding(RowFeature):
         back: the next step computes from the first. A row launched after this one was planned
         as if every draft was accepted: where one was not, it is void, and its KV is given back
         too."""
-        r, state = row.resident, _state(row.resident)
+        r, state = row.resident, speculative_state(row.resident)
         if row.epoch != state.epoch or row.fallback != state.fallback:
             return None
         r.pending -= len(picks)
@@ -368,7 +319,7 @@ class SpeculativeDecoding(RowFeature):
         m.verifications += 1
         m.voided += voided
         m.fallbacks += recovered
-        state = _state(r)
+        state = speculative_state(r)
         if accepted:
             state.backoff = 0
         else:
@@ -389,7 +340,7 @@ class SpeculativeDecoding(RowFeature):
         }
 
 
-def _state(r: Resident) -> SpeculativeState:
+def speculative_state(r: Resident) -> SpeculativeState:
     """The resident's speculative state (every resident has one where speculation is on)."""
     state = r.features.speculative
     assert state is not None

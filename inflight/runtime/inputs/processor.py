@@ -16,7 +16,7 @@ from inflight.protocol.request import (
     SamplingParams,
 )
 from inflight.protocol.tokenizer import Tokenizer
-from inflight.runtime.host.media import MediaSpec, expand, keep_ratio, media_spec
+from inflight.runtime.host.media import expand, keep_ratio, media_spec
 from inflight.runtime.inputs.chat_media import MediaLimits, as_text, take_media
 from inflight.runtime.inputs.preprocessing import MediaInput
 
@@ -47,12 +47,9 @@ class InputProcessor:
     ) -> None:
         self.tokenizer = tokenizer
         self.media = dict(media)
+        self.specs = {kind: found.spec for kind, found in self.media.items()}
         self.limits = limits
         self._check = check
-
-    @property
-    def media_specs(self) -> dict[str, MediaSpec]:
-        return {kind: found.spec for kind, found in self.media.items()}
 
     def requests(
         self,
@@ -102,7 +99,7 @@ class InputProcessor:
         if isinstance(prompt, dict):
             return self._tokenize_dict(prompt)
         _check_messages(prompt)
-        messages, media = take_media(prompt, self.limits, self.media_specs)
+        messages, media = take_media(prompt, self.limits, self.specs)
         if not media:
             return self._render(as_text(messages, {}), template), None
         placeholders = {kind: self.placeholder(kind) for kind in media}
@@ -121,7 +118,7 @@ class InputProcessor:
     def placeholder(self, kind: str) -> int:
         """The token that stands for one `kind` item in a prompt (RequestFieldError when the
         model takes none)."""
-        return media_spec(self.media_specs, kind).placeholder
+        return media_spec(self.specs, kind).placeholder
 
     def expand_media(
         self,
@@ -136,10 +133,9 @@ class InputProcessor:
         `mm_processor_kwargs`): {"keep_ratio": r} keeps that share of each image's tokens
         (`model.encoders.vision.prune_image_tokens`). A RequestFieldError names what is wrong."""
         ratio = keep_ratio(processor_kwargs)
-        specs = self.media_specs
         groups = []
         for kind, given in data.items():
-            spec = media_spec(specs, kind)
+            spec = media_spec(self.specs, kind)
             items = list(given) if isinstance(given, list) else [given]
             try:
                 prepared = [self.media[kind].prepare(item) for item in items]

@@ -608,3 +608,27 @@ def test_a_request_never_holds_part_of_its_slots():
     assert waiting.get(timeout=10).outputs and running.get(timeout=10)
     assert e.metrics.stalls_no_capacity > 0 and e.metrics.admitted_mid_flight == 0
     e.shutdown()
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_the_heap_the_engine_starts_with_is_frozen_while_it_runs_and_thawed_after():
+    # Full collections over the runtime's heap stall steps; it is frozen for the actor's life.
+    import weakref
+
+    cycle = _Cycle()
+    alive = weakref.ref(cycle)
+    e = engine(FakeFactory(step_delay=0.005))
+    h = e.submit(req(tokens=10000))
+    wait_until(lambda: gc.get_freeze_count() > 0)
+    del cycle
+    gc.collect()
+    assert alive() is not None  # frozen: no collection looks at it
+    e.shutdown(ShutdownMode.CANCEL)
+    with pytest.raises(RequestCancelled):
+        h.get(timeout=1)
+    gc.collect()
+    assert alive() is None  # thawed when the actor stopped: its garbage is collected

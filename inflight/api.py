@@ -61,9 +61,13 @@ class LLM:
         deployment = DeploymentOptions(**options)
         ifb = deployment.enable_in_flight_batching
         # Validated before the model loads, which takes a while.
+        # Queued or generating, in requests: the engine's command queue holds as many, so
+        # the one limit a caller meets is max_queued_requests.
+        room = (deployment.max_batch_size if ifb else 1) + deployment.max_queued_requests
         engine_config = EngineConfig(
             max_batch_size=deployment.max_batch_size if ifb else 1,
-            max_pending_requests=deployment.max_pending_requests,
+            max_pending_requests=room,
+            command_queue_capacity=room,
         )
         runtime = Runtime(model, deployment, show_progress)
         for name, path in deployment.lora_modules.items():
@@ -90,6 +94,7 @@ class LLM:
         self.model_name = runtime.model_name
         self.max_model_len = runtime.max_model_len
         self.max_batch_size = engine_config.max_batch_size
+        self.max_queued_requests = deployment.max_queued_requests
 
     # -- generation -----------------------------------------------------------------------------
 

@@ -259,3 +259,11 @@ def test_an_unprepared_request_is_refused_at_start_and_the_queue_serves_on(tiny_
         metrics = llm.get_scheduling_metrics()
         assert metrics["submitted"] == 0 and metrics["queued"] == 0
         assert len(llm.start(GenerationRequest([1, 2, 3], params)).get(timeout=30).token_ids) == 4
+
+
+def test_the_default_queue_accepts_three_hundred_requests_at_once(server_llm):
+    # Requests wait in the engine, not refused, up to max_queued_requests (deep by default).
+    assert server_llm.max_queued_requests == 4096
+    params = SamplingParams(max_tokens=1)
+    handles = [server_llm.start(server_llm.prepare("Hi", params)) for _ in range(300)]
+    assert all(len(h.get(timeout=300).token_ids) == 1 for h in handles)

@@ -58,6 +58,9 @@ class CommandQueue:
             self._items.append(record)
             return True
 
+    def __len__(self) -> int:
+        return len(self._items)
+
     def pop_batch(self, limit: int) -> list[RequestRecord]:
         with self._lock:
             return [self._items.popleft() for _ in range(min(limit, len(self._items)))]
@@ -131,8 +134,9 @@ class RequestEngine:
 
     @property
     def queued(self) -> int:
-        """Requests in the actor's FIFO (those still in the command queue are not counted)."""
-        return len(self._actor.queued)
+        """Requests accepted and waiting for a seat: in the actor's FIFO or still on their way
+        to it in the command queue."""
+        return len(self._actor.queued) + len(self._actor.commands)
 
     @property
     def resident(self) -> int:

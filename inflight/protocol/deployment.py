@@ -90,8 +90,10 @@ class DeploymentOptions:
         False, "admit queued requests into the running batch (default: one request at a time)"
     )
     max_batch_size: int = knob(8, "requests generating at once under in-flight batching")
-    max_pending_requests: int = knob(
-        256, "requests accepted and not yet finished, queued or generating, before refusals"
+    max_queued_requests: int = knob(
+        4096,
+        "requests waiting beyond the batch before refusals (a 429 over HTTP); a request asking "
+        "for more sequences than the batch and this together can never fit (a 400)",
     )
     max_model_len: int | None = knob(
         None,
@@ -187,7 +189,6 @@ class DeploymentOptions:
     def _validate(self) -> None:
         positive = (
             "max_batch_size",
-            "max_pending_requests",
             "max_num_tokens",
             "block_size",
             "max_loras",
@@ -198,6 +199,10 @@ class DeploymentOptions:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not is_int(self.max_queued_requests) or self.max_queued_requests < 0:
+            raise ValueError(
+                f"max_queued_requests must be an integer >= 0, got {self.max_queued_requests!r}"
+            )
         for name in ("max_model_len", "num_kv_blocks"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 2):

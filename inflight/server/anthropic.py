@@ -148,6 +148,35 @@ def messages_tool_choice(body: AnthropicCountTokensRequest, chat: ChatSetup) -> 
     )
 
 
+def structured_outputs(body: AnthropicCountTokensRequest) -> StructuredOutputs | None:
+    """The JSON schema of `output_config.format` (or the beta's `output_format`) as the
+    output constraint."""
+    config_format = body.output_config.format if body.output_config else None
+    if config_format is not None and body.output_format is not None:
+        raise ServerError(
+            400, "send output_config.format or output_format, not both", "output_format"
+        )
+    chosen = config_format or body.output_format
+    return None if chosen is None else StructuredOutputs(json=chosen.schema_)
+
+
+def thinking_switch(
+    body: AnthropicCountTokensRequest, chat: ChatSetup
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """The chat-template switch of `thinking` (enabled or adaptive: on; disabled: off) and
+    `output_config.effort`, and those of the two fields that have no effect on this model's
+    template."""
+    kind = (body.thinking or {}).get("type")
+    enabled = None if kind is None else kind != "disabled"
+    effort = body.output_config.effort if body.output_config else None
+    if enabled is None and effort is None:
+        return None, []
+    switch = chat.thinking_switch(enabled, effort)
+    if switch is not None:
+        return switch, []
+    return None, [name for name, v in (("thinking", kind), ("output_config.effort", effort)) if v]
+
+
 def sampling_params(
     body: AnthropicMessagesRequest,
     defaults: SamplingParams,

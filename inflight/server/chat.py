@@ -65,17 +65,34 @@ class ChatSetup:
         """The member a forced call object carries its arguments in (the parser's own)."""
         return self.tool_syntax.arguments_key if self.tool_syntax else "arguments"
 
+    def thinking_switch(self, enabled: bool | None, effort: str | None) -> dict[str, Any] | None:
+        """The chat-template variables that turn thinking on or off (`enable_thinking`, as
+        Qwen3's templates read it) or set its effort (`reasoning_effort`, as gpt-oss's do), for
+        those the template reads; None when it reads neither (the request's wish has no
+        effect on this model)."""
+        variables = self.templates.variables
+        switch: dict[str, Any] = {}
+        if enabled is not None and "enable_thinking" in variables:
+            switch["enable_thinking"] = enabled
+        if effort is not None and "reasoning_effort" in variables:
+            switch["reasoning_effort"] = effort
+        return switch or None
+
     def template_args(
         self,
         messages: Sequence[dict[str, Any]],
         choice: ToolChoice | None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        thinking: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The chat-template arguments of `LLM.prepare` for a conversation."""
+        """The chat-template arguments of `LLM.prepare` for a conversation; `thinking`: the
+        thinking switch's variables, under those `chat_template_kwargs` sets itself."""
         has_tools = choice is not None or any(
             m.get("tool_calls") or m.get("role") == "tool" for m in messages
         )
         template = self.templates.tools if has_tools else self.templates.plain
+        if thinking:
+            chat_template_kwargs = {**thinking, **(chat_template_kwargs or {})}
         args: dict[str, Any] = {"chat_template_kwargs": chat_template_kwargs}
         if template is not None:
             args["chat_template"] = template

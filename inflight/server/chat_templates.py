@@ -23,19 +23,22 @@ class ChatTemplates:
     plain: str | None  # for conversations without tools; None: the model's own
     tools: str | None  # for conversations with tools; None: the model's own
     shipped: bool  # `tools` is the hermes template shipped here
+    # The variables the conversation template reads (its switches: enable_thinking, ...).
+    variables: frozenset[str] = frozenset()
 
 
-def renders_tools(source: str) -> bool:
-    """Whether a template reads the `tools` variable (has a tools branch)."""
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a template reads from its caller."""
     env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
-    return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
 
 
 def choose_templates(model_template: str | None, override: str | None) -> ChatTemplates:
     base = override or model_template
-    if base and renders_tools(base):
-        return ChatTemplates(override, override, shipped=False)
-    return ChatTemplates(override, HERMES_TEMPLATE.read_text(), shipped=True)
+    variables = template_variables(base) if base else frozenset()
+    if "tools" in variables:
+        return ChatTemplates(override, override, shipped=False, variables=variables)
+    return ChatTemplates(override, HERMES_TEMPLATE.read_text(), shipped=True, variables=variables)
 
 
 def read_template(value: str) -> str:

@@ -42,13 +42,6 @@ def _positive(value: str) -> int:
     return number
 
 
-def _non_negative(value: str) -> int:
-    number = int(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return number
-
-
 def _port(value: str) -> int:
     number = int(value)
     if not 1 <= number <= 65535:
@@ -151,7 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or llm.model_name
     client = EngineClient(
         llm,
-        max_queued_requests=args.max_queued_requests,
+        max_queued_requests=options.max_queued_requests,
         queue_timeout=args.queue_timeout,
         max_input_len=args.max_input_len,
         metrics=ServerMetrics(llm),
@@ -177,7 +170,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     print(
         f"inflight: serving {name} at http://{args.host}:{args.port}/v1 "
-        f"({mode}; max_model_len {llm.max_model_len}; queue {args.max_queued_requests}"
+        f"({mode}; max_model_len {llm.max_model_len}; queue {options.max_queued_requests}"
         f"{'; context cache' if options.enable_context_reuse else ''}"
         f"; quantization {options.quantization}"
         f"{'; KV cache fp8' if options.kv_cache_dtype == 'fp8' else ''}"
@@ -292,12 +285,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port, default=8000)
-    serve.add_argument(
-        "--max-queued-requests",
-        type=_non_negative,
-        default=16,
-        help="requests waiting beyond the batch before 429",
-    )
     serve.add_argument(
         "--queue-timeout",
         type=float,

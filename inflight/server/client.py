@@ -1,9 +1,11 @@
 """`EngineClient`: the server's async bridge to the `LLM`, with the HTTP admission gate.
 
-Under in-flight batching the gate hands out at most `max_batch_size + max_queued_requests`
-leases and answers 429 at once beyond that; on the blocking path it is one generation slot plus
-up to `max_queued_requests` callers waiting at most `queue_timeout` seconds. A lease is held from
-admission until the generation is over.
+The gate counts sequences (a request of `n` is `n`; a completions prompt list, each of its
+prompts times `n`). Under in-flight batching it holds at most `max_batch_size +
+max_queued_requests` (the LLM's queue, deep by default) and answers 429 at once beyond that; on
+the blocking path it is one generation slot plus up to `max_queued_requests` callers waiting at
+most `queue_timeout` seconds. A request that could never fit, more sequences than the gate ever
+holds, is a 400 naming the limit. A lease is held from admission until the generation is over.
 
 Streams are read on the event loop itself: the engine's channel wakes the loop when chunks
 arrive, and chunks that piled up while a client was slow come as one. A client that goes away
@@ -38,8 +40,10 @@ class AdmissionGate:
         self, in_flight_batching: bool, max_batch_size: int, max_queued: int, timeout: float
     ):
         self.ifb = in_flight_batching
-        self.limit = max(1, max_batch_size) + max_queued if in_flight_batching else 1
+        self.batch = max(1, max_batch_size) if in_flight_batching else 1
         self.max_waiting = max_queued
+        # Sequences admitted at once (generating or waiting), whatever else is running.
+        self.limit = self.batch + max_queued
         self.timeout = timeout
         self.active = 0
         self.waiting = 0
@@ -48,11 +52,28 @@ class AdmissionGate:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    async def acquire(self) -> None:
+    def check_fits(self, sequences: int, field: str | None = None) -> None:
+        """A 400 for a request of more sequences than the gate ever admits: retrying it could
+        never succeed, unlike a 429."""
+        if sequences > self.limit:
+            raise ServerError(
+                400,
+                f"the request asks for {sequences} sequences, more than this server ever admits "
+                f"at once: {self.limit} (a batch of {self.batch} + max_queued_requests "
+                f"{self.max_waiting}); send fewer prompts or a smaller n",
+                field,
+            )
+
+    def has_room(self, sequences: int) -> bool:
+        """Whether `sequences` more may be admitted now (under in-flight batching)."""
+        return not self.ifb or self.active + sequences <= self.limit
+
+    async def acquire(self, sequences: int = 1) -> None:
         if self.closing:
             raise ServerError(503, "server is shutting down")
+        self.check_fits(sequences)
         if self.ifb:
-            if self.active >= self.limit:
+            if not self.has_room(sequences):
                 raise overloaded()
         else:
             if self.active + self.waiting >= 1 + self.max_waiting:
@@ -64,11 +85,11 @@ class AdmissionGate:
                 raise overloaded("timed out waiting for the generation slot") from None
             finally:
                 self.waiting -= 1
-        self.active += 1
+        self.active += sequences
         self._idle.clear()
 
-    def release(self) -> None:
-        self.active -= 1
+    def release(self, sequences: int = 1) -> None:
+        self.active -= sequences
         if not self.ifb:
             self._slot.release()
         if self.active == 0:
@@ -213,7 +234,7 @@ class Run:
     async def start(self) -> None:
         client = self._client
         arrived = time.monotonic()
-        await client.gate.acquire()
+        await client.gate.acquire(self.n)
         self._leased = True
         self._started_at = time.monotonic()
         self._gate_wait = self._started_at - arrived
@@ -268,7 +289,7 @@ class Run:
         self._client.runs.discard(self)
         if self._handle is not None:
             self._handle.close()  # cancels the request unless its stream ended
-        self._client.gate.release()
+        self._client.gate.release(self.n)
         metrics = self._client.metrics
         metrics.requests.labels(outcome=outcome).inc()
         engine_wait = self._handle.queue_time if self._handle is not None else None

@@ -23,6 +23,7 @@ from inflight.server.protocol import (
     CompletionRequest,
     ImagePart,
     InputAudioPart,
+    NamedFunction,
     NamedToolChoice,
     SamplingFields,
     TextPart,
@@ -86,7 +87,25 @@ def field_params(body: SamplingFields, choice: ToolChoice | None = None) -> dict
 
 
 def chat_tool_choice(body: ChatCompletionRequest, chat: ChatSetup) -> ToolChoice | None:
-    """The request's tools and tool_choice, checked (a 400 naming the field)."""
+    """The request's tools and tool_choice (or the legacy functions and function_call: at
+    most one call), checked (a 400 naming the field)."""
+    if body.functions is not None:
+        if body.tools is not None or body.tool_choice is not None:
+            raise ServerError(
+                400, "send tools and tool_choice or the legacy functions, not both", "functions"
+            )
+        functions = [FunctionTool(f.name, f.description, f.parameters) for f in body.functions]
+        legacy = body.function_call
+        named = isinstance(legacy, NamedFunction)
+        return tool_choice(
+            functions,
+            "named" if named else legacy,
+            legacy.name if named else None,
+            False,
+            parser=chat.tool_parser,
+        )
+    if body.function_call is not None:
+        raise ServerError(400, "function_call needs functions", "function_call")
     tools = [
         FunctionTool(t.function.name, t.function.description, t.function.parameters)
         for t in body.tools or []
@@ -144,8 +163,31 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         content: Any = m.content
         if isinstance(content, list):
             content = _content_parts(content, f"messages.{i}.content")
-        role = "system" if m.role == "developer" else m.role
+        role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
         message: dict[str, Any] = {"role": role, "content": content or ""}
+        if m.function_call is not None:
+            if m.role != "assistant" or m.tool_calls:
+                raise ServerError(
+                    400,
+                    "only an assistant message without tool_calls carries a function_call",
+                    f"messages.{i}.function_call",
+                )
+            call = m.function_call
+            arguments = _arguments(call.arguments, f"messages.{i}")
+            # A legacy result names its function, not a call id: the function's name is both.
+            message["tool_calls"] = [
+                {
+                    "id": call.name,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": arguments},
+                }
+            ]
+        if m.role == "function":
+            if m.name is None:
+                raise ServerError(
+                    400, "a function message needs the name of the function", f"messages.{i}"
+                )
+            message["tool_call_id"] = m.name
         if m.tool_calls:
             if m.role != "assistant":
                 raise ServerError(
@@ -252,7 +294,12 @@ class ChatReply:
     `reasoning_fields`), content and tool calls."""
 
     def __init__(
-        self, model: str, logprobs: bool, reader: MessageParser, reasoning_fields: bool
+        self,
+        model: str,
+        logprobs: bool,
+        reader: MessageParser,
+        reasoning_fields: bool,
+        legacy_functions: bool = False,
     ) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -260,6 +307,8 @@ class ChatReply:
         self.logprobs = logprobs
         self.reader = reader
         self.reasoning_fields = reasoning_fields
+        # Asked with the legacy `functions`: its call comes back as `function_call`.
+        self.legacy_functions = legacy_functions
 
     def whole(self, output: RequestOutput) -> dict[str, Any]:
         completion_tokens = sum(len(o.token_ids) for o in output.outputs)
@@ -280,7 +329,10 @@ class ChatReply:
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if self.reasoning_fields:
             message["reasoning_content"] = message["reasoning"] = parsed.reasoning
-        if parsed.tool_calls:
+        if parsed.tool_calls and self.legacy_functions:
+            call = parsed.tool_calls[0]
+            message["function_call"] = {"name": call.name, "arguments": call.arguments}
+        elif parsed.tool_calls:
             message["tool_calls"] = [
                 {
                     "id": tool_call_id(),
@@ -293,8 +345,15 @@ class ChatReply:
             "index": output.index,
             "message": message,
             "logprobs": logprobs,
-            "finish_reason": _finish_reason(output.finish_reason, bool(parsed.tool_calls)),
+            "finish_reason": self._finish_reason(output.finish_reason, bool(parsed.tool_calls)),
         }
+
+    def _finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """A reply that ended by itself after calling tools finishes with "tool_calls" (with
+        "function_call", asked with the legacy functions)."""
+        if called and reason == "stop":
+            return "function_call" if self.legacy_functions else "tool_calls"
+        return reason
 
     def _chunk(self, delta: dict[str, Any], index: int = 0, **choice: Any) -> dict[str, Any]:
         return {
@@ -328,7 +387,9 @@ class ChatReply:
                     "function": {"name": call.name, "arguments": call.arguments},
                 }
             )
-        if calls:
+        if calls and self.legacy_functions:
+            delta["function_call"] = calls[0]["function"]  # one call, from its first delta on
+        elif calls:
             delta["tool_calls"] = calls
         return delta
 
@@ -359,18 +420,13 @@ class ChatReply:
             rest = self._delta(readings[index].finish())
             if rest:
                 yield self._chunk(rest, index)
-            reason = _finish_reason(finish_reasons[index], readings[index].calls_made > 0)
+            reason = self._finish_reason(finish_reasons[index], readings[index].calls_made > 0)
             yield self._chunk({}, index, finish_reason=reason)
         if include_usage:
             chunk = self._chunk({})
             chunk["choices"] = []
             chunk["usage"] = _usage(prompt_tokens, completion_tokens)
             yield chunk
-
-
-def _finish_reason(reason: str | None, called: bool) -> str | None:
-    """A reply that ended by itself after calling tools finishes with "tool_calls"."""
-    return "tool_calls" if called and reason == "stop" else reason
 
 
 class CompletionReply:

@@ -3,6 +3,7 @@
 Unknown fields are a 400 (a misspelt parameter must not be silently ignored). Fields that map to
 no request option and that the server does not serve yet are accepted by the schema and refused
 with a message naming them (`unsupported()`), so a client learns exactly which option to drop;
+documented fields that mean nothing here are accepted and named back (`ignored_fields()`);
 fields that map to request options (`n`) are refused, where they are, by the options table of
 the runtime (`runtime/options.py`).
 """
@@ -93,12 +94,14 @@ class AssistantToolCall(Strict):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # "function": a legacy function's result (read as a tool result).
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart | ImagePart | InputAudioPart | AudioURLPart | OtherPart] | None = (
         None
     )
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None
+    function_call: FunctionCall | None = None  # a legacy function call, an assistant's
     tool_call_id: str | None = None
     # An assistant reply's reasoning, as this server returns it (both names), sent back.
     reasoning_content: str | None = None
@@ -167,6 +170,24 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # The legacy form of tools and tool_choice (one call a reply, returned as function_call).
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
+    # The chat template's thinking switch, where it has one ("none" turns thinking off).
+    reasoning_effort: str | None = None
+    # The context cache reuses every shared prefix by content, whatever the key.
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    # Accepted and ignored (IGNORED_FIELDS).
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prediction: dict[str, Any] | None = None
+    verbosity: str | None = None
+    moderation: Any = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     skip_special_tokens: bool = True
@@ -278,6 +299,16 @@ class AnthropicToolChoice(Strict):
     disable_parallel_tool_use: bool = False
 
 
+class AnthropicJSONFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+
+
+class AnthropicOutputConfig(Strict):
+    format: AnthropicJSONFormat | None = None
+    effort: str | None = None  # the chat template's thinking switch, where it has one
+
+
 class AnthropicCountTokensRequest(Strict):
     model: str
     messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
@@ -285,6 +316,14 @@ class AnthropicCountTokensRequest(Strict):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: dict[str, Any] | None = None
+    output_config: AnthropicOutputConfig | None = None
+    output_format: AnthropicJSONFormat | None = None  # the beta's name for output_config.format
+    # The context cache reuses every shared prefix by content, marked or not.
+    cache_control: dict[str, Any] | None = None
+    # Accepted and ignored (IGNORED_FIELDS).
+    speed: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
 
 
 class AnthropicMessagesRequest(AnthropicCountTokensRequest):
@@ -294,8 +333,42 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     top_p: TopP | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     stream: bool = False
+    # Accepted and ignored (IGNORED_FIELDS).
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    container: Any = None
+    diagnostics: Any = None
+    inference_geo: str | None = None
+
+
+# Fields of the OpenAI and Anthropic request bodies that mean nothing to this server (billing,
+# storage, routing, moderation): accepted so that the SDKs' requests are served, and named in the
+# log and in a response header (`ignored_fields`).
+IGNORED_FIELDS = (
+    "store",
+    "metadata",
+    "service_tier",
+    "safety_identifier",
+    "prediction",
+    "verbosity",
+    "moderation",
+    "user",
+    "container",
+    "diagnostics",
+    "inference_geo",
+    "speed",
+    "user_profile_id",
+    "workspace_id",
+)
+
+
+def ignored_fields(body: BaseModel) -> list[str]:
+    """The fields of this request that were sent and that this server ignores."""
+    return [
+        name
+        for name in IGNORED_FIELDS
+        if name in body.model_fields_set and getattr(body, name) is not None
+    ]
 
 
 def unsupported(body: BaseModel) -> tuple[str, str] | None:
@@ -309,18 +382,15 @@ def unsupported(body: BaseModel) -> tuple[str, str] | None:
                 "only text output is supported",
             ),
             ("audio", body.audio is not None, "audio output is not supported"),
+            (
+                "web_search_options",
+                body.web_search_options is not None,
+                "web search is not supported",
+            ),
         ]
     if isinstance(body, CompletionRequest):
         checks += [
             ("best_of", body.best_of not in (None, 1), "best_of other than 1 is not supported"),
             ("suffix", body.suffix is not None, "suffix (insertion) is not supported"),
-        ]
-    if isinstance(body, AnthropicCountTokensRequest):
-        checks += [
-            (
-                "thinking",
-                bool(body.thinking) and body.thinking.get("type") != "disabled",
-                "extended thinking is not supported",
-            ),
         ]
     return next(((field, message) for field, bad, message in checks if bad), None)

@@ -632,3 +632,14 @@ def test_the_heap_the_engine_starts_with_is_frozen_while_it_runs_and_thawed_afte
         h.get(timeout=1)
     gc.collect()
     assert alive() is None  # thawed when the actor stopped: its garbage is collected
+
+
+def test_queued_counts_every_accepted_request_without_a_seat():
+    e = engine(FakeFactory(step_delay=0.005))
+    handles = [e.submit(req(tokens=10000)) for _ in range(5)]
+    wait_until(lambda: e.resident == 1)
+    assert e.queued == 4  # in the actor's FIFO or still in the command queue
+    e.shutdown(ShutdownMode.CANCEL)
+    for h in handles:
+        with pytest.raises(RequestCancelled):
+            h.get(timeout=1)

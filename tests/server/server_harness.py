@@ -30,7 +30,7 @@ class Running:
 def running(
     llm,
     *,
-    max_queued_requests=16,
+    max_queued_requests=None,
     queue_timeout=30.0,
     max_input_len=None,
     api_key=None,
@@ -42,10 +42,13 @@ def running(
 ):
     """Serve `llm` as `inflight serve` does (`serving.Server`), in a background thread. With
     lifespan "off" the LLM outlives the server. `chat`: the chat settings of `ServerSettings`
-    (chat_template, tool_call_parser, reasoning_parser), as the command line's flags set them."""
+    (chat_template, tool_call_parser, reasoning_parser), as the command line's flags set them.
+    `max_queued_requests`: the LLM's own by default, as `inflight serve` has it."""
     client = EngineClient(
         llm,
-        max_queued_requests=max_queued_requests,
+        max_queued_requests=(
+            llm.max_queued_requests if max_queued_requests is None else max_queued_requests
+        ),
         queue_timeout=queue_timeout,
         max_input_len=max_input_len,
         metrics=ServerMetrics(llm),

@@ -1,5 +1,7 @@
 """The Anthropic Messages API over a real uvicorn server, driven by the official client."""
 
+import json
+
 import anthropic
 import httpx
 import pytest
@@ -120,3 +122,59 @@ def test_overload_is_529(server_llm):
                 c.messages.create(model=MODEL, messages=MESSAGES, max_tokens=2)
         assert info.value.status_code == 529
         assert info.value.body["error"]["type"] == "overloaded_error"
+
+
+def test_output_config_constrains_the_reply_and_parse_reads_it(client):
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    question = [{"role": "user", "content": "Name a city in France."}]
+    parsed = client.messages.parse(
+        model=MODEL, max_tokens=60, messages=question, output_format=City, **GREEDY
+    )
+    assert isinstance(parsed.parsed_output, City)
+    schema = {
+        "type": "object",
+        "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    }
+    message = client.messages.create(
+        model=MODEL,
+        max_tokens=30,
+        messages=MESSAGES,
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+        **GREEDY,
+    )
+    assert json.loads(message.content[0].text)["color"] in {"red", "green", "blue"}
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(
+            model=MODEL,
+            max_tokens=30,
+            messages=MESSAGES,
+            output_config={"format": {"type": "json_schema", "schema": schema}},
+            extra_body={"output_format": {"type": "json_schema", "schema": schema}},
+        )
+
+
+def test_documented_fields_without_meaning_are_accepted_and_named(client):
+    raw = client.messages.with_raw_response.create(
+        model=MODEL,
+        max_tokens=2,
+        messages=MESSAGES,
+        metadata={"user_id": "u1"},
+        service_tier="auto",
+        cache_control={"type": "ephemeral"},  # served: the context cache, by content
+        thinking={"type": "enabled", "budget_tokens": 1024},  # no switch in this template
+    )
+    assert raw.http_response.status_code == 200
+    assert raw.http_response.headers["x-inflight-ignored-fields"] == (
+        "metadata, service_tier, thinking"
+    )
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(
+            model=MODEL, max_tokens=2, messages=MESSAGES, extra_body={"bogus": True}
+        )

@@ -393,3 +393,178 @@ def test_n_completions_of_several_prompts(oa):
         for choice in chunk.choices:
             streamed[choice.index] = streamed.get(choice.index, "") + choice.text
     assert [streamed[i] for i in range(4)] == [c.text for c in out.choices]
+
+
+def test_a_prompt_list_too_big_ever_is_a_400_naming_the_limit_and_one_within_it_runs(server_llm):
+    # batch 4 + queue 4: eight sequences at once. Nine could never fit: retrying is no use.
+    _idle(server_llm)
+    with serve(server_llm, max_queued_requests=4) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt=["Hi"] * 9, max_tokens=2)
+        assert info.value.body["param"] == "prompt"
+        assert "9 sequences" in info.value.body["message"]
+        assert "8 (a batch of 4 + max_queued_requests 4)" in info.value.body["message"]
+        with pytest.raises(openai.BadRequestError):  # prompts x n
+            client.completions.create(model=MODEL, prompt=["Hi"] * 3, n=3, max_tokens=2)
+        # Eight on an idle server: four generate, four wait their turn in the engine.
+        whole = client.completions.create(model=MODEL, prompt=["Hi"] * 8, max_tokens=2)
+        assert sorted(c.index for c in whole.choices) == list(range(8))
+        assert all(c.finish_reason == "length" for c in whole.choices)
+    _idle(server_llm)
+
+
+def test_a_prompt_list_that_fits_but_not_now_is_a_429_and_none_of_it_runs(server_llm):
+    _idle(server_llm)
+    with serve(server_llm, max_queued_requests=2) as (url, _):
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 150, "stream": True}
+        body["ignore_eos"] = True
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        submitted = server_llm.get_scheduling_metrics()["submitted"]
+        # Three of six leases held: a list of four fits the pool, not the room left.
+        with (
+            held_streams(url, "/v1/chat/completions", body, 3) as opened,
+            pytest.raises(openai.RateLimitError) as info,
+        ):
+            client.completions.create(model=MODEL, prompt=["Hi"] * 4, max_tokens=2)
+        assert opened == [200] * 3
+        assert info.value.response.headers["retry-after"] == "1"
+        assert server_llm.get_scheduling_metrics()["submitted"] == submitted + 3
+    _idle(server_llm)
+
+
+def test_the_default_queue_takes_a_hundred_concurrent_streams(server_llm):
+    # `inflight serve`'s default queue (the LLM's): requests wait their turn, none is refused.
+    _idle(server_llm)
+    with serve(server_llm) as (url, _):
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "stream": True}
+        statuses: list[int] = []
+        texts: list[str] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
+                statuses.append(r.status_code)
+                texts.append("".join(r.iter_lines()))
+
+        threads = [threading.Thread(target=stream) for _ in range(100)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        assert statuses == [200] * 100
+        assert all(text.endswith("data: [DONE]") for text in texts)
+    _idle(server_llm)
+
+
+def test_documented_fields_without_meaning_are_accepted_and_named_in_a_header(oa):
+    reply = oa.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=2,
+        store=False,
+        metadata={"run": "7"},
+        service_tier="auto",
+        safety_identifier="user-1",
+        prediction={"type": "content", "content": "Paris"},
+        verbosity="low",
+        prompt_cache_key="geography",  # served: the context cache keys prefixes by content
+        user="someone",
+    )
+    assert reply.http_response.status_code == 200
+    ignored = reply.http_response.headers["x-inflight-ignored-fields"]
+    assert ignored.split(", ") == [
+        "store",
+        "metadata",
+        "service_tier",
+        "safety_identifier",
+        "prediction",
+        "verbosity",
+        "user",
+    ]
+    assert reply.parse().choices[0].finish_reason == "length"
+    plain = oa.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, max_tokens=1
+    )
+    assert "x-inflight-ignored-fields" not in plain.http_response.headers
+    # This model's template has no thinking switch: the effort is accepted, and named.
+    effort = oa.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, max_tokens=1, reasoning_effort="low"
+    )
+    assert effort.http_response.headers["x-inflight-ignored-fields"] == "reasoning_effort"
+    # A name in no API stays a 400, and so does a feature not served.
+    with pytest.raises(openai.BadRequestError) as info:
+        oa.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=1, extra_body={"stor": False}
+        )
+    assert "stor" in str(info.value)
+    with pytest.raises(openai.BadRequestError) as info:
+        oa.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=1, web_search_options={}
+        )
+    assert info.value.body["param"] == "web_search_options"
+
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+
+
+def test_legacy_functions_are_served_as_one_function_call(oa):
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = oa.chat.completions.create(
+        model=MODEL,
+        messages=question,
+        temperature=0,
+        max_tokens=40,
+        functions=[WEATHER],
+        function_call={"name": "get_weather"},
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "function_call"
+    assert choice.message.tool_calls is None
+    call = choice.message.function_call
+    assert call.name == "get_weather"
+    assert set(json.loads(call.arguments)) == {"city"}
+    streamed = oa.chat.completions.create(
+        model=MODEL,
+        messages=question,
+        temperature=0,
+        max_tokens=40,
+        functions=[WEATHER],
+        function_call={"name": "get_weather"},
+        stream=True,
+    )
+    deltas = [c.choices[0] for c in streamed if c.choices]
+    calls = [d.delta.function_call for d in deltas if d.delta.function_call]
+    assert calls[0].name == "get_weather"
+    assert "".join(c.arguments or "" for c in calls) == call.arguments
+    assert deltas[-1].finish_reason == "function_call"
+    # The legacy history: the assistant's function_call, then the function's result.
+    answer = oa.chat.completions.create(
+        model=MODEL,
+        messages=[
+            *question,
+            {"role": "assistant", "content": None, "function_call": call.model_dump()},
+            {"role": "function", "name": "get_weather", "content": "Sunny, 21 C"},
+        ],
+        temperature=0,
+        max_tokens=8,
+        functions=[WEATHER],
+        function_call="none",
+    )
+    assert answer.choices[0].message.content and answer.choices[0].message.function_call is None
+    with pytest.raises(openai.BadRequestError) as info:
+        oa.chat.completions.create(
+            model=MODEL,
+            messages=question,
+            max_tokens=1,
+            functions=[WEATHER],
+            tools=[{"type": "function", "function": WEATHER}],
+        )
+    assert info.value.body["param"] == "functions"

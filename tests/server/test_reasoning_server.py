@@ -4,6 +4,7 @@ template that reads `enable_thinking` (from `chat_template_kwargs`) the way Qwen
 The embedded model does not think on its own; a constraint on the raw text makes it write the
 tags, which also shows the parser reading what a constrained request generates."""
 
+import httpx
 import openai
 import pytest
 
@@ -91,3 +92,28 @@ def test_thinking_off_and_a_cut_off_thought(oa):
     ).choices[0]
     assert cut.finish_reason == "length" and cut.message.content is None
     assert cut.message.model_dump()["reasoning_content"]
+
+
+def test_reasoning_effort_and_anthropic_thinking_set_the_templates_switch(oa, server_llm):
+    def prompt_tokens(**extra):
+        return oa.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=1, **extra
+        ).usage.prompt_tokens
+
+    on = prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    off = prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert on != off
+    assert prompt_tokens(reasoning_effort="high") == on
+    assert prompt_tokens(reasoning_effort="none") == off
+    # chat_template_kwargs, the more specific, wins over the effort.
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    assert prompt_tokens(reasoning_effort="high", extra_body=kwargs) == off
+    url = str(oa.base_url).removesuffix("/v1/")
+    counted = {
+        kind: httpx.post(
+            url + "/v1/messages/count_tokens",
+            json={"model": MODEL, "messages": MESSAGES, "thinking": {"type": kind}},
+        ).json()["input_tokens"]
+        for kind in ("enabled", "disabled")
+    }
+    assert counted["enabled"] == on and counted["disabled"] == off

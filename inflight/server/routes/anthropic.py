@@ -6,8 +6,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inflight.server import anthropic
-from inflight.server.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
-from inflight.server.routes.openai import SSE_HEADERS, started
+from inflight.server.protocol import (
+    AnthropicCountTokensRequest,
+    AnthropicMessagesRequest,
+    ignored_fields,
+)
+from inflight.server.routes.openai import SSE_HEADERS, ignored_headers, started
 from inflight.server.state import State, check_body
 from inflight.server.tools import ToolChoice
 
@@ -20,16 +24,20 @@ async def messages(body: AnthropicMessagesRequest, request: Request, state: Stat
     client, chat = state.client, state.chat
     choice = anthropic.messages_tool_choice(body, chat)
     conversation = anthropic.chat_messages(body.system, body.messages)
+    requested = anthropic.structured_outputs(body)
     params = anthropic.sampling_params(
-        body, client.llm.get_default_sampling_params(), chat.constraint(choice, None)
+        body, client.llm.get_default_sampling_params(), chat.constraint(choice, requested)
     )
+    thinking, ignored = anthropic.thinking_switch(body, chat)
+    forced = choice is not None and choice.forced
     prepared = await client.prepare_chat(
         conversation,
         params,
-        params_of={"structured_outputs": "tools"},
-        **chat.template_args(conversation, choice),
+        params_of={"structured_outputs": "tools" if forced else "output_config"},
+        **chat.template_args(conversation, choice, thinking=thinking),
         lora_name=lora_name,
     )
+    headers = ignored_headers(ignored_fields(body) + ignored)
     reader = chat.reader(choice, client.llm.tokenizer, prepared.prompt_token_ids)
     reply = anthropic.MessageReply(lora_name or state.settings.served_model_name, reader)
     if body.stream:
@@ -37,10 +45,10 @@ async def messages(body: AnthropicMessagesRequest, request: Request, state: Stat
         return StreamingResponse(
             reply.stream(run, len(prepared.prompt_token_ids)),
             media_type="text/event-stream",
-            headers=SSE_HEADERS,
+            headers={**SSE_HEADERS, **headers},
         )
     output = await client.generate(prepared, request.is_disconnected)
-    return JSONResponse(reply.whole(output))
+    return JSONResponse(reply.whole(output), headers=headers)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -49,5 +57,7 @@ async def count_tokens(body: AnthropicCountTokensRequest, state: State) -> dict[
     # Counting renders the tools whatever the choice would be.
     tools = anthropic.offered_tools(body)
     conversation = anthropic.chat_messages(body.system, body.messages)
-    template = state.chat.template_args(conversation, ToolChoice(tools, "none") if tools else None)
+    thinking, _ = anthropic.thinking_switch(body, state.chat)
+    choice = ToolChoice(tools, "none") if tools else None
+    template = state.chat.template_args(conversation, choice, thinking=thinking)
     return {"input_tokens": state.client.count_tokens(conversation, **template)}

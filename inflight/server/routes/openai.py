@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -15,11 +16,13 @@ from inflight.protocol.outputs import RequestOutput
 from inflight.protocol.request import SamplingParams
 from inflight.server import openai
 from inflight.server.client import Run
-from inflight.server.errors import ServerError, openai_error_payload
-from inflight.server.protocol import ChatCompletionRequest, CompletionRequest
+from inflight.server.errors import ServerError, openai_error_payload, overloaded
+from inflight.server.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields
 from inflight.server.state import State, check_body
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "Connection": "keep-alive"}
+IGNORED_HEADER = "X-Inflight-Ignored-Fields"
+log = logging.getLogger(__name__)
 _STARTED = int(time.time())
 
 router = APIRouter()
@@ -39,6 +42,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         )
     chat = state.chat
     choice = openai.chat_tool_choice(body, chat)
+    ignored = ignored_fields(body)
+    effort = body.reasoning_effort
+    thinking = None
+    if effort is not None:
+        thinking = chat.thinking_switch(effort != "none", effort)
+        if thinking is None:
+            ignored.append("reasoning_effort")
     params = openai.sampling_params(
         body,
         llm.get_default_sampling_params(),
@@ -52,7 +62,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         messages,
         params,
         params_of=openai.field_params(body, choice),
-        **chat.template_args(messages, choice, body.chat_template_kwargs),
+        **chat.template_args(messages, choice, body.chat_template_kwargs, thinking),
         mm_processor_kwargs=body.mm_processor_kwargs,
         lora_name=lora_name,
     )
@@ -62,17 +72,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         body.logprobs,
         reader,
         chat.reasoning is not None,
+        legacy_functions=body.functions is not None,
     )
+    headers = ignored_headers(ignored)
     if body.stream:
         run = await started(client.run(prepared))
         usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
             openai_events(reply.stream(run, usage)),
             media_type="text/event-stream",
-            headers=SSE_HEADERS,
+            headers={**SSE_HEADERS, **headers},
         )
     output = await client.generate(prepared, request.is_disconnected)
-    return JSONResponse(reply.whole(output))
+    return JSONResponse(reply.whole(output), headers=headers)
 
 
 @router.post("/v1/completions")
@@ -92,10 +104,16 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     )
     if body.echo and body.max_tokens == 0 and params.prompt_logprobs is None:
         params = SamplingParams(**{**vars(params), "prompt_logprobs": 0})
+    # A prompt list is admitted whole or refused whole: too big ever (400) or busy now (429),
+    # before any of it runs; then the engine queues its prompts and seats them as room frees.
+    sequences = len(prompts) * params.n
+    client.gate.check_fits(sequences, "prompt")
     params_of = openai.field_params(body)
     prepared = [
         client.prepare(p, params, params_of=params_of, lora_name=lora_name) for p in prompts
     ]
+    if not client.gate.has_room(sequences):
+        raise overloaded()
     reply = openai.CompletionReply(
         lora_name or state.settings.served_model_name, llm.tokenizer, body
     )
@@ -112,10 +130,12 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
         return StreamingResponse(
             openai_events(reply.stream(prepared, runs, usage)),
             media_type="text/event-stream",
-            headers=SSE_HEADERS,
+            headers={**SSE_HEADERS, **ignored_headers(ignored_fields(body))},
         )
     outputs = await gather([client.generate(p, request.is_disconnected) for p in prepared])
-    return JSONResponse(reply.whole(prepared, outputs))
+    return JSONResponse(
+        reply.whole(prepared, outputs), headers=ignored_headers(ignored_fields(body))
+    )
 
 
 @router.get("/v1/models")
@@ -136,6 +156,15 @@ async def models(state: State) -> dict[str, Any]:
             *({"id": name, **entry, "parent": base, "root": name} for name in llm.lora_adapters),
         ],
     }
+
+
+def ignored_headers(fields: list[str]) -> dict[str, str]:
+    """The response header naming the request's fields this server ignored (logged too), so
+    that a client can tell a field it sent had no effect."""
+    if not fields:
+        return {}
+    log.warning("request fields ignored (no meaning on this server): %s", ", ".join(fields))
+    return {IGNORED_HEADER: ", ".join(fields)}
 
 
 async def started(run: Run) -> Run:

@@ -16,7 +16,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient
 from inflight.server.errors import ServerError, error_response
-from inflight.server.routes import anthropic, lora, openai, ops
+from inflight.server.responses import ResponseStore
+from inflight.server.routes import anthropic, lora, openai, ops, responses
 from inflight.server.state import ServerSettings, ServerState
 
 log = logging.getLogger("inflight.server")
@@ -40,13 +41,14 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="inflight", lifespan=lifespan)
     app.state.inflight = ServerState(client, settings, chat)
+    app.state.responses = ResponseStore()
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(_ApiKey, key=settings.api_key)
     app.add_exception_handler(ServerError, _on_server_error)
     app.add_exception_handler(RequestValidationError, _on_invalid)
     app.add_exception_handler(Exception, _on_crash)
-    for routes in (openai.router, anthropic.router, lora.router, ops.router):
+    for routes in (openai.router, responses.router, anthropic.router, lora.router, ops.router):
         app.include_router(routes)
     return app
 

@@ -1,0 +1,91 @@
+"""OpenAI Responses API routes: create, retrieve and delete responses."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from inflight.server import responses
+from inflight.server.errors import ServerError
+from inflight.server.protocol import ignored_fields
+from inflight.server.responses import ResponsesRequest, ResponseStore
+from inflight.server.routes.openai import SSE_HEADERS, ignored_headers, started
+from inflight.server.state import State, check_body
+
+router = APIRouter()
+
+
+async def response_store(request: Request) -> ResponseStore:
+    """The store `build_app` put on the app (async, so that FastAPI runs it on the loop)."""
+    return request.app.state.responses
+
+
+Store = Annotated[ResponseStore, Depends(response_store)]
+
+
+@router.post("/v1/responses")
+async def create_response(
+    body: ResponsesRequest, request: Request, state: State, store: Store
+) -> Response:
+    lora_name = check_body(state, body, body.model)
+    refusal = responses.refusal(body)
+    if refusal is not None:
+        raise refusal
+    client, chat = state.client, state.chat
+    turn = responses.chat_turn(body, chat, store)
+    params = responses.sampling_params(
+        body, client.llm.get_default_sampling_params(), turn.constraint
+    )
+    prepared = await responses.prepare(
+        client,
+        turn.messages,
+        params,
+        truncate=body.truncation == "auto",
+        params_of=turn.params_of,
+        **chat.template_args(turn.messages, turn.choice, turn.template_kwargs),
+        lora_name=lora_name,
+    )
+    reply = responses.ResponseReply(
+        body,
+        lora_name or state.settings.served_model_name,
+        params,
+        turn,
+        chat.reader(turn.choice, client.llm.tokenizer, prepared.prompt_token_ids),
+        client.llm.tokenizer,
+        store,
+    )
+    # Here `store` keeps the response and `metadata` is kept and echoed with it: both served.
+    served = ("store", "metadata")
+    headers = ignored_headers([f for f in ignored_fields(body) if f not in served])
+    if body.stream:
+        run = await started(client.run(prepared))
+        return StreamingResponse(
+            reply.stream(run), media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
+        )
+    output = await client.generate(prepared, request.is_disconnected)
+    return JSONResponse(reply.whole(output), headers=headers)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, store: Store) -> dict[str, Any]:
+    stored = store.get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return stored.body
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, store: Store) -> dict[str, Any]:
+    if not store.delete(response_id):
+        raise _not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _not_found(response_id: str) -> ServerError:
+    return ServerError(
+        404,
+        f"no stored response with id {response_id!r} (unknown, deleted, sent with store: false, "
+        "or evicted from the server's store)",
+    )

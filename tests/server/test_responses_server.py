@@ -1,0 +1,576 @@
+"""The OpenAI Responses API over a real server, driven by the official `openai` client: a
+request is served as a chat completion is (same prompt, same greedy output), its reply rendered
+as output items or typed stream events, and stored responses continue conversations."""
+
+import asyncio
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from inflight import SamplingParams
+from inflight.protocol.outputs import StreamChunk
+from inflight.server.chat_templates import HERMES_TEMPLATE
+from inflight.server.errors import ServerError
+from inflight.server.parsers import MessageParser
+from inflight.server.responses import (
+    ResponseReply,
+    ResponsesRequest,
+    ResponseStore,
+    StoredResponse,
+    Turn,
+    chat_messages,
+)
+
+from server_harness import serve
+
+pytestmark = pytest.mark.slow
+
+MODEL = "test-model"
+QUESTION = "What is the capital of France?"
+PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": PARAMETERS,
+        "strict": True,
+    }
+]
+# The same tool as chat templates read it.
+CHAT_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city",
+            "parameters": PARAMETERS,
+        },
+    }
+]
+GREEDY = {"temperature": 0, "max_output_tokens": 24}
+# The stream of a reply with one message, before and after its text deltas.
+MESSAGE_OPENING = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+]
+MESSAGE_CLOSING = [
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+]
+# ChatML whose prompt opens the reasoning block with enable_thinking, closes an empty one
+# without it (as Qwen's templates do).
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking %}<think>\n"
+    "{% else %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def server(server_llm):
+    with serve(server_llm, tool_call_parser="hermes") as (url, _):
+        yield url
+
+
+@pytest.fixture
+def oa(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+_EVENT = TypeAdapter(ResponseStreamEvent)
+
+
+def _checked(reply):
+    """`reply` (a response or a stream's events) validated against the SDK's models: the SDK
+    itself builds them without validation."""
+    for event in reply if isinstance(reply, list) else []:
+        _EVENT.validate_python(event.model_dump(exclude_unset=True))
+    if not isinstance(reply, list):
+        Response.model_validate(reply.model_dump(exclude_unset=True))
+    return reply
+
+
+def _expected(llm, messages, max_tokens=24, **template):
+    return llm.chat(messages, SamplingParams(temperature=0, max_tokens=max_tokens), **template)[0]
+
+
+def _status(finish_reason: str) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def test_text_response_equals_the_chat_path(oa, server_llm):
+    expected = _expected(server_llm, [{"role": "user", "content": QUESTION}])
+    reply = _checked(oa.responses.create(model=MODEL, input=QUESTION, **GREEDY))
+    assert reply.id.startswith("resp_") and reply.object == "response"
+    assert reply.output_text == expected.text
+    (message,) = reply.output
+    assert message.type == "message" and message.id.startswith("msg_")
+    assert message.role == "assistant" and message.content[0].type == "output_text"
+    assert reply.status == _status(expected.finish_reason)
+    assert reply.usage.input_tokens == expected.prompt_tokens
+    assert reply.usage.output_tokens == len(expected.token_ids)
+    assert reply.usage.total_tokens == expected.prompt_tokens + len(expected.token_ids)
+    assert reply.model == MODEL and reply.temperature == 0 and reply.max_output_tokens == 24
+
+
+def test_streamed_events_add_up_to_the_whole_response(oa):
+    whole = oa.responses.create(model=MODEL, input=QUESTION, **GREEDY)
+    events = _checked(list(oa.responses.create(model=MODEL, input=QUESTION, stream=True, **GREEDY)))
+    kinds = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert kinds == [
+        *MESSAGE_OPENING,
+        *["response.output_text.delta"] * len(deltas),
+        *MESSAGE_CLOSING,
+        f"response.{whole.status}",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in deltas)
+    assert text == whole.output_text
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert done.text == text
+    final = events[-1].response
+    assert final.id == events[0].response.id and final.output_text == text
+    assert final.usage.input_tokens == whole.usage.input_tokens
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    item = next(e.item for e in events if e.type == "response.output_item.done")
+    assert {e.item_id for e in deltas} == {item.id} == {final.output[0].id}
+
+
+def test_stream_helper_gives_the_final_response(oa):
+    with oa.responses.stream(model=MODEL, input="Say hello.", temperature=0) as stream:
+        texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text == "".join(texts)
+
+
+def test_instructions_are_a_system_message_in_front(oa, server_llm):
+    instructions = "Answer in one word."
+    messages = [{"role": "system", "content": instructions}, {"role": "user", "content": QUESTION}]
+    expected = _expected(server_llm, messages)
+    reply = oa.responses.create(model=MODEL, input=QUESTION, instructions=instructions, **GREEDY)
+    assert reply.instructions == instructions
+    assert reply.output_text == expected.text
+    assert reply.usage.input_tokens == expected.prompt_tokens
+
+
+def test_message_items_with_parts_read_as_chat_messages(oa, server_llm):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": QUESTION},
+    ]
+    items = [
+        {"type": "message", "role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Hello!", "annotations": []}],
+        },
+        {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
+    ]
+    expected = _expected(server_llm, messages)
+    reply = oa.responses.create(model=MODEL, input=items, **GREEDY)
+    assert reply.output_text == expected.text
+    assert reply.usage.input_tokens == expected.prompt_tokens
+
+
+def test_required_tool_choice_returns_a_valid_function_call(oa):
+    reply = oa.responses.create(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=TOOLS,
+        tool_choice="required",
+        **GREEDY | {"max_output_tokens": 40},
+    )
+    assert reply.status == "completed"
+    (call,) = reply.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.id.startswith("fc_") and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), PARAMETERS)
+    assert reply.tool_choice == "required" and reply.tools[0].name == "get_weather"
+    # Streamed: the call's arguments in deltas, the same call in the end.
+    with oa.responses.stream(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=TOOLS,
+        tool_choice="required",
+        **GREEDY | {"max_output_tokens": 40},
+    ) as stream:
+        events = _checked(list(stream))
+        final = stream.get_final_response()
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    (streamed,) = final.output
+    assert "".join(deltas) == done.arguments == streamed.arguments == call.arguments
+    assert streamed.name == "get_weather" and streamed.parsed_arguments == json.loads(
+        call.arguments
+    )
+
+
+def test_a_named_tool_choice_calls_that_function(oa):
+    reply = oa.responses.create(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=TOOLS,
+        tool_choice={"type": "function", "name": "get_weather"},
+        **GREEDY | {"max_output_tokens": 40},
+    )
+    (call,) = reply.output
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), PARAMETERS)
+
+
+def test_a_function_call_output_sent_back_gets_a_message(oa, server_llm):
+    question = {"role": "user", "content": "What is the weather in Paris?"}
+    first = oa.responses.create(
+        model=MODEL,
+        input=[question],
+        tools=TOOLS,
+        tool_choice="required",
+        **GREEDY | {"max_output_tokens": 40},
+    )
+    (call,) = first.output
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}
+    reply = oa.responses.create(
+        model=MODEL,
+        input=[question, call.model_dump(exclude_none=True), result],
+        tools=TOOLS,
+        **GREEDY,
+    )
+    assert reply.output[0].type == "message" and reply.output_text
+    assert all(item.type == "message" for item in reply.output)
+    # The call and its result went through the (shipped) template as a chat conversation.
+    history = [
+        question,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": call.call_id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": json.loads(call.arguments)},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.call_id, "content": "18 C"},
+    ]
+    prepared = server_llm.prepare(
+        history, tools=CHAT_TOOLS, chat_template=HERMES_TEMPLATE.read_text()
+    )
+    assert reply.usage.input_tokens == len(prepared.prompt_token_ids)
+    rendered = server_llm.tokenizer.decode(prepared.prompt_token_ids, skip_special_tokens=False)
+    assert "<tool_response>\n18 C\n</tool_response>" in rendered
+
+
+def test_previous_response_id_continues_the_conversation(oa, server_llm):
+    first = oa.responses.create(model=MODEL, input=QUESTION, instructions="Be brief.", **GREEDY)
+    follow_up = "And of Italy?"
+    reply = oa.responses.create(
+        model=MODEL, input=follow_up, previous_response_id=first.id, **GREEDY
+    )
+    assert reply.previous_response_id == first.id
+    # The earlier turn is in the prompt; its instructions are not carried over.
+    history = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": follow_up},
+    ]
+    expected = _expected(server_llm, history)
+    assert reply.usage.input_tokens == expected.prompt_tokens > first.usage.input_tokens
+    assert reply.output_text == expected.text
+
+
+def test_stored_responses_are_retrieved_and_deleted(oa, server):
+    reply = oa.responses.create(model=MODEL, input=QUESTION, **GREEDY)
+    got = _checked(oa.responses.retrieve(reply.id))
+    assert got.id == reply.id and got.output_text == reply.output_text and got.store
+    oa.responses.delete(reply.id)
+    with pytest.raises(openai.NotFoundError):
+        oa.responses.retrieve(reply.id)
+    with pytest.raises(openai.NotFoundError):
+        oa.responses.delete(reply.id)
+    r = httpx.post(
+        server + "/v1/responses",
+        json={"input": "And of Italy?", "previous_response_id": reply.id},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_a_response_not_stored_is_not_found(oa):
+    reply = oa.responses.create(model=MODEL, input=QUESTION, store=False, **GREEDY)
+    assert reply.store is False
+    with pytest.raises(openai.NotFoundError):
+        oa.responses.retrieve(reply.id)
+    streamed = list(
+        oa.responses.create(model=MODEL, input=QUESTION, store=False, stream=True, **GREEDY)
+    )
+    with pytest.raises(openai.NotFoundError):
+        oa.responses.retrieve(streamed[-1].response.id)
+
+
+def test_json_schema_text_format_gives_json_matching_the_schema(oa):
+    text = {"format": {"type": "json_schema", "name": "weather", "schema": PARAMETERS}}
+    reply = oa.responses.create(
+        model=MODEL,
+        input="The weather in Paris, as JSON.",
+        text=text,
+        temperature=0,
+        max_output_tokens=60,
+    )
+    assert reply.status == "completed"
+    jsonschema.validate(json.loads(reply.output_text), PARAMETERS)
+    assert reply.text.format.type == "json_schema" and reply.text.format.name == "weather"
+    as_object = oa.responses.create(
+        model=MODEL,
+        input="The weather in Paris, as JSON.",
+        temperature=0,
+        text={"format": {"type": "json_object"}},
+        max_output_tokens=60,
+    )
+    assert as_object.status != "completed" or isinstance(json.loads(as_object.output_text), dict)
+
+
+def test_max_output_tokens_cut_is_incomplete(oa):
+    reply = _checked(
+        oa.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=4)
+    )
+    assert reply.status == "incomplete"
+    assert reply.incomplete_details.reason == "max_output_tokens"
+    assert reply.usage.output_tokens == 4 and reply.output[0].status == "incomplete"
+    events = _checked(
+        list(
+            oa.responses.create(
+                model=MODEL, input=QUESTION, temperature=0, max_output_tokens=4, stream=True
+            )
+        )
+    )
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert events[-1].response.output_text == reply.output_text
+
+
+def test_auto_truncation_drops_the_oldest_turns_that_do_not_fit(oa, server, server_llm):
+    long_turns = [
+        {"role": "user", "content": "Tell me a story. " * 150},
+        {"role": "assistant", "content": "Once upon a time."},
+    ]
+    items = [*long_turns, {"role": "user", "content": QUESTION}]
+    r = httpx.post(server + "/v1/responses", json={"input": items, **GREEDY})
+    assert r.status_code == 413
+    reply = oa.responses.create(model=MODEL, input=items, truncation="auto", **GREEDY)
+    expected = _expected(server_llm, [{"role": "user", "content": QUESTION}])
+    assert reply.truncation == "auto" and reply.output_text == expected.text
+    assert reply.usage.input_tokens == expected.prompt_tokens
+
+
+def test_reasoning_items_sent_back_are_accepted(oa):
+    items = [
+        {"role": "user", "content": "Hi"},
+        {
+            "type": "reasoning",
+            "id": "rs_1",
+            "summary": [{"type": "summary_text", "text": "Greet back."}],
+        },
+        {"type": "message", "role": "assistant", "content": "Hello!", "status": "completed"},
+        {"role": "user", "content": QUESTION},
+    ]
+    reply = oa.responses.create(
+        model=MODEL, input=items, reasoning={"effort": "low", "summary": "auto"}, **GREEDY
+    )
+    assert reply.output_text and reply.reasoning.effort == "low"
+
+
+@pytest.mark.parametrize(
+    ("change", "param", "named"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools.0", "web_search"),
+        ({"temprature": 0}, "temprature", "temprature"),
+        ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "web_search_preview"),
+        ({"tools": TOOLS + TOOLS}, "tools", "get_weather"),
+        ({"tool_choice": "required"}, "tool_choice", "required"),
+        ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input.0", "computer"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+            "input.0.content.0",
+            "input_file",
+        ),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "1"}]},
+            "input.0.arguments",
+            "JSON object",
+        ),
+        ({"previous_response_id": "resp_unknown"}, "previous_response_id", "resp_unknown"),
+        ({"background": True}, "background", "background"),
+        ({"include": ["message.output_text.logprobs"]}, "include", "logprobs"),
+        (
+            {
+                "tools": TOOLS,
+                "tool_choice": "required",
+                "text": {"format": {"type": "json_object"}},
+            },
+            "tool_choice",
+            "text.format",
+        ),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x"}}},
+            "text.format.json_schema.schema",
+            "required",
+        ),
+    ],
+)
+def test_bad_requests_are_400s_naming_the_field(server, server_llm, change, param, named):
+    before = server_llm.get_scheduling_metrics()["submitted"]
+    r = httpx.post(server + "/v1/responses", json={"model": MODEL, "input": QUESTION, **change})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and named in error["message"]
+    assert server_llm.get_scheduling_metrics()["submitted"] == before
+
+
+def test_openai_sdk_parses_a_bad_request_error(oa):
+    with pytest.raises(openai.BadRequestError, match="web_search"):
+        oa.responses.create(model=MODEL, input=QUESTION, tools=[{"type": "web_search"}])
+
+
+@pytest.fixture(scope="module")
+def thinking(server_llm):
+    with serve(server_llm, reasoning_parser="qwen3", chat_template=THINKING_TEMPLATE) as (url, _):
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_reasoning_effort_switches_the_templates_thinking(thinking):
+    # The model never closes the block the prompt opens: its whole reply is reasoning.
+    reply = _checked(
+        thinking.responses.create(
+            model=MODEL, input=QUESTION, reasoning={"effort": "high"}, **GREEDY
+        )
+    )
+    (reasoning,) = reply.output
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
+    assert reasoning.content[0].type == "reasoning_text" and reasoning.content[0].text
+    assert reasoning.status == reply.status and reply.output_text == ""
+    assert 0 < reply.usage.output_tokens_details.reasoning_tokens <= reply.usage.output_tokens
+    events = _checked(
+        list(
+            thinking.responses.create(
+                model=MODEL, input=QUESTION, reasoning={"effort": "high"}, stream=True, **GREEDY
+            )
+        )
+    )
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == reasoning.content[0].text
+    assert [i.model_dump(exclude={"id"}) for i in events[-1].response.output] == [
+        i.model_dump(exclude={"id"}) for i in reply.output
+    ]
+    # Effort "none" closes the block in the prompt: the reply is all text.
+    plain = thinking.responses.create(
+        model=MODEL, input=QUESTION, reasoning={"effort": "none"}, **GREEDY
+    )
+    assert [item.type for item in plain.output] == ["message"] and plain.output_text
+
+
+def test_a_reply_becomes_one_assistant_message():
+    items = ResponsesRequest(
+        input=[
+            {"role": "user", "content": "Hi"},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "Call both."}],
+            },
+            {"type": "message", "role": "assistant", "content": "Checking."},
+            {"type": "function_call", "call_id": "a", "name": "f", "arguments": '{"x": 1}'},
+            {"type": "function_call", "call_id": "b", "name": "g", "arguments": ""},
+            {"type": "function_call_output", "call_id": "a", "output": "one"},
+            {
+                "type": "function_call_output",
+                "call_id": "b",
+                "output": [{"type": "input_text", "text": "two"}],
+            },
+        ]
+    ).input
+    assert chat_messages("Be brief.", items, 0) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "reasoning_content": "Call both.",
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
+                {"id": "b", "type": "function", "function": {"name": "g", "arguments": {}}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "a", "content": "one"},
+        {"role": "tool", "tool_call_id": "b", "content": "two"},
+    ]
+
+
+def test_the_store_forgets_the_least_recently_used():
+    store = ResponseStore(capacity=2)
+    for name in ("a", "b"):
+        store.put(name, StoredResponse({"id": name}, []))
+    assert store.get("a") is not None  # "b" is now the least recently used
+    store.put("c", StoredResponse({"id": "c"}, []))
+    assert store.get("b") is None and store.get("a") and store.get("c")
+    assert store.delete("a") and not store.delete("a")
+
+
+class _FailingRun:
+    """A run that writes a little, then fails as a generation that failed does."""
+
+    output = None
+
+    async def __aiter__(self):
+        yield StreamChunk(token_ids=[1], text="Hel", prompt_tokens=3)
+        raise ServerError(500, "generation failed: boom")
+
+
+def test_a_failed_stream_ends_with_an_error_event_and_response_failed():
+    store = ResponseStore()
+    turn = Turn([], [], None, None, None, {})
+    reply = ResponseReply(
+        ResponsesRequest(input="Hi"), MODEL, SamplingParams(), turn, MessageParser(), None, store
+    )
+
+    async def read() -> list[str]:
+        return [event async for event in reply.stream(_FailingRun())]
+
+    events = []
+    for text in asyncio.run(read()):
+        kind, data = text.removesuffix("\n\n").split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {event['type']}"
+        events.append(_EVENT.validate_python(event))
+    assert [e.type for e in events] == [
+        *MESSAGE_OPENING,
+        "response.output_text.delta",
+        "error",
+        "response.failed",
+    ]
+    assert "boom" in events[-2].message and events[-1].response.status == "failed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert store.get(reply.id) is None

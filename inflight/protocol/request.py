@@ -36,13 +36,18 @@ class StructuredOutputs:
     (`json`, an object or its JSON text), any JSON object (`json_object`), a regular expression
     (`regex`, matched whole), one of several strings (`choice`), or a context-free grammar
     (`grammar`, in Lark or GBNF syntax). Only outputs of that language can be sampled, and a
-    request ends ("stop") when its output is complete in it."""
+    request ends ("stop") when its output is complete in it.
+
+    A JSON schema's objects take only the properties it declares unless it allows more
+    (`additionalProperties`); `strict` (OpenAI's `strict: true`) closes also the objects that
+    declare no properties at all, which then take only `{}`."""
 
     json: Mapping[str, Any] | str | None = None
     regex: str | None = None
     choice: Sequence[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    strict: bool = False
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -56,6 +61,8 @@ class StructuredOutputs:
             )
         if self.json is not None and not isinstance(self.json, Mapping | str):
             raise ValueError("structured_outputs.json must be a JSON schema object or its text")
+        if not isinstance(self.strict, bool) or (self.strict and self.json is None):
+            raise ValueError("structured_outputs.strict must be a boolean, true only with json")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

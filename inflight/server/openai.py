@@ -94,7 +94,10 @@ def chat_tool_choice(body: ChatCompletionRequest, chat: ChatSetup) -> ToolChoice
             raise ServerError(
                 400, "send tools and tool_choice or the legacy functions, not both", "functions"
             )
-        functions = [FunctionTool(f.name, f.description, f.parameters) for f in body.functions]
+        functions = [
+            FunctionTool(f.name, f.description, f.parameters, strict=f.strict is True)
+            for f in body.functions
+        ]
         legacy = body.function_call
         named = isinstance(legacy, NamedFunction)
         return tool_choice(
@@ -107,7 +110,12 @@ def chat_tool_choice(body: ChatCompletionRequest, chat: ChatSetup) -> ToolChoice
     if body.function_call is not None:
         raise ServerError(400, "function_call needs functions", "function_call")
     tools = [
-        FunctionTool(t.function.name, t.function.description, t.function.parameters)
+        FunctionTool(
+            t.function.name,
+            t.function.description,
+            t.function.parameters,
+            strict=t.function.strict is True,
+        )
         for t in body.tools or []
     ]
     choice = body.tool_choice
@@ -147,7 +155,7 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
                 "response_format json_schema needs a json_schema object with a schema",
                 "response_format",
             )
-        return StructuredOutputs(json=spec.get("schema", {}))
+        return StructuredOutputs(json=spec.get("schema", {}), strict=spec.get("strict") is True)
     raise ServerError(
         400,
         f"response_format type must be text, json_object or json_schema, got {kind!r}",

@@ -112,7 +112,8 @@ class FunctionDefinition(Strict):
     name: Annotated[str, Field(min_length=1)]
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
-    strict: bool | None = None  # forced tool choices are always constrained; auto never
+    # Closes every object of a forced call's arguments; auto calls are read, not constrained.
+    strict: bool | None = None
 
 
 class ChatTool(Strict):

@@ -500,7 +500,12 @@ def responses_tool_choice(body: ResponsesRequest, chat: ChatSetup) -> ToolChoice
                 f"tools of type {tool.type!r} are not supported; this server serves function tools",
                 f"tools.{i}",
             )
-        tools.append(FunctionTool(tool.name, tool.description, tool.parameters))
+        # The Responses API's function tools are strict unless they say otherwise.
+        tools.append(
+            FunctionTool(
+                tool.name, tool.description, tool.parameters, strict=tool.strict is not False
+            )
+        )
     choice = body.tool_choice
     if isinstance(choice, _Open):
         raise ServerError(
@@ -535,7 +540,7 @@ def text_constraint(body: ResponsesRequest) -> StructuredOutputs | None:
     if isinstance(spec, TextFormatJsonObject):
         return StructuredOutputs(json_object=True)
     if isinstance(spec, TextFormatJsonSchema):
-        return StructuredOutputs(json=spec.json_schema)
+        return StructuredOutputs(json=spec.json_schema, strict=spec.strict is True)
     return None
 
 

@@ -5,8 +5,11 @@ not (`none`); and the output constraint that makes a forced choice hold.
 A forced choice constrains the output with a JSON schema built from the tools: a call object
 `{"name": NAME, ARGUMENTS_KEY: PARAMETERS}` for a named function, an array of one or more of
 them for `required` (vLLM's schema, with the name's enum written as a const), so the arguments
-always parse and match the tool's parameters. `auto` reads what the model writes with the
-server's `--tool-call-parser`, and needs one.
+always parse and match the tool's parameters. Objects of the parameters take only the
+properties they declare unless they allow more (`additionalProperties`); a tool's `strict`
+(OpenAI's) closes also the objects that declare no properties, as OpenAI's strict mode
+requires. `auto` reads what the model writes with the server's `--tool-call-parser`, and needs
+one: its calls are not constrained, `strict` or not.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class FunctionTool:
     name: str
     description: str | None
     parameters: dict[str, Any] | None  # a JSON schema; None: the function takes no arguments
+    strict: bool = False  # OpenAI's strict function calling: every object of its parameters closed
 
     def as_openai(self) -> dict[str, Any]:
         """The tool as chat templates read it (OpenAI's function tool), as it was sent."""
@@ -90,7 +94,9 @@ def tool_choice(
 
 
 def forced_constraint(choice: ToolChoice, arguments_key: str) -> StructuredOutputs:
-    """The JSON schema a `required` or named choice constrains the output to."""
+    """The JSON schema a `required` or named choice constrains the output to; strict when one
+    of the tools it may call is (the constraint is one schema: a non-strict tool beside a strict
+    one then gets its property-less objects closed too)."""
     defs: dict[tuple[str, str], Any] = {}
 
     def call_schema(tool: FunctionTool) -> dict[str, Any]:
@@ -112,9 +118,10 @@ def forced_constraint(choice: ToolChoice, arguments_key: str) -> StructuredOutpu
         }
 
     if choice.mode == "named":
-        (tool,) = [t for t in choice.tools if t.name == choice.function]
-        schema = call_schema(tool)
+        callable_tools = [t for t in choice.tools if t.name == choice.function]
+        schema = call_schema(callable_tools[0])
     else:
+        callable_tools = choice.tools
         schema = {
             "type": "array",
             "minItems": 1,
@@ -124,4 +131,4 @@ def forced_constraint(choice: ToolChoice, arguments_key: str) -> StructuredOutpu
             schema["maxItems"] = 1
     for (key, name), definition in defs.items():
         schema.setdefault(key, {})[name] = definition
-    return StructuredOutputs(json=schema)
+    return StructuredOutputs(json=schema, strict=any(t.strict for t in callable_tools))

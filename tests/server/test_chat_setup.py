@@ -10,6 +10,7 @@ from inflight.server.chat_templates import (
     ChatTemplates,
     choose_templates,
     read_template,
+    template_variables,
 )
 from inflight.server.cli import build_parser, main
 from inflight.server.errors import ServerError
@@ -32,10 +33,14 @@ TIME = FunctionTool("get_time", "The time", None)
 
 def test_a_template_without_tools_gets_the_shipped_hermes_template_for_tools():
     shipped = HERMES_TEMPLATE.read_text()
-    assert choose_templates(CHATML, None) == ChatTemplates(None, shipped, True)
-    assert choose_templates(WITH_TOOLS, None) == ChatTemplates(None, None, False)
-    assert choose_templates(CHATML, WITH_TOOLS) == ChatTemplates(WITH_TOOLS, WITH_TOOLS, False)
-    assert choose_templates(WITH_TOOLS, CHATML) == ChatTemplates(CHATML, shipped, True)
+    chatml, tools = template_variables(CHATML), template_variables(WITH_TOOLS)
+    assert choose_templates(CHATML, None) == ChatTemplates(None, shipped, True, chatml)
+    assert choose_templates(WITH_TOOLS, None) == ChatTemplates(None, None, False, tools)
+    assert choose_templates(CHATML, WITH_TOOLS) == ChatTemplates(
+        WITH_TOOLS, WITH_TOOLS, False, tools
+    )
+    assert choose_templates(WITH_TOOLS, CHATML) == ChatTemplates(CHATML, shipped, True, chatml)
+    assert "tools" in tools and "tools" not in chatml
 
 
 def test_template_args_pick_the_tools_template_for_tools_and_tool_history():

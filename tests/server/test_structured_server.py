@@ -24,6 +24,8 @@ SCHEMA = {
     "additionalProperties": False,
 }
 ASK = [{"role": "user", "content": "Give the largest city of France as JSON."}]
+# additionalProperties left unsaid, as in most schemas people write.
+OPEN_SCHEMA = {k: v for k, v in SCHEMA.items() if k != "additionalProperties"}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +65,29 @@ def test_json_schema_chat_streamed_and_whole(oa):
     )
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+def test_a_schema_that_leaves_additional_properties_unsaid_gets_only_its_own(oa):
+    """As OpenAI and vLLM serve such schemas: no keys of the model's own, which JSON Schema's
+    default would allow."""
+    ask = [{"role": "user", "content": "Describe Paris as JSON: its name, population, mayor."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "c", "schema": OPEN_SCHEMA}}
+    chat = oa.chat.completions.create(
+        model=MODEL, messages=ask, response_format=response_format, temperature=0, max_tokens=64
+    )
+    completion = oa.completions.create(
+        model=MODEL,
+        prompt="Paris as JSON, with its name, population, mayor and area:",
+        max_tokens=64,
+        temperature=0,
+        extra_body={"structured_outputs": {"json": OPEN_SCHEMA}},
+    )
+    for choice, text in [
+        (chat.choices[0], chat.choices[0].message.content),
+        (completion.choices[0], completion.choices[0].text),
+    ]:
+        assert choice.finish_reason == "stop", text
+        assert json.loads(text).keys() == set(SCHEMA["properties"])
 
 
 def test_structured_outputs_field_on_completions(oa):

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from inflight.server.chat_templates import HERMES_TEMPLATE
+from inflight.server.tools import FunctionTool, ToolChoice, forced_constraint
 
 from server_harness import serve
 
@@ -41,6 +42,12 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_time", "description": "The time now"}},
 ]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
+# Parameters as langchain's bind_tools writes them: additionalProperties left unsaid.
+OPEN_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+}
 GREEDY = {"temperature": 0, "max_tokens": 40}
 
 
@@ -92,6 +99,40 @@ def test_required_tool_choice_makes_one_or_more_valid_calls(oa):
         **GREEDY,
     )
     assert len(single.choices[0].message.tool_calls) == 1
+
+
+@pytest.mark.parametrize("tool_choice", [NAMED, "required"], ids=["named", "required"])
+def test_forced_calls_take_only_the_arguments_the_tool_declares(oa, tool_choice):
+    """Not the keys of the model's own that JSON Schema's default allows, which a small model
+    writes until the length limit."""
+    tool = {**TOOLS[0]["function"], "parameters": OPEN_PARAMETERS}
+    reply = oa.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=[{"type": "function", "function": tool}],
+        tool_choice=tool_choice,
+        temperature=0,
+        max_tokens=60,
+    )
+    assert reply.choices[0].finish_reason == "tool_calls"
+    for call in reply.choices[0].message.tool_calls:
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments).keys() == {"city"}
+
+
+def test_a_strict_tool_makes_its_forced_call_strict():
+    """OpenAI's strict tools: the constraint closes every object of their parameters."""
+    options = {"type": "object", "properties": {"options": {"type": "object"}}}
+    strict = FunctionTool("set", None, options, strict=True)
+    plain = FunctionTool("get", None, options)
+    for tools, mode, function, want in [
+        ([strict, plain], "named", "set", True),
+        ([strict, plain], "named", "get", False),
+        ([strict, plain], "required", None, True),
+        ([plain], "required", None, False),
+    ]:
+        constraint = forced_constraint(ToolChoice(tools, mode, function), "arguments")
+        assert constraint.strict is want, (mode, function)
 
 
 def test_streamed_call_reassembles_to_the_non_streamed_one(oa):

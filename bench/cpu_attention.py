@@ -19,7 +19,7 @@ import torch
 from inflight.bench.report import write_report
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.cpu import CpuAttentionBackend
-from inflight.model.kernels.cpu.attention import decode_attention
+from inflight.model.kernels.cpu.attention import paged_attention
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 
 
@@ -55,7 +55,7 @@ def time_context(rows: int, context: int, repeats: int, cold: bool, seed: int = 
 
     def native() -> None:
         for layer in caches:
-            decode_attention(lib, q, layer, meta, dim**-0.5, out)
+            paged_attention(lib, q, layer, meta, dim**-0.5, out)
 
     torch_ms = best_ms(reference, repeats) / len(caches)
     native_ms = best_ms(native, repeats) / len(caches)

@@ -57,7 +57,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     for owner, name, key in (
         (GenerationSession, "step", "step"),
-        (ModelRunner, "_forward", "forward"),
+        (ModelRunner, "forward", "forward"),
         (ModelRunner, "logits", "head"),
     ):
         _timed(owner, name, key)

@@ -1,11 +1,12 @@
-"""The CPU attention backend's native decode kernel against the torch reference backend."""
+"""The CPU attention backend's native kernel against the torch reference backend, and the bits of
+a token whatever its chunk."""
 
 import pytest
 import torch
 
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.cpu import CpuAttentionBackend
-from inflight.model.kernels.cpu.attention import decode_attention
+from inflight.model.kernels.cpu.attention import paged_attention
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.runtime import DeploymentOptions, Runtime
 
@@ -26,8 +27,9 @@ def _step(shapes, heads, kv_heads, dim, block_size=16, num_blocks=160, seed=0):
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
-def test_decode_rows_match_the_reference(heads, kv_heads, dim):
+def test_decode_and_prefill_rows_match_the_reference(heads, kv_heads, dim):
     shapes = [(1, 0), (1, 15), (1, 16), (1, 63), (1, 200), (1, 700), (37, 0), (20, 45), (1, 3)]
+    shapes += [(70, 130), (3, 500)]
     q, k, v, cache, meta = _step(shapes, heads, kv_heads, dim)
     scale = dim**-0.5
     expected_cache = tuple(c.clone() for c in cache)
@@ -36,6 +38,52 @@ def test_decode_rows_match_the_reference(heads, kv_heads, dim):
     assert meta.num_decodes == 6
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(cache, expected_cache, strict=True))
+
+
+# A sequence's tokens as the rows of one step, each row a span [start, end) of them, decode rows
+# first: the whole prompt; a tail after a prefix already in the cache, as a context-cache hit
+# leaves it (1 or 3 tokens: a chat's last block); chunks beside decode rows; one decode row per
+# token (as speculative verification and CUDA graph unfolding pack them).
+SPLITS = {
+    "whole": [(0, 70)],
+    "cached prefix, 1 new": [(69, 70)],
+    "cached prefix, 3 new": [(67, 70)],
+    "cached prefix, 17 new": [(53, 70)],
+    "mixed": [(66, 67), (67, 68), (68, 69), (69, 70), (0, 31), (31, 66)],
+    "token by token": [(t, t + 1) for t in range(70)],
+}
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
+def test_a_token_gets_the_same_bits_however_its_prompt_is_split(heads, kv_heads, dim):
+    """Each token's attention, bit for bit, in every split of its prompt, and beside a row long
+    enough to shrink the kernel's tiles. Prefill chunks used to go through torch's fused
+    attention, whose blocking and masking follow the chunk's shape: a cache hit's first token
+    came out a few ulps away from the whole prompt's, and the quantized kernels' per-token int8
+    activations made other tokens of it."""
+    torch.manual_seed(0)
+    n, block_size = 70, 16
+    table = [11, 3, 8, 0, 5]  # scattered blocks
+    q = torch.randn(n, heads, dim)
+    k, v = torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
+    cache = tuple(torch.zeros(kv_heads, 200 * block_size, dim) for _ in range(2))
+    backend = CpuAttentionBackend()
+
+    def attend(spans, long_row=False):
+        rows = [RowInput([0] * (end - start), start, table, True) for start, end in spans]
+        tokens = torch.cat([torch.arange(start, end) for start, end in spans])
+        if long_row:  # 3000 tokens of other keys: max_seq_len and so the tiles change
+            rows.append(RowInput([0], 2999, list(range(10, 198)), True))
+            tokens = torch.cat([tokens, tokens[-1:]])
+        meta = build_ragged_batch(rows, block_size, torch.device("cpu")).forward.attention
+        out = backend.forward(q[tokens], k[tokens], v[tokens], cache, meta, dim**-0.5)
+        return out[: len(tokens) - long_row], tokens[: len(tokens) - long_row]
+
+    whole, _ = attend(SPLITS["whole"])
+    for name, spans in SPLITS.items():
+        for long_row in (False, True):
+            out, tokens = attend(spans, long_row)
+            assert torch.equal(out, whole[tokens]), (name, long_row)
 
 
 def test_a_row_gets_the_same_bits_alone_or_batched():
@@ -73,4 +121,4 @@ def test_runtime_picks_it_for_float32_on_the_cpu(tiny_dirs):
 def test_kernel_rejects_a_head_dim_it_cannot_vectorize():
     q, k, v, cache, meta = _step([(1, 20), (1, 5)], 4, 2, 12)
     with pytest.raises(ValueError, match="head_dim multiple of 8, got 12"):
-        decode_attention(CpuAttentionBackend().library, q, cache, meta, 0.3, torch.empty(q.shape))
+        paged_attention(CpuAttentionBackend().library, q, cache, meta, 0.3, torch.empty(q.shape))

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 def select_backend(
     name: str | None, device: torch.device, dtype: torch.dtype, head_dim: int
 ) -> AttentionBackend:
-    """The named backend, or by default: triton on CUDA, cpu (its native decode kernel) for
+    """The named backend, or by default: triton on CUDA, cpu (its native attention kernel) for
     float32 on the CPU where it builds, else torch. Where a named backend runs is the
     deployment plan's rule; a named cpu backend whose kernel cannot be built is a ValueError, a
     default one falls back to torch."""

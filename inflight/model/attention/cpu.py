@@ -1,9 +1,12 @@
-"""The CPU attention backend: decode rows in one native call per layer (kernels/cpu).
+"""The CPU attention backend: every row of a step in one native call per layer (kernels/cpu).
 
 Per-row torch attention spends ~80 us per call in dispatch alone, which at batch 16 and 30
-layers is 480 calls a step; the kernel attends every decode row in one call, reading each key
-and value once per GQA group. Prefill chunks go through the reference path, where one call per
-chunk is cheap against its compute. The cache layout is the reference backend's.
+layers is 480 calls a step; the kernel attends every row in one call, reading each key and value
+once per GQA group. It computes each prefill token as the decode row of that token would be
+computed: torch's fused attention picks its blocking, masking and kernel by the chunk's shape, so
+a token's bits there depend on how its prompt was split (a prefix read from the context cache
+against the whole prompt prefilled), and a quantized model's per-token int8 activations turn a
+last-bit difference into a different token. The cache layout is the reference backend's.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from inflight.model.attention.reference import TorchAttentionBackend
-from inflight.model.kernels.cpu.attention import decode_attention, library, store_kv
+from inflight.model.kernels.cpu.attention import library, paged_attention, store_kv
 from inflight.model.metadata import AttentionMetadata, KVCache
 
 
@@ -32,8 +35,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> torch.Tensor:
         store_kv(self.library, k, v, kv_cache, meta)
         out = torch.empty(q.shape, dtype=q.dtype)
-        if meta.num_decodes:
-            decode_attention(self.library, q, kv_cache, meta, scale, out)
-        if meta.num_decodes < len(meta.query_lens_host):
-            self.attend_rows(q, kv_cache, meta, scale, out, meta.num_decodes)
+        paged_attention(self.library, q, kv_cache, meta, scale, out)
         return out

@@ -338,13 +338,8 @@ class LlamaForCausalLM(nn.Module):
             step = self._native_step(kv_caches, backend)
         self.ran_native_step = step is not None
         if step is not None:
-            scale, first = self.layers[0].self_attn.scale, meta.num_decodes
-
-            def prefill(layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
-                backend.attend_rows(q, kv_caches[layer], meta, scale, out, first)
-
             slots = None if lora is None else lora.token_slots
-            x, residual = step(x, *angles, meta, prefill, slots)
+            x, residual = step(x, *angles, meta, slots)
         else:
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -62,6 +62,14 @@ class PackedLinearMethod(LinearMethod):
         layer.prepared = torch.ops.mkldnn._reorder_linear_weight(_take_weight(layer), None)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.numel() == x.shape[-1]:
+            # A lone row runs as two: oneDNN gives one row a kernel of its own, which sums K in
+            # another order (seen on AVX-512 past K = 1024), so a decode at batch 1, or the one
+            # new token after a cached prefix, would miss the bits that row gets beside others.
+            row = x if x.dim() == 2 else x.reshape(1, -1)
+            pair = torch.cat((row, row))
+            y = torch.ops.mkldnn._linear_pointwise(pair, layer.prepared, bias, "none", [], "")[:1]
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
         return torch.ops.mkldnn._linear_pointwise(x, layer.prepared, bias, "none", [], "")
 
 

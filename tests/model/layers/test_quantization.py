@@ -22,6 +22,8 @@ from inflight.model.layers.quantization import (
     unquantized_method,
 )
 
+from helpers import torch_threads
+
 CPU = torch.device("cpu")
 
 
@@ -58,6 +60,22 @@ def test_packed_method_runs_the_onednn_layout(operands):
     with torch.inference_mode():
         assert torch.equal(layer(x), want)
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_method_gives_a_row_alone_the_bits_it_gets_beside_others(threads):
+    """A decode at batch 1, or the one new token after a cached prefix, against the same row in a
+    batch or a whole prompt. K past 1024: where oneDNN on AVX-512 ran a lone row in a kernel of
+    its own, whose sums came out some ulps away."""
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(6, 1536), torch.randn(64, 1536), torch.randn(64)
+    layer = _loaded(PackedLinearMethod(), weight, bias)
+    with torch_threads(threads), torch.inference_mode():
+        batch = layer(x)
+        for i in range(len(x)):
+            assert torch.equal(layer(x[i : i + 1]), batch[i : i + 1])
+        alone = layer(x[:1].view(1, 1, -1))
+    assert alone.shape == (1, 1, 64) and torch.equal(alone[0], batch[:1])
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""ctypes bindings of cpu_attention.c: the KV store and the decode attention kernel."""
+"""ctypes bindings of cpu_attention.c: the KV store and the paged attention kernel."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ _SOURCE = Path(__file__).with_name("cpu_attention.c")
 def library() -> ctypes.CDLL:
     lib = native.build(_SOURCE, "the CPU attention kernel")
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.decode_attention.argtypes = [
-        p, i64, i64, p, p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+    lib.paged_attention.argtypes = [
+        p, i64, i64, p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
         p, i64, i64, ctypes.c_int,
     ]  # fmt: skip
-    lib.decode_attention.restype = ctypes.c_int
+    lib.paged_attention.restype = ctypes.c_int
     lib.store_kv.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, p, i64, i64, i64]
     lib.store_kv.restype = None
     return lib
@@ -43,7 +43,7 @@ def store_kv(
     )  # fmt: skip
 
 
-def decode_attention(
+def paged_attention(
     lib: ctypes.CDLL,
     q: torch.Tensor,
     kv_cache: KVCache,
@@ -51,21 +51,22 @@ def decode_attention(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """Attend the decode rows (the first `meta.num_decodes`) of q [T, Hq, D] into out."""
+    """Attend every row's query tokens of q [T, Hq, D] (decode rows and prefill chunks) into
+    out, each token with the bits it would get as a decode row."""
     k_cache, v_cache = kv_cache
     if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
         raise ValueError(f"the CPU attention kernel is float32 only, got {q.dtype}")
     if q.stride(2) != 1 or out.stride(2) != 1 or not k_cache.is_contiguous():
         raise ValueError("the CPU attention kernel needs unit-stride head dims")
-    rows = meta.num_decodes
     kv_heads, _, head_dim = k_cache.shape
     tables = meta.block_tables.contiguous()
+    starts = meta.query_start_loc.contiguous()
     seq_lens = meta.seq_lens.contiguous()
-    status = lib.decode_attention(
+    status = lib.paged_attention(
         q.data_ptr(), q.stride(0), q.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-        tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
-        rows, q.shape[1], kv_heads, head_dim, meta.block_size,
+        tables.data_ptr(), tables.stride(0), starts.data_ptr(), seq_lens.data_ptr(),
+        len(meta.query_lens_host), q.shape[1], kv_heads, head_dim, meta.block_size,
         meta.max_seq_len, scale,
         out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads(),
     )  # fmt: skip

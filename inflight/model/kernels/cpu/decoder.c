@@ -1,8 +1,7 @@
 /* A whole step of a Llama-family decoder in one call: every layer, through the same kernels the
    Python layers call one by one (reached here through function pointers, so this file holds no
-   arithmetic of its own and the results are the Python path's bit for bit). Decode rows attend in
-   the native kernel; the attention of prefill rows, which the layers run in torch, is handed
-   back to the caller once per layer (`prefill`).
+   arithmetic of its own and the results are the Python path's bit for bit), attention included:
+   decode rows and prefill chunks alike in the CPU attention backend's kernel.
 
    At short-chat batch sizes the Python around a layer's ten native calls cost about a third of
    the step; here each layer is ten plain C calls. The caller runs the embedding before and the
@@ -33,15 +32,13 @@ typedef void (*lora_add_fn)(const float *x, int64_t x_stride, float *y, int64_t 
                             const float *bt, const int32_t *ranks, int64_t slots,
                             int64_t max_rank, const int64_t *starts, int64_t parts, int64_t in,
                             int64_t out, int threads);
-/* Attends the prefill rows of layer `layer` from `qk` into their rows of `attn`; 0 on success. */
-typedef int (*prefill_fn)(int64_t layer);
 typedef int (*attention_fn)(const float *q, int64_t q_stride_t, int64_t q_stride_h,
                             const float *k_cache, const float *v_cache, int64_t kv_stride_h,
                             const int32_t *block_tables, int64_t bt_stride,
-                            const int32_t *seq_lens, int64_t rows, int64_t q_heads,
-                            int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                            int64_t max_seq_len, float scale, float *out, int64_t out_stride_t,
-                            int64_t out_stride_h, int threads);
+                            const int32_t *query_start, const int32_t *seq_lens, int64_t rows,
+                            int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t max_seq_len, float scale, float *out,
+                            int64_t out_stride_t, int64_t out_stride_h, int threads);
 
 /* One stretch of a linear layer's output rows run by one kernel (a fused layer whose parts are
    stored in types of different kernels has several). */
@@ -78,12 +75,12 @@ typedef struct {
 } Layer;
 
 typedef struct {
-    void *rms_norm, *silu_mul, *rope, *store_kv, *attention, *prefill, *lora_add;
+    void *rms_norm, *silu_mul, *rope, *store_kv, *attention, *lora_add;
     /* [tokens] each token's LoRA slot (-1: none), or NULL: no token has one */
     const int32_t *token_slots;
-    int64_t layers, tokens, decodes, hidden, heads, kv_heads, head_dim;
+    int64_t layers, tokens, rows, hidden, heads, kv_heads, head_dim;
     float eps, scale;
-    /* The caller's buffers. qk and attn, which `prefill` reads and writes: q and k rotated
+    /* The caller's buffers. qk and attn, attention's input and output: q and k rotated
        (without q/k norms [tokens, heads + kv_heads, head_dim]; with them q [tokens, heads,
        head_dim], then k), and attention's output [tokens, heads, head_dim]. h [tokens, hidden]:
        a norm's output; big, act and scratch [tokens, wide] (wide: the widest input or output
@@ -92,14 +89,10 @@ typedef struct {
     float *qk, *attn, *h, *big, *act, *scratch;
     const float *cos_, *sin_; /* [tokens, head_dim] */
     const int64_t *slots;
-    const int32_t *block_tables, *seq_lens;
+    const int32_t *block_tables, *query_start, *seq_lens; /* of the step's `rows` rows */
     int64_t bt_stride, block_size, max_seq_len, kv_stride_h;
     int64_t threads;
 } Step;
-
-/* `prefill` failed (the caller knows why); a kernel's own nonzero status is returned as it
-   is. */
-#define PREFILL_FAILED (-101)
 
 static int run_part(const Part *p, const float *x, int64_t m, int64_t k, float *out,
                     int threads) {
@@ -140,9 +133,8 @@ static int run_linear(const Step *s, const Linear *l, const float *x, float *out
     return status;
 }
 
-/* x [tokens, hidden]: the embedded tokens in (the `decodes` decode rows first), the last layer's
-   output out; residual: the residual stream the final norm adds x to. Returns 0, or an error
-   code. */
+/* x [tokens, hidden]: the embedded tokens in, the last layer's output out; residual: the residual
+   stream the final norm adds x to. Returns 0, or the nonzero status of the kernel that failed. */
 int decoder_step(const Step *s, const Layer *layers, float *x, float *residual) {
     const int threads = (int)s->threads;
     const int64_t t = s->tokens, hidden = s->hidden, d = s->head_dim;
@@ -191,17 +183,11 @@ int decoder_step(const Step *s, const Layer *layers, float *x, float *residual) 
         }
         ((store_kv_fn)s->store_kv)(k, k_stride, d, qkv + q_size + kv_size, qkv_n, d, l->k_cache,
                                    l->v_cache, s->kv_stride_h, s->slots, t, s->kv_heads, d);
-        if (s->decodes > 0) {
-            status = ((attention_fn)s->attention)(
-                q, q_stride, d, l->k_cache, l->v_cache, s->kv_stride_h, s->block_tables,
-                s->bt_stride, s->seq_lens, s->decodes, s->heads, s->kv_heads, d, s->block_size,
-                s->max_seq_len, s->scale, attn, q_size, d, threads);
-            if (status) break;
-        }
-        if (s->decodes < t && ((prefill_fn)s->prefill)(i) != 0) {
-            status = PREFILL_FAILED;
-            break;
-        }
+        status = ((attention_fn)s->attention)(
+            q, q_stride, d, l->k_cache, l->v_cache, s->kv_stride_h, s->block_tables,
+            s->bt_stride, s->query_start, s->seq_lens, s->rows, s->heads, s->kv_heads, d,
+            s->block_size, s->max_seq_len, s->scale, attn, q_size, d, threads);
+        if (status) break;
         if ((status = run_linear(s, &l->o, attn, x))) break;
         rms_norm(x, hidden, residual, hidden, h, residual, l->post_norm, t, hidden, s->eps,
                  threads);

@@ -3,15 +3,14 @@
 `build_step` builds a `DecoderStep` once per model and KV cache from the plain descriptions its
 layers give of themselves (`LayerKernels`: their norms' weights, which kernel runs each linear
 layer on which tensors, their LoRA slots, their KV cache); each call then fills in the step's
-metadata. It holds the tensors it points at, so none is freed while it lives. The attention of a
-step's prefill rows comes back to Python once per layer, through a callback.
+metadata. It holds the tensors it points at, so none is freed while it lives.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +23,6 @@ from inflight.model.metadata import AttentionMetadata, KVCache
 _SOURCE = Path(__file__).with_name("decoder.c")
 _MAX_PARTS = 4  # decoder.c's MAX_PARTS
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
-_PREFILL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64)
-# (layer, q [T, heads, head_dim], out [T, heads, head_dim]): attend the step's prefill rows of
-# that layer into their rows of out.
-PrefillAttention = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -144,12 +139,11 @@ class _Step(ctypes.Structure):
         ("rope", _p),
         ("store_kv", _p),
         ("attention", _p),
-        ("prefill", _p),
         ("lora_add", _p),
         ("token_slots", _p),
         *(
             (name, _i64)
-            for name in ("layers", "tokens", "decodes", "hidden", "heads", "kv_heads", "head_dim")
+            for name in ("layers", "tokens", "rows", "hidden", "heads", "kv_heads", "head_dim")
         ),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
@@ -158,6 +152,7 @@ class _Step(ctypes.Structure):
         ("sin_", _p),
         ("slots", _p),
         ("block_tables", _p),
+        ("query_start", _p),
         ("seq_lens", _p),
         *((name, _i64) for name in ("bt_stride", "block_size", "max_seq_len", "kv_stride_h")),
         ("threads", _i64),
@@ -252,7 +247,6 @@ class DecoderStep:
             entry.gate_up = _linear(layer.gate_up, hidden)
             entry.down = _linear(layer.down, entry.gate_up.out_features // 2)
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-        self._qk_norms = layers[0].qk_norms is not None
         # The widest input or output of a linear layer: the width of the step's work buffers.
         self._wide = max(
             max(linear.in_features, linear.out_features)
@@ -265,7 +259,7 @@ class DecoderStep:
             rope=_address(ops.rope),
             store_kv=_address(attention.store_kv),
             lora_add=_address(ops.lora_add),
-            attention=_address(attention.decode_attention),
+            attention=_address(attention.paged_attention),
             layers=len(layers),
             hidden=hidden,
             heads=heads,
@@ -282,13 +276,12 @@ class DecoderStep:
         cos: torch.Tensor,
         sin: torch.Tensor,
         meta: AttentionMetadata,
-        prefill: PrefillAttention,
         token_slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's output and the residual stream, from the embedded tokens x
         [T, hidden] (float32; written in place where contiguous) whose cos, sin [T, 1, head_dim]
-        are their positions' angles; `prefill` attends the prefill rows, if the step has any;
-        `token_slots`: [T] int32, each token's LoRA slot (-1: the base model alone)."""
+        are their positions' angles; `token_slots`: [T] int32, each token's LoRA slot (-1: the
+        base model alone)."""
         tokens = x.shape[0]
         x = x.contiguous()
         residual = torch.empty_like(x)
@@ -299,30 +292,13 @@ class DecoderStep:
         attn = torch.empty(tokens, heads, dim)
         h = torch.empty(tokens, step.hidden)
         big, act, scratch = torch.empty(3, tokens, self._wide)
-        errors: list[BaseException] = []
-        callback = None
-        if meta.num_decodes < tokens:
-            if self._qk_norms:  # decoder.c's layout: q, then k
-                q = qk[: tokens * heads * dim].view(tokens, heads, dim)
-            else:
-                q = qk.view(tokens, heads + kv_heads, dim)[:, :heads]
-
-            def attend(layer: int) -> int:
-                try:
-                    prefill(layer, q, attn)
-                except BaseException as exc:  # raised again below, once back from C
-                    errors.append(exc)
-                    return 1
-                return 0
-
-            callback = _PREFILL(attend)
         cos = cos.reshape(tokens, -1).contiguous()
         sin = sin.reshape(tokens, -1).contiguous()
         slots = meta.slot_mapping.contiguous()
         tables = meta.block_tables.contiguous()
+        starts = meta.query_start_loc.contiguous()
         seq_lens = meta.seq_lens.contiguous()
-        step.tokens, step.decodes = tokens, meta.num_decodes
-        step.prefill = None if callback is None else ctypes.cast(callback, _p).value
+        step.tokens, step.rows = tokens, len(meta.query_lens_host)
         step.qk, step.attn, step.h = qk.data_ptr(), attn.data_ptr(), h.data_ptr()
         step.big, step.act, step.scratch = big.data_ptr(), act.data_ptr(), scratch.data_ptr()
         if token_slots is not None:
@@ -330,14 +306,13 @@ class DecoderStep:
         step.token_slots = None if token_slots is None else token_slots.data_ptr()
         step.cos_, step.sin_ = cos.data_ptr(), sin.data_ptr()
         step.slots, step.block_tables = slots.data_ptr(), tables.data_ptr()
-        step.seq_lens, step.bt_stride = seq_lens.data_ptr(), tables.stride(0)
+        step.query_start, step.seq_lens = starts.data_ptr(), seq_lens.data_ptr()
+        step.bt_stride = tables.stride(0)
         step.block_size, step.max_seq_len = meta.block_size, meta.max_seq_len
         step.threads = torch.get_num_threads()
         status = self._lib.decoder_step(
             ctypes.byref(step), self._array, x.data_ptr(), residual.data_ptr()
         )
-        if errors:
-            raise errors[0]
         if status != 0:
             raise RuntimeError(f"the CPU decoder step failed with status {status}")
         return x, residual

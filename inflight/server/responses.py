@@ -14,12 +14,12 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
+from pydantic import BaseModel
 
 from inflight.protocol.outputs import RequestOutput
 from inflight.protocol.request import GenerationRequest, SamplingParams, StructuredOutputs
@@ -29,268 +29,29 @@ from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient, Run
 from inflight.server.errors import ServerError
 from inflight.server.parsers import MessageDelta, MessageParser
-from inflight.server.protocol import SamplingFields, Strict, Temperature, TopP
+from inflight.server.protocol import SamplingFields
+from inflight.server.responses_protocol import (
+    INPUT_ITEM,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionChoice,
+    FunctionToolSpec,
+    InputImage,
+    InputText,
+    MessageItem,
+    OpenObject,
+    OutputText,
+    ReasoningConfig,
+    ReasoningItem,
+    Refusal,
+    ResponsesRequest,
+    TextFormatJsonObject,
+    TextFormatJsonSchema,
+)
 from inflight.server.tools import FunctionTool, ToolChoice, tool_choice
 
 # How many stored responses the server keeps.
 STORE_CAPACITY = 1024
-
-ItemStatus = Literal["in_progress", "completed", "incomplete"]
-
-
-class _Open(BaseModel):
-    """An object of a kind this server does not serve (a tool, item or part type): accepted by
-    the schema, so that the refusal names its type."""
-
-    model_config = ConfigDict(extra="allow")
-    type: str | None = None
-
-
-def _tagged(known: Sequence[str]) -> Discriminator:
-    """A discriminator: the object's `type` when it is one of `known`, else "other"."""
-
-    def kind(value: Any) -> str:
-        found = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-        return found if found in known else "other"
-
-    return Discriminator(kind)
-
-
-# -- request bodies ----------------------------------------------------------------------------
-
-
-class InputText(Strict):
-    type: Literal["input_text"]
-    text: str
-    prompt_cache_breakpoint: dict[str, Any] | None = None
-
-
-class InputImage(Strict):
-    type: Literal["input_image"]
-    image_url: str | None = None  # a data:image/...;base64 URL, or http(s) where the server fetches
-    file_id: str | None = None
-    detail: str | None = None
-    prompt_cache_breakpoint: dict[str, Any] | None = None
-
-
-class OutputText(Strict):
-    """An assistant's text, as a response returned it and a client sends it back."""
-
-    type: Literal["output_text"]
-    text: str
-    annotations: list[dict[str, Any]] | None = None
-    logprobs: list[dict[str, Any]] | None = None
-
-
-class Refusal(Strict):
-    type: Literal["refusal"]
-    refusal: str
-
-
-_PART_TYPES = ("input_text", "input_image", "output_text", "refusal")
-ContentPart = Annotated[
-    Annotated[InputText, Tag("input_text")]
-    | Annotated[InputImage, Tag("input_image")]
-    | Annotated[OutputText, Tag("output_text")]
-    | Annotated[Refusal, Tag("refusal")]
-    | Annotated[_Open, Tag("other")],
-    _tagged(_PART_TYPES),
-]
-
-
-class MessageItem(Strict):
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[ContentPart]
-    id: str | None = None
-    status: ItemStatus | None = None
-    phase: Literal["commentary", "final_answer"] | None = None
-
-
-class FunctionCallItem(Strict):
-    type: Literal["function_call"]
-    call_id: str
-    name: str
-    arguments: str  # a JSON object's text
-    id: str | None = None
-    status: ItemStatus | None = None
-    namespace: str | None = None
-    caller: dict[str, Any] | None = None
-
-
-class FunctionCallOutputItem(Strict):
-    type: Literal["function_call_output"]
-    call_id: str
-    output: str | list[ContentPart]
-    id: str | None = None
-    status: ItemStatus | None = None
-    name: str | None = None
-    namespace: str | None = None
-    caller: dict[str, Any] | None = None
-
-
-class SummaryText(Strict):
-    type: Literal["summary_text"]
-    text: str
-
-
-class ReasoningText(Strict):
-    type: Literal["reasoning_text"]
-    text: str
-
-
-class ReasoningItem(Strict):
-    type: Literal["reasoning"]
-    id: str | None = None
-    summary: list[SummaryText] = Field(default_factory=list)
-    content: list[ReasoningText] | None = None
-    encrypted_content: str | None = None
-    status: ItemStatus | None = None
-
-
-_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
-
-
-def _item_type(value: Any) -> str:
-    found = (
-        value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
-    )
-    return found if found in _ITEM_TYPES else "other"
-
-
-InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[ReasoningItem, Tag("reasoning")]
-    | Annotated[_Open, Tag("other")],
-    Discriminator(_item_type),  # a message may leave out its type
-]
-_INPUT_ITEM: TypeAdapter[Any] = TypeAdapter(InputItem)
-
-
-class FunctionToolSpec(Strict):
-    type: Literal["function"]
-    name: Annotated[str, Field(min_length=1)]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
-    strict: bool | None = None  # forced tool choices are always constrained; auto never
-
-
-ResponsesTool = Annotated[
-    Annotated[FunctionToolSpec, Tag("function")] | Annotated[_Open, Tag("other")],
-    _tagged(("function",)),
-]
-
-
-class FunctionChoice(Strict):
-    type: Literal["function"]
-    name: str
-
-
-NamedChoice = Annotated[
-    Annotated[FunctionChoice, Tag("function")] | Annotated[_Open, Tag("other")],
-    _tagged(("function",)),
-]
-
-
-class TextFormatText(Strict):
-    type: Literal["text"]
-
-
-class TextFormatJsonObject(Strict):
-    type: Literal["json_object"]
-
-
-class TextFormatJsonSchema(Strict):
-    type: Literal["json_schema"]
-    name: str
-    json_schema: dict[str, Any] = Field(alias="schema")
-    description: str | None = None
-    strict: bool | None = None
-
-
-TextFormat = Annotated[
-    Annotated[TextFormatText, Tag("text")]
-    | Annotated[TextFormatJsonObject, Tag("json_object")]
-    | Annotated[TextFormatJsonSchema, Tag("json_schema")],
-    Discriminator("type"),
-]
-
-
-class TextConfig(Strict):
-    format: TextFormat | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None
-
-
-Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
-Summary = Literal["auto", "concise", "detailed"]
-
-
-class ReasoningConfig(Strict):
-    effort: Effort | None = None
-    summary: Summary | None = None
-    generate_summary: Summary | None = None  # the older name of `summary`
-
-
-class ResponsesStreamOptions(Strict):
-    include_obfuscation: bool = True  # the padding field is never sent here
-
-
-class ResponsesRequest(Strict):
-    model: str | None = None
-    input: str | list[InputItem] | None = None
-    instructions: str | None = None
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    tools: list[ResponsesTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
-    parallel_tool_calls: bool | None = None
-    text: TextConfig | None = None
-    reasoning: ReasoningConfig | None = None
-    stream: bool = False
-    stream_options: ResponsesStreamOptions | None = None
-    store: bool | None = True
-    previous_response_id: str | None = None
-    truncation: Literal["auto", "disabled"] | None = None
-    metadata: dict[str, str] | None = None
-    include: list[str] | None = None
-    # Accepted, with nothing to do here: a limit on built-in tools (not served), a count that
-    # only output logprobs read (refused), hints to a hosted service's caching, routing and
-    # abuse checks.
-    max_tool_calls: Annotated[int, Field(ge=0)] | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    user: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
-    service_tier: str | None = None
-    # Accepted by the schema, refused (`refusal`) when set.
-    background: bool | None = None
-    conversation: str | dict[str, Any] | None = None
-    prompt: dict[str, Any] | None = None
-
-
-def refusal(body: ResponsesRequest) -> ServerError | None:
-    """A 400 naming the first option of this request the server does not serve."""
-    checks = [
-        ("background", bool(body.background), "background responses are not supported"),
-        (
-            "conversation",
-            body.conversation is not None,
-            "conversations are not supported; continue with previous_response_id",
-        ),
-        ("prompt", body.prompt is not None, "stored prompt templates are not supported"),
-        (
-            "include",
-            "message.output_text.logprobs" in (body.include or []),
-            "output logprobs are not supported on /v1/responses; "
-            "use /v1/chat/completions with logprobs",
-        ),
-    ]
-    return next((ServerError(400, m, f) for f, bad, m in checks if bad), None)
-
 
 # -- the store ---------------------------------------------------------------------------------
 
@@ -507,7 +268,7 @@ def responses_tool_choice(body: ResponsesRequest, chat: ChatSetup) -> ToolChoice
             )
         )
     choice = body.tool_choice
-    if isinstance(choice, _Open):
+    if isinstance(choice, OpenObject):
         raise ServerError(
             400,
             f"tool_choice of type {choice.type!r} is not supported; send none, auto, required "
@@ -737,7 +498,7 @@ class ResponseReply:
                 for item in output
                 if not (item["type"] == "function_call" and item["status"] == "incomplete")
             ]
-            conversation = [*self.conversation, *(_INPUT_ITEM.validate_python(i) for i in kept)]
+            conversation = [*self.conversation, *(INPUT_ITEM.validate_python(i) for i in kept)]
             self.store.put(self.id, StoredResponse(response, conversation))
         return response
 

@@ -19,12 +19,12 @@ from inflight.server.errors import ServerError
 from inflight.server.parsers import MessageParser
 from inflight.server.responses import (
     ResponseReply,
-    ResponsesRequest,
     ResponseStore,
     StoredResponse,
     Turn,
     chat_messages,
 )
+from inflight.server.responses_protocol import ResponsesRequest
 
 from server_harness import serve
 

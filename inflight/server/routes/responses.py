@@ -10,7 +10,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from inflight.server import responses
 from inflight.server.errors import ServerError
 from inflight.server.protocol import ignored_fields
-from inflight.server.responses import ResponsesRequest, ResponseStore
+from inflight.server.responses import ResponseStore
+from inflight.server.responses_protocol import ResponsesRequest, refusal
 from inflight.server.routes.openai import SSE_HEADERS, ignored_headers, started
 from inflight.server.state import State, check_body
 
@@ -30,9 +31,9 @@ async def create_response(
     body: ResponsesRequest, request: Request, state: State, store: Store
 ) -> Response:
     lora_name = check_body(state, body, body.model)
-    refusal = responses.refusal(body)
-    if refusal is not None:
-        raise refusal
+    refused = refusal(body)
+    if refused is not None:
+        raise refused
     client, chat = state.client, state.chat
     turn = responses.chat_turn(body, chat, store)
     params = responses.sampling_params(

@@ -10,7 +10,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from inflight.model.checkpoints.tokenizer import SpecialTokens, Tokenizer
 from inflight.protocol.request import RequestFieldError, StructuredOutputs
-from inflight.runtime.host.structured import GrammarCompiler, forbid_undeclared_properties
+from inflight.runtime.host.json_schemas import forbid_undeclared_properties
+from inflight.runtime.host.structured import GrammarCompiler
 
 from tiny_models import write_tokenizer
 

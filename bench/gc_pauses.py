@@ -15,7 +15,6 @@ forward, is what a step costs); with `--device cuda` it is `--shape` at full siz
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import time
 
@@ -54,17 +53,7 @@ def main() -> None:
     shape = args.shape
     if args.device == "cpu":
         torch.set_num_threads(1)
-        shape = "gc-pauses"
-        random_model.SHAPES[shape] = dataclasses.replace(
-            random_model.SHAPES[args.shape],
-            hidden_size=64,
-            intermediate_size=128,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=32,
-            vocab_size=2048,
-        )
+        shape = "host-step"
     work = workload(args.requests, random_model.SHAPES[shape].vocab_size)
     runtime = Runtime(
         random_model.random_checkpoint(shape, torch.device(args.device)),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import pstats
 import random
 import statistics
@@ -37,17 +36,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    shape = dataclasses.replace(
-        random_model.SHAPES["qwen3-0.6b"],
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=32,
-        vocab_size=2048,  # a small head and sampler: the host work is what is left
-    )
-    random_model.SHAPES["host-step"] = shape
+    shape = random_model.SHAPES["host-step"]
     runtime = Runtime(
         random_model.random_checkpoint("host-step", torch.device("cpu")),
         DeploymentOptions(

@@ -81,6 +81,14 @@ SHAPES = {
             conv_bias=True, proj_bias=False, norm_eps=1e-5, partial_rotary_factor=0.5,
         ),
     ),
+    # One small Qwen3 layer with a 2,048-token vocabulary: a step of it costs the host's work
+    # (scheduling, sampling bookkeeping, outputs), not the forward pass.
+    "host-step": ModelConfig(
+        family="qwen3", vocab_size=2048, hidden_size=64, intermediate_size=128,
+        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, rope=RopeConfig(theta=1_000_000.0),
+        tie_word_embeddings=True, qk_norm=True,
+    ),
 }  # fmt: skip
 
 

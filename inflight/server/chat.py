@@ -101,16 +101,20 @@ class ChatSetup:
         return args
 
     def constraint(
-        self, choice: ToolChoice | None, requested: StructuredOutputs | None
+        self,
+        choice: ToolChoice | None,
+        requested: StructuredOutputs | None,
+        requested_by: str = "response_format or structured_outputs",
     ) -> StructuredOutputs | None:
-        """The output constraint: a forced tool choice's, or the one the request asked for."""
+        """The output constraint: a forced tool choice's, or the one the request asked for
+        (in the fields `requested_by` names, which a refusal of both names)."""
         if choice is None or not choice.forced:
             return requested
         if requested is not None:
             raise ServerError(
                 400,
                 f"tool_choice {choice.mode!r} constrains the output itself; it does not combine "
-                "with response_format or structured_outputs",
+                f"with {requested_by}",
                 "tool_choice",
             )
         return forced_constraint(choice, self.arguments_key)

@@ -52,9 +52,10 @@ class AdmissionGate:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def check_fits(self, sequences: int, field: str | None = None) -> None:
-        """A 400 for a request of more sequences than the gate ever admits: retrying it could
-        never succeed, unlike a 429."""
+    def check(self, sequences: int, field: str | None = None) -> None:
+        """Whether `sequences` more may be admitted now: a 400 naming the limit for more than
+        the gate ever admits (retrying could never succeed), a 429 under in-flight batching
+        when they fit but not beside what runs now."""
         if sequences > self.limit:
             raise ServerError(
                 400,
@@ -63,19 +64,14 @@ class AdmissionGate:
                 f"{self.max_waiting}); send fewer prompts or a smaller n",
                 field,
             )
-
-    def has_room(self, sequences: int) -> bool:
-        """Whether `sequences` more may be admitted now (under in-flight batching)."""
-        return not self.ifb or self.active + sequences <= self.limit
+        if self.ifb and self.active + sequences > self.limit:
+            raise overloaded()
 
     async def acquire(self, sequences: int = 1) -> None:
         if self.closing:
             raise ServerError(503, "server is shutting down")
-        self.check_fits(sequences)
-        if self.ifb:
-            if not self.has_room(sequences):
-                raise overloaded()
-        else:
+        self.check(sequences)
+        if not self.ifb:
             if self.active + self.waiting >= 1 + self.max_waiting:
                 raise overloaded()
             self.waiting += 1

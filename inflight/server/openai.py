@@ -181,7 +181,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                     f"messages.{i}.function_call",
                 )
             call = m.function_call
-            arguments = _arguments(call.arguments, f"messages.{i}")
+            arguments = call_arguments(call.arguments, f"messages.{i}.function_call.arguments")
             # A legacy result names its function, not a call id: the function's name is both.
             message["tool_calls"] = [
                 {
@@ -207,8 +207,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                     "type": "function",
                     "function": {
                         "name": call.function.name,
-                        "arguments": _arguments(
-                            call.function.arguments, f"messages.{i}.tool_calls.{j}"
+                        "arguments": call_arguments(
+                            call.function.arguments,
+                            f"messages.{i}.tool_calls.{j}.function.arguments",
                         ),
                     },
                 }
@@ -250,15 +251,15 @@ def _content_parts(parts: list[Any], where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _arguments(text: str, where: str) -> dict[str, Any]:
+def call_arguments(text: str, field: str) -> dict[str, Any]:
+    """A call's arguments sent back in a conversation, as the object templates read (a 400
+    naming `field` when they are no JSON object)."""
     try:
         arguments = json.loads(text)
     except ValueError:
         arguments = None
     if not isinstance(arguments, dict):
-        raise ServerError(
-            400, "a tool call's arguments must be a JSON object", f"{where}.function.arguments"
-        )
+        raise ServerError(400, "a call's arguments must be a JSON object", field)
     return arguments
 
 

@@ -123,20 +123,14 @@ def chat_turn(body: ResponsesRequest, chat: ChatSetup, store: ResponseStore) -> 
     conversation = [*earlier, *given]
     messages = chat_messages(body.instructions, conversation, len(earlier))
     choice = responses_tool_choice(body, chat)
-    constraint = text_constraint(body)
     forced = choice is not None and choice.forced
-    if forced and constraint is not None:
-        raise ServerError(
-            400,
-            f"tool_choice {choice.mode!r} constrains the output itself; it does not combine with "
-            "a text.format of json_object or json_schema",
-            "tool_choice",
-        )
     return Turn(
         messages,
         conversation,
         choice,
-        chat.constraint(choice, constraint),
+        chat.constraint(
+            choice, text_constraint(body), "a text.format of json_object or json_schema"
+        ),
         _thinking(body, chat),
         {"structured_outputs": "tool_choice" if forced else "text.format"},
     )
@@ -171,10 +165,15 @@ def chat_messages(
         elif isinstance(item, MessageItem):
             out.append(_assistant(_text(item.content, f"{where}.content"), reasoning))
         elif isinstance(item, FunctionCallItem):
+            # A call without arguments may send them empty.
+            text = item.arguments if item.arguments.strip() else "{}"
             call = {
                 "id": item.call_id,
                 "type": "function",
-                "function": {"name": item.name, "arguments": _arguments(item.arguments, where)},
+                "function": {
+                    "name": item.name,
+                    "arguments": openai.call_arguments(text, f"{where}.arguments"),
+                },
             }
             # The calls of one reply join the message its text began.
             if not out or out[-1]["role"] != "assistant" or reasoning:
@@ -237,18 +236,6 @@ def _text(content: str | list[Any], where: str) -> str:
                 where,
             )
     return "".join(text)
-
-
-def _arguments(text: str, where: str) -> dict[str, Any]:
-    try:
-        arguments = json.loads(text) if text.strip() else {}
-    except ValueError:
-        arguments = None
-    if not isinstance(arguments, dict):
-        raise ServerError(
-            400, "a function call's arguments must be a JSON object", f"{where}.arguments"
-        )
-    return arguments
 
 
 def responses_tool_choice(body: ResponsesRequest, chat: ChatSetup) -> ToolChoice | None:

@@ -26,7 +26,9 @@ async def messages(body: AnthropicMessagesRequest, request: Request, state: Stat
     conversation = anthropic.chat_messages(body.system, body.messages)
     requested = anthropic.structured_outputs(body)
     params = anthropic.sampling_params(
-        body, client.llm.get_default_sampling_params(), chat.constraint(choice, requested)
+        body,
+        client.llm.get_default_sampling_params(),
+        chat.constraint(choice, requested, "output_config.format or output_format"),
     )
     thinking, ignored = anthropic.thinking_switch(body, chat)
     forced = choice is not None and choice.forced

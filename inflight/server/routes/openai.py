@@ -16,7 +16,7 @@ from inflight.protocol.outputs import RequestOutput
 from inflight.protocol.request import SamplingParams
 from inflight.server import openai
 from inflight.server.client import Run
-from inflight.server.errors import ServerError, openai_error_payload, overloaded
+from inflight.server.errors import ServerError, openai_error_payload
 from inflight.server.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields
 from inflight.server.state import State, check_body
 
@@ -104,16 +104,14 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     )
     if body.echo and body.max_tokens == 0 and params.prompt_logprobs is None:
         params = SamplingParams(**{**vars(params), "prompt_logprobs": 0})
-    # A prompt list is admitted whole or refused whole: too big ever (400) or busy now (429),
-    # before any of it runs; then the engine queues its prompts and seats them as room frees.
-    sequences = len(prompts) * params.n
-    client.gate.check_fits(sequences, "prompt")
     params_of = openai.field_params(body)
     prepared = [
         client.prepare(p, params, params_of=params_of, lora_name=lora_name) for p in prompts
     ]
-    if not client.gate.has_room(sequences):
-        raise overloaded()
+    # A prompt list is admitted whole or refused whole: too big ever (400) or busy now (429),
+    # before any of it runs; then the engine queues its prompts and seats them as room frees.
+    client.gate.check(len(prompts) * params.n, "prompt")
+    headers = ignored_headers(ignored_fields(body))
     reply = openai.CompletionReply(
         lora_name or state.settings.served_model_name, llm.tokenizer, body
     )
@@ -130,12 +128,10 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
         return StreamingResponse(
             openai_events(reply.stream(prepared, runs, usage)),
             media_type="text/event-stream",
-            headers={**SSE_HEADERS, **ignored_headers(ignored_fields(body))},
+            headers={**SSE_HEADERS, **headers},
         )
     outputs = await gather([client.generate(p, request.is_disconnected) for p in prepared])
-    return JSONResponse(
-        reply.whole(prepared, outputs), headers=ignored_headers(ignored_fields(body))
-    )
+    return JSONResponse(reply.whole(prepared, outputs), headers=headers)
 
 
 @router.get("/v1/models")

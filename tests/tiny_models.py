@@ -342,3 +342,38 @@ def small_shape(shape: ModelConfig) -> ModelConfig:
         mamba = replace(shape.mamba, layer_types=("mamba", "attention"), n_heads=4, head_dim=32)
         small = replace(small, mamba=replace(mamba, d_state=16, chunk_size=8))
     return small
+
+
+# Tiny mixture-of-experts checkpoints: 8 experts, 2 a token (Qwen3-MoE with its renormalized
+# weights, and without them beside a dense first layer; Qwen2-MoE with its gated shared
+# expert; Mixtral).
+MOE_FAMILIES = ("qwen3_moe", "qwen3_moe_dense_first", "qwen2_moe", "mixtral")
+
+
+def make_tiny_moe(name: str, path: Path, seed: int = 0):
+    """A tiny random mixture-of-experts checkpoint `name` (of MOE_FAMILIES) written to `path`
+    with a tokenizer; returns the transformers model (float32)."""
+    import transformers as tf
+
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    config_cls, model_cls, extra = {
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(norm_topk_prob=True)),
+        "qwen3_moe_dense_first": (
+            tf.Qwen3MoeConfig,
+            tf.Qwen3MoeForCausalLM,
+            dict(norm_topk_prob=False, mlp_only_layers=[0]),
+        ),
+        "qwen2_moe": (
+            tf.Qwen2MoeConfig,
+            tf.Qwen2MoeForCausalLM,
+            dict(shared_expert_intermediate_size=48),
+        ),
+        "mixtral": (
+            tf.MixtralConfig,
+            tf.MixtralForCausalLM,
+            dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+        ),
+    }[name]
+    if name != "mixtral":
+        extra = {**experts, **extra}
+    return _save_random(model_cls, config_cls(**{**COMMON, "head_dim": 16, **extra}), path, seed)

@@ -95,6 +95,68 @@ class MambaConfig:
         return self.layer_types.count("attention")
 
 
+# How a router scores the experts: "softmax" (top-k of the logits, weighted by their softmax:
+# over the k, or over all experts where the weights are not renormalized) or "sigmoid" (each
+# expert's sigmoid, chosen with a selection bias, within the best groups).
+ROUTER_SCORINGS = ("softmax", "sigmoid")
+# An expert's feed-forward: "silu" (SwiGLU), "relu2" (relu(up x)², no gate), "swiglu_clamped"
+# (gpt-oss: gate and up clamped, (up + 1) * gate * sigmoid(alpha * gate)).
+EXPERT_ACTIVATIONS = ("silu", "relu2", "swiglu_clamped")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts layers of a decoder: which layers are sparse, how their router
+    picks `top_k` of `num_experts` experts for each token and weights them, and the experts'
+    shape. A sparse layer may add a shared expert (an MLP every token runs, of
+    `shared_intermediate_size`; `shared_gate`: scaled by sigmoid(x · w), Qwen2-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    sparse_layers: tuple[int, ...]  # the decoder layers whose MLP is the mixture
+    scoring: str = "softmax"
+    renormalize: bool = True  # the k weights divided by their sum
+    router_bias: bool = False  # gpt-oss: a bias on the router's logits
+    selection_bias: bool = False  # sigmoid routers: a per-expert bias that only chooses
+    num_groups: int = 1  # sigmoid routers: experts in groups, of which the best `topk_groups`
+    topk_groups: int = 1
+    scaling_factor: float = 1.0  # the chosen weights scaled by it
+    activation: str = "silu"
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    shared_intermediate_size: int = 0
+    shared_gate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ROUTER_SCORINGS:
+            raise ValueError(
+                f"unsupported router scoring {self.scoring!r}; "
+                f"supported: {', '.join(ROUTER_SCORINGS)}"
+            )
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(
+                f"unsupported expert activation {self.activation!r}; "
+                f"supported: {', '.join(EXPERT_ACTIVATIONS)}"
+            )
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(
+                f"experts per token ({self.top_k}) must be in 1..{self.num_experts} (the experts)"
+            )
+        if self.num_experts % self.num_groups or not 0 < self.topk_groups <= self.num_groups:
+            raise ValueError(
+                f"{self.num_experts} experts in {self.num_groups} groups, of which "
+                f"{self.topk_groups} chosen: the groups must divide the experts and hold the "
+                "chosen ones"
+            )
+
+    @property
+    def gated(self) -> bool:
+        """Whether an expert's first matmul yields a gate and an up half (all but relu²)."""
+        return self.activation != "relu2"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     family: str
@@ -118,6 +180,7 @@ class ModelConfig:
     vision: EncoderConfig | None = None  # image input, if any
     audio: EncoderConfig | None = None  # audio input (Voxtral), if any
     mamba: MambaConfig | None = None  # hybrid Mamba2 layers (Bamba, NemotronH), if any
+    moe: MoEConfig | None = None  # mixture-of-experts layers, if any
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

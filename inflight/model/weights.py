@@ -47,8 +47,9 @@ def load_fused(
     """Copy (name, tensor) pairs, named as `module`'s parameters would be unfused, into them:
     a name holding a key of `fused` ("...q_proj...") goes to that key's replacement
     ("...qkv_proj...") at shard index i of its parts (`sizes`, by the fused parameter's module
-    name). An unknown tensor, a missing one (but parameters under the `skip` prefixes), or a
-    shape that differs is a ValueError naming it."""
+    name, or its last two: "shared_expert.gate_up_proj" before "gate_up_proj"). An unknown
+    tensor, a missing one (but parameters whose names hold one of `skip`), or a shape that
+    differs is a ValueError naming it."""
     params = dict(module.named_parameters())
     loaded: set[str] = set()
     for name, tensor in weights:
@@ -61,17 +62,23 @@ def load_fused(
             raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
         dest, label = params[target], target
         if shard is not None:
-            parts = sizes[target.split(".")[-2]]
+            parts = _parts(sizes, target)
             dest = dest.narrow(0, sum(parts[:shard]), parts[shard])
             label = f"{target}[{shard}]"
         copy_into(dest, tensor, name)
         loaded.add(label)
     expected = set()
     for pname in params:
-        if pname.startswith(skip):
+        if any(part in pname for part in skip):
             continue
-        parts = sizes.get(pname.split(".")[-2], ())
+        parts = _parts(sizes, pname) if "." in pname else ()
         expected.update([f"{pname}[{i}]" for i in range(len(parts))] if parts else [pname])
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _parts(sizes: Mapping[str, list[int]], name: str) -> list[int]:
+    """The part sizes of parameter `name`'s module: by its last two names, else its own."""
+    path = name.split(".")[:-1]
+    return sizes.get(".".join(path[-2:])) or sizes.get(path[-1], [])

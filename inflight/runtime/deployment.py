@@ -36,6 +36,7 @@ class ModelFacts:
     # computed exactly by full attention, which is what the runtime runs.
     sliding_window: int | None = None
     recurrent: bool = False  # hybrid Mamba layers: recurrent state beside the KV
+    experts: bool = False  # mixture-of-experts layers
     media: tuple[str, ...] = ()  # the kinds of media it takes
     mrope: bool = False  # M-RoPE positions (Qwen2-VL)
 
@@ -161,6 +162,24 @@ def _recurrent(d: Deployment) -> str | None:
     return None
 
 
+def _experts(d: Deployment) -> str | None:
+    """Mixture-of-experts layers run whole on one device, without adapters."""
+    if not d.model.experts:
+        return None
+    family = d.model.family
+    if d.tensor_parallel:
+        return (
+            f"tensor parallelism does not split mixture-of-experts layers ({family}); start "
+            "with tensor_parallel_size=1 (--tensor-parallel-size 1)"
+        )
+    if d.options.enable_lora:
+        return (
+            f"LoRA is not served for mixture-of-experts models ({family}); start without "
+            "--enable-lora"
+        )
+    return None
+
+
 def _quantization(d: Deployment) -> str | None:
     q = d.options.quantization
     if q == "fp8":
@@ -228,6 +247,7 @@ RULES: tuple[Rule, ...] = (
     _lora_modules_need_lora,
     _tensor_parallel,
     _recurrent,
+    _experts,
     _quantization,
     _attention,
     _kv_cache_dtype,
@@ -316,7 +336,11 @@ def resolve(
         model=model,
         device=d.device,
         dtype=d.dtype,
-        cuda_graphs=options.cuda_graphs and cuda and options.attention_backend != "torch",
+        # The experts' matmuls are sized by a step's routing, which a graph cannot replay.
+        cuda_graphs=options.cuda_graphs
+        and cuda
+        and options.attention_backend != "torch"
+        and not model.experts,
         overlap=cuda if options.overlap is None else options.overlap,
         max_model_len=max_model_len,
         num_kv_blocks=options.num_kv_blocks or options.max_batch_size * blocks_per_sequence,

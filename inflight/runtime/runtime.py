@@ -66,6 +66,7 @@ def model_facts(config: ModelConfig) -> ModelFacts:
         max_position_embeddings=config.max_position_embeddings,
         sliding_window=config.sliding_window,
         recurrent=config.mamba is not None,
+        experts=config.moe is not None,
         media=tuple(encoder.kind for encoder in config.encoders),
         mrope=config.rope.mrope_section is not None,
     )

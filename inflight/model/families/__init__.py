@@ -5,6 +5,8 @@ from inflight.model.families import (  # noqa: F401 (imported to register)
     hybrid,
     llama,
     llava,
+    mixtral,
     qwen2_vl,
+    qwen_moe,
     voxtral,
 )

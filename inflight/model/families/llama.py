@@ -32,6 +32,7 @@ from inflight.model.layers.linear import Linear, process_weights_after_loading
 from inflight.model.layers.lora import LoRAMapping
 from inflight.model.layers.lora_adapters import LoRAAdapters
 from inflight.model.layers.mamba import MambaStates
+from inflight.model.layers.moe import SparseMoeBlock
 from inflight.model.layers.norm import RMSNorm
 from inflight.model.layers.parallel import TensorParallel, VocabParallelEmbedding
 from inflight.model.layers.platform import Platform
@@ -63,6 +64,8 @@ _MULTIMODAL_NAMES = (
     ("model.visual.", "visual."),
     ("model.audio_tower.", "audio_tower."),
 )
+# Mixtral's checkpoints call a layer's mixture of experts `block_sparse_moe`.
+_EXPERT_BLOCK_NAMES = (".block_sparse_moe.", ".mlp.")
 # The media encoder's tensors (LLaVA's and Voxtral's, Qwen2-VL's).
 _ENCODER_NAMES = ("vision_tower.", "multi_modal_projector.", "visual.", "audio_tower.")
 
@@ -70,10 +73,13 @@ _ENCODER_NAMES = ("vision_tower.", "multi_modal_projector.", "visual.", "audio_t
 def shard_sizes(config: ModelConfig) -> dict[str, list[int]]:
     """The output size of each part of a fused decoder parameter."""
     kv_size = config.num_kv_heads * config.head_dim
-    return {
+    sizes = {
         "qkv_proj": [config.num_heads * config.head_dim, kv_size, kv_size],
         "gate_up_proj": [config.intermediate_size] * 2,
     }
+    if config.moe is not None and config.moe.shared_intermediate_size:
+        sizes["shared_expert.gate_up_proj"] = [config.moe.shared_intermediate_size] * 2
+    return sizes
 
 
 def build_lm_head(config: ModelConfig, methods: LinearMethods, rows: int | None = None) -> Linear:
@@ -180,6 +186,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU of `intermediate` (default: the config's intermediate_size)."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -187,10 +195,12 @@ class MLP(nn.Module):
         methods: LinearMethods,
         prefix: str,
         parallel: TensorParallel | None = None,
+        intermediate: int | None = None,
     ) -> None:
         super().__init__()
         self.parallel = parallel
-        hidden, intermediate = config.hidden_size, config.intermediate_size
+        hidden = config.hidden_size
+        intermediate = intermediate or config.intermediate_size
         self.gate_up_proj = decoder_linear(
             hidden, 2 * intermediate, config.mlp_bias, methods, f"{prefix}.gate_up_proj"
         )
@@ -204,21 +214,48 @@ class MLP(nn.Module):
         return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
+def feed_forward(
+    config: ModelConfig,
+    index: int,
+    platform: Platform,
+    methods: LinearMethods,
+    prefix: str,
+    parallel: TensorParallel | None = None,
+) -> MLP | SparseMoeBlock:
+    """Decoder layer `index`'s feed-forward: its mixture of experts where the config makes the
+    layer sparse (with its shared expert, a SwiGLU MLP), else the dense MLP."""
+    moe = config.moe
+    if moe is None or index not in moe.sparse_layers:
+        return MLP(config, platform, methods, prefix, parallel)
+    shared = None
+    if moe.shared_intermediate_size:
+        shared = MLP(
+            config,
+            platform,
+            methods,
+            f"{prefix}.shared_expert",
+            parallel,
+            moe.shared_intermediate_size,
+        )
+    return SparseMoeBlock(config.hidden_size, moe, platform, methods, prefix, shared)
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
+        index: int,
         platform: Platform,
         methods: LinearMethods,
-        prefix: str,
         parallel: TensorParallel | None = None,
     ) -> None:
         super().__init__()
+        prefix = f"layers.{index}"
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps, platform)
         self.self_attn = Attention(config, platform, methods, f"{prefix}.self_attn", parallel)
         self.post_attention_layernorm = RMSNorm(hidden, eps, platform)
-        self.mlp = MLP(config, platform, methods, f"{prefix}.mlp", parallel)
+        self.mlp = feed_forward(config, index, platform, methods, f"{prefix}.mlp", parallel)
 
     def forward(
         self,
@@ -242,8 +279,10 @@ class DecoderLayer(nn.Module):
 
     def native_kernels(self, kv_cache: KVCache) -> decoder.LayerKernels | None:
         """This layer over `kv_cache` as the native CPU decoder step runs it; None where one of
-        its linear layers runs no native kernel."""
+        its linear layers runs no native kernel, or its feed-forward is a mixture of experts."""
         attention, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, MLP):
+            return None
         linears = [
             linear.native_kernels()
             for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -293,7 +332,7 @@ class LlamaForCausalLM(nn.Module):
             start, end = parallel.vocab_rows(config.vocab_size)
             self.lm_head = build_lm_head(config, methods, end - start)
         self.layers = nn.ModuleList(
-            DecoderLayer(self.layer_config, platform, methods, f"layers.{i}", parallel)
+            DecoderLayer(self.layer_config, i, platform, methods, parallel)
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(hidden, config.rms_norm_eps, platform)
@@ -417,7 +456,11 @@ class LlamaForCausalLM(nn.Module):
                 if name.startswith(_ENCODER_NAMES):
                     encoder_weights.append((name, tensor))
                     continue
-                name = name.removeprefix("model.")
+                name = name.removeprefix("model.").replace(*_EXPERT_BLOCK_NAMES)
+                layer, experts, rest = name.partition(".mlp.experts.")
+                if experts:
+                    self.layers[int(layer.removeprefix("layers."))].mlp.experts.load(rest, tensor)
+                    continue
                 if name == "lm_head.weight" and self.config.tie_word_embeddings:
                     continue  # tied: the embedding is the head
                 if "rotary_emb" in name:
@@ -426,7 +469,18 @@ class LlamaForCausalLM(nn.Module):
                     tensor = self.parallel.shard(name, tensor, self.config)
                 yield name, tensor
 
-        load_fused(self, decoder_weights(), _FUSED, shard_sizes(self.layer_config), ("encoders.",))
+        load_fused(
+            self,
+            decoder_weights(),
+            _FUSED,
+            shard_sizes(self.layer_config),
+            ("encoders.", ".mlp.experts."),
+        )
+        for i, layer in enumerate(self.layers):
+            mlp = layer.mlp
+            missing = mlp.experts.missing() if isinstance(mlp, SparseMoeBlock) else []
+            if missing:
+                raise ValueError(f"checkpoint lacks layer {i}'s {', '.join(missing[:3])}")
         for encoder in self.encoders.values():
             encoder.load_weights(encoder_weights)
         if encoder_weights and not self.encoders:

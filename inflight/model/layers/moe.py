@@ -1,0 +1,243 @@
+"""A mixture-of-experts feed-forward (see `config.MoEConfig`): a router picks each token's
+experts and weights, the experts run as one fused weight per layer, and a shared expert may run
+on every token beside them.
+
+Routing is per token and each token's expert outputs are summed in the order of the experts'
+indices, so a token's result does not depend on which tokens share its step. The experts run
+over the step's (token, expert) pairs sorted by expert: one matmul pair per expert that any
+token chose. Each expert's two matmuls are `Linear` layers, which run the method the model's
+quantization chooses for them (oneDNN-packed float, int8, 4-bit on the CPU; F.linear, FP8 on
+CUDA), so a row's bits never depend on how many rows share its expert.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from inflight.model.config import MoEConfig
+from inflight.model.layers.activation import SiluAndMul
+from inflight.model.layers.linear import Linear
+from inflight.model.layers.lora import LoRAMapping
+from inflight.model.layers.platform import Platform
+from inflight.model.layers.quantization import LinearMethods
+
+# A checkpoint tensor of one expert ("3.gate_proj.weight" under a layer's `experts.`): the
+# expert, the part (Mixtral names gate, down and up w1, w2 and w3) and weight or bias.
+_ONE_EXPERT = re.compile(r"^(\d+)\.(\w+)\.(weight|bias)$")
+_PART_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+class Router(Linear):
+    """Each token's `top_k` experts and their weights (float32) from its hidden state: the
+    logits x · Wᵀ (+ bias, gpt-oss) in float, never quantized, then scored as
+    `config.scoring` says; `e_score_correction_bias` is the sigmoid routers' selection bias."""
+
+    def __init__(self, hidden: int, config: MoEConfig, methods: LinearMethods, prefix: str):
+        super().__init__(
+            hidden,
+            config.num_experts,
+            config.router_bias,
+            methods.unquantized,
+            (f"{prefix}.weight",),
+        )
+        self.config = config
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(config.num_experts)) if config.selection_bias else None
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert indices [T, k]) of tokens x [T, hidden]."""
+        config, k = self.config, self.config.top_k
+        logits = self(x).float()
+        if config.scoring == "softmax":
+            if config.renormalize:
+                # The softmax over the chosen k: that of all experts, renormalized over them.
+                top, ids = logits.topk(k, dim=-1)
+                weights = top.softmax(dim=-1)
+            else:
+                weights, ids = logits.softmax(dim=-1).topk(k, dim=-1)
+            return weights * config.scaling_factor, ids
+        scores = logits.sigmoid()
+        choice = scores
+        if self.e_score_correction_bias is not None:
+            choice = scores + self.e_score_correction_bias.float()
+        if config.num_groups > 1:
+            # A group's score is the sum of its best two; only the best groups' experts count.
+            groups = choice.view(-1, config.num_groups, config.num_experts // config.num_groups)
+            best = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(dim=-1)
+            kept = best.topk(config.topk_groups, dim=-1).indices
+            mask = torch.ones_like(best, dtype=torch.bool).scatter_(1, kept, False)
+            choice = groups.masked_fill(mask.unsqueeze(-1), float("-inf")).flatten(1)
+        ids = choice.topk(k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if config.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * config.scaling_factor, ids
+
+
+class Experts(nn.Module):
+    """A layer's experts: expert e's first matmul `gate_up[e]` [2I, H] (gate rows, then up
+    rows; up alone [I, H] for relu² experts) and `down[e]` [H, I], with biases where the
+    experts have them. Checkpoints load them whole (`load`), in any of the layouts they come
+    in."""
+
+    def __init__(
+        self,
+        hidden: int,
+        config: MoEConfig,
+        platform: Platform,
+        methods: LinearMethods,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        inner = config.intermediate_size
+        first = 2 * inner if config.gated else inner
+
+        def linear(e: int, part: str, in_features: int, out_features: int) -> Linear:
+            # Named as a checkpoint holding one tensor an expert part names it.
+            sources = (f"{prefix}.{e}.{part}.weight",)
+            method = methods.choose(in_features, sources)
+            return Linear(in_features, out_features, config.expert_bias, method, sources)
+
+        experts = range(config.num_experts)
+        self.gate_up = nn.ModuleList(linear(e, "gate_up_proj", hidden, first) for e in experts)
+        self.down = nn.ModuleList(linear(e, "down_proj", inner, hidden) for e in experts)
+        self.act = SiluAndMul(platform) if config.activation == "silu" else None
+        self._loaded: set[tuple[str, int]] = set()
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Σ over each token's k experts of weight x expert(x), for tokens x [T, hidden]."""
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        tokens = order // k
+        scale = weights.flatten()[order].to(x.dtype).unsqueeze(1)
+        counts = torch.bincount(flat, minlength=self.config.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            pairs = slice(start, start + count)
+            start += count
+            h = self._activate(self.gate_up[expert](x[tokens[pairs]]))
+            out.index_add_(0, tokens[pairs], self.down[expert](h) * scale[pairs])
+        return out
+
+    def _activate(self, h: torch.Tensor) -> torch.Tensor:
+        config = self.config
+        if self.act is not None:
+            return self.act(h)
+        if config.activation == "relu2":
+            return torch.relu(h).square()
+        gate, up = h.chunk(2, dim=-1)
+        limit = config.swiglu_limit
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * gate * torch.sigmoid(gate * config.swiglu_alpha)
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy in checkpoint tensor `name` (under the layer's `experts.`): a fused weight or
+        bias of all experts (`gate_up_proj` [E, 2I, H], transformers 5's layout), the gate's or
+        up's rows of all experts (`gate_proj` / `up_proj` [E, I, H], llama.cpp's), or one
+        expert's part (`3.gate_proj.weight`, or Mixtral's `3.w1.weight`)."""
+        one = _ONE_EXPERT.match(name)
+        if one is not None:
+            part, bias = _PART_NAMES.get(one[2], one[2]), one[3] == "bias"
+            experts, tensors = [int(one[1])], [tensor]
+            if experts[0] >= self.config.num_experts:
+                raise ValueError(
+                    f"expert tensor {name!r}: the layer has {self.config.num_experts} experts"
+                )
+        else:
+            part, bias = name.removesuffix("_bias"), name.endswith("_bias")
+            experts = list(range(self.config.num_experts))
+            if tensor.shape[0] != len(experts):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} holds {tensor.shape[0]} experts, "
+                    f"the layer {len(experts)}"
+                )
+            tensors = list(tensor)
+        for expert, value in zip(experts, tensors, strict=True):
+            dest, labels = self._destination(expert, part, bias)
+            if dest is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the layer's experts")
+            if dest.shape != value.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(value.shape)} an expert, "
+                    f"expected {tuple(dest.shape)}"
+                )
+            dest.copy_(value)
+            self._loaded.update((label, expert) for label in labels)
+
+    def _destination(
+        self, expert: int, part: str, bias: bool
+    ) -> tuple[torch.Tensor | None, tuple[str, ...]]:
+        """Where `part` ("gate_up_proj", "gate_proj", "up_proj", "down_proj") of `expert` goes
+        (its weight, or bias, or their gate's or up's rows), and what it fills."""
+        first, second = self.gate_up[expert], self.down[expert]
+        first, second = (first.bias, second.bias) if bias else (first.weight, second.weight)
+        if first is None or second is None:
+            return None, ()
+        kind = " bias" if bias else ""
+        if part == "down_proj":
+            return second, ("down" + kind,)
+        if not self.config.gated:  # relu² experts: up is the whole first matmul
+            return (first, ("up" + kind,)) if part in ("up_proj", "gate_up_proj") else (None, ())
+        if part == "gate_up_proj":
+            return first, ("gate" + kind, "up" + kind)
+        if part in ("gate_proj", "up_proj"):
+            inner = self.config.intermediate_size
+            start = 0 if part == "gate_proj" else inner
+            return first.narrow(0, start, inner), (part.removesuffix("_proj") + kind,)
+        return None, ()
+
+    def missing(self) -> list[str]:
+        """What of the experts' weights no checkpoint tensor filled ("expert 3: gate")."""
+        labels = ["gate", "up", "down"] if self.config.gated else ["up", "down"]
+        if self.config.expert_bias:
+            labels += [f"{label} bias" for label in labels]
+        return [
+            f"expert {expert}: {label}"
+            for expert in range(self.config.num_experts)
+            for label in labels
+            if (label, expert) not in self._loaded
+        ]
+
+
+class SparseMoeBlock(nn.Module):
+    """A decoder layer's mixture-of-experts feed-forward: `gate` (the router), `experts`, and,
+    where the config has one, `shared_expert` (an MLP the family builds, taking (x, lora)) with
+    its sigmoid `shared_expert_gate`."""
+
+    def __init__(
+        self,
+        hidden: int,
+        config: MoEConfig,
+        platform: Platform,
+        methods: LinearMethods,
+        prefix: str,
+        shared_expert: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.gate = Router(hidden, config, methods, f"{prefix}.gate")
+        self.experts = Experts(hidden, config, platform, methods, f"{prefix}.experts")
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = None
+        if config.shared_gate:
+            sources = (f"{prefix}.shared_expert_gate.weight",)
+            self.shared_expert_gate = Linear(hidden, 1, False, methods.unquantized, sources)
+
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
+        weights, ids = self.gate.route(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x, lora)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out

@@ -18,6 +18,10 @@
 7. The LoRA side paths in bf16 (the indexed Triton kernel, the masked matmuls) against the float64
    formula: a fused three-part layer, slots of two ranks and an empty one, tokens of every slot
    and of the base model.
+9. Mixture of experts: the grouped Triton kernel (bf16, Qwen3-30B-A3B's expert shape, 256
+   tokens of 8 experts each) against the experts' formula in float32 on the same weights, a
+   token's bits alone and beside others; greedy tokens of a 4-layer Qwen3-30B-A3B-shaped model
+   as in check 4.
 8. Media input: random-weight LLaVA (`llava-clip-b16-smollm2`), Qwen2-VL-2B (M-RoPE, images of
    different sizes) and Voxtral-Mini-3B (audio clips of 3 to 40 s) in bf16, 8 prompts of one
    item each, the Triton backend with CUDA graphs and overlapped steps against the torch
@@ -40,12 +44,17 @@ import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from inflight.bench.random_model import random_checkpoint
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.triton import TritonAttentionBackend
+from inflight.model.config import MoEConfig
 from inflight.model.kernels.triton.attention import paged_attention
+from inflight.model.layers.moe import Experts
+from inflight.model.layers.platform import Platform
+from inflight.model.layers.quantization import LinearMethods, TorchLinearMethod
 from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.outputs import materialize
 from inflight.protocol.request import GenerationRequest, SamplingParams
@@ -262,6 +271,49 @@ def _run_all(runtime: Runtime, requests: list[GenerationRequest]) -> list:
             outputs[refs[ref]] = materialize([snapshot])
     session.finish()
     return [outputs[i] for i in range(len(requests))]
+
+
+def check_moe_kernel(device: torch.device, seed: int) -> tuple[bool, str]:
+    config = MoEConfig(128, 8, 768, (0,))
+    hidden, tokens = 2048, 256
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16) * 0.02
+
+    first, second = normal(128, 2 * 768, hidden), normal(128, hidden, 768)
+    with torch.device("meta"):
+        experts = Experts(
+            hidden, config, Platform(device, torch.bfloat16),
+            LinearMethods(TorchLinearMethod()), "experts",
+        )  # fmt: skip
+    experts = experts.to_empty(device=device).to(torch.bfloat16)
+    experts.load("gate_up_proj", first)
+    experts.load("down_proj", second)
+    experts.finish_loading()
+    x = normal(tokens, hidden) * 50
+    ids = torch.stack(
+        [torch.randperm(128, generator=gen, device=device)[:8] for _ in range(tokens)]
+    )
+    weights = torch.rand(tokens, 8, generator=gen, device=device).softmax(dim=-1)
+    with torch.no_grad():
+        got = experts(x, weights, ids)
+        want = torch.zeros(tokens, hidden, device=device)
+        f32 = x.float()
+        for e in range(128):
+            token, slot = (ids == e).nonzero(as_tuple=True)
+            if token.numel():
+                gate, up = F.linear(f32[token], first[e].float()).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, second[e].float())
+                want.index_add_(0, token, y * weights[token, slot].unsqueeze(1))
+        rel = ((got.float() - want).norm() / want.norm()).item()
+        alone = all(
+            torch.equal(experts(x[i : i + 1], weights[i : i + 1], ids[i : i + 1]), got[i : i + 1])
+            for i in (0, 17, 255)
+        )
+        beside = torch.equal(experts(x[:37], weights[:37], ids[:37]), got[:37])
+    ok = rel < 1e-2 and alone and beside
+    return ok, f"rel err {rel:.2e}, a token alone {alone}, beside 36 {beside}"
 
 
 def check_fused_ops(device: torch.device, seed: int) -> tuple[bool, str]:
@@ -530,6 +582,8 @@ def main() -> int:
         ("hybrid end to end", functools.partial(check_end_to_end, "bamba-9b")),
         ("structured outputs", check_structured_outputs),
         ("fp8 linear", check_fp8),
+        ("moe kernel", check_moe_kernel),
+        ("moe end to end", functools.partial(check_end_to_end, "qwen3-30b-a3b-4-layers")),
         ("lora side paths", check_lora),
         ("images end to end", functools.partial(check_media, "llava")),
         ("M-RoPE images", functools.partial(check_media, "qwen2-vl")),

@@ -18,7 +18,13 @@ sys.path.insert(0, str(Path(__file__).parent / "engine"))
 sys.path.insert(0, str(Path(__file__).parent / "server"))
 
 from helpers import assert_no_leaks  # noqa: E402
-from tiny_models import FAMILIES, make_tiny_llava, make_tiny_model  # noqa: E402
+from tiny_models import (  # noqa: E402
+    FAMILIES,
+    SLIDING_KINDS,
+    make_tiny_llava,
+    make_tiny_model,
+    make_tiny_sliding,
+)
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +33,15 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     for family in FAMILIES:
         make_tiny_model(family, root / family)
     return {family: root / family for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def sliding_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Tiny sliding-window checkpoints (`tiny_models.SLIDING_KINDS`), by kind."""
+    root = tmp_path_factory.mktemp("sliding")
+    for kind in SLIDING_KINDS:
+        make_tiny_sliding(kind, root / kind)
+    return {kind: root / kind for kind in SLIDING_KINDS}
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,32 @@ def scattered_step(shapes, block_size: int, num_blocks: int, seed: int = 0) -> A
     return build_ragged_batch(rows, block_size, torch.device("cpu")).forward.attention
 
 
+def windowed_steps(shapes, block_size: int, num_blocks: int, window: int):
+    """The metadata of a ragged CPU step, (query length, past length) per row, each row's blocks
+    drawn at random from 1..num_blocks - 1; and of the same step whose table entries before each
+    row's `window` all name block 0 (which a test poisons: no kernel may read it)."""
+    blocks = torch.randperm(num_blocks - 1).add(1).tolist()
+    rows, poisoned = [], []
+    for qlen, past in shapes:
+        table = [blocks.pop() for _ in range(-(-(qlen + past) // block_size))]
+        rows.append(RowInput([0] * qlen, past, table, True))
+        unseen = max(0, past - window + 1) // block_size
+        poisoned.append(RowInput([0] * qlen, past, [0] * unseen + table[unseen:], True))
+    cpu = torch.device("cpu")
+    return tuple(build_ragged_batch(r, block_size, cpu).forward.attention for r in (rows, poisoned))
+
+
+def float64_reference(hf):
+    """A copy of transformers' model in float64, its experts (if any) in their per-expert loop:
+    its grouped matmul takes no float64."""
+    import copy
+
+    hf = copy.deepcopy(hf).double()
+    if hasattr(hf, "set_experts_implementation"):
+        hf.set_experts_implementation("eager")
+    return hf
+
+
 def run_staggered(runtime, requests) -> list:
     """Requests admitted to one session every other step (a request waits while there is no
     room), joining the running batch; their outputs in order."""

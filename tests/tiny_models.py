@@ -371,9 +371,103 @@ def make_tiny_moe(name: str, path: Path, seed: int = 0):
         "mixtral": (
             tf.MixtralConfig,
             tf.MixtralForCausalLM,
-            dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+            # Mixtral's default rope theta is 1e6; the GGUF tests' writer stores 1e4.
+            dict(
+                num_local_experts=8,
+                num_experts_per_tok=2,
+                intermediate_size=32,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            ),
         ),
     }[name]
     if name != "mixtral":
         extra = {**experts, **extra}
     return _save_random(model_cls, config_cls(**{**COMMON, "head_dim": 16, **extra}), path, seed)
+
+
+# Tiny NemotronH checkpoints with mixture-of-experts layers: 8 relu² experts, 2 a token, a
+# shared expert and a random selection bias. "grouped": the experts in 4 groups, of which each
+# token's best 2 hold its experts; "latent": the experts run in a latent space of 24, and every
+# MLP (the shared expert, the latent projections) has biases.
+NEMOTRON_H_MOE_VARIANTS = ("grouped", "latent")
+
+
+def make_tiny_nemotron_h_moe(variant: str, path: Path, seed: int = 0):
+    """A tiny random NemotronH checkpoint of `variant` (of NEMOTRON_H_MOE_VARIANTS), layers
+    mamba, moe, attention, moe (Mamba chunk_size 8), written to `path` with a tokenizer;
+    returns the transformers model (float32)."""
+    import transformers as tf
+
+    extra = {
+        "grouped": dict(n_group=4, topk_group=2),
+        "latent": dict(moe_latent_size=24, mlp_bias=True),
+    }[variant]
+    config = tf.NemotronHConfig(
+        **HYBRID_BASE,
+        head_dim=16,
+        layers_block_type=["mamba", "moe", "attention", "moe"],
+        ssm_state_size=16,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        n_groups=2,
+        chunk_size=8,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48,
+        routed_scaling_factor=2.5,
+        **extra,
+    )
+    model = _save_random(tf.NemotronHForCausalLM, config, path, seed)
+    # transformers starts the selection bias and the biases at zero, where they would choose
+    # and add nothing; written again with them random.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.normal_(0.0, 0.1)
+        for layer in model.model.layers:
+            if layer.block_type == "moe":
+                layer.mixer.gate.e_score_correction_bias.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+# Tiny sliding-window checkpoints, windows of SLIDING_WINDOW tokens: "mistral" slides in every
+# layer; "qwen2" under `use_sliding_window` from layer `max_window_layers` (1) on, its
+# config.json without `layer_types` as Qwen2 checkpoints write it; "qwen3" alternating sliding
+# and full layers (`layer_types`, gpt-oss's pattern) over 4 layers.
+SLIDING_KINDS = ("mistral", "qwen2", "qwen3")
+SLIDING_WINDOW = 12
+
+
+def make_tiny_sliding(kind: str, path: Path, seed: int = 0):
+    """A tiny random sliding-window checkpoint `kind` (of SLIDING_KINDS) written to `path` with
+    a tokenizer; returns the transformers model (float32)."""
+    import transformers as tf
+
+    window = dict(sliding_window=SLIDING_WINDOW)
+    qwen = dict(window, use_sliding_window=True)
+    config_cls, model_cls, extra = {
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, dict(window, head_dim=16)),
+        "qwen2": (
+            tf.Qwen2Config,
+            tf.Qwen2ForCausalLM,
+            dict(qwen, max_window_layers=1, tie_word_embeddings=True),
+        ),
+        "qwen3": (
+            tf.Qwen3Config,
+            tf.Qwen3ForCausalLM,
+            dict(
+                qwen,
+                head_dim=32,
+                num_hidden_layers=4,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+            ),
+        ),
+    }[kind]
+    model = _save_random(model_cls, config_cls(**{**COMMON, **extra}), path, seed)
+    if kind == "qwen2":
+        config = json.loads((path / "config.json").read_text())
+        del config["layer_types"]
+        (path / "config.json").write_text(json.dumps(config))
+    return model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -11,7 +12,7 @@ from tokenizers import models
 
 from inflight.model.checkpoints.loader import Checkpoint
 from inflight.model.checkpoints.tokenizer import SpecialTokens, Tokenizer
-from inflight.model.config import MambaConfig, ModelConfig, RopeConfig
+from inflight.model.config import MambaConfig, ModelConfig, MoEConfig, RopeConfig
 from inflight.model.encoders.audio import AudioConfig
 from inflight.model.encoders.qwen2_vl import Qwen2VLVisionConfig
 from inflight.model.encoders.vision import VisionConfig
@@ -29,6 +30,14 @@ SHAPES = {
         max_position_embeddings=131072,
         rope=RopeConfig(theta=500_000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
                         high_freq_factor=4.0, original_max_position_embeddings=8192),
+    ),
+    # 128 experts of 768, 8 a token, in each of its 48 layers (30.5B parameters, 3.3B active).
+    "qwen3-30b-a3b": ModelConfig(
+        family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, rope=RopeConfig(theta=1_000_000.0), qk_norm=True,
+        moe=MoEConfig(num_experts=128, top_k=8, intermediate_size=768,
+                      sparse_layers=tuple(range(48))),
     ),
     # SmolLM2-135M's decoder, its last id standing for an image, behind a CLIP ViT-B/16 tower
     # of 224-pixel images (196 image tokens), as LLaVA builds them.
@@ -91,6 +100,13 @@ SHAPES = {
     ),
 }  # fmt: skip
 
+# The same with 4 of its layers: small enough for a device check to build it three times.
+SHAPES["qwen3-30b-a3b-4-layers"] = replace(
+    SHAPES["qwen3-30b-a3b"],
+    num_layers=4,
+    moe=replace(SHAPES["qwen3-30b-a3b"].moe, sparse_layers=(0, 1, 2, 3)),
+)
+
 
 class RandomWeights:
     """Normal(0, 0.02) matrices and unit norms, generated on `device` as they are loaded."""
@@ -130,6 +146,18 @@ class RandomWeights:
             if c.qk_norm:
                 yield p + "self_attn.q_norm.weight", ones(c.head_dim)
                 yield p + "self_attn.k_norm.weight", ones(c.head_dim)
+            if c.moe is not None and i in c.moe.sparse_layers:
+                e, inner = c.moe.num_experts, c.moe.intermediate_size
+                yield p + "mlp.gate.weight", matrix(e, c.hidden_size)
+                yield (
+                    p + "mlp.experts.gate_up_proj",
+                    matrix(e * 2 * inner, c.hidden_size).view(e, 2 * inner, c.hidden_size),
+                )
+                yield (
+                    p + "mlp.experts.down_proj",
+                    matrix(e * c.hidden_size, inner).view(e, c.hidden_size, inner),
+                )
+                continue
             yield p + "mlp.gate_proj.weight", matrix(c.intermediate_size, c.hidden_size)
             yield p + "mlp.up_proj.weight", matrix(c.intermediate_size, c.hidden_size)
             yield p + "mlp.down_proj.weight", matrix(c.hidden_size, c.intermediate_size)

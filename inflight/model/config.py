@@ -34,7 +34,7 @@ class RopeConfig:
 
 
 # The kinds of a hybrid decoder's layers.
-MAMBA_LAYER_TYPES = ("mamba", "attention", "mlp")
+MAMBA_LAYER_TYPES = ("mamba", "attention", "mlp", "moe")
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,11 @@ class MambaConfig:
     """The Mamba2 side of a hybrid decoder (Bamba, NemotronH), and how its layers are laid out.
 
     Each decoder layer is one kind (`layer_types`): "mamba" (a Mamba2 mixer with a state slot
-    per sequence), "attention" (paged KV) or "mlp" (NemotronH only). Bamba follows every layer's
-    mixer with a SwiGLU MLP of its own; NemotronH's MLPs are layers of their own, relu² without a
-    gate. A Mamba2 mixer has `n_heads` heads of `head_dim` channels, whose state is `d_state` wide
-    and whose B and C are shared by groups of n_heads / n_groups heads."""
+    per sequence), "attention" (paged KV), "mlp" or "moe" (NemotronH only: the mixture of
+    experts `ModelConfig.moe` describes). Bamba follows every layer's mixer with a SwiGLU MLP of
+    its own; NemotronH's MLPs are layers of their own, relu² without a gate. A Mamba2 mixer has
+    `n_heads` heads of `head_dim` channels, whose state is `d_state` wide and whose B and C are
+    shared by groups of n_heads / n_groups heads."""
 
     layer_types: tuple[str, ...]
     n_heads: int
@@ -128,6 +129,10 @@ class MoEConfig:
     swiglu_limit: float = 7.0
     shared_intermediate_size: int = 0
     shared_gate: bool = False
+    # NemotronH: the routed experts run on x projected down to this width and their sum is
+    # projected back (0: they run on x itself); `latent_bias`: the projections have biases.
+    latent_size: int = 0
+    latent_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.scoring not in ROUTER_SCORINGS:
@@ -175,14 +180,21 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    # Mistral v0.1 attends over a sliding window; sequences never grow past it here.
-    sliding_window: int | None = None
+    # Each decoder layer's attention window: its queries at position p see keys p - w + 1 .. p
+    # (None: every key before them). Empty: every layer attends fully.
+    layer_windows: tuple[int | None, ...] = ()
     vision: EncoderConfig | None = None  # image input, if any
     audio: EncoderConfig | None = None  # audio input (Voxtral), if any
     mamba: MambaConfig | None = None  # hybrid Mamba2 layers (Bamba, NemotronH), if any
     moe: MoEConfig | None = None  # mixture-of-experts layers, if any
 
     def __post_init__(self) -> None:
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(
+                f"{len(self.layer_windows)} attention windows for {self.num_layers} layers"
+            )
+        if any(w is not None and w < 1 for w in self.layer_windows):
+            raise ValueError(f"an attention window of no tokens: {self.layer_windows}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -194,12 +206,17 @@ class ModelConfig:
         """The media encoders it takes input through (images', then audio's)."""
         return tuple(encoder for encoder in (self.vision, self.audio) if encoder is not None)
 
+    def window(self, layer: int) -> int | None:
+        """Decoder layer `layer`'s attention window (None: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
     @property
-    def max_context(self) -> int:
-        """The longest sequence (prompt plus output) this model computes exactly."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
+    def kv_window(self) -> int | None:
+        """How far back any layer looks when every layer slides: the widest window, past which
+        a sequence's KV is never read again; None where some layer attends fully."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(w for w in self.layer_windows if w is not None)
 
 
 def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:

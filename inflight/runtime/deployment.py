@@ -4,7 +4,8 @@ its machine, decided once at load, and every rule between its features.
 `resolve` takes the options (`protocol/deployment.py`), what the runtime read of the model
 (`ModelFacts`) and of the machine (`MachineFacts`), and returns a frozen `DeploymentPlan`: the
 device, dtype, attention backend, quantization, KV dtype, graphs, overlap, tensor parallelism,
-the context length and KV cache size, and which per-row features are on. A combination that
+the context length and KV cache size (a sliding-window model's sequences holding a bounded
+number of blocks: its `KVWindow`), and which per-row features are on. A combination that
 cannot be served is a ValueError from the one rule that names it (`RULES`, each rule once),
 saying what would serve. `ifb_unsupported_reason` reads the plan: a deployment one of whose
 features cannot run stepped is refused in-flight batching there, once, at load.
@@ -16,14 +17,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from inflight.protocol.deployment import DeploymentOptions
+from inflight.runtime.host.kv_window import KVWindow
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the plan reads of a model: its family, its shape where rules depend on it, the
-    context it computes exactly, and which of its parts need features."""
+    """What the plan reads of a model: its family, its shape where rules depend on it, its
+    context, and which of its parts need features."""
 
     family: str
     vocab_size: int
@@ -32,9 +34,9 @@ class ModelFacts:
     head_dim: int
     intermediate_size: int
     max_position_embeddings: int
-    # The attention window of its layers (None: full attention): a sequence within it is
-    # computed exactly by full attention, which is what the runtime runs.
-    sliding_window: int | None = None
+    # Where every attention layer slides: the widest window, past which a sequence's KV is
+    # never read again (None: some layer attends over the whole sequence).
+    kv_window: int | None = None
     recurrent: bool = False  # hybrid Mamba layers: recurrent state beside the KV
     experts: bool = False  # mixture-of-experts layers
     media: tuple[str, ...] = ()  # the kinds of media it takes
@@ -84,18 +86,11 @@ def _cuda_present(d: Deployment) -> str | None:
 
 
 def _context(d: Deployment) -> str | None:
-    limit, asked = _max_context(d.model), d.options.max_model_len
+    limit, asked = d.model.max_position_embeddings, d.options.max_model_len
     if asked is not None and asked > limit:
-        why = (
-            f"its attention window of {d.model.sliding_window} tokens, within which full "
-            "attention computes it exactly"
-            if d.model.sliding_window is not None
-            and d.model.sliding_window < d.model.max_position_embeddings
-            else "its max_position_embeddings"
-        )
         return (
-            f"max_model_len ({asked}) exceeds the model's context ({limit}: {why}); "
-            f"start with max_model_len <= {limit}"
+            f"max_model_len ({asked}) exceeds the model's context ({limit}: its "
+            f"max_position_embeddings); start with max_model_len <= {limit}"
         )
     return None
 
@@ -282,6 +277,8 @@ class DeploymentPlan:
     max_model_len: int
     num_kv_blocks: int
     features: tuple[str, ...]  # the features it uses (keys of STEPPED)
+    # Where a sequence's KV before its window is given back as it grows (see `_kv_window`).
+    kv_window: KVWindow | None = None
 
     @property
     def max_batch_size(self) -> int:
@@ -318,8 +315,14 @@ def resolve(
         problem = rule(d)
         if problem is not None:
             raise ValueError(problem)
-    max_model_len = min(options.max_model_len or DEFAULT_MAX_MODEL_LEN, _max_context(model))
-    blocks_per_sequence = -(-max_model_len // options.block_size)
+    max_model_len = min(
+        options.max_model_len or DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings
+    )
+    window = _kv_window(options, model)
+    if window is None:
+        blocks_per_sequence = -(-max_model_len // options.block_size)
+    else:
+        blocks_per_sequence = window.sequence_blocks(max_model_len)
     cuda = d.device == "cuda"
     features = ["text", "structured_outputs"]
     for name, on in (
@@ -336,16 +339,29 @@ def resolve(
         model=model,
         device=d.device,
         dtype=d.dtype,
-        # The experts' matmuls are sized by a step's routing, which a graph cannot replay.
+        # FP8 experts run one matmul per expert chosen, sized by the step's routing, which a
+        # graph cannot replay; float experts run the grouped kernel, which it can.
         cuda_graphs=options.cuda_graphs
         and cuda
         and options.attention_backend != "torch"
-        and not model.experts,
+        and not (model.experts and options.quantization == "fp8"),
         overlap=cuda if options.overlap is None else options.overlap,
         max_model_len=max_model_len,
         num_kv_blocks=options.num_kv_blocks or options.max_batch_size * blocks_per_sequence,
         features=tuple(features),
+        kv_window=window,
     )
+
+
+def _kv_window(options: DeploymentOptions, model: ModelFacts) -> KVWindow | None:
+    """How a sequence's blocks follow its window, where every attention layer of the model
+    slides; None where some layer reads the whole sequence, or a draft model keeps its own KV
+    in the same blocks (the draft's lags behind the target's)."""
+    spec = options.speculative_config
+    if model.kv_window is None or (spec is not None and spec.method == "draft_model"):
+        return None
+    drafts = 0 if spec is None else spec.num_speculative_tokens
+    return KVWindow(model.kv_window, options.block_size, 1 + drafts)
 
 
 def ifb_unsupported_reason(plan: DeploymentPlan) -> str | None:
@@ -355,11 +371,3 @@ def ifb_unsupported_reason(plan: DeploymentPlan) -> str | None:
         (f"{f}: {STEPPED[f]}" for f in plan.features if STEPPED[f] is not None),
         None,
     )
-
-
-def _max_context(model: ModelFacts) -> int:
-    """The longest sequence the model computes exactly: its positions, and within its
-    attention window (full attention equals the window's there)."""
-    if model.sliding_window is not None:
-        return min(model.max_position_embeddings, model.sliding_window)
-    return model.max_position_embeddings

@@ -64,7 +64,7 @@ def model_facts(config: ModelConfig) -> ModelFacts:
         head_dim=config.head_dim,
         intermediate_size=config.intermediate_size,
         max_position_embeddings=config.max_position_embeddings,
-        sliding_window=config.sliding_window,
+        kv_window=config.kv_window,
         recurrent=config.mamba is not None,
         experts=config.moe is not None,
         media=tuple(encoder.kind for encoder in config.encoders),
@@ -155,6 +155,7 @@ class Runtime:
             vocab_size=model_config.vocab_size,
             max_num_tokens=plan.max_num_tokens,
             served_options=plan.served_options,
+            window=plan.kv_window,
         )
         self.outputs = OutputProcessor(
             self.scheduler,

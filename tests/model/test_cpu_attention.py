@@ -1,5 +1,5 @@
 """The CPU attention backend's native kernel against the torch reference backend, and the bits of
-a token whatever its chunk."""
+a token whatever its chunk; with attention windows too."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from inflight.model.kernels.cpu.attention import paged_attention
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.runtime import DeploymentOptions, Runtime
 
-from helpers import scattered_step
+from helpers import scattered_step, windowed_steps
 
 
 def _step(shapes, heads, kv_heads, dim, block_size=16, num_blocks=160, seed=0):
@@ -40,6 +40,27 @@ def test_decode_and_prefill_rows_match_the_reference(heads, kv_heads, dim):
     assert all(torch.equal(a, b) for a, b in zip(cache, expected_cache, strict=True))
 
 
+@pytest.mark.parametrize("window", [1, 7, 40, 300])
+def test_windowed_rows_match_the_reference_and_read_no_block_before_their_window(window):
+    """Each query over the last `window` keys up to its own: decode rows and prefill chunks
+    (some whose first query's window starts inside their chunk, some wider than their keys)
+    as the reference computes them. The table entries before each row's window name a block of
+    NaN (as a block given back and reused holds anything): no kernel reads it."""
+    torch.manual_seed(2)
+    heads, kv_heads, dim, size = 8, 2, 32, 16
+    shapes = [(1, 0), (1, 15), (1, 64), (1, 700), (37, 0), (20, 45), (70, 130), (3, 500)]
+    meta, poisoned = windowed_steps(shapes, size, 160, window)
+    tokens = sum(q for q, _ in shapes)
+    q = torch.randn(tokens, heads, dim)
+    k, v = torch.randn(tokens, kv_heads, dim), torch.randn(tokens, kv_heads, dim)
+    cache = tuple(torch.randn(kv_heads, 160 * size, dim) for _ in range(2))
+    want = TorchAttentionBackend().forward(q, k, v, cache, meta, 0.2, window)
+    for c in cache:
+        c[:, :size] = float("nan")
+    got = CpuAttentionBackend().forward(q, k, v, cache, poisoned, 0.2, window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 # A sequence's tokens as the rows of one step, each row a span [start, end) of them, decode rows
 # first: the whole prompt; a tail after a prefix already in the cache, as a context-cache hit
 # leaves it (1 or 3 tokens: a chat's last block); chunks beside decode rows; one decode row per
@@ -54,10 +75,12 @@ SPLITS = {
 }
 
 
+@pytest.mark.parametrize("window", [None, 9, 40])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
-def test_a_token_gets_the_same_bits_however_its_prompt_is_split(heads, kv_heads, dim):
+def test_a_token_gets_the_same_bits_however_its_prompt_is_split(heads, kv_heads, dim, window):
     """Each token's attention, bit for bit, in every split of its prompt, and beside a row long
-    enough to shrink the kernel's tiles. Prefill chunks used to go through torch's fused
+    enough to shrink the kernel's tiles (without a window); with a window too, its keys then
+    starting anywhere in a tile. Prefill chunks used to go through torch's fused
     attention, whose blocking and masking follow the chunk's shape: a cache hit's first token
     came out a few ulps away from the whole prompt's, and the quantized kernels' per-token int8
     activations made other tokens of it."""
@@ -76,7 +99,7 @@ def test_a_token_gets_the_same_bits_however_its_prompt_is_split(heads, kv_heads,
             rows.append(RowInput([0], 2999, list(range(10, 198)), True))
             tokens = torch.cat([tokens, tokens[-1:]])
         meta = build_ragged_batch(rows, block_size, torch.device("cpu")).forward.attention
-        out = backend.forward(q[tokens], k[tokens], v[tokens], cache, meta, dim**-0.5)
+        out = backend.forward(q[tokens], k[tokens], v[tokens], cache, meta, dim**-0.5, window)
         return out[: len(tokens) - long_row], tokens[: len(tokens) - long_row]
 
     whole, _ = attend(SPLITS["whole"])
@@ -86,11 +109,12 @@ def test_a_token_gets_the_same_bits_however_its_prompt_is_split(heads, kv_heads,
             assert torch.equal(out, whole[tokens]), (name, long_row)
 
 
-def test_a_row_gets_the_same_bits_alone_or_batched():
+@pytest.mark.parametrize("window", [None, 50])
+def test_a_row_gets_the_same_bits_alone_or_batched(window):
     shapes = [(1, 40), (1, 300), (1, 7), (1, 129)]
     q, k, v, cache, meta = _step(shapes, 9, 3, 64, seed=1)
     backend = CpuAttentionBackend()
-    batched = backend.forward(q, k, v, tuple(c.clone() for c in cache), meta, 0.125)
+    batched = backend.forward(q, k, v, tuple(c.clone() for c in cache), meta, 0.125, window)
     for i, (qlen, past) in enumerate(shapes):
         block_size = meta.block_size
         table = meta.block_tables[i, : -(-(qlen + past) // block_size)].tolist()
@@ -98,7 +122,13 @@ def test_a_row_gets_the_same_bits_alone_or_batched():
             [RowInput([0], past, table, True)], block_size, torch.device("cpu")
         ).forward.attention
         one = backend.forward(
-            q[i : i + 1], k[i : i + 1], v[i : i + 1], tuple(c.clone() for c in cache), alone, 0.125
+            q[i : i + 1],
+            k[i : i + 1],
+            v[i : i + 1],
+            tuple(c.clone() for c in cache),
+            alone,
+            0.125,
+            window,
         )
         assert torch.equal(one[0], batched[i])
 

@@ -130,6 +130,15 @@ def test_int8_layers_with_biases_and_q_k_norms(tiny_dirs, family):
     _steps_match_the_layers(runner, runner.model.config.vocab_size)
 
 
+def test_sliding_window_layers_each_attend_over_their_window(sliding_dirs):
+    """Sliding layers (windows of 12 tokens) alternating with full ones (Qwen3's
+    `layer_types`), int8: the step gives each layer its own window, as the layers do; rows of
+    up to 40 tokens cross it."""
+    runner = _runner(sliding_dirs["qwen3"], quantization="int8")
+    assert [layer.self_attn.window for layer in runner.model.layers] == [12, None, 12, None]
+    _steps_match_the_layers(runner, runner.model.config.vocab_size)
+
+
 def test_k_quant_layers_of_mixed_kernels(tmp_path):
     # Layer 0's q/k are Q4_K (the 4-bit kernel), its v Q6_K (k8): two parts; layer 1's o Q5_K.
     runner = _runner(str(write_k_quant_gguf(tmp_path)))

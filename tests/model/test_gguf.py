@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.checkpoints.gguf import GGUFCheckpoint, dequantize
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
+from inflight.model.families.llama import gguf_layer_windows
 from inflight.model.layers.linear import Linear
 from inflight.model.layers.quantization import (
     PackedLinearMethod,
@@ -281,6 +282,32 @@ def test_unsupported_quantization_is_named(tmp_path):
     tensor = next(t for t in reader.tensors if t.name == "extra.weight")
     with pytest.raises(ValueError, match="IQ4_NL"):
         dequantize(tensor)
+
+
+@pytest.mark.parametrize(
+    "pattern,sliding",
+    [
+        (None, [1, 1, 1, 1]),
+        (2, [1, 0, 1, 0]),  # llama.cpp: all but every n-th layer
+        ([False, True, True, False], [0, 1, 1, 0]),
+    ],
+)
+def test_a_sliding_window_covers_the_layers_its_pattern_marks(tmp_path, pattern, sliding):
+    """`{arch}.attention.sliding_window` is every layer's window, or those its
+    `sliding_window_pattern` marks (a period n, or a flag per layer); none without it."""
+    path = tmp_path / "windows.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_block_count(4)
+    w.add_sliding_window(12)
+    if pattern is not None:
+        w.add_sliding_window_pattern(pattern)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    windows = gguf_layer_windows(GGUFCheckpoint(path))
+    assert windows == tuple(12 if s else None for s in sliding)
+    assert gguf_layer_windows(GGUFCheckpoint(write_tiny_gguf(tmp_path))) == ()
 
 
 def test_unsupported_gguf_architecture_is_named(tmp_path):

@@ -2,19 +2,19 @@
 quantization "none")."""
 
 import copy
-import json
-import shutil
 
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM
 
 from inflight import LLM, SamplingParams
-from inflight.model.attention import select_backend
+from inflight.model.attention import TorchAttentionBackend, select_backend
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
+from inflight.model.registry import by_name
 
-from helpers import PagedSequence
-from tiny_models import FAMILIES
+from helpers import PagedSequence, assert_tracks
+from tiny_models import FAMILIES, SLIDING_KINDS, SLIDING_WINDOW
 
 PROMPT = "The quick brown fox jumps over the lazy dog. In-flight batching"
 TOL = 1e-4
@@ -103,43 +103,71 @@ def test_log_softmax_matches_the_reference(smollm_float32, hf_smollm):
         logits = sequence.extend([token])[-1]
 
 
-def _qwen_config(source, path, **changes):
-    """A copy of the checkpoint directory `source` at `path`, its config.json changed and
-    without `layer_types`, as Qwen2/Qwen3 checkpoints write it (`max_window_layers` then says
-    which layers slide)."""
-    shutil.copytree(source, path)
-    config = json.loads((path / "config.json").read_text())
-    del config["layer_types"]
-    (path / "config.json").write_text(json.dumps({**config, **changes}))
-    return path
+# The layers' windows of each tiny sliding-window checkpoint (tiny_models.SLIDING_KINDS).
+W = SLIDING_WINDOW
+WINDOWS = {"mistral": (W, W), "qwen2": (None, W), "qwen3": (W, None, W, None)}
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_a_qwen_sliding_window_caps_the_context_at_the_window(family, tiny_dirs, tmp_path):
-    """A Qwen2/Qwen3 config.json with `use_sliding_window` (a window of 40 tokens, below its
-    4096 positions; layer 1 of 2 slides: max_window_layers 1) has that window, and is served
-    within it, where full attention is exact: the context is capped at 40 tokens, a longer
-    max_model_len is a ValueError naming the window, and greedy output up to the window is
-    transformers' (the config as written, its sliding-window attention). The same config with
-    `use_sliding_window: false` has no window and an uncapped context."""
-    window = dict(sliding_window=40, max_window_layers=1)
-    on = _qwen_config(tiny_dirs[family], tmp_path / "on", use_sliding_window=True, **window)
-    off = _qwen_config(tiny_dirs[family], tmp_path / "off", use_sliding_window=False, **window)
-    assert open_checkpoint(on).config.sliding_window == 40
-    assert open_checkpoint(off).config.sliding_window is None
-    with pytest.raises(
-        ValueError,
-        match=r"max_model_len \(64\) exceeds the model's context \(40: its attention window of "
-        r"40 tokens, within which full attention computes it exactly\)",
-    ):
-        LLM(on, max_model_len=64)
-    ids = list(range(5, 21))  # 16 prompt tokens, 24 generated: the whole window
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    with LLM(on, quantization="none") as llm:
-        assert llm.max_model_len == 40
-        got = llm.generate({"prompt_token_ids": ids}, params)[0].token_ids
-    hf = AutoModelForCausalLM.from_pretrained(on, dtype=torch.float32).eval()
-    assert hf.config.layer_types == ["full_attention", "sliding_attention"]
-    assert list(got) == _hf_greedy(hf, ids, 24)
-    with LLM(off, max_model_len=1024) as llm:
-        assert llm.max_model_len == 1024
+@pytest.mark.parametrize("kind", SLIDING_KINDS)
+def test_sliding_windows_are_served_past_the_window(kind, sliding_dirs):
+    """Windows of 12 tokens in every layer (Mistral), from `max_window_layers` on (Qwen2), or
+    alternating with full layers (Qwen3's `layer_types`), on the layers transformers makes
+    slide. Past the window: a 30-token prompt and 8 decode steps through the paged KV give every
+    position's logits within 1e-4 of transformers' (float64), in the CPU kernel and in the torch
+    reference backend; and the engine, its context no longer capped at the window, greedy-decodes
+    40 tokens as transformers does with its prompt in chunks over blocks of 4 tokens (an
+    all-sliding model giving back those before its window), then again from the context cache.
+    Its limit is its positions."""
+    path = sliding_dirs[kind]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    checkpoint, model, backend = _float32_model(path)
+    windows = checkpoint.config.layer_windows
+    assert windows == WINDOWS[kind]
+    types = getattr(hf.config, "layer_types", None) or ["sliding_attention"] * len(windows)
+    assert [w is not None for w in windows] == [t == "sliding_attention" for t in types]
+    assert hf.config.sliding_window == W
+    reference = copy.deepcopy(hf).double()
+
+    def theirs(seq):
+        with torch.no_grad():
+            return reference(torch.tensor([seq])).logits[0]
+
+    ids = list(range(5, 35))
+    for attention in (backend, TorchAttentionBackend()):
+        assert_tracks(model, attention, ids, theirs)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    options = dict(quantization="none", block_size=4, max_num_tokens=16, max_model_len=4096)
+    with pytest.raises(ValueError, match=r"\(4096: its max_position_embeddings\)"):
+        LLM(path, **{**options, "max_model_len": 4097})
+    with LLM(path, **options) as llm:
+        assert llm.max_model_len == 4096
+        first, again = (llm.generate({"prompt_token_ids": ids}, params)[0] for _ in range(2))
+    want = _hf_greedy(hf, ids, 40)
+    assert list(first.token_ids) == want and list(again.token_ids) == want
+    assert (first.cached_tokens, again.cached_tokens) == (0, 28)
+
+
+@pytest.mark.parametrize(
+    "config_cls,model_type",
+    [
+        (transformers.Qwen2Config, "qwen2"),
+        (transformers.Qwen3Config, "qwen3"),
+        (transformers.Qwen2MoeConfig, "qwen2_moe"),
+        (transformers.Qwen3MoeConfig, "qwen3_moe"),
+    ],
+)
+def test_qwen_configs_slide_the_layers_transformers_slides(config_cls, model_type):
+    """A Qwen config's windows, with and without `layer_types` written out, on the layers its
+    transformers model slides: from `max_window_layers` on (Qwen2, Qwen3), the even layers below
+    it (Qwen2-MoE), every layer (Qwen3-MoE); none without `use_sliding_window`."""
+    family = by_name(model_type)
+    for use in (True, False):
+        hf = config_cls(
+            num_hidden_layers=6, use_sliding_window=use, sliding_window=32, max_window_layers=3
+        )
+        types = getattr(hf, "layer_types", None) or ["sliding_attention"] * 6
+        want = tuple(32 if use and t == "sliding_attention" else None for t in types)
+        cfg = hf.to_dict()
+        for written in (cfg, {k: v for k, v in cfg.items() if k != "layer_types"}):
+            windows = family.from_hf(written).layer_windows
+            assert (windows or (None,) * 6) == want, (use, "layer_types" in written)

@@ -267,8 +267,8 @@ def test_configs_of_both_families(hybrids):
     assert nemotron.mamba.layer_types == ("mamba", "mlp", "attention", "mlp")
     assert nemotron.mamba.time_step_limit == (0.001, float("inf"))
     assert nemotron.mamba.partial_rotary_factor == 0.0
-    # Older NemotronH configs give the layers as a pattern string; MoE layers are refused.
+    # Older NemotronH configs give the layers as a pattern string (E: mixture of experts).
     legacy = {"architectures": ["NemotronHForCausalLM"], "hybrid_override_pattern": "M-M*-"}
     assert hybrid_from_hf(legacy).mamba.layer_types == ("mamba", "mlp", "mamba", "attention", "mlp")
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        hybrid_from_hf({**legacy, "hybrid_override_pattern": "ME*"})
+    moe = hybrid_from_hf({**legacy, "hybrid_override_pattern": "ME*"})
+    assert moe.mamba.layer_types == ("mamba", "moe", "attention") and moe.moe.sparse_layers == (1,)

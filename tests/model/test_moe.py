@@ -4,8 +4,6 @@ random checkpoints (CPU, float32, quantization "none"): logits within 1e-4 of tr
 tokens and logprobs bit-identical alone and in a batch rows join mid-flight; what a
 mixture-of-experts deployment refuses."""
 
-import copy
-
 import pytest
 import torch
 
@@ -20,6 +18,7 @@ from helpers import (
     assert_same_outputs,
     assert_tracks,
     float32_model,
+    float64_reference,
     run_staggered,
 )
 from tiny_models import MOE_FAMILIES, make_tiny_moe
@@ -32,18 +31,10 @@ def moe_dirs(tmp_path_factory):
     return {name: (root / name, make_tiny_moe(name, root / name)) for name in MOE_FAMILIES}
 
 
-def _float64(hf):
-    """transformers' model in float64, its experts in their per-expert loop (its grouped
-    matmul takes no float64)."""
-    hf = copy.deepcopy(hf).double()
-    hf.set_experts_implementation("eager")
-    return hf
-
-
 @pytest.mark.parametrize("name", MOE_FAMILIES)
 def test_logits_and_greedy_match_transformers(moe_dirs, name):
     path, hf = moe_dirs[name]
-    hf = _float64(hf)
+    hf = float64_reference(hf)
     checkpoint, model, backend = float32_model(path)
     assert checkpoint.config.moe is not None
 

@@ -12,13 +12,17 @@ import triton
 
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.triton import TritonAttentionBackend
-from inflight.model.kernels.triton import attention, lora, mamba, ops, rope
+from inflight.model.config import MoEConfig
+from inflight.model.kernels.triton import attention, lora, mamba, moe, ops, rope
 from inflight.model.layers.activation import torch_silu_mul
 from inflight.model.layers.mamba import ssm_decode as torch_ssm_decode
+from inflight.model.layers.moe import Experts
 from inflight.model.layers.norm import torch_rms_norm
+from inflight.model.layers.platform import Platform
+from inflight.model.layers.quantization import LinearMethods, TorchLinearMethod
 from inflight.model.layers.rotary import rotate
 
-from helpers import scattered_step
+from helpers import scattered_step, windowed_steps
 
 H200_SMS = 132
 
@@ -106,6 +110,37 @@ def test_decode_rows_split_their_keys_and_merge_to_the_same_output(splits):
     got = attention.paged_attention(q, *caches, meta, dim**-0.5, splits=splits)
     for row in range(len(shapes)):
         assert _rel(got[row], want[row]) < 1e-6, row
+
+
+@pytest.mark.parametrize("window", [5, 40])
+def test_windowed_rows_match_the_torch_backend_and_read_no_block_before_their_window(
+    window, monkeypatch
+):
+    """Each query over the last `window` keys up to its own: decode rows (their keys split in
+    16 parts, most empty) and prefill chunks (a program's first query's window starting inside
+    the chunk, a later one's past its first keys) as the torch backend computes them. The
+    table entries before each row's window name a block of NaN (as a block given back and
+    reused holds anything): no kernel reads it."""
+    monkeypatch.setattr(attention, "_multiprocessors", lambda device: H200_SMS)
+    torch.manual_seed(3)
+    shapes = [(1, 0), (1, 16), (1, 200), (1, 700), (37, 0), (150, 30), (20, 45), (1, 3)]
+    heads, kv_heads, dim, size = 8, 2, 32, 16
+    meta, poisoned = windowed_steps(shapes, size, 96, window)
+    tokens = sum(q for q, _ in shapes)
+    q = torch.randn(tokens, heads, dim)
+    k, v = torch.randn(tokens, kv_heads, dim), torch.randn(tokens, kv_heads, dim)
+    caches = [torch.randn(96, size, kv_heads, dim) for _ in range(2)]
+    reference = TorchAttentionBackend()
+    ref_cache = tuple(_head_major(c) for c in caches)
+    want = reference.forward(q, k, v, ref_cache, meta, dim**-0.5, window)
+    for c in caches:
+        c[0] = float("nan")
+    backend = TritonAttentionBackend()
+    backend.plan(poisoned)
+    got = backend.forward(q, k, v, tuple(caches), poisoned, dim**-0.5, window)
+    starts = poisoned.query_start_loc.tolist()
+    for lo, hi in zip(starts, starts[1:], strict=False):
+        assert _rel(got[lo:hi], want[lo:hi]) < 1e-6, (lo, hi)
 
 
 def _rope_reference(qkv, heads, kv_heads, cos, sin, norms):
@@ -223,3 +258,55 @@ def test_mamba_decode_step_updates_only_its_rows_slots():
     y = mamba.ssm_decode(state, slots, x, dt, a, b, c, d)
     assert ((state - want).abs().max() / want.abs().max()).item() < 1e-6
     assert ((y - want_y).abs().max() / want_y.abs().max()).item() < 1e-5
+
+
+def test_moe_align_sorts_pairs_into_blocks_of_one_expert():
+    """Every (token, choice) pair once, each block's pairs of its expert, padding past them,
+    blocks past the last real one marked -1; sized by the pair count alone."""
+    gen = torch.Generator().manual_seed(7)
+    tokens, k, experts, block = 37, 3, 8, 16
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+    ids[:10] = torch.tensor([0, 1, 2])  # an uneven load: experts 0-2 fill more than a block
+    sorted_pairs, block_expert = moe.align(ids, experts, block)
+    pairs = tokens * k
+    assert sorted_pairs.numel() == pairs + experts * (block - 1)
+    real = sorted_pairs[sorted_pairs < pairs]
+    assert sorted(real.tolist()) == list(range(pairs))
+    flat = ids.flatten()
+    for b, expert in enumerate(block_expert.tolist()):
+        slots = sorted_pairs[b * block : (b + 1) * block]
+        chosen = slots[slots < pairs].long()
+        if expert < 0:
+            assert chosen.numel() == 0
+        else:
+            assert chosen.numel() > 0 and (flat[chosen] == expert).all()
+    used = int(torch.unique(flat).numel())
+    assert (block_expert >= 0).sum().item() >= used
+
+
+@pytest.mark.parametrize("activation", ["silu", "relu2", "swiglu_clamped"])
+def test_fused_experts_match_the_per_expert_layers(activation):
+    """The grouped kernel's experts (CUDA's path) against the experts' own layers run one
+    expert at a time (the CPU path), float32: SwiGLU, relu² and gpt-oss's clamped SwiGLU with
+    biases; 29 tokens, 3 experts each of 8, an expert chosen by none."""
+    config = MoEConfig(8, 3, 48, (0,), activation=activation, expert_bias=activation != "silu")
+    platform = Platform(torch.device("cpu"), torch.float32)
+    experts = Experts(64, config, platform, LinearMethods(TorchLinearMethod()), "experts")
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    x = torch.randn(29, 64, generator=gen)
+    ids = torch.stack([torch.randperm(7, generator=gen)[:3] for _ in range(29)])
+    weights = torch.rand(29, 3, generator=gen)
+    want = experts(x, weights, ids)
+    stack = [torch.stack([layer.weight for layer in experts.gate_up]),
+             torch.stack([layer.weight for layer in experts.down])]  # fmt: skip
+    biases = [None, None]
+    if config.expert_bias:
+        biases = [
+            torch.stack([layer.bias for layer in group])
+            for group in (experts.gate_up, experts.down)
+        ]
+    got = moe.fused_experts(x, weights, ids, *stack, *biases, experts.activate)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5

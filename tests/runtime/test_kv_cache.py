@@ -1,4 +1,7 @@
-"""`BlockPool`: contiguous first-fit allocation, then reuse of cached blocks oldest first."""
+"""`BlockPool`: contiguous first-fit allocation, then reuse of cached blocks oldest first; free
+blocks held back for sequences that take their blocks as they grow."""
+
+import pytest
 
 from inflight.runtime.host.kv_cache import BlockPool
 
@@ -28,3 +31,31 @@ def test_when_only_cached_blocks_are_free_the_oldest_are_reused():
     assert pool.allocate(0) == []
     assert pool.allocate(2) is None  # one free: nothing taken
     assert pool.num_free == 1
+
+
+def test_held_back_blocks_go_only_to_reserved_allocations():
+    pool = BlockPool(6, 4)
+    assert pool.reserve(4) and pool.num_free == 2
+    assert not pool.reserve(3) and pool.num_free == 2  # too few free: none held back
+    assert pool.allocate(3) is None
+    taken = pool.allocate(3, reserved=True)
+    assert len(taken) == 3 and pool.num_free == 2
+    pool.release(taken[:2], keep_reserved=True)  # given back, held back for the releaser
+    assert pool.num_free == 2
+    pool.release(taken[2:])
+    assert pool.num_free == 3
+    pool.unreserve(3)
+    assert pool.num_free == 6
+    with pytest.raises(RuntimeError, match="1 KV blocks unreserved, 0 held back"):
+        pool.unreserve(1)
+
+
+def test_releasing_a_block_another_holds_still_holds_one_back():
+    """A block leased from the cache by another sequence outlives this release: the releaser
+    is held back another free block (its reservation counted it whatever it leased)."""
+    pool = BlockPool(4, 4)
+    [block] = pool.allocate(1)
+    assert pool.publish(block, b"prefix")
+    pool.lease(block)
+    pool.release([block], keep_reserved=True)
+    assert pool.in_use(block) and pool.num_free == 2

@@ -8,6 +8,7 @@ from inflight.protocol.request import GenerationRequest, RequestFieldError, Samp
 from inflight.runtime.host.context_cache import ContextCache
 from inflight.runtime.host.decoding import PlainDecoding
 from inflight.runtime.host.kv_cache import BlockPool
+from inflight.runtime.host.kv_window import KVWindow
 from inflight.runtime.host.media import MediaChecks
 from inflight.runtime.host.scheduler import PrefillPolicy, Scheduler
 from inflight.runtime.host.slots import ResidentSlots
@@ -15,7 +16,7 @@ from inflight.runtime.host.speculative import SpeculativeDecoding
 from inflight.runtime.host.structured import Constraints, GrammarCompiler
 
 
-def _scheduler(slots=4, blocks=32, budget=16, cache=False, speculative=None):
+def _scheduler(slots=4, blocks=32, budget=16, cache=False, speculative=None, window=None):
     pool = BlockPool(blocks, 4)
     constraints = Constraints(GrammarCompiler(numbered_tokenizer(100), 100), slots)
     features = [MediaChecks({}), constraints] + ([speculative] if speculative else [])
@@ -29,6 +30,7 @@ def _scheduler(slots=4, blocks=32, budget=16, cache=False, speculative=None):
         max_model_len=64,
         vocab_size=100,
         max_num_tokens=budget,
+        window=window,
     )
 
 
@@ -210,3 +212,40 @@ def test_a_row_drafting_past_drafts_in_flight_is_hedged_by_fallback_rows():
     )
     assert ahead.drafts == (7, 8, 9)  # "6 7 8 9 5" occurred before: 6 stands for the pick
     assert state.hedged and (r.computed, r.pending) == (15, 8)
+
+
+def test_a_sliding_window_sequence_reserves_a_quota_and_recycles_its_blocks():
+    """Every layer slides over 8 tokens, blocks of 4 (chunks of 4 tokens, a quota of 5
+    blocks): a 20-token prompt with 40 tokens to generate reserves 5 blocks, not 15, and one
+    more request of it fits 12 blocks where a third does not. Each step's prompt chunk is at
+    most 4 tokens; each gives back the blocks before the window of the next query (at the
+    committed tokens) and takes what its new tokens need from the blocks held back for it."""
+    window = KVWindow(8, 4)
+    s = _scheduler(slots=3, blocks=12, window=window)
+    r = _seat(s, 20, max_tokens=40)
+    assert s.blocks.num_free == 12 - 5 and (r.kv.blocks, r.kv.reserved) == ([], 5)
+    second = _seat(s, 20, max_tokens=40)
+    third = GenerationRequest(list(range(1, 21)), SamplingParams(max_tokens=40))
+    assert _reserve(s, third) is None and s.blocks.num_free == 2
+    s.evict(second)
+    for step_id in range(1, 100):
+        step = s.schedule(step_id)
+        if step is None:
+            break
+        (row,) = step.rows
+        assert len(row.token_ids) <= 4
+        # What the output processor does once the step completes.
+        r.kv.committed = r.computed
+        if row.samples:
+            r.output.append(7)
+            r.pending -= 1
+        if len(r.output) == 40:
+            break
+        kv = r.kv
+        assert kv.released == window.first_seen(step.rows[0].past_len)
+        assert len(kv.blocks) == -(-r.computed // 4) and len(kv.held) + kv.reserved == 5
+        assert s.blocks.num_free == 12 - 5
+    # The 59th token's row, the last: blocks 12 to 14 hold the window of its 8 keys.
+    assert (r.computed, r.kv.released, len(r.kv.held)) == (59, 12, 3)
+    s.evict(r)
+    assert s.blocks.num_free == 12

@@ -11,8 +11,9 @@ from inflight.model.metadata import AttentionMetadata, KVCache
 
 class AttentionBackend(Protocol):
     # With takes_qkv, a backend also has `forward_qkv(qkv, num_heads, angles, norms, kv_cache,
-    # meta, scale)`: `forward` from a layer's fused projection qkv [T, (Hq + 2 Hkv) * D], its
-    # q and k normed (`norms`, QKNorms or None) and rotated (RoPE over whole heads) on the way.
+    # meta, scale, window=None)`: `forward` from a layer's fused projection qkv
+    # [T, (Hq + 2 Hkv) * D], its q and k normed (`norms`, QKNorms or None) and rotated (RoPE
+    # over whole heads) on the way.
     takes_qkv: bool
 
     def kv_cache_shape(
@@ -33,6 +34,10 @@ class AttentionBackend(Protocol):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Store k, v [T, Hkv, D] at meta.slot_mapping, then attend q [T, Hq, D] -> [T, Hq, D]."""
+        """Store k, v [T, Hkv, D] at meta.slot_mapping, then attend q [T, Hq, D] -> [T, Hq, D];
+        with a `window` (the layer's), a query at position p sees keys p - window + 1 .. p, and
+        no block before the window of a row's first query is read (it may have been given
+        back)."""
         ...

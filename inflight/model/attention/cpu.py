@@ -32,8 +32,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         store_kv(self.library, k, v, kv_cache, meta)
         out = torch.empty(q.shape, dtype=q.dtype)
-        paged_attention(self.library, q, kv_cache, meta, scale, out)
+        paged_attention(self.library, q, kv_cache, meta, scale, out, window)
         return out

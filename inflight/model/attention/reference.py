@@ -14,7 +14,9 @@ class TorchAttentionBackend:
     The cache is head-major, [num_kv_heads, num_blocks * block_size, head_dim], so that a
     sequence whose blocks form one contiguous run is, for every head, one contiguous stretch of
     memory, read in place; a sequence with scattered blocks is gathered first. Each sequence
-    attends on its own, so its result never depends on what else shares the step.
+    attends on its own, so its result never depends on what else shares the step. A layer with
+    a window reads only the keys its queries see, so that blocks before them may have been
+    given back.
     """
 
     takes_qkv = False
@@ -35,10 +37,11 @@ class TorchAttentionBackend:
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         self.store(k, v, kv_cache, meta)
         out = torch.empty_like(q)
-        self.attend_rows(q, kv_cache, meta, scale, out, 0)
+        self.attend_rows(q, kv_cache, meta, scale, out, 0, window)
         return out
 
     @staticmethod
@@ -55,45 +58,61 @@ class TorchAttentionBackend:
         scale: float,
         out: torch.Tensor,
         first_row: int,
+        window: int | None = None,
     ) -> None:
-        """Attend the rows from `first_row` on, one sequence at a time, into `out`."""
+        """Attend the rows from `first_row` on, one sequence at a time, into `out`; with a
+        `window`, a query at position p over keys p - window + 1 .. p."""
         k_cache, v_cache = kv_cache
         start = sum(meta.query_lens_host[:first_row])
         for row in range(first_row, len(meta.query_lens_host)):
             qlen, seq_len = meta.query_lens_host[row], meta.seq_lens_host[row]
+            past = seq_len - qlen
+            # The first key the row's first query sees.
+            lo = 0 if window is None else max(0, past - window + 1)
             first = meta.contiguous_kv_host[row]
             if first is not None:
-                keys = k_cache[:, first : first + seq_len]
-                values = v_cache[:, first : first + seq_len]
+                keys = k_cache[:, first + lo : first + seq_len]
+                values = v_cache[:, first + lo : first + seq_len]
             else:
-                slots = _slots(meta, row, seq_len)
+                slots = _slots(meta, row, lo, seq_len)
                 keys, values = k_cache[:, slots], v_cache[:, slots]
             out[start : start + qlen] = _attend(
-                q[start : start + qlen], keys, values, seq_len - qlen, scale
+                q[start : start + qlen], keys, values, past - lo, scale, window
             )
             start += qlen
 
 
-def _slots(meta: AttentionMetadata, row: int, seq_len: int) -> torch.Tensor:
-    """The KV slots of a sequence's first `seq_len` tokens, from its block table."""
+def _slots(meta: AttentionMetadata, row: int, lo: int, seq_len: int) -> torch.Tensor:
+    """The KV slots of a sequence's tokens lo .. seq_len - 1, from its block table."""
     block_size = meta.block_size
-    blocks = meta.block_tables[row, : -(-seq_len // block_size)].to(torch.int64)
+    first = lo // block_size
+    blocks = meta.block_tables[row, first : -(-seq_len // block_size)].to(torch.int64)
     offsets = torch.arange(block_size, device=blocks.device)
-    return (blocks[:, None] * block_size + offsets).flatten()[:seq_len]
+    slots = (blocks[:, None] * block_size + offsets).flatten()
+    return slots[lo - first * block_size : seq_len - first * block_size]
 
 
 def _attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    past: int,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of q [Q, Hq, D] over keys/values [Hkv, past + Q, D]."""
+    """Causal attention of q [Q, Hq, D] over keys/values [Hkv, past + Q, D]; with a `window`,
+    each query over the last `window` keys up to its own."""
     qlen, seq_len = q.shape[0], keys.shape[1]
-    if qlen == 1:
+    if qlen == 1 and (window is None or seq_len <= window):
         mask, causal = None, False  # one query sees every key
-    elif past == 0:
+    elif past == 0 and window is None:
         mask, causal = None, True
     else:
         rows = torch.arange(qlen, device=q.device)[:, None] + past
-        mask, causal = torch.arange(seq_len, device=q.device)[None, :] <= rows, False
+        keys_at = torch.arange(seq_len, device=q.device)[None, :]
+        mask, causal = keys_at <= rows, False
+        if window is not None:
+            mask &= keys_at > rows - window
     # 4-D [1, heads, tokens, dim]: the fused CPU kernel takes nothing else.
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),

@@ -99,8 +99,12 @@ class GGUFCheckpoint:
 
     def stored_types(self) -> dict[str, str]:
         """The GGML type each tensor is stored in ("Q4_1", "Q8_0", "F32", ...), by Hugging Face
-        name; from the file's header, without reading weights."""
-        return {name: tensor.tensor_type.name for name, tensor in self._by_hf_name.items()}
+        name, a layer's stacked experts also by each expert's name; from the file's header,
+        without reading weights."""
+        types = {name: tensor.tensor_type.name for name, tensor in self._by_hf_name.items()}
+        for name, (stacked, _) in self._by_expert.items():
+            types[name] = types[stacked]
+        return types
 
     def weights(self, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
         """Float32 tensors by Hugging Face name, with llama.cpp's transforms undone (the q/k
@@ -109,7 +113,7 @@ class GGUFCheckpoint:
         config, tensors = self.config(), self.family.gguf_tensors
         for tensor in self.reader.tensors:
             name = self._hf_name(tensor.name)
-            if name is None or name in skip:
+            if name is None or name in skip or _expert_name(name, 0) in skip:
                 continue
             values = tensors.rows(tensor.name, dequantize(tensor), config)
             yield name, torch.from_numpy(tensors.reshape(tensor.name, values))
@@ -117,11 +121,15 @@ class GGUFCheckpoint:
     def stored_blocks(self, name: str) -> StoredBlocks:
         """The tensor of Hugging Face name `name` as the file stores it: its GGML type and raw
         rows [N, bytes] (a copy), rows in the order `weights` gives them (q/k unpermuted). Only
-        for 2-D tensors whose rows are the model's rows (none the family reshapes)."""
-        tensor = self._by_hf_name.get(name)
+        for 2-D tensors whose rows are the model's rows (none the family reshapes), and for one
+        expert of a layer's stacked experts (by that expert's name)."""
+        stacked, expert = self._by_expert.get(name, (name, None))
+        tensor = self._by_hf_name.get(stacked)
         if tensor is None:
             raise KeyError(f"GGUF file {self.path} has no tensor {name!r}")
         blocks = np.asarray(tensor.data)
+        if expert is not None:
+            blocks = blocks[expert]
         tensors = self.family.gguf_tensors
         if blocks.ndim != 2 or blocks.dtype != np.uint8 or not tensors.keeps_shape(tensor.name):
             raise ValueError(
@@ -144,6 +152,18 @@ class GGUFCheckpoint:
             if (name := self._hf_name(tensor.name)) is not None
         }
 
+    @functools.cached_property
+    def _by_expert(self) -> dict[str, tuple[str, int]]:
+        """Each expert's part of the stacked experts ([E, rows, cols] tensors under a layer's
+        `experts.`), by the name the model's experts read it under: (the stacked tensor's
+        name, the expert)."""
+        return {
+            _expert_name(name, expert): (name, expert)
+            for name, tensor in self._by_hf_name.items()
+            if ".experts." in name and len(tensor.shape) == 3
+            for expert in range(int(tensor.shape[2]))
+        }
+
     def _hf_name(self, name: str) -> str | None:
         try:
             return self.family.gguf_tensors.hf_name(name)
@@ -151,3 +171,11 @@ class GGUFCheckpoint:
             raise ValueError(
                 f"unexpected tensor {name!r} in {self.architecture} GGUF file {self.path}"
             ) from None
+
+
+def _expert_name(name: str, expert: int) -> str:
+    """The name of one expert's part of stacked experts `name`: llama.cpp stacks a layer's
+    experts into one tensor per part ("layers.0.mlp.experts.gate_proj.weight"); the model's
+    experts are layers of their own ("layers.0.mlp.experts.3.gate_proj.weight")."""
+    stem, found, part = name.rpartition(".experts.")
+    return f"{stem}.experts.{expert}.{part}" if found else name

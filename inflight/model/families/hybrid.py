@@ -5,12 +5,15 @@ tensors. Registers the flavours bamba and nemotron_h (a config's `family`).
 Each layer is of one kind (`MambaConfig.layer_types`): a Mamba2 mixer (layers/mamba.py), which
 reads and writes each sequence's state slot; attention over the paged KV cache (llama.py's,
 with RoPE on the leading part of each head only (Bamba) or none at all (NemotronH)); or
-NemotronH's relu² MLP. A layer is norm -> mixer, added to the residual stream; Bamba's layers
-then add norm -> SwiGLU MLP. Only attention layers have a KV cache.
+NemotronH's relu² MLP, or its mixture of relu² experts (layers/moe.py: a sigmoid router with a
+selection bias, and a relu² MLP as the shared expert). A layer is norm -> mixer, added to the
+residual stream; Bamba's layers then add norm -> SwiGLU MLP. Only attention layers have a KV
+cache.
 
 Parameters are named `layers.{i}.norm`, `layers.{i}.mixer.*` (and Bamba's `layers.{i}.mlp_norm`,
 `layers.{i}.mlp.*`), `embed_tokens`, `norm`, `lm_head`, below the layer as transformers names
-them, but that q/k/v and gate/up are stored fused (`qkv_proj`, `gate_up_proj`) as in llama.py.
+them, but that q/k/v and gate/up are stored fused (`qkv_proj`, `gate_up_proj`) as in llama.py
+and a mixture's shared expert is `mixer.shared_expert` (transformers: `shared_experts`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from torch import nn
 
 from inflight.model.attention import AttentionBackend
-from inflight.model.config import MambaConfig, ModelConfig, rope_from_hf
+from inflight.model.config import MambaConfig, ModelConfig, MoEConfig, rope_from_hf
 from inflight.model.contract import ForwardBatch, ModelCaches
 from inflight.model.families.llama import (
     GLOBAL_TENSORS,
@@ -41,8 +44,10 @@ from inflight.model.families.llama import (
     unpermute_qk,
 )
 from inflight.model.layers.linear import process_weights_after_loading
+from inflight.model.layers.lora import LoRAMapping
 from inflight.model.layers.lora_adapters import LoRAAdapters
 from inflight.model.layers.mamba import Mamba2Mixer, MambaRows, MambaStates
+from inflight.model.layers.moe import SparseMoeBlock
 from inflight.model.layers.norm import RMSNorm
 from inflight.model.layers.parallel import TensorParallel
 from inflight.model.layers.platform import Platform
@@ -85,6 +90,8 @@ _FUSED_PARTS = {
     ".mlp.gate_up_proj.": (".mlp.gate_proj.", ".mlp.up_proj."),
 }
 _FUSED = {part: (fused, i) for fused, parts in _FUSED_PARTS.items() for i, part in enumerate(parts)}
+# Where a mixture's experts are, below a layer.
+_EXPERTS = ".mixer.experts."
 
 
 class PartialRotaryAttention(Attention):
@@ -124,16 +131,36 @@ class PartialRotaryAttention(Attention):
 
 
 class Relu2MLP(nn.Module):
-    """NemotronH's MLP: down_proj(relu(up_proj(x))²), no gate."""
+    """NemotronH's MLP: down_proj(relu(up_proj(x))²), no gate; `intermediate` wide (default
+    the config's: a mixture's shared expert has a width of its own)."""
 
-    def __init__(self, config: ModelConfig, methods: LinearMethods, prefix: str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        methods: LinearMethods,
+        prefix: str,
+        intermediate: int | None = None,
+    ) -> None:
         super().__init__()
-        hidden, intermediate, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        hidden, bias = config.hidden_size, config.mlp_bias
+        intermediate = intermediate or config.intermediate_size
         self.up_proj = decoder_linear(hidden, intermediate, bias, methods, f"{prefix}.up_proj")
         self.down_proj = decoder_linear(intermediate, hidden, bias, methods, f"{prefix}.down_proj")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
+        # `lora`: what SparseMoeBlock hands its shared expert; a hybrid has no adapters.
         return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+
+def _mixture(
+    config: ModelConfig, platform: Platform, methods: LinearMethods, prefix: str
+) -> SparseMoeBlock:
+    """NemotronH's mixture-of-experts layer, its shared expert a relu² MLP of its own width."""
+    moe = config.moe
+    shared = None
+    if moe.shared_intermediate_size:
+        shared = Relu2MLP(config, methods, f"{prefix}.shared_expert", moe.shared_intermediate_size)
+    return SparseMoeBlock(config.hidden_size, moe, platform, methods, prefix, shared)
 
 
 @dataclass
@@ -170,6 +197,8 @@ class HybridLayer(nn.Module):
             self.mixer = PartialRotaryAttention(
                 config, platform, methods, f"{prefix}.mixer", rotary_dim
             )
+        elif kind == "moe":
+            self.mixer = _mixture(config, platform, methods, f"{prefix}.mixer")
         else:
             self.mixer = Relu2MLP(config, methods, f"{prefix}.mixer")
         self.mlp_norm = self.mlp = None
@@ -190,7 +219,7 @@ class HybridLayer(nn.Module):
             h = self.mixer(h, step.meta, step.rows, *cache)
         elif self.kind == "attention":
             h = self.mixer(h, step.angles, cache, step.meta, step.backend)
-        else:
+        else:  # an MLP or a mixture of experts
             h = self.mixer(h)
         if self.mlp is not None:
             h, residual = self.mlp_norm.add_forward(h, residual)
@@ -304,7 +333,7 @@ class HybridForCausalLM(nn.Module):
         if family == "bamba":
             for theirs, ours in _BAMBA_MODULES.items():
                 name = name.replace(theirs, ours)
-        return name
+        return name.replace(".mixer.shared_experts.", ".mixer.shared_expert.")
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -314,8 +343,26 @@ class HybridForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         ours = ((self.parameter_name(name), tensor) for name, tensor in weights)
         named = ((name, tensor) for name, tensor in ours if name is not None)
-        load_fused(self, named, _FUSED, shard_sizes(self.config))
+        load_fused(self, self._load_experts(named), _FUSED, shard_sizes(self.config), (_EXPERTS,))
         process_weights_after_loading(self)
+        for layer in self.layers:
+            if layer.kind == "moe":
+                layer.mixer.experts.finish_loading()
+
+    def _load_experts(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """`weights` but the experts' tensors, which their layer's `Experts` takes in whatever
+        layout they come (one per expert in transformers' checkpoints)."""
+        for name, tensor in weights:
+            layer, experts, rest = name.partition(_EXPERTS)
+            if not experts:
+                yield name, tensor
+                continue
+            index = int(layer.removeprefix("layers."))
+            if index >= len(self.layers) or self.layers[index].kind != "moe":
+                raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
+            self.layers[index].mixer.experts.load(rest, tensor)
 
 
 # Each flavour's Hugging Face `architectures` entry and llama.cpp's `general.architecture`
@@ -420,8 +467,6 @@ def _nemotron_h_from_hf(cfg: dict[str, Any]) -> tuple[ModelConfig, MambaConfig]:
     if unknown:
         raise ValueError(f"unknown NemotronH layer type {unknown[0]!r}")
     layer_types = tuple(_NEMOTRON_H_KINDS[kind] for kind in kinds)
-    if "moe" in layer_types:
-        raise ValueError("NemotronH mixture-of-experts layers are not supported")
     act = cfg.get("mlp_hidden_act", "relu2")
     if act != "relu2":
         raise ValueError(f"unsupported NemotronH mlp_hidden_act {act!r}; supported: relu2")
@@ -457,8 +502,35 @@ def _nemotron_h_from_hf(cfg: dict[str, Any]) -> tuple[ModelConfig, MambaConfig]:
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
+        moe=_nemotron_h_moe(cfg, layer_types),
     )
     return config, mamba
+
+
+def _nemotron_h_moe(cfg: dict[str, Any], layer_types: tuple[str, ...]) -> MoEConfig | None:
+    """The mixture of experts of a NemotronH config.json's "moe" layers (None: it has none):
+    sigmoid scores, chosen with the selection bias `e_score_correction_bias` within the best
+    groups, relu² experts, and one relu² shared expert (transformers builds one whatever
+    n_shared_experts says)."""
+    sparse = tuple(i for i, kind in enumerate(layer_types) if kind == "moe")
+    if not sparse:
+        return None
+    return MoEConfig(
+        num_experts=cfg.get("n_routed_experts", 8),
+        top_k=cfg.get("num_experts_per_tok", 2),
+        intermediate_size=cfg.get("moe_intermediate_size", 7688),
+        sparse_layers=sparse,
+        scoring="sigmoid",
+        renormalize=bool(cfg.get("norm_topk_prob", True)),
+        selection_bias=True,
+        num_groups=cfg.get("n_group", 1),
+        topk_groups=cfg.get("topk_group", 1),
+        scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        activation="relu2",
+        shared_intermediate_size=cfg.get("moe_shared_expert_intermediate_size", 7688),
+        latent_size=cfg.get("moe_latent_size") or 0,
+        latent_bias=bool(cfg.get("mlp_bias", False)),
+    )
 
 
 def hybrid_from_hf(cfg: dict[str, Any]) -> ModelConfig:

@@ -24,7 +24,7 @@ from torch import nn
 
 from inflight.model.attention import AttentionBackend
 from inflight.model.attention.cpu import CpuAttentionBackend
-from inflight.model.config import ModelConfig, RopeConfig, rope_from_hf
+from inflight.model.config import ModelConfig, MoEConfig, RopeConfig, rope_from_hf
 from inflight.model.contract import ForwardBatch, ModelCaches
 from inflight.model.kernels.cpu import decoder
 from inflight.model.layers.activation import SiluAndMul
@@ -113,7 +113,8 @@ def decoder_linear(
 
 class Attention(nn.Module):
     """`config`: this rank's shape (its share of the heads under tensor parallelism, whose
-    o_proj outputs `parallel` sums over the ranks)."""
+    o_proj outputs `parallel` sums over the ranks); `window`: the layer's attention window
+    (None: full attention), which the backend applies."""
 
     def __init__(
         self,
@@ -122,9 +123,11 @@ class Attention(nn.Module):
         methods: LinearMethods,
         prefix: str,
         parallel: TensorParallel | None = None,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.parallel = parallel
+        self.window = window
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -163,7 +166,9 @@ class Attention(nn.Module):
             norms = None
             if self.q_norm is not None and self.k_norm is not None:
                 norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            out = backend.forward_qkv(qkv, heads, angles, norms, kv_cache, meta, self.scale)
+            out = backend.forward_qkv(
+                qkv, heads, angles, norms, kv_cache, meta, self.scale, self.window
+            )
         else:
             qk_size = self.q_size + self.kv_size
             v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
@@ -180,7 +185,7 @@ class Attention(nn.Module):
                 k = self.k_norm(qkv[:, self.q_size : qk_size].reshape(-1, dim))
                 q = self.rope(q.view(tokens, heads, dim), angles)
                 k = self.rope(k.view(tokens, self.num_kv_heads, dim), angles)
-            out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+            out = backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
         out = self.o_proj(out.reshape(tokens, self.q_size), lora)
         return out if self.parallel is None else self.parallel.all_reduce(out)
 
@@ -253,7 +258,9 @@ class DecoderLayer(nn.Module):
         prefix = f"layers.{index}"
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps, platform)
-        self.self_attn = Attention(config, platform, methods, f"{prefix}.self_attn", parallel)
+        self.self_attn = Attention(
+            config, platform, methods, f"{prefix}.self_attn", parallel, config.window(index)
+        )
         self.post_attention_layernorm = RMSNorm(hidden, eps, platform)
         self.mlp = feed_forward(config, index, platform, methods, f"{prefix}.mlp", parallel)
 
@@ -298,6 +305,7 @@ class DecoderLayer(nn.Module):
             *linears,
             kv_cache=kv_cache,
             qk_norms=norms,
+            window=attention.window,
         )
 
 
@@ -476,11 +484,6 @@ class LlamaForCausalLM(nn.Module):
             shard_sizes(self.layer_config),
             ("encoders.", ".mlp.experts."),
         )
-        for i, layer in enumerate(self.layers):
-            mlp = layer.mlp
-            missing = mlp.experts.missing() if isinstance(mlp, SparseMoeBlock) else []
-            if missing:
-                raise ValueError(f"checkpoint lacks layer {i}'s {', '.join(missing[:3])}")
         for encoder in self.encoders.values():
             encoder.load_weights(encoder_weights)
         if encoder_weights and not self.encoders:
@@ -489,6 +492,9 @@ class LlamaForCausalLM(nn.Module):
                 "which this model's config does not describe"
             )
         process_weights_after_loading(self)
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.experts.finish_loading()
         self.lora.reset()
 
 
@@ -503,7 +509,6 @@ def llama_from_hf(cfg: dict[str, Any], flavour: str) -> ModelConfig:
         raise ValueError(f"unsupported hidden_act {act!r}; this decoder implements SwiGLU (silu)")
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-    sliding = _sliding_window(cfg, flavour)
     attention_bias = bool(cfg.get("attention_bias", False))
     return ModelConfig(
         family=flavour,
@@ -522,27 +527,34 @@ def llama_from_hf(cfg: dict[str, Any], flavour: str) -> ModelConfig:
         o_bias=flavour in ("llama", "qwen3") and attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=flavour == "qwen3",
-        sliding_window=sliding,
+        layer_windows=_layer_windows(cfg, flavour),
     )
 
 
-def _sliding_window(cfg: dict[str, Any], flavour: str) -> int | None:
-    """The window some layers attend over, or None. Qwen2/Qwen3 configs carry a `sliding_window`
-    that only counts under `use_sliding_window`, for the layers their `layer_types` (else
-    `max_window_layers`) mark sliding; the deployment plan then caps the context at the window,
-    where full attention is exact, and refuses a longer max_model_len by naming it."""
+def _layer_windows(cfg: dict[str, Any], flavour: str) -> tuple[int | None, ...]:
+    """Each layer's attention window, as transformers 5 reads the config (empty: none slides).
+    Mistral's (and Mixtral's) `sliding_window` is every layer's. A Qwen config's only counts
+    under `use_sliding_window`, for the layers its `layer_types` mark "sliding_attention", or
+    by its model type's default: Qwen2's and Qwen3's layers from `max_window_layers` on,
+    Qwen2-MoE's even layers below it, Qwen3-MoE's every layer (it reads no `layer_types`)."""
+    layers = cfg["num_hidden_layers"]
     if flavour == "mistral":
-        return cfg.get("sliding_window")
-    if not cfg.get("use_sliding_window", False):
-        return None
-    # Absent keys take transformers' Qwen2/Qwen3 defaults.
+        window = cfg.get("sliding_window")
+        return () if window is None else (window,) * layers
+    # Absent keys take transformers' Qwen defaults.
     window = cfg.get("sliding_window", 4096)
-    first = cfg.get("max_window_layers", 28)
-    types = cfg.get("layer_types") or [
-        "sliding_attention" if i >= first else "full_attention"
-        for i in range(cfg["num_hidden_layers"])
-    ]
-    return window if "sliding_attention" in types else None
+    if not cfg.get("use_sliding_window", False) or window is None:
+        return ()
+    first, model_type = cfg.get("max_window_layers", 28), cfg.get("model_type")
+    if model_type == "qwen3_moe":
+        sliding = [True] * layers
+    elif cfg.get("layer_types"):
+        sliding = [kind == "sliding_attention" for kind in cfg["layer_types"]]
+    elif model_type == "qwen2_moe":
+        sliding = [i % 2 == 0 and i < first for i in range(layers)]
+    else:
+        sliding = [i >= first for i in range(layers)]
+    return tuple(window if s else None for s in sliding) if any(sliding) else ()
 
 
 # A layer's tensor (after "blk.N.") -> its Hugging Face name (after "layers.N.").
@@ -558,17 +570,31 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # A mixture of experts: the router, every expert's gate, up and down stacked [E, rows,
+    # cols], and a shared expert with its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # The tensors outside the layers (hybrids' files name them so too).
 GLOBAL_TENSORS = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 
 
 def llama_from_gguf(gguf: GGUFMetadata, flavour: str) -> ModelConfig:
-    """The ModelConfig of a GGUF file of the family's `flavour`, from llama.cpp's metadata."""
+    """The ModelConfig of a GGUF file of the family's `flavour`, from llama.cpp's metadata. A
+    `llama` file with experts is Mixtral (llama.cpp converts it so)."""
     a = gguf.architecture
     hidden = gguf.field(f"{a}.embedding_length")
     heads = gguf.field(f"{a}.attention.head_count")
     names = gguf.tensor_names
+    moe = gguf_moe(gguf, renormalize=True)
+    if moe is not None and flavour == "llama":
+        flavour = "mixtral"
     return ModelConfig(
         family=flavour,
         vocab_size=gguf_vocab_size(gguf),
@@ -586,6 +612,49 @@ def llama_from_gguf(gguf: GGUFMetadata, flavour: str) -> ModelConfig:
         o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_up.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        layer_windows=gguf_layer_windows(gguf),
+        moe=moe,
+    )
+
+
+def gguf_layer_windows(gguf: GGUFMetadata) -> tuple[int | None, ...]:
+    """Each layer's attention window from llama.cpp's metadata (empty: none slides): its
+    `sliding_window`, over the layers its `sliding_window_pattern` marks (a flag per layer, or
+    n: all but every n-th layer, as llama.cpp reads it), else over every layer."""
+    a = gguf.architecture
+    window = gguf.field(f"{a}.attention.sliding_window")
+    if not window:
+        return ()
+    layers = gguf.field(f"{a}.block_count")
+    pattern = gguf.field(f"{a}.attention.sliding_window_pattern", 0)
+    if isinstance(pattern, int):
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    else:
+        sliding = [bool(flag) for flag in pattern]
+    return tuple(window if s else None for s in sliding) if any(sliding) else ()
+
+
+def gguf_moe(gguf: GGUFMetadata, renormalize: bool) -> MoEConfig | None:
+    """The mixture of experts of a GGUF file with an expert count (None without one): its
+    sparse layers are those with a router (`ffn_gate_inp`); whether the k weights are
+    renormalized is `{arch}.expert_weights_norm`, else what llama.cpp does for the
+    architecture (`renormalize`)."""
+    a = gguf.architecture
+    experts = gguf.field(f"{a}.expert_count") or 0
+    if not experts:
+        return None
+    layers = gguf.field(f"{a}.block_count")
+    sparse = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in gguf.tensor_names)
+    shared = gguf.field(f"{a}.expert_shared_feed_forward_length", 0)
+    return MoEConfig(
+        num_experts=experts,
+        top_k=gguf.required(f"{a}.expert_used_count"),
+        intermediate_size=gguf.field(f"{a}.expert_feed_forward_length")
+        or gguf.required(f"{a}.feed_forward_length"),
+        sparse_layers=sparse,
+        renormalize=bool(gguf.field(f"{a}.expert_weights_norm", renormalize)),
+        shared_intermediate_size=shared,
+        shared_gate=bool(shared) and "blk.0.ffn_gate_inp_shexp.weight" in gguf.tensor_names,
     )
 
 
@@ -656,9 +725,11 @@ class LlamaGGUFTensors:
         return unpermute_qk(name, rows, config) if self.permuted else rows
 
     def keeps_shape(self, name: str) -> bool:
-        return True
+        return gguf_layer_kind(name) != "ffn_gate_inp_shexp"
 
     def reshape(self, name: str, values: np.ndarray) -> np.ndarray:
+        if gguf_layer_kind(name) == "ffn_gate_inp_shexp":  # stored [H]: the model's is [1, H]
+            return values.reshape(1, -1)
         return values
 
 

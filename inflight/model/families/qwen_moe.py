@@ -1,6 +1,7 @@
 """Qwen2-MoE and Qwen3-MoE: the Qwen2 and Qwen3 decoders (Llama family) whose sparse layers'
 MLP is a mixture of experts (`layers/moe.py`), with a softmax router; Qwen2-MoE adds a shared
-expert gated by a sigmoid. Registers the flavours qwen2_moe and qwen3_moe."""
+expert gated by a sigmoid. Registers the flavours qwen2_moe and qwen3_moe, from Hugging Face
+checkpoints and llama.cpp's GGUF files (`qwen2moe`, `qwen3moe`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,14 @@ from dataclasses import replace
 from typing import Any
 
 from inflight.model.config import ModelConfig, MoEConfig
-from inflight.model.families.llama import LlamaForCausalLM, llama_from_hf
-from inflight.model.registry import Family, register
+from inflight.model.families.llama import (
+    LlamaForCausalLM,
+    LlamaGGUFTensors,
+    gguf_moe,
+    llama_from_gguf,
+    llama_from_hf,
+)
+from inflight.model.registry import Family, GGUFMetadata, register
 
 
 def sparse_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
@@ -39,19 +46,27 @@ def _from_hf(cfg: dict[str, Any], flavour: str) -> ModelConfig:
     return replace(base, family=flavour, moe=moe)
 
 
-register(
-    Family(
-        "qwen2_moe",
-        LlamaForCausalLM,
-        hf_architectures=("Qwen2MoeForCausalLM",),
-        from_hf=functools.partial(_from_hf, flavour="qwen2_moe"),
+def _from_gguf(gguf: GGUFMetadata, flavour: str) -> ModelConfig:
+    base = llama_from_gguf(gguf, flavour.removesuffix("_moe"))
+    # llama.cpp renormalizes Qwen3-MoE's k weights, not Qwen2-MoE's.
+    moe = gguf_moe(gguf, renormalize=flavour == "qwen3_moe")
+    if moe is None:
+        raise ValueError(f"{gguf.architecture} GGUF file {gguf.path} has no expert count")
+    return replace(base, family=flavour, moe=moe)
+
+
+for _flavour, _hf, _gguf in (
+    ("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2moe"),
+    ("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3moe"),
+):
+    register(
+        Family(
+            _flavour,
+            LlamaForCausalLM,
+            hf_architectures=(_hf,),
+            from_hf=functools.partial(_from_hf, flavour=_flavour),
+            gguf_architectures=(_gguf,),
+            from_gguf=functools.partial(_from_gguf, flavour=_flavour),
+            gguf_tensors=LlamaGGUFTensors(permuted=False),
+        )
     )
-)
-register(
-    Family(
-        "qwen3_moe",
-        LlamaForCausalLM,
-        hf_architectures=("Qwen3MoeForCausalLM",),
-        from_hf=functools.partial(_from_hf, flavour="qwen3_moe"),
-    )
-)

@@ -22,12 +22,19 @@ from inflight.model.layers.activation import SiluAndMul
 from inflight.model.layers.linear import Linear
 from inflight.model.layers.lora import LoRAMapping
 from inflight.model.layers.platform import Platform
-from inflight.model.layers.quantization import LinearMethods
+from inflight.model.layers.quantization import LinearMethods, TorchLinearMethod
 
 # A checkpoint tensor of one expert ("3.gate_proj.weight" under a layer's `experts.`): the
 # expert, the part (Mixtral names gate, down and up w1, w2 and w3) and weight or bias.
 _ONE_EXPERT = re.compile(r"^(\d+)\.(\w+)\.(weight|bias)$")
 _PART_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + e^-x). torch's CPU sigmoid rounds the vectorized bulk of a tensor and its
+    scalar tail differently, so a token's value would follow where the step put it; its exp
+    computes the tail with the bulk's code."""
+    return 1 / (1 + torch.exp(-x))
 
 
 class Router(Linear):
@@ -60,7 +67,7 @@ class Router(Linear):
             else:
                 weights, ids = logits.softmax(dim=-1).topk(k, dim=-1)
             return weights * config.scaling_factor, ids
-        scores = logits.sigmoid()
+        scores = _sigmoid(logits)
         choice = scores
         if self.e_score_correction_bias is not None:
             choice = scores + self.e_score_correction_bias.float()
@@ -97,20 +104,28 @@ class Experts(nn.Module):
         inner = config.intermediate_size
         first = 2 * inner if config.gated else inner
 
-        def linear(e: int, part: str, in_features: int, out_features: int) -> Linear:
-            # Named as a checkpoint holding one tensor an expert part names it.
-            sources = (f"{prefix}.{e}.{part}.weight",)
+        def linear(e: int, parts: tuple[str, ...], in_features: int, out_features: int) -> Linear:
+            # Its sources named as a checkpoint with a tensor per expert and part names them
+            # (a GGUF file's stacked experts are read under those names too).
+            sources = tuple(f"{prefix}.{e}.{part}.weight" for part in parts)
             method = methods.choose(in_features, sources)
             return Linear(in_features, out_features, config.expert_bias, method, sources)
 
+        first_parts = ("gate_proj", "up_proj") if config.gated else ("up_proj",)
         experts = range(config.num_experts)
-        self.gate_up = nn.ModuleList(linear(e, "gate_up_proj", hidden, first) for e in experts)
-        self.down = nn.ModuleList(linear(e, "down_proj", inner, hidden) for e in experts)
+        self.gate_up = nn.ModuleList(linear(e, first_parts, hidden, first) for e in experts)
+        self.down = nn.ModuleList(linear(e, ("down_proj",), inner, hidden) for e in experts)
         self.act = SiluAndMul(platform) if config.activation == "silu" else None
+        self.prefix = prefix
         self._loaded: set[tuple[str, int]] = set()
+        # CUDA: every expert's first and second weight stacked [E, rows, cols] (and biases) for
+        # the grouped kernel, which `finish_loading` builds where the experts run in float.
+        self._stacked: tuple[torch.Tensor, ...] | None = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Σ over each token's k experts of weight x expert(x), for tokens x [T, hidden]."""
+        if self._stacked is not None:
+            return self._grouped(x, weights, ids)
         k = ids.shape[1]
         flat = ids.flatten()
         order = flat.argsort(stable=True)
@@ -124,11 +139,46 @@ class Experts(nn.Module):
                 continue
             pairs = slice(start, start + count)
             start += count
-            h = self._activate(self.gate_up[expert](x[tokens[pairs]]))
+            h = self.activate(self.gate_up[expert](x[tokens[pairs]]))
             out.index_add_(0, tokens[pairs], self.down[expert](h) * scale[pairs])
         return out
 
-    def _activate(self, h: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The CUDA path: both matmuls grouped over the pairs sorted by expert, no host sync."""
+        from inflight.model.kernels.triton import moe
+
+        assert self._stacked is not None
+        return moe.fused_experts(x, weights, ids, *self._stacked, self.activate)
+
+    def finish_loading(self) -> None:
+        """Once the checkpoint is loaded and the layers' methods made their run forms: a
+        ValueError naming what the checkpoint lacked; on CUDA, where every expert runs its
+        float weights, those stacked for the grouped kernel (the experts' layers then hold
+        views of them)."""
+        missing = self.missing()
+        if missing:
+            raise ValueError(f"checkpoint lacks {self.prefix} tensors: {', '.join(missing[:3])}")
+        layers = [*self.gate_up, *self.down]
+        if layers[0].weight is None or layers[0].weight.device.type != "cuda":
+            return
+        if any(type(layer.method) is not TorchLinearMethod for layer in layers):
+            return
+        stacked: list[torch.Tensor | None] = []
+        for group in (self.gate_up, self.down):
+            for kind in ("weight", "bias"):
+                if getattr(group[0], kind) is None:
+                    stacked.append(None)
+                    continue
+                whole = torch.stack([getattr(layer, kind).detach() for layer in group])
+                for e, layer in enumerate(group):
+                    getattr(layer, kind).data = whole[e]
+                stacked.append(whole)
+        first, first_bias, second, second_bias = stacked
+        assert first is not None and second is not None
+        self._stacked = (first, second, first_bias, second_bias)
+
+    def activate(self, h: torch.Tensor) -> torch.Tensor:
+        """The experts' activation of their first matmul's rows [n, 2I or I] -> [n, I]."""
         config = self.config
         if self.act is not None:
             return self.act(h)
@@ -137,7 +187,7 @@ class Experts(nn.Module):
         gate, up = h.chunk(2, dim=-1)
         limit = config.swiglu_limit
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-        return (up + 1) * gate * torch.sigmoid(gate * config.swiglu_alpha)
+        return (up + 1) * gate * _sigmoid(gate * config.swiglu_alpha)
 
     @torch.no_grad()
     def load(self, name: str, tensor: torch.Tensor) -> None:
@@ -154,7 +204,11 @@ class Experts(nn.Module):
                     f"expert tensor {name!r}: the layer has {self.config.num_experts} experts"
                 )
         else:
-            part, bias = name.removesuffix("_bias"), name.endswith("_bias")
+            # transformers 5 names a fused bias `gate_up_proj_bias`; llama.cpp's names end in
+            # `.weight` or `.bias`.
+            stem, _, kind = name.partition(".")
+            part = stem.removesuffix("_bias")
+            bias = stem.endswith("_bias") or kind == "bias"
             experts = list(range(self.config.num_experts))
             if tensor.shape[0] != len(experts):
                 raise ValueError(
@@ -181,11 +235,11 @@ class Experts(nn.Module):
         (its weight, or bias, or their gate's or up's rows), and what it fills."""
         first, second = self.gate_up[expert], self.down[expert]
         first, second = (first.bias, second.bias) if bias else (first.weight, second.weight)
-        if first is None or second is None:
-            return None, ()
         kind = " bias" if bias else ""
         if part == "down_proj":
             return second, ("down" + kind,)
+        if first is None:  # no bias, or run from the stored blocks
+            return None, ()
         if not self.config.gated:  # relu² experts: up is the whole first matmul
             return (first, ("up" + kind,)) if part in ("up_proj", "gate_up_proj") else (None, ())
         if part == "gate_up_proj":
@@ -197,22 +251,27 @@ class Experts(nn.Module):
         return None, ()
 
     def missing(self) -> list[str]:
-        """What of the experts' weights no checkpoint tensor filled ("expert 3: gate")."""
+        """What of the experts' weights no checkpoint tensor filled ("expert 3: gate"), but
+        those of layers that run from the checkpoint's stored blocks."""
         labels = ["gate", "up", "down"] if self.config.gated else ["up", "down"]
         if self.config.expert_bias:
             labels += [f"{label} bias" for label in labels]
-        return [
-            f"expert {expert}: {label}"
-            for expert in range(self.config.num_experts)
-            for label in labels
-            if (label, expert) not in self._loaded
-        ]
+        missing = []
+        for expert in range(self.config.num_experts):
+            for label in labels:
+                layer = self.down[expert] if label.startswith("down") else self.gate_up[expert]
+                from_blocks = not layer.method.loads_weight and not label.endswith("bias")
+                if (label, expert) not in self._loaded and not from_blocks:
+                    missing.append(f"expert {expert}: {label}")
+        return missing
 
 
 class SparseMoeBlock(nn.Module):
     """A decoder layer's mixture-of-experts feed-forward: `gate` (the router), `experts`, and,
     where the config has one, `shared_expert` (an MLP the family builds, taking (x, lora)) with
-    its sigmoid `shared_expert_gate`."""
+    its sigmoid `shared_expert_gate`. With a `latent_size` (NemotronH) the experts run between
+    `fc1_latent_proj` (down to it) and `fc2_latent_proj` (back); the router and the shared
+    expert read x itself."""
 
     def __init__(
         self,
@@ -225,7 +284,18 @@ class SparseMoeBlock(nn.Module):
     ) -> None:
         super().__init__()
         self.gate = Router(hidden, config, methods, f"{prefix}.gate")
-        self.experts = Experts(hidden, config, platform, methods, f"{prefix}.experts")
+        width = config.latent_size or hidden
+        self.experts = Experts(width, config, platform, methods, f"{prefix}.experts")
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        if config.latent_size:
+
+            def linear(name: str, in_features: int, out_features: int) -> Linear:
+                sources = (f"{prefix}.{name}.weight",)
+                method = methods.choose(in_features, sources)
+                return Linear(in_features, out_features, config.latent_bias, method, sources)
+
+            self.fc1_latent_proj = linear("fc1_latent_proj", hidden, width)
+            self.fc2_latent_proj = linear("fc2_latent_proj", width, hidden)
         self.shared_expert = shared_expert
         self.shared_expert_gate = None
         if config.shared_gate:
@@ -234,10 +304,13 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
         weights, ids = self.gate.route(x)
-        out = self.experts(x, weights, ids)
+        if self.fc1_latent_proj is None:
+            out = self.experts(x, weights, ids)
+        else:
+            out = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, ids))
         if self.shared_expert is not None:
             shared = self.shared_expert(x, lora)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+                shared = _sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out

@@ -23,16 +23,26 @@ from inflight.runtime.host.detokenizer import IncrementalDetokenizer
 
 @dataclass(slots=True)
 class SequenceKV:
-    """A sequence's KV blocks (never changed while it lives) and how much of them is written
-    and findable: `committed` tokens' KV written by completed steps, the first
+    """A sequence's KV blocks, one per `block_size` of its tokens in order, and how much of them
+    is written and findable: `committed` tokens' KV written by completed steps, the first
     `cached_tokens` of its prompt leased from the context cache, `digests` the chain digests of
-    its published full blocks."""
+    its published full blocks. Its blocks are taken at admission and never change while it
+    lives, but for a sliding-window model's (`kv_window.py`): it takes them as its tokens need
+    them, from the `reserved` blocks the pool holds back for it, and gives back its first
+    `released` once no query can see them (their entries are then stale)."""
 
     blocks: list[int]
     table: np.ndarray  # `blocks` as an array
     committed: int = 0
     cached_tokens: int = 0
     digests: list[bytes] = field(default_factory=list)
+    released: int = 0
+    reserved: int = 0
+
+    @property
+    def held(self) -> list[int]:
+        """The blocks it holds a reference to."""
+        return self.blocks[self.released :]
 
 
 @dataclass(slots=True)

@@ -11,6 +11,11 @@ runtime's `Decoding` plans them: with speculative drafts, those rows come after 
 then prefill chunks of the others in seating order within `max_num_tokens`. Planning a step
 commits it: the rows' computed lengths advance, and each sampling row counts its picks
 (1 + drafts) pending on the device.
+
+A model whose every attention layer slides (its `KVWindow`) reserves a bounded number of
+blocks per sequence instead: each step first gives back the blocks before its residents'
+windows, cuts their prompt chunks to the window's `chunk`, and hands its rows the blocks their
+new tokens need; its sequences share no prompt blocks (see `kv_window.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from inflight.runtime.host.context_cache import ContextCache, root_digest
 from inflight.runtime.host.decoding import Decoding
 from inflight.runtime.host.features import RowFeature
 from inflight.runtime.host.kv_cache import BlockPool
+from inflight.runtime.host.kv_window import KVWindow
 from inflight.runtime.host.residents import Resident, SequenceKV
 from inflight.runtime.host.rows import ScheduledRow, ScheduledStep, commit
 from inflight.runtime.host.slots import ResidentSlots
@@ -72,6 +78,10 @@ class Reservation:
     cached_blocks: int = 0  # leading blocks of the first sequence leased from the context cache
     digests: tuple[bytes, ...] = ()  # their chain digests
     held: tuple[object, ...] = ()
+    # Sliding windows: the first sequence's leading cached blocks before its window (not
+    # leased), and the blocks the pool holds back for each sequence's later tokens.
+    released: int = 0
+    reserved: tuple[int, ...] = ()
 
 
 class Scheduler:
@@ -88,6 +98,7 @@ class Scheduler:
         vocab_size: int,
         max_num_tokens: int,
         served_options: frozenset[str] = frozenset(),
+        window: KVWindow | None = None,
     ) -> None:
         self.id = next(_scheduler_ids)  # what the intents it checks name
         self.blocks = blocks
@@ -100,6 +111,7 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.max_num_tokens = max_num_tokens
         self.served_options = served_options  # the request options of the table it serves
+        self.window = window  # where every attention layer slides
         self.residents: dict[ResidentRef, Resident] = {}
 
     # -- admission ------------------------------------------------------------------------------
@@ -146,11 +158,16 @@ class Scheduler:
         max_new = room if params.max_tokens is None else params.max_tokens
         # KV for every token, the last output token's too: with overlap, the step launched
         # before the request is seen to finish still feeds that token back.
-        blocks = self.blocks.blocks_for(len(prompt) + max_new)
+        tokens = len(prompt) + max_new
+        window = self.window
+        if window is None:
+            blocks = self.blocks.blocks_for(tokens)
+        else:
+            blocks = window.sequence_blocks(tokens)
         # The n sequences share the full blocks of the prompt but its last token (which each
         # computes itself, so that each draws its first token from its own row).
         shared = 0
-        if params.n > 1 and self.prefill.shares_prefix:
+        if params.n > 1 and self.prefill.shares_prefix and window is None:
             shared = (len(prompt) - 1) // self.blocks.block_size
         total = blocks + (params.n - 1) * (blocks - shared)
         if total > self.blocks.num_blocks:
@@ -179,30 +196,28 @@ class Scheduler:
         """Take a slot per sequence, every KV block the request can need (leasing its cached
         prefix) and what each feature needs; or None, having changed nothing (a request never
         holds part of what it needs)."""
-        pool, n = self.blocks, request.params.n
+        pool, n, window = self.blocks, request.params.n, self.window
         hits: list[int] = []
         digests: list[bytes] = []
         if self._looks_up(request):
             root = root_digest(request.lora_name)
             hits, digests = self.context_cache.match(request.prompt_token_ids, root, request.media)
-        fresh = intent.blocks_needed - len(hits)
-        revived = sum(1 for block in hits if not pool.in_use(block))
-        if pool.num_free - revived < fresh or self.slots.num_free < n:
+        if window is None:
+            fresh = intent.blocks_needed - len(hits)
+            revived = sum(1 for block in hits if not pool.in_use(block))
+            short = pool.num_free - revived < fresh
+        else:
+            short = pool.num_free < intent.blocks_needed  # whatever it leases: see kv_window.py
+        if short or self.slots.num_free < n:
             return None
-        held: list[object] = []
-        refs: list[ResidentRef] = []
+        claimed = self._claim(request, n)
+        if claimed is None:
+            return None
+        held, refs = claimed
+        if window is not None:
+            return self._hold_back(request, intent, window, hits, digests, held, refs)
         taken: list[int] = []  # each block reference taken so far
         try:
-            for feature in self.features:
-                claim = feature.reserve(request, n)
-                if claim is None:
-                    self._unreserve(request, held)
-                    return None
-                held.append(claim)
-            for _ in range(n):
-                ref = self.slots.acquire()
-                assert ref is not None
-                refs.append(ref)
             for block in hits:
                 pool.lease(block)
                 taken.append(block)
@@ -221,13 +236,79 @@ class Scheduler:
             # A reservation that fails half-way gives back what it took: a request that failed
             # at admission must not keep slots or blocks from everyone after it.
             pool.release(taken)
-            for ref in refs:
-                self.slots.release(ref)
-            self._unreserve(request, held)
+            self._unclaim(request, held, refs)
             raise
         assert all(len(b) == intent.sequence_blocks for b in blocks)
         return Reservation(
             request, intent, tuple(refs), tuple(blocks), len(hits), tuple(digests), tuple(held)
+        )
+
+    def _claim(
+        self, request: GenerationRequest, n: int
+    ) -> tuple[list[object], list[ResidentRef]] | None:
+        """What each feature reserves for the request, then a slot for each of its `n`
+        sequences (free: the caller counted them); None, having taken nothing, where a feature
+        has no room."""
+        held: list[object] = []
+        refs: list[ResidentRef] = []
+        try:
+            for feature in self.features:
+                claim = feature.reserve(request, n)
+                if claim is None:
+                    self._unreserve(request, held)
+                    return None
+                held.append(claim)
+            for _ in range(n):
+                ref = self.slots.acquire()
+                assert ref is not None
+                refs.append(ref)
+        except BaseException:
+            self._unclaim(request, held, refs)
+            raise
+        return held, refs
+
+    def _unclaim(
+        self, request: GenerationRequest, held: list[object], refs: list[ResidentRef]
+    ) -> None:
+        for ref in refs:
+            self.slots.release(ref)
+        self._unreserve(request, held)
+
+    def _hold_back(
+        self,
+        request: GenerationRequest,
+        intent: AdmissionIntent,
+        window: KVWindow,
+        hits: list[int],
+        digests: list[bytes],
+        held: list[object],
+        refs: list[ResidentRef],
+    ) -> Reservation:
+        """A sliding-window model's blocks, where the pool has room for them: the cached
+        blocks in the first query's window leased, and each sequence's quota, less what it
+        leased, held back in the pool for its later tokens (see kv_window.py)."""
+        pool, n = self.blocks, request.params.n
+        skipped = window.first_seen(len(hits) * pool.block_size)
+        leased = hits[skipped:]
+        for block in leased:
+            pool.lease(block)
+        quota = intent.sequence_blocks
+        reserved = (quota - len(leased), *[quota] * (n - 1))
+        if not pool.reserve(sum(reserved)):
+            raise RuntimeError("the KV pool lost the room that admission counted")
+        # The first sequence's table starts at its first cached block; those before its
+        # window are stale entries, not held.
+        blocks = ([0] * skipped + leased, *[[] for _ in range(n - 1)])
+        return Reservation(
+            request,
+            intent,
+            tuple(refs),
+            blocks,
+            len(hits),
+            tuple(digests),
+            tuple(held),
+            released=skipped,
+            reserved=reserved,
         )
 
     def _unreserve(self, request: GenerationRequest, held: list[object]) -> None:
@@ -259,6 +340,8 @@ class Scheduler:
                 committed=start,
                 cached_tokens=cached if index == 0 else 0,
                 digests=list(reservation.digests) if index == 0 else [],
+                released=reservation.released if index == 0 else 0,
+                reserved=reservation.reserved[index] if reservation.reserved else 0,
             )
             resident = Resident(
                 ref,
@@ -291,18 +374,22 @@ class Scheduler:
 
     def schedule(self, step_id: int) -> ScheduledStep | None:
         """Step `step_id`'s rows (None when there is nothing to compute), committed as planned."""
+        window = self.window
         decodes: list[Resident] = []
         prefilling: list[Resident] = []
         for r in self.residents.values():
             (prefilling if r.prefilling else decodes).append(r)
+            if window is not None:
+                window.release(r.kv, self.blocks)
         rows, budget = self.decoding.plan(decodes, self.max_num_tokens - len(decodes))
         prefills: list[ScheduledRow] = []
+        longest = self.max_num_tokens if window is None else window.chunk
         for r in prefilling:
             if budget <= 0:
                 break
             if self._waits_for_leader(r):
                 continue
-            n = self.prefill.size(r.prompt_len - r.computed, budget)
+            n = self.prefill.size(min(r.prompt_len - r.computed, longest), budget)
             if not n:
                 continue
             budget -= n
@@ -314,6 +401,9 @@ class Scheduler:
         for row in prefills:
             commit(row)
         rows += prefills
+        if window is not None:
+            for row in rows:
+                window.grow(row.resident.kv, row.resident.computed, self.blocks)
         return ScheduledStep(step_id, rows) if rows else None
 
     @staticmethod
@@ -334,7 +424,8 @@ class Scheduler:
     def evict(self, resident: Resident) -> None:
         """Unseat a resident and give its KV blocks, its slot and what its features held back."""
         del self.residents[resident.ref]
-        self.blocks.release(resident.kv.blocks)
+        self.blocks.release(resident.kv.held)
+        self.blocks.unreserve(resident.kv.reserved)
         self.slots.release(resident.ref)
         for feature in self.features:
             feature.evict(resident)

@@ -19,8 +19,8 @@ def library() -> ctypes.CDLL:
     lib = native.build(_SOURCE, "the CPU attention kernel")
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.paged_attention.argtypes = [
-        p, i64, i64, p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-        p, i64, i64, ctypes.c_int,
+        p, i64, i64, p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64,
+        ctypes.c_float, p, i64, i64, ctypes.c_int,
     ]  # fmt: skip
     lib.paged_attention.restype = ctypes.c_int
     lib.store_kv.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, p, i64, i64, i64]
@@ -50,9 +50,11 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
+    window: int | None = None,
 ) -> None:
     """Attend every row's query tokens of q [T, Hq, D] (decode rows and prefill chunks) into
-    out, each token with the bits it would get as a decode row."""
+    out, each token with the bits it would get as a decode row; with a `window`, a token at
+    position p over keys p - window + 1 .. p."""
     k_cache, v_cache = kv_cache
     if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
         raise ValueError(f"the CPU attention kernel is float32 only, got {q.dtype}")
@@ -67,7 +69,7 @@ def paged_attention(
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
         tables.data_ptr(), tables.stride(0), starts.data_ptr(), seq_lens.data_ptr(),
         len(meta.query_lens_host), q.shape[1], kv_heads, head_dim, meta.block_size,
-        meta.max_seq_len, scale,
+        meta.max_seq_len, window or 0, scale,
         out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads(),
     )  # fmt: skip
     if status == -1:

@@ -3,7 +3,9 @@
 
    The key and value caches are head-major, [kv_heads, slots, head_dim], and a row's tokens live
    in the slots its block table names. A row's Q query tokens are the last Q of its seq_len: its
-   token i attends over the first seq_len - Q + i + 1 keys. Every token is computed as a decode
+   token i attends over the first seq_len - Q + i + 1 keys, or with a window W over the last W
+   of them (blocks before those are never read: they may have been given back). Every token is
+   computed as a decode
    row over those keys would be, in the same operations and order, whatever its row's Q, the
    tokens it is tiled with, the rows beside it or the thread that runs it. So a token gets the
    same bits whether its prompt is prefilled whole, in chunks of any size, after a prefix read
@@ -35,20 +37,34 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* offsets[t]: where token t of a row lives in a head-major cache, in floats from the head's
-   start, block by block (no division per token). */
-static void token_offsets(const int32_t *table, int64_t len, int64_t block_size,
+/* offsets[t - lo]: where token t in [lo, end) of a row lives in a head-major cache, in floats
+   from the head's start, block by block (no division per token). */
+static void token_offsets(const int32_t *table, int64_t lo, int64_t end, int64_t block_size,
                           int64_t head_dim, int64_t *offsets) {
-    for (int64_t b = 0, t0 = 0; t0 < len; b++, t0 += block_size) {
-        const int64_t base = (int64_t)table[b] * block_size;
-        for (int64_t o = 0; o < block_size && t0 + o < len; o++)
-            offsets[t0 + o] = (base + o) * head_dim;
+    for (int64_t t = lo; t < end;) {
+        const int64_t base = (int64_t)table[t / block_size] * block_size;
+        for (int64_t o = t % block_size; o < block_size && t < end; o++, t++)
+            offsets[t - lo] = (base + o) * head_dim;
     }
 }
 
 /* A tile's query vectors are its tokens' query heads of one GQA group, token-major: vector u is
-   head u % group of token u / group, which sees the first first_len + u / group keys. */
-#define VECTOR_LEN(first_len, group, u) ((first_len) + (u) / (group))
+   head u % group of token u / group, which sees the first first_len + u / group keys of its
+   row, or with a window the last `window` of them. Keys are counted from the tile's first key,
+   `lo` (its first vector's first), so that vector u sees keys [vector_start, vector_end). */
+typedef struct {
+    int64_t first_len, group, window, lo;
+} TileKeys;
+
+INLINE int64_t vector_end(const TileKeys *k, int64_t u) {
+    return k->first_len + u / k->group - k->lo;
+}
+
+INLINE int64_t vector_start(const TileKeys *k, int64_t u) {
+    if (k->window <= 0) return 0;
+    const int64_t first = k->first_len + u / k->group - k->window; /* its first key in the row */
+    return (first > 0 ? first : 0) - k->lo;
+}
 
 /* Lane j of the result: q . k[j] (j < 8) for one query vector, its 8-lane partial sums over
    head_dim then hsum8's fixed tree. */
@@ -81,14 +97,16 @@ static inline __m256 dots_2x4(const float *qa, const float *qb, const float *con
 }
 
 /* scores[u][t] = scale * q_u . k_t for the tile's `vectors` query vectors (q_u at q + (u / group)
-   * q_stride_t + (u % group) * q_stride_h) and their keys. The lanes of a last partial chunk
-   repeat the tile's last key; a vector's scores past its own keys are never read. */
+   * q_stride_t + (u % group) * q_stride_h) and the tile's keys up to each one's last. The lanes
+   of a last partial chunk repeat the tile's last key; a vector's scores outside its own keys
+   are never read. */
 static void attend_keys(const float *q, int64_t q_stride_t, int64_t q_stride_h, int64_t vectors,
-                        int64_t group, const float *keys, const float *values,
-                        const int64_t *offsets, int64_t first_len, int64_t head_dim, float scale,
-                        float *scores, int64_t scores_stride) {
+                        const TileKeys *tk, const float *keys, const float *values,
+                        const int64_t *offsets, int64_t head_dim, float scale, float *scores,
+                        int64_t scores_stride) {
+    const int64_t group = tk->group;
     const __m256 vscale = _mm256_set1_ps(scale);
-    const int64_t len = VECTOR_LEN(first_len, group, vectors - 1);
+    const int64_t len = vector_end(tk, vectors - 1);
     /* Prefetches: a row's blocks are scattered pages, which the hardware prefetcher finds only
        late, and at decode batch sizes the caches are read from memory. The first two chunks'
        keys now; then, at each chunk, the keys two chunks ahead and the chunk's values (which
@@ -109,7 +127,7 @@ static void attend_keys(const float *q, int64_t q_stride_t, int64_t q_stride_h, 
         }
         int64_t u = 0;
         for (; u + 1 < vectors; u += 2) {
-            if (t0 >= VECTOR_LEN(first_len, group, u + 1)) continue; /* both end before */
+            if (t0 >= vector_end(tk, u + 1)) continue; /* both end before */
             const float *qa = q + (u / group) * q_stride_t + (u % group) * q_stride_h;
             const float *qb = q + ((u + 1) / group) * q_stride_t + ((u + 1) % group) * q_stride_h;
             float *sa = scores + u * scores_stride + t0, *sb = sa + scores_stride;
@@ -119,7 +137,7 @@ static void attend_keys(const float *q, int64_t q_stride_t, int64_t q_stride_h, 
                 _mm_storeu_ps(sb + half, _mm256_extractf128_ps(both, 1));
             }
         }
-        if (u < vectors && t0 < VECTOR_LEN(first_len, group, u)) {
+        if (u < vectors && t0 < vector_end(tk, u)) {
             const float *qa = q + (u / group) * q_stride_t + (u % group) * q_stride_h;
             _mm256_storeu_ps(scores + u * scores_stride + t0,
                              _mm256_mul_ps(dots_1x8(qa, k, head_dim), vscale));
@@ -167,18 +185,25 @@ INLINE void values_1(int n, const float *p, const float *values, const int64_t *
     for (int i = 0; i < n; i++) _mm256_storeu_ps(o + d + 8 * i, acc[i]);
 }
 
-/* The same for two vectors a and b (n <= 4), sharing each value load: their keys in common,
-   then each one's rest, so that every column still takes its keys in order. */
+/* The same for two vectors a and b (n <= 4) over keys [a0, a1) and [b0, b1), b's starting and
+   ending no earlier than a's, sharing each value load: a's keys before b's, their keys in
+   common, then b's rest, so that every column still takes its keys in order. */
 INLINE void values_2(int n, const float *pa, const float *pb, const float *values,
-                     const int64_t *offsets, int64_t t0, int64_t ea, int64_t eb, int64_t d,
-                     float *oa, float *ob) {
+                     const int64_t *offsets, int64_t a0, int64_t a1, int64_t b0, int64_t b1,
+                     int64_t d, float *oa, float *ob) {
     __m256 a[4], b[4];
     for (int i = 0; i < n; i++) {
         a[i] = _mm256_loadu_ps(oa + d + 8 * i);
         b[i] = _mm256_loadu_ps(ob + d + 8 * i);
     }
-    const int64_t common = ea < eb ? ea : eb;
-    for (int64_t t = t0; t < common; t++) {
+    const int64_t alone = a1 < b0 ? a1 : b0;
+    for (int64_t t = a0; t < alone; t++) {
+        const float *v = values + offsets[t] + d;
+        const __m256 at = _mm256_broadcast_ss(pa + t);
+        for (int i = 0; i < n; i++) a[i] = _mm256_fmadd_ps(at, _mm256_loadu_ps(v + 8 * i), a[i]);
+    }
+    const int64_t common = a1 < b1 ? a1 : b1;
+    for (int64_t t = a0 > b0 ? a0 : b0; t < common; t++) {
         const float *v = values + offsets[t] + d;
         const __m256 at = _mm256_broadcast_ss(pa + t), bt = _mm256_broadcast_ss(pb + t);
         for (int i = 0; i < n; i++) {
@@ -187,12 +212,7 @@ INLINE void values_2(int n, const float *pa, const float *pb, const float *value
             b[i] = _mm256_fmadd_ps(bt, vi, b[i]);
         }
     }
-    for (int64_t t = common; t < ea; t++) {
-        const float *v = values + offsets[t] + d;
-        const __m256 at = _mm256_broadcast_ss(pa + t);
-        for (int i = 0; i < n; i++) a[i] = _mm256_fmadd_ps(at, _mm256_loadu_ps(v + 8 * i), a[i]);
-    }
-    for (int64_t t = common; t < eb; t++) {
+    for (int64_t t = common > b0 ? common : b0; t < b1; t++) {
         const float *v = values + offsets[t] + d;
         const __m256 bt = _mm256_broadcast_ss(pb + t);
         for (int i = 0; i < n; i++) b[i] = _mm256_fmadd_ps(bt, _mm256_loadu_ps(v + 8 * i), b[i]);
@@ -209,37 +229,41 @@ INLINE void values_2(int n, const float *pa, const float *pb, const float *value
    the same operations however the vectors are paired and the keys chunked (a sum left in out
    between chunks is a float32 round trip, exact). */
 static void attend_values(const float *scores, int64_t scores_stride, int64_t vectors,
-                          int64_t group, int64_t first_len, const float *values,
-                          const int64_t *offsets, int64_t head_dim, const float *inverse,
-                          float *out, int64_t out_stride_t, int64_t out_stride_h) {
+                          const TileKeys *tk, const float *values, const int64_t *offsets,
+                          int64_t head_dim, const float *inverse, float *out,
+                          int64_t out_stride_t, int64_t out_stride_h) {
+    const int64_t group = tk->group;
 #define OUT(u) (out + ((u) / group) * out_stride_t + ((u) % group) * out_stride_h)
-    const int64_t len = VECTOR_LEN(first_len, group, vectors - 1);
+    const int64_t len = vector_end(tk, vectors - 1);
     const int64_t chunk = VALUE_CHUNK_FLOATS / head_dim > 8 ? VALUE_CHUNK_FLOATS / head_dim : 8;
     for (int64_t u = 0; u < vectors; u++) memset(OUT(u), 0, sizeof(float) * head_dim);
     for (int64_t t0 = 0; t0 < len; t0 += chunk) {
         const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
+        /* vector u's keys within [t0, t1) */
+#define CLIP(x) ((x) < t0 ? t0 : (x) < t1 ? (x) : t1)
         int64_t u = 0;
         for (; u + 1 < vectors; u += 2) {
-            const int64_t la = VECTOR_LEN(first_len, group, u);
-            const int64_t lb = VECTOR_LEN(first_len, group, u + 1);
-            if (lb <= t0) continue; /* both end before */
-            const int64_t ea = la < t0 ? t0 : la < t1 ? la : t1, eb = lb < t1 ? lb : t1;
+            const int64_t a0 = CLIP(vector_start(tk, u)), a1 = CLIP(vector_end(tk, u));
+            const int64_t b0 = CLIP(vector_start(tk, u + 1)), b1 = CLIP(vector_end(tk, u + 1));
+            if (b0 >= b1 && a0 >= a1) continue; /* neither has keys here */
             const float *pa = scores + u * scores_stride, *pb = pa + scores_stride;
             int64_t d = 0;
             for (; d + 32 <= head_dim; d += 32)
-                values_2(4, pa, pb, values, offsets, t0, ea, eb, d, OUT(u), OUT(u + 1));
+                values_2(4, pa, pb, values, offsets, a0, a1, b0, b1, d, OUT(u), OUT(u + 1));
             if (d < head_dim)
-                values_2((int)(head_dim - d) / 8, pa, pb, values, offsets, t0, ea, eb, d, OUT(u),
-                         OUT(u + 1));
+                values_2((int)(head_dim - d) / 8, pa, pb, values, offsets, a0, a1, b0, b1, d,
+                         OUT(u), OUT(u + 1));
         }
-        if (u < vectors && t0 < VECTOR_LEN(first_len, group, u)) {
-            const int64_t l = VECTOR_LEN(first_len, group, u), e = l < t1 ? l : t1;
+        if (u < vectors) {
+            const int64_t s = CLIP(vector_start(tk, u)), e = CLIP(vector_end(tk, u));
             const float *p = scores + u * scores_stride;
             int64_t d = 0;
-            for (; d + 64 <= head_dim; d += 64) values_1(8, p, values, offsets, t0, e, d, OUT(u));
-            if (d < head_dim)
-                values_1((int)(head_dim - d) / 8, p, values, offsets, t0, e, d, OUT(u));
+            for (; s < e && d + 64 <= head_dim; d += 64)
+                values_1(8, p, values, offsets, s, e, d, OUT(u));
+            if (s < e && d < head_dim)
+                values_1((int)(head_dim - d) / 8, p, values, offsets, s, e, d, OUT(u));
         }
+#undef CLIP
     }
     for (int64_t u = 0; u < vectors; u++) {
         const __m256 scale = _mm256_set1_ps(inverse[u]);
@@ -261,19 +285,24 @@ typedef struct {
 } Tile;
 
 /* Attends every query token of the step's rows: row r's are q's tokens [query_start[r],
-   query_start[r + 1]), the last of its seq_lens[r] keys. 0, or -1 for a head_dim the kernel
-   cannot take, -2 when out of memory. */
+   query_start[r + 1]), the last of its seq_lens[r] keys; window > 0: each over the last
+   `window` keys up to its own. 0, or -1 for a head_dim the kernel cannot take, -2 when out of
+   memory. */
 int paged_attention(
     const float *q, int64_t q_stride_t, int64_t q_stride_h,
     const float *k_cache, const float *v_cache, int64_t kv_stride_h,
     const int32_t *block_tables, int64_t bt_stride, const int32_t *query_start,
     const int32_t *seq_lens, int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-    int64_t block_size, int64_t max_seq_len, float scale,
+    int64_t block_size, int64_t max_seq_len, int64_t window, float scale,
     float *out, int64_t out_stride_t, int64_t out_stride_h, int threads)
 {
     if (head_dim % 8) return -1;
     const int64_t group = q_heads / kv_heads;
-    const int64_t stride = (max_seq_len + 7) / 8 * 8; /* scores per query head, padded */
+    /* scores per query head, padded: a tile's keys (with a window, those of up to TILE_MAX
+       tokens; a vector's exponentials, starting where its window does, then pad past them) */
+    const int64_t span = window > 0 && window + TILE_MAX - 1 < max_seq_len
+                             ? window + TILE_MAX - 1 : max_seq_len;
+    const int64_t stride = (span + 7) / 8 * 8 + (window > 0 ? 8 : 0);
     int64_t tile = TILE_BYTES / ((int64_t)sizeof(float) * group * stride);
     tile = tile < 1 ? 1 : tile > TILE_MAX ? TILE_MAX : tile;
     int64_t count = 0;
@@ -306,17 +335,21 @@ int paged_attention(
             const int64_t start = query_start[t->row] + t->first;
             const int64_t qlen = query_start[t->row + 1] - query_start[t->row];
             const int64_t first_len = seq_lens[t->row] - qlen + t->first + 1;
+            const int64_t lo = window > 0 && first_len > window ? first_len - window : 0;
+            const TileKeys tk = {first_len, group, window, lo};
             float *inverse = scores + tile * group * stride;
-            token_offsets(block_tables + t->row * bt_stride, first_len + t->count - 1, block_size,
-                          head_dim, offsets);
+            token_offsets(block_tables + t->row * bt_stride, lo, first_len + t->count - 1,
+                          block_size, head_dim, offsets);
             attend_keys(q + start * q_stride_t + h * group * q_stride_h, q_stride_t, q_stride_h,
-                        vectors, group, k_cache + h * kv_stride_h, v_cache + h * kv_stride_h,
-                        offsets, first_len, head_dim, scale, scores, stride);
-            for (int64_t u = 0; u < vectors; u++)
+                        vectors, &tk, k_cache + h * kv_stride_h, v_cache + h * kv_stride_h,
+                        offsets, head_dim, scale, scores, stride);
+            for (int64_t u = 0; u < vectors; u++) {
+                const int64_t s = vector_start(&tk, u);
                 inverse[u] =
-                    1.0f / exponentiate(scores + u * stride, VECTOR_LEN(first_len, group, u));
-            attend_values(scores, stride, vectors, group, first_len, v_cache + h * kv_stride_h,
-                          offsets, head_dim, inverse,
+                    1.0f / exponentiate(scores + u * stride + s, vector_end(&tk, u) - s);
+            }
+            attend_values(scores, stride, vectors, &tk, v_cache + h * kv_stride_h, offsets,
+                          head_dim, inverse,
                           out + start * out_stride_t + h * group * out_stride_h, out_stride_t,
                           out_stride_h);
         }

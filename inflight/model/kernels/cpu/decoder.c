@@ -37,8 +37,9 @@ typedef int (*attention_fn)(const float *q, int64_t q_stride_t, int64_t q_stride
                             const int32_t *block_tables, int64_t bt_stride,
                             const int32_t *query_start, const int32_t *seq_lens, int64_t rows,
                             int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t max_seq_len, float scale, float *out,
-                            int64_t out_stride_t, int64_t out_stride_h, int threads);
+                            int64_t block_size, int64_t max_seq_len, int64_t window,
+                            float scale, float *out, int64_t out_stride_t, int64_t out_stride_h,
+                            int threads);
 
 /* One stretch of a linear layer's output rows run by one kernel (a fused layer whose parts are
    stored in types of different kernels has several). */
@@ -72,6 +73,7 @@ typedef struct {
     const float *q_norm, *k_norm; /* per-head RMSNorms of q and k (Qwen3), or NULL */
     Linear qkv, o, gate_up, down;
     float *k_cache, *v_cache;
+    int64_t window; /* its attention window (0: full attention) */
 } Layer;
 
 typedef struct {
@@ -186,7 +188,7 @@ int decoder_step(const Step *s, const Layer *layers, float *x, float *residual) 
         status = ((attention_fn)s->attention)(
             q, q_stride, d, l->k_cache, l->v_cache, s->kv_stride_h, s->block_tables,
             s->bt_stride, s->query_start, s->seq_lens, s->rows, s->heads, s->kv_heads, d,
-            s->block_size, s->max_seq_len, s->scale, attn, q_size, d, threads);
+            s->block_size, s->max_seq_len, l->window, s->scale, attn, q_size, d, threads);
         if (status) break;
         if ((status = run_linear(s, &l->o, attn, x))) break;
         rms_norm(x, hidden, residual, hidden, h, residual, l->post_norm, t, hidden, s->eps,

@@ -60,7 +60,8 @@ class LinearKernels:
 @dataclass(frozen=True)
 class LayerKernels:
     """What decoder.c runs for one decoder layer (float32 weights and caches); `qk_norms`: the
-    weights of the per-head q and k RMSNorms (Qwen3), if any."""
+    weights of the per-head q and k RMSNorms (Qwen3), if any; `window`: its attention window
+    (None: full attention)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -70,6 +71,7 @@ class LayerKernels:
     down: LinearKernels
     kv_cache: KVCache
     qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None
+    window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ class _Layer(ctypes.Structure):
         ("down", _Linear),
         ("k_cache", _p),
         ("v_cache", _p),
+        ("window", _i64),
     ]
 
 
@@ -247,6 +250,7 @@ class DecoderStep:
             entry.gate_up = _linear(layer.gate_up, hidden)
             entry.down = _linear(layer.down, entry.gate_up.out_features // 2)
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            entry.window = layer.window or 0
         # The widest input or output of a linear layer: the width of the step's work buffers.
         self._wide = max(
             max(linear.in_features, linear.out_features)

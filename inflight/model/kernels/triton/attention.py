@@ -10,6 +10,10 @@ head's keys for `block_size` consecutive positions). Two kernels:
   chunk's past (read through the block table) and, causally, over the chunk itself. Which
   program serves which queries is planned on the host once per step (`plan.py`).
 
+A layer with an attention window W (`WINDOW`, a compile-time constant: 0 for full attention,
+which then compiles as before) has a query at position p see keys p - W + 1 .. p: the kernels
+walk only the blocks holding those, so blocks before them are never read.
+
 The block tables' row stride (the step's longest table) is not specialized on: Triton compiles a
 kernel per case of an integer argument (1, a multiple of 16, other), and each new case met while
 serving would stall its step for the half second a compile takes.
@@ -39,12 +43,12 @@ def _multiprocessors(device: torch.device) -> int:
 def _attend_keys(
     q, q_pos, K, V, block_table, kv_head, start, end, m_i, l_i, acc, scale,
     stride_kb, stride_ks, stride_kh,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax update over keys [start, start + BLOCK_N) (those below `end`), read
-    through the sequence's block table; with CAUSAL, query i sees keys up to q_pos[i] (without,
-    q_pos is not read)."""
+    through the sequence's block table; with CAUSAL, query i sees keys up to q_pos[i], and with
+    a WINDOW too, only those above q_pos[i] - WINDOW (without CAUSAL, q_pos is not read)."""
     d = tl.arange(0, HEAD_DIM)
     tok = start + tl.arange(0, BLOCK_N)
     valid = tok < end
@@ -54,7 +58,10 @@ def _attend_keys(
     k = tl.load(K + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k)) * scale
     if CAUSAL:
-        s = tl.where((tok[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
+        seen = (tok[None, :] <= q_pos[:, None]) & valid[None, :]
+        if WINDOW > 0:
+            seen &= tok[None, :] > q_pos[:, None] - WINDOW
+        s = tl.where(seen, s, float("-inf"))
     else:
         s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -72,11 +79,15 @@ def _decode_kernel(
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
     HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + row)
+    lo = 0  # the first key the row's query sees
+    if WINDOW > 0:
+        lo = tl.maximum(seq_len - WINDOW, 0)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + g
@@ -86,8 +97,8 @@ def _decode_kernel(
         other=0.0,
     )
     # This program's part of the keys: whole BLOCK_N tiles, the last parts possibly empty.
-    part = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
-    first = split * part
+    part = tl.cdiv(tl.cdiv(seq_len - lo, SPLITS), BLOCK_N) * BLOCK_N
+    first = lo + split * part
     end = tl.minimum(seq_len, first + part)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -96,7 +107,7 @@ def _decode_kernel(
         m_i, l_i, acc = _attend_keys(
             q, seq_len, K, V, block_tables + row * stride_bt, kv_head, start, end,
             m_i, l_i, acc, scale, stride_kb, stride_ks, stride_kh,
-            CAUSAL=False, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
+            CAUSAL=False, WINDOW=0, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
         )  # fmt: skip
     if SPLITS == 1:
         tl.store(
@@ -135,7 +146,7 @@ def _prefill_kernel(
     Q, K, V, Out, block_tables, query_start, seq_lens, query_lens, prog_rows, prog_starts, scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
 ):  # fmt: skip
     prog = tl.program_id(0)
     head = tl.program_id(1)
@@ -155,16 +166,25 @@ def _prefill_kernel(
         mask=q_valid[:, None],
         other=0.0,
     )
-    q_pos = past + q_idx  # absolute positions: query i sees keys 0..q_pos[i]
+    # Absolute positions: query i sees keys 0..q_pos[i]. Padding queries past the chunk take
+    # its last query's (their rows are never stored): with a window, one of their own could
+    # see no key of the first BLOCK_N, whose update would then be exp(-inf - -inf), NaN.
+    q_pos = past + tl.minimum(q_idx, q_len - 1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     end = tl.minimum(seq_len, past + q_start + BLOCK_M)
-    for start in range(0, end, BLOCK_N):
+    # From the first key of the program's first query: with BLOCK_M <= BLOCK_N, the first
+    # BLOCK_N keys hold some that each query sees (its running max is finite from there on).
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(past + q_start - WINDOW + 1, 0)
+    for start in range(lo, end, BLOCK_N):
         m_i, l_i, acc = _attend_keys(
             q, q_pos, K, V, block_tables + row * stride_bt, kv_head, start, end,
             m_i, l_i, acc, scale, stride_kb, stride_ks, stride_kh,
-            CAUSAL=True, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
+            CAUSAL=True, WINDOW=WINDOW, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE,
+            BLOCK_N=BLOCK_N,
         )  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(
@@ -181,10 +201,12 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     splits: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attend q [T, Hq, D] over the caches [blocks, block_size, Hkv, D]: the decode rows with
     the decode kernel (their keys in `splits` parts, by default as `decode_splits` chooses for
-    this device), the prefill chunks with the programs planned in `meta.plan`."""
+    this device), the prefill chunks with the programs planned in `meta.plan`; with a `window`,
+    a query at position p over keys p - window + 1 .. p."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     out = torch.empty_like(q)
     group = q.shape[1] // num_kv_heads
@@ -205,6 +227,7 @@ def paged_attention(
             q, k_cache, v_cache, out, parts, stats, meta.block_tables, meta.seq_lens, scale,
             *strides, HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
             HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=DECODE_BLOCK_N, SPLITS=splits,
+            WINDOW=window or 0,
         )  # fmt: skip
         if splits > 1:
             _merge_kernel[(rows, heads)](
@@ -217,6 +240,6 @@ def paged_attention(
             q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc,
             meta.seq_lens, plan.query_lens, plan.rows, plan.starts, scale, *strides,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
+            BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, WINDOW=window or 0,
         )  # fmt: skip
     return out

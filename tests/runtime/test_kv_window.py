@@ -1,0 +1,110 @@
+"""A sliding-window model's sequences hold the KV blocks of their window only: those before it
+go back to the pool as they grow, whatever their length, and their tokens stay transformers'."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from inflight.protocol.deployment import DeploymentOptions, SpeculativeConfig
+from inflight.protocol.request import GenerationRequest, SamplingParams
+from inflight.protocol.stepped import AdmissionAnswer
+from inflight.runtime.deployment import MachineFacts, ModelFacts, resolve
+from inflight.runtime.host.kv_window import KVWindow
+from inflight.runtime.runtime import Runtime
+
+from helpers import assert_no_leaks
+from tiny_models import SLIDING_WINDOW, VOCAB
+
+
+def _hf_greedy(hf, prompt: list[int], n: int = 1900) -> list[int]:
+    """transformers' greedy tokens after `prompt` through its KV cache, EOS a token like any
+    other (as `ignore_eos` serves it; `generate` would keep it from being picked)."""
+    tokens, cache = [], DynamicCache()
+    with torch.no_grad():
+        logits = hf.eval()(torch.tensor([prompt]), cache=cache).logits
+        for _ in range(n):
+            tokens.append(int(logits[0, -1].argmax()))
+            logits = hf(torch.tensor([tokens[-1:]]), cache=cache).logits
+    return tokens
+
+
+def test_the_quota_spans_the_window_and_two_chunks():
+    """A sequence reserves its window before `committed` plus two rows of a chunk (half a
+    window, at least a block and a decode row), or its whole length where that is shorter."""
+    assert (KVWindow(12, 4).chunk, KVWindow(12, 4).quota) == (6, 7)
+    assert (KVWindow(4096, 16).chunk, KVWindow(4096, 16).quota) == (2048, 513)
+    assert KVWindow(4, 16, decode_tokens=5).chunk == 16
+    assert KVWindow(12, 4).sequence_blocks(10) == 3
+
+
+def test_the_plan_sizes_the_pool_by_the_quota():
+    """The default pool holds each resident's quota, not max_model_len's blocks; a draft
+    model's KV in the same blocks lags behind the target's, so there sequences keep them all."""
+    facts = ModelFacts("mistral", VOCAB, 4, 2, 16, 128, 4096, kv_window=12)
+    options = DeploymentOptions(block_size=4, max_batch_size=8)
+    plan = resolve(options, facts, MachineFacts())
+    assert plan.kv_window == KVWindow(12, 4) and plan.num_kv_blocks == 8 * 7
+    ngram = replace(options, speculative_config=SpeculativeConfig(num_speculative_tokens=3))
+    assert resolve(ngram, facts, MachineFacts()).kv_window == KVWindow(12, 4, decode_tokens=4)
+    drafted = replace(
+        options, speculative_config=SpeculativeConfig(4, method="draft_model", model="draft")
+    )
+    plan = resolve(drafted, facts, MachineFacts(), draft=facts)
+    assert plan.kv_window is None and plan.num_kv_blocks == 8 * 4096 // 4
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_a_long_sequence_holds_a_window_of_blocks(sliding_dirs, overlap):
+    """Every layer slides over 12 tokens (Mistral-style), blocks of 4: a 2,000-token sequence
+    (a 100-token prompt, 1,900 greedy tokens) takes 7 blocks of a 16-block pool (all its KV
+    would need 500), holds at most window / block_size + 1 = 4 of them while it decodes, and
+    its tokens are transformers'. Overlapped: each step is planned while the one before is in
+    flight, whose KV is not committed yet (so not released from yet)."""
+    path = sliding_dirs["mistral"]
+    prompt = [(7 * i) % VOCAB for i in range(100)]
+    want = _hf_greedy(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), prompt)
+    options = dict(max_model_len=2048, block_size=4, num_kv_blocks=16, quantization="none")
+    runtime = Runtime(path, DeploymentOptions(**options, overlap=overlap))
+    assert runtime.scheduler.window == KVWindow(SLIDING_WINDOW, 4)
+    pool, residents = runtime.blocks, runtime.scheduler.residents
+    session = runtime.new_session()
+    request = GenerationRequest(
+        prompt, SamplingParams(max_tokens=1900, temperature=0, ignore_eos=True)
+    )
+    admission = session.admit(request)
+    assert admission.answer is AdmissionAnswer.ADMITTED
+    tokens, held, taken = [], [], []
+    while session.residents():
+        result = session.step()
+        if admission.ref in result.deltas:
+            tokens += result.deltas[admission.ref].token_ids
+        if admission.ref in residents:
+            r = residents[admission.ref]
+            held.append((len(r.output), len(r.kv.held)))
+            taken.append(pool.num_blocks - pool.num_free)
+    session.finish()
+    assert tokens == want
+    # Past its first tokens: until then its prompt's last chunk, in flight when the first
+    # decode rows are planned (overlapped), is not committed, so blocks before it stay held.
+    assert max(n for emitted, n in held if emitted >= 4) == SLIDING_WINDOW // 4 + 1
+    assert max(n for _, n in held) <= 7 and set(taken) == {7}
+    assert_no_leaks(runtime)
+
+
+def test_the_n_sequences_of_a_request_each_compute_their_prompt(sliding_dirs):
+    """No prompt blocks are shared (a sequence gives its blocks back on its own): each of the
+    n sequences prefills the prompt and reserves its own quota; greedy, they agree with a
+    request of one."""
+    options = dict(max_model_len=256, block_size=4, quantization="none")
+    runtime = Runtime(sliding_dirs["mistral"], DeploymentOptions(**options))
+    prompt = list(range(5, 45))
+    params = dict(max_tokens=30, temperature=0, ignore_eos=True)
+    request = GenerationRequest(prompt, SamplingParams(n=3, **params))
+    intent = runtime.check(request).intent
+    assert (intent.shared_blocks, intent.sequence_blocks, intent.blocks_needed) == (0, 7, 21)
+    three = runtime.handle_request(request).result()
+    one = runtime.handle_request(GenerationRequest(prompt, SamplingParams(**params))).result()
+    assert [o.token_ids for o in three.outputs] == [one.token_ids] * 3
+    assert_no_leaks(runtime)

@@ -1,9 +1,10 @@
 """CUDA path checks, run on the device: the Triton attention backend against the torch reference.
 
-1. Kernels: a ragged step mixing decode rows (their keys split in 16, 1 and 4 parts) and
-   prefill chunks with a past, over scattered KV blocks; relative error of the Triton output
-   against the torch backend computed in float32, with the output memory poisoned (NaN)
-   beforehand so every element must be written; again over a float8 (e4m3) KV cache.
+1. Kernels (and again with a sliding window of 100 keys): a ragged step mixing decode rows
+   (their keys split in 16, 1 and 4 parts) and prefill chunks with a past, over scattered KV
+   blocks; relative error of the Triton output against the torch backend computed in
+   float32, with the output memory poisoned (NaN) beforehand so every element must be
+   written; again over a float8 (e4m3) KV cache.
 2. Fused RMSNorm (+ residual), SiLU-mul and norm + RoPE + KV store kernels against the torch
    formulas they replace.
 3. The Triton Mamba2 decode step against its torch formula (float32).
@@ -18,16 +19,16 @@
 7. The LoRA side paths in bf16 (the indexed Triton kernel, the masked matmuls) against the float64
    formula: a fused three-part layer, slots of two ranks and an empty one, tokens of every slot
    and of the base model.
-9. Mixture of experts: the grouped Triton kernel (bf16, Qwen3-30B-A3B's expert shape, 256
-   tokens of 8 experts each) against the experts' formula in float32 on the same weights, a
-   token's bits alone and beside others; greedy tokens of a 4-layer Qwen3-30B-A3B-shaped model
-   as in check 4.
 8. Media input: random-weight LLaVA (`llava-clip-b16-smollm2`), Qwen2-VL-2B (M-RoPE, images of
    different sizes) and Voxtral-Mini-3B (audio clips of 3 to 40 s) in bf16, 8 prompts of one
    item each, the Triton backend with CUDA graphs and overlapped steps against the torch
    backend eagerly on the same weights; divergences must be near-ties (the gap read from the
    reference's top-2 logprobs with the item in the prompt); and the encoder in bf16 against
    the same weights in float32 on the CPU (relative error under 2e-2).
+9. Mixture of experts: the grouped Triton kernel (bf16, Qwen3-30B-A3B's expert shape, 256
+   tokens of 8 experts each) against the experts' formula in float32 on the same weights, a
+   token's bits alone and beside others; greedy tokens of a 4-layer Qwen3-30B-A3B-shaped model
+   as in check 4.
 
     python3 bench/gpu_check.py [NAME ...]   (prints a table; exits 1 on a failed check; with
     names, only the checks whose names contain one of them, e.g. "fused" "greedy")
@@ -69,10 +70,14 @@ def _poison_allocator(device: torch.device) -> None:
 
 
 def check_kernels(
-    device: torch.device, seed: int, kv_dtype: torch.dtype = torch.bfloat16
+    device: torch.device,
+    seed: int,
+    kv_dtype: torch.dtype = torch.bfloat16,
+    window: int | None = None,
 ) -> tuple[bool, str]:
     """With `kv_dtype` float8 e4m3, the reference computes on the same float8 values (the new
-    keys and values rounded as the cache stores them): the kernels' own error is compared."""
+    keys and values rounded as the cache stores them): the kernels' own error is compared.
+    With a `window`, every query attends over its last `window` keys."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     heads, kv_heads, dim, block_size, num_blocks = 16, 4, 128, 16, 512
@@ -103,14 +108,15 @@ def check_kernels(
     reference = TorchAttentionBackend()
     reference.plan(meta)
     stored_k, stored_v = (x.to(kv_dtype).float() for x in (k, v))
-    expected = reference.forward(q.float(), stored_k, stored_v, ref_cache, meta, dim**-0.5)
+    expected = reference.forward(q.float(), stored_k, stored_v, ref_cache, meta, dim**-0.5, window)
     triton_backend = TritonAttentionBackend()
     triton_backend.plan(meta)
     _poison_allocator(device)
-    got = triton_backend.forward(q, k, v, (cache_k, cache_v), meta, dim**-0.5)
+    got = triton_backend.forward(q, k, v, (cache_k, cache_v), meta, dim**-0.5, window)
     # The decode rows' keys in one part and in 4 (the default for 6 rows splits them in 16).
     outputs = [got] + [
-        paged_attention(q, cache_k, cache_v, meta, dim**-0.5, splits=n) for n in (1, 4)
+        paged_attention(q, cache_k, cache_v, meta, dim**-0.5, splits=n, window=window)
+        for n in (1, 4)
     ]
     torch.cuda.synchronize()
     written = not any(torch.isnan(out).any().item() for out in outputs)
@@ -576,6 +582,7 @@ def main() -> int:
     checks = (
         ("kernels", check_kernels),
         ("fp8 KV kernels", functools.partial(check_kernels, kv_dtype=torch.float8_e4m3fn)),
+        ("windowed kernels", functools.partial(check_kernels, window=100)),
         ("fused ops", check_fused_ops),
         ("greedy end to end", functools.partial(check_end_to_end, "qwen3-0.6b")),
         ("mamba decode kernel", check_mamba_decode),

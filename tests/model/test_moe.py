@@ -10,6 +10,7 @@ import torch
 from inflight.model.checkpoints.loader import open_checkpoint
 from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
+from inflight.runtime.deployment import MachineFacts, ModelFacts, resolve
 from inflight.runtime.runtime import Runtime
 
 from helpers import (
@@ -98,3 +99,13 @@ def test_rows_are_bit_identical_alone_and_in_a_changing_batch(moe_dirs, max_num_
 def test_a_deployment_refuses_what_experts_do_not_serve(moe_dirs, options, refusal):
     with pytest.raises(ValueError, match=refusal):
         Runtime(moe_dirs["mixtral"][0], DeploymentOptions(**options))
+
+
+@pytest.mark.parametrize(("quantization", "graphs"), [("auto", True), ("fp8", False)])
+def test_cuda_graphs_replay_float_experts_not_fp8_ones(quantization, graphs):
+    """Float experts run the grouped kernel, which a CUDA graph replays whatever the routing;
+    FP8 experts run one matmul per expert chosen, sized by the routing: steps run eagerly."""
+    facts = ModelFacts("qwen3_moe", 512, 4, 2, 16, 128, 4096, experts=True)
+    cuda = MachineFacts(cuda_devices=1, cuda_capability=(9, 0))
+    options = DeploymentOptions(device="cuda", quantization=quantization)
+    assert resolve(options, facts, cuda).cuda_graphs is graphs

@@ -22,11 +22,22 @@ from inflight.model.checkpoints.loader import build_model, open_checkpoint
 from inflight.model.families.hybrid import MAMBA_CHUNK_SIZES
 from inflight.model.layers.quantization import PackedLinearMethod, StoredBlocksLinearMethod
 
-from tiny_models import CHAT_TEMPLATE, VOCAB, make_tiny_hybrid
+from helpers import float64_reference
+from tiny_models import (
+    CHAT_TEMPLATE,
+    NEMOTRON_H_MOE_VARIANTS,
+    VOCAB,
+    make_tiny_hybrid,
+    make_tiny_nemotron_h_moe,
+)
 
 CPU = torch.device("cpu")
 FAMILIES = ("bamba", "nemotron_h")
-ARCHS = {"bamba": MODEL_ARCH.GRANITE_HYBRID, "nemotron_h": MODEL_ARCH.NEMOTRON_H}
+ARCHS = {
+    "bamba": MODEL_ARCH.GRANITE_HYBRID,
+    "nemotron_h": MODEL_ARCH.NEMOTRON_H,
+    "nemotron_h_moe": MODEL_ARCH.NEMOTRON_H_MOE,
+}
 DECODE_STEPS = 8
 # NemotronH's layer kinds in its configs' spellings (transformers 5's layers_block_type).
 _NEMOTRON_H_KINDS = {
@@ -35,6 +46,7 @@ _NEMOTRON_H_KINDS = {
     "attention": "attention",
     "full_attention": "attention",
     "mlp": "mlp",
+    "moe": "moe",
 }
 # Q8_0 projections into and out of every mixer and MLP, F16 for the rest of the matrices.
 QUANTIZED = {
@@ -126,6 +138,17 @@ def write_hybrid_gguf(hf, family: str, source, path, qtypes=None, extra=None, te
         # NemotronHModel: the FFN length on MLP layers only; the head size from head_dim; both
         # epsilons (TextModel: layer_norm_epsilon and the rms_norm_eps NVIDIA's configs carry).
         w.add_feed_forward_length([cfg.intermediate_size if k == "mlp" else 0 for k in kinds])
+        if "moe" in kinds:  # NemotronHModel's mixture keys
+            w.add_expert_count(cfg.n_routed_experts)
+            w.add_expert_used_count(cfg.num_experts_per_tok)
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+            w.add_expert_shared_feed_forward_length(cfg.moe_shared_expert_intermediate_size)
+            w.add_expert_weights_norm(cfg.norm_topk_prob)
+            w.add_expert_weights_scale(cfg.routed_scaling_factor)
+            w.add_expert_group_count(cfg.n_group)
+            w.add_expert_group_used_count(cfg.topk_group)
+            if cfg.moe_latent_size:
+                w.add_uint32(f"{MODEL_ARCH_NAMES[arch]}.moe_latent_size", cfg.moe_latent_size)
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
         w.add_layer_norm_eps(eps)
@@ -149,9 +172,14 @@ def write_hybrid_gguf(hf, family: str, source, path, qtypes=None, extra=None, te
     for name, param in hf.state_dict().items():
         values = param.detach().float().numpy()
         hf_name = name.replace(".dt_bias", ".dt_proj.bias")  # Mamba2Model's renaming
-        if family == "nemotron_h" and ".mixer." in name:  # NemotronHModel.filter_tensors
+        if family != "bamba" and ".mixer." in name:  # NemotronHModel.filter_tensors
             hf_name = hf_name.replace("model.layers.", "backbone.layers.", 1)
+        # The converter's name of the selection bias: a ".bias".
+        hf_name = hf_name.replace("e_score_correction_bias", "e_score_correction.bias")
         gname = names.get_name(hf_name, (".weight", ".bias"))
+        if ".mixer.experts." in name:  # stacked [E, rows, cols] as transformers holds them
+            part = name.rsplit(".", 1)[1].removesuffix("_proj")
+            gname = f"blk.{name.split('.')[2]}.ffn_{part}_exps.weight"
         kind = gname.split(".")[2] if gname.startswith("blk.") else gname.split(".")[0]
         qtype = (qtypes or {}).get(kind, Q.F32)
         # Q8_0 blocks run along rows, which the permutation below only reorders: the file's
@@ -218,7 +246,7 @@ def _assert_matches_transformers(model, backend, hf) -> None:
     prefill and its greedy decode steps, which pick what transformers picks."""
     ours, picks = _logits(model, backend, DECODE_STEPS)
     with torch.no_grad():
-        want = copy.deepcopy(hf).double()(torch.tensor([PROMPT + picks])).logits[0]
+        want = float64_reference(hf)(torch.tensor([PROMPT + picks])).logits[0]
     error = (ours.double() - want).abs().max().item()
     assert error < TOL, f"max |ours - transformers| {error:.2e}"
     assert picks == want[len(PROMPT) - 1 : -1].argmax(-1).tolist()
@@ -331,10 +359,10 @@ def test_identity_multipliers_load(hybrids, tmp_path):
 
 
 @pytest.mark.parametrize("by", ["tensors", "expert_count"])
-def test_mixture_of_experts_is_refused(hybrids, tmp_path, by):
-    """A NemotronH file with a layer of experts (router and stacked experts in MLP layer 1),
-    told by its tensors or its expert count."""
-    hf, source, config, *_ = hybrids["nemotron_h"]
+def test_a_granite_hybrid_with_experts_is_refused(hybrids, tmp_path, by):
+    """A `granitehybrid` file with a layer of experts (Granite 4.0-H's; router and stacked
+    experts in layer 1), told by its tensors or its expert count."""
+    hf, source, config, *_ = hybrids["bamba"]
     hidden, experts = config.hidden_size, 4
     tensors = [
         ("blk.1.ffn_gate_inp.weight", np.zeros((experts, hidden), np.float32)),
@@ -343,13 +371,29 @@ def test_mixture_of_experts_is_refused(hybrids, tmp_path, by):
     ]
     file = tmp_path / "moe.gguf"
     if by == "tensors":
-        write_hybrid_gguf(hf, "nemotron_h", source, file, tensors=tensors)
+        write_hybrid_gguf(hf, "bamba", source, file, tensors=tensors)
     else:
-        write_hybrid_gguf(
-            hf, "nemotron_h", source, file, extra=lambda w: w.add_expert_count(experts)
-        )
+        write_hybrid_gguf(hf, "bamba", source, file, extra=lambda w: w.add_expert_count(experts))
     with pytest.raises(ValueError, match="mixture-of-experts"):
         open_checkpoint(file)
+
+
+@pytest.mark.parametrize("variant", NEMOTRON_H_MOE_VARIANTS)
+def test_nemotron_h_moe_file_matches_transformers(tmp_path, variant):
+    """A `nemotron_h_moe` file as llama.cpp's converter writes it (stacked experts, the
+    selection bias as `exp_probs_b`, the shared expert, the latent projections): the config of
+    the Hugging Face directory it came from (but what GGUF does not keep), and logits within
+    TOL of transformers'."""
+    hf = make_tiny_nemotron_h_moe(variant, tmp_path / "hf")
+    path = tmp_path / "moe.gguf"
+    write_hybrid_gguf(hf, "nemotron_h_moe", tmp_path / "hf", path)
+    ours, want = open_checkpoint(path).config, open_checkpoint(tmp_path / "hf").config
+    assert ours.family == "nemotron_h"
+    assert ours.mamba.layer_types == want.mamba.layer_types
+    assert ours.moe == want.moe
+    model = build_model(open_checkpoint(path), torch.float32, CPU, 256, quantization="none")
+    backend = select_backend(None, CPU, torch.float32, ours.head_dim)
+    _assert_matches_transformers(model, backend, hf)
 
 
 def test_unknown_tensor_is_refused(hybrids, tmp_path):

@@ -369,7 +369,11 @@ class HybridForCausalLM(nn.Module):
 # (`granitehybrid` is what llama.cpp's converter makes of BambaForCausalLM, and of IBM's
 # Granite 4.0-H, whose multipliers and experts are refused).
 HF_ARCHITECTURES = {"BambaForCausalLM": "bamba", "NemotronHForCausalLM": "nemotron_h"}
-GGUF_ARCHITECTURES = {"granitehybrid": "bamba", "nemotron_h": "nemotron_h"}
+GGUF_ARCHITECTURES = {
+    "granitehybrid": "bamba",
+    "nemotron_h": "nemotron_h",
+    "nemotron_h_moe": "nemotron_h",  # llama.cpp's name where the layers hold experts
+}
 # transformers' default scan block length of each family, for a config.json that gives none and
 # for GGUF files, which never record it. The scan's block length changes results by rounding only.
 MAMBA_CHUNK_SIZES = {"bamba": 256, "nemotron_h": 128}
@@ -568,6 +572,7 @@ _LAYER_TENSORS = {
     "ssm_a": "mixer.A_log",
     "ssm_d": "mixer.D",
     "ssm_dt.bias": "mixer.dt_bias",
+    "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
     **{
         f"{gguf}.{suffix}": f"mixer.{ours}.{suffix}"
         for gguf, ours in (
@@ -592,7 +597,19 @@ _MLP_TENSORS = {
         "ffn_up": "mlp.up_proj",
         "ffn_down": "mlp.down_proj",
     },
-    "nemotron_h": {"ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj"},
+    "nemotron_h": {
+        "ffn_up": "mixer.up_proj",
+        "ffn_down": "mixer.down_proj",
+        # A mixture of experts: the router, the stacked experts, the shared expert and the
+        # latent projections around the experts.
+        "ffn_gate_inp": "mixer.gate",
+        "ffn_up_exps": "mixer.experts.up_proj",
+        "ffn_down_exps": "mixer.experts.down_proj",
+        "ffn_up_shexp": "mixer.shared_experts.up_proj",
+        "ffn_down_shexp": "mixer.shared_experts.down_proj",
+        "ffn_latent_down": "mixer.fc1_latent_proj",
+        "ffn_latent_up": "mixer.fc2_latent_proj",
+    },
 }
 # Granite's multipliers, as llama.cpp's converter writes transformers' embedding_multiplier,
 # residual_multiplier and logits_scaling (llama.cpp skips a product whose key is absent or 0).
@@ -605,19 +622,24 @@ _RESHAPED = ("ssm_a", "ssm_d", "ssm_norm", "ssm_conv1d")
 def hybrid_from_gguf(gguf: GGUFMetadata, flavour: str) -> ModelConfig:
     """A NemotronH or Bamba config from llama.cpp's metadata. A layer's kind is what llama.cpp
     makes of it: recurrent where it has no KV heads (and, NemotronH, no FFN); NemotronH's
-    layers with an FFN are MLPs."""
+    layers with a router are mixtures of experts, those with an FFN MLPs."""
     a = gguf.architecture
-    _refuse_experts(gguf)
+    if flavour == "bamba":
+        _refuse_experts(gguf)
     layers = gguf.required(f"{a}.block_count")
     hidden = gguf.required(f"{a}.embedding_length")
     kv_key, ffn_key = f"{a}.attention.head_count_kv", f"{a}.feed_forward_length"
     kv, ffn = _per_layer(gguf, kv_key, layers), _per_layer(gguf, ffn_key, layers)
     if flavour == "nemotron_h":
+        routed = [f"blk.{i}.ffn_gate_inp.weight" in gguf.tensor_names for i in range(layers)]
         kinds = [
-            "mlp" if f else "attention" if k else "mamba" for k, f in zip(kv, ffn, strict=True)
+            "moe" if r else "mlp" if f else "attention" if k else "mamba"
+            for k, f, r in zip(kv, ffn, routed, strict=True)
         ]
     else:
         kinds = ["attention" if k else "mamba" for k in kv]
+    # The MLPs' width: what the converter writes on a mixture's layers is not an MLP's.
+    ffn = [f if kind != "moe" else 0 for f, kind in zip(ffn, kinds, strict=True)]
     heads_key = f"{a}.attention.head_count"
     heads = _one_size(heads_key, _per_layer(gguf, heads_key, layers))
     kv_heads = _one_size(kv_key, kv) or heads
@@ -678,9 +700,36 @@ def hybrid_from_gguf(gguf: GGUFMetadata, flavour: str) -> ModelConfig:
         tie_word_embeddings="output.weight" not in gguf.tensor_names,
         qkv_bias=_has_bias(gguf, "attn_q"),
         o_bias=_has_bias(gguf, "attn_output"),
-        mlp_bias=_has_bias(gguf, "ffn_up"),
+        # NemotronH's mlp_bias: its MLPs', its shared experts' and latent projections' biases.
+        mlp_bias=_has_bias(gguf, "ffn_up") or _has_bias(gguf, "ffn_up_shexp"),
+        moe=_nemotron_h_moe_from_gguf(gguf, tuple(kinds)),
     )
     return hybrid_config(config, mamba)
+
+
+def _nemotron_h_moe_from_gguf(gguf: GGUFMetadata, kinds: tuple[str, ...]) -> MoEConfig | None:
+    """The mixture of experts of a `nemotron_h_moe` file's "moe" layers (None: it has none), as
+    `_nemotron_h_moe` reads a config.json: llama.cpp's keys for what transformers' names."""
+    sparse = tuple(i for i, kind in enumerate(kinds) if kind == "moe")
+    if not sparse:
+        return None
+    a = gguf.architecture
+    return MoEConfig(
+        num_experts=gguf.required(f"{a}.expert_count"),
+        top_k=gguf.required(f"{a}.expert_used_count"),
+        intermediate_size=gguf.required(f"{a}.expert_feed_forward_length"),
+        sparse_layers=sparse,
+        scoring="sigmoid",
+        renormalize=bool(gguf.field(f"{a}.expert_weights_norm", True)),
+        selection_bias=True,
+        num_groups=gguf.field(f"{a}.expert_group_count", 1) or 1,
+        topk_groups=gguf.field(f"{a}.expert_group_used_count", 1) or 1,
+        scaling_factor=float(gguf.field(f"{a}.expert_weights_scale", 1.0)),
+        activation="relu2",
+        shared_intermediate_size=gguf.required(f"{a}.expert_shared_feed_forward_length"),
+        latent_size=gguf.field(f"{a}.moe_latent_size", 0) or 0,
+        latent_bias=_has_bias(gguf, "ffn_latent_down"),
+    )
 
 
 def _per_layer(gguf: GGUFMetadata, key: str, layers: int) -> list[int]:

@@ -18,25 +18,18 @@ import random
 from dataclasses import replace
 
 import torch
+from gpu_check import run_all
 
 from inflight.bench.random_model import random_checkpoint
 from inflight.bench.report import report_path, write_report
 from inflight.protocol.deployment import DeploymentOptions
-from inflight.protocol.outputs import materialize
 from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 
 
 def _run(runtime: Runtime, requests: list[GenerationRequest]) -> list:
     """Every request admitted into one session at once; their first sequences in order."""
-    session = runtime.new_session()
-    refs = {session.admit(request).ref: i for i, request in enumerate(requests)}
-    outputs = {}
-    while session.residents():
-        for ref, snapshot in session.step().finished.items():
-            outputs[refs[ref]] = materialize([snapshot])
-    session.finish()
-    return [outputs[i].outputs[0] for i in range(len(requests))]
+    return [output.outputs[0] for output in run_all(runtime, requests)]
 
 
 def _first_gap(a, b) -> float:

@@ -130,7 +130,7 @@ def check_kernels(
 
 def _greedy(runtime: Runtime, prompts: list[list[int]], n: int) -> list[tuple[int, ...]]:
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    outputs = _run_all(runtime, [GenerationRequest(prompt, params) for prompt in prompts])
+    outputs = run_all(runtime, [GenerationRequest(prompt, params) for prompt in prompts])
     return [tuple(output.token_ids) for output in outputs]
 
 
@@ -156,7 +156,7 @@ def check_end_to_end(shape: str, device: torch.device, seed: int) -> tuple[bool,
         j = next(j for j in range(32) if a[j] != b[j])
         params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
         request = GenerationRequest(prompts[i] + list(b[:j]), params)
-        (entry,) = _run_all(ref, [request])[0].outputs[0].logprobs
+        (entry,) = run_all(ref, [request])[0].outputs[0].logprobs
         gap = entry.top[0].logprob - entry.top[1].logprob
         near_tie = gap < 0.1
         verdict = "near-tie" if near_tie else "NOT a near-tie"
@@ -168,7 +168,7 @@ def check_end_to_end(shape: str, device: torch.device, seed: int) -> tuple[bool,
                     random_checkpoint(shape, device, seed),
                     DeploymentOptions(attention_backend="torch", dtype="float32", **config),
                 )
-            (top,) = _run_all(exact, [request])[0].outputs[0].logprobs
+            (top,) = run_all(exact, [request])[0].outputs[0].logprobs
             found = {t.token_id: t.logprob for t in top.top}
             if a[j] in found and b[j] in found:
                 gap32 = abs(found[a[j]] - found[b[j]])
@@ -235,11 +235,11 @@ def check_media(which: str, device: torch.device, seed: int) -> tuple[bool, str]
     def greedy(runtime: Runtime) -> list[tuple[int, ...]]:
         params = dict(max_tokens=32, temperature=0, ignore_eos=True)
         requests = [request(runtime, i, **params) for i in range(len(prompts))]
-        return [tuple(o.token_ids) for o in _run_all(runtime, requests)]
+        return [tuple(o.token_ids) for o in run_all(runtime, requests)]
 
     def gap(index: int, prefix: tuple[int, ...]) -> float:
         one = request(ref, index, prefix, max_tokens=1, temperature=0, logprobs=2)
-        (entry,) = _run_all(ref, [one])[0].outputs[0].logprobs
+        (entry,) = run_all(ref, [one])[0].outputs[0].logprobs
         return entry.top[0].logprob - entry.top[1].logprob
 
     got, want = greedy(fast), greedy(ref)
@@ -267,7 +267,7 @@ def check_media(which: str, device: torch.device, seed: int) -> tuple[bool, str]
     )
 
 
-def _run_all(runtime: Runtime, requests: list[GenerationRequest]) -> list:
+def run_all(runtime: Runtime, requests: list[GenerationRequest]) -> list:
     """Every request admitted into one session at once; their outputs in order."""
     session = runtime.new_session()
     refs = {session.admit(request).ref: i for i, request in enumerate(requests)}

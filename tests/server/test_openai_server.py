@@ -517,7 +517,7 @@ WEATHER = {
 
 def test_legacy_functions_are_served_as_one_function_call(oa):
     question = [{"role": "user", "content": "What is the weather in Paris?"}]
-    reply = oa.chat.completions.create(
+    request = dict(
         model=MODEL,
         messages=question,
         temperature=0,
@@ -525,21 +525,14 @@ def test_legacy_functions_are_served_as_one_function_call(oa):
         functions=[WEATHER],
         function_call={"name": "get_weather"},
     )
+    reply = oa.chat.completions.create(**request)
     choice = reply.choices[0]
     assert choice.finish_reason == "function_call"
     assert choice.message.tool_calls is None
     call = choice.message.function_call
     assert call.name == "get_weather"
     assert set(json.loads(call.arguments)) == {"city"}
-    streamed = oa.chat.completions.create(
-        model=MODEL,
-        messages=question,
-        temperature=0,
-        max_tokens=40,
-        functions=[WEATHER],
-        function_call={"name": "get_weather"},
-        stream=True,
-    )
+    streamed = oa.chat.completions.create(**request, stream=True)
     deltas = [c.choices[0] for c in streamed if c.choices]
     calls = [d.delta.function_call for d in deltas if d.delta.function_call]
     assert calls[0].name == "get_weather"

@@ -11,6 +11,7 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
+from test_tools_server import PARAMETERS
 
 from inflight import SamplingParams
 from inflight.protocol.outputs import StreamChunk
@@ -32,15 +33,6 @@ pytestmark = pytest.mark.slow
 
 MODEL = "test-model"
 QUESTION = "What is the capital of France?"
-PARAMETERS = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {
         "type": "function",

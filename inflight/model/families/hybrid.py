@@ -47,7 +47,7 @@ from inflight.model.layers.linear import process_weights_after_loading
 from inflight.model.layers.lora import LoRAMapping
 from inflight.model.layers.lora_adapters import LoRAAdapters
 from inflight.model.layers.mamba import Mamba2Mixer, MambaRows, MambaStates
-from inflight.model.layers.moe import SparseMoeBlock
+from inflight.model.layers.moe import Experts, SparseMoeBlock, load_expert_tensors
 from inflight.model.layers.norm import RMSNorm
 from inflight.model.layers.parallel import TensorParallel
 from inflight.model.layers.platform import Platform
@@ -343,26 +343,18 @@ class HybridForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         ours = ((self.parameter_name(name), tensor) for name, tensor in weights)
         named = ((name, tensor) for name, tensor in ours if name is not None)
-        load_fused(self, self._load_experts(named), _FUSED, shard_sizes(self.config), (_EXPERTS,))
+        named = load_expert_tensors(named, _EXPERTS, self._experts)
+        load_fused(self, named, _FUSED, shard_sizes(self.config), (_EXPERTS,))
         process_weights_after_loading(self)
         for layer in self.layers:
             if layer.kind == "moe":
                 layer.mixer.experts.finish_loading()
 
-    def _load_experts(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterable[tuple[str, torch.Tensor]]:
-        """`weights` but the experts' tensors, which their layer's `Experts` takes in whatever
-        layout they come (one per expert in transformers' checkpoints)."""
-        for name, tensor in weights:
-            layer, experts, rest = name.partition(_EXPERTS)
-            if not experts:
-                yield name, tensor
-                continue
-            index = int(layer.removeprefix("layers."))
-            if index >= len(self.layers) or self.layers[index].kind != "moe":
-                raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
-            self.layers[index].mixer.experts.load(rest, tensor)
+    def _experts(self, index: int) -> Experts | None:
+        """Layer `index`'s experts, if it is a mixture of experts."""
+        if index < len(self.layers) and self.layers[index].kind == "moe":
+            return self.layers[index].mixer.experts
+        return None
 
 
 # Each flavour's Hugging Face `architectures` entry and llama.cpp's `general.architecture`

@@ -32,7 +32,7 @@ from inflight.model.layers.linear import Linear, process_weights_after_loading
 from inflight.model.layers.lora import LoRAMapping
 from inflight.model.layers.lora_adapters import LoRAAdapters
 from inflight.model.layers.mamba import MambaStates
-from inflight.model.layers.moe import SparseMoeBlock
+from inflight.model.layers.moe import Experts, SparseMoeBlock, load_expert_tensors
 from inflight.model.layers.norm import RMSNorm
 from inflight.model.layers.parallel import TensorParallel, VocabParallelEmbedding
 from inflight.model.layers.platform import Platform
@@ -66,6 +66,8 @@ _MULTIMODAL_NAMES = (
 )
 # Mixtral's checkpoints call a layer's mixture of experts `block_sparse_moe`.
 _EXPERT_BLOCK_NAMES = (".block_sparse_moe.", ".mlp.")
+# Where a layer's experts are.
+_EXPERTS = ".mlp.experts."
 # The media encoder's tensors (LLaVA's and Voxtral's, Qwen2-VL's).
 _ENCODER_NAMES = ("vision_tower.", "multi_modal_projector.", "visual.", "audio_tower.")
 
@@ -393,6 +395,12 @@ class LlamaForCausalLM(nn.Module):
                 x, residual = layer(x, residual, angles, kv_cache, meta, backend, lora)
         return self.norm.add_forward(x, residual)[0]
 
+    def _experts(self, index: int) -> Experts | None:
+        """Layer `index`'s experts, if its feed-forward is a mixture of experts."""
+        if index < len(self.layers) and isinstance(self.layers[index].mlp, SparseMoeBlock):
+            return self.layers[index].mlp.experts
+        return None
+
     def allocate_states(
         self, num_slots: int, dtype: torch.dtype, device: torch.device
     ) -> MambaStates | None:
@@ -465,10 +473,6 @@ class LlamaForCausalLM(nn.Module):
                     encoder_weights.append((name, tensor))
                     continue
                 name = name.removeprefix("model.").replace(*_EXPERT_BLOCK_NAMES)
-                layer, experts, rest = name.partition(".mlp.experts.")
-                if experts:
-                    self.layers[int(layer.removeprefix("layers."))].mlp.experts.load(rest, tensor)
-                    continue
                 if name == "lm_head.weight" and self.config.tie_word_embeddings:
                     continue  # tied: the embedding is the head
                 if "rotary_emb" in name:
@@ -479,10 +483,10 @@ class LlamaForCausalLM(nn.Module):
 
         load_fused(
             self,
-            decoder_weights(),
+            load_expert_tensors(decoder_weights(), _EXPERTS, self._experts),
             _FUSED,
             shard_sizes(self.layer_config),
-            ("encoders.", ".mlp.experts."),
+            ("encoders.", _EXPERTS),
         )
         for encoder in self.encoders.values():
             encoder.load_weights(encoder_weights)

@@ -13,6 +13,7 @@ CUDA), so a row's bits never depend on how many rows share its expert.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -314,3 +315,22 @@ class SparseMoeBlock(nn.Module):
                 shared = _sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
+
+
+def load_expert_tensors(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    marker: str,
+    experts_of: Callable[[int], Experts | None],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights` but the tensors under a layer's `marker` ("layers.3.mlp.experts."), which
+    that layer's experts (`experts_of(3)`) load in whatever layout they come; a ValueError for
+    one of a layer that has none."""
+    for name, tensor in weights:
+        layer, found, rest = name.partition(marker)
+        if not found:
+            yield name, tensor
+            continue
+        experts = experts_of(int(layer.removeprefix("layers.")))
+        if experts is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
+        experts.load(rest, tensor)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from inflight.protocol.options import OPTION_FIELDS
 from inflight.protocol.outputs import RequestOutput
 from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.deployment import ifb_unsupported_reason
+from inflight.runtime.host.pinned import pin_id
 from inflight.runtime.inputs.processor import Message, Prompt, template_args
 from inflight.runtime.runtime import Runtime
 
@@ -52,7 +53,12 @@ class LLM:
     """
 
     def __init__(
-        self, model: str | Path | None = None, *, show_progress: bool = False, **options: Any
+        self,
+        model: str | Path | None = None,
+        *,
+        show_progress: bool = False,
+        warmup_prompts: Sequence[Prompt] = (),
+        **options: Any,
     ) -> None:
         known = {f.name for f in fields(DeploymentOptions)}
         unknown = sorted(set(options) - known)
@@ -95,6 +101,12 @@ class LLM:
         self.max_model_len = runtime.max_model_len
         self.max_batch_size = engine_config.max_batch_size
         self.max_queued_requests = deployment.max_queued_requests
+        if warmup_prompts:
+            try:
+                self.warm_up(warmup_prompts)
+            except BaseException:
+                self.close()
+                raise
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -108,14 +120,21 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         lora_name: str | None = None,
+        save_system_prompt_kv_cache: bool = False,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list of them; returns one output per prompt, in order.
-        `lora_name`: the LoRA adapter they run with (None: the base model).
+        `lora_name`: the LoRA adapter they run with (None: the base model);
+        `save_system_prompt_kv_cache`: pin each prompt's KV (its full blocks) in the context
+        cache, never evicted until `unpin` (see `pinned_prefixes`).
 
         Every prompt is submitted at once (waiting, not failing, while the engine pushes back);
         under in-flight batching they generate together, on the blocking path one by one.
         """
-        return self._run(self._requests(prompts, params, {"lora_name": lora_name}))
+        options = {
+            "lora_name": lora_name,
+            "save_system_prompt_kv_cache": save_system_prompt_kv_cache,
+        }
+        return self._run(self._requests(prompts, params, options))
 
     def chat(
         self,
@@ -127,6 +146,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_name: str | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
+        save_system_prompt_kv_cache: bool = False,
     ) -> list[RequestOutput]:
         """Generate a reply to a conversation (or to each of a list of conversations).
 
@@ -137,12 +157,16 @@ class LLM:
         "audio", "audio": 16 kHz samples or (samples, rate)}`, `{"type": "input_audio", ...}`
         or `{"type": "audio_url", ...}`; see `runtime/inputs/chat_media.py`); `mm_processor_kwargs`
         `{"keep_ratio": r}` keeps that share of each image's tokens (the visual-token
-        pruner)."""
+        pruner). `save_system_prompt_kv_cache`: pin the KV of each conversation's system turn
+        in the context cache (see `generate`)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of chat messages")
         conversations = messages if isinstance(messages[0], list) else [messages]
         template = template_args(tools, chat_template, chat_template_kwargs)
-        options = {"lora_name": lora_name}
+        options = {
+            "lora_name": lora_name,
+            "save_system_prompt_kv_cache": save_system_prompt_kv_cache,
+        }
         requests = self._requests(conversations, params, options, template, mm_processor_kwargs)
         return self._run(requests)
 
@@ -206,6 +230,49 @@ class LLM:
                     raise
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
+
+    def warm_up(
+        self, prompts: Sequence[Prompt], progress: Callable[[int, int], None] | None = None
+    ) -> list[str]:
+        """Prefill each prompt and pin it (a chat conversation's system turn; a text or token
+        prompt whole) in the context cache, one after another (`progress(done, total)` after
+        each); the pins' ids, in order."""
+        ids = []
+        params = SamplingParams(max_tokens=1, temperature=0)
+        block_size = self._blocks.block_size
+        for done, prompt in enumerate(prompts, 1):
+            (request,) = self._requests(prompt, params, {"save_system_prompt_kv_cache": True})
+            (output,) = self._run([request])
+            ids.append(pin_id(request, block_size))
+            if ids[-1] not in {pin["id"] for pin in self.pinned_prefixes()}:
+                raise RuntimeError(
+                    f"warm-up prompt {done} was not pinned (it ended {output.finish_reason!r})"
+                )
+            if progress is not None:
+                progress(done, len(prompts))
+        return ids
+
+    def pinned_prefixes(self) -> list[dict[str, Any]]:
+        """The prefixes pinned in the context cache: each one's `id` (for `unpin`), `tokens`
+        and `hit_tokens` (prompt tokens later requests found in it)."""
+        cache = self._context_cache
+        if cache is None:
+            return []
+        return [
+            {"id": pin.id, "tokens": pin.tokens, "hit_tokens": pin.hit_tokens}
+            for pin in cache.pinned()
+        ]
+
+    def unpin(self, prefix_id: str) -> None:
+        """Let a pinned prefix's KV go (it stays cached until evicted); a ValueError for an id
+        that is not pinned."""
+        cache = self._context_cache
+        try:
+            if cache is None:
+                raise KeyError(prefix_id)
+            cache.unpin(prefix_id)
+        except KeyError:
+            raise ValueError(f"no pinned prefix has id {prefix_id!r}") from None
 
     def load_lora_adapter(self, name: str, path: str | Path) -> None:
         """Serve the PEFT adapter at `path` as `name`; a ValueError names what is wrong with it

@@ -223,10 +223,11 @@ def test_context_cache_reuse_metrics_under_ifb(tiny_dirs):
 
 
 def test_the_options_table_refuses_alike_on_both_paths(tiny_dirs):
-    """Speech output, system-prompt KV capture and trajectory execution, asked for by hand-built
-    requests, are refused at start() with the same message under in-flight batching as on the
-    blocking path: one naming what serves the caller instead, never "the blocking path" (which
-    refuses them too). Each LLM serves on after its refusals."""
+    """Speech output, system-prompt KV capture (served where the context cache is on; here it
+    is off) and trajectory execution, asked for by hand-built requests, are refused at start()
+    with the same message under in-flight batching as on the blocking path: one naming what
+    serves the caller instead, never "the blocking path" (which refuses them too). Each LLM
+    serves on after its refusals."""
     options = {
         "generate_audio": True,
         "save_system_prompt_kv_cache": True,
@@ -235,7 +236,12 @@ def test_the_options_table_refuses_alike_on_both_paths(tiny_dirs):
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     refusals = {}
     for ifb in (False, True):
-        with LLM(tiny_dirs["qwen2"], max_model_len=64, enable_in_flight_batching=ifb) as llm:
+        with LLM(
+            tiny_dirs["qwen2"],
+            max_model_len=64,
+            enable_in_flight_batching=ifb,
+            enable_context_reuse=False,
+        ) as llm:
             for field, value in options.items():
                 with pytest.raises(ValueError) as info:
                     llm.start(GenerationRequest([1, 2, 3], params, **{field: value}))

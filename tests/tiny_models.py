@@ -317,7 +317,8 @@ def make_tiny_hybrid(family: str, path, seed: int = 0):
 
 
 def small_shape(shape: ModelConfig) -> ModelConfig:
-    """The shape shrunk to a few layers of small widths, its encoder or Mamba layers too."""
+    """The shape shrunk to a few layers of small widths, its encoder, Mamba layers, windows
+    and experts too."""
     small = replace(
         shape,
         vocab_size=512,
@@ -327,6 +328,7 @@ def small_shape(shape: ModelConfig) -> ModelConfig:
         num_heads=4,
         num_kv_heads=2,
         head_dim=16,
+        layer_windows=shape.layer_windows[:2],
     )
     if isinstance(shape.vision, VisionConfig):
         vision = replace(shape.vision, hidden_size=32, intermediate_size=64, num_layers=2)
@@ -341,6 +343,9 @@ def small_shape(shape: ModelConfig) -> ModelConfig:
     if shape.mamba is not None:
         mamba = replace(shape.mamba, layer_types=("mamba", "attention"), n_heads=4, head_dim=32)
         small = replace(small, mamba=replace(mamba, d_state=16, chunk_size=8))
+    if shape.moe is not None:
+        moe = dict(num_experts=8, top_k=2, intermediate_size=32, sparse_layers=(0, 1))
+        small = replace(small, moe=replace(shape.moe, **moe))
     return small
 
 
@@ -471,3 +476,81 @@ def make_tiny_sliding(kind: str, path: Path, seed: int = 0):
         del config["layer_types"]
         (path / "config.json").write_text(json.dumps(config))
     return model
+
+
+# A tiny gpt-oss: 4 layers alternating a window of GPT_OSS_WINDOW tokens and full attention,
+# YaRN rope (its config's default), 8 experts of 32 with biases, 2 a token.
+GPT_OSS_WINDOW = 6
+# OpenAI's harmony format's special tokens (gpt-oss's chat template writes them).
+HARMONY_TOKENS = (
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|constrain|>",
+    "<|return|>",
+    "<|call|>",
+)
+
+
+def make_tiny_gpt_oss(path: Path, seed: int = 0, mxfp4: bool = False):
+    """A tiny random gpt-oss checkpoint written to `path` with a tokenizer that has harmony's
+    special tokens; with `mxfp4`, its experts stored as OpenAI's checkpoints store them (MXFP4
+    blocks and scales, rows of gate and up interleaved). Returns the transformers model
+    (float32; with `mxfp4`, transformers' load of the file, its experts dequantized)."""
+    import transformers as tf
+
+    config = tf.GptOssConfig(
+        **{**COMMON, "head_dim": 16, "num_hidden_layers": 4, "intermediate_size": 32},
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=GPT_OSS_WINDOW,
+    )
+    model = _save_random(tf.GptOssForCausalLM, config, path, seed, HARMONY_TOKENS)
+    # transformers starts the sinks and biases near zero: written again with them spread, so
+    # that each changes the output.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0.0, 1.0)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    if not mxfp4:
+        return model
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        # transformers' layout [E, in, out]; the checkpoint's [E, out, in / 32, 16] + scales.
+        blocks, scales = quantize_mxfp4(tensors.pop(name).transpose(1, 2))
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return tf.GptOssForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def quantize_mxfp4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 blocks uint8 [*, rows, cols / 32, 16] and scales uint8 [*, rows, cols / 32] of
+    `rows` [*, rows, cols]: each group of 32 values as a power of two (its largest at most 6
+    times it) times the nearest FP4 value, two codes a byte, the low nibble first."""
+    from inflight.model.families.gpt_oss import FP4_VALUES
+
+    magnitudes = torch.tensor(FP4_VALUES[:8])
+    groups = rows.float().reshape(*rows.shape[:-1], -1, 32)
+    top = groups.abs().amax(-1).clamp(min=2.0**-126)
+    exponents = torch.ceil(torch.log2(top / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponents)[..., None]
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1) + 8 * (scaled < 0)
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponents + 127).to(torch.uint8)

@@ -39,6 +39,20 @@ SHAPES = {
         moe=MoEConfig(num_experts=128, top_k=8, intermediate_size=768,
                       sparse_layers=tuple(range(48))),
     ),
+    # gpt-oss-20b: 24 layers alternating a 128-token window and full attention, each with
+    # sinks and 32 experts of 2,880 (clamped SwiGLU with biases), 4 a token; YaRN rope.
+    "gpt-oss-20b": ModelConfig(
+        family="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+        num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        rope=RopeConfig(theta=150_000.0, type="yarn", factor=32.0, truncate=False,
+                        original_max_position_embeddings=4096),
+        qkv_bias=True, o_bias=True, attention_sinks=True,
+        layer_windows=tuple(128 if i % 2 == 0 else None for i in range(24)),
+        moe=MoEConfig(num_experts=32, top_k=4, intermediate_size=2880,
+                      sparse_layers=tuple(range(24)), router_bias=True,
+                      activation="swiglu_clamped", expert_bias=True),
+    ),
     # SmolLM2-135M's decoder, its last id standing for an image, behind a CLIP ViT-B/16 tower
     # of 224-pixel images (196 image tokens), as LLaVA builds them.
     "llava-clip-b16-smollm2": ModelConfig(
@@ -100,11 +114,17 @@ SHAPES = {
     ),
 }  # fmt: skip
 
-# The same with 4 of its layers: small enough for a device check to build it three times.
+# The same with 4 of their layers: small enough for a device check to build each three times.
 SHAPES["qwen3-30b-a3b-4-layers"] = replace(
     SHAPES["qwen3-30b-a3b"],
     num_layers=4,
     moe=replace(SHAPES["qwen3-30b-a3b"].moe, sparse_layers=(0, 1, 2, 3)),
+)
+SHAPES["gpt-oss-20b-4-layers"] = replace(
+    SHAPES["gpt-oss-20b"],
+    num_layers=4,
+    layer_windows=(128, None, 128, None),
+    moe=replace(SHAPES["gpt-oss-20b"].moe, sparse_layers=(0, 1, 2, 3)),
 )
 
 
@@ -143,12 +163,30 @@ class RandomWeights:
             if c.qkv_bias:
                 for name, size in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
                     yield p + f"self_attn.{name}.bias", ones(size).zero_()
+            if c.o_bias:
+                yield p + "self_attn.o_proj.bias", ones(c.hidden_size).zero_()
+            if c.attention_sinks:  # logits of the size of the scores'
+                yield p + "self_attn.sinks", matrix(1, c.num_heads).view(-1) * 50
             if c.qk_norm:
                 yield p + "self_attn.q_norm.weight", ones(c.head_dim)
                 yield p + "self_attn.k_norm.weight", ones(c.head_dim)
             if c.moe is not None and i in c.moe.sparse_layers:
                 e, inner = c.moe.num_experts, c.moe.intermediate_size
                 yield p + "mlp.gate.weight", matrix(e, c.hidden_size)
+                if c.moe.router_bias:
+                    yield p + "mlp.gate.bias", ones(e).zero_()
+                if c.family == "gpt_oss":  # transformers' layout, with biases
+                    yield (
+                        p + "mlp.experts.gate_up_proj",
+                        matrix(e * c.hidden_size, 2 * inner).view(e, c.hidden_size, 2 * inner),
+                    )
+                    yield p + "mlp.experts.gate_up_proj_bias", matrix(e, 2 * inner)
+                    yield (
+                        p + "mlp.experts.down_proj",
+                        matrix(e * inner, c.hidden_size).view(e, inner, c.hidden_size),
+                    )
+                    yield p + "mlp.experts.down_proj_bias", matrix(e, c.hidden_size)
+                    continue
                 yield (
                     p + "mlp.experts.gate_up_proj",
                     matrix(e * 2 * inner, c.hidden_size).view(e, 2 * inner, c.hidden_size),

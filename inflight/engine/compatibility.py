@@ -19,6 +19,7 @@ PAYLOAD_FIELDS = frozenset(
     {
         "prompt_token_ids",
         "media",
+        "system_prompt_tokens",
         "intent",
         "params.stop",
         "params.stop_token_ids",
@@ -48,13 +49,12 @@ BATCH_FIELDS = (
     "params.n",
     "params.speculative",
     "lora_name",
+    "save_system_prompt_kv_cache",
 )
 
 # Ruled by the options table: no runtime serves them yet, so a request asking for one is refused
 # when checked and never reaches admission.
-OPTION_RULED_FIELDS = frozenset(
-    {"generate_audio", "save_system_prompt_kv_cache", "past_trajectory"}
-)
+OPTION_RULED_FIELDS = frozenset({"generate_audio", "past_trajectory"})
 
 
 def request_fields() -> set[str]:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from inflight.model.encoders.base import EncoderConfig
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,16 @@ class RopeConfig:
     # M-RoPE (Qwen2-VL): the rotary pairs split into (temporal, height, width) sections, each
     # rotated by its own coordinate of a token's 3-D position (text tokens: all three equal).
     mrope_section: tuple[int, ...] | None = None
+    # YaRN (gpt-oss): frequencies interpolated below `beta_slow` rotations over the original
+    # context, kept above `beta_fast`, ramped between (the bounds rounded outwards where
+    # `truncate`); cos and sin scaled by `attention_factor` (None: from `factor`, and
+    # `mscale` / `mscale_all_dim` where both are given).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
     def __post_init__(self) -> None:
         if self.type not in ROPE_TYPES:
@@ -180,6 +190,9 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # A learned logit per query head that joins each softmax of the head's as one more score
+    # and weights no value (gpt-oss).
+    attention_sinks: bool = False
     # Each decoder layer's attention window: its queries at position p see keys p - w + 1 .. p
     # (None: every key before them). Empty: every layer attends fully.
     layer_windows: tuple[int | None, ...] = ()
@@ -241,4 +254,10 @@ def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
             params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
         ),
         mrope_section=tuple(section) if section else None,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=params.get("attention_factor"),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
     )

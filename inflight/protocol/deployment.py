@@ -108,6 +108,11 @@ class DeploymentOptions:
     enable_context_reuse: bool = knob(
         True, "reuse the KV of prompt prefixes computed before (the context cache, prefix caching)"
     )
+    max_pinned_prefix_tokens: int | None = knob(
+        None,
+        "tokens of KV that pinned prefixes (save_system_prompt_kv_cache, warm-up prompts) may "
+        "hold in the context cache (default: a quarter of the KV cache)",
+    )
     device: str | None = knob(
         None, "cpu or cuda (default: cuda where there is one)", choices=DEVICES
     )
@@ -207,6 +212,9 @@ class DeploymentOptions:
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 2):
                 raise ValueError(f"{name} must be an integer >= 2, got {value!r}")
+        pinned = self.max_pinned_prefix_tokens
+        if pinned is not None and (not is_int(pinned) or pinned < 0):
+            raise ValueError(f"max_pinned_prefix_tokens must be an integer >= 0, got {pinned!r}")
         if not is_int(self.encoder_cache_mb) or self.encoder_cache_mb < 0:
             raise ValueError(
                 f"encoder_cache_mb must be an integer >= 0, got {self.encoder_cache_mb!r}"

@@ -42,7 +42,9 @@ REQUEST_OPTIONS: tuple[RequestOption, ...] = (
         "save_system_prompt_kv_cache",
         "system-prompt KV capture (save_system_prompt_kv_cache)",
         False,
-        "the context cache (on by default) reuses the KV of a shared system prompt",
+        "it pins the prompt's KV in the context cache: serve with the context cache on "
+        "(enable_context_reuse, the default) a model whose KV prefixes are reusable (not a "
+        "hybrid Mamba model)",
     ),
     RequestOption(
         "past_trajectory",

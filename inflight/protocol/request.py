@@ -272,9 +272,13 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     lora_name: str | None = None  # a per-request LoRA adapter
     generate_audio: bool = False  # speech output
-    save_system_prompt_kv_cache: bool = False  # the legacy system-prompt KV capture
+    # Pin the KV of its system prompt in the context cache (the seed's system-prompt capture):
+    # its first `system_prompt_tokens` tokens (a chat's through its system turn, as rendering
+    # it sets; None: the whole prompt).
+    save_system_prompt_kv_cache: bool = False
     past_trajectory: Sequence[Any] | None = None  # trajectory execution
     media: Sequence[MediaItem] = ()  # images and audio clips in the prompt, in prompt order
+    system_prompt_tokens: int | None = None
     intent: AdmissionIntent | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -294,8 +294,22 @@ class DeploymentPlan:
 
     @property
     def served_options(self) -> frozenset[str]:
-        """The request options of the options table this deployment serves."""
-        return frozenset({"lora_name"}) if self.options.enable_lora else frozenset()
+        """The request options of the options table this deployment serves: LoRA where it is
+        on; pinned system prompts where the context cache is and the model's KV prefixes are
+        reusable (a hybrid's hold no recurrent state)."""
+        served = {"lora_name"} if self.options.enable_lora else set()
+        if self.options.enable_context_reuse and not self.model.recurrent:
+            served.add("save_system_prompt_kv_cache")
+        return frozenset(served)
+
+    @property
+    def max_pinned_blocks(self) -> int:
+        """The most KV blocks pinned prefixes may hold: `max_pinned_prefix_tokens`' full blocks,
+        by default a quarter of the cache."""
+        tokens = self.options.max_pinned_prefix_tokens
+        if tokens is None:
+            return self.num_kv_blocks // 4
+        return tokens // self.block_size
 
     @property
     def prefill_chunk(self) -> int | None:

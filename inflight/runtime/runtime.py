@@ -40,6 +40,7 @@ from inflight.runtime.host.features import RowFeature
 from inflight.runtime.host.kv_cache import BlockPool
 from inflight.runtime.host.media import MediaChecks
 from inflight.runtime.host.output_processor import OutputProcessor
+from inflight.runtime.host.pinned import PinnedPrefixes
 from inflight.runtime.host.scheduler import PrefillPolicy, Scheduler
 from inflight.runtime.host.session import GenerationSession
 from inflight.runtime.host.slots import ResidentSlots
@@ -102,7 +103,9 @@ class Runtime:
         self.max_model_len = plan.max_model_len
         self.blocks = BlockPool(plan.num_kv_blocks, plan.block_size)
         self.slots = ResidentSlots(plan.max_batch_size)
-        self.context_cache = ContextCache(self.blocks) if options.enable_context_reuse else None
+        self.context_cache = None
+        if options.enable_context_reuse:
+            self.context_cache = ContextCache(self.blocks, plan.max_pinned_blocks)
         self.workers: Workers | None = None
         runner = self._build_runner(show_progress)
         self.overlap = plan.overlap
@@ -114,6 +117,9 @@ class Runtime:
         grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size)
         self.constraints = Constraints(grammars, plan.max_batch_size)
         features: list[RowFeature] = [MediaChecks(self.media), self.constraints]
+        if "save_system_prompt_kv_cache" in plan.served_options:
+            assert self.context_cache is not None
+            features.append(PinnedPrefixes(self.context_cache))
         inputs: list[ForwardInput] = []
         self.adapters: AdapterRegistry | None = None
         if options.enable_lora:

@@ -17,8 +17,9 @@ from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient
 from inflight.server.errors import ServerError, error_response
 from inflight.server.responses import ResponseStore
-from inflight.server.routes import anthropic, lora, openai, ops, responses
+from inflight.server.routes import anthropic, lora, openai, ops, pins, responses
 from inflight.server.state import ServerSettings, ServerState
+from inflight.server.warmup import WarmUp
 
 log = logging.getLogger("inflight.server")
 
@@ -40,7 +41,8 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
         await client.close()  # 503 to newcomers, wait for every lease, then drain the engine
 
     app = FastAPI(title="inflight", lifespan=lifespan)
-    app.state.inflight = ServerState(client, settings, chat)
+    warm_up = WarmUp(settings.warmup_prompts)
+    app.state.inflight = ServerState(client, settings, chat, warm_up)
     app.state.responses = ResponseStore()
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     if settings.api_key:
@@ -48,8 +50,10 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     app.add_exception_handler(ServerError, _on_server_error)
     app.add_exception_handler(RequestValidationError, _on_invalid)
     app.add_exception_handler(Exception, _on_crash)
-    for routes in (openai.router, responses.router, anthropic.router, lora.router, ops.router):
+    routers = (openai.router, responses.router, anthropic.router, lora.router, pins.router)
+    for routes in (*routers, ops.router):
         app.include_router(routes)
+    warm_up.start(client.llm)
     return app
 
 

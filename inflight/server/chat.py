@@ -5,10 +5,10 @@ constraint of a forced tool choice and the reader of the reply."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from inflight.protocol.request import StructuredOutputs
+from inflight.protocol.request import SamplingParams, StructuredOutputs
 from inflight.protocol.tokenizer import Tokenizer
 from inflight.server.chat_templates import ChatTemplates, choose_templates
 from inflight.server.errors import ServerError
@@ -16,7 +16,7 @@ from inflight.server.parsers import REASONING_PARSERS, TOOL_PARSERS, MessagePars
 from inflight.server.parsers.calls import ToolSyntax
 from inflight.server.parsers.forced import ForcedCallsSyntax
 from inflight.server.parsers.hermes import HermesSyntax
-from inflight.server.parsers.reasoning import ThinkTags
+from inflight.server.parsers.reasoning import ReasoningSyntax
 from inflight.server.tools import ToolChoice, forced_constraint
 
 # Enough of the prompt's end to see whether it opens a reasoning block.
@@ -28,7 +28,7 @@ class ChatSetup:
     templates: ChatTemplates
     tool_parser: str | None
     tool_syntax: ToolSyntax | None
-    reasoning: ThinkTags | None
+    reasoning: ReasoningSyntax | None
 
     @classmethod
     def create(
@@ -59,6 +59,14 @@ class ChatSetup:
             )
         reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
         return cls(templates, tool_parser, syntax, reasoning)
+
+    def reply_params(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the reply decoded as the reasoning parser reads it: keeping the
+        special tokens where its markers are ones (harmony's)."""
+        keeps = self.reasoning is not None and self.reasoning.keeps_special_tokens
+        if not keeps or not params.skip_special_tokens:
+            return params
+        return replace(params, skip_special_tokens=False)
 
     @property
     def arguments_key(self) -> str:

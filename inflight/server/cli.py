@@ -120,12 +120,13 @@ def deployment_options(args: argparse.Namespace) -> DeploymentOptions:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from inflight import LLM
+    from inflight import LLM, SamplingParams
     from inflight.server.app import ServerSettings, build_app
     from inflight.server.chat_templates import read_template
     from inflight.server.client import EngineClient
     from inflight.server.metrics import ServerMetrics
     from inflight.server.serving import Server
+    from inflight.server.warmup import read_warmup_prompts
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
@@ -133,6 +134,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         chat_template = read_template(args.chat_template) if args.chat_template else None
+        warmup = read_warmup_prompts(args.warmup_prompts) if args.warmup_prompts else []
         options = deployment_options(args)
         llm = LLM(args.model, show_progress=True, **_knobs(options))
     except ValueError as exc:
@@ -155,8 +157,12 @@ def _serve(args: argparse.Namespace) -> int:
         chat_template=chat_template,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        warmup_prompts=warmup,
     )
     try:
+        # Bad warm-up prompts stop the start, as a bad flag does.
+        for prompt in warmup:
+            llm.prepare(prompt, SamplingParams(max_tokens=1), save_system_prompt_kv_cache=True)
         app = build_app(client, settings)
     except ValueError as exc:
         llm.close()
@@ -327,6 +333,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(REASONING_PARSERS),
         default=None,
         help="split the reasoning (<think>...</think>) into the message's reasoning fields",
+    )
+    serve.add_argument(
+        "--warmup-prompts",
+        default=None,
+        metavar="FILE",
+        help="a JSON list of prompts or chat conversations to prefill and pin in the context "
+        "cache (a conversation's system turn) before /health/ready reports ready",
     )
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]

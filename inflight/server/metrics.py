@@ -88,6 +88,16 @@ class _EngineCollector(Collector):
                 "Share of looked-up prompt tokens found in the context cache",
                 value=cache["hit_ratio"],
             )
+            for name, doc in (
+                ("pinned_prefixes", "Prefixes pinned in the context cache"),
+                ("pinned_blocks", "KV blocks pinned prefixes hold"),
+            ):
+                yield GaugeMetricFamily(f"inflight_context_cache_{name}", doc, value=cache[name])
+            yield CounterMetricFamily(
+                "inflight_context_cache_pinned_hit_tokens",
+                "Prompt tokens found in pinned prefixes",
+                value=cache["pinned_hit_tokens"],
+            )
         spec = self._llm.get_speculative_metrics()
         if spec is not None:
             for name in (

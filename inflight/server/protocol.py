@@ -159,6 +159,8 @@ class SamplingFields(Strict):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     user: str | None = None
+    # Pin the KV of the prompt's system turn (a text prompt: all of it) in the context cache.
+    save_system_prompt_kv_cache: bool = False
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -330,6 +332,8 @@ class AnthropicCountTokensRequest(Strict):
 class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     max_tokens: Annotated[int, Field(ge=1)]
     stop_sequences: StopStrings | None = None
+    # Pin the KV of the system prompt in the context cache (this server's extension).
+    save_system_prompt_kv_cache: bool = False
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     top_p: TopP | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None

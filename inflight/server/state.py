@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Annotated
+from dataclasses import dataclass, field
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from pydantic import BaseModel
@@ -12,6 +12,7 @@ from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient
 from inflight.server.errors import ServerError
 from inflight.server.protocol import unsupported
+from inflight.server.warmup import WarmUp
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class ServerSettings:
     chat_template: str | None = None  # the text of --chat-template
     tool_call_parser: str | None = None  # --tool-call-parser: how `auto` tool choice reads calls
     reasoning_parser: str | None = None  # --reasoning-parser
+    # --warmup-prompts: prefilled and pinned before the server reports ready.
+    warmup_prompts: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class ServerState:
     client: EngineClient
     settings: ServerSettings
     chat: ChatSetup
+    warm_up: WarmUp
 
 
 async def server_state(request: Request) -> ServerState:

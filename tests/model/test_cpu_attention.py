@@ -61,6 +61,35 @@ def test_windowed_rows_match_the_reference_and_read_no_block_before_their_window
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 40])
+def test_sinks_match_the_reference_and_weigh_no_value(window):
+    """A logit per query head (gpt-oss's sinks) joins each of the head's softmaxes as one more
+    score: the kernel matches the reference's explicit extra column, in decode rows and
+    prefill chunks; the keys' weights then sum to less than one (values of ones attend to
+    less than one); a sink of -inf is no sink, bit for bit."""
+    shapes = [(1, 0), (1, 15), (1, 700), (37, 0), (20, 45), (70, 130)]
+    q, k, v, cache, meta = _step(shapes, 8, 2, 32, seed=4)
+    sinks = torch.randn(8) * 2
+    backend = CpuAttentionBackend()
+
+    def attend(backend, sinks, values=None):
+        caches = tuple(c.clone() for c in cache)
+        return backend.forward(
+            q, k, v if values is None else values, caches, meta, 0.2, window, sinks
+        )
+
+    want = attend(TorchAttentionBackend(), sinks)
+    got = attend(backend, sinks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plain = attend(backend, None)
+    assert (got - plain).abs().max() > 1e-2
+    assert torch.equal(attend(backend, torch.full((8,), float("-inf"))), plain)
+    ones = torch.ones_like(cache[1])
+    cache_ones = (cache[0].clone(), ones)
+    total = backend.forward(q, k, torch.ones_like(v), cache_ones, meta, 0.2, window, sinks)
+    assert total.max() < 1 and total.min() > 0
+
+
 # A sequence's tokens as the rows of one step, each row a span [start, end) of them, decode rows
 # first: the whole prompt; a tail after a prefix already in the cache, as a context-cache hit
 # leaves it (1 or 3 tokens: a chat's last block); chunks beside decode rows; one decode row per

@@ -1,18 +1,29 @@
 """The CPU decoder step (kernels/cpu/decoder.c): a step runs every layer in one native call, and
 gives the Python layers' results bit for bit (hidden states and the KV they store), for prefill,
-decode and mixed steps; a token's results do not depend on how its prompt was split."""
+decode and mixed steps, dense layers and mixtures of experts alike; a token's results do not
+depend on how its prompt was split."""
 
 import random
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from inflight.model.contract import MediaEmbeds
 from inflight.model.layers.lora import LONG_RUN, LoRAMapping
+from inflight.model.layers.moe import SparseMoeBlock
+from inflight.model.layers.quantization import (
+    Int8LinearMethod,
+    Q4LinearMethod,
+    StoredBlocksLinearMethod,
+)
 from inflight.protocol.deployment import DeploymentOptions
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.runtime import Runtime
+from tests.model.test_gguf_moe import _gguf_tensors, _write
 from tests.model.test_k_quant import write_k_quant_gguf
+
+from tiny_models import COMMON, _save_random, make_tiny_moe
 
 
 def _runner(model, **options):
@@ -89,13 +100,10 @@ def test_the_default_model_steps_as_its_layers_do(default_runner):
     _steps_match_the_layers(default_runner, default_runner.model.config.vocab_size)
 
 
-def test_the_default_model_computes_a_token_alike_however_its_prompt_is_split(default_runner):
-    """Every position's hidden state (so its logits), bit for bit: the prompt prefilled whole;
-    its last 1 or 3 tokens after the rest, as a context-cache hit computes them; in chunks
-    beside another sequence's decode row; one token a step. A cache hit's first token used to
-    differ in the last bits of its attention, which its per-token int8 activations then made a
-    different token of (the user's seeded chat, replied to otherwise the second time)."""
-    runner = default_runner
+def _a_token_alike_however_its_prompt_is_split(runner) -> None:
+    """Every position's hidden state of a prompt, bit for bit: prefilled whole; its last 1 or
+    3 tokens after the rest; in chunks beside another sequence's decode row; one token a
+    step."""
     rng = random.Random(1)
     prompt = [rng.randrange(runner.model.config.vocab_size) for _ in range(45)]
     table, other = [90, 84, 97], [88, 95]
@@ -120,6 +128,15 @@ def test_the_default_model_computes_a_token_alike_however_its_prompt_is_split(de
         [([(t, t + 1)], t % 2 == 1) for t in range(45)],
     ):
         assert torch.equal(hidden(steps), whole), steps
+
+
+def test_the_default_model_computes_a_token_alike_however_its_prompt_is_split(default_runner):
+    """Every position's hidden state (so its logits), bit for bit: the prompt prefilled whole;
+    its last 1 or 3 tokens after the rest, as a context-cache hit computes them; in chunks
+    beside another sequence's decode row; one token a step. A cache hit's first token used to
+    differ in the last bits of its attention, which its per-token int8 activations then made a
+    different token of (the user's seeded chat, replied to otherwise the second time)."""
+    _a_token_alike_however_its_prompt_is_split(default_runner)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -196,3 +213,100 @@ def test_a_step_with_media_embeddings(tiny_dirs):
     media = MediaEmbeds(torch.arange(3, 9), torch.randn(6, hidden))
     with_media = _same_both_ways(runner, rows, media=media)
     assert not torch.equal(with_media, _forward(runner, rows, native=True))
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    """Tiny mixture-of-experts checkpoints (8 experts of 32, 2 a token), by family: Qwen3-MoE
+    (weights renormalized over the chosen two), the same with a dense first layer (weights not
+    renormalized), Mixtral, and Qwen2-MoE with 4 experts a token (whose sum's order shows) and
+    its gated shared expert 64 wide (the int8 kernel takes in_features in multiples of 32; the
+    shared tests' is 48); and their transformers models."""
+    import transformers as tf
+
+    root = tmp_path_factory.mktemp("moe")
+    models = {
+        name: make_tiny_moe(name, root / name)
+        for name in ("qwen3_moe", "qwen3_moe_dense_first", "mixtral")
+    }
+    config = tf.Qwen2MoeConfig(
+        **COMMON,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    )
+    models["qwen2_moe"] = _save_random(tf.Qwen2MoeForCausalLM, config, root / "qwen2_moe", 0)
+    return {name: (root / name, model) for name, model in models.items()}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_dense_first", "qwen2_moe", "mixtral"])
+def test_int8_experts_step_as_their_layers_do(moe_dirs, family):
+    """Each token's experts chosen by the layer's router, run in the int8 kernel, weighed and
+    summed (a shared expert's output added, times its gate): the layers' bits, and each decode
+    row's alone."""
+    runner = _runner(moe_dirs[family][0], quantization="int8")
+    mixtures = [layer.mlp for layer in runner.model.layers]
+    assert [isinstance(m, SparseMoeBlock) for m in mixtures] == [
+        family != "qwen3_moe_dense_first",
+        True,
+    ]
+    experts = mixtures[1].experts
+    assert all(type(e.method) is Int8LinearMethod for e in [*experts.gate_up, *experts.down])
+    assert (mixtures[1].shared_expert_gate is not None) == (family == "qwen2_moe")
+    _steps_match_the_layers(runner, runner.model.config.vocab_size)
+
+
+def test_gguf_experts_run_from_their_stored_blocks(moe_dirs, tmp_path):
+    """Mixtral from llama.cpp's file: attention and the experts' gate and up stored Q8_0 (run
+    from their blocks), their down Q4_1 (the 4-bit kernel), the router float32."""
+    path, hf = moe_dirs["mixtral"]
+
+    def qtype(name: str) -> Q:
+        if "down_exps" in name:
+            return Q.Q4_1
+        quantized = "_exps" in name or (".attn_" in name and "norm" not in name)
+        return Q.Q8_0 if quantized else Q.F32
+
+    gguf_path = _write(_gguf_tensors(hf, "llama"), "llama", tmp_path / "m.gguf", path, qtype)
+    runner = _runner(str(gguf_path))
+    experts = runner.model.layers[0].mlp.experts
+    assert all(type(e.method) is StoredBlocksLinearMethod for e in experts.gate_up)
+    assert all(type(e.method) is Q4LinearMethod for e in experts.down)
+    _steps_match_the_layers(runner, runner.model.config.vocab_size)
+
+
+def test_experts_compute_a_token_alike_however_its_prompt_is_split(moe_dirs):
+    """A token's routing and experts do not depend on which tokens share its step."""
+    runner = _runner(moe_dirs["qwen2_moe"][0], quantization="int8")
+    _a_token_alike_however_its_prompt_is_split(runner)
+
+
+def test_mixtures_it_cannot_run_keep_their_layers(moe_dirs, tmp_path):
+    """Float experts (no native matmul), and Qwen2-MoE's shared expert 48 wide, whose down
+    projection int8 leaves in float: the model runs its layers."""
+    make_tiny_moe("qwen2_moe", tmp_path / "narrow")
+    for model, quantization in ((moe_dirs["qwen3_moe"][0], "none"), (tmp_path / "narrow", "int8")):
+        runner = _runner(model, quantization=quantization)
+        _forward(runner, [RowInput([3, 4, 5], 0, [1], True)], native=True)
+        assert not runner.model.ran_native_step
+
+
+def test_a_router_that_fails_fails_the_step(moe_dirs):
+    """A router's error, raised from within the native step, reaches its caller as it was; the
+    next step runs."""
+    runner = _runner(moe_dirs["qwen3_moe"][0], quantization="int8")
+    rows = [RowInput([3, 4, 5], 0, [1], True)]
+    gate = runner.model.layers[1].mlp.gate
+
+    def fail(x):
+        raise ArithmeticError("no route")
+
+    gate.route = fail
+    with pytest.raises(ArithmeticError, match="no route"):
+        _forward(runner, rows, native=True)
+    assert runner.model.ran_native_step
+    del gate.route
+    _forward(runner, rows, native=True)
+    assert runner.model.ran_native_step

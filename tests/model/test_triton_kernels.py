@@ -143,6 +143,37 @@ def test_windowed_rows_match_the_torch_backend_and_read_no_block_before_their_wi
         assert _rel(got[lo:hi], want[lo:hi]) < 1e-6, (lo, hi)
 
 
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("splits", [1, 16])
+def test_sinks_match_the_torch_backend(window, splits, monkeypatch):
+    """gpt-oss's sinks, a logit per query head that joins each softmax as one more score:
+    decode rows normalized in one program or across 16 parts by the merge, and prefill
+    chunks, as the torch backend computes them."""
+    monkeypatch.setattr(attention, "_multiprocessors", lambda device: H200_SMS)
+    torch.manual_seed(5)
+    shapes = [(1, 0), (1, 16), (1, 200), (1, 700), (37, 0), (150, 30), (20, 45)]
+    heads, kv_heads, dim, size = 8, 2, 32, 16
+    meta, _ = windowed_steps(shapes, size, 96, window or 10**6)
+    tokens = sum(q for q, _ in shapes)
+    q = torch.randn(tokens, heads, dim)
+    k, v = torch.randn(tokens, kv_heads, dim), torch.randn(tokens, kv_heads, dim)
+    caches = [torch.randn(96, size, kv_heads, dim) for _ in range(2)]
+    sinks = torch.randn(heads) * 2
+    want = TorchAttentionBackend().forward(
+        q, k, v, tuple(_head_major(c) for c in caches), meta, dim**-0.5, window, sinks
+    )
+    backend = TritonAttentionBackend()
+    backend.plan(meta)
+    plain = backend.forward(q, k, v, tuple(caches), meta, dim**-0.5, window)  # stores k, v
+    got = attention.paged_attention(
+        q, *caches, meta, dim**-0.5, splits=splits, window=window, sinks=sinks
+    )
+    starts = meta.query_start_loc.tolist()
+    for lo, hi in zip(starts, starts[1:], strict=False):
+        assert _rel(got[lo:hi], want[lo:hi]) < 1e-6, (lo, hi)
+        assert _rel(plain[lo:hi], want[lo:hi]) > 1e-3, (lo, hi)
+
+
 def _rope_reference(qkv, heads, kv_heads, cos, sin, norms):
     """The torch path: q and k normed per head in their dtype (`torch_rms_norm`), rotated
     (`rotate`) in float32, where the kernel rotates; v as it came."""

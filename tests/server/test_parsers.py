@@ -7,6 +7,7 @@ import pytest
 
 from inflight.server.parsers import MessageParser, ThinkTags, ToolCall
 from inflight.server.parsers.forced import ForcedCallsSyntax
+from inflight.server.parsers.harmony import HarmonyChannels
 from inflight.server.parsers.hermes import HermesSyntax
 from inflight.server.parsers.llama3_json import Llama3JsonSyntax
 
@@ -186,6 +187,45 @@ def test_no_reasoning_when_thinking_is_off():
     every_cut(parser, "Paris. I think </think> not.")
 
 
+HARMONY = MessageParser(reasoning=HarmonyChannels())
+ANALYSIS_THEN_FINAL = (
+    "<|channel|>analysis<|message|>The user wants a city. <b>France</b>.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Paris, of course."
+)
+
+
+def test_harmony_analysis_is_reasoning_and_final_is_content():
+    """gpt-oss's reply after its template's `<|start|>assistant`: the analysis channel, then
+    the final one (`<|return|>`, its end of turn, is a stop token: not in the text)."""
+    parsed = HARMONY.whole(ANALYSIS_THEN_FINAL)
+    assert parsed.reasoning == "The user wants a city. <b>France</b>."
+    assert parsed.content == "Paris, of course."
+    every_cut(HARMONY, ANALYSIS_THEN_FINAL)
+    assert not HarmonyChannels().thinks_from_prompt("<|start|>assistant")
+
+
+@pytest.mark.parametrize(
+    ("text", "reasoning", "content"),
+    [
+        ("<|channel|>final<|message|>Paris.", None, "Paris."),
+        ("<|channel|>analysis<|message|>cut off mid-thou", "cut off mid-thou", None),
+        ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>ana", "a", None),
+        (
+            "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+            '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"a": 1}',
+            "Need the weather.",
+            '{"a": 1}',
+        ),
+        ("No harmony at all <|end|>", None, "No harmony at all <|end|>"),
+    ],
+    ids=["final only", "cut off", "cut in a header", "commentary", "no markers"],
+)
+def test_harmony_replies(text, reasoning, content):
+    parsed = HARMONY.whole(text)
+    assert (parsed.reasoning, parsed.content) == (reasoning, content)
+    every_cut(HARMONY, text)
+
+
 def test_tool_calls_are_read_from_the_content_only():
     text = (
         '<think>I could write <tool_call>{"name": "no"}</tool_call> here.</think>\n'
@@ -204,9 +244,12 @@ def test_plain_parser_passes_text_through():
     assert stream.feed(" <th").content == " <th" and not stream.finish()
 
 
-@pytest.mark.parametrize("text", ["", "<", "<tool_call>", "<think>", "{", "[{"])
+@pytest.mark.parametrize(
+    "text", ["", "<", "<tool_call>", "<think>", "{", "[{", "<|channel|>", "<|message|>x<|"]
+)
 def test_fragments_alone_never_fail(text):
-    for parser in (HERMES, LLAMA, QWEN3, MessageParser(tools=ForcedCallsSyntax("a", True))):
+    forced = MessageParser(tools=ForcedCallsSyntax("a", True))
+    for parser in (HERMES, LLAMA, QWEN3, HARMONY, forced):
         parser.whole(text)
         every_cut(parser, text)
 

@@ -11,7 +11,7 @@ from inflight.model.metadata import AttentionMetadata, KVCache
 
 class AttentionBackend(Protocol):
     # With takes_qkv, a backend also has `forward_qkv(qkv, num_heads, angles, norms, kv_cache,
-    # meta, scale, window=None)`: `forward` from a layer's fused projection qkv
+    # meta, scale, window=None, sinks=None)`: `forward` from a layer's fused projection qkv
     # [T, (Hq + 2 Hkv) * D], its q and k normed (`norms`, QKNorms or None) and rotated (RoPE
     # over whole heads) on the way.
     takes_qkv: bool
@@ -35,9 +35,11 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store k, v [T, Hkv, D] at meta.slot_mapping, then attend q [T, Hq, D] -> [T, Hq, D];
         with a `window` (the layer's), a query at position p sees keys p - window + 1 .. p, and
         no block before the window of a row's first query is read (it may have been given
-        back)."""
+        back); with `sinks` [Hq] (float32, gpt-oss), each head's logit joins its softmaxes as
+        one more score that weights no value."""
         ...

@@ -33,8 +33,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         store_kv(self.library, k, v, kv_cache, meta)
         out = torch.empty(q.shape, dtype=q.dtype)
-        paged_attention(self.library, q, kv_cache, meta, scale, out, window)
+        paged_attention(self.library, q, kv_cache, meta, scale, out, window, sinks)
         return out

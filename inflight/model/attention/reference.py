@@ -38,10 +38,11 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.store(k, v, kv_cache, meta)
         out = torch.empty_like(q)
-        self.attend_rows(q, kv_cache, meta, scale, out, 0, window)
+        self.attend_rows(q, kv_cache, meta, scale, out, 0, window, sinks)
         return out
 
     @staticmethod
@@ -59,9 +60,11 @@ class TorchAttentionBackend:
         out: torch.Tensor,
         first_row: int,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Attend the rows from `first_row` on, one sequence at a time, into `out`; with a
-        `window`, a query at position p over keys p - window + 1 .. p."""
+        `window`, a query at position p over keys p - window + 1 .. p; with `sinks` [Hq], each
+        head's logit joins its softmaxes as one more score."""
         k_cache, v_cache = kv_cache
         start = sum(meta.query_lens_host[:first_row])
         for row in range(first_row, len(meta.query_lens_host)):
@@ -77,7 +80,7 @@ class TorchAttentionBackend:
                 slots = _slots(meta, row, lo, seq_len)
                 keys, values = k_cache[:, slots], v_cache[:, slots]
             out[start : start + qlen] = _attend(
-                q[start : start + qlen], keys, values, past - lo, scale, window
+                q[start : start + qlen], keys, values, past - lo, scale, window, sinks
             )
             start += qlen
 
@@ -99,10 +102,18 @@ def _attend(
     past: int,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [Q, Hq, D] over keys/values [Hkv, past + Q, D]; with a `window`,
-    each query over the last `window` keys up to its own."""
+    each query over the last `window` keys up to its own; with `sinks`, as `_attend_sinks`."""
     qlen, seq_len = q.shape[0], keys.shape[1]
+    if sinks is not None:
+        rows = torch.arange(qlen, device=q.device)[:, None] + past
+        keys_at = torch.arange(seq_len, device=q.device)[None, :]
+        visible = keys_at <= rows
+        if window is not None:
+            visible &= keys_at > rows - window
+        return _attend_sinks(q, keys, values, visible, scale, sinks)
     if qlen == 1 and (window is None or seq_len <= window):
         mask, causal = None, False  # one query sees every key
     elif past == 0 and window is None:
@@ -124,3 +135,24 @@ def _attend(
         enable_gqa=True,
     )
     return out[0].transpose(0, 1)
+
+
+def _attend_sinks(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Attention of q [Q, Hq, D] over the keys `visible` [Q, S] marks, where each head's sink
+    logit joins the softmax as one more score that weights no value, so the weights of the
+    keys sum to less than one (gpt-oss). torch's fused attention has no such term."""
+    group = q.shape[1] // keys.shape[0]
+    keys = keys.repeat_interleave(group, dim=0)
+    values = values.repeat_interleave(group, dim=0)
+    scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * scale  # [Hq, Q, S]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+    weights = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(weights, values).transpose(0, 1)

@@ -42,6 +42,7 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         _, _, num_kv_heads, head_dim = k_cache.shape
@@ -51,7 +52,7 @@ class TritonAttentionBackend:
                 x = x.clamp(-bound, bound).to(cache.dtype).view(torch.uint8)
                 cache = cache.view(torch.uint8)
             cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, x)
-        return paged_attention(q, k_cache, v_cache, meta, scale, window=window)
+        return paged_attention(q, k_cache, v_cache, meta, scale, window=window, sinks=sinks)
 
     def forward_qkv(
         self,
@@ -63,9 +64,10 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         q = rope_store(
             qkv, num_heads, k_cache.shape[2], angles, meta.slot_mapping, k_cache, v_cache, norms
         )
-        return paged_attention(q, k_cache, v_cache, meta, scale, window=window)
+        return paged_attention(q, k_cache, v_cache, meta, scale, window=window, sinks=sinks)

@@ -116,7 +116,8 @@ def decoder_linear(
 class Attention(nn.Module):
     """`config`: this rank's shape (its share of the heads under tensor parallelism, whose
     o_proj outputs `parallel` sums over the ranks); `window`: the layer's attention window
-    (None: full attention), which the backend applies."""
+    (None: full attention), which the backend applies, as it does the `sinks` (a logit per
+    head, where the config has them: gpt-oss)."""
 
     def __init__(
         self,
@@ -151,6 +152,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, platform)
         else:
             self.q_norm = self.k_norm = None
+        self.sinks = nn.Parameter(torch.empty(config.num_heads)) if config.attention_sinks else None
         self.rope = Rope(platform)
 
     def forward(
@@ -169,7 +171,7 @@ class Attention(nn.Module):
             if self.q_norm is not None and self.k_norm is not None:
                 norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             out = backend.forward_qkv(
-                qkv, heads, angles, norms, kv_cache, meta, self.scale, self.window
+                qkv, heads, angles, norms, kv_cache, meta, self.scale, self.window, self.sinks
             )
         else:
             qk_size = self.q_size + self.kv_size
@@ -187,7 +189,7 @@ class Attention(nn.Module):
                 k = self.k_norm(qkv[:, self.q_size : qk_size].reshape(-1, dim))
                 q = self.rope(q.view(tokens, heads, dim), angles)
                 k = self.rope(k.view(tokens, self.num_kv_heads, dim), angles)
-            out = backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
+            out = backend.forward(q, k, v, kv_cache, meta, self.scale, self.window, self.sinks)
         out = self.o_proj(out.reshape(tokens, self.q_size), lora)
         return out if self.parallel is None else self.parallel.all_reduce(out)
 
@@ -288,26 +290,40 @@ class DecoderLayer(nn.Module):
 
     def native_kernels(self, kv_cache: KVCache) -> decoder.LayerKernels | None:
         """This layer over `kv_cache` as the native CPU decoder step runs it; None where one of
-        its linear layers runs no native kernel, or its feed-forward is a mixture of experts."""
-        attention, mlp = self.self_attn, self.mlp
-        if not isinstance(mlp, MLP):
+        its linear layers runs no native kernel, its feed-forward is a mixture of experts the
+        step does not run (see `SparseMoeBlock.native_kernels`), or its attention has sinks
+        (the step's attention kernel takes none)."""
+        attention, mlp, moe = self.self_attn, self.mlp, None
+        if attention.sinks is not None:
             return None
+        if isinstance(mlp, SparseMoeBlock):
+            moe = mlp.native_kernels()
+            if moe is None:
+                return None
+            mlp = mlp.shared_expert  # what runs beside the experts on every token, if anything
+        if not isinstance(mlp, MLP | None):
+            return None
+        ffn = () if mlp is None else (mlp.gate_up_proj, mlp.down_proj)
         linears = [
-            linear.native_kernels()
-            for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            linear.native_kernels() for linear in (attention.qkv_proj, attention.o_proj, *ffn)
         ]
         if any(linear is None for linear in linears):
             return None
+        qkv, o, gate_up, down = linears if ffn else (*linears, None, None)
         norms = None
         if attention.q_norm is not None and attention.k_norm is not None:
             norms = (attention.q_norm.weight.detach(), attention.k_norm.weight.detach())
         return decoder.LayerKernels(
             self.input_layernorm.weight.detach(),
             self.post_attention_layernorm.weight.detach(),
-            *linears,
+            qkv,
+            o,
+            gate_up,
+            down,
             kv_cache=kv_cache,
             qk_norms=norms,
             window=attention.window,
+            moe=moe,
         )
 
 

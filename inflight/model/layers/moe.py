@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from inflight.model.config import MoEConfig
+from inflight.model.kernels.cpu.decoder import MoEKernels
 from inflight.model.layers.activation import SiluAndMul
 from inflight.model.layers.linear import Linear
 from inflight.model.layers.lora import LoRAMapping
@@ -304,17 +305,48 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(hidden, 1, False, methods.unquantized, sources)
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
-        weights, ids = self.gate.route(x)
+        weights, ids, gate = self.route(x)
         if self.fc1_latent_proj is None:
             out = self.experts(x, weights, ids)
         else:
             out = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, ids))
         if self.shared_expert is not None:
             shared = self.shared_expert(x, lora)
-            if self.shared_expert_gate is not None:
-                shared = _sigmoid(self.shared_expert_gate(x)) * shared
+            if gate is not None:
+                shared = gate * shared
             out = out + shared
         return out
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What tokens x [T, hidden] are weighed by: their experts' weights [T, k] float32 and
+        indices [T, k] (the router's), and the shared expert's gate sigmoid(x · w) [T, 1]
+        (None: ungated)."""
+        weights, ids = self.gate.route(x)
+        gate = None
+        if self.shared_expert_gate is not None:
+            gate = _sigmoid(self.shared_expert_gate(x))
+        return weights, ids, gate
+
+    def native_kernels(self) -> MoEKernels | None:
+        """The routed experts as the native CPU decoder step runs them (kernels/cpu/decoder.py:
+        `route` called back, each expert in its linear layers' native kernels; the family
+        describes the shared expert); None outside what the step is checked against (the
+        Llama family's mixtures: softmax routers without a bias, SwiGLU experts without biases
+        or latent projections), or where an expert runs no native kernel."""
+        config = self.gate.config
+        if (
+            config.scoring != "softmax"
+            or self.gate.bias is not None
+            or config.activation != "silu"
+            or config.expert_bias
+            or self.fc1_latent_proj is not None
+        ):
+            return None
+        gate_up = [layer.native_kernels() for layer in self.experts.gate_up]
+        down = [layer.native_kernels() for layer in self.experts.down]
+        if any(kernels is None for kernels in (*gate_up, *down)):
+            return None
+        return MoEKernels(self.route, config.top_k, gate_up, down)
 
 
 def load_expert_tensors(

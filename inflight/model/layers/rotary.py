@@ -11,16 +11,18 @@ from collections.abc import Callable
 
 import torch
 
-from inflight.model.config import ModelConfig
+from inflight.model.config import ModelConfig, RopeConfig
 from inflight.model.kernels.cpu import ops as cpu_ops
 from inflight.model.layers.platform import Platform
 
 
 def inverse_frequencies(config: ModelConfig, dim: int | None = None) -> torch.Tensor:
     """Per-pair inverse frequencies (float32) of heads rotated over their leading `dim` values
-    (all of them by default), with linear or Llama-3 scaling applied."""
+    (all of them by default), with linear, Llama-3 or YaRN scaling applied."""
     dim = config.head_dim if dim is None else dim
     rope = config.rope
+    if rope.type == "yarn":
+        return _yarn_frequencies(rope, dim)
     freqs = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if rope.freq_factors is not None:
         freqs = freqs / torch.tensor(rope.freq_factors, dtype=torch.float32)
@@ -39,6 +41,43 @@ def inverse_frequencies(config: ModelConfig, dim: int | None = None) -> torch.Te
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
     return freqs
+
+
+def _yarn_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN's blend of each pair's frequency (extrapolated) and that divided by the factor
+    (interpolated), by where the pair's rotations over the original context fall between
+    beta_slow and beta_fast, in the float32 operations transformers uses."""
+    powers = rope.theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolated, interpolated = 1.0 / powers, 1.0 / (rope.factor * powers)
+    original = rope.original_max_position_embeddings
+
+    def pair_of(rotations: float) -> float:  # the (fractional) pair that turns so many times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = pair_of(rope.beta_fast), pair_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp
+    return interpolated * (1 - kept) + extrapolated * kept
+
+
+def attention_factor(rope: RopeConfig) -> float:
+    """What cos and sin are scaled by: YaRN's attention factor (1 for the other types)."""
+    if rope.type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return float(rope.attention_factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rope.mscale and rope.mscale_all_dim:
+        return mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim)
+    return mscale(rope.factor)
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -61,8 +100,12 @@ class RotaryEmbedding(torch.nn.Module):
         inverse = inverse_frequencies(self.config, self.rotary_dim)
         freqs = torch.outer(positions, inverse.to(positions.device))
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        factor = attention_factor(self.config.rope)
+        cos, sin = emb.cos(), emb.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> Angles:
         """cos and sin [T, 1, D] of the packed tokens' positions, computed once per forward."""

@@ -83,6 +83,8 @@ class FeatureStates:
     # from the step that starts its prefill.
     media: list[Any] | None = None
     adapter: int = -1  # the model's LoRA slot it runs with (-1: the base model)
+    # The blocks of its system prompt it pins once it ends (save_system_prompt_kv_cache).
+    pin_blocks: int = 0
 
 
 # Compared by identity: a resident is one sequence's seat, whatever it holds.

@@ -197,6 +197,9 @@ class Scheduler:
         prefix) and what each feature needs; or None, having changed nothing (a request never
         holds part of what it needs)."""
         pool, n, window = self.blocks, request.params.n, self.window
+        if self.context_cache is not None:
+            # Admission is where blocks are taken: prefixes unpinned meanwhile free theirs.
+            self.context_cache.apply_unpins()
         hits: list[int] = []
         digests: list[bytes] = []
         if self._looks_up(request):
@@ -321,7 +324,9 @@ class Scheduler:
         request, intent = reservation.request, reservation.intent
         cached = reservation.cached_blocks * self.blocks.block_size
         if self._looks_up(request):
-            self.context_cache.record_lookup(len(request.prompt_token_ids), cached)
+            self.context_cache.record_lookup(
+                len(request.prompt_token_ids), cached, reservation.digests
+            )
         elif (
             self.context_cache is not None
             and request.params.reuse_context

@@ -6,6 +6,7 @@ carrying its admission intent and bad input fails here, before anything is queue
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from itertools import takewhile
 from typing import Any
 
 from inflight.protocol.request import (
@@ -73,6 +74,7 @@ class InputProcessor:
                     f"got {len(param_list)} SamplingParams for {len(items)} prompts; "
                     "pass one, or one per prompt"
                 )
+        options = options or {}
         requests = []
         for prompt, sp in zip(items, param_list, strict=True):
             ids, data = self.tokenize(prompt, template)
@@ -82,7 +84,12 @@ class InputProcessor:
                 if isinstance(prompt, dict):
                     kwargs = prompt.get("mm_processor_kwargs", kwargs)
                 ids, media = self.expand_media(ids, data, kwargs)
-            requests.append(GenerationRequest(ids, sp, media=media, **(options or {})))
+            system = None
+            if options.get("save_system_prompt_kv_cache") and isinstance(prompt, list):
+                system = self.system_prompt_tokens(prompt, ids, template)
+            requests.append(
+                GenerationRequest(ids, sp, media=media, system_prompt_tokens=system, **options)
+            )
         # Every prompt is checked before any is returned: a list fails whole or not at all.
         return [self._check(request) for request in requests]
 
@@ -114,6 +121,40 @@ class InputProcessor:
             }
             ids = self._render(as_text(messages, texts), template)
         return ids, media
+
+    def system_prompt_tokens(
+        self, messages: list[Message], ids: Sequence[int], template: Mapping[str, Any] | None
+    ) -> int:
+        """How many of a conversation's prompt tokens `ids` are its system turn: those its
+        leading system (or developer) messages render to alone. A RequestFieldError where it
+        has none, or the template renders them alone differently."""
+        field = "save_system_prompt_kv_cache"
+        leading = list(takewhile(lambda m: m.get("role") in ("system", "developer"), messages))
+        if not leading:
+            raise RequestFieldError(
+                f"{field}: the conversation opens with no system message to pin", field
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                as_text(leading, {}), add_generation_prompt=False, **(template or {})
+            )
+        except Exception as exc:  # a template may insist on a user turn
+            raise RequestFieldError(
+                f"{field}: the chat template does not render the system message alone ({exc})",
+                field,
+            ) from exc
+        alone = self.tokenizer.encode(text, add_special_tokens=False)
+        common = next(
+            (i for i, (a, b) in enumerate(zip(alone, ids, strict=False)) if a != b),
+            min(len(alone), len(ids)),
+        )
+        if common == 0:
+            raise RequestFieldError(
+                f"{field}: the chat template renders the system message alone unlike at the "
+                "head of the conversation",
+                field,
+            )
+        return common
 
     def placeholder(self, kind: str) -> int:
         """The token that stands for one `kind` item in a prompt (RequestFieldError when the

@@ -6,16 +6,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from inflight.server.parsers.calls import ToolCall, ToolSyntax
+from inflight.server.parsers.harmony import HarmonyChannels
 from inflight.server.parsers.hermes import HermesSyntax
 from inflight.server.parsers.llama3_json import Llama3JsonSyntax
 from inflight.server.parsers.message import MessageDelta, MessageParser, ParsedMessage
-from inflight.server.parsers.reasoning import ThinkTags
+from inflight.server.parsers.reasoning import ReasoningSyntax, ThinkTags
 
 TOOL_PARSERS: dict[str, Callable[[], ToolSyntax]] = {
     "hermes": HermesSyntax,
     "llama3_json": Llama3JsonSyntax,
 }
-REASONING_PARSERS: dict[str, Callable[[], ThinkTags]] = {"qwen3": ThinkTags}
+REASONING_PARSERS: dict[str, Callable[[], ReasoningSyntax]] = {
+    "qwen3": ThinkTags,
+    "openai_gptoss": HarmonyChannels,
+}
 
 __all__ = [
     "REASONING_PARSERS",
@@ -23,6 +27,7 @@ __all__ = [
     "MessageDelta",
     "MessageParser",
     "ParsedMessage",
+    "ReasoningSyntax",
     "ThinkTags",
     "ToolCall",
     "ToolSyntax",

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from inflight.server.parsers.calls import ToolCall, ToolSyntax, read_call
-from inflight.server.parsers.reasoning import ThinkTags
+from inflight.server.parsers.reasoning import ReasoningSyntax
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class MessageParser:
     def __init__(
         self,
         *,
-        reasoning: ThinkTags | None = None,
+        reasoning: ReasoningSyntax | None = None,
         thinking: bool = False,
         tools: ToolSyntax | None = None,
         max_calls: int | None = None,

@@ -9,13 +9,33 @@ reasoning (thinking was turned off, e.g. `enable_thinking: false` closes the blo
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from inflight.server.parsers.markers import held_back
 
 OPEN = "<think>"
 CLOSE = "</think>"
 
 
+class ReasoningSyntax(Protocol):
+    """A way models mark their reasoning in a reply (`--reasoning-parser`)."""
+
+    # Whether its markers are special tokens, which the reply's text must then keep.
+    keeps_special_tokens: bool
+
+    def thinks_from_prompt(self, prompt_tail: str) -> bool:
+        """Whether a prompt ending in `prompt_tail` leaves the model inside its reasoning."""
+        ...
+
+    def split(self, text: str, final: bool, thinking: bool) -> tuple[str | None, str]:
+        """(reasoning, content) of the output so far; reasoning is None when the output does
+        not reason. Unless `final`, text that may still turn out to be a marker is left out."""
+        ...
+
+
 class ThinkTags:
+    keeps_special_tokens = False
+
     def thinks_from_prompt(self, prompt_tail: str) -> bool:
         """Whether a prompt ending in `prompt_tail` leaves the model inside its reasoning."""
         return prompt_tail.rstrip().endswith(OPEN)

@@ -30,6 +30,7 @@ async def messages(body: AnthropicMessagesRequest, request: Request, state: Stat
         client.llm.get_default_sampling_params(),
         chat.constraint(choice, requested, "output_config.format or output_format"),
     )
+    params = chat.reply_params(params)
     thinking, ignored = anthropic.thinking_switch(body, chat)
     forced = choice is not None and choice.forced
     prepared = await client.prepare_chat(
@@ -38,6 +39,7 @@ async def messages(body: AnthropicMessagesRequest, request: Request, state: Stat
         params_of={"structured_outputs": "tools" if forced else "output_config"},
         **chat.template_args(conversation, choice, thinking=thinking),
         lora_name=lora_name,
+        save_system_prompt_kv_cache=body.save_system_prompt_kv_cache,
     )
     headers = ignored_headers(ignored_fields(body) + ignored)
     reader = chat.reader(choice, client.llm.tokenizer, prepared.prompt_token_ids)

@@ -57,6 +57,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         skip_special_tokens=body.skip_special_tokens,
         constraint=chat.constraint(choice, openai.structured_outputs(body)),
     )
+    params = chat.reply_params(params)
     messages = openai.chat_messages(body.messages)
     prepared = await client.prepare_chat(
         messages,
@@ -65,6 +66,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         **chat.template_args(messages, choice, body.chat_template_kwargs, thinking),
         mm_processor_kwargs=body.mm_processor_kwargs,
         lora_name=lora_name,
+        save_system_prompt_kv_cache=body.save_system_prompt_kv_cache,
     )
     reader = chat.reader(choice, llm.tokenizer, prepared.prompt_token_ids)
     reply = openai.ChatReply(
@@ -105,8 +107,12 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     if body.echo and body.max_tokens == 0 and params.prompt_logprobs is None:
         params = SamplingParams(**{**vars(params), "prompt_logprobs": 0})
     params_of = openai.field_params(body)
+    pin = body.save_system_prompt_kv_cache
     prepared = [
-        client.prepare(p, params, params_of=params_of, lora_name=lora_name) for p in prompts
+        client.prepare(
+            p, params, params_of=params_of, lora_name=lora_name, save_system_prompt_kv_cache=pin
+        )
+        for p in prompts
     ]
     # A prompt list is admitted whole or refused whole: too big ever (400) or busy now (429),
     # before any of it runs; then the engine queues its prompts and seats them as room frees.

@@ -50,6 +50,12 @@ async def ready(state: State) -> Response:
         return JSONResponse({"status": "failed", "error": fault}, status_code=503)
     if gate.closing:
         return JSONResponse({"status": "shutting_down"}, status_code=503)
+    warm_up = state.warm_up
+    if warm_up.error is not None:
+        return JSONResponse({"status": "warm_up_failed", "error": warm_up.error}, status_code=503)
+    if not warm_up.finished:
+        progress = {"done": warm_up.done, "total": warm_up.total}
+        return JSONResponse({"status": "warming_up", **progress}, status_code=503)
     return JSONResponse(
         {"status": "ready", "active_requests": gate.active, "queued_requests": gate.waiting}
     )

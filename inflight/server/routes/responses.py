@@ -36,8 +36,8 @@ async def create_response(
         raise refused
     client, chat = state.client, state.chat
     turn = responses.chat_turn(body, chat, store)
-    params = responses.sampling_params(
-        body, client.llm.get_default_sampling_params(), turn.constraint
+    params = chat.reply_params(
+        responses.sampling_params(body, client.llm.get_default_sampling_params(), turn.constraint)
     )
     prepared = await responses.prepare(
         client,

@@ -23,6 +23,8 @@ def library() -> ctypes.CDLL:
         ctypes.c_float, p, i64, i64, ctypes.c_int,
     ]  # fmt: skip
     lib.paged_attention.restype = ctypes.c_int
+    lib.paged_attention_sinks.argtypes = [*lib.paged_attention.argtypes, p]
+    lib.paged_attention_sinks.restype = ctypes.c_int
     lib.store_kv.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, p, i64, i64, i64]
     lib.store_kv.restype = None
     return lib
@@ -51,10 +53,12 @@ def paged_attention(
     scale: float,
     out: torch.Tensor,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Attend every row's query tokens of q [T, Hq, D] (decode rows and prefill chunks) into
     out, each token with the bits it would get as a decode row; with a `window`, a token at
-    position p over keys p - window + 1 .. p."""
+    position p over keys p - window + 1 .. p; with `sinks` [Hq] (float32), each head's logit
+    joins its softmaxes as one more score."""
     k_cache, v_cache = kv_cache
     if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
         raise ValueError(f"the CPU attention kernel is float32 only, got {q.dtype}")
@@ -64,13 +68,21 @@ def paged_attention(
     tables = meta.block_tables.contiguous()
     starts = meta.query_start_loc.contiguous()
     seq_lens = meta.seq_lens.contiguous()
-    status = lib.paged_attention(
+    extra = ()
+    if sinks is not None:
+        if sinks.dtype != torch.float32 or sinks.shape != (q.shape[1],) or sinks.stride(0) != 1:
+            raise ValueError(
+                f"sinks must be float32 [{q.shape[1]}], got {sinks.dtype} {tuple(sinks.shape)}"
+            )
+        extra = (sinks.data_ptr(),)
+    kernel = lib.paged_attention if sinks is None else lib.paged_attention_sinks
+    status = kernel(
         q.data_ptr(), q.stride(0), q.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
         tables.data_ptr(), tables.stride(0), starts.data_ptr(), seq_lens.data_ptr(),
         len(meta.query_lens_host), q.shape[1], kv_heads, head_dim, meta.block_size,
         meta.max_seq_len, window or 0, scale,
-        out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads(),
+        out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads(), *extra,
     )  # fmt: skip
     if status == -1:
         raise ValueError(f"the CPU attention kernel needs a head_dim multiple of 8, got {head_dim}")

@@ -145,9 +145,10 @@ static void attend_keys(const float *q, int64_t q_stride_t, int64_t q_stride_h, 
     }
 }
 
-/* s[t] = exp(s[t] - max s) for t < len, zero in the padding up to the next multiple of 8;
-   returns the sum. */
-static float exponentiate(float *s, int64_t len) {
+/* s[t] = exp(s[t] - m) for t < len, zero in the padding up to the next multiple of 8, m the
+   largest of the s[t] and `sink`; returns their sum plus exp(sink - m): a sink (-INFINITY: none)
+   is one more score whose value is zero. */
+static float exponentiate(float *s, int64_t len, float sink) {
     __m256 top = _mm256_set1_ps(-INFINITY);
     for (int64_t t = 0; t < len; t += 8) {
         const __m256 v = _mm256_loadu_ps(s + t);
@@ -155,7 +156,9 @@ static float exponentiate(float *s, int64_t len) {
                                               : _mm256_blendv_ps(top, v, _mm256_castsi256_ps(
                                                                              lane_mask(len - t))));
     }
-    const __m256 shift = _mm256_set1_ps(hmax256(top));
+    const float most = hmax256(top);
+    const float m = sink > most ? sink : most;
+    const __m256 shift = _mm256_set1_ps(m);
     __m256 total = _mm256_setzero_ps();
     for (int64_t t = 0; t < len; t += 8) {
         __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
@@ -163,7 +166,8 @@ static float exponentiate(float *s, int64_t len) {
         _mm256_storeu_ps(s + t, e);
         total = _mm256_add_ps(total, e);
     }
-    return hsum256(total);
+    /* adding exp(-inf) = 0 leaves the sum's bits as they are without a sink */
+    return hsum256(total) + expf(sink - m);
 }
 
 /* Keys per pass of attend_values: their values stay in L1 while every vector of the tile reads
@@ -286,15 +290,16 @@ typedef struct {
 
 /* Attends every query token of the step's rows: row r's are q's tokens [query_start[r],
    query_start[r + 1]), the last of its seq_lens[r] keys; window > 0: each over the last
-   `window` keys up to its own. 0, or -1 for a head_dim the kernel cannot take, -2 when out of
-   memory. */
-int paged_attention(
+   `window` keys up to its own; sinks (NULL: none): a logit per query head that joins every
+   softmax of the head's as one more score and adds nothing to the sum of values (gpt-oss). 0,
+   or -1 for a head_dim the kernel cannot take, -2 when out of memory. */
+int paged_attention_sinks(
     const float *q, int64_t q_stride_t, int64_t q_stride_h,
     const float *k_cache, const float *v_cache, int64_t kv_stride_h,
     const int32_t *block_tables, int64_t bt_stride, const int32_t *query_start,
     const int32_t *seq_lens, int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
     int64_t block_size, int64_t max_seq_len, int64_t window, float scale,
-    float *out, int64_t out_stride_t, int64_t out_stride_h, int threads)
+    float *out, int64_t out_stride_t, int64_t out_stride_h, int threads, const float *sinks)
 {
     if (head_dim % 8) return -1;
     const int64_t group = q_heads / kv_heads;
@@ -345,8 +350,9 @@ int paged_attention(
                         offsets, head_dim, scale, scores, stride);
             for (int64_t u = 0; u < vectors; u++) {
                 const int64_t s = vector_start(&tk, u);
+                const float sink = sinks ? sinks[h * group + u % group] : -INFINITY;
                 inverse[u] =
-                    1.0f / exponentiate(scores + u * stride + s, vector_end(&tk, u) - s);
+                    1.0f / exponentiate(scores + u * stride + s, vector_end(&tk, u) - s, sink);
             }
             attend_values(scores, stride, vectors, &tk, v_cache + h * kv_stride_h, offsets,
                           head_dim, inverse,
@@ -358,6 +364,21 @@ int paged_attention(
     }
     free(tiles);
     return failed;
+}
+
+/* paged_attention_sinks without sinks (the decoder step's kernel). */
+int paged_attention(
+    const float *q, int64_t q_stride_t, int64_t q_stride_h,
+    const float *k_cache, const float *v_cache, int64_t kv_stride_h,
+    const int32_t *block_tables, int64_t bt_stride, const int32_t *query_start,
+    const int32_t *seq_lens, int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t max_seq_len, int64_t window, float scale,
+    float *out, int64_t out_stride_t, int64_t out_stride_h, int threads)
+{
+    return paged_attention_sinks(q, q_stride_t, q_stride_h, k_cache, v_cache, kv_stride_h,
+                                 block_tables, bt_stride, query_start, seq_lens, rows, q_heads,
+                                 kv_heads, head_dim, block_size, max_seq_len, window, scale, out,
+                                 out_stride_t, out_stride_h, threads, NULL);
 }
 
 /* Store the step's new keys and values, k and v [tokens, kv_heads, head_dim] (any token and

@@ -1,7 +1,9 @@
 /* A whole step of a Llama-family decoder in one call: every layer, through the same kernels the
    Python layers call one by one (reached here through function pointers, so this file holds no
-   arithmetic of its own and the results are the Python path's bit for bit), attention included:
-   decode rows and prefill chunks alike in the CPU attention backend's kernel.
+   arithmetic of its own but a mixture of experts' weighted sums, which are torch's single float
+   ops, and the results are the Python path's bit for bit), attention included: decode rows and
+   prefill chunks alike in the CPU attention backend's kernel. A mixture of experts' router is
+   the layer's own Python, called back (see Step's `route`).
 
    At short-chat batch sizes the Python around a layer's ten native calls cost about a third of
    the step; here each layer is ten plain C calls. The caller runs the embedding before and the
@@ -40,6 +42,11 @@ typedef int (*attention_fn)(const float *q, int64_t q_stride_t, int64_t q_stride
                             int64_t block_size, int64_t max_seq_len, int64_t window,
                             float scale, float *out, int64_t out_stride_t, int64_t out_stride_h,
                             int threads);
+/* Mixture-of-experts layer `layer`'s routing of the step's normed tokens (Step's h): each
+   token's top_k expert weights [tokens, top_k] and indices (int64), and its shared expert's
+   gate [tokens] (NULL: none), valid until the next call. Returns 0, or nonzero where it failed. */
+typedef int (*route_fn)(int64_t layer, const float **weights, const int64_t **ids,
+                        const float **gate);
 
 /* One stretch of a linear layer's output rows run by one kernel (a fused layer whose parts are
    stored in types of different kernels has several). */
@@ -68,12 +75,22 @@ typedef struct {
     Lora lora;
 } Linear;
 
+/* A mixture-of-experts feed-forward (layers/moe.py's SparseMoeBlock): each token runs the
+   top_k of its experts that the router picks, each expert a gate_up and a down linear layer. */
+typedef struct {
+    int64_t experts, top_k;
+    const Linear *gate_up, *down; /* [experts] */
+} Moe;
+
 typedef struct {
     const float *input_norm, *post_norm;
     const float *q_norm, *k_norm; /* per-head RMSNorms of q and k (Qwen3), or NULL */
+    /* gate_up and down: the dense MLP's, or beside experts their shared expert's (parts 0:
+       none) */
     Linear qkv, o, gate_up, down;
     float *k_cache, *v_cache;
     int64_t window; /* its attention window (0: full attention) */
+    const Moe *moe; /* its experts, or NULL: a dense MLP */
 } Layer;
 
 typedef struct {
@@ -94,6 +111,13 @@ typedef struct {
     const int32_t *block_tables, *query_start, *seq_lens; /* of the step's `rows` rows */
     int64_t bt_stride, block_size, max_seq_len, kv_stride_h;
     int64_t threads;
+    /* Mixtures of experts (NULL without): the routers (a route_fn); expert_in and expert_out
+       [tokens, hidden]: an expert's tokens gathered and its output; pair_tokens and
+       pair_weights [tokens * top_k]: the step's (token, expert) pairs sorted by expert;
+       expert_ends [experts]: where each expert's pairs end. */
+    void *route;
+    float *expert_in, *expert_out, *pair_weights;
+    int64_t *pair_tokens, *expert_ends;
 } Step;
 
 static int run_part(const Part *p, const float *x, int64_t m, int64_t k, float *out,
@@ -135,8 +159,91 @@ static int run_linear(const Step *s, const Linear *l, const float *x, float *out
     return status;
 }
 
+#define BAD_EXPERT (-100) /* a router's status: an expert index out of range */
+
+/* The step's (token, expert) pairs sorted by expert, tokens ascending within one, as
+   Experts.forward's stable argsort orders them: expert e's are those from e's predecessor's end
+   to expert_ends[e]. */
+static int sort_pairs(const Step *s, const Moe *moe, const float *weights, const int64_t *ids) {
+    const int64_t pairs = s->tokens * moe->top_k;
+    int64_t *ends = s->expert_ends;
+    memset(ends, 0, sizeof(int64_t) * moe->experts);
+    for (int64_t p = 0; p < pairs; p++) {
+        if (ids[p] < 0 || ids[p] >= moe->experts) return BAD_EXPERT;
+        ends[ids[p]]++;
+    }
+    int64_t start = 0;
+    for (int64_t e = 0; e < moe->experts; e++) { /* each expert's start, then (filled) its end */
+        const int64_t count = ends[e];
+        ends[e] = start;
+        start += count;
+    }
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t at = ends[ids[p]]++;
+        s->pair_tokens[at] = p / moe->top_k;
+        s->pair_weights[at] = weights[p];
+    }
+    return 0;
+}
+
+/* The mixture of experts of layer `index` over the normed tokens h, into x: each expert with
+   tokens runs them (its gate_up, silu(gate) * up, its down), and each token's outputs times
+   their weights are added up in the order of the experts' indices, from zero (index_add_ over
+   the sorted pairs); then the shared expert's output, times its gate, is added (as
+   SparseMoeBlock.forward does). */
+static int run_moe(const Step *s, int64_t index, const Layer *l, float *x) {
+    const Moe *moe = l->moe;
+    const int threads = (int)s->threads;
+    const int64_t t = s->tokens, hidden = s->hidden;
+    const silu_mul_fn silu_mul = (silu_mul_fn)s->silu_mul;
+    const float *h = s->h, *weights, *gate;
+    const int64_t *ids;
+    int status = ((route_fn)s->route)(index, &weights, &ids, &gate);
+    if (status || (status = sort_pairs(s, moe, weights, ids))) return status;
+    memset(x, 0, sizeof(float) * t * hidden);
+    for (int64_t e = 0; e < moe->experts; e++) {
+        const int64_t start = e == 0 ? 0 : s->expert_ends[e - 1];
+        const int64_t n = s->expert_ends[e] - start;
+        if (n == 0) continue;
+        const int64_t *tokens = s->pair_tokens + start;
+        const float *in = h + tokens[0] * hidden;
+        if (tokens[n - 1] - tokens[0] != n - 1) { /* not consecutive rows of h: gathered */
+            for (int64_t i = 0; i < n; i++)
+                memcpy(s->expert_in + i * hidden, h + tokens[i] * hidden, sizeof(float) * hidden);
+            in = s->expert_in;
+        }
+        const Linear *gate_up = &moe->gate_up[e];
+        const int64_t inter = gate_up->out_features / 2;
+        if ((status = run_matmul(gate_up, in, n, s->big, s->scratch, threads))) return status;
+        silu_mul(s->big, 2 * inter, s->act, n, inter, threads);
+        if ((status = run_matmul(&moe->down[e], s->act, n, s->expert_out, s->scratch, threads)))
+            return status;
+        for (int64_t i = 0; i < n; i++) {
+            const float w = s->pair_weights[start + i], *y = s->expert_out + i * hidden;
+            float *out = x + tokens[i] * hidden;
+            for (int64_t j = 0; j < hidden; j++) out[j] += y[j] * w;
+        }
+    }
+    if (l->gate_up.parts == 0) return 0;
+    const int64_t inter = l->gate_up.out_features / 2;
+    if ((status = run_linear(s, &l->gate_up, h, s->big))) return status;
+    silu_mul(s->big, 2 * inter, s->act, t, inter, threads);
+    if ((status = run_linear(s, &l->down, s->act, s->expert_out))) return status;
+    for (int64_t r = 0; r < t; r++) {
+        const float *y = s->expert_out + r * hidden;
+        float *out = x + r * hidden;
+        if (gate == NULL) {
+            for (int64_t j = 0; j < hidden; j++) out[j] += y[j];
+        } else {
+            for (int64_t j = 0; j < hidden; j++) out[j] += gate[r] * y[j];
+        }
+    }
+    return 0;
+}
+
 /* x [tokens, hidden]: the embedded tokens in, the last layer's output out; residual: the residual
-   stream the final norm adds x to. Returns 0, or the nonzero status of the kernel that failed. */
+   stream the final norm adds x to. Returns 0, or the nonzero status of the kernel or router
+   that failed. */
 int decoder_step(const Step *s, const Layer *layers, float *x, float *residual) {
     const int threads = (int)s->threads;
     const int64_t t = s->tokens, hidden = s->hidden, d = s->head_dim;
@@ -193,6 +300,10 @@ int decoder_step(const Step *s, const Layer *layers, float *x, float *residual) 
         if ((status = run_linear(s, &l->o, attn, x))) break;
         rms_norm(x, hidden, residual, hidden, h, residual, l->post_norm, t, hidden, s->eps,
                  threads);
+        if (l->moe != NULL) {
+            status = run_moe(s, i, l, x);
+            continue;
+        }
         const int64_t inter = l->gate_up.out_features / 2;
         if ((status = run_linear(s, &l->gate_up, h, big))) break;
         ((silu_mul_fn)s->silu_mul)(big, 2 * inter, act, t, inter, threads);

@@ -2,15 +2,22 @@
 
 `build_step` builds a `DecoderStep` once per model and KV cache from the plain descriptions its
 layers give of themselves (`LayerKernels`: their norms' weights, which kernel runs each linear
-layer on which tensors, their LoRA slots, their KV cache); each call then fills in the step's
-metadata. It holds the tensors it points at, so none is freed while it lives.
+layer on which tensors, their LoRA slots, their KV cache, their experts); each call then fills
+in the step's metadata. It holds the tensors it points at, so none is freed while it lives.
+
+A mixture of experts' router runs in Python (the layer's own `route`), called back from
+decoder.c: its logits are oneDNN's float matmul, which sums over K in blocks whose size follows
+the shapes and the CPU, and its softmax is torch's vectorized exp, so no C of ours would give
+their bits, and a step's routing must be the layers' exactly (a near-tie decided the other way
+picks another expert). That costs some 25 to 50 us a layer, most of it the oneDNN call; the
+experts run in C, each in its linear layers' native kernels.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,9 +64,28 @@ class LinearKernels:
     lora: LoraFactors | None = None
 
 
+# A mixture of experts' routing of its normed tokens x [T, hidden]: each token's top-k expert
+# weights (float32) and indices (int64) [T, k], and its shared expert's gate [T, 1] (None:
+# ungated).
+Route = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
+
+@dataclass(frozen=True)
+class MoEKernels:
+    """A mixture-of-experts feed-forward as decoder.c runs it: `route` (Python, called back),
+    then each token's `top_k` experts, expert e's first linear layer `gate_up[e]` (gate rows,
+    then up rows; silu(gate) * up follows) and its second `down[e]`."""
+
+    route: Route
+    top_k: int
+    gate_up: Sequence[LinearKernels]
+    down: Sequence[LinearKernels]
+
+
 @dataclass(frozen=True)
 class LayerKernels:
-    """What decoder.c runs for one decoder layer (float32 weights and caches); `qk_norms`: the
+    """What decoder.c runs for one decoder layer (float32 weights and caches); `gate_up` and
+    `down`: its MLP's, or with `moe` its shared expert's (None: it has none); `qk_norms`: the
     weights of the per-head q and k RMSNorms (Qwen3), if any; `window`: its attention window
     (None: full attention)."""
 
@@ -67,11 +93,12 @@ class LayerKernels:
     post_norm: torch.Tensor
     qkv: LinearKernels
     o: LinearKernels
-    gate_up: LinearKernels
-    down: LinearKernels
+    gate_up: LinearKernels | None
+    down: LinearKernels | None
     kv_cache: KVCache
     qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None
     window: int | None = None
+    moe: MoEKernels | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +146,10 @@ class _Linear(ctypes.Structure):
     ]
 
 
+class _Moe(ctypes.Structure):
+    _fields_ = [("experts", _i64), ("top_k", _i64), ("gate_up", _p), ("down", _p)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _p),
@@ -132,6 +163,7 @@ class _Layer(ctypes.Structure):
         ("k_cache", _p),
         ("v_cache", _p),
         ("window", _i64),
+        ("moe", _p),
     ]
 
 
@@ -159,7 +191,15 @@ class _Step(ctypes.Structure):
         ("seq_lens", _p),
         *((name, _i64) for name in ("bt_stride", "block_size", "max_seq_len", "kv_stride_h")),
         ("threads", _i64),
+        ("route", _p),
+        *((name, _p) for name in ("expert_in", "expert_out", "pair_weights")),
+        *((name, _p) for name in ("pair_tokens", "expert_ends")),
     ]
+
+
+# decoder.c's route_fn: (layer, &weights, &ids, &gate) -> status.
+_ROUTE_FN = ctypes.CFUNCTYPE(ctypes.c_int, _i64, *(ctypes.POINTER(ctypes.c_void_p),) * 3)
+_ROUTE_FAILED = 1
 
 
 @functools.cache
@@ -222,6 +262,19 @@ def build_step(
         return None
 
 
+def _experts(moe: MoEKernels, hidden: int) -> tuple[_Moe, ctypes.Array, ctypes.Array]:
+    """decoder.c's Moe of `moe`, and the arrays of its experts' linear layers it points at."""
+    gate_up = (_Linear * len(moe.gate_up))(*(_linear(e, hidden) for e in moe.gate_up))
+    down = (_Linear * len(moe.down))(
+        *(_linear(e, first.out_features // 2) for e, first in zip(moe.down, gate_up, strict=True))
+    )
+    return (
+        _Moe(len(gate_up), moe.top_k, ctypes.addressof(gate_up), ctypes.addressof(down)),
+        gate_up,
+        down,
+    )
+
+
 class DecoderStep:
     """Every layer of a decoder of `shape`; `ops` and `attention`: the libraries of
     kernels/cpu/ops.py and kernels/cpu/attention.py."""
@@ -237,6 +290,10 @@ class DecoderStep:
         hidden, heads, head_dim = shape.hidden, shape.heads, shape.head_dim
         self._layers = list(layers)  # held: the structs point into their tensors
         self._array = (_Layer * len(layers))()
+        # Each mixture of experts' struct and experts' arrays, held for the layers pointing at
+        # them; the linear layers, for the width of the step's buffers.
+        self._experts: list[tuple[_Moe, ctypes.Array, ctypes.Array]] = []
+        linears: list[_Linear] = []
         for entry, layer in zip(self._array, layers, strict=True):
             k_cache, v_cache = layer.kv_cache
             if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -247,16 +304,30 @@ class DecoderStep:
                 entry.q_norm, entry.k_norm = (w.data_ptr() for w in layer.qk_norms)
             entry.qkv = _linear(layer.qkv, hidden)
             entry.o = _linear(layer.o, heads * head_dim)
-            entry.gate_up = _linear(layer.gate_up, hidden)
-            entry.down = _linear(layer.down, entry.gate_up.out_features // 2)
+            if layer.gate_up is not None and layer.down is not None:
+                entry.gate_up = _linear(layer.gate_up, hidden)
+                entry.down = _linear(layer.down, entry.gate_up.out_features // 2)
+            elif layer.moe is None:
+                raise ValueError("a decoder layer without experts needs its MLP")
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
             entry.window = layer.window or 0
+            linears += [entry.qkv, entry.o, entry.gate_up, entry.down]
+            if layer.moe is not None:
+                moe = _experts(layer.moe, hidden)
+                self._experts.append(moe)
+                entry.moe = ctypes.addressof(moe[0])
+                linears += [*moe[1], *moe[2]]
         # The widest input or output of a linear layer: the width of the step's work buffers.
-        self._wide = max(
-            max(linear.in_features, linear.out_features)
-            for entry in self._array
-            for linear in (entry.qkv, entry.o, entry.gate_up, entry.down)
-        )
+        self._wide = max(max(linear.in_features, linear.out_features) for linear in linears)
+        # The most pairs a token makes and the most experts a layer has: the sizes of the
+        # mixtures' buffers.
+        self._top_k = max((moe.top_k for moe, _, _ in self._experts), default=0)
+        self._num_experts = max((moe.experts for moe, _, _ in self._experts), default=0)
+        # What a call's routers take and give (see _route), and the error one raised.
+        self._normed: torch.Tensor | None = None
+        self._routed: tuple[torch.Tensor, ...] = ()
+        self._error: BaseException | None = None
+        self._callback = _ROUTE_FN(self._route)
         self._step = _Step(
             rms_norm=_address(ops.rms_norm),
             silu_mul=_address(ops.silu_mul),
@@ -272,7 +343,35 @@ class DecoderStep:
             eps=shape.eps,
             scale=shape.scale,
             kv_stride_h=layers[0].kv_cache[0].stride(0),
+            route=_address(self._callback),
         )
+
+    def _route(
+        self,
+        layer: int,
+        weights: ctypes._Pointer[ctypes.c_void_p],
+        ids: ctypes._Pointer[ctypes.c_void_p],
+        gate: ctypes._Pointer[ctypes.c_void_p],
+    ) -> int:
+        """decoder.c's route_fn: layer `layer`'s router on the step's normed tokens; what it
+        gives is held until the next call."""
+        try:
+            moe = self._layers[layer].moe
+            assert moe is not None and self._normed is not None
+            chosen, experts, shared_gate = moe.route(self._normed)
+            shape = (self._normed.shape[0], moe.top_k)
+            if chosen.shape != shape or experts.shape != shape:
+                raise ValueError(f"a router chose experts {tuple(experts.shape)}, not {shape}")
+            routed = [chosen.to(torch.float32).contiguous(), experts.to(torch.int64).contiguous()]
+            if shared_gate is not None:
+                routed.append(shared_gate.to(torch.float32).reshape(shape[0]).contiguous())
+            self._routed = tuple(routed)
+            weights[0], ids[0] = routed[0].data_ptr(), routed[1].data_ptr()
+            gate[0] = None if shared_gate is None else routed[2].data_ptr()
+        except BaseException as exc:  # raised again once decoder_step returns
+            self._error = exc
+            return _ROUTE_FAILED
+        return 0
 
     def __call__(
         self,
@@ -314,9 +413,24 @@ class DecoderStep:
         step.bt_stride = tables.stride(0)
         step.block_size, step.max_seq_len = meta.block_size, meta.max_seq_len
         step.threads = torch.get_num_threads()
-        status = self._lib.decoder_step(
-            ctypes.byref(step), self._array, x.data_ptr(), residual.data_ptr()
-        )
+        if self._experts:
+            expert_rows = torch.empty(2, tokens, step.hidden)
+            pair_weights = torch.empty(tokens * self._top_k)
+            pair_tokens = torch.empty(tokens * self._top_k, dtype=torch.int64)
+            expert_ends = torch.empty(self._num_experts, dtype=torch.int64)
+            step.expert_in, step.expert_out = expert_rows[0].data_ptr(), expert_rows[1].data_ptr()
+            step.pair_weights, step.pair_tokens = pair_weights.data_ptr(), pair_tokens.data_ptr()
+            step.expert_ends = expert_ends.data_ptr()
+            self._normed = h
+        try:
+            status = self._lib.decoder_step(
+                ctypes.byref(step), self._array, x.data_ptr(), residual.data_ptr()
+            )
+        finally:
+            self._normed, self._routed = None, ()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
         if status != 0:
             raise RuntimeError(f"the CPU decoder step failed with status {status}")
         return x, residual

@@ -10,6 +10,10 @@ head's keys for `block_size` consecutive positions). Two kernels:
   chunk's past (read through the block table) and, causally, over the chunk itself. Which
   program serves which queries is planned on the host once per step (`plan.py`).
 
+A layer with attention sinks (gpt-oss: a logit per query head, `HAS_SINKS`) counts each head's
+sink as one more score of its softmax that weights no value: it joins the running max and sum
+once, where a program (or the merge of a row's parts) normalizes.
+
 A layer with an attention window W (`WINDOW`, a compile-time constant: 0 for full attention,
 which then compiles as before) has a query at position p see keys p - W + 1 .. p: the kernels
 walk only the blocks holding those, so blocks before them are never read.
@@ -73,13 +77,25 @@ def _attend_keys(
     return m_new, l_i, acc
 
 
+@triton.jit
+def _normalize(m_i, l_i, acc, SINKS, heads, HAS_SINKS: tl.constexpr):
+    """acc / l_i: the attention output of an online softmax's running state, with `heads`'
+    sinks as one more score each."""
+    if HAS_SINKS:
+        sink = tl.load(SINKS + heads).to(tl.float32)
+        m = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m)
+        return acc * alpha[:, None] / (l_i * alpha + tl.exp(sink - m))[:, None]
+    return acc / l_i[:, None]
+
+
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
-    Q, K, V, Out, PARTS, STATS, block_tables, seq_lens, scale,
+    Q, K, V, Out, PARTS, STATS, block_tables, seq_lens, scale, SINKS,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
     HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -110,9 +126,12 @@ def _decode_kernel(
             CAUSAL=False, WINDOW=0, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
         )  # fmt: skip
     if SPLITS == 1:
+        # Padding heads past the group read the sink of a real head (of the next KV head's, or
+        # the last): never stored.
+        out = _normalize(m_i, l_i, acc, SINKS, tl.minimum(heads, HEADS - 1), HAS_SINKS)
         tl.store(
             Out + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
-            (acc / l_i[:, None]).to(Out.dtype.element_ty),
+            out.to(Out.dtype.element_ty),
             mask=(g < GROUP)[:, None],
         )
     else:
@@ -125,8 +144,8 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_kernel(
-    PARTS, STATS, Out, stride_ot, stride_oh,
-    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+    PARTS, STATS, Out, SINKS, stride_ot, stride_oh,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -135,18 +154,26 @@ def _merge_kernel(
     at = (row * HEADS + head) * SPLITS + s
     m = tl.load(STATS + at * 2)
     l = tl.load(STATS + at * 2 + 1)  # noqa: E741
-    weight = tl.exp(m - tl.max(m, 0))  # an empty part (max -inf) weighs 0
+    top = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + head).to(tl.float32)
+        top = tl.maximum(top, sink)
+    weight = tl.exp(m - top)  # an empty part (max -inf) weighs 0
     acc = tl.load(PARTS + at[:, None] * HEAD_DIM + d[None, :])
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    total = tl.sum(l * weight, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - top)
+    out = tl.sum(acc * weight[:, None], 0) / total
     tl.store(Out + row * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     Q, K, V, Out, block_tables, query_start, seq_lens, query_lens, prog_rows, prog_starts, scale,
+    SINKS,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     prog = tl.program_id(0)
     head = tl.program_id(1)
@@ -186,7 +213,7 @@ def _prefill_kernel(
             CAUSAL=True, WINDOW=WINDOW, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE,
             BLOCK_N=BLOCK_N,
         )  # fmt: skip
-    out = acc / l_i[:, None]
+    out = _normalize(m_i, l_i, acc, SINKS, head + tl.zeros([BLOCK_M], tl.int32), HAS_SINKS)
     tl.store(
         Out + (first + q_idx)[:, None] * stride_ot + head * stride_oh + d[None, :],
         out.to(Out.dtype.element_ty),
@@ -202,11 +229,13 @@ def paged_attention(
     scale: float,
     splits: int | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend q [T, Hq, D] over the caches [blocks, block_size, Hkv, D]: the decode rows with
     the decode kernel (their keys in `splits` parts, by default as `decode_splits` chooses for
     this device), the prefill chunks with the programs planned in `meta.plan`; with a `window`,
-    a query at position p over keys p - window + 1 .. p."""
+    a query at position p over keys p - window + 1 .. p; with `sinks` [Hq], each head's logit
+    joins its softmaxes as one more score."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     out = torch.empty_like(q)
     group = q.shape[1] // num_kv_heads
@@ -215,6 +244,8 @@ def paged_attention(
         meta.block_tables.stride(0), out.stride(0), out.stride(1),
     )  # fmt: skip
     rows = meta.num_decodes
+    has_sinks = sinks is not None
+    sinks = out if sinks is None else sinks  # unread without sinks
     if rows:
         heads = q.shape[1]
         if splits is None:
@@ -224,22 +255,23 @@ def paged_attention(
             parts = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=q.device)
             stats = torch.empty(rows, heads, splits, 2, dtype=torch.float32, device=q.device)
         _decode_kernel[(rows, num_kv_heads, splits)](
-            q, k_cache, v_cache, out, parts, stats, meta.block_tables, meta.seq_lens, scale,
+            q, k_cache, v_cache, out, parts, stats, meta.block_tables, meta.seq_lens, scale, sinks,
             *strides, HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
             HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=DECODE_BLOCK_N, SPLITS=splits,
-            WINDOW=window or 0,
+            WINDOW=window or 0, HAS_SINKS=has_sinks,
         )  # fmt: skip
         if splits > 1:
             _merge_kernel[(rows, heads)](
-                parts, stats, out, out.stride(0), out.stride(1),
-                HEADS=heads, HEAD_DIM=head_dim, SPLITS=splits,
+                parts, stats, out, sinks, out.stride(0), out.stride(1),
+                HEADS=heads, HEAD_DIM=head_dim, SPLITS=splits, HAS_SINKS=has_sinks,
             )  # fmt: skip
     plan: PrefillPlan | None = meta.plan
     if plan is not None and plan.programs:
         _prefill_kernel[(plan.programs, q.shape[1])](
             q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc,
-            meta.seq_lens, plan.query_lens, plan.rows, plan.starts, scale, *strides,
+            meta.seq_lens, plan.query_lens, plan.rows, plan.starts, scale, sinks, *strides,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, WINDOW=window or 0,
+            HAS_SINKS=has_sinks,
         )  # fmt: skip
     return out

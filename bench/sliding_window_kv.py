@@ -1,11 +1,12 @@
 """KV memory of long conversations with sliding-window attention against full attention.
 
 A random-weight decoder (float32, CPU) whose every layer slides over `--window` tokens
-(Mistral-style), and the same weights with full attention: `--requests` sequences of
-`--prompt-len` prompt tokens and `--output-len` greedy tokens at once. Printed and written: the
-most KV blocks the pool had given out at once, that in bytes, and the output tok/s. The
-windowed model's pool is its default (one window's quota a sequence); full attention's holds
-every sequence's whole length.
+(Mistral-style), the same weights with sliding and full layers alternating (gpt-oss's pattern:
+the sliding layers' KV in the window group's pool), and with full attention: `--requests`
+sequences of `--prompt-len` prompt tokens and `--output-len` greedy tokens at once. Printed
+and written: the most KV blocks each pool had given out at once, the KV bytes those hold over
+the layers that use each pool, and the output tok/s. A sliding pool is its default (one
+window's quota a sequence); a full one holds every sequence's whole length.
 
     .venv/bin/python bench/sliding_window_kv.py [--window 256] [--output-len 2000]
 """
@@ -50,19 +51,27 @@ def run(name: str, config: ModelConfig, args: argparse.Namespace) -> dict:
     for i in range(args.requests):
         prompt = [(7 * j + 13 * i) % config.vocab_size for j in range(args.prompt_len)]
         session.admit(GenerationRequest(prompt, params))
-    pool, peak, tokens = runtime.blocks, 0, 0
+    pool, window_pool = runtime.blocks, runtime.window_blocks
+    peak = window_peak = tokens = 0
     start = time.perf_counter()
     while session.residents():
         result = session.step()
         tokens += sum(len(delta.token_ids) for delta in result.deltas.values())
         peak = max(peak, pool.num_blocks - pool.num_free)
+        if window_pool is not None:
+            window_peak = max(window_peak, window_pool.num_blocks - window_pool.num_free)
     elapsed = time.perf_counter() - start
     session.finish()
-    per_block = 2 * config.num_layers * args.block_size * config.num_kv_heads * config.head_dim * 4
+    # A block of one layer: keys and values, float32.
+    per_layer = 2 * args.block_size * config.num_kv_heads * config.head_dim * 4
+    sliding = sum(w is not None for w in config.layer_windows) if window_pool else 0
+    kv = (peak * (config.num_layers - sliding) + window_peak * sliding) * per_layer
     return {
         "pool_blocks": pool.num_blocks,
         "peak_blocks": peak,
-        "peak_kv_mib": peak * per_block / 2**20,
+        "window_pool_blocks": 0 if window_pool is None else window_pool.num_blocks,
+        "window_peak_blocks": window_peak,
+        "peak_kv_mib": kv / 2**20,
         "output_tok_s": tokens / elapsed,
     }
 
@@ -76,8 +85,9 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args()
     windowed = replace(SHAPE, layer_windows=(args.window,) * SHAPE.num_layers)
+    alternating = replace(SHAPE, layer_windows=(args.window, None) * (SHAPE.num_layers // 2))
     results = {}
-    for name, config in (("sliding", windowed), ("full", SHAPE)):
+    for name, config in (("sliding", windowed), ("alternating", alternating), ("full", SHAPE)):
         results[name] = run(f"bench-{name}", config, args)
         print(name, {k: round(v, 1) for k, v in results[name].items()}, flush=True)
     write_report(report_path("sliding_window_kv.json"), args=vars(args), results=results)

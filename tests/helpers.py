@@ -29,6 +29,9 @@ def assert_no_leaks(target) -> None:
         assert target.resident_slot_usage()[0] == 0, "resident slots leaked"
         return
     assert target.blocks.num_free == target.blocks.num_blocks, "KV blocks leaked"
+    window = getattr(target, "window_blocks", None)
+    if window is not None:
+        assert window.num_free == window.num_blocks, "window group's KV blocks leaked"
     assert target.slots.num_free == target.slots.capacity, "resident slots leaked"
 
 

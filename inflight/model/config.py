@@ -231,6 +231,16 @@ class ModelConfig:
             return None
         return max(w for w in self.layer_windows if w is not None)
 
+    @property
+    def sliding_group_window(self) -> int | None:
+        """Where some layers slide and others attend fully (gpt-oss, Qwen `layer_types`): the
+        sliding layers' widest window, past which their KV is never read again; None
+        otherwise."""
+        windows = [w for w in self.layer_windows if w is not None]
+        if not windows or len(windows) == len(self.layer_windows):
+            return None
+        return max(windows)
+
 
 def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     """The rotary embedding of a `config.json` dict."""

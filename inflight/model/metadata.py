@@ -36,6 +36,16 @@ class AttentionMetadata:
     contiguous_kv_host: list[int | None]
     # What the backend derived from the rest, once per step (see AttentionBackend.plan).
     plan: Any = None
+    # Where the sliding layers' KV is in a pool of its own (a model whose layers only partly
+    # slide): the same step over their block tables and slots, which those layers read.
+    window: AttentionMetadata | None = None
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """The metadata a layer with attention window `window` (None: full) reads."""
+        if window is None or self.window is None:
+            return self
+        self.window.plan = self.plan
+        return self.window
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

@@ -37,6 +37,8 @@ class ModelFacts:
     # Where every attention layer slides: the widest window, past which a sequence's KV is
     # never read again (None: some layer attends over the whole sequence).
     kv_window: int | None = None
+    # Where some layers slide and others do not: the sliding layers' widest window.
+    sliding_group_window: int | None = None
     recurrent: bool = False  # hybrid Mamba layers: recurrent state beside the KV
     experts: bool = False  # mixture-of-experts layers
     media: tuple[str, ...] = ()  # the kinds of media it takes
@@ -279,6 +281,10 @@ class DeploymentPlan:
     features: tuple[str, ...]  # the features it uses (keys of STEPPED)
     # Where a sequence's KV before its window is given back as it grows (see `_kv_window`).
     kv_window: KVWindow | None = None
+    # Where some layers slide and others do not: how the sliding layers' KV follows their
+    # window, in a pool of `num_window_blocks` blocks of its own (see `_window_group`).
+    window_group: KVWindow | None = None
+    num_window_blocks: int = 0
 
     @property
     def max_batch_size(self) -> int:
@@ -333,6 +339,7 @@ def resolve(
         options.max_model_len or DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings
     )
     window = _kv_window(options, model)
+    group = _window_group(options, model)
     if window is None:
         blocks_per_sequence = -(-max_model_len // options.block_size)
     else:
@@ -364,6 +371,8 @@ def resolve(
         num_kv_blocks=options.num_kv_blocks or options.max_batch_size * blocks_per_sequence,
         features=tuple(features),
         kv_window=window,
+        window_group=group,
+        num_window_blocks=0 if group is None else options.max_batch_size * group.quota,
     )
 
 
@@ -376,6 +385,24 @@ def _kv_window(options: DeploymentOptions, model: ModelFacts) -> KVWindow | None
         return None
     drafts = 0 if spec is None else spec.num_speculative_tokens
     return KVWindow(model.kv_window, options.block_size, 1 + drafts)
+
+
+def _window_group(options: DeploymentOptions, model: ModelFacts) -> KVWindow | None:
+    """How the sliding layers' KV follows their window, where only some layers slide: in a
+    pool of its own (a quota a resident), so that a long sequence holds window-sized KV in those
+    layers. None where every layer slides or none does, and where the KV is laid out as one
+    pool for every layer: a draft model's, a hybrid's, a tensor-parallel deployment's (their
+    steps carry one block table)."""
+    spec = options.speculative_config
+    if (
+        model.sliding_group_window is None
+        or (spec is not None and spec.method == "draft_model")
+        or model.recurrent
+        or options.tensor_parallel_size > 1
+    ):
+        return None
+    drafts = 0 if spec is None else spec.num_speculative_tokens
+    return KVWindow(model.sliding_group_window, options.block_size, 1 + drafts)
 
 
 def ifb_unsupported_reason(plan: DeploymentPlan) -> str | None:

@@ -66,6 +66,7 @@ def model_facts(config: ModelConfig) -> ModelFacts:
         intermediate_size=config.intermediate_size,
         max_position_embeddings=config.max_position_embeddings,
         kv_window=config.kv_window,
+        sliding_group_window=config.sliding_group_window,
         recurrent=config.mamba is not None,
         experts=config.moe is not None,
         media=tuple(encoder.kind for encoder in config.encoders),
@@ -102,6 +103,10 @@ class Runtime:
         self.dtype = getattr(torch, plan.dtype)
         self.max_model_len = plan.max_model_len
         self.blocks = BlockPool(plan.num_kv_blocks, plan.block_size)
+        # The sliding layers' blocks, where only some layers slide (the plan's window group).
+        self.window_blocks = None
+        if plan.window_group is not None:
+            self.window_blocks = BlockPool(plan.num_window_blocks, plan.block_size)
         self.slots = ResidentSlots(plan.max_batch_size)
         self.context_cache = None
         if options.enable_context_reuse:
@@ -162,6 +167,8 @@ class Runtime:
             max_num_tokens=plan.max_num_tokens,
             served_options=plan.served_options,
             window=plan.kv_window,
+            window_group=plan.window_group,
+            window_blocks=self.window_blocks,
         )
         self.outputs = OutputProcessor(
             self.scheduler,
@@ -170,6 +177,7 @@ class Runtime:
             features,
             decoding,
             publish_blocks=self.context_cache is not None and prefill.shares_prefix,
+            window_blocks=self.window_blocks,
         )
         executor = Executor if self.workers is None else ParallelExecutor
         extra = {} if self.workers is None else {"workers": self.workers}

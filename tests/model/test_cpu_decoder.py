@@ -63,13 +63,16 @@ def _same_both_ways(runner, rows, slots=None, media=None) -> torch.Tensor:
     return native
 
 
-def _steps_match_the_layers(runner, vocab: int, lengths=(5, 40, 17, 1)) -> None:
+def _steps_match_the_layers(runner, vocab: int, lengths=(5, 40, 17, 1), windows=False) -> None:
     """A prefill step of rows of `lengths`, a decode step of them, then a mixed step: their
-    decodes beside a new prompt's first chunk and the rest of another's; each both ways."""
+    decodes beside a new prompt's first chunk and the rest of another's; each both ways.
+    `windows`: the sliding layers' KV is in a pool of its own, the rows' blocks there taken
+    in the order they first appear."""
     rng = random.Random(0)
     size = runner.block_size
     blocks = list(range(1, 80))
     rng.shuffle(blocks)
+    window_blocks: dict[int, int] = {}
 
     def prompt(n):
         return [rng.randrange(vocab) for _ in range(n)]
@@ -77,17 +80,21 @@ def _steps_match_the_layers(runner, vocab: int, lengths=(5, 40, 17, 1)) -> None:
     def table(n):
         return [blocks.pop() for _ in range(-(-n // size))]
 
+    def row(tokens, past, table, samples):
+        window = [window_blocks.setdefault(b, len(window_blocks)) for b in table]
+        return RowInput(tokens, past, table, samples, window_table=window if windows else None)
+
     tables = [table(n + 2) for n in lengths]
-    prefills = [RowInput(prompt(n), 0, t, True) for n, t in zip(lengths, tables, strict=True)]
+    prefills = [row(prompt(n), 0, t, True) for n, t in zip(lengths, tables, strict=True)]
     _same_both_ways(runner, prefills)
-    decodes = [RowInput(prompt(1), n, t, True) for n, t in zip(lengths, tables, strict=True)]
+    decodes = [row(prompt(1), n, t, True) for n, t in zip(lengths, tables, strict=True)]
     native = _same_both_ways(runner, decodes)
-    for i, row in enumerate(decodes):  # each row alone gets the bits it got in the batch
-        assert torch.equal(_forward(runner, [row], native=True)[0], native[i])
+    for i, decode in enumerate(decodes):  # each row alone gets the bits it got in the batch
+        assert torch.equal(_forward(runner, [decode], native=True)[0], native[i])
     late = table(30)
-    _same_both_ways(runner, [RowInput(prompt(20), 0, late, False)])
-    mixed = [RowInput(prompt(1), n + 1, t, True) for n, t in zip(lengths, tables, strict=True)]
-    mixed += [RowInput(prompt(9), 0, table(9), False), RowInput(prompt(7), 20, late, True)]
+    _same_both_ways(runner, [row(prompt(20), 0, late, False)])
+    mixed = [row(prompt(1), n + 1, t, True) for n, t in zip(lengths, tables, strict=True)]
+    mixed += [row(prompt(9), 0, table(9), False), row(prompt(7), 20, late, True)]
     _same_both_ways(runner, mixed)
 
 
@@ -149,11 +156,15 @@ def test_int8_layers_with_biases_and_q_k_norms(tiny_dirs, family):
 
 def test_sliding_window_layers_each_attend_over_their_window(sliding_dirs):
     """Sliding layers (windows of 12 tokens) alternating with full ones (Qwen3's
-    `layer_types`), int8: the step gives each layer its own window, as the layers do; rows of
-    up to 40 tokens cross it."""
+    `layer_types`), int8: the step gives each layer its own window, and the sliding layers
+    their own pool's blocks (the window group's), as the layers do; rows of up to 40 tokens
+    cross it."""
     runner = _runner(sliding_dirs["qwen3"], quantization="int8")
     assert [layer.self_attn.window for layer in runner.model.layers] == [12, None, 12, None]
-    _steps_match_the_layers(runner, runner.model.config.vocab_size)
+    _steps_match_the_layers(runner, runner.model.config.vocab_size, windows=True)
+    # A step without the sliding layers' tables would write past their pool: refused.
+    with pytest.raises(ValueError, match="no block tables for it"):
+        _forward(runner, [RowInput([1, 2], 0, [70], True)], native=True)
 
 
 def test_k_quant_layers_of_mixed_kernels(tmp_path):

@@ -108,3 +108,69 @@ def test_the_n_sequences_of_a_request_each_compute_their_prompt(sliding_dirs):
     one = runtime.handle_request(GenerationRequest(prompt, SamplingParams(**params))).result()
     assert [o.token_ids for o in three.outputs] == [one.token_ids] * 3
     assert_no_leaks(runtime)
+
+
+def test_the_plan_keeps_a_partly_sliding_models_window_group_apart():
+    """Where only some layers slide, their KV goes in a pool of its own, a quota a resident;
+    not under tensor parallelism or with a draft model (one table for every layer there)."""
+    facts = ModelFacts("qwen3", VOCAB, 4, 2, 16, 128, 4096, sliding_group_window=12)
+    options = DeploymentOptions(block_size=4, max_batch_size=8, max_model_len=512)
+    plan = resolve(options, facts, MachineFacts())
+    assert plan.kv_window is None and plan.num_kv_blocks == 8 * 128
+    assert plan.window_group == KVWindow(12, 4) and plan.num_window_blocks == 8 * 7
+    assert (
+        resolve(replace(options, tensor_parallel_size=2), facts, MachineFacts()).window_group
+        is None
+    )
+    drafted = replace(
+        options, speculative_config=SpeculativeConfig(4, method="draft_model", model="draft")
+    )
+    assert resolve(drafted, facts, MachineFacts(), draft=facts).window_group is None
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_a_partly_sliding_models_sliding_layers_hold_a_window_of_blocks(sliding_dirs, overlap):
+    """Sliding and full layers alternating (window 12, blocks of 4): a 2,000-token sequence
+    holds all 500 blocks of its full layers, but at most window / block_size + 1 = 4 of the
+    window group's pool once it decodes (7 reserved), and its tokens are transformers'. A
+    prompt asked again comes from the context cache (the sliding layers' last window from
+    their pool) with the same tokens."""
+    path = sliding_dirs["qwen3"]
+    prompt = [(7 * i) % VOCAB for i in range(100)]
+    want = _hf_greedy(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), prompt)
+    options = dict(max_model_len=2048, block_size=4, max_batch_size=2, quantization="none")
+    runtime = Runtime(path, DeploymentOptions(**options, overlap=overlap))
+    assert runtime.scheduler.window is None
+    assert runtime.scheduler.window_group == KVWindow(SLIDING_WINDOW, 4)
+    pool, window_pool = runtime.blocks, runtime.window_blocks
+    assert window_pool.num_blocks == 2 * 7
+    residents = runtime.scheduler.residents
+    session = runtime.new_session()
+    params = SamplingParams(max_tokens=1900, temperature=0, ignore_eos=True)
+    admission = session.admit(GenerationRequest(prompt, params))
+    tokens, held, taken = [], [], []
+    while session.residents():
+        result = session.step()
+        if admission.ref in result.deltas:
+            tokens += result.deltas[admission.ref].token_ids
+        if admission.ref in residents:
+            r = residents[admission.ref]
+            held.append((len(r.output), len(r.kv.window.held), len(r.kv.held)))
+            taken.append(window_pool.num_blocks - window_pool.num_free)
+    session.finish()
+    assert tokens == want
+    assert max(n for emitted, n, _ in held if emitted >= 4) == SLIDING_WINDOW // 4 + 1
+    assert max(n for _, n, _ in held) <= 7 and set(taken) == {7}
+    assert held[-1][2] == 500 and pool.num_blocks - pool.num_free == 0
+    # The long run has reused its window blocks many times over: its prompt's full layers'
+    # blocks are cached, not its sliding layers' last window, so the prompt is computed again.
+    rerun = runtime.handle_request(GenerationRequest(prompt, replace(params, max_tokens=8)))
+    output = rerun.result()
+    assert output.cached_tokens == 0 and list(output.token_ids) == want[:8]
+    # A short run leaves the last window of its prompt cached in the window group's pool.
+    other = [(11 * i + 3) % VOCAB for i in range(99)]
+    short = GenerationRequest(other, replace(params, max_tokens=8))
+    first, again = (runtime.handle_request(short).result() for _ in range(2))
+    assert (first.cached_tokens, again.cached_tokens) == (0, 96)
+    assert again.token_ids == first.token_ids
+    assert_no_leaks(runtime)

@@ -165,6 +165,7 @@ class Attention(nn.Module):
         lora: LoRAMapping | None,
     ) -> torch.Tensor:
         tokens, heads = x.shape[0], self.num_heads
+        meta = meta.for_window(self.window)  # a sliding layer's KV may be in a pool of its own
         qkv = self.qkv_proj(x, lora)
         if backend.takes_qkv:
             norms = None
@@ -379,6 +380,8 @@ class LlamaForCausalLM(nn.Module):
         self.ran_native_step = False
         # The native step, and the KV caches it was built over.
         self._step: tuple[list[KVCache], decoder.DecoderStep | None] | None = None
+        # Whether the sliding layers' caches are a pool of their own, and of which caches.
+        self._pools: tuple[list[KVCache], bool] | None = None
 
     @property
     def max_loras(self) -> int:
@@ -397,6 +400,11 @@ class LlamaForCausalLM(nn.Module):
         if lora is not None and lora.num_tokens != input_ids.shape[0]:
             raise ValueError(f"LoRA mapping of {lora.num_tokens} tokens for {input_ids.shape[0]}")
         kv_caches, backend = caches.kv, caches.backend
+        if meta.window is None and self._window_pool(kv_caches):
+            raise ValueError(
+                "the sliding layers' KV is in a pool of its own, and the step has no block "
+                "tables for it (AttentionMetadata.window)"
+            )
         x, angles = batch.embed(self.embed_tokens, self.rotary)
         step = None
         if (lora is None or lora.per_token) and input_ids.shape[0] > 0:
@@ -410,6 +418,17 @@ class LlamaForCausalLM(nn.Module):
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, angles, kv_cache, meta, backend, lora)
         return self.norm.add_forward(x, residual)[0]
+
+    def _window_pool(self, kv_caches: list[KVCache]) -> bool:
+        """Whether the sliding layers' caches are a pool of their own (the window group's: of
+        another size than the full layers'); found once per set of caches."""
+        if self._pools is None or self._pools[0] is not kv_caches:
+            sizes = {
+                layer.self_attn.window is not None: kv[0].numel()
+                for layer, kv in zip(self.layers, kv_caches, strict=True)
+            }
+            self._pools = (kv_caches, len(sizes) == 2 and sizes[True] != sizes[False])
+        return self._pools[1]
 
     def _experts(self, index: int) -> Experts | None:
         """Layer `index`'s experts, if its feed-forward is a mixture of experts."""

@@ -10,7 +10,7 @@ a decode graph instead of running eagerly."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Protocol
 
@@ -35,6 +35,11 @@ class BatchRow(Protocol):
     @property
     def block_table(self) -> Sequence[int]: ...
 
+    @property
+    def window_table(self) -> Sequence[int] | None:
+        """The sliding layers' blocks, where they are in a pool of their own (else None)."""
+        ...
+
 
 @dataclass(slots=True)
 class RowInput:
@@ -46,6 +51,7 @@ class RowInput:
     samples: bool
     scores: bool = False
     drafts: Sequence[int] = ()
+    window_table: Sequence[int] | None = None
 
 
 @dataclass
@@ -85,16 +91,13 @@ def build_ragged_batch(
     if (needed > have).any():
         i = int(np.argmax(needed > have))
         raise ValueError(f"a row of {seq_lens[i]} tokens overflows its {have[i]} blocks")
-    width = int(needed.max())
-    tables = np.zeros((len(rows), width), np.int64)
-    for i, row in enumerate(rows):
-        tables[i, : needed[i]] = row.block_table[: needed[i]]
     starts = np.zeros(len(rows) + 1, np.int64)
     np.cumsum(query_lens, out=starts[1:])
     total = int(starts[-1])
     row_of = np.repeat(np.arange(len(rows)), query_lens)
     positions = np.arange(total) - np.repeat(starts[:-1] - past, query_lens)
-    slots = tables[row_of, positions // block_size] * block_size + positions % block_size
+    tables, slots, contiguous = _tables([r.block_table for r in rows], needed, row_of, positions,
+                                        block_size)  # fmt: skip
     input_ids = np.fromiter(chain.from_iterable(r.token_ids for r in rows), np.int64, total)
     if any(r.scores for r in rows):
         logits_indices = []
@@ -106,13 +109,6 @@ def build_ragged_batch(
     else:
         samples = np.fromiter((r.samples for r in rows), bool, len(rows))
         logits_indices = starts[1:][samples] - 1
-    # A sequence reads its KV in place when its used blocks are consecutive.
-    columns = np.arange(width)
-    consecutive = (tables == tables[:, :1] + columns) | (columns >= needed[:, None])
-    contiguous = [
-        int(tables[i, 0]) * block_size if ok else None
-        for i, ok in enumerate(consecutive.all(axis=1).tolist())
-    ]
     num_decodes = int(np.argmin(query_lens == 1)) if (query_lens != 1).any() else len(rows)
 
     # Two copies to the device, one per dtype.
@@ -135,7 +131,42 @@ def build_ragged_batch(
         seq_lens_host=seq_lens.tolist(),
         contiguous_kv_host=contiguous,
     )
+    if rows[0].window_table is not None:
+        window_tables = [r.window_table for r in rows]
+        assert all(table is not None for table in window_tables)
+        tables, slots, contiguous = _tables(window_tables, needed, row_of, positions, block_size)
+        tables_t, slots_t = (
+            to_device_packed([tables], torch.int32, device)[0],
+            to_device_packed([slots], torch.int64, device)[0],
+        )
+        meta.window = replace(
+            meta, block_tables=tables_t, slot_mapping=slots_t, contiguous_kv_host=contiguous
+        )
     return RaggedBatch(ForwardBatch(input_ids_t, positions_t, meta), logits_t, row_index)
+
+
+def _tables(
+    row_tables: Sequence[Sequence[int]],
+    needed: np.ndarray,
+    row_of: np.ndarray,
+    positions: np.ndarray,
+    block_size: int,
+) -> tuple[np.ndarray, np.ndarray, list[int | None]]:
+    """The rows' block tables [rows, the most blocks a row needs], the KV slot of each packed
+    token, and each row's first slot where its blocks in use are consecutive (it then reads its
+    KV in place), else None."""
+    width = int(needed.max())
+    tables = np.zeros((len(row_tables), width), np.int64)
+    for i, table in enumerate(row_tables):
+        tables[i, : needed[i]] = table[: needed[i]]
+    slots = tables[row_of, positions // block_size] * block_size + positions % block_size
+    columns = np.arange(width)
+    consecutive = (tables == tables[:, :1] + columns) | (columns >= needed[:, None])
+    contiguous = [
+        int(tables[i, 0]) * block_size if ok else None
+        for i, ok in enumerate(consecutive.all(axis=1).tolist())
+    ]
+    return tables, slots, contiguous
 
 
 def _unfold(rows: Sequence[BatchRow], every_row: bool) -> Iterator[tuple[int, BatchRow]]:
@@ -150,4 +181,7 @@ def _unfold(rows: Sequence[BatchRow], every_row: bool) -> Iterator[tuple[int, Ba
         keep_all = row.scores or bool(row.drafts)
         for i, token in enumerate(row.token_ids):
             keep = keep_all or (row.samples and i == last)
-            yield index, RowInput((token,), row.past_len + i, table, keep)
+            yield (
+                index,
+                RowInput((token,), row.past_len + i, table, keep, window_table=row.window_table),
+            )

@@ -85,6 +85,7 @@ class DecodeInputs:
         device,
         lora: bool = False,
         scratch_state: int | None = None,
+        window_scratch_block: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.scratch_block = scratch_block
@@ -93,6 +94,13 @@ class DecodeInputs:
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.slot_mapping = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        # The sliding layers' slots and tables, where the window group keeps their KV apart
+        # (`window_scratch_block`: its pool's block for the spare rows).
+        self.window_scratch_block = window_scratch_block
+        self.window_slot_mapping = self.window_block_tables = None
+        if window_scratch_block is not None:
+            self.window_slot_mapping = torch.zeros_like(self.slot_mapping)
+            self.window_block_tables = torch.zeros_like(self.block_tables)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         # Each row's LoRA slot (-1: the base model), where the model has LoRA slots.
@@ -125,6 +133,15 @@ class DecodeInputs:
             self.slot_mapping[rows:bucket] = self.scratch_block * self.block_size
             self.block_tables[rows:bucket, 0] = self.scratch_block
             self.seq_lens[rows:bucket] = 1
+        if self.window_slot_mapping is not None and self.window_block_tables is not None:
+            window = meta.window
+            assert window is not None and self.window_scratch_block is not None
+            self.window_slot_mapping[:rows].copy_(window.slot_mapping)
+            self.window_block_tables[:rows, :width].copy_(window.block_tables)
+            if bucket > rows:
+                scratch = self.window_scratch_block
+                self.window_slot_mapping[rows:bucket] = scratch * self.block_size
+                self.window_block_tables[rows:bucket, 0] = scratch
         if self.lora_slots is not None:
             self.lora_slots[:bucket] = -1
             lora = batch.lora
@@ -157,11 +174,19 @@ class DecodeInputs:
 
     def metadata(self, bucket: int) -> AttentionMetadata:
         """Attention metadata over the first `bucket` rows of the buffers (decode rows only)."""
+        meta = self._metadata(bucket, self.block_tables, self.slot_mapping)
+        if self.window_slot_mapping is not None and self.window_block_tables is not None:
+            meta.window = self._metadata(bucket, self.window_block_tables, self.window_slot_mapping)
+        return meta
+
+    def _metadata(
+        self, bucket: int, block_tables: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> AttentionMetadata:
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: bucket + 1],
             seq_lens=self.seq_lens[:bucket],
-            block_tables=self.block_tables[:bucket],
-            slot_mapping=self.slot_mapping[:bucket],
+            block_tables=block_tables[:bucket],
+            slot_mapping=slot_mapping[:bucket],
             num_decodes=bucket,
             block_size=self.block_size,
             max_query_len=1,

@@ -58,17 +58,24 @@ def allocate_kv_cache(
     backend: AttentionBackend,
     dtype: torch.dtype,
     device: torch.device,
+    window_blocks: int | None = None,
 ) -> list[KVCache]:
     """A (key, value) pair for each of `num_layers` attention layers; `config`: the layers'
-    shape on this rank."""
-    shape = backend.kv_cache_shape(num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
+    shape on this rank. With `window_blocks`, a sliding layer's caches hold that many blocks
+    (the window group's pool)."""
+    caches = []
+    for layer in range(num_layers):
+        blocks = num_blocks
+        if window_blocks is not None and config.window(layer) is not None:
+            blocks = window_blocks
+        shape = backend.kv_cache_shape(blocks, block_size, config.num_kv_heads, config.head_dim)
+        caches.append(
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
         )
-        for _ in range(num_layers)
-    ]
+    return caches
 
 
 def head_rows(hidden: torch.Tensor, rows: HeadRows) -> torch.Tensor:
@@ -174,15 +181,18 @@ def build_model_runner(
     layers = model_config if parallel is None else parallel.local_config(model_config)
     kv_dtype = torch.float8_e4m3fn if options.kv_cache_dtype == "fp8" else dtype
     num_blocks = plan.num_kv_blocks
+    window_blocks = plan.num_window_blocks if plan.window_group is not None else None
     # With graphs, one extra block (never handed out) takes the writes of padding rows.
+    spare = 1 if graphs else 0
     kv = allocate_kv_cache(
         layers,
         model.num_attention_layers,
-        num_blocks + (1 if graphs else 0),
+        num_blocks + spare,
         plan.block_size,
         backend,
         kv_dtype,
         device,
+        None if window_blocks is None else window_blocks + spare,
     )
     graph_inputs = None
     if graphs:
@@ -191,6 +201,7 @@ def build_model_runner(
             -(-plan.max_model_len // plan.block_size),
             plan.block_size,
             scratch_block=num_blocks,
+            window_scratch_block=window_blocks,
             device=device,
             lora=model.max_loras > 0,
             # One state slot past the residents' takes the spare rows' state updates.

@@ -1,4 +1,6 @@
-"""`KVWindow`: the KV blocks of a sequence whose every attention layer slides (torch-free).
+"""`KVWindow`: the KV blocks of a sequence whose every attention layer slides, or of its
+sliding layers where others attend fully (their blocks then in a pool of their own: the
+scheduler's window group) (torch-free).
 
 A query at position p of such a model reads keys p - W + 1 .. p only (W: its layers' widest
 window), so the blocks before the window of a sequence's next query are never read again.
@@ -63,9 +65,10 @@ class KVWindow:
         """The first block that a query at or after position `committed` reads."""
         return max(0, committed - self.window + 1) // self.block_size
 
-    def release(self, kv: SequenceKV, pool: BlockPool) -> None:
-        """Give back the sequence's blocks before its next query's window (held back for it)."""
-        first = self.first_seen(kv.committed)
+    def release(self, kv: SequenceKV, pool: BlockPool, committed: int) -> None:
+        """Give back the blocks before the window of the sequence's next query, at or after
+        `committed` (held back for it)."""
+        first = self.first_seen(committed)
         if first > kv.released:
             pool.release(kv.blocks[kv.released : first], keep_reserved=True)
             kv.reserved += first - kv.released

@@ -34,7 +34,8 @@ from inflight.runtime.host.scheduler import Scheduler
 
 class OutputProcessor:
     """`publish_blocks`: the context cache is on (and the model's KV prefixes reusable): full
-    blocks become findable once a completed step has written them."""
+    blocks become findable once a completed step has written them (in the window group's pool
+    too, `window_blocks`, where the sequence still holds the block there)."""
 
     def __init__(
         self,
@@ -44,10 +45,12 @@ class OutputProcessor:
         features: Sequence[RowFeature],
         decoding: Decoding,
         publish_blocks: bool,
+        window_blocks: BlockPool | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.blocks = blocks
+        self.window_blocks = window_blocks  # the window group's pool, if any
         self.features = tuple(features)
         # The features that take tokens in: each output token of every row visits them.
         self._accepting = tuple(f for f in features if type(f).accept is not RowFeature.accept)
@@ -172,6 +175,10 @@ class OutputProcessor:
             )
             # If another block already holds this digest, ours stays private.
             self.blocks.publish(kv.blocks[i], digest)
+            window = kv.window
+            if window is not None and window.released <= i < len(window.blocks):
+                assert self.window_blocks is not None
+                self.window_blocks.publish(window.blocks[i], digest)
             kv.digests.append(digest)
 
     def _accept(self, r: Resident, sampled: SampledRow, result: StepResult) -> bool:

@@ -38,6 +38,9 @@ class SequenceKV:
     digests: list[bytes] = field(default_factory=list)
     released: int = 0
     reserved: int = 0
+    # Where some layers slide and others do not: the sliding layers' blocks, in the window
+    # group's pool, as a sliding-window model's are (their progress is this sequence's).
+    window: SequenceKV | None = None
 
     @property
     def held(self) -> list[int]:

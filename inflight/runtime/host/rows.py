@@ -42,6 +42,12 @@ class ScheduledRow:
     def block_table(self) -> np.ndarray:
         return self.resident.kv.table
 
+    @property
+    def window_table(self) -> np.ndarray | None:
+        """The sliding layers' table, where the window group keeps their KV apart."""
+        window = self.resident.kv.window
+        return None if window is None else window.table
+
     def work(self) -> ScheduledSequence:
         return ScheduledSequence(
             self.resident.ref,

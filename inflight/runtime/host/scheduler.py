@@ -15,7 +15,11 @@ commits it: the rows' computed lengths advance, and each sampling row counts its
 A model whose every attention layer slides (its `KVWindow`) reserves a bounded number of
 blocks per sequence instead: each step first gives back the blocks before its residents'
 windows, cuts their prompt chunks to the window's `chunk`, and hands its rows the blocks their
-new tokens need; its sequences share no prompt blocks (see `kv_window.py`).
+new tokens need; its sequences share no prompt blocks (see `kv_window.py`). A model whose layers
+only partly slide keeps its sliding layers' KV so in a pool of its own (the window group:
+`window_group`, `window_blocks`), beside its full layers' blocks, which it reserves whole: a
+sequence has a table in each; a cached prefix serves as far as the sliding layers' blocks of
+its last window are cached in their pool too.
 """
 
 from __future__ import annotations
@@ -82,6 +86,10 @@ class Reservation:
     # leased), and the blocks the pool holds back for each sequence's later tokens.
     released: int = 0
     reserved: tuple[int, ...] = ()
+    # The window group's: each sequence's blocks in its pool, and as above.
+    window_blocks: tuple[list[int], ...] = ()
+    window_released: int = 0
+    window_reserved: tuple[int, ...] = ()
 
 
 class Scheduler:
@@ -99,6 +107,8 @@ class Scheduler:
         max_num_tokens: int,
         served_options: frozenset[str] = frozenset(),
         window: KVWindow | None = None,
+        window_group: KVWindow | None = None,
+        window_blocks: BlockPool | None = None,
     ) -> None:
         self.id = next(_scheduler_ids)  # what the intents it checks name
         self.blocks = blocks
@@ -112,6 +122,9 @@ class Scheduler:
         self.max_num_tokens = max_num_tokens
         self.served_options = served_options  # the request options of the table it serves
         self.window = window  # where every attention layer slides
+        # Where only some do: how their KV follows their window, in a pool of its own.
+        self.window_group = window_group
+        self.window_blocks = window_blocks
         self.residents: dict[ResidentRef, Resident] = {}
 
     # -- admission ------------------------------------------------------------------------------
@@ -167,7 +180,9 @@ class Scheduler:
         # The n sequences share the full blocks of the prompt but its last token (which each
         # computes itself, so that each draws its first token from its own row).
         shared = 0
-        if params.n > 1 and self.prefill.shares_prefix and window is None:
+        # (Not where some layers slide: each sequence computes its prompt's sliding KV.)
+        sliding = window is not None or self.window_group is not None
+        if params.n > 1 and self.prefill.shares_prefix and not sliding:
             shared = (len(prompt) - 1) // self.blocks.block_size
         total = blocks + (params.n - 1) * (blocks - shared)
         if total > self.blocks.num_blocks:
@@ -205,6 +220,13 @@ class Scheduler:
         if self._looks_up(request):
             root = root_digest(request.lora_name)
             hits, digests = self.context_cache.match(request.prompt_token_ids, root, request.media)
+        group, window_hits = self.window_group, []
+        if group is not None:
+            assert self.window_blocks is not None
+            count, window_hits = self._window_hits(digests)
+            hits, digests = hits[:count], digests[:count]
+            if self.window_blocks.num_free < n * group.quota:  # whatever it leases
+                return None
         if window is None:
             fresh = intent.blocks_needed - len(hits)
             revived = sum(1 for block in hits if not pool.in_use(block))
@@ -242,8 +264,44 @@ class Scheduler:
             self._unclaim(request, held, refs)
             raise
         assert all(len(b) == intent.sequence_blocks for b in blocks)
-        return Reservation(
+        reservation = Reservation(
             request, intent, tuple(refs), tuple(blocks), len(hits), tuple(digests), tuple(held)
+        )
+        if group is not None:
+            reservation = self._hold_back_window(reservation, group, window_hits)
+        return reservation
+
+    def _window_hits(self, digests: list[bytes]) -> tuple[int, list[int]]:
+        """Of a cached prefix (its blocks' `digests`), how many blocks serve a model whose
+        layers only partly slide: those whose last window's blocks the window group's pool
+        holds too; and those blocks of its pool."""
+        group, pool = self.window_group, self.window_blocks
+        assert group is not None and pool is not None
+        for count in range(len(digests), 0, -1):
+            first = group.first_seen(count * pool.block_size)
+            found = [pool.lookup(digest) for digest in digests[first:count]]
+            if None not in found:
+                return count, [block for block in found if block is not None]
+        return 0, []
+
+    def _hold_back_window(
+        self, reservation: Reservation, group: KVWindow, hits: list[int]
+    ) -> Reservation:
+        """The window group's part of a reservation: its cached blocks of the prefix's last
+        window leased, and each sequence's quota, less those, held back in its pool."""
+        pool, n = self.window_blocks, reservation.request.params.n
+        assert pool is not None
+        skipped = group.first_seen(reservation.cached_blocks * pool.block_size)
+        for block in hits:
+            pool.lease(block)
+        reserved = (group.quota - len(hits), *[group.quota] * (n - 1))
+        if not pool.reserve(sum(reserved)):
+            raise RuntimeError("the window group's pool lost the room that admission counted")
+        return replace(
+            reservation,
+            window_blocks=([0] * skipped + hits, *[[] for _ in range(n - 1)]),
+            window_released=skipped,
+            window_reserved=reserved,
         )
 
     def _claim(
@@ -339,6 +397,15 @@ class Scheduler:
             zip(reservation.refs, reservation.blocks, strict=True)
         ):
             start = cached if index == 0 else shared
+            window_kv = None
+            if reservation.window_blocks:
+                taken = reservation.window_blocks[index]
+                window_kv = SequenceKV(
+                    taken,
+                    np.asarray(taken, dtype=np.int64),
+                    released=reservation.window_released if index == 0 else 0,
+                    reserved=reservation.window_reserved[index],
+                )
             kv = SequenceKV(
                 blocks,
                 np.asarray(blocks, dtype=np.int64),
@@ -347,6 +414,7 @@ class Scheduler:
                 digests=list(reservation.digests) if index == 0 else [],
                 released=reservation.released if index == 0 else 0,
                 reserved=reservation.reserved[index] if reservation.reserved else 0,
+                window=window_kv,
             )
             resident = Resident(
                 ref,
@@ -379,16 +447,20 @@ class Scheduler:
 
     def schedule(self, step_id: int) -> ScheduledStep | None:
         """Step `step_id`'s rows (None when there is nothing to compute), committed as planned."""
-        window = self.window
+        window, group = self.window, self.window_group
         decodes: list[Resident] = []
         prefilling: list[Resident] = []
         for r in self.residents.values():
             (prefilling if r.prefilling else decodes).append(r)
             if window is not None:
-                window.release(r.kv, self.blocks)
+                window.release(r.kv, self.blocks, r.kv.committed)
+            if r.kv.window is not None:
+                assert group is not None and self.window_blocks is not None
+                group.release(r.kv.window, self.window_blocks, r.kv.committed)
         rows, budget = self.decoding.plan(decodes, self.max_num_tokens - len(decodes))
         prefills: list[ScheduledRow] = []
-        longest = self.max_num_tokens if window is None else window.chunk
+        sliding = window or group
+        longest = self.max_num_tokens if sliding is None else sliding.chunk
         for r in prefilling:
             if budget <= 0:
                 break
@@ -409,6 +481,12 @@ class Scheduler:
         if window is not None:
             for row in rows:
                 window.grow(row.resident.kv, row.resident.computed, self.blocks)
+        if group is not None:
+            assert self.window_blocks is not None
+            for row in rows:
+                kv = row.resident.kv
+                assert kv.window is not None
+                group.grow(kv.window, row.resident.computed, self.window_blocks)
         return ScheduledStep(step_id, rows) if rows else None
 
     @staticmethod
@@ -431,6 +509,11 @@ class Scheduler:
         del self.residents[resident.ref]
         self.blocks.release(resident.kv.held)
         self.blocks.unreserve(resident.kv.reserved)
+        window = resident.kv.window
+        if window is not None:
+            assert self.window_blocks is not None
+            self.window_blocks.release(window.held)
+            self.window_blocks.unreserve(window.reserved)
         self.slots.release(resident.ref)
         for feature in self.features:
             feature.evict(resident)

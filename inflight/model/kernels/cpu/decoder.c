@@ -89,7 +89,9 @@ typedef struct {
        none) */
     Linear qkv, o, gate_up, down;
     float *k_cache, *v_cache;
-    int64_t window; /* its attention window (0: full attention) */
+    int64_t kv_stride_h; /* of its caches (a sliding layer's pool may hold fewer blocks) */
+    int64_t window; /* its attention window (0: full attention; else it reads the window_
+                       slots and tables) */
     const Moe *moe; /* its experts, or NULL: a dense MLP */
 } Layer;
 
@@ -109,7 +111,12 @@ typedef struct {
     const float *cos_, *sin_; /* [tokens, head_dim] */
     const int64_t *slots;
     const int32_t *block_tables, *query_start, *seq_lens; /* of the step's `rows` rows */
-    int64_t bt_stride, block_size, max_seq_len, kv_stride_h;
+    int64_t bt_stride, block_size, max_seq_len;
+    /* The sliding layers' slots and tables (where their KV is in a pool of its own; else the
+       same as slots and block_tables) */
+    const int64_t *window_slots;
+    const int32_t *window_block_tables;
+    int64_t window_bt_stride;
     int64_t threads;
     /* Mixtures of experts (NULL without): the routers (a route_fn); expert_in and expert_out
        [tokens, hidden]: an expert's tokens gathered and its output; pair_tokens and
@@ -290,12 +297,16 @@ int decoder_step(const Step *s, const Layer *layers, float *x, float *residual) 
             q_stride = q_size;
             k_stride = kv_size;
         }
+        const int sliding = l->window > 0;
         ((store_kv_fn)s->store_kv)(k, k_stride, d, qkv + q_size + kv_size, qkv_n, d, l->k_cache,
-                                   l->v_cache, s->kv_stride_h, s->slots, t, s->kv_heads, d);
+                                   l->v_cache, l->kv_stride_h,
+                                   sliding ? s->window_slots : s->slots, t, s->kv_heads, d);
         status = ((attention_fn)s->attention)(
-            q, q_stride, d, l->k_cache, l->v_cache, s->kv_stride_h, s->block_tables,
-            s->bt_stride, s->query_start, s->seq_lens, s->rows, s->heads, s->kv_heads, d,
-            s->block_size, s->max_seq_len, l->window, s->scale, attn, q_size, d, threads);
+            q, q_stride, d, l->k_cache, l->v_cache, l->kv_stride_h,
+            sliding ? s->window_block_tables : s->block_tables,
+            sliding ? s->window_bt_stride : s->bt_stride, s->query_start, s->seq_lens, s->rows,
+            s->heads, s->kv_heads, d, s->block_size, s->max_seq_len, l->window, s->scale, attn,
+            q_size, d, threads);
         if (status) break;
         if ((status = run_linear(s, &l->o, attn, x))) break;
         rms_norm(x, hidden, residual, hidden, h, residual, l->post_norm, t, hidden, s->eps,

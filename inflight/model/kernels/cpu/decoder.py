@@ -162,6 +162,7 @@ class _Layer(ctypes.Structure):
         ("down", _Linear),
         ("k_cache", _p),
         ("v_cache", _p),
+        ("kv_stride_h", _i64),
         ("window", _i64),
         ("moe", _p),
     ]
@@ -189,7 +190,10 @@ class _Step(ctypes.Structure):
         ("block_tables", _p),
         ("query_start", _p),
         ("seq_lens", _p),
-        *((name, _i64) for name in ("bt_stride", "block_size", "max_seq_len", "kv_stride_h")),
+        *((name, _i64) for name in ("bt_stride", "block_size", "max_seq_len")),
+        ("window_slots", _p),
+        ("window_block_tables", _p),
+        ("window_bt_stride", _i64),
         ("threads", _i64),
         ("route", _p),
         *((name, _p) for name in ("expert_in", "expert_out", "pair_weights")),
@@ -310,6 +314,7 @@ class DecoderStep:
             elif layer.moe is None:
                 raise ValueError("a decoder layer without experts needs its MLP")
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            entry.kv_stride_h = k_cache.stride(0)
             entry.window = layer.window or 0
             linears += [entry.qkv, entry.o, entry.gate_up, entry.down]
             if layer.moe is not None:
@@ -342,7 +347,6 @@ class DecoderStep:
             head_dim=head_dim,
             eps=shape.eps,
             scale=shape.scale,
-            kv_stride_h=layers[0].kv_cache[0].stride(0),
             route=_address(self._callback),
         )
 
@@ -411,6 +415,15 @@ class DecoderStep:
         step.slots, step.block_tables = slots.data_ptr(), tables.data_ptr()
         step.query_start, step.seq_lens = starts.data_ptr(), seq_lens.data_ptr()
         step.bt_stride = tables.stride(0)
+        # The sliding layers' view: its own where the window group keeps their KV apart.
+        window = meta if meta.window is None else meta.window
+        window_slots = window.slot_mapping.contiguous()
+        window_tables = window.block_tables.contiguous()
+        step.window_slots, step.window_block_tables = (
+            window_slots.data_ptr(),
+            window_tables.data_ptr(),
+        )
+        step.window_bt_stride = window_tables.stride(0)
         step.block_size, step.max_seq_len = meta.block_size, meta.max_seq_len
         step.threads = torch.get_num_threads()
         if self._experts:

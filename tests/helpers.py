@@ -230,7 +230,10 @@ class EagerGraphs(DecodeGraphs):
     def _capture(self, forward):
         # The CPU kernel sizes its scratch by the longest sequence, which the metadata of a
         # graph leaves open (the Triton kernel reads only seq_lens).
-        forward.args[0].attention.max_seq_len = self.max_seq_len
+        meta = forward.args[0].attention
+        for view in (meta, meta.window):  # the window group's too, where it has one
+            if view is not None:
+                view.max_seq_len = self.max_seq_len
         hidden = forward()
 
         class Replay:
@@ -246,6 +249,8 @@ def with_eager_graphs(runtime):
     graphs."""
     runner, config = runtime.executor.runner, runtime.plan
     blocks = runtime.blocks.num_blocks
+    # The window group's pool, where the sliding layers' KV is apart: a scratch block too.
+    window = None if runtime.window_blocks is None else runtime.window_blocks.num_blocks
     kv = allocate_kv_cache(
         runtime.checkpoint.config,
         runner.model.num_attention_layers,
@@ -254,6 +259,7 @@ def with_eager_graphs(runtime):
         runner.caches.backend,
         torch.float32,
         torch.device("cpu"),
+        None if window is None else window + 1,
     )
     # One state slot more, for the padding rows (a hybrid's).
     states = runner.model.allocate_states(
@@ -269,6 +275,7 @@ def with_eager_graphs(runtime):
         device=torch.device("cpu"),
         lora=runner.model.max_loras > 0,
         scratch_state=config.max_batch_size if states is not None else None,
+        window_scratch_block=window,
     )
     with torch.inference_mode():
         runner.graphs = EagerGraphs(

@@ -111,6 +111,26 @@ def test_fill_copies_rows_and_parks_spare_rows_on_the_scratch_block():
     assert meta.num_decodes == 4 and meta.slot_mapping.shape == (4,)
 
 
+def test_fill_copies_the_window_groups_tables_and_parks_spare_rows_on_its_scratch_block():
+    """Where the sliding layers' KV is in a pool of its own, their slots and tables have
+    buffers of their own, the spare rows on that pool's scratch block."""
+    inputs = DecodeInputs(
+        max_batch=8, max_blocks=4, block_size=16, scratch_block=99, device=CPU,
+        window_scratch_block=7,
+    )  # fmt: skip
+    rows = [
+        RowInput([11], 20, [5, 6], True, window_table=[0, 3]),
+        RowInput([12], 2, [9], True, window_table=[2]),
+    ]
+    inputs.fill(build_ragged_batch(rows, 16, CPU).forward, 4)
+    assert inputs.slot_mapping[:4].tolist() == [6 * 16 + 4, 9 * 16 + 2, 99 * 16, 99 * 16]
+    assert inputs.window_slot_mapping[:4].tolist() == [3 * 16 + 4, 2 * 16 + 2, 7 * 16, 7 * 16]
+    assert inputs.window_block_tables[:4, :2].tolist() == [[0, 3], [2, 0], [7, 0], [7, 0]]
+    meta = inputs.metadata(4)
+    assert meta.window.block_tables.data_ptr() == inputs.window_block_tables.data_ptr()
+    assert meta.for_window(12) is meta.window and meta.for_window(None) is meta
+
+
 def test_fill_writes_each_rows_state_slot_and_parks_spare_rows_on_the_scratch_slot():
     inputs = DecodeInputs(
         max_batch=8, max_blocks=4, block_size=16, scratch_block=99, device=CPU, scratch_state=8

@@ -14,7 +14,7 @@ from inflight.runtime.deployment import MachineFacts, ModelFacts, resolve
 from inflight.runtime.host.kv_window import KVWindow
 from inflight.runtime.runtime import Runtime
 
-from helpers import assert_no_leaks
+from helpers import assert_no_leaks, assert_same_outputs, run_staggered, with_eager_graphs
 from tiny_models import SLIDING_WINDOW, VOCAB
 
 
@@ -174,3 +174,29 @@ def test_a_partly_sliding_models_sliding_layers_hold_a_window_of_blocks(sliding_
     assert (first.cached_tokens, again.cached_tokens) == (0, 96)
     assert again.token_ids == first.token_ids
     assert_no_leaks(runtime)
+
+
+def test_the_window_group_replays_graphs_as_eager_steps(sliding_dirs, monkeypatch):
+    """A partly sliding model with decode graphs (replayed eagerly on the CPU, through the
+    window group's static buffers too) and overlapped steps: requests joining a running batch
+    give the tokens and logprobs of eager steps."""
+    options = dict(max_model_len=512, block_size=4, max_batch_size=4, quantization="none")
+    eager = Runtime(sliding_dirs["qwen3"], DeploymentOptions(**options))
+    graphed = with_eager_graphs(
+        Runtime(sliding_dirs["qwen3"], DeploymentOptions(**options, overlap=True))
+    )
+    assert graphed.window_blocks is not None
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2)
+    requests = [
+        GenerationRequest([(5 * i + 11 * k) % VOCAB for i in range(n)], params)
+        for k, n in enumerate((30, 7, 50, 18, 3))
+    ]
+    want = run_staggered(eager, requests)
+    planned, steps = [], []
+    backend, scheduler = graphed.executor.runner.caches.backend, graphed.scheduler
+    plan, schedule = backend.plan, scheduler.schedule
+    monkeypatch.setattr(backend, "plan", lambda meta: planned.append(meta) or plan(meta))
+    monkeypatch.setattr(scheduler, "schedule", lambda i: steps.append(i) or schedule(i))
+    assert_same_outputs(run_staggered(graphed, requests), want)
+    assert len(planned) < len(steps) / 2  # most steps replayed a graph
+    assert_no_leaks(graphed)

@@ -153,6 +153,16 @@ def assert_tracks(model, backend, ids, theirs, media=None, shift=0, delta=0, tol
         assert (ours[-1].double() - want[-1]).abs().max().item() < tol
 
 
+def assert_greedy_as(model, backend, ids, theirs, n: int = 24) -> None:
+    """`n` greedy tokens after `ids` through a paged sequence are those of `theirs` (the
+    reference's logits of a whole sequence), re-run on each token it picks."""
+    greedy = PagedSequence(model, backend, len(ids) + n).greedy(ids, n)
+    seq = list(ids)
+    for _ in range(n):
+        seq.append(int(theirs(seq)[-1].argmax()))
+    assert greedy == seq[len(ids) :]
+
+
 def prefill_logits(model, ids: list[int]) -> torch.Tensor:
     """Logits at every position of one sequence prefilled from an empty cache."""
     return PagedSequence(model, TorchAttentionBackend(), len(ids)).extend(ids)

@@ -23,6 +23,7 @@ from inflight.runtime.runtime import Runtime
 
 from helpers import (
     PagedSequence,
+    assert_greedy_as,
     assert_no_leaks,
     assert_same_outputs,
     assert_tracks,
@@ -79,11 +80,7 @@ def test_logits_and_greedy_match_transformers(gpt_oss_dirs, layout):
     _, model, backend = float32_model(path)
     for attention in (backend, TorchAttentionBackend()):
         assert_tracks(model, attention, PROMPT, theirs)
-    greedy = PagedSequence(model, backend, len(PROMPT) + 24).greedy(PROMPT, 24)
-    seq = list(PROMPT)
-    for _ in range(24):
-        seq.append(int(theirs(seq)[-1].argmax()))
-    assert greedy == seq[len(PROMPT) :]
+    assert_greedy_as(model, backend, PROMPT, theirs)
 
 
 def test_mxfp4_experts_load_as_the_float_values_they_store(gpt_oss_dirs):

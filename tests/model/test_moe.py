@@ -14,7 +14,7 @@ from inflight.runtime.deployment import MachineFacts, ModelFacts, resolve
 from inflight.runtime.runtime import Runtime
 
 from helpers import (
-    PagedSequence,
+    assert_greedy_as,
     assert_no_leaks,
     assert_same_outputs,
     assert_tracks,
@@ -45,11 +45,7 @@ def test_logits_and_greedy_match_transformers(moe_dirs, name):
 
     ids = [1] + [(29 * i + 7) % 300 + 3 for i in range(40)]
     assert_tracks(model, backend, ids, theirs)
-    greedy = PagedSequence(model, backend, len(ids) + 24).greedy(ids, 24)
-    seq = list(ids)
-    for _ in range(24):
-        seq.append(int(theirs(seq)[-1].argmax()))
-    assert greedy == seq[len(ids) :]
+    assert_greedy_as(model, backend, ids, theirs)
 
 
 def test_the_configs_say_which_layers_are_sparse(moe_dirs):

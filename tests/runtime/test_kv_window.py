@@ -30,6 +30,28 @@ def _hf_greedy(hf, prompt: list[int], n: int = 1900) -> list[int]:
     return tokens
 
 
+def _decode_alone(runtime, prompt, pool, sliding_kv):
+    """1,900 greedy tokens after `prompt`, the only request: its tokens; after each step, its
+    tokens emitted, the blocks of its sliding KV (`sliding_kv` of its SequenceKV) and of its
+    whole KV it holds; and the blocks `pool` has given out."""
+    residents = runtime.scheduler.residents
+    session = runtime.new_session()
+    params = SamplingParams(max_tokens=1900, temperature=0, ignore_eos=True)
+    admission = session.admit(GenerationRequest(prompt, params))
+    assert admission.answer is AdmissionAnswer.ADMITTED
+    tokens, held, taken = [], [], []
+    while session.residents():
+        result = session.step()
+        if admission.ref in result.deltas:
+            tokens += result.deltas[admission.ref].token_ids
+        if admission.ref in residents:
+            r = residents[admission.ref]
+            held.append((len(r.output), len(sliding_kv(r.kv).held), len(r.kv.held)))
+            taken.append(pool.num_blocks - pool.num_free)
+    session.finish()
+    return tokens, held, taken
+
+
 def test_the_quota_spans_the_window_and_two_chunks():
     """A sequence reserves its window before `committed` plus two rows of a chunk (half a
     window, at least a block and a decode row), or its whole length where that is shorter."""
@@ -68,28 +90,12 @@ def test_a_long_sequence_holds_a_window_of_blocks(sliding_dirs, overlap):
     options = dict(max_model_len=2048, block_size=4, num_kv_blocks=16, quantization="none")
     runtime = Runtime(path, DeploymentOptions(**options, overlap=overlap))
     assert runtime.scheduler.window == KVWindow(SLIDING_WINDOW, 4)
-    pool, residents = runtime.blocks, runtime.scheduler.residents
-    session = runtime.new_session()
-    request = GenerationRequest(
-        prompt, SamplingParams(max_tokens=1900, temperature=0, ignore_eos=True)
-    )
-    admission = session.admit(request)
-    assert admission.answer is AdmissionAnswer.ADMITTED
-    tokens, held, taken = [], [], []
-    while session.residents():
-        result = session.step()
-        if admission.ref in result.deltas:
-            tokens += result.deltas[admission.ref].token_ids
-        if admission.ref in residents:
-            r = residents[admission.ref]
-            held.append((len(r.output), len(r.kv.held)))
-            taken.append(pool.num_blocks - pool.num_free)
-    session.finish()
+    tokens, held, taken = _decode_alone(runtime, prompt, runtime.blocks, lambda kv: kv)
     assert tokens == want
     # Past its first tokens: until then its prompt's last chunk, in flight when the first
     # decode rows are planned (overlapped), is not committed, so blocks before it stay held.
-    assert max(n for emitted, n in held if emitted >= 4) == SLIDING_WINDOW // 4 + 1
-    assert max(n for _, n in held) <= 7 and set(taken) == {7}
+    assert max(n for emitted, n, _ in held if emitted >= 4) == SLIDING_WINDOW // 4 + 1
+    assert max(n for _, n, _ in held) <= 7 and set(taken) == {7}
     assert_no_leaks(runtime)
 
 
@@ -144,32 +150,20 @@ def test_a_partly_sliding_models_sliding_layers_hold_a_window_of_blocks(sliding_
     assert runtime.scheduler.window_group == KVWindow(SLIDING_WINDOW, 4)
     pool, window_pool = runtime.blocks, runtime.window_blocks
     assert window_pool.num_blocks == 2 * 7
-    residents = runtime.scheduler.residents
-    session = runtime.new_session()
-    params = SamplingParams(max_tokens=1900, temperature=0, ignore_eos=True)
-    admission = session.admit(GenerationRequest(prompt, params))
-    tokens, held, taken = [], [], []
-    while session.residents():
-        result = session.step()
-        if admission.ref in result.deltas:
-            tokens += result.deltas[admission.ref].token_ids
-        if admission.ref in residents:
-            r = residents[admission.ref]
-            held.append((len(r.output), len(r.kv.window.held), len(r.kv.held)))
-            taken.append(window_pool.num_blocks - window_pool.num_free)
-    session.finish()
+    tokens, held, taken = _decode_alone(runtime, prompt, window_pool, lambda kv: kv.window)
     assert tokens == want
     assert max(n for emitted, n, _ in held if emitted >= 4) == SLIDING_WINDOW // 4 + 1
     assert max(n for _, n, _ in held) <= 7 and set(taken) == {7}
     assert held[-1][2] == 500 and pool.num_blocks - pool.num_free == 0
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     # The long run has reused its window blocks many times over: its prompt's full layers'
     # blocks are cached, not its sliding layers' last window, so the prompt is computed again.
-    rerun = runtime.handle_request(GenerationRequest(prompt, replace(params, max_tokens=8)))
+    rerun = runtime.handle_request(GenerationRequest(prompt, params))
     output = rerun.result()
     assert output.cached_tokens == 0 and list(output.token_ids) == want[:8]
     # A short run leaves the last window of its prompt cached in the window group's pool.
     other = [(11 * i + 3) % VOCAB for i in range(99)]
-    short = GenerationRequest(other, replace(params, max_tokens=8))
+    short = GenerationRequest(other, params)
     first, again = (runtime.handle_request(short).result() for _ in range(2))
     assert (first.cached_tokens, again.cached_tokens) == (0, 96)
     assert again.token_ids == first.token_ids

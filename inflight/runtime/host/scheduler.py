@@ -125,6 +125,16 @@ class Scheduler:
         # Where only some do: how their KV follows their window, in a pool of its own.
         self.window_group = window_group
         self.window_blocks = window_blocks
+        # Each way a sequence's KV follows a window: the window, its pool, and whether it is
+        # the window group's (the sequence's `kv.window`) or the sequence's whole KV.
+        self._windows: list[tuple[KVWindow, BlockPool, bool]] = []
+        if window is not None:
+            self._windows.append((window, blocks, False))
+        if window_group is not None:
+            assert window_blocks is not None
+            self._windows.append((window_group, window_blocks, True))
+        # A prompt's chunks are cut to a window's `chunk` (its quota counts on it).
+        self._longest_chunk = min((w.chunk for w, _, _ in self._windows), default=max_num_tokens)
         self.residents: dict[ResidentRef, Resident] = {}
 
     # -- admission ------------------------------------------------------------------------------
@@ -447,20 +457,15 @@ class Scheduler:
 
     def schedule(self, step_id: int) -> ScheduledStep | None:
         """Step `step_id`'s rows (None when there is nothing to compute), committed as planned."""
-        window, group = self.window, self.window_group
         decodes: list[Resident] = []
         prefilling: list[Resident] = []
         for r in self.residents.values():
             (prefilling if r.prefilling else decodes).append(r)
-            if window is not None:
-                window.release(r.kv, self.blocks, r.kv.committed)
-            if r.kv.window is not None:
-                assert group is not None and self.window_blocks is not None
-                group.release(r.kv.window, self.window_blocks, r.kv.committed)
+            for window, pool, grouped in self._windows:
+                window.release(_sliding_kv(r, grouped), pool, r.kv.committed)
         rows, budget = self.decoding.plan(decodes, self.max_num_tokens - len(decodes))
         prefills: list[ScheduledRow] = []
-        sliding = window or group
-        longest = self.max_num_tokens if sliding is None else sliding.chunk
+        longest = self._longest_chunk
         for r in prefilling:
             if budget <= 0:
                 break
@@ -478,15 +483,9 @@ class Scheduler:
         for row in prefills:
             commit(row)
         rows += prefills
-        if window is not None:
+        for window, pool, grouped in self._windows:
             for row in rows:
-                window.grow(row.resident.kv, row.resident.computed, self.blocks)
-        if group is not None:
-            assert self.window_blocks is not None
-            for row in rows:
-                kv = row.resident.kv
-                assert kv.window is not None
-                group.grow(kv.window, row.resident.computed, self.window_blocks)
+                window.grow(_sliding_kv(row.resident, grouped), row.resident.computed, pool)
         return ScheduledStep(step_id, rows) if rows else None
 
     @staticmethod
@@ -522,6 +521,14 @@ class Scheduler:
         """The other live sequences of the resident's request."""
         request = resident.request
         return [r for r in self.residents.values() if r.request is request and r is not resident]
+
+
+def _sliding_kv(r: Resident, grouped: bool) -> SequenceKV:
+    """The KV of the resident's that follows a window: the window group's, or all of it."""
+    if not grouped:
+        return r.kv
+    assert r.kv.window is not None
+    return r.kv.window
 
 
 def _scores(r: Resident) -> bool:

@@ -160,26 +160,30 @@ def test_chunked_prefill_of_a_2000_token_prompt_keeps_decoders_going(tiny_dirs):
     assert_no_leaks(runtime)
 
 
-def test_a_sliding_model_leases_the_cached_blocks_of_its_window(sliding_dirs):
-    """Every layer slides over 12 tokens, blocks of 4. A prompt whose first 56 tokens are
-    cached (14 blocks) leases only the 3 blocks its first query's window reads (from token 44),
-    and prefills its tail after them. The running sequence that wrote them still holds them,
-    and gives them back as it decodes while the joiner holds them on. The tokens are the
-    cache-off runtime's, and nothing leaks."""
+@pytest.mark.parametrize("kind", ["mistral", "qwen3"])
+def test_a_sliding_model_leases_the_cached_blocks_of_its_window(sliding_dirs, kind):
+    """Every layer slides over 12 tokens (qwen3: every other one, its sliding layers' KV in
+    the window group's pool, its full layers' leased whole), blocks of 4. A prompt whose first
+    56 tokens are cached (14 blocks) leases only the 3 blocks its first query's window reads
+    (from token 44), and prefills its tail after them. The running sequence that wrote them
+    still holds them, and gives them back as it decodes while the joiner holds them on. The
+    tokens are the cache-off runtime's, and nothing leaks."""
     options = dict(max_model_len=256, block_size=4, quantization="none")
-    plain = Runtime(sliding_dirs["mistral"], DeploymentOptions(**options))
-    runtime = Runtime(
-        sliding_dirs["mistral"], DeploymentOptions(**options, enable_context_reuse=True)
-    )
+    plain = Runtime(sliding_dirs[kind], DeploymentOptions(**options))
+    runtime = Runtime(sliding_dirs[kind], DeploymentOptions(**options, enable_context_reuse=True))
     first, second = _req(range(3, 63), max_tokens=30), _req([*range(3, 59), 7, 8, 9], 30)
     session = runtime.new_session()
     ref = session.admit(first).ref
     while ref not in session.step().deltas:  # its prompt computed and published
         pass
     joiner = session.admit(second).ref
-    kv = runtime.scheduler.residents[joiner].kv
-    assert (kv.cached_tokens, kv.released, len(kv.held)) == (56, 11, 3)
-    assert set(kv.held) <= set(runtime.scheduler.residents[ref].kv.held)
+    residents = runtime.scheduler.residents
+    kv = residents[joiner].kv
+    sliding = kv.window or kv
+    assert (kv.cached_tokens, sliding.released, len(sliding.held)) == (56, 11, 3)
+    assert set(sliding.held) <= set((residents[ref].kv.window or residents[ref].kv).held)
+    if kind == "qwen3":
+        assert kv.held[:14] == residents[ref].kv.held[:14]  # the full layers' prefix, leased
     outputs = {}
     while session.residents():
         for done, snapshot in session.step().finished.items():

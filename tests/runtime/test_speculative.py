@@ -217,20 +217,22 @@ def test_tiny_models_rejecting_most_drafts_still_decode_exactly(tiny_dirs, famil
     assert_no_leaks(spec)
 
 
-def test_a_sliding_model_rolls_back_drafts_within_its_window(sliding_dirs):
-    """Every layer slides over 12 tokens, blocks of 4, steps overlapped: random weights
+@pytest.mark.parametrize("kind", ["mistral", "qwen3"])
+def test_a_sliding_model_rolls_back_drafts_within_its_window(sliding_dirs, kind):
+    """Every layer slides over 12 tokens (qwen3: every other one, its sliding layers' KV in
+    the window group's pool), blocks of 4, steps overlapped: random weights
     reject nearly every draft, so rows roll their KV back to the first rejection (which the
     window still holds: blocks are given back only before the committed tokens' window), rows
     planned on drafts in flight are voided, and the blocks before the window go back as the
     sequence grows. The output is the plain runtime's, logprobs too; nothing leaks."""
     config = dict(max_model_len=512, block_size=4, quantization="none", enable_context_reuse=False)
     lookup = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
-    plain = Runtime(sliding_dirs["mistral"], DeploymentOptions(**config))
+    plain = Runtime(sliding_dirs[kind], DeploymentOptions(**config))
     spec = Runtime(
-        sliding_dirs["mistral"],
+        sliding_dirs[kind],
         DeploymentOptions(**config, speculative_config=lookup, overlap=True),
     )
-    assert spec.scheduler.window.decode_tokens == 4
+    assert (spec.scheduler.window or spec.scheduler.window_group).decode_tokens == 4
     prompt = [(7 * i) % VOCAB for i in range(VOCAB)]
     params = dict(temperature=0, max_tokens=160, ignore_eos=True, logprobs=1)
     got, want = _generate(spec, prompt, **params), _generate(plain, prompt, **params)

@@ -50,9 +50,8 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     app.add_exception_handler(ServerError, _on_server_error)
     app.add_exception_handler(RequestValidationError, _on_invalid)
     app.add_exception_handler(Exception, _on_crash)
-    routers = (openai.router, responses.router, anthropic.router, lora.router, pins.router)
-    for routes in (*routers, ops.router):
-        app.include_router(routes)
+    for routes in (openai, responses, anthropic, lora, pins, ops):
+        app.include_router(routes.router)
     warm_up.start(client.llm)
     return app
 

@@ -15,6 +15,7 @@ from inflight.server.errors import ServerError
 from inflight.server.parsers import REASONING_PARSERS, TOOL_PARSERS, MessageParser
 from inflight.server.parsers.calls import ToolSyntax
 from inflight.server.parsers.forced import ForcedCallsSyntax
+from inflight.server.parsers.harmony import HarmonyCalls, HarmonyChannels
 from inflight.server.parsers.hermes import HermesSyntax
 from inflight.server.parsers.reasoning import ReasoningSyntax
 from inflight.server.tools import ToolChoice, forced_constraint
@@ -48,6 +49,11 @@ class ChatSetup:
             raise ValueError(
                 f"--reasoning-parser {reasoning_parser!r} is not known; "
                 f"use one of {sorted(REASONING_PARSERS)}"
+            )
+        if tool_parser == "openai" and reasoning_parser != "openai_gptoss":
+            raise ValueError(
+                "--tool-call-parser openai reads gpt-oss's harmony messages: it needs "
+                "--reasoning-parser openai_gptoss"
             )
         templates = choose_templates(model_template, chat_template)
         syntax = TOOL_PARSERS[tool_parser]() if tool_parser else None
@@ -142,8 +148,12 @@ class ChatSetup:
                 tokenizer.decode(tail, skip_special_tokens=False)
             )
         auto = choice is not None and choice.mode == "auto"
+        reasoning = self.reasoning
+        if auto and isinstance(self.tool_syntax, HarmonyCalls):
+            # Harmony's calls are messages of their own: the channels' reader marks them.
+            reasoning = HarmonyChannels(calls=True)
         return MessageParser(
-            reasoning=self.reasoning,
+            reasoning=reasoning,
             thinking=thinking,
             tools=self.tool_syntax if auto else None,
             max_calls=None if choice is None or choice.parallel else 1,

@@ -321,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(TOOL_PARSERS),
         default=None,
         help='how tool calls are read from the output under tool_choice "auto" (which needs '
-        "one): hermes (<tool_call> JSON, Qwen2.5/Qwen3, the shipped template) or llama3_json",
+        "one): hermes (<tool_call> JSON, Qwen2.5/Qwen3, the shipped template), llama3_json, "
+        "or openai (gpt-oss's harmony calls, with --reasoning-parser openai_gptoss)",
     )
     serve.add_argument(
         "--enable-auto-tool-choice",
@@ -332,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--reasoning-parser",
         choices=sorted(REASONING_PARSERS),
         default=None,
-        help="split the reasoning (<think>...</think>) into the message's reasoning fields",
+        help="split the reasoning (<think>...</think>; gpt-oss's analysis channel) into the "
+        "message's reasoning fields",
     )
     serve.add_argument(
         "--warmup-prompts",

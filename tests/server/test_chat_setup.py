@@ -66,6 +66,8 @@ def test_parsers_the_model_cannot_serve_are_refused_at_start():
         ChatSetup.create(CHATML, None, "pythonic", None)
     with pytest.raises(ValueError, match="qwen3"):
         ChatSetup.create(CHATML, None, None, "deepseek")
+    with pytest.raises(ValueError, match="needs --reasoning-parser openai_gptoss"):
+        ChatSetup.create(WITH_TOOLS, None, "openai", "qwen3")
 
 
 def test_chat_template_flag_takes_a_file_or_the_text(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 
 from inflight.server.parsers import MessageParser, ThinkTags, ToolCall
 from inflight.server.parsers.forced import ForcedCallsSyntax
-from inflight.server.parsers.harmony import HarmonyChannels
+from inflight.server.parsers.harmony import HarmonyCalls, HarmonyChannels
 from inflight.server.parsers.hermes import HermesSyntax
 from inflight.server.parsers.llama3_json import Llama3JsonSyntax
 
@@ -226,6 +226,35 @@ def test_harmony_replies(text, reasoning, content):
     every_cut(HARMONY, text)
 
 
+HARMONY_TOOLS = MessageParser(reasoning=HarmonyChannels(calls=True), tools=HarmonyCalls())
+HARMONY_CALL = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+    "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    '{"city": "Paris", "note": "<b>"}'
+)
+
+
+def test_harmony_calls_are_tool_calls_with_the_openai_parser():
+    """A message to `functions.NAME` is a call of NAME with its body as the arguments (its
+    `<|call|>` end is a stop token: not in the text); a preamble in the commentary channel and
+    the final answer stay content; without the parser the arguments are content."""
+    parsed = HARMONY_TOOLS.whole(HARMONY_CALL)
+    assert parsed.reasoning == "Need the weather."
+    assert parsed.tool_calls == [ToolCall("get_weather", '{"city": "Paris", "note": "<b>"}')]
+    assert parsed.content is None
+    every_cut(HARMONY_TOOLS, HARMONY_CALL)
+    two = (
+        "<|channel|>commentary<|message|>Checking both.<|end|>"
+        '<|start|>assistant to=functions.a<|channel|>commentary json<|message|>{"x": 1}<|call|>'
+        "<|start|>assistant<|channel|>commentary to=functions.b <|constrain|>json<|message|>{}"
+    )
+    parsed = HARMONY_TOOLS.whole(two)
+    assert parsed.content == "Checking both."
+    assert parsed.tool_calls == [ToolCall("a", '{"x": 1}'), ToolCall("b", "{}")]
+    every_cut(HARMONY_TOOLS, two)
+    assert HARMONY.whole(HARMONY_CALL).content == '{"city": "Paris", "note": "<b>"}'
+
+
 def test_tool_calls_are_read_from_the_content_only():
     text = (
         '<think>I could write <tool_call>{"name": "no"}</tool_call> here.</think>\n'
@@ -249,7 +278,7 @@ def test_plain_parser_passes_text_through():
 )
 def test_fragments_alone_never_fail(text):
     forced = MessageParser(tools=ForcedCallsSyntax("a", True))
-    for parser in (HERMES, LLAMA, QWEN3, HARMONY, forced):
+    for parser in (HERMES, LLAMA, QWEN3, HARMONY, HARMONY_TOOLS, forced):
         parser.whole(text)
         every_cut(parser, text)
 

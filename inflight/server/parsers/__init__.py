@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from inflight.server.parsers.calls import ToolCall, ToolSyntax
-from inflight.server.parsers.harmony import HarmonyChannels
+from inflight.server.parsers.harmony import HarmonyCalls, HarmonyChannels
 from inflight.server.parsers.hermes import HermesSyntax
 from inflight.server.parsers.llama3_json import Llama3JsonSyntax
 from inflight.server.parsers.message import MessageDelta, MessageParser, ParsedMessage
@@ -15,6 +15,7 @@ from inflight.server.parsers.reasoning import ReasoningSyntax, ThinkTags
 TOOL_PARSERS: dict[str, Callable[[], ToolSyntax]] = {
     "hermes": HermesSyntax,
     "llama3_json": Llama3JsonSyntax,
+    "openai": HarmonyCalls,  # gpt-oss's calls, with --reasoning-parser openai_gptoss
 }
 REASONING_PARSERS: dict[str, Callable[[], ReasoningSyntax]] = {
     "qwen3": ThinkTags,

@@ -2,7 +2,10 @@
 (`<|start|>assistant`, then `<|channel|>` and the channel's name, perhaps a recipient and a
 `<|constrain|>` type) and a body after `<|message|>` that `<|end|>`, `<|return|>` or `<|call|>`
 closes. The "analysis" channel's bodies are the reasoning; the others' ("final", and
-"commentary": preambles and tool calls' arguments) are the content.
+"commentary": preambles) are the content. A message addressed to a function (`to=functions.NAME`
+in its header) is a tool call, its body the arguments: with `calls` (`--tool-call-parser
+openai`, tool choice auto) it goes into the content as a call object between markers of its own
+that `HarmonyCalls` reads; without, its body is content.
 
 The markers are special tokens, so the text this reads keeps them (`keeps_special_tokens`). A
 reply that opens with no marker (a template that writes no harmony) is all content.
@@ -10,8 +13,11 @@ reply that opens with no marker (a template that writes no harmony) is all conte
 
 from __future__ import annotations
 
+import json
 import re
 
+from inflight.server.parsers.calls import CallSpan
+from inflight.server.parsers.hermes import split_marked
 from inflight.server.parsers.markers import held_back
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
@@ -19,11 +25,17 @@ ENDS = ("<|end|>", "<|return|>", "<|call|>")
 MARKERS = (START, CHANNEL, MESSAGE, "<|constrain|>", *ENDS)
 _END = re.compile("|".join(re.escape(end) for end in ENDS))
 REASONING_CHANNEL = "analysis"
+_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+# Where the content holds a call: no text a model writes holds these (its markers are gone).
+CALL_OPEN, CALL_CLOSE = "<|inflight_call|>", "<|/inflight_call|>"
 
 
 class HarmonyChannels:
     # The markers must reach `split`: the reply is decoded with its special tokens.
     keeps_special_tokens = True
+
+    def __init__(self, calls: bool = False) -> None:
+        self.calls = calls
 
     def thinks_from_prompt(self, prompt_tail: str) -> bool:
         """The model names each message's channel itself: a prompt never leaves it inside one."""
@@ -53,8 +65,13 @@ class HarmonyChannels:
                 at = len(text)
             else:
                 body, at = text[body_start : end.start()], end.end()
+            recipient = _RECIPIENT.search(header)
             if _channel(header) == REASONING_CHANNEL:
                 reasoning = [*(reasoning or []), body]
+            elif self.calls and recipient is not None:
+                name = json.dumps(recipient[1])
+                call = f'{CALL_OPEN}{{"name": {name}, "arguments": {body}'
+                content.append(call + (f"}}{CALL_CLOSE}" if final or end is not None else ""))
             else:
                 content.append(body)
         return (None if reasoning is None else "".join(reasoning)), "".join(content)
@@ -71,3 +88,13 @@ def _channel(header: str) -> str:
     "<|start|>assistant to=functions.f<|channel|>commentary json": "commentary")."""
     _, _, rest = header.partition(CHANNEL)
     return re.split(r"[\s<]", rest.strip(), maxsplit=1)[0]
+
+
+class HarmonyCalls:
+    """The calls `HarmonyChannels(calls=True)` left in the content (`--tool-call-parser
+    openai`, which needs `--reasoning-parser openai_gptoss`)."""
+
+    arguments_key = "arguments"
+
+    def split(self, text: str, final: bool) -> list[str | CallSpan]:
+        return split_marked(text, final, CALL_OPEN, CALL_CLOSE)

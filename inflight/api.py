@@ -244,7 +244,8 @@ class LLM:
             (request,) = self._requests(prompt, params, {"save_system_prompt_kv_cache": True})
             (output,) = self._run([request])
             ids.append(pin_id(request, block_size))
-            if ids[-1] not in {pin["id"] for pin in self.pinned_prefixes()}:
+            assert self._context_cache is not None  # a pin was served: the cache is on
+            if not self._context_cache.is_pinned(ids[-1]):
                 raise RuntimeError(
                     f"warm-up prompt {done} was not pinned (it ended {output.finish_reason!r})"
                 )

@@ -378,31 +378,30 @@ def resolve(
 
 def _kv_window(options: DeploymentOptions, model: ModelFacts) -> KVWindow | None:
     """How a sequence's blocks follow its window, where every attention layer of the model
-    slides; None where some layer reads the whole sequence, or a draft model keeps its own KV
-    in the same blocks (the draft's lags behind the target's)."""
-    spec = options.speculative_config
-    if model.kv_window is None or (spec is not None and spec.method == "draft_model"):
-        return None
-    drafts = 0 if spec is None else spec.num_speculative_tokens
-    return KVWindow(model.kv_window, options.block_size, 1 + drafts)
+    slides; None where some layer reads the whole sequence."""
+    return _following(options, model.kv_window)
 
 
 def _window_group(options: DeploymentOptions, model: ModelFacts) -> KVWindow | None:
     """How the sliding layers' KV follows their window, where only some layers slide: in a
     pool of its own (a quota a resident), so that a long sequence holds window-sized KV in those
     layers. None where every layer slides or none does, and where the KV is laid out as one
-    pool for every layer: a draft model's, a hybrid's, a tensor-parallel deployment's (their
-    steps carry one block table)."""
+    pool for every layer: a hybrid's, a tensor-parallel deployment's (their steps carry one
+    block table)."""
+    if model.recurrent or options.tensor_parallel_size > 1:
+        return None
+    return _following(options, model.sliding_group_window)
+
+
+def _following(options: DeploymentOptions, window: int | None) -> KVWindow | None:
+    """KV that follows a `window` (None: none), rows computing 1 + the drafts of speculative
+    decoding; None with a draft model, which keeps its own KV in the same blocks (the draft's
+    lags behind the target's)."""
     spec = options.speculative_config
-    if (
-        model.sliding_group_window is None
-        or (spec is not None and spec.method == "draft_model")
-        or model.recurrent
-        or options.tensor_parallel_size > 1
-    ):
+    if window is None or (spec is not None and spec.method == "draft_model"):
         return None
     drafts = 0 if spec is None else spec.num_speculative_tokens
-    return KVWindow(model.sliding_group_window, options.block_size, 1 + drafts)
+    return KVWindow(window, options.block_size, 1 + drafts)
 
 
 def ifb_unsupported_reason(plan: DeploymentPlan) -> str | None:

@@ -108,22 +108,14 @@ def _attend(
     each query over the last `window` keys up to its own; with `sinks`, as `_attend_sinks`."""
     qlen, seq_len = q.shape[0], keys.shape[1]
     if sinks is not None:
-        rows = torch.arange(qlen, device=q.device)[:, None] + past
-        keys_at = torch.arange(seq_len, device=q.device)[None, :]
-        visible = keys_at <= rows
-        if window is not None:
-            visible &= keys_at > rows - window
+        visible = _visible(qlen, seq_len, past, window, q.device)
         return _attend_sinks(q, keys, values, visible, scale, sinks)
     if qlen == 1 and (window is None or seq_len <= window):
         mask, causal = None, False  # one query sees every key
     elif past == 0 and window is None:
         mask, causal = None, True
     else:
-        rows = torch.arange(qlen, device=q.device)[:, None] + past
-        keys_at = torch.arange(seq_len, device=q.device)[None, :]
-        mask, causal = keys_at <= rows, False
-        if window is not None:
-            mask &= keys_at > rows - window
+        mask, causal = _visible(qlen, seq_len, past, window, q.device), False
     # 4-D [1, heads, tokens, dim]: the fused CPU kernel takes nothing else.
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
@@ -135,6 +127,19 @@ def _attend(
         enable_gqa=True,
     )
     return out[0].transpose(0, 1)
+
+
+def _visible(
+    qlen: int, seq_len: int, past: int, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """[Q, S]: whether query i (at position past + i) sees key j: j <= past + i, and with a
+    `window`, j > past + i - window."""
+    rows = torch.arange(qlen, device=device)[:, None] + past
+    keys_at = torch.arange(seq_len, device=device)[None, :]
+    visible = keys_at <= rows
+    if window is not None:
+        visible &= keys_at > rows - window
+    return visible
 
 
 def _attend_sinks(

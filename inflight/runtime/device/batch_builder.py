@@ -96,8 +96,14 @@ def build_ragged_batch(
     total = int(starts[-1])
     row_of = np.repeat(np.arange(len(rows)), query_lens)
     positions = np.arange(total) - np.repeat(starts[:-1] - past, query_lens)
-    tables, slots, contiguous = _tables([r.block_table for r in rows], needed, row_of, positions,
-                                        block_size)  # fmt: skip
+    layout = (needed, row_of, positions, block_size)
+    tables, slots, contiguous = _tables([r.block_table for r in rows], *layout)
+    # The sliding layers' own tables, where the window group keeps their KV apart.
+    window = None
+    if rows[0].window_table is not None:
+        window_tables = [r.window_table for r in rows]
+        assert all(table is not None for table in window_tables)
+        window = _tables(window_tables, *layout)
     input_ids = np.fromiter(chain.from_iterable(r.token_ids for r in rows), np.int64, total)
     if any(r.scores for r in rows):
         logits_indices = []
@@ -111,12 +117,16 @@ def build_ragged_batch(
         logits_indices = starts[1:][samples] - 1
     num_decodes = int(np.argmin(query_lens == 1)) if (query_lens != 1).any() else len(rows)
 
-    # Two copies to the device, one per dtype.
-    query_start_loc, seq_lens_t, tables_t = to_device_packed(
-        [starts, seq_lens, tables], torch.int32, device
+    # Two copies to the device, one per dtype (the window group's tables and slots in them).
+    extra = () if window is None else (window[0],)
+    query_start_loc, seq_lens_t, tables_t, *window_tables_t = to_device_packed(
+        [starts, seq_lens, tables, *extra], torch.int32, device
     )
-    input_ids_t, positions_t, slots_t, logits_t = to_device_packed(
-        [input_ids, positions, slots, np.asarray(logits_indices, np.int64)], torch.int64, device
+    extra = () if window is None else (window[1],)
+    input_ids_t, positions_t, slots_t, logits_t, *window_slots_t = to_device_packed(
+        [input_ids, positions, slots, np.asarray(logits_indices, np.int64), *extra],
+        torch.int64,
+        device,
     )
     meta = AttentionMetadata(
         query_start_loc=query_start_loc,
@@ -131,16 +141,12 @@ def build_ragged_batch(
         seq_lens_host=seq_lens.tolist(),
         contiguous_kv_host=contiguous,
     )
-    if rows[0].window_table is not None:
-        window_tables = [r.window_table for r in rows]
-        assert all(table is not None for table in window_tables)
-        tables, slots, contiguous = _tables(window_tables, needed, row_of, positions, block_size)
-        tables_t, slots_t = (
-            to_device_packed([tables], torch.int32, device)[0],
-            to_device_packed([slots], torch.int64, device)[0],
-        )
+    if window is not None:
         meta.window = replace(
-            meta, block_tables=tables_t, slot_mapping=slots_t, contiguous_kv_host=contiguous
+            meta,
+            block_tables=window_tables_t[0],
+            slot_mapping=window_slots_t[0],
+            contiguous_kv_host=window[2],
         )
     return RaggedBatch(ForwardBatch(input_ids_t, positions_t, meta), logits_t, row_index)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from inflight.protocol.request import MediaItem
@@ -56,14 +56,19 @@ def prefix_digests(
     block_size: int,
     root: bytes = b"",
     media: Sequence[MediaItem] = (),
-) -> list[bytes]:
-    """The chain digests of the first `blocks` full blocks of `prompt`."""
-    digests, parent = [], root
+) -> Iterator[bytes]:
+    """The chain digests of the first `blocks` full blocks of `prompt`, one at a time (a
+    lookup stops at its first miss)."""
+    parent = root
     for i in range(blocks):
         start, end = i * block_size, (i + 1) * block_size
         parent = chain_digest(parent, prompt[start:end], media_keys(media, start, end))
-        digests.append(parent)
-    return digests
+        yield parent
+
+
+def prefix_id(last_digest: bytes) -> str:
+    """A pinned prefix's id: the first 16 hex digits of its last block's chain digest."""
+    return last_digest.hex()[:16]
 
 
 @dataclass
@@ -77,9 +82,8 @@ class ContextCacheMetrics:
 
 @dataclass
 class PinnedPrefix:
-    """A pinned prefix: its id (the first 16 hex digits of its last block's chain digest), its
-    blocks and their digests, its length in tokens, and the prompt tokens that later lookups
-    found in its blocks."""
+    """A pinned prefix: its id (`prefix_id`), its blocks and their digests, its length in
+    tokens, and the prompt tokens that later lookups found in its blocks."""
 
     id: str
     blocks: list[int]
@@ -146,7 +150,7 @@ class ContextCache:
         """Pin the published blocks of a prefix, given its blocks' chain digests (a prefix
         already pinned stays as it is: its pin is returned); None where a digest is no longer
         published (the prefix's KV is gone) or the pins would pass `max_pinned_blocks`."""
-        pin_id = digests[-1].hex()[:16]
+        pin_id = prefix_id(digests[-1])
         with self._lock:
             if pin_id in self._pins:
                 return self._pins[pin_id]
@@ -187,6 +191,10 @@ class ContextCache:
             released, self._released = self._released, []
         for blocks in released:
             self.pool.release(blocks)
+
+    def is_pinned(self, pin_id: str) -> bool:
+        with self._lock:
+            return pin_id in self._pins
 
     def pinned(self) -> list[PinnedPrefix]:
         with self._lock:

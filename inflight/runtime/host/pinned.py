@@ -14,7 +14,12 @@ from __future__ import annotations
 import logging
 
 from inflight.protocol.request import GenerationRequest
-from inflight.runtime.host.context_cache import ContextCache, prefix_digests, root_digest
+from inflight.runtime.host.context_cache import (
+    ContextCache,
+    prefix_digests,
+    prefix_id,
+    root_digest,
+)
 from inflight.runtime.host.features import RowFeature
 from inflight.runtime.host.residents import Resident
 
@@ -33,14 +38,14 @@ def system_prompt_blocks(request: GenerationRequest, block_size: int) -> int:
 
 def pin_id(request: GenerationRequest, block_size: int) -> str:
     """The id the pin of the request's system prompt has (`PinnedPrefix.id`)."""
-    digests = prefix_digests(
+    *_, last = prefix_digests(
         request.prompt_token_ids,
         system_prompt_blocks(request, block_size),
         block_size,
         root_digest(request.lora_name),
         request.media,
     )
-    return digests[-1].hex()[:16]
+    return prefix_id(last)
 
 
 class PinnedPrefixes(RowFeature):
@@ -106,5 +111,4 @@ class PinnedPrefixes(RowFeature):
 
     def _pinned(self, request: GenerationRequest) -> bool:
         """Whether the request's system prompt is pinned already (it then takes no room)."""
-        wanted = pin_id(request, self.block_size)
-        return any(pin.id == wanted for pin in self.cache.pinned())
+        return self.cache.is_pinned(pin_id(request, self.block_size))

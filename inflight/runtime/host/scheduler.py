@@ -250,7 +250,7 @@ class Scheduler:
             return None
         held, refs = claimed
         if window is not None:
-            return self._hold_back(request, intent, window, hits, digests, held, refs)
+            return self._hold_back_all(request, intent, window, hits, digests, held, refs)
         taken: list[int] = []  # each block reference taken so far
         try:
             for block in hits:
@@ -299,19 +299,13 @@ class Scheduler:
     ) -> Reservation:
         """The window group's part of a reservation: its cached blocks of the prefix's last
         window leased, and each sequence's quota, less those, held back in its pool."""
-        pool, n = self.window_blocks, reservation.request.params.n
+        pool = self.window_blocks
         assert pool is not None
-        skipped = group.first_seen(reservation.cached_blocks * pool.block_size)
-        for block in hits:
-            pool.lease(block)
-        reserved = (group.quota - len(hits), *[group.quota] * (n - 1))
-        if not pool.reserve(sum(reserved)):
-            raise RuntimeError("the window group's pool lost the room that admission counted")
+        tokens = reservation.cached_blocks * pool.block_size
+        n = reservation.request.params.n
+        tables, skipped, reserved = _hold_back(pool, group, tokens, hits, group.quota, n)
         return replace(
-            reservation,
-            window_blocks=([0] * skipped + hits, *[[] for _ in range(n - 1)]),
-            window_released=skipped,
-            window_reserved=reserved,
+            reservation, window_blocks=tables, window_released=skipped, window_reserved=reserved
         )
 
     def _claim(
@@ -345,7 +339,7 @@ class Scheduler:
             self.slots.release(ref)
         self._unreserve(request, held)
 
-    def _hold_back(
+    def _hold_back_all(
         self,
         request: GenerationRequest,
         intent: AdmissionIntent,
@@ -359,17 +353,11 @@ class Scheduler:
         blocks in the first query's window leased, and each sequence's quota, less what it
         leased, held back in the pool for its later tokens (see kv_window.py)."""
         pool, n = self.blocks, request.params.n
-        skipped = window.first_seen(len(hits) * pool.block_size)
-        leased = hits[skipped:]
-        for block in leased:
-            pool.lease(block)
-        quota = intent.sequence_blocks
-        reserved = (quota - len(leased), *[quota] * (n - 1))
-        if not pool.reserve(sum(reserved)):
-            raise RuntimeError("the KV pool lost the room that admission counted")
-        # The first sequence's table starts at its first cached block; those before its
-        # window are stale entries, not held.
-        blocks = ([0] * skipped + leased, *[[] for _ in range(n - 1)])
+        tokens = len(hits) * pool.block_size
+        leased = hits[window.first_seen(tokens) :]
+        blocks, skipped, reserved = _hold_back(
+            pool, window, tokens, leased, intent.sequence_blocks, n
+        )
         return Reservation(
             request,
             intent,
@@ -506,13 +494,10 @@ class Scheduler:
     def evict(self, resident: Resident) -> None:
         """Unseat a resident and give its KV blocks, its slot and what its features held back."""
         del self.residents[resident.ref]
-        self.blocks.release(resident.kv.held)
-        self.blocks.unreserve(resident.kv.reserved)
-        window = resident.kv.window
-        if window is not None:
+        _give_back(resident.kv, self.blocks)
+        if resident.kv.window is not None:
             assert self.window_blocks is not None
-            self.window_blocks.release(window.held)
-            self.window_blocks.unreserve(window.reserved)
+            _give_back(resident.kv.window, self.window_blocks)
         self.slots.release(resident.ref)
         for feature in self.features:
             feature.evict(resident)
@@ -521,6 +506,29 @@ class Scheduler:
         """The other live sequences of the resident's request."""
         request = resident.request
         return [r for r in self.residents.values() if r.request is request and r is not resident]
+
+
+def _hold_back(
+    pool: BlockPool, window: KVWindow, hit_tokens: int, leased: list[int], quota: int, n: int
+) -> tuple[tuple[list[int], ...], int, tuple[int, ...]]:
+    """Where KV follows a window: `leased` (the cached blocks of the first query's window, the
+    prefix being `hit_tokens` long) leased in `pool`, and each of the n sequences' quota, less
+    those, held back there for its later tokens. The sequences' tables (the first's starts at
+    its first cached block: those before its window are stale entries, not held), how many
+    entries it skips, and what is held back for each."""
+    skipped = window.first_seen(hit_tokens)
+    for block in leased:
+        pool.lease(block)
+    reserved = (quota - len(leased), *[quota] * (n - 1))
+    if not pool.reserve(sum(reserved)):
+        raise RuntimeError("a KV pool lost the room that admission counted")
+    return ([0] * skipped + leased, *[[] for _ in range(n - 1)]), skipped, reserved
+
+
+def _give_back(kv: SequenceKV, pool: BlockPool) -> None:
+    """Release a sequence's blocks in `pool`, and what the pool held back for it."""
+    pool.release(kv.held)
+    pool.unreserve(kv.reserved)
 
 
 def _sliding_kv(r: Resident, grouped: bool) -> SequenceKV:

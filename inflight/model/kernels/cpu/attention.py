@@ -20,11 +20,9 @@ def library() -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.paged_attention.argtypes = [
         p, i64, i64, p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64,
-        ctypes.c_float, p, i64, i64, ctypes.c_int,
+        ctypes.c_float, p, i64, i64, ctypes.c_int, p,
     ]  # fmt: skip
     lib.paged_attention.restype = ctypes.c_int
-    lib.paged_attention_sinks.argtypes = [*lib.paged_attention.argtypes, p]
-    lib.paged_attention_sinks.restype = ctypes.c_int
     lib.store_kv.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, p, i64, i64, i64]
     lib.store_kv.restype = None
     return lib
@@ -68,21 +66,20 @@ def paged_attention(
     tables = meta.block_tables.contiguous()
     starts = meta.query_start_loc.contiguous()
     seq_lens = meta.seq_lens.contiguous()
-    extra = ()
-    if sinks is not None:
-        if sinks.dtype != torch.float32 or sinks.shape != (q.shape[1],) or sinks.stride(0) != 1:
-            raise ValueError(
-                f"sinks must be float32 [{q.shape[1]}], got {sinks.dtype} {tuple(sinks.shape)}"
-            )
-        extra = (sinks.data_ptr(),)
-    kernel = lib.paged_attention if sinks is None else lib.paged_attention_sinks
-    status = kernel(
+    if sinks is not None and (
+        sinks.dtype != torch.float32 or sinks.shape != (q.shape[1],) or sinks.stride(0) != 1
+    ):
+        raise ValueError(
+            f"sinks must be float32 [{q.shape[1]}], got {sinks.dtype} {tuple(sinks.shape)}"
+        )
+    status = lib.paged_attention(
         q.data_ptr(), q.stride(0), q.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
         tables.data_ptr(), tables.stride(0), starts.data_ptr(), seq_lens.data_ptr(),
         len(meta.query_lens_host), q.shape[1], kv_heads, head_dim, meta.block_size,
         meta.max_seq_len, window or 0, scale,
-        out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads(), *extra,
+        out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads(),
+        None if sinks is None else sinks.data_ptr(),
     )  # fmt: skip
     if status == -1:
         raise ValueError(f"the CPU attention kernel needs a head_dim multiple of 8, got {head_dim}")

@@ -293,7 +293,7 @@ typedef struct {
    `window` keys up to its own; sinks (NULL: none): a logit per query head that joins every
    softmax of the head's as one more score and adds nothing to the sum of values (gpt-oss). 0,
    or -1 for a head_dim the kernel cannot take, -2 when out of memory. */
-int paged_attention_sinks(
+int paged_attention(
     const float *q, int64_t q_stride_t, int64_t q_stride_h,
     const float *k_cache, const float *v_cache, int64_t kv_stride_h,
     const int32_t *block_tables, int64_t bt_stride, const int32_t *query_start,
@@ -364,21 +364,6 @@ int paged_attention_sinks(
     }
     free(tiles);
     return failed;
-}
-
-/* paged_attention_sinks without sinks (the decoder step's kernel). */
-int paged_attention(
-    const float *q, int64_t q_stride_t, int64_t q_stride_h,
-    const float *k_cache, const float *v_cache, int64_t kv_stride_h,
-    const int32_t *block_tables, int64_t bt_stride, const int32_t *query_start,
-    const int32_t *seq_lens, int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-    int64_t block_size, int64_t max_seq_len, int64_t window, float scale,
-    float *out, int64_t out_stride_t, int64_t out_stride_h, int threads)
-{
-    return paged_attention_sinks(q, q_stride_t, q_stride_h, k_cache, v_cache, kv_stride_h,
-                                 block_tables, bt_stride, query_start, seq_lens, rows, q_heads,
-                                 kv_heads, head_dim, block_size, max_seq_len, window, scale, out,
-                                 out_stride_t, out_stride_h, threads, NULL);
 }
 
 /* Store the step's new keys and values, k and v [tokens, kv_heads, head_dim] (any token and

@@ -41,7 +41,7 @@ typedef int (*attention_fn)(const float *q, int64_t q_stride_t, int64_t q_stride
                             int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                             int64_t block_size, int64_t max_seq_len, int64_t window,
                             float scale, float *out, int64_t out_stride_t, int64_t out_stride_h,
-                            int threads);
+                            int threads, const float *sinks);
 /* Mixture-of-experts layer `layer`'s routing of the step's normed tokens (Step's h): each
    token's top_k expert weights [tokens, top_k] and indices (int64), and its shared expert's
    gate [tokens] (NULL: none), valid until the next call. Returns 0, or nonzero where it failed. */
@@ -306,7 +306,7 @@ int decoder_step(const Step *s, const Layer *layers, float *x, float *residual) 
             sliding ? s->window_block_tables : s->block_tables,
             sliding ? s->window_bt_stride : s->bt_stride, s->query_start, s->seq_lens, s->rows,
             s->heads, s->kv_heads, d, s->block_size, s->max_seq_len, l->window, s->scale, attn,
-            q_size, d, threads);
+            q_size, d, threads, NULL);
         if (status) break;
         if ((status = run_linear(s, &l->o, attn, x))) break;
         rms_norm(x, hidden, residual, hidden, h, residual, l->post_norm, t, hidden, s->eps,

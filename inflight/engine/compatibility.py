@@ -50,6 +50,7 @@ BATCH_FIELDS = (
     "params.speculative",
     "lora_name",
     "save_system_prompt_kv_cache",
+    "speech",
 )
 
 # Ruled by the options table: no runtime serves them yet, so a request asking for one is refused

@@ -173,6 +173,36 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class SpeechConfig:
+    """A text-to-speech model's side beside its talker decoder (Qwen3-TTS): the decoder reads
+    one embedding per position (projected text plus codec rows) and predicts a frame's first
+    codebook; a small code predictor fills the frame's other `num_code_groups - 1` codebooks;
+    the speech tokenizer's decoder turns frames into audio.
+
+    `kind` is `tts_model_type`: "custom_voice" (preset `speakers`, by codec row),
+    "voice_design" (a voice described by instructions) or "base" (a voice cloned from reference
+    audio through the speaker encoder). Special ids: text tokens (`text_ids`: im_start, im_end,
+    tts_pad, tts_bos, tts_eos) and codec rows (`codec_ids`: pad, bos, eos, think, nothink,
+    think_bos, think_eos). `dialects`: the language a dialect speaker switches to."""
+
+    kind: str
+    num_code_groups: int
+    text_vocab_size: int
+    text_hidden_size: int
+    text_ids: dict[str, int]
+    codec_ids: dict[str, int]
+    speakers: dict[str, int]
+    languages: dict[str, int]
+    dialects: dict[str, str]
+    code_predictor: ModelConfig
+    # The speech tokenizer's `decoder_config` and the speaker encoder's config, as in the
+    # checkpoint (their modules read them: model/speech/).
+    codec_decoder: dict[str, Any]
+    speaker_encoder: dict[str, Any] | None
+    sample_rate: int = 24000
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str
     vocab_size: int
@@ -200,6 +230,7 @@ class ModelConfig:
     audio: EncoderConfig | None = None  # audio input (Voxtral), if any
     mamba: MambaConfig | None = None  # hybrid Mamba2 layers (Bamba, NemotronH), if any
     moe: MoEConfig | None = None  # mixture-of-experts layers, if any
+    speech: SpeechConfig | None = None  # a text-to-speech model's (its output is audio)
 
     def __post_init__(self) -> None:
         if self.layer_windows and len(self.layer_windows) != self.num_layers:

@@ -39,6 +39,12 @@ REQUEST_OPTIONS: tuple[RequestOption, ...] = (
         "it needs a speech model, which this deployment does not have; ask for text",
     ),
     RequestOption(
+        "speech",
+        "text to speech (speech)",
+        None,
+        "it needs a text-to-speech model (Qwen3-TTS); this one writes text",
+    ),
+    RequestOption(
         "save_system_prompt_kv_cache",
         "system-prompt KV capture (save_system_prompt_kv_cache)",
         False,

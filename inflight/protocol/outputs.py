@@ -59,6 +59,10 @@ class StreamChunk:
     finished: bool = False
     finish_reason: str | None = None
     index: int = 0
+    # Speech: new audio (float32 little-endian samples at the model's rate) and the frames it
+    # decodes (one tuple of codebook codes each; their first codes are `token_ids`).
+    audio: bytes = b""
+    codes: list[tuple[int, ...]] = field(default_factory=list)
 
 
 def merge_chunks(chunks: Iterable[StreamChunk]) -> list[StreamChunk]:
@@ -77,11 +81,15 @@ def merge_chunks(chunks: Iterable[StreamChunk]) -> list[StreamChunk]:
                     chunk.finished,
                     chunk.finish_reason,
                     chunk.index,
+                    chunk.audio,
+                    list(chunk.codes),
                 )
             )
             continue
         last.token_ids += chunk.token_ids
         last.text += chunk.text
+        last.audio += chunk.audio
+        last.codes += chunk.codes
         if chunk.logprobs is not None:
             last.logprobs = [*(last.logprobs or []), *chunk.logprobs]
         last.prompt_tokens = max(last.prompt_tokens, chunk.prompt_tokens)

@@ -245,6 +245,56 @@ class MediaItem:
 
 
 @dataclass(frozen=True)
+class SpeechParams:
+    """What a speech request asks beside its text (its prompt, as the model reads it; its
+    `params` sample each frame's first code, and `max_tokens` counts frames).
+
+    `voice`: a preset speaker of a custom-voice model (None: the model's default voice, or
+    the one the instructions or the reference audio give). `language`: one of the model's, or
+    "auto". `instruction_token_ids`: the instructions as the model reads them (voice design,
+    style), set by the input processor. `reference_audio`: a base model's voice to clone, mono
+    float samples at `reference_sample_rate`. `subtalker_*`: the code predictor's sampling of
+    a frame's other codebooks (`subtalker_sample=False`: greedy)."""
+
+    voice: str | None = None
+    language: str = "auto"
+    instruction_token_ids: tuple[int, ...] = ()
+    reference_audio: Any = field(default=None, repr=False, compare=False)
+    reference_sample_rate: int = 24000
+    # All the text in the prompt (True), or one text token joining each of the first frames
+    # (False); None: as the model's kind does by default (the package's `non_streaming_mode`).
+    text_in_prompt: bool | None = None
+    subtalker_sample: bool = True
+    subtalker_temperature: float = 0.9
+    subtalker_top_k: int = 50
+    subtalker_top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "instruction_token_ids", tuple(self.instruction_token_ids))
+        t = self.subtalker_temperature
+        if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
+            raise RequestFieldError(
+                f"subtalker_temperature must be > 0, got {t!r}", "subtalker_temperature"
+            )
+        if not is_int(self.subtalker_top_k) or self.subtalker_top_k < 0:
+            raise RequestFieldError(
+                f"subtalker_top_k must be an integer >= 0 (0: off), got {self.subtalker_top_k!r}",
+                "subtalker_top_k",
+            )
+        p = self.subtalker_top_p
+        if not isinstance(p, int | float) or isinstance(p, bool) or not 0 < p <= 1:
+            raise RequestFieldError(
+                f"subtalker_top_p must be in (0, 1], got {p!r}", "subtalker_top_p"
+            )
+        if not is_int(self.reference_sample_rate) or self.reference_sample_rate <= 0:
+            raise RequestFieldError(
+                "reference_sample_rate must be a positive integer, "
+                f"got {self.reference_sample_rate!r}",
+                "reference_sample_rate",
+            )
+
+
+@dataclass(frozen=True)
 class AdmissionIntent:
     """What a runtime's check of a request found it needs, so that admission takes it without
     checking again: its output budget, the KV blocks of each of its n sequences
@@ -279,6 +329,7 @@ class GenerationRequest:
     past_trajectory: Sequence[Any] | None = None  # trajectory execution
     media: Sequence[MediaItem] = ()  # images and audio clips in the prompt, in prompt order
     system_prompt_tokens: int | None = None
+    speech: SpeechParams | None = None  # text to speech: the voice, and more (a speech model)
     intent: AdmissionIntent | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:

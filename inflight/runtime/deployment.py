@@ -43,6 +43,7 @@ class ModelFacts:
     experts: bool = False  # mixture-of-experts layers
     media: tuple[str, ...] = ()  # the kinds of media it takes
     mrope: bool = False  # M-RoPE positions (Qwen2-VL)
+    speech: bool = False  # a text-to-speech model: its output is audio
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,23 @@ def _kv_cache_dtype(d: Deployment) -> str | None:
     return None
 
 
+def _speech(d: Deployment) -> str | None:
+    """A text-to-speech model's steps run its talker, code predictor and codec decoder: none
+    of the text decoder's extras."""
+    if not d.model.speech:
+        return None
+    o = d.options
+    for on, what, flag in (
+        (o.enable_lora, "LoRA", "enable_lora=False"),
+        (o.speculative_config is not None, "speculative decoding", "no speculative_config"),
+        (d.tensor_parallel, "tensor parallelism", "tensor_parallel_size=1"),
+        (o.quantization not in ("auto", "none"), f"quantization={o.quantization!r}", "none"),
+    ):
+        if on:
+            return f"{what} is not served for a text-to-speech model; start with {flag}"
+    return None
+
+
 def _draft_model(d: Deployment) -> str | None:
     if d.draft is not None and d.draft.vocab_size != d.model.vocab_size:
         return (
@@ -248,6 +266,7 @@ RULES: tuple[Rule, ...] = (
     _quantization,
     _attention,
     _kv_cache_dtype,
+    _speech,
     _draft_model,
 )
 
@@ -262,6 +281,7 @@ STEPPED: dict[str, str | None] = {
     "recurrent": None,
     "tensor_parallel": None,
     "structured_outputs": None,
+    "speech": None,
 }
 
 
@@ -303,6 +323,8 @@ class DeploymentPlan:
         """The request options of the options table this deployment serves: LoRA where it is
         on; pinned system prompts where the context cache is and the model's KV prefixes are
         reusable (a hybrid's hold no recurrent state)."""
+        if self.model.speech:
+            return frozenset({"speech"})
         served = {"lora_name"} if self.options.enable_lora else set()
         if self.options.enable_context_reuse and not self.model.recurrent:
             served.add("save_system_prompt_kv_cache")
@@ -352,6 +374,7 @@ def resolve(
         ("media", bool(model.media)),
         ("recurrent", model.recurrent),
         ("tensor_parallel", d.tensor_parallel),
+        ("speech", model.speech),
     ):
         if on:
             features.append(name)

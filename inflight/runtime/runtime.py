@@ -71,6 +71,7 @@ def model_facts(config: ModelConfig) -> ModelFacts:
         experts=config.moe is not None,
         media=tuple(encoder.kind for encoder in config.encoders),
         mrope=config.rope.mrope_section is not None,
+        speech=config.speech is not None,
     )
 
 

@@ -3,13 +3,14 @@
 import pytest
 
 from inflight.protocol.options import OPTION_FIELDS, REQUEST_OPTIONS, check_runtime_serves
-from inflight.protocol.request import GenerationRequest, RequestFieldError
+from inflight.protocol.request import GenerationRequest, RequestFieldError, SpeechParams
 
 ASKING = {
     "lora_name": "adapter",
     "generate_audio": True,
     "save_system_prompt_kv_cache": True,
     "past_trajectory": [1],
+    "speech": SpeechParams(voice="vivian"),
 }
 
 

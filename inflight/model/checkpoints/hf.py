@@ -16,6 +16,11 @@ from inflight.model import registry
 from inflight.model.checkpoints.tokenizer import SpecialTokens, Tokenizer
 from inflight.model.config import ModelConfig
 
+# Subdirectories holding a component of the model, each a config.json and safetensors of its
+# own (Qwen3-TTS's speech tokenizer): the config joins the model's as "<name>_config", the
+# tensors its weights as "<name>.<tensor>".
+COMPONENTS = ("speech_tokenizer",)
+
 
 class HFCheckpoint:
     def __init__(self, path: Path) -> None:
@@ -23,6 +28,8 @@ class HFCheckpoint:
         if not (path / "config.json").is_file():
             raise ValueError(f"model directory {path} has no config.json")
         self.raw_config = self._json("config.json")
+        for name in self._components():
+            self.raw_config[f"{name}_config"] = self._json(f"{name}/config.json")
         self.generation_config = self._json("generation_config.json", {})
 
     def _json(self, name: str, default: Any = None) -> Any:
@@ -37,18 +44,13 @@ class HFCheckpoint:
         """Parsed by the family registered for its `architectures`."""
         return registry.config_from_hf(self.raw_config)
 
+    def _components(self) -> list[str]:
+        return [name for name in COMPONENTS if (self.path / name / "config.json").is_file()]
+
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        index = self.path / "model.safetensors.index.json"
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = sorted(p.name for p in self.path.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"model directory {self.path} has no *.safetensors weights")
-        for name in files:
-            with safe_open(str(self.path / name), framework="pt") as shard:
-                for key in shard.keys():  # noqa: SIM118 (a safetensors handle is no dict)
-                    yield key, shard.get_tensor(key)
+        yield from _safetensors(self.path, "")
+        for name in self._components():
+            yield from _safetensors(self.path / name, f"{name}.")
 
     def tokenizer(self) -> Tokenizer:
         if not (self.path / "tokenizer.json").is_file():
@@ -88,6 +90,20 @@ class HFCheckpoint:
         gen = self.generation_config
         keys = ("temperature", "top_p", "top_k", "repetition_penalty")
         return {k: gen[k] for k in keys if gen.get(k) is not None}
+
+
+def _safetensors(path: Path, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {path} has no *.safetensors weights")
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as shard:
+            for key in shard.keys():  # noqa: SIM118 (a safetensors handle is no dict)
+                yield prefix + key, shard.get_tensor(key)
 
 
 def _token_text(token: Any) -> str | None:

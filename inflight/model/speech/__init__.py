@@ -1,0 +1,1 @@
+"""Speech models: the parts of text-to-speech models (Qwen3-TTS) that are numerics only."""

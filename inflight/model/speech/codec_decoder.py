@@ -1,0 +1,444 @@
+"""The decoder of Qwen3-TTS's 12 Hz speech tokenizer: codec frames (one code from each of the
+`num_quantizers` codebooks per frame) to a 24 kHz waveform, `samples_per_frame` (1920) samples
+per frame.
+
+The path: a split residual VQ (the first codebook and the rest each summed in their own space,
+then projected to `codebook_dim`) -> a causal conv -> a small transformer with causal
+sliding-window attention -> transposed-conv upsampling with ConvNeXt blocks -> a conv stack of
+upsampling blocks with SnakeBeta activations -> one channel, clamped to [-1, 1].
+
+Everything is causal: a frame's samples depend only on it and the frames before it, so
+decoding a prefix gives a prefix of the samples, and a streaming caller can decode a window
+whose first frames serve only as left context (`decode_window`).
+
+Parameters keep the names of the reference's decoder (`decoder.` stripped from the names a
+speech tokenizer checkpoint holds), so its tensors load one by one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inflight.model.weights import copy_weights
+
+
+@dataclass(frozen=True)
+class CodecDecoderConfig:
+    """The decoder's shape. Defaults are the reference config class's, except `codebook_dim`
+    (which that class lacks; 512 is the published checkpoint's) and `head_dim` (derived as
+    hidden_size // num_attention_heads when a config omits it, as the reference does).
+    A checkpoint's `decoder_config` overrides some of them (copies of the published one give
+    hidden_size 512, intermediate_size 1024, head_dim 64): build from it, not from defaults."""
+
+    codebook_size: int = 2048
+    codebook_dim: int = 512  # the width the split VQ projects its two sums to
+    num_quantizers: int = 16  # code groups per frame; the first is the "semantic" one
+    latent_dim: int = 1024  # the conv path's width around the transformer
+    hidden_size: int = 1024  # the transformer's width
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 16
+    head_dim: int = 64
+    intermediate_size: int = 3072
+    sliding_window: int = 72  # frames a query sees, itself included
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    upsample_rates: tuple[int, ...] = (8, 5, 4, 3)  # the conv decoder's blocks
+    upsampling_ratios: tuple[int, ...] = (2, 2)  # the transposed convs after the transformer
+    decoder_dim: int = 1536
+
+    def __post_init__(self) -> None:
+        if self.num_quantizers < 2:
+            raise ValueError("the split VQ needs at least 2 quantizers (1 semantic + the rest)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (only 'silu')")
+        if self.decoder_dim % 2 ** len(self.upsample_rates):
+            raise ValueError("decoder_dim must halve evenly once per upsample rate")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CodecDecoderConfig:
+        """From the `decoder_config` of a speech tokenizer's `config.json`; a missing key takes
+        the default, and keys the decoder does not use are ignored."""
+        if int(d.get("num_semantic_quantizers", 1)) != 1:
+            raise ValueError("only one semantic quantizer is supported")
+        for key in ("rope_scaling", "rope_parameters"):
+            rope = d.get(key) or {}
+            if rope.get("rope_type", rope.get("type", "default")) != "default":
+                raise ValueError(f"unsupported {key} {rope!r}: the decoder uses plain RoPE")
+        known = {f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {k: v for k, v in d.items() if k in known and v is not None}
+        if "rope_theta" not in kwargs and "rope_theta" in (d.get("rope_parameters") or {}):
+            kwargs["rope_theta"] = d["rope_parameters"]["rope_theta"]
+        for key in ("upsample_rates", "upsampling_ratios"):
+            if key in kwargs:
+                kwargs[key] = tuple(kwargs[key])
+        if "head_dim" not in kwargs:
+            hidden = kwargs.get("hidden_size", cls.hidden_size)
+            kwargs["head_dim"] = hidden // kwargs.get(
+                "num_attention_heads", cls.num_attention_heads
+            )
+        return cls(**kwargs)
+
+    @property
+    def samples_per_frame(self) -> int:
+        """Output samples per codec frame: every upsampling stage multiplies the length."""
+        return math.prod(self.upsampling_ratios) * math.prod(self.upsample_rates)
+
+
+# --- convolutions -------------------------------------------------------------------------
+
+
+class _CausalConv(nn.Module):
+    """A stride-1 conv padded on the left only, so the length is kept and no output sees a
+    later input. (The reference also computes a right padding for strided convs; it is zero
+    at stride 1, the only stride this decoder uses.)"""
+
+    def __init__(self, cin: int, cout: int, kernel: int, dilation: int = 1, groups: int = 1):
+        super().__init__()
+        self.conv = nn.Conv1d(cin, cout, kernel, dilation=dilation, groups=groups)
+        self.left = (kernel - 1) * dilation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.pad(x, (self.left, 0)))
+
+
+class _CausalTransConv(nn.Module):
+    """A transposed conv trimmed on the right to exactly `stride` outputs per input: the
+    trimmed tail would change once the next input arrives."""
+
+    def __init__(self, cin: int, cout: int, kernel: int, stride: int):
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
+        self.trim = kernel - stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return y[..., : y.shape[-1] - self.trim] if self.trim else y
+
+
+class _SnakeBeta(nn.Module):
+    """x + sin^2(a x) / b per channel, with a and b stored as logarithms."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(channels))
+        self.beta = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha = self.alpha.exp()[None, :, None]
+        beta = self.beta.exp()[None, :, None]
+        return x + (1.0 / (beta + 1e-9)) * torch.sin(x * alpha).pow(2)
+
+
+class _ConvNeXt(nn.Module):
+    """Causal depthwise conv, then a per-frame MLP over channels, scaled and added back."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dwconv = _CausalConv(dim, dim, 7, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.dwconv(x).transpose(1, 2)
+        h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
+        return x + (self.gamma * h).transpose(1, 2)
+
+
+class _ResidualUnit(nn.Module):
+    def __init__(self, dim: int, dilation: int):
+        super().__init__()
+        self.act1 = _SnakeBeta(dim)
+        self.conv1 = _CausalConv(dim, dim, 7, dilation=dilation)
+        self.act2 = _SnakeBeta(dim)
+        self.conv2 = _CausalConv(dim, dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv2(self.act2(self.conv1(self.act1(x))))
+
+
+class _UpsampleBlock(nn.Module):
+    """Halve the channels while upsampling by `rate`, then three dilated residual units."""
+
+    def __init__(self, cin: int, rate: int):
+        super().__init__()
+        cout = cin // 2
+        units = [_ResidualUnit(cout, dilation) for dilation in (1, 3, 9)]
+        self.block = nn.ModuleList([_SnakeBeta(cin), _CausalTransConv(cin, cout, 2 * rate, rate)])
+        self.block.extend(units)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.block:
+            x = layer(x)
+        return x
+
+
+# --- the split residual VQ ----------------------------------------------------------------
+
+
+class _Codebook(nn.Module):
+    """A codebook kept as EMA statistics: an entry is its summed vectors over its usage."""
+
+    def __init__(self, size: int, dim: int):
+        super().__init__()
+        self.cluster_usage = nn.Parameter(torch.ones(size))
+        self.embedding_sum = nn.Parameter(torch.zeros(size, dim))
+
+    def table(self) -> torch.Tensor:
+        # The clamp keeps entries that were (almost) never used finite.
+        return self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None]
+
+
+class _ResidualVQ(nn.Module):
+    """Sums one code per codebook in `dim` and projects the sum to `out_dim`."""
+
+    def __init__(self, count: int, size: int, dim: int, out_dim: int):
+        super().__init__()
+        # Only the encoder uses input_proj; it is here because checkpoints hold it.
+        self.input_proj = nn.Conv1d(out_dim, dim, 1, bias=False)
+        self.output_proj = nn.Conv1d(dim, out_dim, 1, bias=False)
+        # The nesting (vq.layers.i._codebook) only mirrors the checkpoint's names.
+        self.vq = nn.Module()
+        self.vq.layers = nn.ModuleList(
+            nn.ModuleDict({"_codebook": _Codebook(size, dim)}) for _ in range(count)
+        )
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        """[B, count, n] codes -> [B, out_dim, n]."""
+        total = 0
+        for i, layer in enumerate(self.vq.layers):
+            total = total + F.embedding(codes[:, i], layer["_codebook"].table())
+        return self.output_proj(total.transpose(1, 2))
+
+
+class _SplitVQ(nn.Module):
+    def __init__(self, config: CodecDecoderConfig):
+        super().__init__()
+        c = config
+        self.rvq_first = _ResidualVQ(1, c.codebook_size, c.codebook_dim // 2, c.codebook_dim)
+        self.rvq_rest = _ResidualVQ(
+            c.num_quantizers - 1, c.codebook_size, c.codebook_dim // 2, c.codebook_dim
+        )
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.rvq_first(codes[:, :1]) + self.rvq_rest(codes[:, 1:])
+
+
+# --- the transformer ----------------------------------------------------------------------
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()  # the statistics in float32 whatever the weights' dtype
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class _LayerScale(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE with the rotated pairs split into halves (x[i], x[i + d/2])."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: CodecDecoderConfig):
+        super().__init__()
+        heads, kv, d, bias = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.attention_bias,
+        )
+        self.q_proj = nn.Linear(c.hidden_size, heads * d, bias=bias)
+        self.k_proj = nn.Linear(c.hidden_size, kv * d, bias=bias)
+        self.v_proj = nn.Linear(c.hidden_size, kv * d, bias=bias)
+        self.o_proj = nn.Linear(heads * d, c.hidden_size, bias=bias)
+        self.head_dim, self.groups = d, heads // kv
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        b, n, _ = x.shape
+
+        def heads(proj: nn.Linear) -> torch.Tensor:
+            return proj(x).view(b, n, -1, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.q_proj), heads(self.k_proj), heads(self.v_proj)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.groups > 1:
+            k = k.repeat_interleave(self.groups, dim=1)
+            v = v.repeat_interleave(self.groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: CodecDecoderConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: CodecDecoderConfig):
+        super().__init__()
+        self.self_attn = _Attention(c)
+        self.mlp = _MLP(c)
+        self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn_layer_scale = _LayerScale(c.hidden_size)
+        self.mlp_layer_scale = _LayerScale(c.hidden_size)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+        return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
+
+
+class _Transformer(nn.Module):
+    """[B, n, latent_dim] -> [B, n, latent_dim]; positions count from 0 at the first frame."""
+
+    def __init__(self, c: CodecDecoderConfig):
+        super().__init__()
+        self.config = c
+        self.input_proj = nn.Linear(c.latent_dim, c.hidden_size)
+        self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_hidden_layers))
+        self.norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.output_proj = nn.Linear(c.hidden_size, c.latent_dim)
+
+    def _rope(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Computed per call (in float32, then cast) rather than kept as a buffer: a buffer
+        # would not survive building on the meta device and loading a checkpoint.
+        d = self.config.head_dim
+        exponents = torch.arange(0, d, 2, dtype=torch.int64, device=like.device).float() / d
+        inv_freq = 1.0 / self.config.rope_theta**exponents
+        angles = torch.arange(n, device=like.device).float()[:, None] * inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        cos, sin = self._rope(n, x)
+        # Query i sees keys i - window + 1 .. i.
+        pos = torch.arange(n, device=x.device)
+        behind = pos[:, None] - pos[None, :]
+        mask = (behind >= 0) & (behind < self.config.sliding_window)
+        h = self.input_proj(x)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask)
+        return self.output_proj(self.norm(h))
+
+
+# --- the decoder --------------------------------------------------------------------------
+
+
+class CodecDecoder(nn.Module):
+    """Codec frames [B, num_quantizers, n] -> waveform [B, n * samples_per_frame] in [-1, 1]."""
+
+    def __init__(self, config: CodecDecoderConfig):
+        super().__init__()
+        c = self.config = config
+        self.quantizer = _SplitVQ(c)
+        self.pre_conv = _CausalConv(c.codebook_dim, c.latent_dim, 3)
+        self.pre_transformer = _Transformer(c)
+        self.upsample = nn.ModuleList(
+            nn.ModuleList(
+                [_CausalTransConv(c.latent_dim, c.latent_dim, r, r), _ConvNeXt(c.latent_dim)]
+            )
+            for r in c.upsampling_ratios
+        )
+        blocks = [_UpsampleBlock(c.decoder_dim // 2**i, r) for i, r in enumerate(c.upsample_rates)]
+        out_dim = c.decoder_dim // 2 ** len(c.upsample_rates)
+        self.decoder = nn.ModuleList(
+            [
+                _CausalConv(c.latent_dim, c.decoder_dim, 7),
+                *blocks,
+                _SnakeBeta(out_dim),
+                _CausalConv(out_dim, 1, 7),
+            ]
+        )
+
+    @property
+    def samples_per_frame(self) -> int:
+        return self.config.samples_per_frame
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        """LongTensor [B, num_quantizers, n] -> [B, n * samples_per_frame] (parameter dtype)."""
+        if codes.dim() != 3 or codes.shape[1] != self.config.num_quantizers:
+            raise ValueError(
+                f"expected codes [batch, {self.config.num_quantizers}, frames], "
+                f"got {tuple(codes.shape)}"
+            )
+        h = self.pre_conv(self.quantizer(codes))  # [B, latent_dim, n]
+        h = self.pre_transformer(h.transpose(1, 2)).transpose(1, 2)
+        for trans_conv, convnext in self.upsample:
+            h = convnext(trans_conv(h))
+        for layer in self.decoder:
+            h = layer(h)
+        return h.clamp(-1.0, 1.0).squeeze(1)
+
+    @torch.no_grad()
+    def decode_window(self, codes: torch.Tensor, context: int) -> torch.Tensor:
+        """Decode frames [num_quantizers, n] whose first `context` only give left context:
+        the samples of the other n - context frames, [(n - context) * samples_per_frame].
+        Without autograd: this is the streaming caller's entry point."""
+        if not 0 <= context <= codes.shape[-1]:
+            raise ValueError(f"context {context} is outside the window's {codes.shape[-1]} frames")
+        return self(codes[None])[0, context * self.samples_per_frame :]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a speech tokenizer checkpoint's `decoder.*` tensors in (other names, such as
+        the encoder's, are skipped); a missing or unknown decoder tensor, or a shape that
+        differs, is a ValueError naming it."""
+        prefix = "decoder."
+        ours = ((k[len(prefix) :], v) for k, v in weights if k.startswith(prefix))
+        copy_weights(self, ours, "speech tokenizer decoder")
+
+    @classmethod
+    def from_weights(
+        cls,
+        config: CodecDecoderConfig,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> CodecDecoder:
+        """Build on the meta device (no random init of weights about to be overwritten), then
+        place on `device` in `dtype` and load `weights` (see `load_weights`)."""
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to(dtype=dtype).to_empty(device=device)
+        model.load_weights(weights)
+        return model.eval()

@@ -1,0 +1,34 @@
+"""What a speech model offers (torch-free). A speech request is a `GenerationRequest` with
+`SpeechParams` (request.py); its audio travels in `StreamChunk.audio` (outputs.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SpeechFacts:
+    """What a speech model offers, as callers and the server read it: its kind
+    (custom_voice, voice_design, base), voices, languages, sample rate and frame rate."""
+
+    kind: str
+    voices: tuple[str, ...]
+    languages: tuple[str, ...]
+    sample_rate: int
+    frames_per_second: float
+
+
+@dataclass(frozen=True)
+class SpeechOutput:
+    """A speech request's outcome: `audio`, its float32 little-endian mono samples at
+    `sample_rate`; `codes`, the frames they decode (one tuple of codebook codes each);
+    `finish_reason` "stop" (the model ended) or "length" (max_tokens frames)."""
+
+    audio: bytes
+    sample_rate: int
+    codes: tuple[tuple[int, ...], ...]
+    finish_reason: str
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.audio) // 4

@@ -1,0 +1,21 @@
+"""Which runtime a checkpoint gets: a text-to-speech model's (`speech/`), or the text one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
+from inflight.protocol.deployment import DeploymentOptions
+from inflight.runtime.runtime import Runtime
+from inflight.runtime.speech.runtime import SpeechRuntime
+
+
+def open_runtime(
+    model: str | Path | Checkpoint | None,
+    options: DeploymentOptions,
+    show_progress: bool = False,
+) -> Runtime | SpeechRuntime:
+    checkpoint = open_checkpoint(model)
+    if checkpoint.config.speech is not None:
+        return SpeechRuntime(checkpoint, options, show_progress)
+    return Runtime(checkpoint, options, show_progress)

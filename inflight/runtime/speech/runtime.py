@@ -1,0 +1,132 @@
+"""`SpeechRuntime`: a loaded text-to-speech model, its KV cache and resident slots, as the
+request engine drives it (the `ExecutionFactory` a `Runtime` is for text): it checks speech
+requests and opens one `SpeechSession` at a time."""
+
+from __future__ import annotations
+
+import torch
+
+from inflight.model.checkpoints.loader import Checkpoint
+from inflight.model.families.qwen3_tts import Qwen3TTSForSpeech
+from inflight.model.speech.speaker_encoder import SpeakerEncoderConfig
+from inflight.protocol.deployment import DeploymentOptions
+from inflight.protocol.request import GenerationRequest
+from inflight.protocol.speech import SpeechFacts
+from inflight.protocol.stepped import ExecutionCapabilities
+from inflight.runtime.deployment import resolve
+from inflight.runtime.device.machine import probe_machine
+from inflight.runtime.device.model_runner import build_model_runner
+from inflight.runtime.host.kv_cache import BlockPool
+from inflight.runtime.host.slots import ResidentSlots
+from inflight.runtime.runtime import PER_ROW_FIELDS, model_facts
+from inflight.runtime.speech.inputs import SpeechInputs
+from inflight.runtime.speech.prompt import prompt_positions
+from inflight.runtime.speech.session import SpeechSession
+
+FRAMES_PER_SECOND = 12.5  # the 12 Hz speech tokenizer's frame rate (24000 / 1920)
+
+
+class SpeechRuntime:
+    """Built from the deployment plan as a text runtime is; the parts a text runtime has that
+    speech has no use for (context cache, speculation, media) are None or empty."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        options: DeploymentOptions | None = None,
+        show_progress: bool = False,
+    ) -> None:
+        options = options or DeploymentOptions()
+        self.checkpoint = checkpoint
+        self.tokenizer = checkpoint.tokenizer
+        config = checkpoint.config
+        speech = config.speech
+        assert speech is not None
+        self.plan = plan = resolve(options, model_facts(config), probe_machine())
+        self.device = torch.device(plan.device)
+        self.dtype = getattr(torch, plan.dtype)
+        self.max_model_len = plan.max_model_len
+        self.blocks = BlockPool(plan.num_kv_blocks, plan.block_size)
+        self.slots = ResidentSlots(plan.max_batch_size)
+        self.context_cache = self.speculator = self.encoder_cache = None
+        self.media: dict[str, object] = {}
+        self.runner = build_model_runner(
+            checkpoint, plan, self.dtype, self.device, show_progress=show_progress
+        )
+        model = self.runner.model
+        assert isinstance(model, Qwen3TTSForSpeech)
+        self.model = model
+        self.facts = SpeechFacts(
+            kind=speech.kind,
+            voices=tuple(speech.speakers),
+            languages=tuple(speech.languages),
+            sample_rate=speech.sample_rate,
+            frames_per_second=speech.sample_rate / model.codec_decoder.config.samples_per_frame,
+        )
+        self.generator = torch.Generator(self.device)
+        if options.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(options.seed)
+        min_samples = 0
+        if speech.speaker_encoder is not None:
+            min_samples = SpeakerEncoderConfig.from_dict(speech.speaker_encoder).min_samples
+        self.inputs = SpeechInputs(
+            self.tokenizer,
+            self.facts,
+            id(self),
+            self.max_model_len,
+            plan.block_size,
+            min_samples,
+            lambda request: prompt_positions(speech, request),
+        )
+        self._session: SpeechSession | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.checkpoint.name
+
+    @property
+    def fault(self) -> str | None:
+        return None
+
+    @property
+    def capabilities(self) -> ExecutionCapabilities:
+        return ExecutionCapabilities(
+            stepped=True,
+            seated_admission=True,
+            max_batch_size=self.slots.capacity,
+            per_row_fields=PER_ROW_FIELDS | self.plan.served_options,
+        )
+
+    def check(self, request: GenerationRequest) -> GenerationRequest:
+        return self.inputs.check(request)
+
+    def new_session(self) -> SpeechSession:
+        if self._session is not None:
+            raise RuntimeError("a speech session is already open on this runtime")
+        self._session = SpeechSession(
+            self.model,
+            self.runner,
+            self.blocks,
+            self.slots,
+            self.generator,
+            max_num_tokens=self.plan.max_num_tokens,
+            on_finish=self._session_finished,
+        )
+        return self._session
+
+    def _session_finished(self) -> None:
+        self._session = None
+
+    def close(self) -> None:
+        """Nothing to stop: a speech runtime runs in this process alone."""
+
+    def register_lora(self, name: str, path: str) -> None:
+        raise ValueError("LoRA is not served for a text-to-speech model")
+
+    def unregister_lora(self, name: str) -> None:
+        raise KeyError(name)
+
+    def lora_names(self) -> list[str]:
+        return []

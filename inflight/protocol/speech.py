@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# How a frame's first code is sampled unless a request says: the package's defaults (its
+# generate_config.json's, where a checkpoint has none).
+SPEECH_SAMPLING = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05}
+
 
 @dataclass(frozen=True)
 class SpeechFacts:

@@ -172,15 +172,20 @@ class EngineClient:
         return Run(self, request)
 
     async def generate(
-        self, request: GenerationRequest, disconnected: Callable[[], Awaitable[bool]]
+        self,
+        request: GenerationRequest,
+        disconnected: Callable[[], Awaitable[bool]],
+        on_chunk: Callable[[StreamChunk], None] | None = None,
     ) -> RequestOutput:
-        """Run to the end; a client that disconnects meanwhile cancels the request."""
+        """Run to the end (`on_chunk` sees each chunk); a client that disconnects meanwhile
+        cancels the request."""
         run = self.run(request)
         await run.start()
 
         async def collect() -> None:
-            async for _ in run:
-                pass
+            async for chunk in run:
+                if on_chunk is not None:
+                    on_chunk(chunk)
 
         task = asyncio.ensure_future(collect())
         while not task.done():

@@ -45,7 +45,12 @@ def check_body(state: ServerState, body: BaseModel, model: str | None) -> str | 
     """The LoRA adapter `model` names (None: the base model); 404 for a name served by no
     model here; 400 naming the first field this server does not serve."""
     served = state.settings.served_model_name
-    adapters = state.client.llm.lora_adapters
+    llm = state.client.llm
+    if llm.speech_facts is not None:
+        raise ServerError(
+            400, f"{served} is a text-to-speech model: send text to POST /v1/audio/speech", "model"
+        )
+    adapters = llm.lora_adapters
     if model is not None and model != served and model not in adapters:
         names = ", ".join(repr(n) for n in [served, *adapters])
         raise ServerError(404, f"model {model!r} is not served here; served: {names}", "model")

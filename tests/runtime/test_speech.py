@@ -187,6 +187,28 @@ def test_a_stream_across_the_decoders_chunks_is_its_chunked_decode(tts):
     assert (torch.cat(parts) - expected).abs().max() <= 1e-5
 
 
+def test_reference_audio_may_be_a_wav_file_or_another_rate(voices):
+    import io
+    import wave
+
+    llm = voices["base"]
+    clip = (0.1 * np.random.default_rng(1).standard_normal(16000)).astype(np.float32)
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as f:
+        f.setnchannels(1), f.setsampwidth(2), f.setframerate(16000)
+        f.writeframes((clip * 32767).astype("<i2").tobytes())
+    from_wav = llm.prepare_speech(TEXT, reference_audio=buffer.getvalue())
+    from_samples = llm.prepare_speech(TEXT, reference_audio=clip, reference_sample_rate=16000)
+    for request in (from_wav, from_samples):
+        assert request.speech.reference_sample_rate == 24000
+        assert len(request.speech.reference_audio) == 24000
+    assert (
+        np.abs(from_wav.speech.reference_audio - from_samples.speech.reference_audio).max() < 1e-3
+    )
+    out = llm.speech(TEXT, greedy(5), reference_audio=buffer.getvalue())
+    assert len(out.codes) >= 1
+
+
 def session_of(llm):
     runtime = llm._live()
     return runtime, runtime.new_session()
@@ -307,12 +329,8 @@ def test_a_seeded_request_repeats_and_sampling_varies(voices):
         ("voice_design", TEXT, {}, "instructions"),
         ("base", TEXT, {}, "reference_audio"),
         ("base", TEXT, {"reference_audio": [0.0] * 100}, "reference_audio"),
-        (
-            "base",
-            TEXT,
-            {"reference_audio": [0.0] * 24000, "reference_sample_rate": 16000},
-            "reference_audio",
-        ),
+        ("base", TEXT, {"reference_audio": b"RIFF-not-a-wav"}, "reference_audio"),
+        ("base", TEXT, {"reference_audio": [float("nan")] * 24000}, "reference_audio"),
         ("custom_voice", TEXT, {"voice": "vivian", "subtalker_top_p": 0}, "subtalker_top_p"),
     ],
 )

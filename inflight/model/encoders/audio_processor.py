@@ -166,10 +166,11 @@ _ZERO_CROSSINGS = 16
 _RESAMPLE_BATCH = 16384
 
 
-def read_wav(data: bytes) -> np.ndarray:
-    """Mono float32 samples in [-1, 1] at 16 kHz from a WAV file's bytes: PCM of 8, 16, 24 or
-    32 bits, any channel count (averaged into one) and any sample rate (resampled, see
-    `resample`). Compressed or float WAVs, which `wave` cannot read, are a ValueError."""
+def read_wav(data: bytes, target: int = SAMPLE_RATE) -> np.ndarray:
+    """Mono float32 samples in [-1, 1] at `target` Hz (16 kHz: what the processor takes) from
+    a WAV file's bytes: PCM of 8, 16, 24 or 32 bits, any channel count (averaged into one) and
+    any sample rate (resampled, see `resample`). Compressed or float WAVs, which `wave` cannot
+    read, are a ValueError."""
     try:
         with wave.open(io.BytesIO(data)) as f:
             channels, width, rate = f.getnchannels(), f.getsampwidth(), f.getframerate()
@@ -196,18 +197,18 @@ def read_wav(data: bytes) -> np.ndarray:
     else:
         ints = np.frombuffer(raw, f"<i{width}")
     samples = ints.reshape(-1, channels).mean(axis=1) / float(1 << (8 * width - 1))
-    if rate != SAMPLE_RATE:
-        samples = resample(samples, rate)
+    if rate != target:
+        samples = resample(samples, rate, target)
     return samples.astype(np.float32)
 
 
-def resample(samples: np.ndarray, rate: int) -> np.ndarray:
-    """`samples` at `rate` Hz resampled to 16 kHz by windowed-sinc interpolation: each output
+def resample(samples: np.ndarray, rate: int, target: int = SAMPLE_RATE) -> np.ndarray:
+    """`samples` at `rate` Hz resampled to `target` by windowed-sinc interpolation: each output
     sample is a Hann-windowed sinc of the input samples around its instant, low-passed at the
     lower of the two Nyquist frequencies (no aliasing when downsampling), `_ZERO_CROSSINGS`
     sinc lobes each side; the weights of each output phase are normalized to sum to 1."""
-    g = math.gcd(rate, SAMPLE_RATE)
-    up, down = SAMPLE_RATE // g, rate // g
+    g = math.gcd(rate, target)
+    up, down = target // g, rate // g
     cutoff = 0.5 * min(1.0, up / down)  # in cycles per input sample
     half = math.ceil(_ZERO_CROSSINGS / (2 * cutoff))  # input samples each side
     offsets = np.arange(1 - half, half + 1)

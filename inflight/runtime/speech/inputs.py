@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from inflight.model.encoders.audio_processor import read_wav, resample
 from inflight.protocol.options import REQUEST_OPTIONS
 from inflight.protocol.request import (
     AdmissionIntent,
@@ -17,8 +18,9 @@ from inflight.protocol.request import (
     RequestFieldError,
     SamplingParams,
     SpeechParams,
+    is_int,
 )
-from inflight.protocol.speech import SpeechFacts
+from inflight.protocol.speech import SPEECH_SAMPLING, SpeechFacts
 from inflight.protocol.tokenizer import Tokenizer
 
 MAX_INPUT_CHARS = 4096  # OpenAI's limit on `input`
@@ -38,8 +40,6 @@ IGNORED_PARAMS = frozenset(
         "speculative",
     }
 )
-# The package's sampling (its generate_config.json, where a checkpoint has none).
-SPEECH_DEFAULTS = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05}
 
 
 class SpeechInputs:
@@ -85,7 +85,9 @@ class SpeechInputs:
         reference_sample_rate: int = 24000,
         **speech: Any,
     ) -> GenerationRequest:
-        """A checked speech request of `text` (`speech`: the other `SpeechParams` fields)."""
+        """A checked speech request of `text` (`speech`: the other `SpeechParams` fields).
+        `reference_audio`: samples at `reference_sample_rate` (resampled to the model's), or a
+        WAV file's bytes."""
         if not isinstance(text, str) or not text.strip():
             raise RequestFieldError("input must be non-empty text", "input")
         if len(text) > MAX_INPUT_CHARS:
@@ -100,8 +102,11 @@ class SpeechInputs:
             instruction_ids = self.tokenizer.encode(
                 f"<|im_start|>user\n{instructions}<|im_end|>\n", add_special_tokens=False
             )
+        if reference_audio is not None:
+            reference_audio = self._reference(reference_audio, reference_sample_rate)
+            reference_sample_rate = self.facts.sample_rate
         if params is None:
-            params = SamplingParams(**SPEECH_DEFAULTS)
+            params = SamplingParams(**SPEECH_SAMPLING)
         known = {f for f in SpeechParams.__dataclass_fields__} - {"instruction_token_ids"}
         unknown = sorted(set(speech) - known)
         if unknown:
@@ -149,6 +154,20 @@ class SpeechInputs:
         blocks = -(-(positions + frames) // self.block_size)
         intent = AdmissionIntent(self.runtime_id, frames, blocks, blocks)
         return replace(request, intent=intent)
+
+    def _reference(self, audio: Any, rate: int) -> np.ndarray:
+        """Reference audio as the speaker encoder takes it: a WAV file's bytes decoded, samples
+        at another rate resampled."""
+        target = self.facts.sample_rate
+        try:
+            if isinstance(audio, bytes | bytearray):
+                return read_wav(bytes(audio), target)
+            samples = np.asarray(audio, dtype=np.float32)
+            if samples.ndim == 1 and samples.size and is_int(rate) and rate > 0 and rate != target:
+                samples = resample(samples, rate, target).astype(np.float32)
+            return samples
+        except (TypeError, ValueError) as exc:
+            raise RequestFieldError(f"reference audio: {exc}", "reference_audio") from None
 
     def _check_params(self, params: SamplingParams) -> None:
         plain = SamplingParams()
@@ -202,7 +221,8 @@ class SpeechInputs:
         rate = speech.reference_sample_rate
         if rate != self.facts.sample_rate:
             raise RequestFieldError(
-                f"reference audio must be {self.facts.sample_rate} Hz mono, got {rate} Hz",
+                f"reference audio must be {self.facts.sample_rate} Hz mono, got {rate} Hz "
+                "(LLM.speech resamples it)",
                 "reference_audio",
             )
         try:

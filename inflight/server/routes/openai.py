@@ -154,6 +154,7 @@ async def models(state: State) -> dict[str, Any]:
                 **entry,
                 "max_model_len": llm.max_model_len,
                 "input_modalities": llm.input_modalities,
+                "output_modalities": llm.output_modalities,
             },
             *({"id": name, **entry, "parent": base, "root": name} for name in llm.lora_adapters),
         ],

@@ -21,6 +21,7 @@ import importlib.util
 import json
 import sys
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -136,14 +137,26 @@ def reference() -> types.SimpleNamespace:
     return types.SimpleNamespace(tts=tts, codec=codec)
 
 
-# Tiny shapes (real: codebook 2048, 16 code groups, codec vocab 3072, text vocab 151936).
-CODEBOOK, GROUPS = 64, 4
-CODEC_VOCAB = CODEBOOK + 1024
-TEXT_VOCAB = 320
 # The tiny tokenizer's (tiny_models.write_tokenizer with "assistant" a token of its own).
 IM_START, IM_END = 1, 2
 TTS_TOKENS = {"tts_pad_token_id": 21, "tts_bos_token_id": 22, "tts_eos_token_id": 23}
-_LAYER = {
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Qwen3-TTS's sizes: its talker's and code predictor's decoder layers, its codebooks
+    (`codebook` codes each, `groups` a frame), its text embedding, its codec decoder."""
+
+    talker: dict
+    predictor: dict
+    codebook: int
+    groups: int
+    text_vocab: int
+    text_hidden: int
+    decoder: dict
+
+
+_TINY_LAYER = {
     "hidden_size": 32,
     "intermediate_size": 64,
     "num_hidden_layers": 2,
@@ -153,11 +166,34 @@ _LAYER = {
     "max_position_embeddings": 512,
     "pad_token_id": None,
 }
+TINY = Shape(
+    talker=_TINY_LAYER,
+    predictor=_TINY_LAYER,
+    codebook=64,
+    groups=4,
+    text_vocab=320,
+    text_hidden=32,
+    decoder={
+        "codebook_size": 64,
+        "codebook_dim": 32,
+        "hidden_size": 32,
+        "latent_dim": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 8,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_quantizers": 4,
+        "decoder_dim": 32,
+        "sliding_window": 72,
+    },
+)
+CODEBOOK, GROUPS = TINY.codebook, TINY.groups
 
 
-def tiny_config_dict(kind: str) -> dict:
-    """A `config.json` of a tiny Qwen3-TTS of `tts_model_type` `kind`."""
-    c = CODEBOOK
+def tiny_config_dict(kind: str, shape: Shape = TINY) -> dict:
+    """A `config.json` of a Qwen3-TTS of `tts_model_type` `kind` (tiny unless `shape`)."""
+    c = shape.codebook
     return {
         "architectures": ["Qwen3TTSForConditionalGeneration"],
         "model_type": "qwen3_tts",
@@ -169,18 +205,18 @@ def tiny_config_dict(kind: str) -> dict:
         **TTS_TOKENS,
         "speaker_encoder_config": {
             "mel_dim": 128,
-            "enc_dim": 32,
+            "enc_dim": shape.talker["hidden_size"],
             "enc_channels": [16, 16, 16, 16, 48],
             "enc_attention_channels": 8,
             "enc_se_channels": 8,
             "sample_rate": 24000,
         },
         "talker_config": {
-            **_LAYER,
-            "vocab_size": CODEC_VOCAB,
-            "text_vocab_size": TEXT_VOCAB,
-            "text_hidden_size": 32,
-            "num_code_groups": GROUPS,
+            **shape.talker,
+            "vocab_size": c + 1024,
+            "text_vocab_size": shape.text_vocab,
+            "text_hidden_size": shape.text_hidden,
+            "num_code_groups": shape.groups,
             "rope_scaling": {
                 "rope_type": "default",
                 "mrope_section": [2, 1, 1],
@@ -200,42 +236,33 @@ def tiny_config_dict(kind: str) -> dict:
             },
             "spk_id": {"vivian": c + 200, "dylan": c + 201},
             "spk_is_dialect": {"vivian": False, "dylan": "beijing_dialect"},
-            "code_predictor_config": {**_LAYER, "vocab_size": c, "num_code_groups": GROUPS},
+            "code_predictor_config": {
+                **shape.predictor,
+                "vocab_size": c,
+                "num_code_groups": shape.groups,
+            },
         },
     }
 
 
-def tiny_decoder_config_dict() -> dict:
-    """The `decoder_config` of a tiny 12 Hz speech tokenizer."""
-    return {
-        "codebook_size": CODEBOOK,
-        "codebook_dim": 32,
-        "hidden_size": 32,
-        "latent_dim": 32,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "head_dim": 8,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "num_quantizers": GROUPS,
-        "decoder_dim": 32,
-        "sliding_window": 72,
-    }
+def tiny_decoder_config_dict(shape: Shape = TINY) -> dict:
+    """The `decoder_config` of a 12 Hz speech tokenizer (tiny unless `shape`)."""
+    return dict(shape.decoder)
 
 
-def tiny_model(kind: str, seed: int = 0):
+def tiny_model(kind: str, seed: int = 0, shape: Shape = TINY):
     """The reference `Qwen3TTSForConditionalGeneration` with random weights."""
     ref = reference()
     torch.manual_seed(seed)
-    config = ref.tts.Qwen3TTSConfig(**tiny_config_dict(kind))
+    config = ref.tts.Qwen3TTSConfig(**tiny_config_dict(kind, shape))
     return ref.tts.Qwen3TTSForConditionalGeneration(config).eval()
 
 
-def tiny_decoder(seed: int = 0):
+def tiny_decoder(seed: int = 0, shape: Shape = TINY):
     """The reference 12 Hz decoder with random weights, loud enough to compare (random init
     leaves its codebooks at zero, which decode to silence, and its output near 1e-8)."""
     ref = reference()
-    cfg = ref.codec.Qwen3TTSTokenizerV2DecoderConfig(**tiny_decoder_config_dict())
+    cfg = ref.codec.Qwen3TTSTokenizerV2DecoderConfig(**tiny_decoder_config_dict(shape))
     torch.manual_seed(seed)
     decoder = ref.codec.Qwen3TTSTokenizerV2Decoder(cfg).eval()
     with torch.no_grad():
@@ -247,7 +274,7 @@ def tiny_decoder(seed: int = 0):
     return decoder
 
 
-def write_tiny_checkpoint(path: Path, kind: str, seed: int = 0):
+def write_tiny_checkpoint(path: Path, kind: str, seed: int = 0, shape: Shape = TINY):
     """A tiny random Qwen3-TTS of `kind` written as the published layout (config.json,
     model.safetensors, the tokenizer, speech_tokenizer/ with its config and weights); returns
     the reference model and decoder holding the same weights."""
@@ -255,9 +282,9 @@ def write_tiny_checkpoint(path: Path, kind: str, seed: int = 0):
 
     from tiny_models import write_tokenizer
 
-    model, decoder = tiny_model(kind, seed), tiny_decoder(seed)
+    model, decoder = tiny_model(kind, seed, shape), tiny_decoder(seed, shape)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(tiny_config_dict(kind)))
+    (path / "config.json").write_text(json.dumps(tiny_config_dict(kind, shape)))
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(path / "model.safetensors"))
     write_tokenizer(path, ("assistant",))
@@ -267,7 +294,7 @@ def write_tiny_checkpoint(path: Path, kind: str, seed: int = 0):
         json.dumps(
             {
                 "model_type": "qwen3_tts_tokenizer_12hz",
-                "decoder_config": tiny_decoder_config_dict(),
+                "decoder_config": tiny_decoder_config_dict(shape),
                 "output_sample_rate": 24000,
             }
         )

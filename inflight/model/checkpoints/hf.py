@@ -13,6 +13,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 import inflight.model.families  # noqa: F401 (registers every family)
 from inflight.model import registry
+from inflight.model.checkpoints.bpe_files import bpe_files_tokenizer
 from inflight.model.checkpoints.tokenizer import SpecialTokens, Tokenizer
 from inflight.model.config import ModelConfig
 
@@ -53,10 +54,8 @@ class HFCheckpoint:
             yield from _safetensors(self.path / name, f"{name}.")
 
     def tokenizer(self) -> Tokenizer:
-        if not (self.path / "tokenizer.json").is_file():
-            raise ValueError(f"model directory {self.path} has no tokenizer.json")
-        backend = BackendTokenizer.from_file(str(self.path / "tokenizer.json"))
         tok_config = self._json("tokenizer_config.json", {})
+        backend, byte_level = self._backend_tokenizer(tok_config)
         template = tok_config.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -71,15 +70,30 @@ class HFCheckpoint:
         eos_ids += _ids(self.raw_config.get("eos_token_id"))
         if eos is not None and backend.token_to_id(eos) is not None:
             eos_ids.append(backend.token_to_id(eos))
-        decoder = json.loads((self.path / "tokenizer.json").read_text(encoding="utf-8")).get(
-            "decoder"
-        )
         return Tokenizer(
             backend,
             SpecialTokens(bos=bos, eos=eos, eos_ids=list(dict.fromkeys(eos_ids))),
             chat_template=template,
-            byte_level="ByteLevel" in json.dumps(decoder),
+            byte_level=byte_level,
         )
+
+    def _backend_tokenizer(self, tok_config: dict[str, Any]) -> tuple[BackendTokenizer, bool]:
+        """The tokenizer of tokenizer.json, or else of vocab.json + merges.txt (a Qwen2-style
+        byte-level BPE), and whether it is byte-level."""
+        file = self.path / "tokenizer.json"
+        if file.is_file():
+            decoder = json.loads(file.read_text(encoding="utf-8")).get("decoder")
+            return BackendTokenizer.from_file(str(file)), "ByteLevel" in json.dumps(decoder)
+        files = ("vocab.json", "merges.txt")
+        missing = [name for name in files if not (self.path / name).is_file()]
+        if missing:
+            raise ValueError(
+                f"model directory {self.path} has no tokenizer.json, nor the vocab.json and "
+                f"merges.txt that can stand in for it (missing: {', '.join(missing)})"
+            )
+        added = tok_config.get("added_tokens_decoder") or {}
+        vocab, merges = (self.path / name for name in files)
+        return bpe_files_tokenizer(vocab, merges, added), True
 
     def processor_config(self) -> dict[str, Any]:
         return self._json("preprocessor_config.json", {})

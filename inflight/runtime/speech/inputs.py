@@ -27,8 +27,11 @@ MAX_INPUT_CHARS = 4096  # OpenAI's limit on `input`
 DEFAULT_MAX_FRAMES = 4096  # the package's max_new_tokens
 ROLE, TAIL = "<|im_start|>assistant\n", "<|im_end|>\n<|im_start|>assistant\n"
 
-# Sampling parameters a frame's first code is drawn with; the others mean nothing for speech.
-SPEECH_PARAMS = frozenset({"temperature", "top_p", "top_k", "repetition_penalty", "seed"})
+# Sampling parameters a frame's first code is drawn with (ignore_eos: the end code masked, so
+# the request makes max_tokens frames); the others mean nothing for speech.
+SPEECH_PARAMS = frozenset(
+    {"temperature", "top_p", "top_k", "repetition_penalty", "seed", "ignore_eos"}
+)
 # Harmless with any value: text-only switches.
 IGNORED_PARAMS = frozenset(
     {

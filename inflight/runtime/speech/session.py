@@ -130,7 +130,9 @@ class SpeechSession:
         generator = torch.Generator(self.runner.device)
         seed = request.params.seed
         if seed is None:
-            seed = int(torch.randint(2**62, (1,), generator=self.generator))
+            seed = int(
+                torch.randint(2**62, (1,), generator=self.generator, device=self.generator.device)
+            )
         generator.manual_seed(seed)
         p = request.params
         top_k = 0 if p.top_k < 1 else p.top_k
@@ -247,7 +249,7 @@ class SpeechSession:
         logits[:, self.masked] = float("-inf")
         for i, row in enumerate(rows):
             penalize(logits[i], row.first_codes, row.request.params.repetition_penalty)
-            if len(row.first_codes) < MIN_FRAMES:
+            if len(row.first_codes) < MIN_FRAMES or row.request.params.ignore_eos:
                 logits[i, self.eos] = float("-inf")
         codes = pick_rows(logits, [row.talk for row in rows])
         going = []

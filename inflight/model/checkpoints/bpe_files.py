@@ -12,7 +12,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-# How Qwen2 splits text before BPE (the same pattern `gguf_tokenizer` uses for `qwen2`).
+# How Qwen2 splits text before BPE (GGUF files' `qwen2` pre-tokenizer too: gguf_tokenizer).
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from inflight.model.checkpoints.bpe_files import QWEN2_SPLIT
 from inflight.model.checkpoints.tokenizer import SpecialTokens, Tokenizer
 from inflight.model.registry import GGUFMetadata
 
@@ -16,17 +17,13 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 _PRE_SPLITS = {
     "default": [_GPT2_SPLIT],
     "gpt-2": [_GPT2_SPLIT],
     "smollm": [r"\p{N}", _GPT2_SPLIT],
     "llama-bpe": [_LLAMA3_SPLIT],
     "llama3": [_LLAMA3_SPLIT],
-    "qwen2": [_QWEN2_SPLIT],
+    "qwen2": [QWEN2_SPLIT],
 }
 
 # `tokenizer.ggml.token_type` of control and of user-defined tokens.

@@ -176,7 +176,7 @@ def test_encoding_matches_transformers_and_plain_bpe(files, ours, theirs, text):
 def test_merges_are_used(ours, files):
     _, size = files
     # The vocabulary did learn merges: text takes fewer tokens than bytes.
-    assert len(ours.encode(CORPUS[0])) < len(CORPUS[0].encode()) / 2
+    assert len(ours.encode(CORPUS[0])) < len(CORPUS[0].encode()) * 2 / 3
     assert ours.vocab_size == size + len(SPECIAL)
 
 

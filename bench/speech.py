@@ -111,6 +111,31 @@ def run_inflight(llm: LLM, concurrency: int, frames: int) -> dict:
     return summary(first, total, made, wall)
 
 
+PHASES = ("_forward", "_first_codes", "_frames", "_audio")
+
+
+def profiled(device: torch.device) -> dict[str, list[float]]:
+    """Wrap the speech session's step phases in timers (synchronized on CUDA); their times."""
+    from inflight.runtime.speech.session import SpeechSession
+
+    times: dict[str, list[float]] = {name: [] for name in PHASES}
+    for name in PHASES:
+        method = getattr(SpeechSession, name)
+
+        def timed(*args, _method=method, _name=name, **kwargs):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = _method(*args, **kwargs)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[_name].append(time.perf_counter() - t0)
+            return out
+
+        setattr(SpeechSession, name, timed)
+    return times
+
+
 def summary(first: list[float], total: list[float], made: list[int], wall: float) -> dict:
     rtf = [t / (n * FRAME_SECONDS) for t, n in zip(total, made, strict=True) if n]
     return {
@@ -156,6 +181,9 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument(
+        "--profile", action="store_true", help="time the step's phases (synchronizing)"
+    )
     args = parser.parse_args()
     shape = SHAPES[args.shape]
     torch.manual_seed(0)
@@ -172,9 +200,18 @@ def main() -> None:
             **{k: v for k, v in options.items() if v is not None},
         )
         ids = torch.tensor([llm.prepare_speech(TEXT, voice="vivian").prompt_token_ids])
-        run_inflight(llm, 1, 4)  # warm-up
+        times = profiled(llm._live().device) if args.profile else None
         for c in args.concurrency:
+            run_inflight(llm, c, 8)  # warm-up at this batch (kernels compiled for its shapes)
+            if times is not None:
+                for phase in times.values():
+                    phase.clear()
             row = {"engine": "inflight", "concurrency": c, **run_inflight(llm, c, args.frames)}
+            if times is not None:
+                row["phase_ms_mean"] = {
+                    name: 1000 * statistics.mean(t) for name, t in times.items() if t
+                }
+                row["phase_calls"] = {name: len(t) for name, t in times.items()}
             print(row, flush=True)
             results.append(row)
         llm.close()

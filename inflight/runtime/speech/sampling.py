@@ -2,7 +2,7 @@
 processors (the reference the greedy frames are checked against): the repetition penalty over
 the row's first codes so far, the codes the talker never emits masked, no end before the
 second frame; then temperature, top-k, top-p and a draw from the row's own generator (greedy:
-the argmax)."""
+the argmax). All rows at once, on the device: a step waits for its codes once."""
 
 from __future__ import annotations
 
@@ -31,27 +31,30 @@ def penalize(logits: torch.Tensor, history: list[int], penalty: float) -> None:
     logits[ids] = torch.where(seen < 0, seen * penalty, seen / penalty)
 
 
-def draw(logits: torch.Tensor, how: Draw) -> int:
-    """A code from one row's processed logits [vocab]."""
-    if how.temperature == 0:
-        return int(logits.argmax())
-    logits = logits / how.temperature
-    if 0 < how.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, how.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if how.top_p < 1.0:
-        ordered, order = torch.sort(logits, descending=False)
-        cumulative = ordered.softmax(-1).cumsum(-1)
-        drop = cumulative <= 1 - how.top_p
-        drop[-1] = False  # the most likely code always stays
-        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=how.generator))
-
-
 def pick_rows(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
-    """A code per row [rows] of logits [rows, vocab]: one argmax for an all-greedy batch."""
+    """A code per row [rows] of processed logits [rows, vocab], on the device without waiting
+    for it: greedy rows take the argmax; the others their top-k and top-p after temperature,
+    drawn by an exponential race whose noise comes from each row's generator (so a row's codes
+    depend on its own seed alone)."""
     if all(d.temperature == 0 for d in draws):
         return logits.argmax(-1)
-    picks = [draw(row, how) for row, how in zip(logits.float(), draws, strict=True)]
-    return torch.tensor(picks, device=logits.device)
+    rows, vocab = logits.shape
+    device = logits.device
+    temperature = torch.tensor([d.temperature or 1.0 for d in draws], device=device)
+    top_k = torch.tensor([d.top_k if 0 < d.top_k < vocab else vocab for d in draws], device=device)
+    top_p = torch.tensor([d.top_p for d in draws], device=device)
+    scaled = logits.float() / temperature[:, None]
+    ordered, order = scaled.sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(vocab, device=device)
+    ordered = ordered.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    probs = ordered.softmax(-1)
+    # Past the top-p mass: the codes whose more likely codes already hold top_p (never the first).
+    ahead = probs.cumsum(-1) - probs
+    probs = probs.masked_fill((ahead >= top_p[:, None]) & (ranks > 0), 0.0)
+    noise = torch.empty_like(probs)
+    for i, d in enumerate(draws):
+        noise[i].exponential_(generator=d.generator)
+    chosen = (probs / noise).argmax(-1)
+    greedy = torch.tensor([d.temperature == 0 for d in draws], device=device)
+    chosen = chosen.masked_fill(greedy, 0)
+    return order.gather(1, chosen[:, None])[:, 0]

@@ -233,7 +233,7 @@ def test_a_row_joining_mid_flight_makes_the_frames_it_makes_alone(voices):
     llm = voices["custom_voice"]
     runtime, session = session_of(llm)
     try:
-        sampled = SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=12)
+        sampled = SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=12, ignore_eos=True)
         joiner = llm.prepare_speech("A second, longer sentence.", sampled, voice="dylan")
         alone, _ = run(session, [session.admit(joiner).ref])
         first = llm.prepare_speech(TEXT, greedy(20), voice="vivian", **GREEDY)
@@ -286,8 +286,9 @@ def test_a_decoder_failure_fails_its_row_alone(voices):
     llm = voices["custom_voice"]
     runtime, session = session_of(llm)
     try:
-        a = session.admit(llm.prepare_speech(TEXT, greedy(10), voice="vivian")).ref
-        b = session.admit(llm.prepare_speech(TEXT, greedy(10), voice="dylan")).ref
+        endless = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        a = session.admit(llm.prepare_speech(TEXT, endless, voice="vivian")).ref
+        b = session.admit(llm.prepare_speech(TEXT, endless, voice="dylan")).ref
 
         def broken(decode):
             raise RuntimeError("codec decoder fault")

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from inflight.runtime.speech.sampling import Draw, penalize, pick_rows
+from inflight.runtime.speech.sampling import Draw, Draws, penalize
+from inflight.runtime.speech.sampling import pick_rows as pick_draws
+
+
+def pick_rows(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
+    return pick_draws(logits, Draws(draws, logits.shape[-1], logits.device))
 
 
 def draw(temperature=1.0, top_k=0, top_p=1.0, seed=0) -> Draw:

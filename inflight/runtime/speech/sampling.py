@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from inflight.model.transfer import to_device, to_device_packed
 
 
 @dataclass(frozen=True)
@@ -26,35 +29,58 @@ def penalize(logits: torch.Tensor, history: list[int], penalty: float) -> None:
     its logit divided by `penalty` where positive, multiplied where negative."""
     if penalty == 1.0 or not history:
         return
-    ids = torch.tensor(sorted(set(history)), device=logits.device)
+    ids = to_device(sorted(set(history)), torch.int64, logits.device)
     seen = logits[ids]
     logits[ids] = torch.where(seen < 0, seen * penalty, seen / penalty)
 
 
-def pick_rows(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
+class Draws:
+    """A step's rows' sampling as the device reads it: their settings as tensors, copied once
+    (a copy from pageable memory would wait for the device at each of the frame's picks)."""
+
+    def __init__(self, draws: list[Draw], vocab: int, device: torch.device) -> None:
+        self.draws = draws
+        self.greedy = all(d.temperature == 0 for d in draws)
+        if self.greedy:
+            return
+        (self.temperature, self.top_p), (self.top_k, self.zeroed) = (
+            to_device_packed(
+                [
+                    np.array([d.temperature or 1.0 for d in draws], np.float32),
+                    np.array([d.top_p for d in draws], np.float32),
+                ],
+                torch.float32,
+                device,
+            ),
+            to_device_packed(
+                [
+                    np.array([d.top_k if 0 < d.top_k < vocab else vocab for d in draws]),
+                    np.array([d.temperature == 0 for d in draws], np.int64),
+                ],
+                torch.int64,
+                device,
+            ),
+        )
+
+
+def pick_rows(logits: torch.Tensor, rows: Draws) -> torch.Tensor:
     """A code per row [rows] of processed logits [rows, vocab], on the device without waiting
     for it: greedy rows take the argmax; the others their top-k and top-p after temperature,
     drawn by an exponential race whose noise comes from each row's generator (so a row's codes
     depend on its own seed alone)."""
-    if all(d.temperature == 0 for d in draws):
+    if rows.greedy:
         return logits.argmax(-1)
-    rows, vocab = logits.shape
-    device = logits.device
-    temperature = torch.tensor([d.temperature or 1.0 for d in draws], device=device)
-    top_k = torch.tensor([d.top_k if 0 < d.top_k < vocab else vocab for d in draws], device=device)
-    top_p = torch.tensor([d.top_p for d in draws], device=device)
-    scaled = logits.float() / temperature[:, None]
+    vocab = logits.shape[-1]
+    scaled = logits.float() / rows.temperature[:, None]
     ordered, order = scaled.sort(dim=-1, descending=True, stable=True)
-    ranks = torch.arange(vocab, device=device)
-    ordered = ordered.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    ranks = torch.arange(vocab, device=logits.device)
+    ordered = ordered.masked_fill(ranks >= rows.top_k[:, None], float("-inf"))
     probs = ordered.softmax(-1)
     # Past the top-p mass: the codes whose more likely codes already hold top_p (never the first).
     ahead = probs.cumsum(-1) - probs
-    probs = probs.masked_fill((ahead >= top_p[:, None]) & (ranks > 0), 0.0)
+    probs = probs.masked_fill((ahead >= rows.top_p[:, None]) & (ranks > 0), 0.0)
     noise = torch.empty_like(probs)
-    for i, d in enumerate(draws):
+    for i, d in enumerate(rows.draws):
         noise[i].exponential_(generator=d.generator)
-    chosen = (probs / noise).argmax(-1)
-    greedy = torch.tensor([d.temperature == 0 for d in draws], device=device)
-    chosen = chosen.masked_fill(greedy, 0)
+    chosen = (probs / noise).argmax(-1).masked_fill(rows.zeroed.bool(), 0)
     return order.gather(1, chosen[:, None])[:, 0]

@@ -33,7 +33,7 @@ from inflight.runtime.host.kv_cache import BlockPool
 from inflight.runtime.host.slots import ResidentSlots
 from inflight.runtime.speech.audio import AudioStream
 from inflight.runtime.speech.prompt import SpeechPrompt, build_prompt
-from inflight.runtime.speech.sampling import Draw, penalize, pick_rows
+from inflight.runtime.speech.sampling import Draw, Draws, penalize, pick_rows
 
 # Codes the talker never emits: the top 1024 of its vocabulary (tags, speakers, languages)
 # but the end code.
@@ -251,7 +251,9 @@ class SpeechSession:
             penalize(logits[i], row.first_codes, row.request.params.repetition_penalty)
             if len(row.first_codes) < MIN_FRAMES or row.request.params.ignore_eos:
                 logits[i, self.eos] = float("-inf")
-        codes = pick_rows(logits, [row.talk for row in rows])
+        codes = pick_rows(
+            logits, Draws([row.talk for row in rows], logits.shape[-1], logits.device)
+        )
         going = []
         for i, (row, code) in enumerate(zip(rows, codes.tolist(), strict=True)):
             if code == self.eos:
@@ -268,9 +270,13 @@ class SpeechSession:
         chunks: dict[ResidentRef, StreamChunk],
     ) -> None:
         """The code predictor fills the frames of the rows that go on, in one micro-loop."""
-        draws = [row.predict for row in rows]
+        draws = Draws(
+            [row.predict for row in rows],
+            self.model.speech.code_predictor.vocab_size,
+            hidden.device,
+        )
         frames, embeds = self.model.predict_codes(
-            hidden, firsts, lambda _, logits: pick_rows(logits.float(), draws)
+            hidden, firsts, lambda _, logits: pick_rows(logits, draws)
         )
         for row, frame, embed in zip(rows, frames, embeds, strict=True):
             step = len(row.first_codes)

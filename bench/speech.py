@@ -173,6 +173,30 @@ def run_reference(model, decoder, ids: torch.Tensor, concurrency: int, frames: i
     return summary([wall] * concurrency, [wall] * concurrency, made, wall)
 
 
+def graph_check(llm: LLM) -> dict:
+    """Whether the code predictor's CUDA graphs give the eager loop's frames, greedy and
+    seeded-sampled, one request alone (empty without graphs)."""
+    runtime = llm._live()
+    graphs = runtime.predictor_graphs
+    if graphs is None:
+        return {}
+    requests = {
+        "greedy": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        "sampled": SamplingParams(
+            temperature=0.9, top_k=50, seed=1, max_tokens=40, ignore_eos=True
+        ),
+    }
+    equal = {}
+    for name, params in requests.items():
+        options = {"voice": "vivian", "subtalker_sample": name != "greedy"}
+        replayed = llm.speech(TEXT, params, **options).codes
+        runtime.predictor_graphs = None
+        eager = llm.speech(TEXT, params, **options).codes
+        runtime.predictor_graphs = graphs
+        equal[name] = replayed == eager
+    return {"graphs_equal_eager": equal}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
@@ -183,6 +207,9 @@ def main() -> None:
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument(
         "--profile", action="store_true", help="time the step's phases (synchronizing)"
+    )
+    parser.add_argument(
+        "--check-graphs", action="store_true", help="CUDA graphs against eager, frame for frame"
     )
     args = parser.parse_args()
     shape = SHAPES[args.shape]
@@ -200,6 +227,8 @@ def main() -> None:
             **{k: v for k, v in options.items() if v is not None},
         )
         ids = torch.tensor([llm.prepare_speech(TEXT, voice="vivian").prompt_token_ids])
+        check = graph_check(llm) if args.check_graphs else {}
+        print(check, flush=True)
         times = profiled(llm._live().device) if args.profile else None
         for c in args.concurrency:
             run_inflight(llm, c, 8)  # warm-up at this batch (kernels compiled for its shapes)
@@ -235,6 +264,7 @@ def main() -> None:
         shape=args.shape,
         frames=args.frames,
         device=args.device or "auto",
+        **check,
         results=results,
     )
 

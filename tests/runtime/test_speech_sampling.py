@@ -10,7 +10,9 @@ from inflight.runtime.speech.sampling import pick_rows as pick_draws
 
 
 def pick_rows(logits: torch.Tensor, draws: list[Draw]) -> torch.Tensor:
-    return pick_draws(logits, Draws(draws, logits.shape[-1], logits.device))
+    rows = Draws(draws, logits.shape[-1], logits.device)
+    noise = rows.noise(1, logits.shape[-1], logits.device)
+    return pick_draws(logits, rows.sampling, None if noise is None else noise[:, 0])
 
 
 def draw(temperature=1.0, top_k=0, top_p=1.0, seed=0) -> Draw:

@@ -20,6 +20,7 @@ from inflight.runtime.host.kv_cache import BlockPool
 from inflight.runtime.host.slots import ResidentSlots
 from inflight.runtime.runtime import PER_ROW_FIELDS, model_facts
 from inflight.runtime.speech.inputs import SpeechInputs
+from inflight.runtime.speech.predictor_graphs import PredictorGraphs
 from inflight.runtime.speech.prompt import prompt_positions
 from inflight.runtime.speech.session import SpeechSession
 
@@ -80,6 +81,11 @@ class SpeechRuntime:
             min_samples,
             lambda request: prompt_positions(speech, request),
         )
+        # The code predictor's micro-loop replayed from CUDA graphs (the talker runs eagerly:
+        # its steps read embeddings, which the decode graphs do not take).
+        self.predictor_graphs = None
+        if self.device.type == "cuda" and options.cuda_graphs:
+            self.predictor_graphs = PredictorGraphs(model, plan.max_batch_size, self.device)
         self._session: SpeechSession | None = None
 
     @property
@@ -112,6 +118,7 @@ class SpeechRuntime:
             self.slots,
             self.generator,
             max_num_tokens=self.plan.max_num_tokens,
+            graphs=self.predictor_graphs,
             on_finish=self._session_finished,
         )
         return self._session

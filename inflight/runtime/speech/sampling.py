@@ -34,41 +34,62 @@ def penalize(logits: torch.Tensor, history: list[int], penalty: float) -> None:
     logits[ids] = torch.where(seen < 0, seen * penalty, seen / penalty)
 
 
+@dataclass
+class RowSampling:
+    """Rows' settings as the device reads them [rows] each: `zeroed` marks greedy rows."""
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    zeroed: torch.Tensor
+
+    def copy_(self, other: RowSampling) -> None:
+        """Take `other`'s rows into this one's first rows (a graph's static settings)."""
+        for name in ("temperature", "top_p", "top_k", "zeroed"):
+            values = getattr(other, name)
+            getattr(self, name)[: values.shape[0]].copy_(values)
+
+
 class Draws:
-    """A step's rows' sampling as the device reads it: their settings as tensors, copied once
-    (a copy from pageable memory would wait for the device at each of the frame's picks)."""
+    """A step's rows' sampling: their settings on the device, copied once (a copy from pageable
+    memory would wait for the device at each of the frame's picks), and their noise."""
 
     def __init__(self, draws: list[Draw], vocab: int, device: torch.device) -> None:
         self.draws = draws
         self.greedy = all(d.temperature == 0 for d in draws)
-        if self.greedy:
-            return
-        (self.temperature, self.top_p), (self.top_k, self.zeroed) = (
-            to_device_packed(
-                [
-                    np.array([d.temperature or 1.0 for d in draws], np.float32),
-                    np.array([d.top_p for d in draws], np.float32),
-                ],
-                torch.float32,
-                device,
-            ),
-            to_device_packed(
-                [
-                    np.array([d.top_k if 0 < d.top_k < vocab else vocab for d in draws]),
-                    np.array([d.temperature == 0 for d in draws], np.int64),
-                ],
-                torch.int64,
-                device,
-            ),
+        floats = [
+            np.array([d.temperature or 1.0 for d in draws], np.float32),
+            np.array([d.top_p for d in draws], np.float32),
+        ]
+        ints = [
+            np.array([d.top_k if 0 < d.top_k < vocab else vocab for d in draws]),
+            np.array([d.temperature == 0 for d in draws], np.int64),
+        ]
+        (temperature, top_p), (top_k, zeroed) = (
+            to_device_packed(floats, torch.float32, device),
+            to_device_packed(ints, torch.int64, device),
         )
+        self.sampling = RowSampling(temperature, top_p, top_k, zeroed.bool())
+
+    def noise(self, picks: int, vocab: int, device: torch.device) -> torch.Tensor | None:
+        """Each row's exponential noise for `picks` picks [rows, picks, vocab], drawn from its
+        generator in one go (the same draws alone or beside others, eager or in a graph);
+        None where every row is greedy."""
+        if self.greedy:
+            return None
+        noise = torch.ones(len(self.draws), picks, vocab, device=device)
+        for i, d in enumerate(self.draws):
+            if d.temperature != 0:
+                noise[i].exponential_(generator=d.generator)
+        return noise
 
 
-def pick_rows(logits: torch.Tensor, rows: Draws) -> torch.Tensor:
+def pick_rows(logits: torch.Tensor, rows: RowSampling, noise: torch.Tensor | None) -> torch.Tensor:
     """A code per row [rows] of processed logits [rows, vocab], on the device without waiting
-    for it: greedy rows take the argmax; the others their top-k and top-p after temperature,
-    drawn by an exponential race whose noise comes from each row's generator (so a row's codes
-    depend on its own seed alone)."""
-    if rows.greedy:
+    for it (no branch on values: a CUDA graph can hold it). Greedy rows take the argmax; the
+    others their top-k and top-p after temperature, drawn by an exponential race on their
+    `noise` [rows, vocab] (None: every row is greedy)."""
+    if noise is None:
         return logits.argmax(-1)
     vocab = logits.shape[-1]
     scaled = logits.float() / rows.temperature[:, None]
@@ -79,8 +100,5 @@ def pick_rows(logits: torch.Tensor, rows: Draws) -> torch.Tensor:
     # Past the top-p mass: the codes whose more likely codes already hold top_p (never the first).
     ahead = probs.cumsum(-1) - probs
     probs = probs.masked_fill((ahead >= rows.top_p[:, None]) & (ranks > 0), 0.0)
-    noise = torch.empty_like(probs)
-    for i, d in enumerate(rows.draws):
-        noise[i].exponential_(generator=d.generator)
-    chosen = (probs / noise).argmax(-1).masked_fill(rows.zeroed.bool(), 0)
+    chosen = (probs / noise).argmax(-1).masked_fill(rows.zeroed, 0)
     return order.gather(1, chosen[:, None])[:, 0]

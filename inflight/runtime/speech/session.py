@@ -32,6 +32,7 @@ from inflight.runtime.device.model_runner import ModelRunner
 from inflight.runtime.host.kv_cache import BlockPool
 from inflight.runtime.host.slots import ResidentSlots
 from inflight.runtime.speech.audio import AudioStream
+from inflight.runtime.speech.predictor_graphs import PredictorGraphs
 from inflight.runtime.speech.prompt import SpeechPrompt, build_prompt
 from inflight.runtime.speech.sampling import Draw, Draws, penalize, pick_rows
 
@@ -81,6 +82,7 @@ class SpeechSession:
         generator: torch.Generator,
         *,
         max_num_tokens: int,
+        graphs: PredictorGraphs | None = None,
         on_finish: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
@@ -89,6 +91,7 @@ class SpeechSession:
         self.slots = slots
         self.generator = generator
         self.max_num_tokens = max_num_tokens
+        self.graphs = graphs  # the code predictor's CUDA graphs (None: eager)
         self.rows: dict[ResidentRef, SpeechRow] = {}
         self.step_id = 0
         self._on_finish = on_finish
@@ -251,9 +254,9 @@ class SpeechSession:
             penalize(logits[i], row.first_codes, row.request.params.repetition_penalty)
             if len(row.first_codes) < MIN_FRAMES or row.request.params.ignore_eos:
                 logits[i, self.eos] = float("-inf")
-        codes = pick_rows(
-            logits, Draws([row.talk for row in rows], logits.shape[-1], logits.device)
-        )
+        draws = Draws([row.talk for row in rows], logits.shape[-1], logits.device)
+        noise = draws.noise(1, logits.shape[-1], logits.device)
+        codes = pick_rows(logits, draws.sampling, None if noise is None else noise[:, 0])
         going = []
         for i, (row, code) in enumerate(zip(rows, codes.tolist(), strict=True)):
             if code == self.eos:
@@ -270,14 +273,20 @@ class SpeechSession:
         chunks: dict[ResidentRef, StreamChunk],
     ) -> None:
         """The code predictor fills the frames of the rows that go on, in one micro-loop."""
-        draws = Draws(
-            [row.predict for row in rows],
-            self.model.speech.code_predictor.vocab_size,
-            hidden.device,
-        )
-        frames, embeds = self.model.predict_codes(
-            hidden, firsts, lambda _, logits: pick_rows(logits, draws)
-        )
+        speech = self.model.speech
+        vocab, picks = speech.code_predictor.vocab_size, speech.num_code_groups - 1
+        draws = Draws([row.predict for row in rows], vocab, hidden.device)
+        noise = draws.noise(picks, vocab, hidden.device)
+        if self.graphs is not None:
+            frames, embeds = self.graphs.run(hidden, firsts, draws.sampling, noise)
+        else:
+            frames, embeds = self.model.predict_codes(
+                hidden,
+                firsts,
+                lambda g, logits: pick_rows(
+                    logits, draws.sampling, None if noise is None else noise[:, g]
+                ),
+            )
         for row, frame, embed in zip(rows, frames, embeds, strict=True):
             step = len(row.first_codes)
             text = row.prompt.text_rows

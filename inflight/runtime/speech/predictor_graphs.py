@@ -1,0 +1,94 @@
+"""The code predictor's micro-loop as CUDA graphs.
+
+Eagerly, each of a frame's codebooks after the first is some 400 small kernels (five decoder
+layers on one position, the head, the pick), each launched from Python: on a GPU the launches
+cost more than the work, tens of milliseconds a frame. The whole loop has fixed shapes for a
+given number of rows, so it is captured once per batch size (rows padded up to the next power
+of two) and replayed; its inputs, settings and noise are copied into the graph's buffers first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inflight.model.families.qwen3_tts import Qwen3TTSForSpeech
+from inflight.runtime.speech.sampling import RowSampling, pick_rows
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor  # [size, hidden]
+    firsts: torch.Tensor  # [size]
+    sampling: RowSampling
+    noise: torch.Tensor  # [size, codebooks, vocab]
+    frames: torch.Tensor  # [size, groups]
+    embeds: torch.Tensor  # [size, hidden]
+
+
+class PredictorGraphs:
+    def __init__(self, model: Qwen3TTSForSpeech, max_rows: int, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.sizes = [1 << i for i in range(max_rows.bit_length()) if 1 << i < max_rows]
+        self.sizes.append(max_rows)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.captured: dict[int, _Captured] = {}
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        firsts: torch.Tensor,
+        sampling: RowSampling,
+        noise: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`model.predict_codes` for these rows, replayed."""
+        rows = hidden.shape[0]
+        size = next(s for s in self.sizes if s >= rows)
+        c = self.captured.get(size) or self._capture(size)
+        c.hidden[:rows].copy_(hidden)
+        c.firsts[:rows].copy_(firsts)
+        c.sampling.copy_(sampling)
+        if noise is None:
+            c.noise[:rows].fill_(1.0)
+        else:
+            c.noise[:rows].copy_(noise)
+        c.graph.replay()
+        return c.frames[:rows].clone(), c.embeds[:rows].clone()
+
+    @torch.inference_mode()
+    def _capture(self, size: int) -> _Captured:
+        model, device = self.model, self.device
+        speech = model.speech
+        vocab, picks = speech.code_predictor.vocab_size, speech.num_code_groups - 1
+        hidden = torch.zeros(
+            size, model.config.hidden_size, dtype=model.talker.norm.weight.dtype, device=device
+        )
+        firsts = torch.zeros(size, dtype=torch.long, device=device)
+        sampling = RowSampling(
+            torch.ones(size, device=device),
+            torch.ones(size, device=device),
+            torch.full((size,), vocab, dtype=torch.long, device=device),
+            torch.ones(size, dtype=torch.bool, device=device),
+        )
+        noise = torch.ones(size, picks, vocab, device=device)
+
+        def loop() -> tuple[torch.Tensor, torch.Tensor]:
+            return model.predict_codes(
+                hidden, firsts, lambda g, logits: pick_rows(logits, sampling, noise[:, g])
+            )
+
+        # Warm up off the capture (lazy initialisations must not land in the graph).
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            loop()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            frames, embeds = loop()
+        captured = _Captured(graph, hidden, firsts, sampling, noise, frames, embeds)
+        self.captured[size] = captured
+        return captured

@@ -355,6 +355,41 @@ def test_text_only_parameters_are_refused_by_name(voices):
         llm.generate("hello")
 
 
+@pytest.mark.parametrize(
+    "kind, options",
+    [
+        ("custom_voice", {"voice": "vivian"}),
+        ("custom_voice", {"voice": "vivian", "language": "english", "text_in_prompt": False}),
+        ("custom_voice", {"voice": "dylan", "instructions": "Slowly."}),
+        ("voice_design", {"instructions": "A calm voice.", "language": "chinese"}),
+        ("base", {"reference_audio": [0.01] * 24000}),
+        ("base", {"reference_audio": [0.01] * 24000, "text_in_prompt": True}),
+    ],
+)
+def test_the_checked_prompt_length_is_the_built_one(voices, kind, options):
+    """Admission reserves blocks for the length the check computes without building."""
+    from inflight.runtime.speech.prompt import build_prompt
+
+    runtime = voices[kind]._live()
+    request = runtime.inputs.request(TEXT, **options)
+    voice_row = None
+    if request.speech.reference_audio is not None:
+        clip = torch.as_tensor(request.speech.reference_audio)
+        voice_row = runtime.model.speaker_embedding(clip, 24000)
+    built = build_prompt(runtime.model, request, voice_row).prefill.shape[0]
+    assert runtime.inputs.prompt_positions(request) == built
+
+
+def test_the_blocking_path_speaks_the_same_frames(tts, voices):
+    path = tts["custom_voice"][0]
+    options = dict(voice="vivian", **GREEDY)
+    with LLM(str(path), max_model_len=256) as blocking:
+        assert not blocking.in_flight_batching
+        alone = blocking.speech(TEXT, greedy(10), **options)
+    assert alone.codes == voices["custom_voice"].speech(TEXT, greedy(10), **options).codes
+    assert alone.audio == voices["custom_voice"].speech(TEXT, greedy(10), **options).audio
+
+
 def test_a_speech_model_refuses_what_it_cannot_serve(tts):
     path = tts["custom_voice"][0]
     with pytest.raises(ValueError, match="LoRA is not served for a text-to-speech model"):

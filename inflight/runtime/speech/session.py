@@ -123,6 +123,8 @@ class SpeechSession:
         except ValueError as exc:
             return Admission(AdmissionAnswer.REJECTED, reason=str(exc))
         length = prompt.prefill.shape[0]
+        # The check reserved for the length it computed without building the prompt.
+        assert self.blocks.blocks_for(length + intent.max_new_tokens) <= intent.blocks_needed
         first = self.blocks.blocks_for(length)
         taken = self.blocks.allocate(first)
         assert taken is not None  # within blocks_needed, which was free
@@ -174,7 +176,10 @@ class SpeechSession:
         ]
         hidden = self._forward(planned)
         sampling = [p.row for p in planned if p.samples]
-        chunks = {row.ref: StreamChunk(prompt_tokens=self._prompt_tokens(row)) for row in sampling}
+        chunks = {
+            row.ref: StreamChunk(prompt_tokens=len(row.request.prompt_token_ids))
+            for row in sampling
+        }
         going, firsts = self._first_codes(sampling, hidden, chunks)
         if going:
             rows = [sampling[i] for i in going]
@@ -314,9 +319,6 @@ class SpeechSession:
         if ended:
             chunk.finished = True
             self._evict(row, FinishReason(chunk.finish_reason), result)
-
-    def _prompt_tokens(self, row: SpeechRow) -> int:
-        return len(row.request.prompt_token_ids)
 
     def _evict(
         self, row: SpeechRow, reason: FinishReason, result: StepResult, error: str = ""

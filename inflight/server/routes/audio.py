@@ -8,6 +8,7 @@ Compressed formats need an encoder this server does not carry: a 400 naming the 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -117,7 +118,10 @@ async def speech(body: SpeechRequest, request: Request, state: State) -> Respons
     }
     options.update({k: v for k, v in sub.items() if v is not None})
     try:
-        prepared = client.llm.prepare_speech(body.input, _params(body), **options)
+        # Off the event loop: a clone's reference audio is decoded and resampled here.
+        prepared = await asyncio.to_thread(
+            client.llm.prepare_speech, body.input, _params(body), **options
+        )
     except RequestFieldError as exc:
         raise ServerError(400, str(exc), _FIELDS.get(exc.field, exc.field)) from exc
     except ValueError as exc:
@@ -144,7 +148,7 @@ async def speech(body: SpeechRequest, request: Request, state: State) -> Respons
 
 
 # The HTTP field a refusal of a request field names.
-_FIELDS = {"reference_audio": "ref_audio", "max_tokens": "max_new_tokens", "input": "input"}
+_FIELDS = {"reference_audio": "ref_audio", "max_tokens": "max_new_tokens"}
 
 
 def _speech(state: State) -> SpeechFacts:

@@ -199,35 +199,18 @@ class LLM:
         return self.start(request, wait_for_room=True)
 
     def speech(
-        self,
-        text: str,
-        params: SamplingParams | None = None,
-        *,
-        voice: str | None = None,
-        language: str | None = None,
-        instructions: str | None = None,
-        reference_audio: Sequence[float] | Any = None,
-        reference_sample_rate: int = 24000,
-        **speech: Any,
+        self, text: str, params: SamplingParams | None = None, **options: Any
     ) -> SpeechOutput:
-        """Speak `text` (a text-to-speech model): its audio, whole. `voice` is a preset voice
-        of a custom-voice model; `instructions` describe the voice or style (a voice-design
-        model needs them); `reference_audio` (mono float samples at `reference_sample_rate`,
-        24 kHz) is the voice a base model clones. `params` sample each frame's first code
-        (None: the package's defaults, temperature 0.9, top-k 50, repetition penalty 1.05;
-        `temperature=0` is greedy) and `max_tokens` counts frames, 12.5 a second; `speech`
-        holds the other `SpeechParams` fields (the code predictor's `subtalker_*` sampling,
-        `text_in_prompt`). A bad field is a ValueError naming it; nothing is queued."""
-        handle = self.speech_stream(
-            text,
-            params,
-            voice=voice,
-            language=language,
-            instructions=instructions,
-            reference_audio=reference_audio,
-            reference_sample_rate=reference_sample_rate,
-            **speech,
-        )
+        """Speak `text` (a text-to-speech model): its audio, whole. `options`: `voice` (a
+        custom-voice model's preset voice), `language` (one of the model's, or "auto"),
+        `instructions` (the voice or style described; a voice-design model needs them),
+        `reference_audio` (mono float samples at `reference_sample_rate`, 24 kHz by default,
+        or a WAV file's bytes: the voice a base model clones), and the other `SpeechParams`
+        fields (the code predictor's `subtalker_*` sampling, `text_in_prompt`). `params`
+        sample each frame's first code (None: the package's defaults, temperature 0.9, top-k
+        50, repetition penalty 1.05; `temperature=0` is greedy) and `max_tokens` counts frames,
+        12.5 a second. A bad field is a ValueError naming it; nothing is queued."""
+        handle = self.speech_stream(text, params, **options)
         audio, codes, reason = bytearray(), [], "stop"
         try:
             for chunk in handle:

@@ -256,11 +256,13 @@ class EagerGraphs(DecodeGraphs):
 def with_eager_graphs(runtime):
     """The (CPU, float32) runtime with EagerGraphs in its model runner, and the scratch block (and,
     for a hybrid, state slot) their padding rows write added, as a CUDA runtime has captured
-    graphs."""
-    runner, config = runtime.executor.runner, runtime.plan
+    graphs. A text runtime's or a speech runtime's (whose graphs read embeddings)."""
+    speech = runtime.plan.model.speech
+    runner, config = runtime.runner if speech else runtime.executor.runner, runtime.plan
     blocks = runtime.blocks.num_blocks
     # The window group's pool, where the sliding layers' KV is apart: a scratch block too.
-    window = None if runtime.window_blocks is None else runtime.window_blocks.num_blocks
+    pool = getattr(runtime, "window_blocks", None)
+    window = None if pool is None else pool.num_blocks
     kv = allocate_kv_cache(
         runtime.checkpoint.config,
         runner.model.num_attention_layers,
@@ -286,6 +288,7 @@ def with_eager_graphs(runtime):
         lora=runner.model.max_loras > 0,
         scratch_state=config.max_batch_size if states is not None else None,
         window_scratch_block=window,
+        embeds=(runtime.checkpoint.config.hidden_size, torch.float32) if speech else None,
     )
     with torch.inference_mode():
         runner.graphs = EagerGraphs(

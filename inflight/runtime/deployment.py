@@ -384,13 +384,11 @@ def resolve(
         device=d.device,
         dtype=d.dtype,
         # FP8 experts run one matmul per expert chosen, sized by the step's routing, which a
-        # graph cannot replay; float experts run the grouped kernel, which it can. A speech
-        # model's steps read embeddings, which the decode graphs do not take.
+        # graph cannot replay; float experts run the grouped kernel, which it can.
         cuda_graphs=options.cuda_graphs
         and cuda
         and options.attention_backend != "torch"
-        and not (model.experts and options.quantization == "fp8")
-        and not model.speech,
+        and not (model.experts and options.quantization == "fp8"),
         overlap=cuda if options.overlap is None else options.overlap,
         max_model_len=max_model_len,
         num_kv_blocks=options.num_kv_blocks or options.max_batch_size * blocks_per_sequence,

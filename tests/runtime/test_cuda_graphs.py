@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from inflight.model.contract import ForwardBatch
+from inflight.model.contract import ForwardBatch, MediaEmbeds
 from inflight.model.layers.lora import LoRAMapping
 from inflight.model.layers.mamba import MambaRows
 from inflight.protocol.deployment import DeploymentOptions, SpeculativeConfig
@@ -223,3 +223,37 @@ def test_steps_with_short_prefills_replay_a_graph_and_decode_as_eager_steps_do(
     if speculative:
         assert graphed.speculator.snapshot()["verifications"] >= 3
     assert_no_leaks(graphed)
+
+
+def test_fill_copies_each_rows_embedding_and_zeroes_spare_rows():
+    """A model reading an embedding at every position (a speech talker): the rows' embeddings
+    go to the graphs' buffer, which the captured batch reads."""
+    inputs = DecodeInputs(
+        max_batch=8, max_blocks=4, block_size=16, scratch_block=99, device=CPU,
+        embeds=(3, torch.float32),
+    )  # fmt: skip
+    rows = [RowInput([0], 20, [5, 6], True), RowInput([0], 2, [9], True)]
+    batch = build_ragged_batch(rows, 16, CPU).forward
+    inputs.embeds.fill_(7.0)  # what a larger step left behind
+    batch.media = MediaEmbeds(torch.arange(2), torch.tensor([[1.0, 2, 3], [4, 5, 6]]))
+    inputs.fill(batch, 4)
+    assert inputs.embeds[:4].tolist() == [[1, 2, 3], [4, 5, 6], [0, 0, 0], [0, 0, 0]]
+    captured = inputs.media(4)
+    assert captured.embeds.data_ptr() == inputs.embeds.data_ptr()
+    assert captured.indices.tolist() == [0, 1, 2, 3]
+    plain = DecodeInputs(max_batch=8, max_blocks=4, block_size=16, scratch_block=99, device=CPU)
+    assert plain.media(4) is None
+
+
+def test_a_step_with_media_runs_eagerly_unless_every_row_reads_an_embedding():
+    class Graphs:
+        buckets = [1, 2, 4]
+
+        def __init__(self, embeds):
+            self.inputs = type("Inputs", (), {"embeds": embeds})()
+
+    rows = [RowInput([0], 20, [5, 6], True), RowInput([0], 2, [9], True)]
+    batch = build_ragged_batch(rows, 16, CPU)
+    batch.forward.media = MediaEmbeds(torch.arange(1), torch.zeros(1, 3))  # one row of two
+    assert DecodeGraphs.run(Graphs(None), batch) is None
+    assert DecodeGraphs.run(Graphs(torch.zeros(4, 3)), batch) is None

@@ -390,6 +390,28 @@ def test_the_blocking_path_speaks_the_same_frames(tts, voices):
     assert alone.audio == voices["custom_voice"].speech(TEXT, greedy(10), **options).audio
 
 
+def test_decode_steps_replaying_graphs_make_the_eager_frames(tts, voices):
+    """Decode-only steps of a speech model replay the decode graphs, reading each row's
+    embedding from the graphs' buffer (here EagerGraphs: the same buffers and buckets on the
+    CPU), with the frames of eager steps."""
+    from helpers import with_eager_graphs
+
+    path = tts["custom_voice"][0]
+    options = dict(voice="vivian", **GREEDY)
+    seeded = SamplingParams(temperature=0.9, seed=2, max_tokens=12, ignore_eos=True)
+    expected = [
+        voices["custom_voice"].speech(TEXT, p, **options).codes for p in (greedy(12), seeded)
+    ]
+    with LLM(str(path), enable_in_flight_batching=True, max_model_len=256, max_batch_size=4) as llm:
+        graphs = with_eager_graphs(llm._live()).runner.graphs
+        replays = []
+        run = graphs.run
+        graphs.run = lambda batch: replays.append(run(batch)) or replays[-1]
+        got = [llm.speech(TEXT, p, **options).codes for p in (greedy(12), seeded)]
+    assert got == expected
+    assert sum(r is not None for r in replays) >= 20  # every decode step of both requests
+
+
 def test_a_speech_model_refuses_what_it_cannot_serve(tts):
     path = tts["custom_voice"][0]
     with pytest.raises(ValueError, match="LoRA is not served for a text-to-speech model"):

@@ -13,7 +13,8 @@ beyond its own rows.
 A model with LoRA slots is captured with its indexed side path reading each row's slot from a
 static buffer (see `model/layers/lora.py`): one graph per bucket serves any mix of adapters and
 the base. A hybrid Mamba model's rows read their state slots from a static buffer likewise, the
-spare rows a scratch slot no resident owns.
+spare rows a scratch slot no resident owns. A model whose every position reads an embedding
+(a speech talker) is captured reading them from a static buffer too.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from functools import partial
 
 import torch
 
-from inflight.model.contract import ForwardBatch
+from inflight.model.contract import ForwardBatch, MediaEmbeds
 from inflight.model.layers.lora import LoRAMapping
 from inflight.model.layers.mamba import MambaRows
 from inflight.model.metadata import AttentionMetadata
@@ -86,6 +87,7 @@ class DecodeInputs:
         lora: bool = False,
         scratch_state: int | None = None,
         window_scratch_block: int | None = None,
+        embeds: tuple[int, torch.dtype] | None = None,
     ) -> None:
         self.block_size = block_size
         self.scratch_block = scratch_block
@@ -114,6 +116,13 @@ class DecodeInputs:
             if scratch_state is None
             else torch.full((max_batch,), scratch_state, dtype=torch.int64, device=device)
         )
+        # Each row's input embedding, where the model reads embeddings (`embeds`: their width
+        # and dtype), in place of its token's.
+        self.embeds = self.embed_rows = None
+        if embeds is not None:
+            width, dtype = embeds
+            self.embeds = torch.zeros(max_batch, width, dtype=dtype, device=device)
+            self.embed_rows = torch.arange(max_batch, device=device)
 
     def fill(self, batch: ForwardBatch, bucket: int) -> None:
         """Copy a decode step's rows in (with each row's LoRA slot, -1 for the base model, and
@@ -158,6 +167,17 @@ class DecodeInputs:
             assert mamba is not None and not any(mamba.fresh_host)
             self.state_slots[:rows].copy_(mamba.slots)
             self.state_slots[rows:bucket] = self.scratch_state
+        if self.embeds is not None:
+            media = batch.media
+            assert media is not None and len(media.indices) == rows
+            self.embeds[:rows].copy_(media.embeds)
+            self.embeds[rows:bucket] = 0
+
+    def media(self, bucket: int) -> MediaEmbeds | None:
+        """The embeddings the graph of `bucket` is captured with: its static rows'."""
+        if self.embeds is None or self.embed_rows is None:
+            return None
+        return MediaEmbeds(self.embed_rows[:bucket], self.embeds[:bucket])
 
     def mamba(self, bucket: int) -> MambaRows | None:
         """The state slots the graph of `bucket` is captured with: its static rows'."""
@@ -216,6 +236,7 @@ class DecodeGraphs:
                 inputs.positions[:bucket],
                 inputs.metadata(bucket),
                 lora=inputs.lora(bucket),
+                media=inputs.media(bucket),
                 recurrent=inputs.mamba(bucket),
             )
             self._graphs[bucket] = self._capture(partial(forward, captured))
@@ -235,10 +256,18 @@ class DecodeGraphs:
 
     def run(self, batch: RaggedBatch) -> torch.Tensor | None:
         """Final hidden states of the tokens in `batch.logits_indices`, or None when no graph
-        fits the step (for a hybrid, one that starts a sequence's state too)."""
+        fits the step (for a hybrid, one that starts a sequence's state too; one with media
+        embeddings, but where every row reads an embedding from the graphs' buffer)."""
         forward = batch.forward
         mamba = forward.recurrent
         if not is_decode_only(forward.attention) or (mamba is not None and any(mamba.fresh_host)):
+            return None
+        media = forward.media
+        if (media is None) != (self.inputs.embeds is None):
+            return None
+        if media is not None and (
+            len(media.indices) != len(forward.input_ids) or media.mrope_positions is not None
+        ):
             return None
         rows = len(forward.input_ids)
         bucket = pick_bucket(self.buckets, rows)

@@ -122,10 +122,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: RaggedBatch) -> torch.Tensor:
-        """Final hidden states of the tokens in `batch.logits_indices`, in that order. A step
-        with media embeddings runs eagerly; decode-only steps replay a CUDA graph where one
-        fits."""
-        if self.graphs is not None and batch.forward.media is None:
+        """Final hidden states of the tokens in `batch.logits_indices`, in that order. Decode-only
+        steps replay a CUDA graph where one fits (a step with media embeddings runs eagerly, but
+        for a model that reads an embedding at every position)."""
+        if self.graphs is not None:
             hidden = self.graphs.run(batch)
             if hidden is not None:
                 return hidden
@@ -206,6 +206,7 @@ def build_model_runner(
             lora=model.max_loras > 0,
             # One state slot past the residents' takes the spare rows' state updates.
             scratch_state=plan.max_batch_size if plan.model.recurrent else None,
+            embeds=(model_config.hidden_size, dtype) if plan.model.speech else None,
         )
     if connect is not None:
         connect()

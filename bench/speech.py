@@ -173,28 +173,25 @@ def run_reference(model, decoder, ids: torch.Tensor, concurrency: int, frames: i
     return summary([wall] * concurrency, [wall] * concurrency, made, wall)
 
 
-def graph_check(llm: LLM) -> dict:
-    """Whether the code predictor's CUDA graphs give the eager loop's frames, greedy and
-    seeded-sampled, one request alone (empty without graphs)."""
-    runtime = llm._live()
-    graphs = runtime.predictor_graphs
-    if graphs is None:
-        return {}
+def graph_check(path: Path, options: dict) -> dict:
+    """Whether the CUDA graphs (the talker's decode steps, the code predictor's loop) give the
+    eager steps' frames, greedy and seeded-sampled, one request alone."""
     requests = {
         "greedy": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
         "sampled": SamplingParams(
             temperature=0.9, top_k=50, seed=1, max_tokens=40, ignore_eos=True
         ),
     }
-    equal = {}
-    for name, params in requests.items():
-        options = {"voice": "vivian", "subtalker_sample": name != "greedy"}
-        replayed = llm.speech(TEXT, params, **options).codes
-        runtime.predictor_graphs = None
-        eager = llm.speech(TEXT, params, **options).codes
-        runtime.predictor_graphs = graphs
-        equal[name] = replayed == eager
-    return {"graphs_equal_eager": equal}
+    codes = {}
+    for graphs in (True, False):
+        with LLM(str(path), max_model_len=512, cuda_graphs=graphs, **options) as llm:
+            codes[graphs] = {
+                name: llm.speech(TEXT, p, voice="vivian", subtalker_sample=name != "greedy").codes
+                for name, p in requests.items()
+            }
+    return {
+        "graphs_equal_eager": {name: codes[True][name] == codes[False][name] for name in requests}
+    }
 
 
 def main() -> None:
@@ -219,16 +216,17 @@ def main() -> None:
         path = Path(tmp) / "tts"
         model, decoder = write_tiny_checkpoint(path, "custom_voice", seed=0, shape=shape)
         options = {"device": args.device, "dtype": args.dtype}
+        options = {k: v for k, v in options.items() if v is not None}
+        check = graph_check(path, options) if args.check_graphs else {}
+        print(check, flush=True)
         llm = LLM(
             str(path),
             enable_in_flight_batching=True,
             max_batch_size=max(args.concurrency),
             max_model_len=args.frames + 256,
-            **{k: v for k, v in options.items() if v is not None},
+            **options,
         )
         ids = torch.tensor([llm.prepare_speech(TEXT, voice="vivian").prompt_token_ids])
-        check = graph_check(llm) if args.check_graphs else {}
-        print(check, flush=True)
         times = profiled(llm._live().device) if args.profile else None
         for c in args.concurrency:
             run_inflight(llm, c, 8)  # warm-up at this batch (kernels compiled for its shapes)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import sys
+from array import array
 from dataclasses import dataclass
 
 # How a frame's first code is sampled unless a request says: the package's defaults (its
@@ -36,3 +38,12 @@ class SpeechOutput:
     @property
     def num_samples(self) -> int:
         return len(self.audio) // 4
+
+    @property
+    def samples(self) -> array:
+        """The samples as floats (`numpy.frombuffer(out.audio, numpy.float32)` as an array)."""
+        values = array("f")
+        values.frombytes(self.audio)
+        if sys.byteorder == "big":
+            values.byteswap()
+        return values

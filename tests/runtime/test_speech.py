@@ -85,6 +85,7 @@ def test_custom_voice_frames_and_audio_equal_the_reference(tts, voices, text_in_
     with torch.no_grad():
         wave = decoder.chunked_decode(expected.T[None]).reshape(-1).numpy()
     assert audio(out).shape == wave.shape == (24 * 1920,)
+    assert out.num_samples == 24 * 1920 and list(out.samples[:5]) == audio(out)[:5].tolist()
     assert np.abs(audio(out) - wave).max() <= 1e-5
     assert out.sample_rate == 24000
 

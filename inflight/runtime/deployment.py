@@ -237,7 +237,11 @@ def _speech(d: Deployment) -> str | None:
         (o.enable_lora, "LoRA", "enable_lora=False"),
         (o.speculative_config is not None, "speculative decoding", "no speculative_config"),
         (d.tensor_parallel, "tensor parallelism", "tensor_parallel_size=1"),
-        (o.quantization not in ("auto", "none"), f"quantization={o.quantization!r}", "none"),
+        (
+            o.quantization not in ("auto", "none"),
+            f"quantization={o.quantization!r}",
+            "quantization='auto' or 'none'",
+        ),
     ):
         if on:
             return f"{what} is not served for a text-to-speech model; start with {flag}"

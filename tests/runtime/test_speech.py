@@ -413,7 +413,25 @@ def test_decode_steps_replaying_graphs_make_the_eager_frames(tts, voices):
     assert sum(r is not None for r in replays) >= 20  # every decode step of both requests
 
 
-def test_a_speech_model_refuses_what_it_cannot_serve(tts):
-    path = tts["custom_voice"][0]
-    with pytest.raises(ValueError, match="LoRA is not served for a text-to-speech model"):
-        LLM(str(path), enable_lora=True)
+@pytest.mark.parametrize(
+    "options, refusal",
+    [
+        ({"enable_lora": True}, "LoRA is not served for a text-to-speech model"),
+        (
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+            "speculative decoding is not served",
+        ),
+        ({"quantization": "int8"}, "quantization='int8' is not served .*'auto' or 'none'"),
+        ({"tensor_parallel_size": 2}, "tensor parallelism is not served"),
+    ],
+)
+def test_a_speech_deployment_refuses_what_it_cannot_serve(options, refusal):
+    """The plan's rule, before any weight loads."""
+    from inflight.protocol.deployment import DeploymentOptions
+    from inflight.runtime.deployment import MachineFacts, ModelFacts, resolve
+
+    facts = ModelFacts("qwen3_tts", 3072, 16, 8, 128, 3072, 32768, speech=True)
+    with pytest.raises(ValueError, match=refusal):
+        resolve(DeploymentOptions(**options), facts, MachineFacts())
+    plan = resolve(DeploymentOptions(), facts, MachineFacts())
+    assert "speech" in plan.features and plan.served_options == {"speech"}

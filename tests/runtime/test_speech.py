@@ -159,9 +159,8 @@ def test_streamed_audio_is_the_one_shot_audio(voices):
     handle = llm.speech_stream(TEXT, greedy(30), **options)
     chunks = list(handle)
     assert len(chunks) == 30 and chunks[-1].finished  # a frame a step
-    # The first frame's audio at once, then at doubling intervals: after 1, 3, 7, 15 frames
-    # and at the end.
-    assert [i + 1 for i, c in enumerate(chunks) if c.audio] == [1, 3, 7, 15, 30]
+    # The first frame's audio at once, then every 4 frames, and the rest at the end.
+    assert [i + 1 for i, c in enumerate(chunks) if c.audio] == [1, 5, 9, 13, 17, 21, 25, 29, 30]
     assert b"".join(c.audio for c in chunks) == whole.audio
     assert [code for c in chunks for code in c.codes] == list(whole.codes)
 
@@ -177,11 +176,11 @@ def test_a_stream_across_the_decoders_chunks_is_its_chunked_decode(tts):
     ours = CodecDecoder(CodecDecoderConfig.from_dict(tiny_decoder_config_dict()))
     ours.load_weights((f"decoder.{k}", v) for k, v in decoder.state_dict().items())
     codes = torch.randint(0, 64, (4, 40), generator=torch.Generator().manual_seed(0))
-    stream, parts = AudioStream(1920, chunk=12, context=5), []
+    stream, parts = AudioStream(chunk=12, context=5), []
     for frame in codes.T:
         stream.frames.append(frame)
         if stream.due(ended=len(stream.frames) == codes.shape[1]):
-            parts.append(stream.emit(ours.decode_window))
+            parts.append(stream.emit(ours.stream))
     with torch.no_grad():
         expected = decoder.chunked_decode(codes[None], 12, 5).reshape(-1)
     assert torch.cat(parts).shape == expected.shape

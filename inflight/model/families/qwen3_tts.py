@@ -32,7 +32,7 @@ from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods
 from inflight.model.registry import Family, register
 from inflight.model.speech.code_predictor import CodePicker, CodePredictor
-from inflight.model.speech.codec_decoder import CodecDecoder, CodecDecoderConfig
+from inflight.model.speech.codec_decoder import CodecDecoder, CodecDecoderConfig, CodecStream
 from inflight.model.speech.speaker_encoder import SpeakerEncoder, SpeakerEncoderConfig
 
 KINDS = ("custom_voice", "voice_design", "base")
@@ -197,10 +197,10 @@ class Qwen3TTSForSpeech(nn.Module):
             raise ValueError(f"a {self.speech.kind} model clones no voice")
         return self.speaker_encoder.embed(samples, sample_rate)
 
-    @torch.inference_mode()
-    def decode_audio(self, codes: torch.Tensor, context: int) -> torch.Tensor:
-        """Samples of frames `codes` [groups, n] after their first `context` (left context)."""
-        return self.codec_decoder.decode_window(codes, context)
+    def audio_stream(self, context: torch.Tensor | None) -> CodecStream:
+        """A codec decoder stream started on `context` frames [groups, c] (None: none), which
+        pushed frames give their samples."""
+        return self.codec_decoder.stream(context)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -9,7 +9,14 @@ upsampling blocks with SnakeBeta activations -> one channel, clamped to [-1, 1].
 
 Everything is causal: a frame's samples depend only on it and the frames before it, so
 decoding a prefix gives a prefix of the samples, and a streaming caller can decode a window
-whose first frames serve only as left context (`decode_window`).
+whose first frames serve only as left context (`decode_window`), or decode a window a few
+frames at a time, each frame once (`stream`).
+
+Streaming: the modules' forwards take an optional `State`, a dict that one stream owns, in
+which each module that looks back keeps what its next call needs from the frames so far (the
+causal convs their last inputs, the transposed convs their incomplete outputs, the attention
+its keys and values, the transformer its position). Without one, a forward is a whole decode
+from the window's start; the same code runs either way.
 
 Parameters keep the names of the reference's decoder (`decoder.` stripped from the names a
 speech tokenizer checkpoint holds), so its tensors load one by one.
@@ -20,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +103,10 @@ class CodecDecoderConfig:
         return math.prod(self.upsampling_ratios) * math.prod(self.upsample_rates)
 
 
+# What a stream carries from one push to the next: each stateful module's own entry.
+State: TypeAlias = dict[nn.Module, Any]
+
+
 # --- convolutions -------------------------------------------------------------------------
 
 
@@ -109,8 +120,14 @@ class _CausalConv(nn.Module):
         self.conv = nn.Conv1d(cin, cout, kernel, dilation=dilation, groups=groups)
         self.left = (kernel - 1) * dilation
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(F.pad(x, (self.left, 0)))
+    def forward(self, x: torch.Tensor, state: State | None = None) -> torch.Tensor:
+        # A stream's later calls are padded with the inputs the previous ones ended on.
+        past = None if state is None else state.get(self)
+        x = F.pad(x, (self.left, 0)) if past is None else torch.cat((past, x), dim=-1)
+        if state is not None and self.left:
+            # A copy: a view would keep the whole input alive until the next push.
+            state[self] = x[..., x.shape[-1] - self.left :].clone()
+        return self.conv(x)
 
 
 class _CausalTransConv(nn.Module):
@@ -122,9 +139,20 @@ class _CausalTransConv(nn.Module):
         self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
         self.trim = kernel - stride
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.conv(x)
-        return y[..., : y.shape[-1] - self.trim] if self.trim else y
+    def forward(self, x: torch.Tensor, state: State | None = None) -> torch.Tensor:
+        if state is None or not self.trim:
+            y = self.conv(x)
+            return y[..., : y.shape[-1] - self.trim] if self.trim else y
+        # Streaming: the trimmed tail is the partial sums of outputs that the next inputs add
+        # to. Carry it without the bias, add the previous tail in, and emit (adding the bias
+        # once) only the outputs complete now: `stride` per input, as above.
+        y = F.conv_transpose1d(x, self.conv.weight, stride=self.conv.stride)
+        past = state.get(self)
+        if past is not None:
+            y[..., : self.trim] += past
+        done = y.shape[-1] - self.trim
+        state[self] = y[..., done:].clone()
+        return y[..., :done] + self.conv.bias[:, None]
 
 
 class _SnakeBeta(nn.Module):
@@ -152,8 +180,8 @@ class _ConvNeXt(nn.Module):
         self.pwconv2 = nn.Linear(4 * dim, dim)
         self.gamma = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.dwconv(x).transpose(1, 2)
+    def forward(self, x: torch.Tensor, state: State | None = None) -> torch.Tensor:
+        h = self.dwconv(x, state).transpose(1, 2)
         h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
         return x + (self.gamma * h).transpose(1, 2)
 
@@ -166,8 +194,8 @@ class _ResidualUnit(nn.Module):
         self.act2 = _SnakeBeta(dim)
         self.conv2 = _CausalConv(dim, dim, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.conv2(self.act2(self.conv1(self.act1(x))))
+    def forward(self, x: torch.Tensor, state: State | None = None) -> torch.Tensor:
+        return x + self.conv2(self.act2(self.conv1(self.act1(x), state)), state)
 
 
 class _UpsampleBlock(nn.Module):
@@ -180,9 +208,11 @@ class _UpsampleBlock(nn.Module):
         self.block = nn.ModuleList([_SnakeBeta(cin), _CausalTransConv(cin, cout, 2 * rate, rate)])
         self.block.extend(units)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.block:
-            x = layer(x)
+    def forward(self, x: torch.Tensor, state: State | None = None) -> torch.Tensor:
+        snake, trans_conv, *units = self.block
+        x = trans_conv(snake(x), state)
+        for unit in units:
+            x = unit(x, state)
         return x
 
 
@@ -281,9 +311,15 @@ class _Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, kv * d, bias=bias)
         self.o_proj = nn.Linear(heads * d, c.hidden_size, bias=bias)
         self.head_dim, self.groups = d, heads // kv
+        self.keep = c.sliding_window - 1  # earlier keys a query sees at most
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        state: State | None = None,
     ) -> torch.Tensor:
         b, n, _ = x.shape
 
@@ -292,6 +328,13 @@ class _Attention(nn.Module):
 
         q, k, v = heads(self.q_proj), heads(self.k_proj), heads(self.v_proj)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if state is not None:
+            # Streaming: the previous pushes' keys and values go first (the mask says which
+            # each query sees); keep the last `keep`, the most that a later query sees.
+            if (past := state.get(self)) is not None:
+                k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
+            start = max(0, k.shape[2] - self.keep)
+            state[self] = (k[:, :, start:], v[:, :, start:])
         if self.groups > 1:
             k = k.repeat_interleave(self.groups, dim=1)
             v = v.repeat_interleave(self.groups, dim=1)
@@ -321,14 +364,21 @@ class _Layer(nn.Module):
         self.mlp_layer_scale = _LayerScale(c.hidden_size)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        state: State | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, mask, state)
+        x = x + self.self_attn_layer_scale(h)
         return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
 
 
 class _Transformer(nn.Module):
-    """[B, n, latent_dim] -> [B, n, latent_dim]; positions count from 0 at the first frame."""
+    """[B, n, latent_dim] -> [B, n, latent_dim]; positions count from 0 at the first frame
+    (of the stream, when streaming: its state holds the next position)."""
 
     def __init__(self, c: CodecDecoderConfig):
         super().__init__()
@@ -338,26 +388,33 @@ class _Transformer(nn.Module):
         self.norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.output_proj = nn.Linear(c.hidden_size, c.latent_dim)
 
-    def _rope(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, start: int, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Computed per call (in float32, then cast) rather than kept as a buffer: a buffer
         # would not survive building on the meta device and loading a checkpoint.
         d = self.config.head_dim
         exponents = torch.arange(0, d, 2, dtype=torch.int64, device=like.device).float() / d
         inv_freq = 1.0 / self.config.rope_theta**exponents
-        angles = torch.arange(n, device=like.device).float()[:, None] * inv_freq[None, :]
+        positions = torch.arange(start, start + n, device=like.device).float()
+        angles = positions[:, None] * inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[1]
-        cos, sin = self._rope(n, x)
-        # Query i sees keys i - window + 1 .. i.
-        pos = torch.arange(n, device=x.device)
-        behind = pos[:, None] - pos[None, :]
-        mask = (behind >= 0) & (behind < self.config.sliding_window)
+    def forward(self, x: torch.Tensor, state: State | None = None) -> torch.Tensor:
+        n, window = x.shape[1], self.config.sliding_window
+        start = 0 if state is None else state.get(self, 0)
+        cos, sin = self._rope(start, n, x)
+        # Query i sees keys i - window + 1 .. i; when streaming, the keys start with the ones
+        # each attention kept from the previous pushes (`_Attention.keep` of them at most).
+        kept = min(start, window - 1)
+        queries = torch.arange(start, start + n, device=x.device)
+        keys = torch.arange(start - kept, start + n, device=x.device)
+        behind = queries[:, None] - keys[None, :]
+        mask = (behind >= 0) & (behind < window)
+        if state is not None:
+            state[self] = start + n
         h = self.input_proj(x)
         for layer in self.layers:
-            h = layer(h, cos, sin, mask)
+            h = layer(h, cos, sin, mask, state)
         return self.output_proj(self.norm(h))
 
 
@@ -394,19 +451,23 @@ class CodecDecoder(nn.Module):
     def samples_per_frame(self) -> int:
         return self.config.samples_per_frame
 
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        """LongTensor [B, num_quantizers, n] -> [B, n * samples_per_frame] (parameter dtype)."""
+    def forward(self, codes: torch.Tensor, state: State | None = None) -> torch.Tensor:
+        """LongTensor [B, num_quantizers, n] -> [B, n * samples_per_frame] (parameter dtype).
+        With a `state`, the frames continue the ones decoded with it before (see `stream`)."""
         if codes.dim() != 3 or codes.shape[1] != self.config.num_quantizers:
             raise ValueError(
                 f"expected codes [batch, {self.config.num_quantizers}, frames], "
                 f"got {tuple(codes.shape)}"
             )
-        h = self.pre_conv(self.quantizer(codes))  # [B, latent_dim, n]
-        h = self.pre_transformer(h.transpose(1, 2)).transpose(1, 2)
+        h = self.pre_conv(self.quantizer(codes), state)  # [B, latent_dim, n]
+        h = self.pre_transformer(h.transpose(1, 2), state).transpose(1, 2)
         for trans_conv, convnext in self.upsample:
-            h = convnext(trans_conv(h))
-        for layer in self.decoder:
-            h = layer(h)
+            h = convnext(trans_conv(h, state), state)
+        first, *blocks, snake, last = self.decoder
+        h = first(h, state)
+        for block in blocks:
+            h = block(h, state)
+        h = last(snake(h), state)
         return h.clamp(-1.0, 1.0).squeeze(1)
 
     @torch.no_grad()
@@ -417,6 +478,11 @@ class CodecDecoder(nn.Module):
         if not 0 <= context <= codes.shape[-1]:
             raise ValueError(f"context {context} is outside the window's {codes.shape[-1]} frames")
         return self(codes[None])[0, context * self.samples_per_frame :]
+
+    def stream(self, context: torch.Tensor | None = None) -> CodecStream:
+        """A new streaming decode of one window, whose first frames are `context`
+        [num_quantizers, c] (left context only: decoded, their samples dropped)."""
+        return CodecStream(self, context)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a speech tokenizer checkpoint's `decoder.*` tensors in (other names, such as
@@ -442,3 +508,25 @@ class CodecDecoder(nn.Module):
         model = model.to(dtype=dtype).to_empty(device=device)
         model.load_weights(weights)
         return model.eval()
+
+
+class CodecStream:
+    """One window decoded as its frames arrive, each frame once: the pushes' samples
+    concatenated are `decode_window` of the context and all the frames pushed (up to rounding).
+    Its state is its own (one stream a speech row), so streams over one decoder interleave."""
+
+    def __init__(self, decoder: CodecDecoder, context: torch.Tensor | None = None) -> None:
+        self.decoder = decoder
+        self.state: State = {}
+        if context is not None and context.shape[-1]:
+            self.push(context)
+
+    @torch.inference_mode()
+    def push(self, codes: torch.Tensor) -> torch.Tensor:
+        """The next frames [num_quantizers, m] -> their samples [m * samples_per_frame]."""
+        if codes.dim() != 2:
+            raise ValueError(f"expected codes [groups, frames], got {tuple(codes.shape)}")
+        if not codes.shape[-1]:  # the convs cannot take an empty input
+            param = next(self.decoder.parameters())
+            return torch.empty(0, dtype=param.dtype, device=param.device)
+        return self.decoder(codes[None], self.state)[0]

@@ -1,14 +1,13 @@
 """A speech row's audio as its frames arrive.
 
-The codec decoder is causal: the samples of the frames so far are final once decoded with the
-left context the one-shot decode gives them. The one-shot decode is the reference's chunked
-decode (windows of 300 frames, each after 25 frames of context), so an emission decodes the
-window's frames from its start (with its context) to the last frame, and sends the samples not
-yet sent: the stream concatenated is the one-shot audio.
+The one-shot audio is the reference's chunked decode: windows of 300 frames, each decoded after
+25 frames of context. The codec decoder is causal, so a window's samples can go out as its frames
+come: a row keeps a decoder stream per window (`CodecDecoder.stream`: its convolutions' and
+attention's state), started on the window's context, and pushes the frames not yet sent. The
+stream concatenated is the one-shot audio, and each frame is decoded once.
 
-Re-decoding a window's head costs, so emissions come at doubling intervals (the first frame at
-once, then 2, 4, ... frames, at most 48: under 4 s of audio apart): about 4 frames decoded per
-frame sent, where one emission a frame would decode ~150.
+The first frame's audio goes out at once (the time to first audio), then every 4 frames
+(0.32 s): each push costs the decoder's launches whatever its length.
 """
 
 from __future__ import annotations
@@ -17,38 +16,39 @@ from collections.abc import Callable
 
 import torch
 
-CHUNK_FRAMES, LEFT_CONTEXT = 300, 25
-FIRST_FRAMES, MAX_INTERVAL = 1, 48
+from inflight.model.speech.codec_decoder import CodecStream
 
-# Decodes frames [groups, n] after their first `context`: (codes, context) -> samples.
-Decode = Callable[[torch.Tensor, int], torch.Tensor]
+CHUNK_FRAMES, LEFT_CONTEXT = 300, 25
+FIRST_FRAMES, EVERY_FRAMES = 1, 4
+
+# A decoder stream for a window, started on its context frames [groups, c] (None: none).
+OpenStream = Callable[[torch.Tensor | None], CodecStream]
 
 
 class AudioStream:
-    def __init__(
-        self, samples_per_frame: int, chunk: int = CHUNK_FRAMES, context: int = LEFT_CONTEXT
-    ) -> None:
-        self.samples_per_frame = samples_per_frame
+    def __init__(self, chunk: int = CHUNK_FRAMES, context: int = LEFT_CONTEXT) -> None:
         self.chunk, self.context = chunk, context
         self.frames: list[torch.Tensor] = []  # [groups] each
         self.emitted = 0  # frames whose samples went out
-        self.interval = FIRST_FRAMES  # frames the next emission waits for
+        self.stream: CodecStream | None = None  # the current window's
 
     def due(self, ended: bool) -> bool:
         """Whether the frames not yet sent make an emission now."""
         pending = len(self.frames) - self.emitted
-        return pending > 0 and (ended or pending >= self.interval)
+        if pending == 0:
+            return False
+        return ended or pending >= (FIRST_FRAMES if self.emitted == 0 else EVERY_FRAMES)
 
-    def emit(self, decode: Decode) -> torch.Tensor:
+    def emit(self, open_stream: OpenStream) -> torch.Tensor:
         """The samples of the frames not yet sent."""
         parts, end = [], len(self.frames)
         while self.emitted < end:
             start = self.emitted // self.chunk * self.chunk
+            if self.stream is None or self.emitted == start:  # a window begins
+                context = min(self.context, start)
+                head = self.frames[start - context : start]
+                self.stream = open_stream(torch.stack(head, dim=1) if head else None)
             stop = min(end, start + self.chunk)
-            context = min(self.context, start)
-            codes = torch.stack(self.frames[start - context : stop], dim=1)
-            samples = decode(codes, context)
-            parts.append(samples[(self.emitted - start) * self.samples_per_frame :])
+            parts.append(self.stream.push(torch.stack(self.frames[self.emitted : stop], dim=1)))
             self.emitted = stop
-        self.interval = min(self.interval * 2, MAX_INTERVAL)
         return torch.cat(parts)

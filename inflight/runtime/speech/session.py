@@ -95,7 +95,6 @@ class SpeechSession:
         self.rows: dict[ResidentRef, SpeechRow] = {}
         self.step_id = 0
         self._on_finish = on_finish
-        self.spf = model.codec_decoder.config.samples_per_frame
         vocab = model.config.vocab_size
         self.eos = model.speech.codec_ids["eos"]
         self.masked = torch.tensor(
@@ -156,7 +155,7 @@ class SpeechSession:
             intent.max_new_tokens,
             Draw(p.temperature, top_k, p.top_p, generator),
             predict,
-            AudioStream(self.spf),
+            AudioStream(),
         )
         return Admission(AdmissionAnswer.ADMITTED, (ref,))
 
@@ -311,7 +310,7 @@ class SpeechSession:
         ended = chunk.finish_reason is not None
         if row.audio.due(ended):
             try:
-                samples = row.audio.emit(self.model.decode_audio)
+                samples = row.audio.emit(self.model.audio_stream)
             except Exception as exc:  # noqa: BLE001 (any failure of one row's decode is its own)
                 self._evict(row, FinishReason.ERROR, result, f"audio decoding failed: {exc}")
                 return

@@ -159,8 +159,9 @@ def test_streamed_audio_is_the_one_shot_audio(voices):
     handle = llm.speech_stream(TEXT, greedy(30), **options)
     chunks = list(handle)
     assert len(chunks) == 30 and chunks[-1].finished  # a frame a step
-    # The first frame's audio at once, then every 4 frames, and the rest at the end.
-    assert [i + 1 for i, c in enumerate(chunks) if c.audio] == [1, 5, 9, 13, 17, 21, 25, 29, 30]
+    # The first frame's audio at once, then at doubling intervals: after 1, 3, 7, 15 frames
+    # and at the end.
+    assert [i + 1 for i, c in enumerate(chunks) if c.audio] == [1, 3, 7, 15, 30]
     assert b"".join(c.audio for c in chunks) == whole.audio
     assert [code for c in chunks for code in c.codes] == list(whole.codes)
 

@@ -6,8 +6,9 @@ come: a row keeps a decoder stream per window (`CodecDecoder.stream`: its convol
 attention's state), started on the window's context, and pushes the frames not yet sent. The
 stream concatenated is the one-shot audio, and each frame is decoded once.
 
-The first frame's audio goes out at once (the time to first audio), then every 4 frames
-(0.32 s): each push costs the decoder's launches whatever its length.
+The first frame's audio goes out at once (the time to first audio), then at doubling intervals
+(2, 4, ... frames, at most 48: under 4 s of audio apart): a push costs the decoder's launches
+whatever its length, which on a GPU is most of its cost.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from inflight.model.speech.codec_decoder import CodecStream
 
 CHUNK_FRAMES, LEFT_CONTEXT = 300, 25
-FIRST_FRAMES, EVERY_FRAMES = 1, 4
+FIRST_FRAMES, MAX_INTERVAL = 1, 48
 
 # A decoder stream for a window, started on its context frames [groups, c] (None: none).
 OpenStream = Callable[[torch.Tensor | None], CodecStream]
@@ -31,13 +32,12 @@ class AudioStream:
         self.frames: list[torch.Tensor] = []  # [groups] each
         self.emitted = 0  # frames whose samples went out
         self.stream: CodecStream | None = None  # the current window's
+        self.interval = FIRST_FRAMES  # frames the next emission waits for
 
     def due(self, ended: bool) -> bool:
         """Whether the frames not yet sent make an emission now."""
         pending = len(self.frames) - self.emitted
-        if pending == 0:
-            return False
-        return ended or pending >= (FIRST_FRAMES if self.emitted == 0 else EVERY_FRAMES)
+        return pending > 0 and (ended or pending >= self.interval)
 
     def emit(self, open_stream: OpenStream) -> torch.Tensor:
         """The samples of the frames not yet sent."""
@@ -51,4 +51,5 @@ class AudioStream:
             stop = min(end, start + self.chunk)
             parts.append(self.stream.push(torch.stack(self.frames[self.emitted : stop], dim=1)))
             self.emitted = stop
+        self.interval = min(self.interval * 2, MAX_INTERVAL)
         return torch.cat(parts)

@@ -492,23 +492,6 @@ class CodecDecoder(nn.Module):
         ours = ((k[len(prefix) :], v) for k, v in weights if k.startswith(prefix))
         copy_weights(self, ours, "speech tokenizer decoder")
 
-    @classmethod
-    def from_weights(
-        cls,
-        config: CodecDecoderConfig,
-        weights: Iterable[tuple[str, torch.Tensor]],
-        *,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> CodecDecoder:
-        """Build on the meta device (no random init of weights about to be overwritten), then
-        place on `device` in `dtype` and load `weights` (see `load_weights`)."""
-        with torch.device("meta"):
-            model = cls(config)
-        model = model.to(dtype=dtype).to_empty(device=device)
-        model.load_weights(weights)
-        return model.eval()
-
 
 class CodecStream:
     """One window decoded as its frames arrive, each frame once: the pushes' samples

@@ -54,6 +54,7 @@ def test_a_rows_draws_depend_on_its_own_generator_alone():
 
 
 def test_the_repetition_penalty_divides_positive_and_multiplies_negative_logits():
-    logits = torch.tensor([2.0, -2.0, 1.0])
-    penalize(logits, [0, 1, 0], 2.0)
-    assert logits.tolist() == [1.0, -4.0, 1.0]
+    logits = torch.tensor([[2.0, -2.0, 1.0], [2.0, -2.0, 1.0]])
+    seen = torch.tensor([[True, True, False], [False, False, True]])
+    penalized = penalize(logits, seen, torch.tensor([2.0, 4.0]))
+    assert penalized.tolist() == [[1.0, -4.0, 1.0], [2.0, -2.0, 0.25]]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inflight.model.transfer import to_device, to_device_packed
+from inflight.model.transfer import to_device_packed
 
 
 @dataclass(frozen=True)
@@ -24,14 +24,12 @@ class Draw:
     generator: torch.Generator | None
 
 
-def penalize(logits: torch.Tensor, history: list[int], penalty: float) -> None:
-    """transformers' repetition penalty, in place on one row [vocab]: a code seen before has
-    its logit divided by `penalty` where positive, multiplied where negative."""
-    if penalty == 1.0 or not history:
-        return
-    ids = to_device(sorted(set(history)), torch.int64, logits.device)
-    seen = logits[ids]
-    logits[ids] = torch.where(seen < 0, seen * penalty, seen / penalty)
+def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """transformers' repetition penalty for all rows at once: each row's codes seen before
+    (`seen` [rows, vocab]) have their logits divided by its `penalty` [rows] where positive,
+    multiplied where negative."""
+    p = penalty[:, None]
+    return torch.where(seen, torch.where(logits < 0, logits * p, logits / p), logits)
 
 
 @dataclass

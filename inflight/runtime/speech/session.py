@@ -18,6 +18,7 @@ import torch
 
 from inflight.model.contract import MediaEmbeds
 from inflight.model.families.qwen3_tts import Qwen3TTSForSpeech
+from inflight.model.transfer import to_device_packed
 from inflight.protocol.outputs import FinishedSnapshot, FinishReason, StreamChunk
 from inflight.protocol.request import GenerationRequest
 from inflight.protocol.stepped import (
@@ -101,6 +102,8 @@ class SpeechSession:
             [i for i in range(vocab - RESERVED_CODES, vocab) if i != self.eos],
             device=runner.device,
         )
+        # Each resident slot's first codes so far (the repetition penalty's), on the device.
+        self.seen = torch.zeros(slots.capacity, vocab, dtype=torch.bool, device=runner.device)
 
     # -- the SteppedExecution contract ---------------------------------------------------------
 
@@ -131,6 +134,7 @@ class SpeechSession:
         self.blocks.reserve(held)
         ref = self.slots.acquire()
         assert ref is not None
+        self.seen[ref.slot] = False
         generator = torch.Generator(self.runner.device)
         seed = request.params.seed
         if seed is None:
@@ -253,11 +257,31 @@ class SpeechSession:
         """Each sampling row's first code; the indices of the rows that go on (a row that
         picked the end code ends here) and their codes."""
         logits = self.runner.logits(hidden).float()
+        device = logits.device
+        (slots, no_end), (penalty,) = (
+            to_device_packed(
+                [
+                    np.array([row.ref.slot for row in rows]),
+                    np.array(
+                        [
+                            len(row.first_codes) < MIN_FRAMES or row.request.params.ignore_eos
+                            for row in rows
+                        ],
+                        np.int64,
+                    ),
+                ],
+                torch.int64,
+                device,
+            ),
+            to_device_packed(
+                [np.array([row.request.params.repetition_penalty for row in rows], np.float32)],
+                torch.float32,
+                device,
+            ),
+        )
+        logits = penalize(logits, self.seen[slots], penalty)
         logits[:, self.masked] = float("-inf")
-        for i, row in enumerate(rows):
-            penalize(logits[i], row.first_codes, row.request.params.repetition_penalty)
-            if len(row.first_codes) < MIN_FRAMES or row.request.params.ignore_eos:
-                logits[i, self.eos] = float("-inf")
+        logits[:, self.eos] = logits[:, self.eos].masked_fill(no_end.bool(), float("-inf"))
         draws = Draws([row.talk for row in rows], logits.shape[-1], logits.device)
         noise = draws.noise(1, logits.shape[-1], logits.device)
         codes = pick_rows(logits, draws.sampling, None if noise is None else noise[:, 0])
@@ -267,6 +291,7 @@ class SpeechSession:
                 chunks[row.ref].finish_reason = FinishReason.STOP.value
             else:
                 going.append(i)
+        self.seen[slots[going], codes[going]] = True
         return going, codes[going]
 
     def _frames(

@@ -369,6 +369,7 @@ def test_text_only_parameters_are_refused_by_name(voices):
 )
 def test_the_checked_prompt_length_is_the_built_one(voices, kind, options):
     """Admission reserves blocks for the length the check computes without building."""
+    from inflight.runtime.speech.inputs import prompt_positions
     from inflight.runtime.speech.prompt import build_prompt
 
     runtime = voices[kind]._live()
@@ -378,7 +379,7 @@ def test_the_checked_prompt_length_is_the_built_one(voices, kind, options):
         clip = torch.as_tensor(request.speech.reference_audio)
         voice_row = runtime.model.speaker_embedding(clip, 24000)
     built = build_prompt(runtime.model, request, voice_row).prefill.shape[0]
-    assert runtime.inputs.prompt_positions(request) == built
+    assert prompt_positions(runtime.model.speech, request) == built
 
 
 def test_the_blocking_path_speaks_the_same_frames(tts, voices):

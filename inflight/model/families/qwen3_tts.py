@@ -34,6 +34,7 @@ from inflight.model.registry import Family, register
 from inflight.model.speech.code_predictor import CodePicker, CodePredictor
 from inflight.model.speech.codec_decoder import CodecDecoder, CodecDecoderConfig, CodecStream
 from inflight.model.speech.speaker_encoder import SpeakerEncoder, SpeakerEncoderConfig
+from inflight.model.weights import copy_weights
 
 KINDS = ("custom_voice", "voice_design", "base")
 _TEXT_IDS = {
@@ -221,29 +222,21 @@ class Qwen3TTSForSpeech(nn.Module):
                 else:
                     rest[name] = tensor
 
+        def taken(prefix: str, strip: bool = True) -> list[tuple[str, torch.Tensor]]:
+            names = [name for name in rest if name.startswith(prefix)]
+            return [
+                (name.removeprefix(prefix) if strip else name, rest.pop(name)) for name in names
+            ]
+
         self.talker.load_weights(talker())
-        self._load_part(self.text_embedding, "talker.model.text_embedding.", rest)
-        self._load_part(self.text_projection, "talker.text_projection.", rest)
-        self._load_part(self.code_predictor, "talker.code_predictor.", rest)
-        self.codec_decoder.load_weights(
-            (name.removeprefix("speech_tokenizer."), rest.pop(name))
-            for name in [n for n in rest if n.startswith("speech_tokenizer.")]
-        )
+        copy_weights(self.text_embedding, taken("talker.model.text_embedding."), "text embedding")
+        copy_weights(self.text_projection, taken("talker.text_projection."), "text projection")
+        copy_weights(self.code_predictor, taken("talker.code_predictor."), "code predictor")
+        self.codec_decoder.load_weights(taken("speech_tokenizer."))
         if self.speaker_encoder is not None:
-            self.speaker_encoder.load_weights(
-                (name, rest.pop(name)) for name in [n for n in rest if n.startswith("speaker_")]
-            )
+            self.speaker_encoder.load_weights(taken("speaker_encoder.", strip=False))
         if rest:
             raise ValueError(f"checkpoint tensor {next(iter(rest))!r} belongs to no part")
-
-    @staticmethod
-    def _load_part(part: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]) -> None:
-        names = [name for name in tensors if name.startswith(prefix)]
-        state = {name.removeprefix(prefix): tensors.pop(name) for name in names}
-        missing = sorted(set(part.state_dict()) - set(state))
-        if missing:
-            raise ValueError(f"checkpoint has no tensor {prefix + missing[0]!r}")
-        part.load_state_dict(state, strict=True)
 
 
 register(

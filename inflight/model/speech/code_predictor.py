@@ -62,7 +62,11 @@ class _Attention(nn.Module):
         self.k_norm = _Norm(dim, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor], cache: list[torch.Tensor]
+        self,
+        x: torch.Tensor,
+        angles: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: list[torch.Tensor],
     ) -> torch.Tensor:
         rows, length, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(rows, length, self.heads, self.dim)).transpose(1, 2)
@@ -72,9 +76,6 @@ class _Attention(nn.Module):
         if cache:
             k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
         cache[:] = [k, v]
-        # New queries are the last positions: causal among themselves, all keys before them.
-        past = k.shape[2] - length
-        mask = torch.ones(length, k.shape[2], dtype=torch.bool, device=x.device).tril(past)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads
         )
@@ -102,9 +103,13 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = _Norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor], cache: list[torch.Tensor]
+        self,
+        x: torch.Tensor,
+        angles: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: list[torch.Tensor],
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), angles, cache)
+        x = x + self.self_attn(self.input_layernorm(x), angles, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -140,24 +145,34 @@ class CodePredictor(nn.Module):
         )
 
     def _angles(
-        self, start: int, length: int, device: torch.device, dtype: torch.dtype
+        self, positions: int, device: torch.device, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Computed per call, not kept: the model is built on the meta device.
+        """cos and sin of positions 0 .. positions-1 [positions, head_dim]. Computed per frame,
+        not kept: the model is built on the meta device."""
         dim = self.config.head_dim
         inv = 1.0 / (
             self.config.rope.theta
             ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
         )
-        positions = torch.arange(start, start + length, device=device).float()
-        freqs = torch.outer(positions, inv)
+        freqs = torch.outer(torch.arange(positions, device=device).float(), inv)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def _run(self, x: torch.Tensor, start: int, caches: list[list[torch.Tensor]]) -> torch.Tensor:
+    def _run(
+        self,
+        x: torch.Tensor,
+        start: int,
+        angles: tuple[torch.Tensor, torch.Tensor],
+        caches: list[list[torch.Tensor]],
+    ) -> torch.Tensor:
+        """Positions start .. start + len(x) after the cached ones: their queries see the keys
+        before them and, among themselves, causally."""
         x = self.small_to_mtp_projection(x)
-        angles = self._angles(start, x.shape[1], x.device, x.dtype)
+        length = x.shape[1]
+        cos, sin = (a[start : start + length] for a in angles)
+        mask = torch.ones(length, start + length, dtype=torch.bool, device=x.device).tril(start)
         for layer, cache in zip(self.model.layers, caches, strict=True):
-            x = layer(x, angles, cache)
+            x = layer(x, (cos, sin), mask, cache)
         return self.model.norm(x[:, -1])
 
     @torch.inference_mode()
@@ -169,9 +184,11 @@ class CodePredictor(nn.Module):
         hidden state and the embedding of the frame's first code (both [rows, talker_hidden])."""
         caches: list[list[torch.Tensor]] = [[] for _ in self.model.layers]
         x = torch.stack((talker_hidden, first_embeds), dim=1)
+        # Positions 0 .. groups: the talker's hidden state, then one a code.
+        angles = self._angles(self.groups + 1, x.device, x.dtype)
         codes, embeds, start = [], [first_embeds], 0
         for group in range(self.groups - 1):
-            hidden = self._run(x, start, caches)
+            hidden = self._run(x, start, angles, caches)
             start += x.shape[1]
             ids = pick(group, self.lm_head[group](hidden))
             codes.append(ids)

@@ -4,12 +4,13 @@ naming the field, so the server answers 400 with it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from inflight.model.config import SpeechConfig
 from inflight.model.encoders.audio_processor import read_wav, resample
 from inflight.protocol.options import REQUEST_OPTIONS
 from inflight.protocol.request import (
@@ -25,7 +26,9 @@ from inflight.protocol.tokenizer import Tokenizer
 
 MAX_INPUT_CHARS = 4096  # OpenAI's limit on `input`
 DEFAULT_MAX_FRAMES = 4096  # the package's max_new_tokens
+# The text is read between these, by position: 3 tokens before it, 5 after.
 ROLE, TAIL = "<|im_start|>assistant\n", "<|im_end|>\n<|im_start|>assistant\n"
+ROLE_TOKENS, TAIL_TOKENS = 3, 5
 
 # Sampling parameters a frame's first code is drawn with (ignore_eos: the end code masked, so
 # the request makes max_tokens frames); the others mean nothing for speech.
@@ -45,35 +48,74 @@ IGNORED_PARAMS = frozenset(
 )
 
 
+def text_in_prompt(request: GenerationRequest, kind: str) -> bool:
+    """Whether all the text is in the prompt: as asked, else the package's default for the
+    model's kind (custom and designed voices: yes; a cloned one: no)."""
+    speech = request.speech
+    assert speech is not None
+    if speech.text_in_prompt is not None:
+        return speech.text_in_prompt
+    return kind != "base"
+
+
+def codec_tags(s: SpeechConfig, request: GenerationRequest) -> tuple[list[int], int | None]:
+    """The prompt's codec tags (think or not, the language's where there is one) and the
+    preset voice's codec row (None: none). A dialect speaker speaking Chinese or "auto"
+    takes its dialect's language."""
+    speech = request.speech
+    assert speech is not None
+    voice = speech.voice.lower() if speech.voice else None
+    language = speech.language.lower()
+    c = s.codec_ids
+    if voice in s.dialects and language in ("chinese", "auto"):
+        language = s.dialects[voice]
+    if language == "auto":
+        tags = [c["nothink"], c["think_bos"], c["think_eos"]]
+    else:
+        tags = [c["think"], c["think_bos"], s.languages[language], c["think_eos"]]
+    return tags, None if voice is None else s.speakers[voice]
+
+
+def prompt_positions(s: SpeechConfig, request: GenerationRequest) -> int:
+    """How many positions `prompt.build_prompt` makes of a request (without building it)."""
+    speech = request.speech
+    assert speech is not None
+    tags, voice = codec_tags(s, request)
+    voiced = voice is not None or speech.reference_audio is not None
+    codec_rows = len(tags) + voiced + 2  # and pad, bos
+    body = len(request.prompt_token_ids) - ROLE_TOKENS - TAIL_TOKENS
+    text = body + 2 if text_in_prompt(request, s.kind) else 1
+    return len(speech.instruction_token_ids) + ROLE_TOKENS + codec_rows - 1 + text
+
+
 class SpeechInputs:
-    """`facts`: the model's voices, languages and rates; `min_reference_samples`: the shortest
-    reference clip its speaker encoder takes; `prompt_positions(request)`: the talker positions
-    of a request's prompt."""
+    """`speech`: the model's speech side; `facts`: its voices, languages and rates;
+    `min_reference_samples`: the shortest reference clip its speaker encoder takes."""
 
     def __init__(
         self,
         tokenizer: Tokenizer,
+        speech: SpeechConfig,
         facts: SpeechFacts,
         runtime_id: int,
         max_model_len: int,
         block_size: int,
         min_reference_samples: int,
-        prompt_positions: Callable[[GenerationRequest], int],
     ) -> None:
         self.tokenizer = tokenizer
+        self.speech = speech
         self.facts = facts
         self.runtime_id = runtime_id
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.min_reference_samples = min_reference_samples
-        self.prompt_positions = prompt_positions
         self._role = tokenizer.encode(ROLE, add_special_tokens=False)
         self._tail = tokenizer.encode(TAIL, add_special_tokens=False)
-        # The model reads the text between these markers by position: 3 tokens before, 5 after.
-        if len(self._role) != 3 or len(self._tail) != 5:
+        if len(self._role) != ROLE_TOKENS or len(self._tail) != TAIL_TOKENS:
             raise ValueError(
                 f"the tokenizer splits {ROLE!r} into {len(self._role)} tokens and {TAIL!r} into "
-                f"{len(self._tail)}; a Qwen3-TTS checkpoint's makes 3 and 5"
+                f"{len(self._tail)}; a Qwen3-TTS checkpoint's makes {ROLE_TOKENS} and "
+                f"{TAIL_TOKENS}"
             )
 
     def request(
@@ -98,7 +140,11 @@ class SpeechInputs:
                 f"input is {len(text)} characters; at most {MAX_INPUT_CHARS} are taken", "input"
             )
         ids = self.tokenizer.encode(ROLE + text + TAIL, add_special_tokens=False)
-        if ids[:3] != self._role or ids[-5:] != self._tail or len(ids) < 9:
+        if (
+            ids[:ROLE_TOKENS] != self._role
+            or ids[-TAIL_TOKENS:] != self._tail
+            or len(ids) <= ROLE_TOKENS + TAIL_TOKENS
+        ):
             raise RequestFieldError("input does not tokenize apart from its role markers", "input")
         instruction_ids: list[int] = []
         if instructions:
@@ -144,7 +190,7 @@ class SpeechInputs:
             raise RequestFieldError("a speech request takes no media in its prompt", "media")
         self._check_params(request.params)
         self._check_voice(speech)
-        positions = self.prompt_positions(request)
+        positions = prompt_positions(self.speech, request)
         room = self.max_model_len - positions
         asked = request.params.max_tokens
         if room < 1 or (asked is not None and asked > room):

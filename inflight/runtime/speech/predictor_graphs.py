@@ -3,8 +3,9 @@
 Eagerly, each of a frame's codebooks after the first is some 400 small kernels (five decoder
 layers on one position, the head, the pick), each launched from Python: on a GPU the launches
 cost more than the work, tens of milliseconds a frame. The whole loop has fixed shapes for a
-given number of rows, so it is captured once per batch size (rows padded up to the next power
-of two) and replayed; its inputs, settings and noise are copied into the graph's buffers first.
+given number of rows, so it is captured once per batch size (rows padded up to the next of the
+decode graphs' sizes: `graph_buckets`) and replayed; its inputs, settings and noise are copied
+into the graph's buffers first.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from inflight.model.families.qwen3_tts import Qwen3TTSForSpeech
+from inflight.runtime.device.cuda_graphs import graph_buckets, pick_bucket
 from inflight.runtime.speech.sampling import RowSampling, pick_rows
 
 
@@ -32,8 +34,7 @@ class PredictorGraphs:
     def __init__(self, model: Qwen3TTSForSpeech, max_rows: int, device: torch.device) -> None:
         self.model = model
         self.device = device
-        self.sizes = [1 << i for i in range(max_rows.bit_length()) if 1 << i < max_rows]
-        self.sizes.append(max_rows)
+        self.sizes = graph_buckets(max_rows)
         self.pool = torch.cuda.graph_pool_handle()
         self.captured: dict[int, _Captured] = {}
 
@@ -46,7 +47,8 @@ class PredictorGraphs:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`model.predict_codes` for these rows, replayed."""
         rows = hidden.shape[0]
-        size = next(s for s in self.sizes if s >= rows)
+        size = pick_bucket(self.sizes, rows)
+        assert size is not None  # a step holds at most max_rows rows
         c = self.captured.get(size) or self._capture(size)
         c.hidden[:rows].copy_(hidden)
         c.firsts[:rows].copy_(firsts)

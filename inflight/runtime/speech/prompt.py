@@ -13,12 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from inflight.model.config import SpeechConfig
 from inflight.model.families.qwen3_tts import Qwen3TTSForSpeech
 from inflight.protocol.request import GenerationRequest
-
-# "<|im_start|>assistant\n" before the text, "<|im_end|>\n<|im_start|>assistant\n" after it.
-ROLE_TOKENS, TAIL_TOKENS = 3, 5
+from inflight.runtime.speech.inputs import ROLE_TOKENS, TAIL_TOKENS, codec_tags, text_in_prompt
 
 
 @dataclass
@@ -26,38 +23,6 @@ class SpeechPrompt:
     prefill: torch.Tensor  # [positions, hidden]
     text_rows: torch.Tensor  # [n, hidden]: the rows the first n frames add
     pad_row: torch.Tensor  # [hidden]: tts_pad, what later frames add
-
-
-def text_in_prompt(request: GenerationRequest, kind: str) -> bool:
-    """Whether all the text is in the prompt: as asked, else the package's default for the
-    model's kind (custom and designed voices: yes; a cloned one: no)."""
-    speech = request.speech
-    assert speech is not None
-    if speech.text_in_prompt is not None:
-        return speech.text_in_prompt
-    return kind != "base"
-
-
-def language_id(s: SpeechConfig, language: str, voice: str | None) -> int | None:
-    """The codec language tag (None: "auto" without one); a dialect speaker speaking Chinese
-    or "auto" takes its dialect's."""
-    if voice is not None and voice in s.dialects and language in ("chinese", "auto"):
-        return s.languages[s.dialects[voice]]
-    return None if language == "auto" else s.languages[language]
-
-
-def prompt_positions(speech_config: SpeechConfig, request: GenerationRequest) -> int:
-    """How many positions `build_prompt` makes of a request (without building it)."""
-    speech = request.speech
-    assert speech is not None
-    voice = speech.voice.lower() if speech.voice else None
-    language = language_id(speech_config, speech.language.lower(), voice)
-    codec_rows = (3 if language is None else 4) + (voice is not None) + 2
-    if speech.reference_audio is not None:
-        codec_rows += 1
-    body = len(request.prompt_token_ids) - ROLE_TOKENS - TAIL_TOKENS
-    text = body + 2 if text_in_prompt(request, speech_config.kind) else 1
-    return len(speech.instruction_token_ids) + ROLE_TOKENS + codec_rows - 1 + text
 
 
 def build_prompt(
@@ -75,16 +40,12 @@ def build_prompt(
     t = s.text_ids
     bos, eos, pad = model.text_embeds(ids([t["tts_bos"], t["tts_eos"], t["tts_pad"]]))
     c = s.codec_ids
-    voice = speech.voice.lower() if speech.voice else None
-    language = language_id(s, speech.language.lower(), voice)
-    tags = [c["nothink"], c["think_bos"], c["think_eos"]]
-    if language is not None:
-        tags = [c["think"], c["think_bos"], language, c["think_eos"]]
+    tags, voice = codec_tags(s, request)
     rows = [model.codec_embeds(ids(tags))]
     if voice_row is not None:
         rows.append(voice_row.to(bos.dtype)[None])
     elif voice is not None:
-        rows.append(model.codec_embeds(ids([s.speakers[voice]])))
+        rows.append(model.codec_embeds(ids([voice])))
     rows.append(model.codec_embeds(ids([c["pad"], c["bos"]])))
     codec = torch.cat(rows)
     under = torch.cat((pad.expand(codec.shape[0] - 2, -1), bos[None])) + codec[:-1]

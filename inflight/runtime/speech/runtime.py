@@ -21,10 +21,7 @@ from inflight.runtime.host.slots import ResidentSlots
 from inflight.runtime.runtime import PER_ROW_FIELDS, model_facts
 from inflight.runtime.speech.inputs import SpeechInputs
 from inflight.runtime.speech.predictor_graphs import PredictorGraphs
-from inflight.runtime.speech.prompt import prompt_positions
 from inflight.runtime.speech.session import SpeechSession
-
-FRAMES_PER_SECOND = 12.5  # the 12 Hz speech tokenizer's frame rate (24000 / 1920)
 
 
 class SpeechRuntime:
@@ -74,15 +71,15 @@ class SpeechRuntime:
             min_samples = SpeakerEncoderConfig.from_dict(speech.speaker_encoder).min_samples
         self.inputs = SpeechInputs(
             self.tokenizer,
+            speech,
             self.facts,
             id(self),
             self.max_model_len,
             plan.block_size,
             min_samples,
-            lambda request: prompt_positions(speech, request),
         )
-        # The code predictor's micro-loop replayed from CUDA graphs (the talker runs eagerly:
-        # its steps read embeddings, which the decode graphs do not take).
+        # The code predictor's micro-loop replayed from CUDA graphs (the talker's decode steps
+        # replay the model runner's).
         self.predictor_graphs = None
         if self.device.type == "cuda" and options.cuda_graphs:
             self.predictor_graphs = PredictorGraphs(model, plan.max_batch_size, self.device)

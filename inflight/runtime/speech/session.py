@@ -291,8 +291,9 @@ class SpeechSession:
                 chunks[row.ref].finish_reason = FinishReason.STOP.value
             else:
                 going.append(i)
-        self.seen[slots[going], codes[going]] = True
-        return going, codes[going]
+        firsts = codes[going]
+        self.seen[slots[going], firsts] = True
+        return going, firsts
 
     def _frames(
         self,
@@ -316,11 +317,12 @@ class SpeechSession:
                     logits, draws.sampling, None if noise is None else noise[:, g]
                 ),
             )
-        for row, frame, embed in zip(rows, frames, embeds, strict=True):
+        # One copy to the host for all rows' frames.
+        for row, frame, codes, embed in zip(rows, frames, frames.tolist(), embeds, strict=True):
             step = len(row.first_codes)
             text = row.prompt.text_rows
             row.next_input = embed + (text[step] if step < text.shape[0] else row.prompt.pad_row)
-            codes = tuple(frame.tolist())
+            codes = tuple(codes)
             row.first_codes.append(codes[0])
             row.audio.frames.append(frame)
             chunk = chunks[row.ref]

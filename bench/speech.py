@@ -115,12 +115,12 @@ PHASES = ("_forward", "_first_codes", "_frames", "_audio")
 
 
 def profiled(device: torch.device) -> dict[str, list[float]]:
-    """Wrap the speech session's step phases in timers (synchronized on CUDA); their times."""
-    from inflight.runtime.speech.session import SpeechSession
+    """Wrap the talker loop's step phases in timers (synchronized on CUDA); their times."""
+    from inflight.runtime.speech.talker_loop import TalkerLoop
 
     times: dict[str, list[float]] = {name: [] for name in PHASES}
     for name in PHASES:
-        method = getattr(SpeechSession, name)
+        method = getattr(TalkerLoop, name)
 
         def timed(*args, _method=method, _name=name, **kwargs):
             if device.type == "cuda":
@@ -132,7 +132,7 @@ def profiled(device: torch.device) -> dict[str, list[float]]:
             times[_name].append(time.perf_counter() - t0)
             return out
 
-        setattr(SpeechSession, name, timed)
+        setattr(TalkerLoop, name, timed)
     return times
 
 

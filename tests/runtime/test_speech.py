@@ -294,7 +294,7 @@ def test_a_decoder_failure_fails_its_row_alone(voices):
         def broken(decode):
             raise RuntimeError("codec decoder fault")
 
-        session.rows[a].audio.emit = broken
+        session.rows[a].talker.audio.emit = broken
         frames, ends = run(session, [a, b])
         assert ends[a] is FinishReason.ERROR and ends[b] is FinishReason.LENGTH
         assert len(frames[b]) == 10

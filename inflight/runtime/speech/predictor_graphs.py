@@ -10,11 +10,12 @@ into the graph's buffers first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from inflight.model.families.qwen3_tts import Qwen3TTSForSpeech
+from inflight.model.speech.code_predictor import CodePicker
 from inflight.runtime.device.cuda_graphs import graph_buckets, pick_bucket
 from inflight.runtime.speech.sampling import RowSampling, pick_rows
 
@@ -30,9 +31,27 @@ class _Captured:
     embeds: torch.Tensor  # [size, hidden]
 
 
+# A talker's `predict_codes`: (last hidden states, first codes, picker) -> (frames, embeddings).
+Predict = Callable[[torch.Tensor, torch.Tensor, CodePicker], tuple[torch.Tensor, torch.Tensor]]
+
+
 class PredictorGraphs:
-    def __init__(self, model: Qwen3TTSForSpeech, max_rows: int, device: torch.device) -> None:
-        self.model = model
+    """`predict` captured for rows of `hidden_size` (`dtype`) hidden states, frames of
+    `groups` codebooks of `vocab` codes after the first."""
+
+    def __init__(
+        self,
+        predict: Predict,
+        hidden_size: int,
+        dtype: torch.dtype,
+        groups: int,
+        vocab: int,
+        max_rows: int,
+        device: torch.device,
+    ) -> None:
+        self.predict = predict
+        self.hidden_size, self.dtype = hidden_size, dtype
+        self.vocab, self.picks = vocab, groups - 1
         self.device = device
         self.sizes = graph_buckets(max_rows)
         self.pool = torch.cuda.graph_pool_handle()
@@ -45,7 +64,7 @@ class PredictorGraphs:
         sampling: RowSampling,
         noise: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`model.predict_codes` for these rows, replayed."""
+        """`predict` for these rows, replayed."""
         rows = hidden.shape[0]
         size = pick_bucket(self.sizes, rows)
         assert size is not None  # a step holds at most max_rows rows
@@ -62,12 +81,8 @@ class PredictorGraphs:
 
     @torch.inference_mode()
     def _capture(self, size: int) -> _Captured:
-        model, device = self.model, self.device
-        speech = model.speech
-        vocab, picks = speech.code_predictor.vocab_size, speech.num_code_groups - 1
-        hidden = torch.zeros(
-            size, model.config.hidden_size, dtype=model.talker.norm.weight.dtype, device=device
-        )
+        device, vocab, picks = self.device, self.vocab, self.picks
+        hidden = torch.zeros(size, self.hidden_size, dtype=self.dtype, device=device)
         firsts = torch.zeros(size, dtype=torch.long, device=device)
         sampling = RowSampling(
             torch.ones(size, device=device),
@@ -78,7 +93,7 @@ class PredictorGraphs:
         noise = torch.ones(size, picks, vocab, device=device)
 
         def loop() -> tuple[torch.Tensor, torch.Tensor]:
-            return model.predict_codes(
+            return self.predict(
                 hidden, firsts, lambda g, logits: pick_rows(logits, sampling, noise[:, g])
             )
 

@@ -21,7 +21,8 @@ from inflight.runtime.host.slots import ResidentSlots
 from inflight.runtime.runtime import PER_ROW_FIELDS, model_facts
 from inflight.runtime.speech.inputs import SpeechInputs
 from inflight.runtime.speech.predictor_graphs import PredictorGraphs
-from inflight.runtime.speech.session import SpeechSession
+from inflight.runtime.speech.session import MIN_FRAMES, SpeechSession
+from inflight.runtime.speech.talker_loop import TalkerLoop, TalkerShape
 
 
 class SpeechRuntime:
@@ -82,7 +83,31 @@ class SpeechRuntime:
         # replay the model runner's).
         self.predictor_graphs = None
         if self.device.type == "cuda" and options.cuda_graphs:
-            self.predictor_graphs = PredictorGraphs(model, plan.max_batch_size, self.device)
+            self.predictor_graphs = PredictorGraphs(
+                model.predict_codes,
+                config.hidden_size,
+                self.dtype,
+                speech.num_code_groups,
+                speech.code_predictor.vocab_size,
+                plan.max_batch_size,
+                self.device,
+            )
+        shape = TalkerShape(
+            vocab_size=config.vocab_size,
+            eos=speech.codec_ids["eos"],
+            num_code_groups=speech.num_code_groups,
+            predictor_vocab=speech.code_predictor.vocab_size,
+            min_frames=MIN_FRAMES,
+        )
+        self.loop = TalkerLoop(
+            model,
+            shape,
+            self.runner,
+            self.blocks,
+            self.slots.capacity,
+            max_num_tokens=plan.max_num_tokens,
+            graphs=self.predictor_graphs,
+        )
         self._session: SpeechSession | None = None
 
     @property
@@ -109,14 +134,7 @@ class SpeechRuntime:
         if self._session is not None:
             raise RuntimeError("a speech session is already open on this runtime")
         self._session = SpeechSession(
-            self.model,
-            self.runner,
-            self.blocks,
-            self.slots,
-            self.generator,
-            max_num_tokens=self.plan.max_num_tokens,
-            graphs=self.predictor_graphs,
-            on_finish=self._session_finished,
+            self.model, self.loop, self.slots, self.generator, on_finish=self._session_finished
         )
         return self._session
 

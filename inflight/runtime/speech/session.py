@@ -1,24 +1,18 @@
 """`SpeechSession`: the stepped execution of a text-to-speech model.
 
-Every resident is one speech request. A step packs the rows still prefilling their prompt
-(chunks within the token budget) after the rows generating, runs the talker once over all of
-them (paged KV, each position's input an embedding), picks each sampling row's first code,
-runs the code predictor's micro-loop once for all rows that go on, and decodes the audio of
-rows whose frames make an emission. Rows join at any step and leave at the step they end; each
-samples from a generator of its own, so its frames do not depend on its batchmates.
+Every resident is one speech request, one row of the talker loop (`talker_loop.py`): rows join
+at any step and leave at the step they end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from inflight.model.contract import MediaEmbeds
 from inflight.model.families.qwen3_tts import Qwen3TTSForSpeech
-from inflight.model.transfer import to_device_packed
 from inflight.protocol.outputs import FinishedSnapshot, FinishReason, StreamChunk
 from inflight.protocol.request import GenerationRequest
 from inflight.protocol.stepped import (
@@ -28,82 +22,54 @@ from inflight.protocol.stepped import (
     ScheduledSequence,
     StepResult,
 )
-from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
-from inflight.runtime.device.model_runner import ModelRunner
-from inflight.runtime.host.kv_cache import BlockPool
 from inflight.runtime.host.slots import ResidentSlots
-from inflight.runtime.speech.audio import AudioStream
-from inflight.runtime.speech.predictor_graphs import PredictorGraphs
-from inflight.runtime.speech.prompt import SpeechPrompt, build_prompt
-from inflight.runtime.speech.sampling import Draw, Draws, penalize, pick_rows
+from inflight.runtime.speech.prompt import build_prompt
+from inflight.runtime.speech.sampling import Draw
+from inflight.runtime.speech.talker_loop import TalkerLoop, TalkerRow
 
-# Codes the talker never emits: the top 1024 of its vocabulary (tags, speakers, languages)
-# but the end code.
-RESERVED_CODES = 1024
 MIN_FRAMES = 2  # no end before the second frame (the package's min_new_tokens)
 
 
 @dataclass
-class SpeechRow:
-    """A resident speech request: its prompt still to prefill, its KV blocks (and the blocks
-    held back for the frames it may still make), its sampling, its frames so far, its audio."""
+class FixedText:
+    """A speech request's text rows: all known from the start (the rows the first frames
+    add, then tts_pad)."""
 
-    ref: ResidentRef
-    request: GenerationRequest
-    prompt: SpeechPrompt
-    blocks: list[int]
-    held: int  # blocks held back in the pool for it
-    max_frames: int
-    talk: Draw
-    predict: Draw
-    audio: AudioStream
-    computed: int = 0  # positions in its KV
-    first_codes: list[int] = field(default_factory=list)
-    next_input: torch.Tensor | None = None  # its next decode position's embedding
+    rows: torch.Tensor  # [n, hidden]
+    pad: torch.Tensor  # [hidden]
 
-    @property
-    def prefilling(self) -> bool:
-        return self.computed < self.prompt.prefill.shape[0]
+    def row(self, frame: int) -> torch.Tensor:
+        return self.rows[frame] if frame < self.rows.shape[0] else self.pad
 
 
 @dataclass
-class _Planned:
-    row: SpeechRow
-    inputs: torch.Tensor  # [positions, hidden]
-    samples: bool
+class SpeechRow:
+    """A resident speech request: its row of the talker loop."""
+
+    ref: ResidentRef
+    request: GenerationRequest
+    talker: TalkerRow
 
 
 class SpeechSession:
     def __init__(
         self,
         model: Qwen3TTSForSpeech,
-        runner: ModelRunner,
-        blocks: BlockPool,
+        loop: TalkerLoop,
         slots: ResidentSlots,
         generator: torch.Generator,
         *,
-        max_num_tokens: int,
-        graphs: PredictorGraphs | None = None,
         on_finish: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
-        self.runner = runner
-        self.blocks = blocks
+        self.loop = loop
+        self.blocks = loop.blocks
         self.slots = slots
         self.generator = generator
-        self.max_num_tokens = max_num_tokens
-        self.graphs = graphs  # the code predictor's CUDA graphs (None: eager)
         self.rows: dict[ResidentRef, SpeechRow] = {}
         self.step_id = 0
         self._on_finish = on_finish
-        vocab = model.config.vocab_size
-        self.eos = model.speech.codec_ids["eos"]
-        self.masked = torch.tensor(
-            [i for i in range(vocab - RESERVED_CODES, vocab) if i != self.eos],
-            device=runner.device,
-        )
-        # Each resident slot's first codes so far (the repetition penalty's), on the device.
-        self.seen = torch.zeros(slots.capacity, vocab, dtype=torch.bool, device=runner.device)
+        self.eos = loop.shape.eos
 
     # -- the SteppedExecution contract ---------------------------------------------------------
 
@@ -134,8 +100,7 @@ class SpeechSession:
         self.blocks.reserve(held)
         ref = self.slots.acquire()
         assert ref is not None
-        self.seen[ref.slot] = False
-        generator = torch.Generator(self.runner.device)
+        generator = torch.Generator(self.generator.device)
         seed = request.params.seed
         if seed is None:
             seed = int(
@@ -150,17 +115,20 @@ class SpeechSession:
             speech.subtalker_top_p,
             generator,
         )
-        self.rows[ref] = SpeechRow(
-            ref,
-            request,
-            prompt,
-            taken,
-            held,
-            intent.max_new_tokens,
-            Draw(p.temperature, top_k, p.top_p, generator),
-            predict,
-            AudioStream(),
+        talker = TalkerRow(
+            slot=ref.slot,
+            blocks=taken,
+            held=held,
+            max_frames=intent.max_new_tokens,
+            repetition_penalty=p.repetition_penalty,
+            ignore_eos=p.ignore_eos,
+            talk=Draw(p.temperature, top_k, p.top_p, generator),
+            predict=predict,
+            text=FixedText(prompt.text_rows, prompt.pad_row),
+            prefill=prompt.prefill,
         )
+        self.loop.start(talker)
+        self.rows[ref] = SpeechRow(ref, request, talker)
         return Admission(AdmissionAnswer.ADMITTED, (ref,))
 
     @torch.inference_mode()
@@ -170,28 +138,27 @@ class SpeechSession:
         for ref in cancelled:
             if ref in self.rows:
                 self._evict(self.rows[ref], FinishReason.CANCELLED, result)
-        planned = self._plan()
+        by_talker = {id(row.talker): row for row in self.rows.values()}
+        planned, outputs = self.loop.step(row.talker for row in self.rows.values())
         if not planned:
             return result
         result.work = [
-            ScheduledSequence(p.row.ref, p.inputs.shape[0], p.row.computed, p.samples)
+            ScheduledSequence(by_talker[id(p.row)].ref, p.inputs.shape[0], p.past, p.samples)
             for p in planned
         ]
-        hidden = self._forward(planned)
-        sampling = [p.row for p in planned if p.samples]
-        chunks = {
-            row.ref: StreamChunk(prompt_tokens=len(row.request.prompt_token_ids))
-            for row in sampling
-        }
-        going, firsts = self._first_codes(sampling, hidden, chunks)
-        if going:
-            rows = [sampling[i] for i in going]
-            self._frames(rows, hidden[going], firsts, chunks)
-        for row in sampling:
-            self._audio(row, chunks[row.ref], result)
-        for ref, chunk in chunks.items():
-            if ref in self.rows or chunk.finished:
-                result.deltas[ref] = chunk
+        sampling = [by_talker[id(p.row)] for p in planned if p.samples]
+        for row, out in zip(sampling, outputs, strict=True):
+            chunk = StreamChunk(prompt_tokens=len(row.request.prompt_token_ids))
+            chunk.codes = out.codes
+            chunk.token_ids = [codes[0] for codes in out.codes]
+            chunk.audio = out.audio
+            if out.finish is FinishReason.ERROR:
+                self._evict(row, FinishReason.ERROR, result, out.error)
+                continue
+            if out.finish is not None:
+                chunk.finished, chunk.finish_reason = True, out.finish.value
+                self._evict(row, out.finish, result)
+            result.deltas[row.ref] = chunk
         return result
 
     def finish(self) -> None:
@@ -207,155 +174,15 @@ class SpeechSession:
             self._evict(self.rows[ref], FinishReason.ERROR, sink)
         return refs
 
-    # -- a step's parts ------------------------------------------------------------------------
-
-    def _plan(self) -> list[_Planned]:
-        """Generating rows first (one position each), then prefill chunks in seat order within
-        the token budget; each row's blocks grown to hold its new positions."""
-        planned = [
-            _Planned(row, row.next_input[None], True)
-            for row in self.rows.values()
-            if row.next_input is not None
-        ]
-        budget = self.max_num_tokens - len(planned)
-        for row in self.rows.values():
-            if not row.prefilling or budget < 1:
-                continue
-            prefill = row.prompt.prefill
-            end = min(prefill.shape[0], row.computed + budget)
-            planned.append(_Planned(row, prefill[row.computed : end], end == prefill.shape[0]))
-            budget -= end - row.computed
-        for p in planned:
-            need = self.blocks.blocks_for(p.row.computed + p.inputs.shape[0]) - len(p.row.blocks)
-            if need > 0:
-                grown = self.blocks.allocate(need, reserved=True)
-                assert grown is not None
-                p.row.blocks += grown
-                p.row.held -= need
-        return planned
-
-    def _forward(self, planned: list[_Planned]) -> torch.Tensor:
-        """The talker's final hidden states of the sampling rows [rows, hidden], in order."""
-        rows = [
-            RowInput([0] * p.inputs.shape[0], p.row.computed, p.row.blocks, p.samples)
-            for p in planned
-        ]
-        batch = build_ragged_batch(rows, self.runner.block_size, self.runner.device)
-        inputs = torch.cat([p.inputs for p in planned])
-        indices = torch.arange(inputs.shape[0], device=inputs.device)
-        batch.forward.media = MediaEmbeds(indices, inputs)
-        hidden = self.runner.execute(batch)
-        for p in planned:
-            p.row.computed += p.inputs.shape[0]
-            if p.samples:
-                p.row.next_input = None
-        return hidden
-
-    def _first_codes(
-        self, rows: list[SpeechRow], hidden: torch.Tensor, chunks: dict[ResidentRef, StreamChunk]
-    ) -> tuple[list[int], torch.Tensor]:
-        """Each sampling row's first code; the indices of the rows that go on (a row that
-        picked the end code ends here) and their codes."""
-        logits = self.runner.logits(hidden).float()
-        device = logits.device
-        (slots, no_end), (penalty,) = (
-            to_device_packed(
-                [
-                    np.array([row.ref.slot for row in rows]),
-                    np.array(
-                        [
-                            len(row.first_codes) < MIN_FRAMES or row.request.params.ignore_eos
-                            for row in rows
-                        ],
-                        np.int64,
-                    ),
-                ],
-                torch.int64,
-                device,
-            ),
-            to_device_packed(
-                [np.array([row.request.params.repetition_penalty for row in rows], np.float32)],
-                torch.float32,
-                device,
-            ),
-        )
-        logits = penalize(logits, self.seen[slots], penalty)
-        logits[:, self.masked] = float("-inf")
-        logits[:, self.eos] = logits[:, self.eos].masked_fill(no_end.bool(), float("-inf"))
-        draws = Draws([row.talk for row in rows], logits.shape[-1], logits.device)
-        noise = draws.noise(1, logits.shape[-1], logits.device)
-        codes = pick_rows(logits, draws.sampling, None if noise is None else noise[:, 0])
-        going = []
-        for i, (row, code) in enumerate(zip(rows, codes.tolist(), strict=True)):
-            if code == self.eos:
-                chunks[row.ref].finish_reason = FinishReason.STOP.value
-            else:
-                going.append(i)
-        firsts = codes[going]
-        self.seen[slots[going], firsts] = True
-        return going, firsts
-
-    def _frames(
-        self,
-        rows: list[SpeechRow],
-        hidden: torch.Tensor,
-        firsts: torch.Tensor,
-        chunks: dict[ResidentRef, StreamChunk],
-    ) -> None:
-        """The code predictor fills the frames of the rows that go on, in one micro-loop."""
-        speech = self.model.speech
-        vocab, picks = speech.code_predictor.vocab_size, speech.num_code_groups - 1
-        draws = Draws([row.predict for row in rows], vocab, hidden.device)
-        noise = draws.noise(picks, vocab, hidden.device)
-        if self.graphs is not None:
-            frames, embeds = self.graphs.run(hidden, firsts, draws.sampling, noise)
-        else:
-            frames, embeds = self.model.predict_codes(
-                hidden,
-                firsts,
-                lambda g, logits: pick_rows(
-                    logits, draws.sampling, None if noise is None else noise[:, g]
-                ),
-            )
-        # One copy to the host for all rows' frames.
-        for row, frame, codes, embed in zip(rows, frames, frames.tolist(), embeds, strict=True):
-            step = len(row.first_codes)
-            text = row.prompt.text_rows
-            row.next_input = embed + (text[step] if step < text.shape[0] else row.prompt.pad_row)
-            codes = tuple(codes)
-            row.first_codes.append(codes[0])
-            row.audio.frames.append(frame)
-            chunk = chunks[row.ref]
-            chunk.token_ids.append(codes[0])
-            chunk.codes.append(codes)
-            if len(row.first_codes) >= row.max_frames:
-                chunk.finish_reason = FinishReason.LENGTH.value
-
-    def _audio(self, row: SpeechRow, chunk: StreamChunk, result: StepResult) -> None:
-        """Decode what is due of the row's audio; end the row where its chunk says so. A decoder
-        failure fails this row alone."""
-        ended = chunk.finish_reason is not None
-        if row.audio.due(ended):
-            try:
-                samples = row.audio.emit(self.model.audio_stream)
-            except Exception as exc:  # noqa: BLE001 (any failure of one row's decode is its own)
-                self._evict(row, FinishReason.ERROR, result, f"audio decoding failed: {exc}")
-                return
-            chunk.audio = samples.float().cpu().numpy().astype("<f4").tobytes()
-        if ended:
-            chunk.finished = True
-            self._evict(row, FinishReason(chunk.finish_reason), result)
-
     def _evict(
         self, row: SpeechRow, reason: FinishReason, result: StepResult, error: str = ""
     ) -> None:
         del self.rows[row.ref]
-        self.blocks.release(row.blocks)
-        self.blocks.unreserve(row.held)
+        self.loop.release(row.talker)
         self.slots.release(row.ref)
         result.finished[row.ref] = FinishedSnapshot(
             request=row.request,
-            token_ids=list(row.first_codes),
+            token_ids=list(row.talker.first_codes),
             text="",
             finish_reason=reason,
             stop_reason=self.eos if reason is FinishReason.STOP else None,

@@ -1,11 +1,15 @@
-"""The decoder of Qwen3-TTS's 12 Hz speech tokenizer: codec frames (one code from each of the
-`num_quantizers` codebooks per frame) to a 24 kHz waveform, `samples_per_frame` (1920) samples
-per frame.
+"""The decoder of Qwen3-TTS's 12 Hz speech tokenizer, and Qwen3-Omni's Code2Wav: codec frames
+(one code from each of the `num_quantizers` codebooks per frame) to a 24 kHz waveform,
+`samples_per_frame` (1920) samples per frame.
 
-The path: a split residual VQ (the first codebook and the rest each summed in their own space,
-then projected to `codebook_dim`) -> a causal conv -> a small transformer with causal
-sliding-window attention -> transposed-conv upsampling with ConvNeXt blocks -> a conv stack of
-upsampling blocks with SnakeBeta activations -> one channel, clamped to [-1, 1].
+The path: a front that turns each frame's codes into one vector (the speech tokenizer: a split
+residual VQ, the first codebook and the rest each summed in their own space and projected to
+`codebook_dim`, then a causal conv; Code2Wav: the mean of one embedding per codebook) -> a small
+transformer with causal sliding-window attention -> transposed-conv upsampling with ConvNeXt
+blocks -> a conv stack of upsampling blocks with SnakeBeta activations -> one channel, clamped
+to [-1, 1]. The two differ only in the front, in the speech tokenizer's projections around the
+transformer, and in how their upsampling blocks trim the transposed convs' outputs (see
+`CodecDecoderConfig.pending_samples`); `CodecDecoderConfig.kind` says which one it is.
 
 Everything is causal: a frame's samples depend only on it and the frames before it, so
 decoding a prefix gives a prefix of the samples, and a streaming caller can decode a window
@@ -18,8 +22,9 @@ causal convs their last inputs, the transposed convs their incomplete outputs, t
 its keys and values, the transformer its position). Without one, a forward is a whole decode
 from the window's start; the same code runs either way.
 
-Parameters keep the names of the reference's decoder (`decoder.` stripped from the names a
-speech tokenizer checkpoint holds), so its tensors load one by one.
+Parameters keep the names of the reference's modules (a speech tokenizer checkpoint's
+`decoder.*`, an Omni checkpoint's `code2wav.*`, the prefix stripped), so its tensors load one
+by one.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -35,19 +40,25 @@ from torch import nn
 
 from inflight.model.weights import copy_weights
 
+# The reference a config describes: Qwen3-TTS's speech tokenizer, or Qwen3-Omni's Code2Wav.
+Kind: TypeAlias = Literal["speech_tokenizer", "code2wav"]
+
 
 @dataclass(frozen=True)
 class CodecDecoderConfig:
-    """The decoder's shape. Defaults are the reference config class's, except `codebook_dim`
-    (which that class lacks; 512 is the published checkpoint's) and `head_dim` (derived as
-    hidden_size // num_attention_heads when a config omits it, as the reference does).
-    A checkpoint's `decoder_config` overrides some of them (copies of the published one give
-    hidden_size 512, intermediate_size 1024, head_dim 64): build from it, not from defaults."""
+    """The decoder's shape. Defaults are the reference config classes' (the speech tokenizer's
+    and Qwen3OmniMoeCode2WavConfig agree on every field both have), except `codebook_dim`
+    (which the former lacks; 512 is the published checkpoint's) and `head_dim` (derived as
+    hidden_size // num_attention_heads when a config omits it, as the references do).
+    A checkpoint's config overrides some of them (copies of the published speech tokenizer
+    give hidden_size 512, intermediate_size 1024, head_dim 64): build from it (`from_dict`,
+    `from_code2wav`), not from defaults."""
 
+    kind: Kind = "speech_tokenizer"
     codebook_size: int = 2048
-    codebook_dim: int = 512  # the width the split VQ projects its two sums to
+    codebook_dim: int = 512  # the width the split VQ projects its two sums to (speech tokenizer)
     num_quantizers: int = 16  # code groups per frame; the first is the "semantic" one
-    latent_dim: int = 1024  # the conv path's width around the transformer
+    latent_dim: int = 1024  # the conv path's width around the transformer (Code2Wav: hidden_size)
     hidden_size: int = 1024  # the transformer's width
     num_hidden_layers: int = 8
     num_attention_heads: int = 16
@@ -64,8 +75,13 @@ class CodecDecoderConfig:
     decoder_dim: int = 1536
 
     def __post_init__(self) -> None:
-        if self.num_quantizers < 2:
+        if self.kind not in ("speech_tokenizer", "code2wav"):
+            raise ValueError(f"unknown codec decoder kind {self.kind!r}")
+        if self.kind == "speech_tokenizer" and self.num_quantizers < 2:
             raise ValueError("the split VQ needs at least 2 quantizers (1 semantic + the rest)")
+        if self.kind == "code2wav" and self.latent_dim != self.hidden_size:
+            # Code2Wav's transformer has no projections in or out of it.
+            raise ValueError("a Code2Wav decoder's latent_dim must be its hidden_size")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.hidden_act != "silu":
@@ -79,11 +95,25 @@ class CodecDecoderConfig:
         the default, and keys the decoder does not use are ignored."""
         if int(d.get("num_semantic_quantizers", 1)) != 1:
             raise ValueError("only one semantic quantizer is supported")
+        return cls(**cls._read(d, skip=("kind",)))
+
+    @classmethod
+    def from_code2wav(cls, d: Mapping[str, Any]) -> CodecDecoderConfig:
+        """From the `code2wav_config` of a Qwen3-Omni `config.json`; a missing key takes
+        Qwen3OmniMoeCode2WavConfig's default, and keys the decoder does not use are ignored."""
+        kwargs = cls._read(d, skip=("kind", "latent_dim", "codebook_dim"))
+        hidden = kwargs.get("hidden_size", cls.hidden_size)
+        return cls(kind="code2wav", latent_dim=hidden, **kwargs)
+
+    @classmethod
+    def _read(cls, d: Mapping[str, Any], skip: tuple[str, ...]) -> dict[str, Any]:
+        """The fields that config dict `d` sets, but those named in `skip` (which are not that
+        reference's to set), in this class's types, with `head_dim` derived when it is missing."""
         for key in ("rope_scaling", "rope_parameters"):
             rope = d.get(key) or {}
             if rope.get("rope_type", rope.get("type", "default")) != "default":
                 raise ValueError(f"unsupported {key} {rope!r}: the decoder uses plain RoPE")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - set(skip)
         kwargs: dict[str, Any] = {k: v for k, v in d.items() if k in known and v is not None}
         if "rope_theta" not in kwargs and "rope_theta" in (d.get("rope_parameters") or {}):
             kwargs["rope_theta"] = d["rope_parameters"]["rope_theta"]
@@ -95,12 +125,29 @@ class CodecDecoderConfig:
             kwargs["head_dim"] = hidden // kwargs.get(
                 "num_attention_heads", cls.num_attention_heads
             )
-        return cls(**kwargs)
+        return kwargs
 
     @property
     def samples_per_frame(self) -> int:
         """Output samples per codec frame: every upsampling stage multiplies the length."""
         return math.prod(self.upsampling_ratios) * math.prod(self.upsample_rates)
+
+    @property
+    def pending_samples(self) -> int:
+        """How many of n frames' n * samples_per_frame samples a decode of them holds back
+        until more frames come: 0 for the speech tokenizer, 555 for Code2Wav at the real rates.
+        Code2Wav's upsampling blocks cut `rate` samples off the front of their transposed
+        convs' outputs as well as off the back, so every sample comes out that much later:
+        n frames decode to n * samples_per_frame - pending_samples samples (the last ones
+        waiting for frame n + 1, which a one-shot decode never has), a stream's first push
+        after its context is this much short, and its later pushes are not."""
+        pending = 0
+        if self.kind == "code2wav":
+            # The transposed convs before the blocks (kernel = stride) cut nothing; each block
+            # upsamples what the blocks before it held back, and holds back `rate` more.
+            for rate in self.upsample_rates:
+                pending = pending * rate + rate
+        return pending
 
 
 # What a stream carries from one push to the next: each stateful module's own entry.
@@ -132,27 +179,32 @@ class _CausalConv(nn.Module):
 
 class _CausalTransConv(nn.Module):
     """A transposed conv trimmed on the right to exactly `stride` outputs per input: the
-    trimmed tail would change once the next input arrives."""
+    trimmed tail would change once the next input arrives. With `trim_front` (Code2Wav's
+    upsampling blocks), as many outputs are cut off the front as well: the output is that much
+    shorter than `stride` per input, each output standing that much later."""
 
-    def __init__(self, cin: int, cout: int, kernel: int, stride: int):
+    def __init__(self, cin: int, cout: int, kernel: int, stride: int, trim_front: bool = False):
         super().__init__()
         self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
         self.trim = kernel - stride
+        self.front = self.trim if trim_front else 0
 
     def forward(self, x: torch.Tensor, state: State | None = None) -> torch.Tensor:
         if state is None or not self.trim:
             y = self.conv(x)
-            return y[..., : y.shape[-1] - self.trim] if self.trim else y
+            return y[..., self.front : y.shape[-1] - self.trim]
         # Streaming: the trimmed tail is the partial sums of outputs that the next inputs add
         # to. Carry it without the bias, add the previous tail in, and emit (adding the bias
-        # once) only the outputs complete now: `stride` per input, as above.
+        # once) only the outputs complete now: `stride` per input, as above, less the front
+        # cut (which a short first push may leave partly to the next).
         y = F.conv_transpose1d(x, self.conv.weight, stride=self.conv.stride)
-        past = state.get(self)
+        past, front = state.get(self, (None, self.front))
         if past is not None:
             y[..., : self.trim] += past
         done = y.shape[-1] - self.trim
-        state[self] = y[..., done:].clone()
-        return y[..., :done] + self.conv.bias[:, None]
+        cut = min(front, done)
+        state[self] = (y[..., done:].clone(), front - cut)
+        return y[..., cut:done] + self.conv.bias[:, None]
 
 
 class _SnakeBeta(nn.Module):
@@ -201,12 +253,12 @@ class _ResidualUnit(nn.Module):
 class _UpsampleBlock(nn.Module):
     """Halve the channels while upsampling by `rate`, then three dilated residual units."""
 
-    def __init__(self, cin: int, rate: int):
+    def __init__(self, cin: int, rate: int, trim_front: bool):
         super().__init__()
         cout = cin // 2
         units = [_ResidualUnit(cout, dilation) for dilation in (1, 3, 9)]
-        self.block = nn.ModuleList([_SnakeBeta(cin), _CausalTransConv(cin, cout, 2 * rate, rate)])
-        self.block.extend(units)
+        trans_conv = _CausalTransConv(cin, cout, 2 * rate, rate, trim_front)
+        self.block = nn.ModuleList([_SnakeBeta(cin), trans_conv, *units])
 
     def forward(self, x: torch.Tensor, state: State | None = None) -> torch.Tensor:
         snake, trans_conv, *units = self.block
@@ -383,10 +435,12 @@ class _Transformer(nn.Module):
     def __init__(self, c: CodecDecoderConfig):
         super().__init__()
         self.config = c
-        self.input_proj = nn.Linear(c.latent_dim, c.hidden_size)
+        # Code2Wav's transformer works at the conv path's width, with no projections.
+        projected = c.kind == "speech_tokenizer"
+        self.input_proj = nn.Linear(c.latent_dim, c.hidden_size) if projected else nn.Identity()
         self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_hidden_layers))
         self.norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.output_proj = nn.Linear(c.hidden_size, c.latent_dim)
+        self.output_proj = nn.Linear(c.hidden_size, c.latent_dim) if projected else nn.Identity()
 
     def _rope(self, start: int, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Computed per call (in float32, then cast) rather than kept as a buffer: a buffer
@@ -422,13 +476,18 @@ class _Transformer(nn.Module):
 
 
 class CodecDecoder(nn.Module):
-    """Codec frames [B, num_quantizers, n] -> waveform [B, n * samples_per_frame] in [-1, 1]."""
+    """Codec frames [B, num_quantizers, n] -> waveform [B, n * samples_per_frame -
+    pending_samples] in [-1, 1]."""
 
     def __init__(self, config: CodecDecoderConfig):
         super().__init__()
         c = self.config = config
-        self.quantizer = _SplitVQ(c)
-        self.pre_conv = _CausalConv(c.codebook_dim, c.latent_dim, 3)
+        if c.kind == "code2wav":
+            # One table for all the codebooks: codebook i's rows follow the first i codebooks'.
+            self.code_embedding = nn.Embedding(c.codebook_size * c.num_quantizers, c.hidden_size)
+        else:
+            self.quantizer = _SplitVQ(c)
+            self.pre_conv = _CausalConv(c.codebook_dim, c.latent_dim, 3)
         self.pre_transformer = _Transformer(c)
         self.upsample = nn.ModuleList(
             nn.ModuleList(
@@ -436,7 +495,11 @@ class CodecDecoder(nn.Module):
             )
             for r in c.upsampling_ratios
         )
-        blocks = [_UpsampleBlock(c.decoder_dim // 2**i, r) for i, r in enumerate(c.upsample_rates)]
+        trim_front = c.kind == "code2wav"
+        blocks = [
+            _UpsampleBlock(c.decoder_dim // 2**i, r, trim_front)
+            for i, r in enumerate(c.upsample_rates)
+        ]
         out_dim = c.decoder_dim // 2 ** len(c.upsample_rates)
         self.decoder = nn.ModuleList(
             [
@@ -451,16 +514,20 @@ class CodecDecoder(nn.Module):
     def samples_per_frame(self) -> int:
         return self.config.samples_per_frame
 
+    @property
+    def pending_samples(self) -> int:
+        return self.config.pending_samples
+
     def forward(self, codes: torch.Tensor, state: State | None = None) -> torch.Tensor:
-        """LongTensor [B, num_quantizers, n] -> [B, n * samples_per_frame] (parameter dtype).
-        With a `state`, the frames continue the ones decoded with it before (see `stream`)."""
+        """LongTensor [B, num_quantizers, n] -> [B, n * samples_per_frame - pending_samples]
+        (parameter dtype). With a `state`, the frames continue the ones decoded with it before,
+        and the samples are those they complete (see `stream`)."""
         if codes.dim() != 3 or codes.shape[1] != self.config.num_quantizers:
             raise ValueError(
                 f"expected codes [batch, {self.config.num_quantizers}, frames], "
                 f"got {tuple(codes.shape)}"
             )
-        h = self.pre_conv(self.quantizer(codes), state)  # [B, latent_dim, n]
-        h = self.pre_transformer(h.transpose(1, 2), state).transpose(1, 2)
+        h = self.pre_transformer(self._embed(codes, state), state).transpose(1, 2)
         for trans_conv, convnext in self.upsample:
             h = convnext(trans_conv(h, state), state)
         first, *blocks, snake, last = self.decoder
@@ -470,46 +537,76 @@ class CodecDecoder(nn.Module):
         h = last(snake(h), state)
         return h.clamp(-1.0, 1.0).squeeze(1)
 
+    def _embed(self, codes: torch.Tensor, state: State | None) -> torch.Tensor:
+        """Codes [B, num_quantizers, n] -> the transformer's input [B, n, latent_dim]."""
+        c = self.config
+        if c.kind == "code2wav":
+            offsets = torch.arange(c.num_quantizers, device=codes.device)[:, None]
+            return self.code_embedding(codes + offsets * c.codebook_size).mean(1)
+        return self.pre_conv(self.quantizer(codes), state).transpose(1, 2)
+
     @torch.no_grad()
     def decode_window(self, codes: torch.Tensor, context: int) -> torch.Tensor:
         """Decode frames [num_quantizers, n] whose first `context` only give left context:
-        the samples of the other n - context frames, [(n - context) * samples_per_frame].
-        Without autograd: this is the streaming caller's entry point."""
+        the window's decode less its first context * samples_per_frame samples, [(n - context)
+        * samples_per_frame - pending_samples] (the piece of the reference's `chunked_decode`
+        for this window). Without autograd: this is the streaming caller's entry point.
+
+        For Code2Wav that is short of the n - context frames' samples: the window's decode
+        holds its last `pending_samples` back, and the next window, whose context ends with
+        these frames, drops them with its context. So windows decoded one after another lose
+        `pending_samples` at each boundary, as `chunked_decode` does; one stream over all the
+        frames loses none."""
         if not 0 <= context <= codes.shape[-1]:
             raise ValueError(f"context {context} is outside the window's {codes.shape[-1]} frames")
         return self(codes[None])[0, context * self.samples_per_frame :]
 
     def stream(self, context: torch.Tensor | None = None) -> CodecStream:
         """A new streaming decode of one window, whose first frames are `context`
-        [num_quantizers, c] (left context only: decoded, their samples dropped)."""
+        [num_quantizers, c] (left context only: decoded, their samples dropped as
+        `decode_window` drops them)."""
         return CodecStream(self, context)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy a speech tokenizer checkpoint's `decoder.*` tensors in (other names, such as
-        the encoder's, are skipped); a missing or unknown decoder tensor, or a shape that
-        differs, is a ValueError naming it."""
-        prefix = "decoder."
+        """Copy a checkpoint's decoder tensors in: a speech tokenizer's `decoder.*`, or a
+        Qwen3-Omni checkpoint's `code2wav.*` (other names, such as the encoder's or the
+        thinker's, are skipped); a missing or unknown decoder tensor, or a shape that differs,
+        is a ValueError naming it."""
+        if self.config.kind == "code2wav":
+            prefix, what = "code2wav.", "Code2Wav decoder"
+        else:
+            prefix, what = "decoder.", "speech tokenizer decoder"
         ours = ((k[len(prefix) :], v) for k, v in weights if k.startswith(prefix))
-        copy_weights(self, ours, "speech tokenizer decoder")
+        copy_weights(self, ours, what)
 
 
 class CodecStream:
     """One window decoded as its frames arrive, each frame once: the pushes' samples
-    concatenated are `decode_window` of the context and all the frames pushed (up to rounding).
+    concatenated are `decode_window` of the context and all the frames pushed (up to rounding),
+    and no later push changes a sample that an earlier one returned.
     Its state is its own (one stream a speech row), so streams over one decoder interleave."""
 
     def __init__(self, decoder: CodecDecoder, context: torch.Tensor | None = None) -> None:
         self.decoder = decoder
         self.state: State = {}
+        # Samples still to drop: the context's, as decode_window drops them. A Code2Wav decode
+        # holds the last `pending_samples` of them back, so the next push drops those.
+        self._drop = 0
         if context is not None and context.shape[-1]:
+            self._drop = context.shape[-1] * decoder.samples_per_frame
             self.push(context)
 
     @torch.inference_mode()
     def push(self, codes: torch.Tensor) -> torch.Tensor:
-        """The next frames [num_quantizers, m] -> their samples [m * samples_per_frame]."""
+        """The next frames [num_quantizers, m] -> the samples they complete: [m *
+        samples_per_frame], less `pending_samples` at the first push after the context (each
+        push's last `pending_samples` wait for the next frames and open the next push)."""
         if codes.dim() != 2:
             raise ValueError(f"expected codes [groups, frames], got {tuple(codes.shape)}")
         if not codes.shape[-1]:  # the convs cannot take an empty input
             param = next(self.decoder.parameters())
             return torch.empty(0, dtype=param.dtype, device=param.device)
-        return self.decoder(codes[None], self.state)[0]
+        samples = self.decoder(codes[None], self.state)[0]
+        drop = min(self._drop, samples.shape[0])
+        self._drop -= drop
+        return samples[drop:]

@@ -7,7 +7,7 @@ import pytest
 
 from inflight import LLM, SamplingParams
 from inflight.engine import RequestCancelled
-from inflight.protocol.request import GenerationRequest
+from inflight.protocol.request import AudioReply, GenerationRequest
 from inflight.runtime import deployment
 
 from helpers import assert_no_leaks
@@ -134,7 +134,7 @@ def test_bad_input_is_a_value_error_before_submit(ifb_llm):
     with pytest.raises(ValueError, match="max_model_len"):
         ifb_llm.generate("word " * 1100, SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match=r"speech output.*not served by this deployment"):
-        ifb_llm.start(GenerationRequest([1, 2], generate_audio=True))
+        ifb_llm.start(GenerationRequest([1, 2], generate_audio=AudioReply("ethan")))
     with pytest.raises(ValueError, match=r"LoRA.*not served by this deployment.*--enable-lora"):
         ifb_llm.prepare("hi", SamplingParams(), lora_name="adapter")
     with pytest.raises(ValueError, match=r"n \(5\) exceeds max_batch_size \(4\)"):
@@ -229,7 +229,7 @@ def test_the_options_table_refuses_alike_on_both_paths(tiny_dirs):
     serves the caller instead, never "the blocking path" (which refuses them too). Each LLM
     serves on after its refusals."""
     options = {
-        "generate_audio": True,
+        "generate_audio": AudioReply("ethan"),
         "save_system_prompt_kv_cache": True,
         "past_trajectory": [1],
     }

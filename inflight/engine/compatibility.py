@@ -51,11 +51,12 @@ BATCH_FIELDS = (
     "lora_name",
     "save_system_prompt_kv_cache",
     "speech",
+    "generate_audio",
 )
 
 # Ruled by the options table: no runtime serves them yet, so a request asking for one is refused
 # when checked and never reaches admission.
-OPTION_RULED_FIELDS = frozenset({"generate_audio", "past_trajectory"})
+OPTION_RULED_FIELDS = frozenset({"past_trajectory"})
 
 
 def request_fields() -> set[str]:

@@ -25,6 +25,10 @@ class RopeConfig:
     # M-RoPE (Qwen2-VL): the rotary pairs split into (temporal, height, width) sections, each
     # rotated by its own coordinate of a token's 3-D position (text tokens: all three equal).
     mrope_section: tuple[int, ...] | None = None
+    # Qwen3-VL and Qwen3-Omni interleave the sections instead: pair i reads the height
+    # coordinate where i % 3 == 1 (within the first 3 * section[1] pairs), the width one where
+    # i % 3 == 2 (within 3 * section[2]), the temporal one otherwise.
+    mrope_interleaved: bool = False
     # YaRN (gpt-oss): frequencies interpolated below `beta_slow` rotations over the original
     # context, kept above `beta_fast`, ramped between (the bounds rounded outwards where
     # `truncate`); cos and sin scaled by `attention_factor` (None: from `factor`, and
@@ -203,6 +207,33 @@ class SpeechConfig:
 
 
 @dataclass(frozen=True)
+class TalkerConfig:
+    """The spoken side of a model that answers in text and speech (Qwen3-Omni): a talker
+    decoder over the codec vocabulary (`decoder`, mixture-of-experts with a shared expert) that
+    reads the thinker's rows projected into its width, one reply token a frame; a code
+    predictor filling a frame's other codebooks; Code2Wav (`code2wav`, as in the checkpoint)
+    turning frames into audio.
+
+    Special ids: the thinker's (`text_ids`: im_start, im_end, user, assistant, system, tts_pad,
+    tts_bos, tts_eos; and the media placeholders in `media_ids`: audio, image, video) and the
+    codec's (`codec_ids`: pad, bos, eos, nothink, think_bos, think_eos). `speakers`: voice name
+    (lower case) -> codec row. `accept_hidden_layer`: the thinker layer whose hidden states of
+    a prompt's media positions the talker reads."""
+
+    decoder: ModelConfig
+    code_predictor: ModelConfig
+    num_code_groups: int
+    thinker_hidden_size: int
+    accept_hidden_layer: int
+    text_ids: dict[str, int]
+    media_ids: dict[str, int]
+    codec_ids: dict[str, int]
+    speakers: dict[str, int]
+    code2wav: dict[str, Any]
+    sample_rate: int = 24000
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str
     vocab_size: int
@@ -231,6 +262,7 @@ class ModelConfig:
     mamba: MambaConfig | None = None  # hybrid Mamba2 layers (Bamba, NemotronH), if any
     moe: MoEConfig | None = None  # mixture-of-experts layers, if any
     speech: SpeechConfig | None = None  # a text-to-speech model's (its output is audio)
+    talker: TalkerConfig | None = None  # a model that may speak its replies (Qwen3-Omni)
 
     def __post_init__(self) -> None:
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
@@ -295,6 +327,7 @@ def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
             params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
         ),
         mrope_section=tuple(section) if section else None,
+        mrope_interleaved=bool(params.get("mrope_interleaved", False)),
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),
         truncate=bool(params.get("truncate", True)),

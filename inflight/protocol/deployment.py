@@ -167,6 +167,11 @@ class DeploymentOptions:
     )
     allow_media_fetch: bool = knob(False, "fetch http(s) image and audio URLs (default: data URLs)")
     encoder_cache_mb: int = knob(256, "MiB of encoder outputs kept for media seen again")
+    speech: bool = knob(
+        True,
+        "speak replies where the model can (Qwen3-Omni's talker); --no-speech serves text only, "
+        "the talker not loaded",
+    )
     tensor_parallel_size: int = knob(
         1,
         "split the model over this many ranks: one process each (one GPU each on CUDA)",

@@ -35,8 +35,9 @@ REQUEST_OPTIONS: tuple[RequestOption, ...] = (
     RequestOption(
         "generate_audio",
         "speech output (generate_audio)",
-        False,
-        "it needs a speech model, which this deployment does not have; ask for text",
+        None,
+        "it needs a model that speaks its replies (Qwen3-Omni) served with its talker (not "
+        "--no-speech); ask for text",
     ),
     RequestOption(
         "speech",

@@ -112,6 +112,7 @@ class FinishedSnapshot:
     cached_tokens: int = 0
     index: int = 0  # which of the request's n sequences
     error: str = ""  # why it failed (finish_reason ERROR)
+    audio: bytes = b""  # a spoken reply's audio (float32 little-endian samples)
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,8 @@ class CompletionOutput:
     finish_reason: str  # "stop" | "length" | "cancelled" | "error"
     stop_reason: str | int | None
     logprobs: tuple[LogprobEntry, ...] | None
+    # A spoken reply's audio: float32 little-endian mono samples at the model's sample rate.
+    audio: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,7 @@ def materialize(snapshots: Sequence[FinishedSnapshot]) -> RequestOutput:
                 finish_reason=s.finish_reason.value,
                 stop_reason=s.stop_reason,
                 logprobs=None if s.logprobs is None else tuple(s.logprobs),
+                audio=s.audio,
             )
             for s in ordered
         ),

@@ -295,6 +295,47 @@ class SpeechParams:
 
 
 @dataclass(frozen=True)
+class AudioReply:
+    """A chat request's ask to hear its reply (a model that speaks, Qwen3-Omni): the reply's
+    text spoken in `voice` as it is written. The talker samples each frame's first code with
+    `temperature` (0: greedy, and then the code predictor too), `top_k` (0: off), `top_p`
+    and `repetition_penalty` (its model's defaults unless set); `max_frames` bounds the
+    audio (12.5 frames a second; None: as long as the talker's context allows)."""
+
+    voice: str
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.05
+    max_frames: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.voice, str) or not self.voice:
+            raise RequestFieldError(
+                f"audio voice must be a voice's name, got {self.voice!r}", "voice"
+            )
+        t = self.temperature
+        if not _is_number(t) or t < 0:
+            raise RequestFieldError(f"audio temperature must be >= 0, got {t!r}", "temperature")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise RequestFieldError(
+                f"audio top_k must be an integer >= 0 (0: off), got {self.top_k!r}", "top_k"
+            )
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise RequestFieldError(f"audio top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        penalty = self.repetition_penalty
+        if not _is_number(penalty) or penalty <= 0:
+            raise RequestFieldError(
+                f"audio repetition_penalty must be > 0, got {penalty!r}", "repetition_penalty"
+            )
+        frames = self.max_frames
+        if frames is not None and (not is_int(frames) or frames < 1):
+            raise RequestFieldError(
+                f"audio max_frames must be an integer >= 1, got {frames!r}", "max_frames"
+            )
+
+
+@dataclass(frozen=True)
 class AdmissionIntent:
     """What a runtime's check of a request found it needs, so that admission takes it without
     checking again: its output budget, the KV blocks of each of its n sequences
@@ -321,7 +362,7 @@ class GenerationRequest:
     prompt_token_ids: Sequence[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     lora_name: str | None = None  # a per-request LoRA adapter
-    generate_audio: bool = False  # speech output
+    generate_audio: AudioReply | None = None  # the reply spoken too (a model that speaks)
     # Pin the KV of its system prompt in the context cache (the seed's system-prompt capture):
     # its first `system_prompt_tokens` tokens (a chat's through its system turn, as rendering
     # it sets; None: the whole prompt).

@@ -44,6 +44,7 @@ class ModelFacts:
     media: tuple[str, ...] = ()  # the kinds of media it takes
     mrope: bool = False  # M-RoPE positions (Qwen2-VL)
     speech: bool = False  # a text-to-speech model: its output is audio
+    talker: bool = False  # a model that may speak its replies (Qwen3-Omni)
 
 
 @dataclass(frozen=True)
@@ -248,6 +249,16 @@ def _speech(d: Deployment) -> str | None:
     return None
 
 
+def _talker(d: Deployment) -> str | None:
+    """A model's talker runs on one device beside its thinker."""
+    if d.model.talker and d.options.speech and d.tensor_parallel:
+        return (
+            "a talker (spoken replies) does not run under tensor parallelism; start with "
+            "--no-speech (speech=False) to serve text only"
+        )
+    return None
+
+
 def _draft_model(d: Deployment) -> str | None:
     if d.draft is not None and d.draft.vocab_size != d.model.vocab_size:
         return (
@@ -271,6 +282,7 @@ RULES: tuple[Rule, ...] = (
     _attention,
     _kv_cache_dtype,
     _speech,
+    _talker,
     _draft_model,
 )
 
@@ -330,9 +342,17 @@ class DeploymentPlan:
         if self.model.speech:
             return frozenset({"speech"})
         served = {"lora_name"} if self.options.enable_lora else set()
+        if self.speaks:
+            served.add("generate_audio")
         if self.options.enable_context_reuse and not self.model.recurrent:
             served.add("save_system_prompt_kv_cache")
         return frozenset(served)
+
+    @property
+    def speaks(self) -> bool:
+        """Whether it speaks replies (`generate_audio`): a model with a talker, not served
+        text only."""
+        return self.model.talker and self.options.speech
 
     @property
     def max_pinned_blocks(self) -> int:
@@ -378,7 +398,7 @@ def resolve(
         ("media", bool(model.media)),
         ("recurrent", model.recurrent),
         ("tensor_parallel", d.tensor_parallel),
-        ("speech", model.speech),
+        ("speech", model.speech or (model.talker and options.speech)),
     ):
         if on:
             features.append(name)

@@ -11,6 +11,7 @@ import torch
 from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
 from inflight.model.checkpoints.lora import load_lora_adapter
 from inflight.model.config import ModelConfig
+from inflight.model.families.qwen3_omni import Qwen3OmniForConditionalGeneration
 from inflight.model.layers.parallel import TensorParallel
 from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import (
@@ -29,7 +30,7 @@ from inflight.runtime.device.inputs import (
     RecurrentInputs,
 )
 from inflight.runtime.device.machine import probe_machine
-from inflight.runtime.device.model_runner import ModelRunner, build_model_runner
+from inflight.runtime.device.model_runner import ModelRunner, build_model_runner, runner_for
 from inflight.runtime.device.parallel import ParallelExecutor, Workers, rank_device
 from inflight.runtime.device.sampler import Sampler
 from inflight.runtime.host.adapters import AdapterRegistry
@@ -49,6 +50,9 @@ from inflight.runtime.host.structured import Constraints, GrammarCompiler
 from inflight.runtime.inputs.chat_media import MediaLimits
 from inflight.runtime.inputs.preprocessing import media_inputs
 from inflight.runtime.inputs.processor import InputProcessor
+from inflight.runtime.speech.predictor_graphs import PredictorGraphs
+from inflight.runtime.speech.replies import SpokenReplies
+from inflight.runtime.speech.talker_loop import TalkerLoop, TalkerShape
 
 # Each resident carries its own SamplingParams: the sampler, detokenizer, stop checks and KV
 # reservation all work per row, so no sampling parameter keeps two requests from sharing a step.
@@ -72,6 +76,7 @@ def model_facts(config: ModelConfig) -> ModelFacts:
         media=tuple(encoder.kind for encoder in config.encoders),
         mrope=config.rope.mrope_section is not None,
         speech=config.speech is not None,
+        talker=config.talker is not None,
     )
 
 
@@ -88,6 +93,10 @@ class Runtime:
     ) -> None:
         options = options or DeploymentOptions()
         self.checkpoint = open_checkpoint(model)
+        if not options.speech and self.checkpoint.config.talker is not None:
+            # Text only: the talker is neither planned for nor loaded.
+            config = replace(self.checkpoint.config, talker=None)
+            self.checkpoint = replace(self.checkpoint, config=config)
         self.tokenizer = self.checkpoint.tokenizer
         model_config = self.checkpoint.config
         spec = options.speculative_config
@@ -142,6 +151,11 @@ class Runtime:
             self.encoder_cache = EncoderCache(options.encoder_cache_mb << 20)
             encoders = runner.model.media_encoders()
             inputs.append(MediaInputs(encoders, self.encoder_cache, plan.model.mrope, self.device))
+        # A model that speaks its replies: the talker beside the thinker (`speech/replies.py`).
+        self.voices: SpokenReplies | None = None
+        if plan.speaks:
+            self.voices = self._build_voices(runner)
+            features.append(self.voices)
         decoding: Decoding = PlainDecoding()
         self.speculator: SpeculativeDecoding | None = None
         if spec is not None:
@@ -204,6 +218,46 @@ class Runtime:
         self.input_processor = InputProcessor(
             self.tokenizer, prepared, media_limits, self.scheduler.checked
         )
+
+    def _build_voices(self, runner: ModelRunner) -> SpokenReplies:
+        """The talker's runner (its own KV cache, as many blocks as the thinker's), loop and
+        per-row feature."""
+        model, plan = runner.model, self.plan
+        assert isinstance(model, Qwen3OmniForConditionalGeneration)
+        talker, config = model.talker, self.checkpoint.config.talker
+        assert talker is not None and config is not None
+        decoder = config.decoder
+        talker_runner = runner_for(
+            talker.decoder, decoder, plan, self.dtype, self.device, embeds=True
+        )
+        groups, vocab = config.num_code_groups, config.code_predictor.vocab_size
+        graphs = None
+        if plan.cuda_graphs:
+            graphs = PredictorGraphs(
+                talker.predict_codes,
+                decoder.hidden_size,
+                self.dtype,
+                groups,
+                vocab,
+                plan.max_batch_size,
+                self.device,
+            )
+        shape = TalkerShape(decoder.vocab_size, config.codec_ids["eos"], groups, vocab, 0)
+        loop = TalkerLoop(
+            talker,
+            shape,
+            talker_runner,
+            BlockPool(plan.num_kv_blocks, plan.block_size),
+            plan.max_batch_size,
+            max_num_tokens=plan.max_num_tokens,
+            graphs=graphs,
+        )
+        generator = torch.Generator(self.device)
+        if plan.options.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(plan.options.seed)
+        return SpokenReplies(model, loop, plan.max_model_len, generator)
 
     def _build_draft_model(self, checkpoint: Checkpoint) -> DraftModel:
         """The draft model of speculative decoding, its KV cache over the same block ids; eager
@@ -305,6 +359,7 @@ class Runtime:
             self.outputs,
             overlap=self.overlap,
             on_finish=self._session_finished,
+            voices=self.voices,
         )
         return self._session
 

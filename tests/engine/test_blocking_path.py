@@ -4,6 +4,7 @@ alone in a session of its own (against a fake execution)."""
 import pytest
 
 from inflight.engine import EngineConfig, RequestCancelled, RequestEngine, RequestFailed
+from inflight.protocol.request import AudioReply
 
 from fake_execution import FakeFactory
 from test_request_engine import req, wait_until
@@ -80,7 +81,10 @@ def test_what_the_runtime_refuses_is_refused_at_submit_as_under_ifb():
     """The blocking path refuses what its runtime's check refuses, a permanent refusal at
     submit (nothing queued); what the runtime serves runs (here the fake serves speech)."""
     e = blocking_engine(FakeBlockingRuntime(check_refuses=lambda r: r.past_trajectory))
-    assert e.submit(req(tokens=2, generate_audio=True)).get(timeout=5).token_ids == (1, 2)
+    assert e.submit(req(tokens=2, generate_audio=AudioReply("ethan"))).get(timeout=5).token_ids == (
+        1,
+        2,
+    )
     with pytest.raises(ValueError, match="check refuses"):
         e.submit(req(past_trajectory=[1]))
     assert e.metrics.submitted == 1

@@ -78,7 +78,12 @@ def test_payload_never_blocks():
 
 def test_fields_the_runtime_applies_per_row_are_exempt():
     compat = BatchCompatibility(PER_ROW_FIELDS)
-    assert compat.compared == ("lora_name", "save_system_prompt_kv_cache", "speech")
+    assert compat.compared == (
+        "lora_name",
+        "save_system_prompt_kv_cache",
+        "speech",
+        "generate_audio",
+    )
     for change in DIFFERENT.values():
         assert compat.compatible(_request(), _request(change))
 

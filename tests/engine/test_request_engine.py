@@ -15,7 +15,7 @@ from inflight.engine import (
     StreamChannel,
     SubmitError,
 )
-from inflight.protocol.request import GenerationRequest, SamplingParams
+from inflight.protocol.request import AudioReply, GenerationRequest, SamplingParams
 
 from fake_execution import FakeFactory
 
@@ -77,10 +77,10 @@ def test_what_the_runtimes_check_refuses_is_a_permanent_refusal_at_submit():
     """A request built by hand is checked at submit (a prepared one carries its check): what
     the runtime cannot serve is a ValueError naming it, counted as neither submitted nor
     refused, and nothing is queued."""
-    factory = FakeFactory(check_refuses=lambda r: r.generate_audio)
+    factory = FakeFactory(check_refuses=lambda r: r.generate_audio is not None)
     e = engine(factory)
     with pytest.raises(ValueError, match="check refuses"):
-        e.submit(req(generate_audio=True))
+        e.submit(req(generate_audio=AudioReply("ethan")))
     assert e.metrics.submitted == 0 and e.metrics.refused == 0
     assert e.submit(req(tokens=1)).get(timeout=5).text == "<1>"
     assert factory.admitted == [req(tokens=1)]

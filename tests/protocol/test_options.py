@@ -3,11 +3,16 @@
 import pytest
 
 from inflight.protocol.options import OPTION_FIELDS, REQUEST_OPTIONS, check_runtime_serves
-from inflight.protocol.request import GenerationRequest, RequestFieldError, SpeechParams
+from inflight.protocol.request import (
+    AudioReply,
+    GenerationRequest,
+    RequestFieldError,
+    SpeechParams,
+)
 
 ASKING = {
     "lora_name": "adapter",
-    "generate_audio": True,
+    "generate_audio": AudioReply("ethan"),
     "save_system_prompt_kv_cache": True,
     "past_trajectory": [1],
     "speech": SpeechParams(voice="vivian"),

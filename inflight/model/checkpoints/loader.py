@@ -30,6 +30,7 @@ from inflight.model.layers.quantization import (
     StoredBlocksLinearMethod,
     unquantized_method,
 )
+from inflight.model.layers.rotary import RotaryEmbedding
 from inflight.protocol.deployment import QUANTIZATIONS
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -142,7 +143,10 @@ def build_model(
     with torch.device("meta"):
         model = build(config, max_positions, platform, methods, max_loras, max_lora_rank, parallel)
     model = model.to_empty(device=device).to(dtype)
-    model.rotary.compute(device)
+    # Every decoder's table (a talker's beside its thinker's), which the meta build left empty.
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.compute(device)
     weights = checkpoint.weights(_read_as_blocks(model))
     if show_progress:
         weights = tqdm(weights, desc=f"loading {checkpoint.name}", unit=" tensors")

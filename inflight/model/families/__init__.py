@@ -8,6 +8,8 @@ from inflight.model.families import (  # noqa: F401 (imported to register)
     llava,
     mixtral,
     qwen2_vl,
+    qwen3_omni,
+    qwen3_tts,
     qwen_moe,
     voxtral,
 )

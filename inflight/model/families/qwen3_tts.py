@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from inflight.model.config import ModelConfig, SpeechConfig
 from inflight.model.contract import ForwardBatch, ModelCaches
@@ -34,6 +33,7 @@ from inflight.model.registry import Family, register
 from inflight.model.speech.code_predictor import CodePicker, CodePredictor
 from inflight.model.speech.codec_decoder import CodecDecoder, CodecDecoderConfig, CodecStream
 from inflight.model.speech.speaker_encoder import SpeakerEncoder, SpeakerEncoderConfig
+from inflight.model.speech.talker import ProjectionMLP
 from inflight.model.weights import copy_weights
 
 KINDS = ("custom_voice", "voice_design", "base")
@@ -103,16 +103,6 @@ def _from_hf(cfg: dict[str, Any]) -> ModelConfig:
     return replace(base, family="qwen3_tts", speech=speech)
 
 
-class _TextProjection(nn.Module):
-    def __init__(self, size: int, hidden: int) -> None:
-        super().__init__()
-        self.linear_fc1 = nn.Linear(size, size, bias=True)
-        self.linear_fc2 = nn.Linear(size, hidden, bias=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.silu(self.linear_fc1(x)))
-
-
 class Qwen3TTSForSpeech(nn.Module):
     """The talker (a `LlamaForCausalLM` over the codec vocabulary, run by the runtime like any
     decoder) and the speech parts around it."""
@@ -138,7 +128,8 @@ class Qwen3TTSForSpeech(nn.Module):
         self.rotary = self.talker.rotary
         self.lora = self.talker.lora
         self.text_embedding = nn.Embedding(speech.text_vocab_size, speech.text_hidden_size)
-        self.text_projection = _TextProjection(speech.text_hidden_size, config.hidden_size)
+        width = speech.text_hidden_size
+        self.text_projection = ProjectionMLP(width, width, config.hidden_size)
         self.code_predictor = CodePredictor(
             speech.code_predictor, speech.num_code_groups, config.hidden_size
         )

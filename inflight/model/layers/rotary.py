@@ -120,7 +120,12 @@ class RotaryEmbedding(torch.nn.Module):
         section = self.config.rope.mrope_section
         assert section is not None
         # Which coordinate each of the D dims reads (the pairs' halves alike).
-        axis = torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
+        if self.config.rope.mrope_interleaved:
+            axis = torch.zeros(sum(section), dtype=torch.int64)
+            for coordinate in (1, 2):
+                axis[coordinate : 3 * section[coordinate] : 3] = coordinate
+        else:
+            axis = torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
         axis = torch.cat((axis, axis)).to(positions.device)
         columns = torch.arange(axis.shape[0], device=positions.device)
         rows = positions[axis]  # [D, M]: the coordinate each dim of each token reads

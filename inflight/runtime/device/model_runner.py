@@ -164,7 +164,7 @@ def build_model_runner(
     """The runner of the model as `plan` has it (this rank's shard of it under `parallel`).
     `connect` is called once the weights are loaded: there a tensor-parallel rank joins its
     group, before graphs are captured (a capture runs collectives)."""
-    model_config, options = checkpoint.config, plan.options
+    options = plan.options
     model = build_model(
         checkpoint,
         dtype,
@@ -176,6 +176,33 @@ def build_model_runner(
         options.max_lora_rank,
         parallel,
     )
+    return runner_for(
+        model,
+        checkpoint.config,
+        plan,
+        dtype,
+        device,
+        parallel=parallel,
+        connect=connect,
+        embeds=plan.model.speech,
+    )
+
+
+def runner_for(
+    model: CausalLM,
+    model_config: ModelConfig,
+    plan: DeploymentPlan,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    parallel: TensorParallel | None = None,
+    connect: Callable[[], None] | None = None,
+    embeds: bool = False,
+) -> ModelRunner:
+    """The runner of a built model of `model_config`'s shape, its KV cache as `plan` sizes it;
+    `embeds`: every position's input is an embedding (a talker's), which decode graphs read
+    from a buffer of their own."""
+    options = plan.options
     backend = select_backend(options.attention_backend, device, dtype, model_config.head_dim)
     graphs = plan.cuda_graphs and not isinstance(backend, TorchAttentionBackend)
     layers = model_config if parallel is None else parallel.local_config(model_config)
@@ -206,7 +233,7 @@ def build_model_runner(
             lora=model.max_loras > 0,
             # One state slot past the residents' takes the spare rows' state updates.
             scratch_state=plan.max_batch_size if plan.model.recurrent else None,
-            embeds=(model_config.hidden_size, dtype) if plan.model.speech else None,
+            embeds=(model_config.hidden_size, dtype) if embeds else None,
         )
     if connect is not None:
         connect()

@@ -40,6 +40,14 @@ class RowFeature:
     def evict(self, resident: Resident) -> None:
         """Give back what an evicted resident held."""
 
+    def keeps(
+        self, resident: Resident, reason: FinishReason, stop_reason: str | int | None
+    ) -> bool:
+        """Whether a resident whose output just ended (`reason`: stop or length) stays seated
+        for the feature, its request not over (a reply still being spoken): the feature ends
+        it later. Asked once per resident."""
+        return False
+
     def accept(self, resident: Resident, token: int) -> FinishReason | None:
         """Take one output token of the resident in: why it ends there, or None (RowFailure
         where the resident cannot go on)."""

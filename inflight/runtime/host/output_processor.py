@@ -54,6 +54,7 @@ class OutputProcessor:
         self.features = tuple(features)
         # The features that take tokens in: each output token of every row visits them.
         self._accepting = tuple(f for f in features if type(f).accept is not RowFeature.accept)
+        self._keeping = tuple(f for f in features if type(f).keeps is not RowFeature.keeps)
         self.decoding = decoding
         self._publish: Callable[[Resident], None] = (
             self._publish_full_blocks if publish_blocks else _publish_nothing
@@ -94,8 +95,8 @@ class OutputProcessor:
                 picked = picks[offset : offset + 1 + len(row.drafts)]
                 offset += len(picked)
             r = row.resident
-            # Evicted since this step was launched (its row was wasted work), or void.
-            if not self.scheduler.is_live(r):
+            # Evicted since this step was launched (its row was wasted work), ended, or void.
+            if not self.scheduler.is_live(r) or r.ended is not None:
                 continue
             taken = self.decoding.take(row, picked)
             if taken is None:
@@ -123,9 +124,14 @@ class OutputProcessor:
     ) -> None:
         """Evict a resident, its snapshot in `result`. One that ended on its own (stop,
         length) gets its terminal chunk; one that failed (ERROR) takes its request's other
-        sequences with it: the request has failed."""
+        sequences with it: the request has failed. One that ended on its own which a feature
+        keeps seated is only marked `ended` (the feature finishes it later)."""
+        ends = reason in (FinishReason.STOP, FinishReason.LENGTH)
+        if ends and r.ended is None and any(f.keeps(r, reason, stop_reason) for f in self._keeping):
+            r.ended = (reason, stop_reason)
+            return
         result.finished[r.ref] = self._evict(r, reason, stop_reason, error)
-        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+        if ends:
             chunk = result.deltas.get(r.ref)
             if chunk is None:
                 chunk = result.deltas[r.ref] = StreamChunk(
@@ -155,6 +161,7 @@ class OutputProcessor:
             cached_tokens=r.kv.cached_tokens,
             index=r.index,
             error=error,
+            audio=bytes(r.features.audio or b""),
         )
 
     def _publish_full_blocks(self, r: Resident) -> None:

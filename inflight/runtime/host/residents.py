@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from inflight.protocol.outputs import LogprobEntry
+from inflight.protocol.outputs import FinishReason, LogprobEntry
 from inflight.protocol.request import GenerationRequest
 from inflight.protocol.stepped import ResidentRef
 from inflight.runtime.host.detokenizer import IncrementalDetokenizer
@@ -88,6 +88,8 @@ class FeatureStates:
     adapter: int = -1  # the model's LoRA slot it runs with (-1: the base model)
     # The blocks of its system prompt it pins once it ends (save_system_prompt_kv_cache).
     pin_blocks: int = 0
+    # Its reply's audio so far, float32 little-endian samples (a spoken reply's), or None.
+    audio: bytearray | None = None
 
 
 # Compared by identity: a resident is one sequence's seat, whatever it holds.
@@ -107,6 +109,9 @@ class Resident:
     # they share: it waits for them.
     leader: Resident | None = None
     features: FeatureStates = field(default_factory=FeatureStates)
+    # Its output has ended (why, and the stop string or token), while a feature keeps it
+    # seated (`RowFeature.keeps`): it is in no more steps' rows.
+    ended: tuple[FinishReason, str | int | None] | None = None
 
     @property
     def prompt(self) -> tuple[int, ...]:

@@ -448,6 +448,8 @@ class Scheduler:
         decodes: list[Resident] = []
         prefilling: list[Resident] = []
         for r in self.residents.values():
+            if r.ended is not None:
+                continue
             (prefilling if r.prefilling else decodes).append(r)
             for window, pool, grouped in self._windows:
                 window.release(_sliding_kv(r, grouped), pool, r.kv.committed)

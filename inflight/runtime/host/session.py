@@ -50,6 +50,13 @@ class StepExecutor(Protocol):
     def fetch(self, launched: LaunchedStep) -> list[SampledRow]: ...
 
 
+class SpokenSide(Protocol):
+    """The talker's part of a step (`speech/replies.py`): after each step taken in, it
+    advances the voices of the replies asking for audio."""
+
+    def step(self, result: StepResult, finish: Callable[[Resident, str], None]) -> None: ...
+
+
 class GenerationSession:
     """Residents of one batch, stepped by one driver thread.
 
@@ -68,12 +75,14 @@ class GenerationSession:
         *,
         overlap: bool,
         on_finish: Callable[[], None],
+        voices: SpokenSide | None = None,
     ) -> None:
         self._scheduler = scheduler
         self._executor = executor
         self._outputs = outputs
         self._overlap = overlap
         self._on_finish = on_finish
+        self._voices = voices
         self._inflight: LaunchedStep | None = None
         self._step_id = 0
         self._finished = False
@@ -128,6 +137,8 @@ class GenerationSession:
             self._complete(completed, result)
         if deferred:
             self._executor.sample(launched)
+        if self._voices is not None:
+            self._voices.step(result, lambda r, error: self._end_voice(r, error, result))
         return result
 
     def finish(self) -> None:
@@ -187,6 +198,13 @@ class GenerationSession:
         result.step_id = launched.step.step_id
         picks = self._executor.fetch(launched)
         self._outputs.complete(launched.step, picks, launched.scores, result)
+
+    def _end_voice(self, r: Resident, error: str, result: StepResult) -> None:
+        """A resident's voice ended: its request ends, as its text did (or failed)."""
+        if error:
+            self._outputs.finish(r, FinishReason.ERROR, None, result, error)
+        elif r.ended is not None:
+            self._outputs.finish(r, *r.ended, result)
 
     def _settle(self) -> None:
         """Wait for a launched step nobody will complete (its residents are all gone)."""

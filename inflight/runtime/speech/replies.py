@@ -1,0 +1,321 @@
+"""`SpokenReplies`: chat replies spoken as they are written (`generate_audio`, Qwen3-Omni).
+
+A request asking for audio is one resident with two parts: its thinker row, which the text
+runtime steps as any other, and a talker row (`talker_loop.py`) that reads the reply as the
+thinker writes it. As a per-row feature, it checks and reserves at admission (the voice, the
+talker's KV blocks), and keeps the resident seated once its text has ended until its voice has
+(`keeps`). After each step the session takes in, it takes the reply's new tokens (all but the
+latest, which may turn out to be the one that stops it), runs one talker step over the rows
+that can go on and adds their frames and audio to the step's chunks; a row whose voice ends
+then ends its request.
+
+The talker's prompt is built as transformers' `generate(return_audio=True)` builds it: the
+prompt's user turns (text projected from the thinker's token embeddings), then the assistant
+turn's first three tokens, four tts_pad rows, tts_bos and its next token, each under its codec
+row (nothink, think_bos, think_eos, the voice, pad, bos). Frame f then reads the turn's token
+4 + f projected, tts_eos after the last, tts_pad from there on. The token that stopped the
+reply (an end or stop token) is not spoken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from inflight.model.families.qwen3_omni import Qwen3OmniForConditionalGeneration
+from inflight.protocol.outputs import FinishReason, StreamChunk
+from inflight.protocol.request import GenerationRequest, RequestFieldError
+from inflight.protocol.stepped import StepResult
+from inflight.runtime.host.features import RowFeature
+from inflight.runtime.host.kv_cache import BlockPool
+from inflight.runtime.host.residents import Resident
+from inflight.runtime.speech.sampling import Draw
+from inflight.runtime.speech.talker_loop import TalkerLoop, TalkerRow
+
+# The assistant turn's tokens before its reply's first (<|im_start|>assistant\n), read as
+# text only by the talker's prompt.
+TURN_HEAD = 3
+# Talker prompt rows of the assistant turn: its head, four tts_pad, tts_bos + its next token.
+TURN_ROWS = TURN_HEAD + 6
+CODE_PREDICTOR_TOP_K, CODE_PREDICTOR_TOP_P = 50, 0.8
+
+
+@dataclass
+class ReplyText:
+    """The assistant turn's tokens as the talker reads them: known from the prompt, then as the
+    thinker writes them, and whether the reply has ended."""
+
+    rows: Callable[[list[int]], torch.Tensor]  # token ids -> projected rows [n, hidden]
+    eos: torch.Tensor  # tts_eos's row
+    pad: torch.Tensor  # tts_pad's row
+    tokens: list[int] = field(default_factory=list)
+    projected: list[torch.Tensor] = field(default_factory=list)  # rows of tokens[4:]
+    ended: bool = False
+
+    def push(self, tokens: list[int]) -> None:
+        start = max(len(self.tokens), TURN_HEAD + 1)
+        self.tokens += tokens
+        if len(self.tokens) > start:
+            self.projected += list(self.rows(self.tokens[start:]))
+
+    def row(self, frame: int) -> torch.Tensor | None:
+        if frame < len(self.projected):
+            return self.projected[frame]
+        if not self.ended:
+            return None
+        return self.eos if frame == len(self.projected) else self.pad
+
+
+@dataclass
+class Voice:
+    """A resident's spoken side: its talker row and reply text, and its audio so far."""
+
+    talker: TalkerRow
+    text: ReplyText
+    user_ids: list[int]  # the prompt's user-turn tokens, as the talker's prompt reads them
+    speaker: int  # its voice's codec row
+    taken: int = 0  # reply tokens in its text
+    audio: bytearray = field(default_factory=bytearray)
+    ended: bool = False  # its voice has ended
+
+
+class SpokenReplies(RowFeature):
+    def __init__(
+        self,
+        model: Qwen3OmniForConditionalGeneration,
+        loop: TalkerLoop,
+        max_model_len: int,
+        generator: torch.Generator,
+    ) -> None:
+        talker = model.talker
+        assert talker is not None and model.config.talker is not None
+        self.model = model
+        self.talker = talker
+        self.config = model.config.talker
+        self.loop = loop
+        self.blocks: BlockPool = loop.blocks
+        self.max_model_len = max_model_len
+        self.generator = generator  # draws the seed of a request that has none
+        self.voices: dict[Resident, Voice] = {}
+        ids = self.config.text_ids
+        self._im_start, self._assistant, self._user = ids["im_start"], ids["assistant"], ids["user"]
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def check(self, request: GenerationRequest) -> None:
+        audio = request.generate_audio
+        if audio is None:
+            return
+        if audio.voice.lower() not in self.config.speakers:
+            raise RequestFieldError(
+                f"unknown voice {audio.voice!r}; this model's voices: "
+                f"{', '.join(sorted(self.config.speakers))}",
+                "voice",
+            )
+        if request.params.n > 1:
+            raise RequestFieldError("audio output is for one sequence: n must be 1", "n")
+        if request.media:
+            raise RequestFieldError(
+                "audio output for a prompt with media is not served yet: ask for text",
+                "generate_audio",
+            )
+        self._turn(request)
+        length = len(self._user_ids(request)) + TURN_ROWS
+        if length >= self.max_model_len:
+            raise RequestFieldError(
+                f"the talker's prompt is {length} positions; max_model_len is {self.max_model_len}",
+                "generate_audio",
+            )
+        if self.blocks.blocks_for(length + self._frames(request, length)) > self.blocks.num_blocks:
+            raise RequestFieldError(
+                "the spoken reply needs more talker KV blocks than the cache holds; lower "
+                "audio max_frames",
+                "max_frames",
+            )
+
+    def reserve(self, request: GenerationRequest, sequences: int) -> object | None:
+        if request.generate_audio is None:
+            return True
+        length = len(self._user_ids(request)) + TURN_ROWS
+        blocks = self.blocks.blocks_for(length + self._frames(request, length))
+        return blocks if self.blocks.reserve(blocks) else None
+
+    def unreserve(self, request: GenerationRequest, sequences: int, held: object) -> None:
+        if request.generate_audio is not None:
+            assert isinstance(held, int)
+            self.blocks.unreserve(held)
+
+    @torch.inference_mode()
+    def seat(self, resident: Resident, held: object) -> None:
+        request = resident.request
+        audio = request.generate_audio
+        if audio is None:
+            return
+        assert isinstance(held, int)
+        embed, project = self.model.embed_tokens, self.talker.text_projection
+        device = self.loop.runner.device
+
+        def rows(ids: list[int]) -> torch.Tensor:
+            return project(embed(torch.tensor(ids, dtype=torch.long, device=device)))
+
+        t = self.config.text_ids
+        eos, pad = rows([t["tts_eos"], t["tts_pad"]])
+        text = ReplyText(rows, eos, pad)
+        text.push(list(request.prompt_token_ids[self._turn(request) :]))
+        generator = torch.Generator(device)
+        seed = request.params.seed
+        if seed is None:
+            seed = int(
+                torch.randint(2**62, (1,), generator=self.generator, device=self.generator.device)
+            )
+        generator.manual_seed(seed)
+        greedy = audio.temperature == 0
+        length = len(self._user_ids(request)) + TURN_ROWS
+        talker = TalkerRow(
+            slot=resident.ref.slot,
+            blocks=[],
+            held=held,
+            max_frames=self._frames(request, length),
+            repetition_penalty=audio.repetition_penalty,
+            ignore_eos=False,
+            talk=Draw(audio.temperature, audio.top_k, audio.top_p, generator),
+            predict=Draw(
+                0.0 if greedy else 1.0, CODE_PREDICTOR_TOP_K, CODE_PREDICTOR_TOP_P, generator
+            ),
+            text=text,
+        )
+        self.loop.start(talker)
+        speaker = self.config.speakers[audio.voice.lower()]
+        voice = self.voices[resident] = Voice(talker, text, self._user_ids(request), speaker)
+        resident.features.audio = voice.audio
+        if len(text.tokens) > TURN_HEAD:
+            self._prompt(voice)
+
+    def evict(self, resident: Resident) -> None:
+        voice = self.voices.pop(resident, None)
+        if voice is not None:
+            self.loop.release(voice.talker)
+
+    # -- the reply as it is written -----------------------------------------------------------
+
+    def keeps(
+        self, resident: Resident, reason: FinishReason, stop_reason: str | int | None
+    ) -> bool:
+        voice = self.voices.get(resident)
+        if voice is None or voice.ended:
+            return False
+        text = voice.text
+        if not text.ended:
+            # The token that stopped the reply (an end or stop token) is not spoken; one that
+            # ends it by length, or ends a stop string, is.
+            stopped_by_token = reason is FinishReason.STOP and not isinstance(stop_reason, str)
+            self._take(resident, voice, len(resident.output) - stopped_by_token)
+            text.ended = True
+            if voice.talker.prefill is None:
+                voice.ended = True  # nothing to say
+                return False
+        return True
+
+    # -- the talker's step --------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, result: StepResult, finish: Callable[[Resident, str], None]) -> None:
+        """One talker step over the voices that can go on: their frames and audio into the
+        step's chunks; `finish(resident, error)` ends a request whose voice ended after its
+        text (as its text ended), or failed (`error`)."""
+        for resident, voice in self.voices.items():
+            if not voice.text.ended:
+                # The latest token waits: it may turn out to be the one that stops the reply.
+                self._take(resident, voice, len(resident.output) - 1)
+        voices = {id(v.talker): (r, v) for r, v in self.voices.items() if not v.ended}
+        planned, outputs = self.loop.step(v.talker for _, v in voices.values())
+        sampling = [voices[id(p.row)] for p in planned if p.samples]
+        for (resident, voice), out in zip(sampling, outputs, strict=True):
+            chunk = result.deltas.get(resident.ref)
+            if chunk is None:
+                chunk = result.deltas[resident.ref] = StreamChunk(
+                    prompt_tokens=resident.prompt_len, index=resident.index
+                )
+            chunk.codes += out.codes
+            chunk.audio += out.audio
+            voice.audio += out.audio
+            if out.finish is None:
+                continue
+            voice.ended = True
+            self.loop.release(voice.talker)
+            if out.finish is FinishReason.ERROR or voice.text.ended:
+                finish(resident, out.error)
+
+    # -- parts --------------------------------------------------------------------------------
+
+    def _take(self, resident: Resident, voice: Voice, end: int) -> None:
+        """The reply's tokens up to `end` into the voice's text (its prompt once it can be)."""
+        if end <= voice.taken:
+            return
+        text, known = voice.text, len(voice.text.tokens)
+        text.push(resident.output[voice.taken : end])
+        voice.taken = end
+        if known <= TURN_HEAD < len(text.tokens):
+            self._prompt(voice)
+
+    def _prompt(self, voice: Voice) -> None:
+        """The talker's prompt, once the assistant turn's token after its head is known."""
+        c, t = self.config.codec_ids, self.config.text_ids
+        device = self.loop.runner.device
+        text = voice.text
+        head = text.rows(text.tokens[: TURN_HEAD + 1])
+        pad, bos = text.rows([t["tts_pad"], t["tts_bos"]])
+        codec = self.talker.codec_embeds(
+            torch.tensor(
+                [
+                    c["nothink"],
+                    c["think_bos"],
+                    c["think_eos"],
+                    voice.speaker,
+                    c["pad"],
+                    c["bos"],
+                ],
+                device=device,
+            )
+        )
+        turn = torch.cat(
+            (head[:TURN_HEAD], torch.stack((pad, pad, pad, pad, bos, head[TURN_HEAD])) + codec)
+        )
+        parts = [turn]
+        if voice.user_ids:
+            parts.insert(0, text.rows(voice.user_ids))
+        voice.talker.prefill = torch.cat(parts)
+
+    def _turn(self, request: GenerationRequest) -> int:
+        """Where the prompt's last assistant turn begins (its <|im_start|>)."""
+        prompt = request.prompt_token_ids
+        for i in range(len(prompt) - 2, -1, -1):
+            if prompt[i] == self._im_start and prompt[i + 1] == self._assistant:
+                return i
+        raise RequestFieldError(
+            "audio output needs a chat prompt that ends in the assistant's turn "
+            "(<|im_start|>assistant): use the chat API",
+            "generate_audio",
+        )
+
+    def _user_ids(self, request: GenerationRequest) -> list[int]:
+        """The prompt's user-turn tokens: those whose turn's role (the token after the
+        <|im_start|> before them) is the user's, before the assistant turn."""
+        prompt = request.prompt_token_ids
+        end = self._turn(request)
+        ids, role = [], prompt[1] if len(prompt) > 1 else -1
+        for i in range(end):
+            if prompt[i] == self._im_start and i + 1 < len(prompt):
+                role = prompt[i + 1]
+            if role == self._user:
+                ids.append(prompt[i])
+        return ids
+
+    def _frames(self, request: GenerationRequest, length: int) -> int:
+        """The most frames the reply's voice may make."""
+        audio = request.generate_audio
+        assert audio is not None
+        room = self.max_model_len - length
+        return room if audio.max_frames is None else min(audio.max_frames, room)

@@ -33,6 +33,10 @@ def assert_no_leaks(target) -> None:
     if window is not None:
         assert window.num_free == window.num_blocks, "window group's KV blocks leaked"
     assert target.slots.num_free == target.slots.capacity, "resident slots leaked"
+    voices = getattr(target, "voices", None)
+    if voices is not None:
+        assert voices.blocks.num_free == voices.blocks.num_blocks, "talker KV blocks leaked"
+        assert not voices.voices, "voices leaked"
 
 
 def scattered_step(shapes, block_size: int, num_blocks: int, seed: int = 0) -> AttentionMetadata:

@@ -183,3 +183,42 @@ def write_tiny_checkpoint(path: Path, seed: int = 0):
     model.save_pretrained(path)
     write_tokenizer(path, SPECIAL)
     return model
+
+
+def reference_reply(model, prompt: list[int], eos: int, max_tokens: int, frames: int):
+    """transformers' greedy spoken reply to `prompt` (thinker and talker greedy, the thinker
+    ending on `eos`): the reply's tokens, its codec frames [(codes...), ...] and waveform.
+    transformers' talker makes `frames` frames where it may generate `frames + 1` tokens (the
+    last token's frame is never completed)."""
+    captured = {}
+    decode = model.code2wav.chunked_decode
+
+    def capture(codes, **kwargs):
+        captured["codes"] = codes
+        return decode(codes, **kwargs)
+
+    model.code2wav.chunked_decode = capture
+    try:
+        with torch.no_grad():
+            sequences, wav = model.generate(
+                torch.tensor([prompt]),
+                speaker="Ethan",
+                thinker_max_new_tokens=max_tokens,
+                thinker_eos_token_id=eos,
+                talker_max_new_tokens=frames + 1,
+                talker_do_sample=False,
+                thinker_do_sample=False,
+            )
+    finally:
+        model.code2wav.chunked_decode = decode
+    codes = [tuple(frame) for frame in captured["codes"][0].T.tolist()]
+    return sequences[0, len(prompt) :].tolist(), codes, wav.reshape(-1).numpy()
+
+
+def greedy_thinker(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """The thinker's greedy tokens after `prompt`, without an end token."""
+    with torch.no_grad():
+        out = model.thinker.generate(
+            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False
+        )
+    return out[0, len(prompt) :].tolist()

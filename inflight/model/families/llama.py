@@ -478,6 +478,23 @@ class LlamaForCausalLM(nn.Module):
         ]
         return decoder.build_step(layers, shape, self._cpu_ops, backend.library)
 
+    def _route_to_encoders(
+        self, weights: list[tuple[str, torch.Tensor]]
+    ) -> dict[str, list[tuple[str, torch.Tensor]]]:
+        """Each encoder's tensors: all of them where it is the only one; else each tensor to
+        the encoder holding a parameter of its name (none: a ValueError naming it)."""
+        if len(self.encoders) < 2:
+            return {kind: weights for kind in self.encoders}
+        owners = {
+            name: kind for kind, encoder in self.encoders.items() for name in encoder.state_dict()
+        }
+        routed: dict[str, list[tuple[str, torch.Tensor]]] = {kind: [] for kind in self.encoders}
+        for name, tensor in weights:
+            if name not in owners:
+                raise ValueError(f"checkpoint tensor {name!r} belongs to no media encoder")
+            routed[owners[name]].append((name, tensor))
+        return routed
+
     def media_encoders(self) -> dict[str, nn.Module]:
         """The encoder of each kind of media the model takes."""
         return dict(self.encoders)
@@ -523,8 +540,8 @@ class LlamaForCausalLM(nn.Module):
             shard_sizes(self.layer_config),
             ("encoders.", _EXPERTS),
         )
-        for encoder in self.encoders.values():
-            encoder.load_weights(encoder_weights)
+        for kind, tensors in self._route_to_encoders(encoder_weights).items():
+            self.encoders[kind].load_weights(tensors)
         if encoder_weights and not self.encoders:
             raise ValueError(
                 f"checkpoint tensor {encoder_weights[0][0]!r} belongs to a media encoder, "

@@ -20,6 +20,8 @@ from torch import nn
 
 from inflight.model.config import ModelConfig, MoEConfig, TalkerConfig
 from inflight.model.contract import ForwardBatch, ModelCaches
+from inflight.model.encoders.qwen3_omni_audio import qwen3_omni_audio_from_hf
+from inflight.model.encoders.qwen3_omni_vision import qwen3_omni_vision_from_hf
 from inflight.model.families.llama import LlamaForCausalLM, llama_from_hf
 from inflight.model.families.qwen_moe import sparse_layers
 from inflight.model.layers.parallel import TensorParallel
@@ -97,7 +99,11 @@ def _from_hf(cfg: dict[str, Any]) -> ModelConfig:
     thinker = cfg["thinker_config"]
     text = dict(thinker["text_config"])
     text.setdefault("tie_word_embeddings", thinker.get("tie_word_embeddings", False))
-    config = _moe_decoder(text, shared=False)
+    config = replace(
+        _moe_decoder(text, shared=False),
+        vision=qwen3_omni_vision_from_hf(thinker),
+        audio=qwen3_omni_audio_from_hf(thinker),
+    )
     talker = None
     if cfg.get("enable_audio_output", True):
         talker = _talker_config(cfg, thinker)

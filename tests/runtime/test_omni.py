@@ -1,0 +1,272 @@
+"""Qwen3-Omni's spoken replies under in-flight batching, on a tiny random bundle against
+transformers' `Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True)` (thinker and
+talker greedy): the reply's tokens, its codec frames token for token and its waveform within
+1e-5, alone and joining a running batch of text and spoken requests; streamed audio; cancel,
+failure, the text-only mode."""
+
+import numpy as np
+import pytest
+from omni_reference import (
+    IDS,
+    IM_END,
+    IM_START,
+    greedy_thinker,
+    reference_reply,
+    write_tiny_checkpoint,
+)
+
+from inflight.protocol.deployment import DeploymentOptions
+from inflight.protocol.outputs import FinishReason, materialize
+from inflight.protocol.request import AudioReply, GenerationRequest, SamplingParams
+from inflight.protocol.stepped import AdmissionAnswer
+from inflight.runtime.runtime import Runtime
+
+from helpers import assert_no_leaks, run_staggered
+
+NL = 212  # "\n" in the tiny tokenizer
+MAX_TOKENS, FRAMES = 12, 30
+
+
+def turn(role: str, *words: int) -> list[int]:
+    return [IM_START, IDS[role], NL, *words, IM_END, NL]
+
+
+def chat(*turns: list[int]) -> list[int]:
+    return [token for t in turns for token in t] + [IM_START, IDS["assistant"], NL]
+
+
+PROMPTS = {
+    "user": chat(turn("user", 40, 50, 60, 70)),
+    "system_and_user": chat(turn("system", 90, 91), turn("user", 41, 51)),
+    "two_turns": chat(turn("user", 42, 43), turn("assistant", 77, 78, 79), turn("user", 44)),
+}
+
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory):
+    path = tmp_path_factory.mktemp("omni")
+    return path, write_tiny_checkpoint(path)
+
+
+@pytest.fixture(scope="module")
+def runtime(omni):
+    return Runtime(omni[0], DeploymentOptions(dtype="float32", quantization="none"))
+
+
+@pytest.fixture(scope="module")
+def references(omni):
+    """Per prompt: the end token (a greedy token of the reply's that does not come earlier,
+    so the thinker stops on it) and transformers' spoken reply."""
+    model = omni[1]
+    out = {}
+    for name, prompt in PROMPTS.items():
+        tokens = greedy_thinker(model, prompt, MAX_TOKENS)
+        end = next(i for i in range(3, MAX_TOKENS) if tokens[i] not in tokens[:i])
+        out[name] = (tokens[end], reference_reply(model, prompt, tokens[end], MAX_TOKENS, FRAMES))
+    return out
+
+
+def spoken(prompt, eos, frames=FRAMES, voice="Ethan") -> GenerationRequest:
+    return GenerationRequest(
+        prompt,
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=[eos]),
+        generate_audio=AudioReply(voice, temperature=0.0, max_frames=frames),
+    )
+
+
+def text(prompt, tokens=MAX_TOKENS) -> GenerationRequest:
+    return GenerationRequest(prompt, SamplingParams(max_tokens=tokens, temperature=0.0))
+
+
+def samples(output) -> np.ndarray:
+    return np.frombuffer(output.outputs[0].audio, np.float32)
+
+
+def assert_as_reference(output, reference) -> None:
+    tokens, _, wav = reference
+    assert list(output.outputs[0].token_ids) == tokens
+    got = samples(output)
+    assert got.shape == wav.shape
+    assert np.abs(got - wav).max() <= 1e-5
+
+
+@pytest.mark.parametrize("name", PROMPTS)
+def test_a_spoken_reply_alone_is_transformers(runtime, references, name):
+    eos, reference = references[name]
+    (output,) = run_staggered(runtime, [spoken(PROMPTS[name], eos)])
+    assert output.outputs[0].finish_reason == "stop"
+    assert_as_reference(output, reference)
+    assert_no_leaks(runtime)
+
+
+def test_frames_are_transformers_token_for_token(runtime, references):
+    eos, (_, codes, _) = references["user"]
+    session = runtime.new_session()
+    admission = session.admit(spoken(PROMPTS["user"], eos))
+    frames = []
+    while session.residents():
+        chunk = session.step().deltas.get(admission.ref)
+        if chunk is not None:
+            frames += chunk.codes
+    session.finish()
+    assert frames == codes
+
+
+def test_joining_a_running_batch_of_text_and_speech_changes_nothing(runtime, references):
+    """Each spoken reply joins while text requests and other spoken replies run (one admitted
+    every other step): each is as it is alone, and the text beside them is as it is alone."""
+    names = list(PROMPTS)
+    batch = [text(PROMPTS["user"], 9)]
+    batch += [spoken(PROMPTS[n], references[n][0]) for n in names]
+    batch.append(text(PROMPTS["two_turns"], 5))
+    outputs = run_staggered(runtime, batch)
+    for name, output in zip(names, outputs[1:-1], strict=True):
+        assert_as_reference(output, references[name][1])
+    alone = run_staggered(runtime, [batch[0], batch[-1]])
+    assert [o.outputs[0].token_ids for o in (outputs[0], outputs[-1])] == [
+        o.outputs[0].token_ids for o in alone
+    ]
+    assert not outputs[0].outputs[0].audio
+    assert_no_leaks(runtime)
+
+
+def test_streamed_audio_concatenated_is_the_whole(runtime, references):
+    eos, (_, _, wav) = references["two_turns"]
+    session = runtime.new_session()
+    ref = session.admit(spoken(PROMPTS["two_turns"], eos)).ref
+    audio, chunks, final = bytearray(), 0, None
+    while session.residents():
+        result = session.step()
+        chunk = result.deltas.get(ref)
+        if chunk is not None and chunk.audio:
+            audio += chunk.audio
+            chunks += 1
+        if ref in result.finished:
+            final = materialize([result.finished[ref]])
+    session.finish()
+    assert chunks > 1
+    streamed = np.frombuffer(bytes(audio), np.float32)
+    assert np.array_equal(streamed, samples(final))
+    assert np.abs(streamed - wav).max() <= 1e-5
+
+
+def test_the_voice_outlives_the_text_and_ends_the_request(runtime, references):
+    """The text ends first (its stop token); the resident stays, in no more thinker rows, until
+    its voice ends; the request then ends with the text's finish reason."""
+    eos, _ = references["user"]
+    session = runtime.new_session()
+    ref = session.admit(spoken(PROMPTS["user"], eos)).ref
+    text_done = finished = None
+    steps = 0
+    while session.residents():
+        result = session.step()
+        steps += 1
+        resident = runtime.scheduler.residents.get(ref)
+        if resident is not None and resident.ended is not None and text_done is None:
+            text_done = steps
+        if ref in result.finished:
+            finished = (steps, result.finished[ref])
+    session.finish()
+    assert text_done is not None and finished[0] > text_done
+    assert finished[1].finish_reason is FinishReason.STOP
+
+
+def test_cancel_mid_speech_frees_everything(runtime, references):
+    eos, _ = references["system_and_user"]
+    session = runtime.new_session()
+    ref = session.admit(spoken(PROMPTS["system_and_user"], eos, frames=200)).ref
+    other = session.admit(text(PROMPTS["user"])).ref
+    heard = 0
+    while heard < 2:
+        chunk = session.step().deltas.get(ref)
+        heard += chunk is not None and bool(chunk.audio)
+    result = session.step(cancelled=[ref])
+    assert result.finished[ref].finish_reason is FinishReason.CANCELLED
+    while session.residents():
+        session.step()
+    session.finish()
+    assert_no_leaks(runtime)
+    assert other not in runtime.scheduler.residents
+
+
+def test_a_code2wav_failure_fails_its_request_alone(runtime, references, monkeypatch):
+    eos_a, reference_a = references["user"]
+    eos_b, _ = references["two_turns"]
+    session = runtime.new_session()
+    a = session.admit(spoken(PROMPTS["user"], eos_a)).ref
+    b = session.admit(spoken(PROMPTS["two_turns"], eos_b)).ref
+    session.step()  # seats both
+
+    def broken(open_stream):
+        raise RuntimeError("decoder out of memory")
+
+    target = runtime.voices.voices[runtime.scheduler.residents[b]]
+    monkeypatch.setattr(target.talker.audio, "emit", broken)
+    finished = {}
+    while session.residents():
+        finished.update(session.step().finished)
+    session.finish()
+    assert finished[b].finish_reason is FinishReason.ERROR
+    assert "audio decoding failed: decoder out of memory" in finished[b].error
+    assert_as_reference(materialize([finished[a]]), reference_a)
+    assert_no_leaks(runtime)
+
+
+def test_bad_asks_are_refused_naming_the_problem(runtime):
+    with pytest.raises(ValueError, match="unknown voice 'alloy'.*chelsie, ethan"):
+        runtime.check(spoken(PROMPTS["user"], 5, voice="alloy"))
+    with pytest.raises(ValueError, match="ends in the assistant's turn"):
+        runtime.check(spoken([IM_START, IDS["user"], NL, 40], 5))
+    with pytest.raises(ValueError, match="one sequence"):
+        request = spoken(PROMPTS["user"], 5)
+        runtime.check(
+            GenerationRequest(
+                request.prompt_token_ids,
+                SamplingParams(max_tokens=4, n=2),
+                generate_audio=request.generate_audio,
+            )
+        )
+
+
+def test_text_only_mode_leaves_the_talker_out_and_refuses_audio(omni, runtime):
+    text_only = Runtime(omni[0], DeploymentOptions(dtype="float32", speech=False))
+    assert text_only.voices is None and text_only.executor.runner.model.talker is None
+    with pytest.raises(ValueError, match="speech output.*--no-speech"):
+        text_only.check(spoken(PROMPTS["user"], 5))
+    request = text(PROMPTS["two_turns"])
+    assert [o.outputs[0].token_ids for o in run_staggered(text_only, [request])] == [
+        o.outputs[0].token_ids for o in run_staggered(runtime, [request])
+    ]
+
+
+def test_overlapped_steps_speak_the_same(omni, references):
+    overlapped = Runtime(omni[0], DeploymentOptions(dtype="float32", overlap=True))
+    eos, reference = references["two_turns"]
+    batch = [text(PROMPTS["user"]), spoken(PROMPTS["two_turns"], eos)]
+    outputs = run_staggered(overlapped, batch)
+    assert_as_reference(outputs[1], reference)
+    assert_no_leaks(overlapped)
+
+
+def test_an_admission_waits_for_talker_blocks(omni, references):
+    """Spoken replies reserve the talker's KV for their frames: with room for one, the second
+    waits (NO_CAPACITY, nothing taken) until the first has ended."""
+    small = Runtime(
+        omni[0],
+        DeploymentOptions(dtype="float32", num_kv_blocks=6, block_size=16, max_model_len=96),
+    )
+    eos, _ = references["user"]
+    session = small.new_session()
+    first = session.admit(spoken(PROMPTS["user"], eos, frames=60))
+    assert first.answer is AdmissionAnswer.ADMITTED
+    second = session.admit(spoken(PROMPTS["user"], eos, frames=60))
+    assert second.answer is AdmissionAnswer.NO_CAPACITY
+    while session.residents():
+        session.step()
+    assert session.admit(spoken(PROMPTS["user"], eos, frames=60)).answer is (
+        AdmissionAnswer.ADMITTED
+    )
+    while session.residents():
+        session.step()
+    session.finish()
+    assert_no_leaks(small)

@@ -18,7 +18,7 @@ from inflight.engine import (
 from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.options import OPTION_FIELDS
 from inflight.protocol.outputs import RequestOutput
-from inflight.protocol.request import GenerationRequest, SamplingParams
+from inflight.protocol.request import AudioReply, GenerationRequest, SamplingParams
 from inflight.protocol.speech import SpeechFacts, SpeechOutput
 from inflight.runtime.deployment import ifb_unsupported_reason
 from inflight.runtime.factory import open_runtime
@@ -100,9 +100,14 @@ class LLM:
         self.input_modalities = ["text", *runtime.media]
         # A text-to-speech model's voices, languages and rates (None: it writes text).
         self.speech_facts: SpeechFacts | None = None
+        # A model that may speak its chat replies: its voices and rates (None: it does not).
+        self.voice_facts: SpeechFacts | None = None
         if isinstance(runtime, SpeechRuntime):
             self.speech_facts = runtime.facts
-        self.output_modalities = ["text"] if self.speech_facts is None else ["audio"]
+            self.output_modalities = ["audio"]
+        else:
+            self.voice_facts = runtime.voice_facts
+            self.output_modalities = ["text"] if self.voice_facts is None else ["text", "audio"]
         self._sampling_defaults = runtime.checkpoint.sampling_defaults
         self.tokenizer = runtime.tokenizer
         self.model_name = runtime.model_name
@@ -155,6 +160,7 @@ class LLM:
         lora_name: str | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
         save_system_prompt_kv_cache: bool = False,
+        audio: AudioReply | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply to a conversation (or to each of a list of conversations).
 
@@ -166,7 +172,9 @@ class LLM:
         or `{"type": "audio_url", ...}`; see `runtime/inputs/chat_media.py`); `mm_processor_kwargs`
         `{"keep_ratio": r}` keeps that share of each image's tokens (the visual-token
         pruner). `save_system_prompt_kv_cache`: pin the KV of each conversation's system turn
-        in the context cache (see `generate`)."""
+        in the context cache (see `generate`). `audio` (a model that speaks, `voice_facts`):
+        each reply spoken too, as it is written; its `CompletionOutput.audio` holds the
+        samples (float32 little-endian, `voice_facts.sample_rate`)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of chat messages")
         conversations = messages if isinstance(messages[0], list) else [messages]
@@ -174,6 +182,7 @@ class LLM:
         options = {
             "lora_name": lora_name,
             "save_system_prompt_kv_cache": save_system_prompt_kv_cache,
+            "generate_audio": audio,
         }
         requests = self._requests(conversations, params, options, template, mm_processor_kwargs)
         return self._run(requests)

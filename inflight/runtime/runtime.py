@@ -18,6 +18,7 @@ from inflight.protocol.request import (
     GenerationRequest,
     SamplingParams,
 )
+from inflight.protocol.speech import SpeechFacts
 from inflight.protocol.stepped import ExecutionCapabilities
 from inflight.runtime.deployment import ModelFacts, ifb_unsupported_reason, resolve
 from inflight.runtime.device.draft_model import DraftModel
@@ -153,6 +154,7 @@ class Runtime:
             inputs.append(MediaInputs(encoders, self.encoder_cache, plan.model.mrope, self.device))
         # A model that speaks its replies: the talker beside the thinker (`speech/replies.py`).
         self.voices: SpokenReplies | None = None
+        self.voice_facts: SpeechFacts | None = None  # its voices and rates, where it speaks
         if plan.speaks:
             self.voices = self._build_voices(runner)
             features.append(self.voices)
@@ -257,6 +259,13 @@ class Runtime:
             generator.seed()
         else:
             generator.manual_seed(plan.options.seed)
+        self.voice_facts = SpeechFacts(
+            kind="reply",
+            voices=tuple(sorted(config.speakers)),
+            languages=(),
+            sample_rate=config.sample_rate,
+            frames_per_second=config.sample_rate / talker.samples_per_frame,
+        )
         return SpokenReplies(model, loop, plan.max_model_len, generator)
 
     def _build_draft_model(self, checkpoint: Checkpoint) -> DraftModel:

@@ -6,11 +6,12 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from inflight.protocol.outputs import CompletionOutput, LogprobEntry, RequestOutput, StreamChunk
 from inflight.protocol.request import GenerationRequest, SamplingParams, StructuredOutputs
+from inflight.protocol.speech import SpeechFacts
 from inflight.protocol.tokenizer import Tokenizer
 from inflight.server.chat import ChatSetup
 from inflight.server.client import Run
@@ -28,6 +29,7 @@ from inflight.server.protocol import (
     SamplingFields,
     TextPart,
 )
+from inflight.server.spoken import SpokenReply, audio_tokens
 from inflight.server.tools import FunctionTool, ToolChoice, tool_choice
 
 
@@ -163,12 +165,26 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
     )
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def chat_messages(
+    messages: list[ChatMessage], recall: Callable[[str], str | None] = lambda audio_id: None
+) -> list[dict[str, Any]]:
     """Chat messages for the template: text content, an assistant's tool calls (arguments as
-    objects, which is what templates read) and reasoning, and tool results."""
+    objects, which is what templates read) and reasoning, and tool results. An assistant's
+    spoken reply sent back by its audio id (and no text) is its transcript (`recall`)."""
     out = []
     for i, m in enumerate(messages):
         content: Any = m.content
+        if m.audio is not None and not content:
+            if m.role != "assistant":
+                raise ServerError(400, "only assistant messages carry audio", f"messages.{i}.audio")
+            content = recall(m.audio.id)
+            if content is None:
+                raise ServerError(
+                    400,
+                    f"audio id {m.audio.id!r} is unknown here or has expired: send the reply's "
+                    "transcript as content",
+                    f"messages.{i}.audio.id",
+                )
         if isinstance(content, list):
             content = _content_parts(content, f"messages.{i}.content")
         role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
@@ -309,6 +325,8 @@ class ChatReply:
         reader: MessageParser,
         reasoning_fields: bool,
         legacy_functions: bool = False,
+        audio: SpokenReply | None = None,
+        voices: SpeechFacts | None = None,
     ) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -318,17 +336,30 @@ class ChatReply:
         self.reasoning_fields = reasoning_fields
         # Asked with the legacy `functions`: its call comes back as `function_call`.
         self.legacy_functions = legacy_functions
+        # Asked spoken (`spoken.py`): the text is the audio's transcript.
+        self.audio, self.voices = audio, voices
 
     def whole(self, output: RequestOutput) -> dict[str, Any]:
         completion_tokens = sum(len(o.token_ids) for o in output.outputs)
+        usage = _usage(output.prompt_tokens, completion_tokens, output.cached_tokens)
+        if self.voices is not None:
+            frames = sum(audio_tokens(o, self.voices) for o in output.outputs)
+            self._count_audio(usage, frames)
         return {
             "id": self.id,
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
             "choices": [self._choice(sequence) for sequence in output.outputs],
-            "usage": _usage(output.prompt_tokens, completion_tokens, output.cached_tokens),
+            "usage": usage,
         }
+
+    @staticmethod
+    def _count_audio(usage: dict[str, Any], frames: int) -> None:
+        """Audio frames as OpenAI counts audio tokens: among the completion's."""
+        usage["completion_tokens"] += frames
+        usage["total_tokens"] += frames
+        usage["completion_tokens_details"] = {"audio_tokens": frames}
 
     def _choice(self, output: CompletionOutput) -> dict[str, Any]:
         logprobs = None
@@ -336,6 +367,9 @@ class ChatReply:
             logprobs = {"content": [_chat_logprob(e) for e in output.logprobs or ()]}
         parsed = self.reader.whole(output.text)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if self.audio is not None:
+            message["content"] = None
+            message["audio"] = self.audio.whole(output, parsed.content or "")
         if self.reasoning_fields:
             message["reasoning_content"] = message["reasoning"] = parsed.reasoning
         if parsed.tool_calls and self.legacy_functions:
@@ -409,15 +443,20 @@ class ChatReply:
         for index in range(n):
             yield self._chunk({"role": "assistant", "content": ""}, index)
         finish_reasons: list[str | None] = [None] * n
-        completion_tokens, prompt_tokens = 0, 0
+        completion_tokens, prompt_tokens, frames = 0, 0, 0
         readings = [self.reader.stream() for _ in range(n)]
         async for chunk in run:
             index = chunk.index
             prompt_tokens = chunk.prompt_tokens
             completion_tokens += len(chunk.token_ids)
+            frames += len(chunk.codes)
             if chunk.finished:
                 finish_reasons[index] = chunk.finish_reason
             delta = self._delta(readings[index].feed(chunk.text))
+            if self.audio is not None:
+                # Spoken: the text is the audio's transcript (no tools, no reasoning here).
+                audio = self.audio.delta(chunk.audio, delta.pop("content", ""))
+                delta = {"audio": audio} if audio else {}
             logprobs = self.logprobs and chunk.logprobs
             if not delta and not logprobs:
                 continue
@@ -427,6 +466,9 @@ class ChatReply:
             yield self._chunk(delta or {"content": ""}, index, **extra)
         for index in range(n):
             rest = self._delta(readings[index].finish())
+            if self.audio is not None:
+                audio = self.audio.delta(b"", rest.pop("content", ""))
+                rest = {"audio": {**(audio or {}), **self.audio.last()}}
             if rest:
                 yield self._chunk(rest, index)
             reason = self._finish_reason(finish_reasons[index], readings[index].calls_made > 0)
@@ -435,6 +477,8 @@ class ChatReply:
             chunk = self._chunk({})
             chunk["choices"] = []
             chunk["usage"] = _usage(prompt_tokens, completion_tokens)
+            if self.audio is not None:
+                self._count_audio(chunk["usage"], frames)
             yield chunk
 
 

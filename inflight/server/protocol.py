@@ -106,6 +106,11 @@ class ChatMessage(Strict):
     # An assistant reply's reasoning, as this server returns it (both names), sent back.
     reasoning_content: str | None = None
     reasoning: str | None = None
+    audio: AssistantAudio | None = None  # a spoken reply sent back by its audio id
+
+
+class AssistantAudio(Strict):
+    id: str
 
 
 class FunctionDefinition(Strict):
@@ -381,12 +386,6 @@ def unsupported(body: BaseModel) -> tuple[str, str] | None:
     checks: list[tuple[str, bool, str]] = []
     if isinstance(body, ChatCompletionRequest):
         checks += [
-            (
-                "modalities",
-                any(m != "text" for m in body.modalities or []),
-                "only text output is supported",
-            ),
-            ("audio", body.audio is not None, "audio output is not supported"),
             (
                 "web_search_options",
                 body.web_search_options is not None,

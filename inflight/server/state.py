@@ -12,6 +12,7 @@ from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient
 from inflight.server.errors import ServerError
 from inflight.server.protocol import unsupported
+from inflight.server.spoken import Transcripts
 from inflight.server.warmup import WarmUp
 
 
@@ -33,6 +34,8 @@ class ServerState:
     settings: ServerSettings
     chat: ChatSetup
     warm_up: WarmUp
+    # The transcripts of the replies this server spoke, by audio id.
+    transcripts: Transcripts = field(default_factory=Transcripts)
 
 
 async def server_state(request: Request) -> ServerState:

@@ -12,17 +12,16 @@ import asyncio
 import base64
 import binascii
 import json
-import struct
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import Field
 
 from inflight.protocol.request import RequestFieldError, SamplingParams
 from inflight.protocol.speech import SPEECH_SAMPLING, SpeechFacts
+from inflight.server.audio_format import STREAMED, pcm16, wav_header
 from inflight.server.client import Run
 from inflight.server.errors import ServerError, openai_error_payload
 from inflight.server.protocol import Strict, TopP
@@ -141,9 +140,9 @@ async def speech(body: SpeechRequest, request: Request, state: State) -> Respons
     await client.generate(
         prepared, request.is_disconnected, lambda chunk: samples.extend(chunk.audio)
     )
-    pcm = _pcm16(bytes(samples))
+    pcm = pcm16(bytes(samples))
     if body.response_format == "wav":
-        pcm = _wav_header(rate, len(pcm)) + pcm
+        pcm = wav_header(rate, len(pcm)) + pcm
     return Response(pcm, media_type=media_type, headers=headers)
 
 
@@ -187,32 +186,12 @@ def _wav(data: str) -> bytes:
         raise ServerError(400, f"ref_audio is not valid base64: {exc}", "ref_audio") from exc
 
 
-def _pcm16(audio: bytes) -> bytes:
-    """float32 samples as 16-bit signed little-endian PCM."""
-    samples = np.frombuffer(audio, "<f4")
-    return (np.clip(samples, -1.0, 1.0) * 32767).round().astype("<i2").tobytes()
-
-
-def _wav_header(rate: int, size: int) -> bytes:
-    """A mono 16-bit PCM RIFF header for `size` bytes of samples (streamed: unknown, the
-    maximum)."""
-    riff = 0xFFFFFFFF if size == 0xFFFFFFFF else 36 + size
-    return (
-        b"RIFF"
-        + struct.pack("<I", riff)
-        + b"WAVEfmt "
-        + struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16)
-        + b"data"
-        + struct.pack("<I", size)
-    )
-
-
 async def _audio(run: Run, response_format: str, rate: int) -> AsyncIterator[bytes]:
     if response_format == "wav":
-        yield _wav_header(rate, 0xFFFFFFFF)
+        yield wav_header(rate, STREAMED)
     async for chunk in run:
         if chunk.audio:
-            yield _pcm16(chunk.audio)
+            yield pcm16(chunk.audio)
 
 
 async def _events(
@@ -227,9 +206,9 @@ async def _events(
             frames += len(chunk.codes)
             if not chunk.audio:
                 continue
-            audio = _pcm16(chunk.audio)
+            audio = pcm16(chunk.audio)
             if header:
-                audio, header = _wav_header(rate, 0xFFFFFFFF) + audio, False
+                audio, header = wav_header(rate, STREAMED) + audio, False
             event = {"type": "speech.audio.delta", "audio": base64.b64encode(audio).decode()}
             yield f"data: {json.dumps(event)}\n\n"
     except ServerError as exc:

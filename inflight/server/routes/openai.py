@@ -18,6 +18,7 @@ from inflight.server import openai
 from inflight.server.client import Run
 from inflight.server.errors import ServerError, openai_error_payload
 from inflight.server.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields
+from inflight.server.spoken import SpokenReply, chat_audio
 from inflight.server.state import State, check_body
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "Connection": "keep-alive"}
@@ -41,6 +42,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
             400, "max_tokens and max_completion_tokens differ; send one", "max_tokens"
         )
     chat = state.chat
+    spoken = chat_audio(body, llm.voice_facts)
     choice = openai.chat_tool_choice(body, chat)
     ignored = ignored_fields(body)
     effort = body.reasoning_effort
@@ -58,7 +60,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         constraint=chat.constraint(choice, openai.structured_outputs(body)),
     )
     params = chat.reply_params(params)
-    messages = openai.chat_messages(body.messages)
+    messages = openai.chat_messages(body.messages, state.transcripts.recall)
     prepared = await client.prepare_chat(
         messages,
         params,
@@ -67,14 +69,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         mm_processor_kwargs=body.mm_processor_kwargs,
         lora_name=lora_name,
         save_system_prompt_kv_cache=body.save_system_prompt_kv_cache,
+        generate_audio=None if spoken is None else spoken.reply,
     )
     reader = chat.reader(choice, llm.tokenizer, prepared.prompt_token_ids)
+    audio = None
+    if spoken is not None:
+        assert llm.voice_facts is not None
+        audio = SpokenReply(spoken, llm.voice_facts.sample_rate, state.transcripts)
     reply = openai.ChatReply(
         lora_name or state.settings.served_model_name,
         body.logprobs,
         reader,
         chat.reasoning is not None,
         legacy_functions=body.functions is not None,
+        audio=audio,
+        voices=None if spoken is None else llm.voice_facts,
     )
     headers = ignored_headers(ignored)
     if body.stream:

@@ -185,11 +185,13 @@ def write_tiny_checkpoint(path: Path, seed: int = 0):
     return model
 
 
-def reference_reply(model, prompt: list[int], eos: int, max_tokens: int, frames: int):
+def reference_reply(
+    model, prompt: list[int], eos: int, max_tokens: int, frames: int, media: dict | None = None
+):
     """transformers' greedy spoken reply to `prompt` (thinker and talker greedy, the thinker
-    ending on `eos`): the reply's tokens, its codec frames [(codes...), ...] and waveform.
-    transformers' talker makes `frames` frames where it may generate `frames + 1` tokens (the
-    last token's frame is never completed)."""
+    ending on `eos`; `media`: its media arguments, see `media_arguments`): the reply's tokens,
+    its codec frames [(codes...), ...] and waveform. transformers' talker makes `frames` frames
+    where it may generate `frames + 1` tokens (the last token's frame is never completed)."""
     captured = {}
     decode = model.code2wav.chunked_decode
 
@@ -208,6 +210,7 @@ def reference_reply(model, prompt: list[int], eos: int, max_tokens: int, frames:
                 talker_max_new_tokens=frames + 1,
                 talker_do_sample=False,
                 thinker_do_sample=False,
+                **(media or {}),
             )
     finally:
         model.code2wav.chunked_decode = decode
@@ -215,10 +218,30 @@ def reference_reply(model, prompt: list[int], eos: int, max_tokens: int, frames:
     return sequences[0, len(prompt) :].tolist(), codes, wav.reshape(-1).numpy()
 
 
-def greedy_thinker(model, prompt: list[int], max_tokens: int) -> list[int]:
+def media_arguments(media) -> dict:
+    """transformers' arguments for a request's media items (images, then clips, as prepared
+    by our preparers)."""
+    images = [m for m in media if m.kind == "image"]
+    clips = [m for m in media if m.kind == "audio"]
+    arguments = {}
+    if images:
+        arguments["pixel_values"] = torch.cat([torch.from_numpy(m.data[0]) for m in images])
+        arguments["image_grid_thw"] = torch.tensor([m.data[1] for m in images])
+    if clips:
+        longest = max(m.data.shape[1] for m in clips)
+        features = torch.zeros(len(clips), clips[0].data.shape[0], longest)
+        mask = torch.zeros(len(clips), longest, dtype=torch.long)
+        for i, m in enumerate(clips):
+            features[i, :, : m.data.shape[1]] = torch.from_numpy(m.data)
+            mask[i, : m.data.shape[1]] = 1
+        arguments["input_features"], arguments["feature_attention_mask"] = features, mask
+    return arguments
+
+
+def greedy_thinker(model, prompt: list[int], max_tokens: int, media: dict | None = None):
     """The thinker's greedy tokens after `prompt`, without an end token."""
     with torch.no_grad():
         out = model.thinker.generate(
-            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False
+            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, **(media or {})
         )
     return out[0, len(prompt) :].tolist()

@@ -24,10 +24,23 @@ class MediaEmbeds:
     its placeholders) instead of their token's embedding."""
 
     indices: torch.Tensor  # [M] their packed indices
-    embeds: torch.Tensor  # [M, hidden]
+    # [M, hidden]; a DeepStack model's images [M, (1 + k) * hidden]: then the k features after
+    # the embedding join the tokens' hidden states after the first k decoder layers.
+    embeds: torch.Tensor
     # M-RoPE models: their 3-D positions [3, M] (the other tokens' three coordinates are equal,
     # their 1-D positions).
     mrope_positions: torch.Tensor | None = None
+    # Keep their hidden states entering decoder layer `keep_layer` (after the ones before it,
+    # less any DeepStack feature the last one adds) in `kept` [M, hidden]: what a talker reads
+    # of a prompt's media.
+    keep_layer: int | None = None
+    kept: torch.Tensor | None = None
+
+    def deepstack(self, hidden: int) -> torch.Tensor | None:
+        """The DeepStack features [M, k, hidden], where the embeddings carry them."""
+        if self.embeds.shape[-1] == hidden:
+            return None
+        return self.embeds[:, hidden:].reshape(self.embeds.shape[0], -1, hidden)
 
 
 @dataclass
@@ -54,7 +67,7 @@ class ForwardBatch:
         media = self.media
         if media is None:
             return x, angles
-        x = x.index_copy(0, media.indices, media.embeds.to(x.dtype))
+        x = x.index_copy(0, media.indices, media.embeds[:, : x.shape[-1]].to(x.dtype))
         if media.mrope_positions is not None:
             cos, sin = rotary.mrope_angles(media.mrope_positions, x.dtype)
             angles = (

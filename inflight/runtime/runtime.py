@@ -151,7 +151,12 @@ class Runtime:
         if plan.model.media:
             self.encoder_cache = EncoderCache(options.encoder_cache_mb << 20)
             encoders = runner.model.media_encoders()
-            inputs.append(MediaInputs(encoders, self.encoder_cache, plan.model.mrope, self.device))
+            # A model that speaks keeps what its talker reads of a spoken reply's prompt media.
+            talker = model_config.talker
+            keep = talker.accept_hidden_layer if plan.speaks and talker is not None else None
+            inputs.append(
+                MediaInputs(encoders, self.encoder_cache, plan.model.mrope, self.device, keep)
+            )
         # A model that speaks its replies: the talker beside the thinker (`speech/replies.py`).
         self.voices: SpokenReplies | None = None
         self.voice_facts: SpeechFacts | None = None  # its voices and rates, where it speaks

@@ -11,9 +11,11 @@ from omni_reference import (
     IM_END,
     IM_START,
     greedy_thinker,
+    media_arguments,
     reference_reply,
     write_tiny_checkpoint,
 )
+from PIL import Image
 
 from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.outputs import FinishReason, materialize
@@ -35,11 +37,28 @@ def chat(*turns: list[int]) -> list[int]:
     return [token for t in turns for token in t] + [IM_START, IDS["assistant"], NL]
 
 
+def picture() -> Image.Image:
+    return Image.fromarray((np.random.default_rng(0).random((40, 50, 3)) * 255).astype(np.uint8))
+
+
+def tone() -> np.ndarray:
+    return (0.3 * np.sin(np.arange(20800) / 16000 * 2 * np.pi * 440)).astype(np.float32)
+
+
+VISION = (IDS["<|vision_start|>"], IDS["<|image_pad|>"])
+HEARING = (IDS["<|audio_start|>"], IDS["<|audio_pad|>"])
+# Each prompt's tokens, and its media (the placeholders expanded when it is built).
 PROMPTS = {
-    "user": chat(turn("user", 40, 50, 60, 70)),
-    "system_and_user": chat(turn("system", 90, 91), turn("user", 41, 51)),
-    "two_turns": chat(turn("user", 42, 43), turn("assistant", 77, 78, 79), turn("user", 44)),
+    "user": (chat(turn("user", 40, 50, 60, 70)), {}),
+    "system_and_user": (chat(turn("system", 90, 91), turn("user", 41, 51)), {}),
+    "two_turns": (
+        chat(turn("user", 42, 43), turn("assistant", 77, 78, 79), turn("user", 44)),
+        {},
+    ),
+    "image": (chat(turn("user", *VISION, 40, 50)), {"image": [picture()]}),
+    "audio": (chat(turn("system", 90), turn("user", 45, *HEARING, 41)), {"audio": [tone()]}),
 }
+TEXT_ONLY = ("user", "system_and_user", "two_turns")
 
 
 @pytest.fixture(scope="module")
@@ -54,28 +73,42 @@ def runtime(omni):
 
 
 @pytest.fixture(scope="module")
-def references(omni):
-    """Per prompt: the end token (a greedy token of the reply's that does not come earlier,
-    so the thinker stops on it) and transformers' spoken reply."""
+def built(runtime):
+    """Each prompt's tokens and media items, its placeholders expanded."""
+    return {
+        name: runtime.input_processor.expand_media(ids, data, None)
+        for name, (ids, data) in PROMPTS.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def references(omni, built):
+    """Per prompt: the end token (a greedy token of the reply's, among its third to seventh,
+    that does not come earlier, so the thinker stops on it) and transformers' spoken reply."""
     model = omni[1]
     out = {}
-    for name, prompt in PROMPTS.items():
-        tokens = greedy_thinker(model, prompt, MAX_TOKENS)
-        end = next(i for i in range(3, MAX_TOKENS) if tokens[i] not in tokens[:i])
-        out[name] = (tokens[end], reference_reply(model, prompt, tokens[end], MAX_TOKENS, FRAMES))
+    for name, (prompt, media) in built.items():
+        media_args = media_arguments(media)
+        tokens = greedy_thinker(model, prompt, MAX_TOKENS, media_args)
+        end = max(i for i in range(2, 7) if tokens[i] not in tokens[:i])
+        reply = reference_reply(model, prompt, tokens[end], MAX_TOKENS, FRAMES, media_args)
+        out[name] = (tokens[end], reply)
     return out
 
 
-def spoken(prompt, eos, frames=FRAMES, voice="Ethan") -> GenerationRequest:
+def spoken(prompt, eos, frames=FRAMES, voice="Ethan", media=()) -> GenerationRequest:
     return GenerationRequest(
         prompt,
         SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=[eos]),
+        media=media,
         generate_audio=AudioReply(voice, temperature=0.0, max_frames=frames),
     )
 
 
-def text(prompt, tokens=MAX_TOKENS) -> GenerationRequest:
-    return GenerationRequest(prompt, SamplingParams(max_tokens=tokens, temperature=0.0))
+def text(prompt, tokens=MAX_TOKENS, media=()) -> GenerationRequest:
+    return GenerationRequest(
+        prompt, SamplingParams(max_tokens=tokens, temperature=0.0), media=media
+    )
 
 
 def samples(output) -> np.ndarray:
@@ -91,18 +124,22 @@ def assert_as_reference(output, reference) -> None:
 
 
 @pytest.mark.parametrize("name", PROMPTS)
-def test_a_spoken_reply_alone_is_transformers(runtime, references, name):
+def test_a_spoken_reply_alone_is_transformers(runtime, built, references, name):
+    """Text, image and audio in: the media's thinker hidden states projected into the
+    talker's prompt, at the talker's M-RoPE positions."""
     eos, reference = references[name]
-    (output,) = run_staggered(runtime, [spoken(PROMPTS[name], eos)])
+    prompt, media = built[name]
+    (output,) = run_staggered(runtime, [spoken(prompt, eos, media=media)])
     assert output.outputs[0].finish_reason == "stop"
     assert_as_reference(output, reference)
     assert_no_leaks(runtime)
 
 
-def test_frames_are_transformers_token_for_token(runtime, references):
-    eos, (_, codes, _) = references["user"]
+def test_frames_are_transformers_token_for_token(runtime, built, references):
+    eos, (_, codes, _) = references["image"]
     session = runtime.new_session()
-    admission = session.admit(spoken(PROMPTS["user"], eos))
+    prompt, media = built["image"]
+    admission = session.admit(spoken(prompt, eos, media=media))
     frames = []
     while session.residents():
         chunk = session.step().deltas.get(admission.ref)
@@ -112,13 +149,13 @@ def test_frames_are_transformers_token_for_token(runtime, references):
     assert frames == codes
 
 
-def test_joining_a_running_batch_of_text_and_speech_changes_nothing(runtime, references):
+def test_joining_a_running_batch_of_text_and_speech_changes_nothing(runtime, built, references):
     """Each spoken reply joins while text requests and other spoken replies run (one admitted
     every other step): each is as it is alone, and the text beside them is as it is alone."""
     names = list(PROMPTS)
-    batch = [text(PROMPTS["user"], 9)]
-    batch += [spoken(PROMPTS[n], references[n][0]) for n in names]
-    batch.append(text(PROMPTS["two_turns"], 5))
+    batch = [text(built["image"][0], 9, media=built["image"][1])]
+    batch += [spoken(built[n][0], references[n][0], media=built[n][1]) for n in names]
+    batch.append(text(built["two_turns"][0], 5))
     outputs = run_staggered(runtime, batch)
     for name, output in zip(names, outputs[1:-1], strict=True):
         assert_as_reference(output, references[name][1])
@@ -133,7 +170,7 @@ def test_joining_a_running_batch_of_text_and_speech_changes_nothing(runtime, ref
 def test_streamed_audio_concatenated_is_the_whole(runtime, references):
     eos, (_, _, wav) = references["two_turns"]
     session = runtime.new_session()
-    ref = session.admit(spoken(PROMPTS["two_turns"], eos)).ref
+    ref = session.admit(spoken(PROMPTS["two_turns"][0], eos)).ref
     audio, chunks, final = bytearray(), 0, None
     while session.residents():
         result = session.step()
@@ -155,7 +192,7 @@ def test_the_voice_outlives_the_text_and_ends_the_request(runtime, references):
     its voice ends; the request then ends with the text's finish reason."""
     eos, _ = references["user"]
     session = runtime.new_session()
-    ref = session.admit(spoken(PROMPTS["user"], eos)).ref
+    ref = session.admit(spoken(PROMPTS["user"][0], eos)).ref
     text_done = finished = None
     steps = 0
     while session.residents():
@@ -174,8 +211,8 @@ def test_the_voice_outlives_the_text_and_ends_the_request(runtime, references):
 def test_cancel_mid_speech_frees_everything(runtime, references):
     eos, _ = references["system_and_user"]
     session = runtime.new_session()
-    ref = session.admit(spoken(PROMPTS["system_and_user"], eos, frames=200)).ref
-    other = session.admit(text(PROMPTS["user"])).ref
+    ref = session.admit(spoken(PROMPTS["system_and_user"][0], eos, frames=200)).ref
+    other = session.admit(text(PROMPTS["user"][0])).ref
     heard = 0
     while heard < 2:
         chunk = session.step().deltas.get(ref)
@@ -193,8 +230,8 @@ def test_a_code2wav_failure_fails_its_request_alone(runtime, references, monkeyp
     eos_a, reference_a = references["user"]
     eos_b, _ = references["two_turns"]
     session = runtime.new_session()
-    a = session.admit(spoken(PROMPTS["user"], eos_a)).ref
-    b = session.admit(spoken(PROMPTS["two_turns"], eos_b)).ref
+    a = session.admit(spoken(PROMPTS["user"][0], eos_a)).ref
+    b = session.admit(spoken(PROMPTS["two_turns"][0], eos_b)).ref
     session.step()  # seats both
 
     def broken(open_stream):
@@ -214,11 +251,11 @@ def test_a_code2wav_failure_fails_its_request_alone(runtime, references, monkeyp
 
 def test_bad_asks_are_refused_naming_the_problem(runtime):
     with pytest.raises(ValueError, match="unknown voice 'alloy'.*chelsie, ethan"):
-        runtime.check(spoken(PROMPTS["user"], 5, voice="alloy"))
+        runtime.check(spoken(PROMPTS["user"][0], 5, voice="alloy"))
     with pytest.raises(ValueError, match="ends in the assistant's turn"):
         runtime.check(spoken([IM_START, IDS["user"], NL, 40], 5))
     with pytest.raises(ValueError, match="one sequence"):
-        request = spoken(PROMPTS["user"], 5)
+        request = spoken(PROMPTS["user"][0], 5)
         runtime.check(
             GenerationRequest(
                 request.prompt_token_ids,
@@ -232,8 +269,8 @@ def test_text_only_mode_leaves_the_talker_out_and_refuses_audio(omni, runtime):
     text_only = Runtime(omni[0], DeploymentOptions(dtype="float32", speech=False))
     assert text_only.voices is None and text_only.executor.runner.model.talker is None
     with pytest.raises(ValueError, match="speech output.*--no-speech"):
-        text_only.check(spoken(PROMPTS["user"], 5))
-    request = text(PROMPTS["two_turns"])
+        text_only.check(spoken(PROMPTS["user"][0], 5))
+    request = text(PROMPTS["two_turns"][0])
     assert [o.outputs[0].token_ids for o in run_staggered(text_only, [request])] == [
         o.outputs[0].token_ids for o in run_staggered(runtime, [request])
     ]
@@ -242,7 +279,7 @@ def test_text_only_mode_leaves_the_talker_out_and_refuses_audio(omni, runtime):
 def test_overlapped_steps_speak_the_same(omni, references):
     overlapped = Runtime(omni[0], DeploymentOptions(dtype="float32", overlap=True))
     eos, reference = references["two_turns"]
-    batch = [text(PROMPTS["user"]), spoken(PROMPTS["two_turns"], eos)]
+    batch = [text(PROMPTS["user"][0]), spoken(PROMPTS["two_turns"][0], eos)]
     outputs = run_staggered(overlapped, batch)
     assert_as_reference(outputs[1], reference)
     assert_no_leaks(overlapped)
@@ -257,13 +294,13 @@ def test_an_admission_waits_for_talker_blocks(omni, references):
     )
     eos, _ = references["user"]
     session = small.new_session()
-    first = session.admit(spoken(PROMPTS["user"], eos, frames=60))
+    first = session.admit(spoken(PROMPTS["user"][0], eos, frames=60))
     assert first.answer is AdmissionAnswer.ADMITTED
-    second = session.admit(spoken(PROMPTS["user"], eos, frames=60))
+    second = session.admit(spoken(PROMPTS["user"][0], eos, frames=60))
     assert second.answer is AdmissionAnswer.NO_CAPACITY
     while session.residents():
         session.step()
-    assert session.admit(spoken(PROMPTS["user"], eos, frames=60)).answer is (
+    assert session.admit(spoken(PROMPTS["user"][0], eos, frames=60)).answer is (
         AdmissionAnswer.ADMITTED
     )
     while session.residents():

@@ -406,8 +406,12 @@ class LlamaForCausalLM(nn.Module):
                 "tables for it (AttentionMetadata.window)"
             )
         x, angles = batch.embed(self.embed_tokens, self.rotary)
+        media = batch.media
+        deepstack = None if media is None else media.deepstack(x.shape[-1])
+        # Media that joins or is read between the layers runs them one by one.
+        between = deepstack is not None or (media is not None and media.keep_layer is not None)
         step = None
-        if (lora is None or lora.per_token) and input_ids.shape[0] > 0:
+        if (lora is None or lora.per_token) and input_ids.shape[0] > 0 and not between:
             step = self._native_step(kv_caches, backend)
         self.ran_native_step = step is not None
         if step is not None:
@@ -415,8 +419,17 @@ class LlamaForCausalLM(nn.Module):
             x, residual = step(x, *angles, meta, slots)
         else:
             residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            if media is not None and media.keep_layer == 0:
+                media.kept = x[media.indices]
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 x, residual = layer(x, residual, angles, kv_cache, meta, backend, lora)
+                if media is None:
+                    continue
+                if media.keep_layer == i + 1:
+                    media.kept = (x + residual)[media.indices]
+                # A layer's hidden state is x + residual: its DeepStack feature joins x.
+                if deepstack is not None and i < deepstack.shape[1]:
+                    x = x.index_add(0, media.indices, deepstack[:, i].to(x.dtype))
         return self.norm.add_forward(x, residual)[0]
 
     def _window_pool(self, kv_caches: list[KVCache]) -> bool:

@@ -159,7 +159,19 @@ class Qwen3OmniForConditionalGeneration(nn.Module):
         return None
 
     def media_encoders(self) -> dict[str, nn.Module]:
-        return self.thinker.media_encoders()
+        """The thinker's encoders, each item's output [tokens, (1 + k) * hidden]: an image's
+        embeddings and its k DeepStack features side by side, a clip's embeddings and zeros
+        (one width, so one step packs both)."""
+        encoders = self.thinker.media_encoders()
+        vision = self.config.vision
+        deep = len(vision.deepstack_visual_indexes) if vision is not None else 0
+        if not deep:
+            return encoders
+        hidden = self.config.hidden_size
+        return {
+            kind: _SideBySide(encoder, deep, hidden, images=kind == "image")
+            for kind, encoder in encoders.items()
+        }
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """The thinker's token embeddings [n, hidden] of ids [n] (what the talker projects)."""
@@ -185,6 +197,23 @@ class Qwen3OmniForConditionalGeneration(nn.Module):
         self.thinker.load_weights(thinker())
         if self.talker is not None:
             self.talker.load_weights(talker)
+
+
+class _SideBySide(nn.Module):
+    def __init__(self, encoder: nn.Module, deep: int, hidden: int, images: bool) -> None:
+        super().__init__()
+        self.encoder, self.deep, self.hidden, self.images = encoder, deep, hidden, images
+
+    def encode(self, items: list[object]) -> list[torch.Tensor]:
+        if self.images:
+            return [
+                torch.cat((embeds, features.transpose(0, 1).flatten(1)), dim=1)
+                for embeds, features in self.encoder.encode_deepstack(items)
+            ]
+        return [
+            torch.cat((embeds, embeds.new_zeros(embeds.shape[0], self.deep * self.hidden)), 1)
+            for embeds in self.encoder.encode(items)
+        ]
 
 
 register(

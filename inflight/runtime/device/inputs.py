@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,12 +42,29 @@ class ForwardInput:
         """Put the feature's inputs into `batch.forward`."""
 
 
+@dataclass
+class KeptMedia:
+    """A stretch of a prompt's media positions (`start` .. `end`) whose hidden states a step
+    kept for a talker: rows `rows` of that step's `MediaEmbeds.kept`, once it has run."""
+
+    start: int
+    end: int
+    media: MediaEmbeds
+    rows: slice
+
+    def hidden(self) -> torch.Tensor:
+        assert self.media.kept is not None, "read before the step that keeps it ran"
+        return self.media.kept[self.rows]
+
+
 class MediaInputs(ForwardInput):
     """Images and audio: the step that starts a resident's prefill encodes the media it still
     needs (from the encoder cache where it holds them; the step's other items together, one
     encoder run per kind), and every chunk takes the encoder outputs its placeholder positions
     cover (such a step runs eagerly). With M-RoPE, the tokens after an image sit at shifted
-    rotary positions, decode rows too. An item that fails to encode fails its request alone."""
+    rotary positions, decode rows too. An item that fails to encode fails its request alone.
+    With `keep_layer` (a model that speaks), a step keeps the hidden states entering that
+    decoder layer of the media of requests asking for audio (`Resident.features.kept_media`)."""
 
     def __init__(
         self,
@@ -54,11 +72,13 @@ class MediaInputs(ForwardInput):
         cache: EncoderCache,
         mrope: bool,
         device: torch.device,
+        keep_layer: int | None = None,
     ) -> None:
         self.encoders = encoders
         self.cache = cache
         self.mrope = mrope
         self.device = device
+        self.keep_layer = keep_layer
 
     @torch.inference_mode()
     def prepare(self, rows: Sequence[ScheduledRow]) -> dict[Resident, str]:
@@ -125,12 +145,18 @@ class MediaInputs(ForwardInput):
         indices: list[int] = []
         parts: list[torch.Tensor] = []
         grids: list[np.ndarray] = []
+        keeps: list[tuple[Resident, int, int, slice]] = []
         offset = 0
         for row in rows:
             start = row.past_len
             media = row.resident.request.media
+            spoken = self.keep_layer is not None and row.resident.request.generate_audio
             for i, lo, hi, (output, kept) in self._spans(row):
                 item = media[i]
+                if spoken:
+                    keeps.append(
+                        (row.resident, lo, hi, slice(len(indices), len(indices) + hi - lo))
+                    )
                 indices += range(offset + lo - start, offset + hi - start)
                 parts.append(output[lo - item.offset : hi - item.offset])
                 if self.mrope:
@@ -146,7 +172,10 @@ class MediaInputs(ForwardInput):
                 to_device(np.concatenate(grids, axis=1), torch.int64, self.device)
                 if grids
                 else None,
+                keep_layer=self.keep_layer if keeps else None,
             )
+            for resident, lo, hi, kept_rows in keeps:
+                resident.features.kept_media.append(KeptMedia(lo, hi, forward.media, kept_rows))
         if self.mrope and any(row.resident.request.media for row in rows):
             shift = np.concatenate(
                 [

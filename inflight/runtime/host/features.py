@@ -25,6 +25,11 @@ class RowFeature:
         """Raise a ValueError naming the problem where the request uses the feature in a way
         this runtime cannot serve. Any thread may call it."""
 
+    def reads_prompt(self, request: GenerationRequest) -> bool:
+        """Whether the feature reads what the prefill computes at the request's prompt
+        positions (then no cached prefix stands in for them)."""
+        return False
+
     def reserve(self, request: GenerationRequest, sequences: int) -> object | None:
         """Take what `sequences` new residents of `request` need of the feature: what they will
         hold (handed to `seat`), or None, having taken nothing, when it has no room for them now

@@ -162,10 +162,13 @@ def mrope_shift(media: Sequence[MediaItem], start: int, count: int) -> np.ndarra
 
 def mrope_positions(media: Sequence[MediaItem], which: int) -> np.ndarray:
     """The 3-D positions [3, tokens] of every token of `media[which]`'s grid (before any
-    pruning), in the order its encoder yields them: temporal, then height, then width."""
+    pruning), in the order its encoder yields them: temporal, then height, then width. An
+    item without a grid (an audio clip) sits at text's positions, its three coordinates
+    equal."""
     item = media[which]
-    assert item.grid is not None
     start = item.offset + sum(m.span - m.length for m in media[:which])
+    if item.grid is None:
+        return np.tile(np.arange(item.length), (3, 1)) + start
     return np.indices(item.grid).reshape(3, -1) + start
 
 

@@ -90,6 +90,9 @@ class FeatureStates:
     pin_blocks: int = 0
     # Its reply's audio so far, float32 little-endian samples (a spoken reply's), or None.
     audio: bytearray | None = None
+    # A spoken reply's prompt media: the thinker hidden states its talker reads, kept by the
+    # steps that prefilled them (device/inputs.py `KeptMedia`).
+    kept_media: list[Any] = field(default_factory=list)
 
 
 # Compared by identity: a resident is one sequence's seat, whatever it holds.

@@ -432,13 +432,14 @@ class Scheduler:
     def _looks_up(self, request: GenerationRequest) -> bool:
         """Whether the request's prompt prefix is looked up in the context cache: there is one,
         the request asks for it, wants no prompt logprobs (which need every prompt position
-        computed), and the model's KV prefixes are reusable."""
+        computed, as a feature may), and the model's KV prefixes are reusable."""
         params = request.params
         return (
             self.context_cache is not None
             and params.reuse_context
             and params.prompt_logprobs is None
             and self.prefill.shares_prefix
+            and not any(feature.reads_prompt(request) for feature in self.features)
         )
 
     # -- stepping -------------------------------------------------------------------------------

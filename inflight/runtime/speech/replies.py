@@ -20,8 +20,9 @@ reply (an end or stop token) is not spoken.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from inflight.model.families.qwen3_omni import Qwen3OmniForConditionalGeneration
@@ -30,6 +31,7 @@ from inflight.protocol.request import GenerationRequest, RequestFieldError
 from inflight.protocol.stepped import StepResult
 from inflight.runtime.host.features import RowFeature
 from inflight.runtime.host.kv_cache import BlockPool
+from inflight.runtime.host.media import mrope_positions, mrope_shift
 from inflight.runtime.host.residents import Resident
 from inflight.runtime.speech.sampling import Draw
 from inflight.runtime.speech.talker_loop import TalkerLoop, TalkerRow
@@ -74,7 +76,7 @@ class Voice:
 
     talker: TalkerRow
     text: ReplyText
-    user_ids: list[int]  # the prompt's user-turn tokens, as the talker's prompt reads them
+    user: list[int]  # the prompt's user-turn positions, which the talker's prompt reads
     speaker: int  # its voice's codec row
     taken: int = 0  # reply tokens in its text
     audio: bytearray = field(default_factory=bytearray)
@@ -100,7 +102,11 @@ class SpokenReplies(RowFeature):
         self.generator = generator  # draws the seed of a request that has none
         self.voices: dict[Resident, Voice] = {}
         ids = self.config.text_ids
-        self._im_start, self._assistant, self._user = ids["im_start"], ids["assistant"], ids["user"]
+        self._im_start, self._assistant, self._user_id = (
+            ids["im_start"],
+            ids["assistant"],
+            ids["user"],
+        )
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -116,13 +122,13 @@ class SpokenReplies(RowFeature):
             )
         if request.params.n > 1:
             raise RequestFieldError("audio output is for one sequence: n must be 1", "n")
-        if request.media:
+        if any(item.length < item.tokens for item in request.media):
             raise RequestFieldError(
-                "audio output for a prompt with media is not served yet: ask for text",
-                "generate_audio",
+                "audio output reads every image token: drop mm_processor_kwargs keep_ratio",
+                "mm_processor_kwargs",
             )
         self._turn(request)
-        length = len(self._user_ids(request)) + TURN_ROWS
+        length = len(self._user_positions(request)) + TURN_ROWS
         if length >= self.max_model_len:
             raise RequestFieldError(
                 f"the talker's prompt is {length} positions; max_model_len is {self.max_model_len}",
@@ -135,10 +141,14 @@ class SpokenReplies(RowFeature):
                 "max_frames",
             )
 
+    def reads_prompt(self, request: GenerationRequest) -> bool:
+        """A spoken reply reads the thinker's hidden states of its prompt's media."""
+        return request.generate_audio is not None and bool(request.media)
+
     def reserve(self, request: GenerationRequest, sequences: int) -> object | None:
         if request.generate_audio is None:
             return True
-        length = len(self._user_ids(request)) + TURN_ROWS
+        length = len(self._user_positions(request)) + TURN_ROWS
         blocks = self.blocks.blocks_for(length + self._frames(request, length))
         return blocks if self.blocks.reserve(blocks) else None
 
@@ -172,7 +182,7 @@ class SpokenReplies(RowFeature):
             )
         generator.manual_seed(seed)
         greedy = audio.temperature == 0
-        length = len(self._user_ids(request)) + TURN_ROWS
+        length = len(self._user_positions(request)) + TURN_ROWS
         talker = TalkerRow(
             slot=resident.ref.slot,
             blocks=[],
@@ -188,10 +198,10 @@ class SpokenReplies(RowFeature):
         )
         self.loop.start(talker)
         speaker = self.config.speakers[audio.voice.lower()]
-        voice = self.voices[resident] = Voice(talker, text, self._user_ids(request), speaker)
+        voice = self.voices[resident] = Voice(talker, text, self._user_positions(request), speaker)
         resident.features.audio = voice.audio
         if len(text.tokens) > TURN_HEAD:
-            self._prompt(voice)
+            self._prompt(resident, voice)
 
     def evict(self, resident: Resident) -> None:
         voice = self.voices.pop(resident, None)
@@ -258,9 +268,9 @@ class SpokenReplies(RowFeature):
         text.push(resident.output[voice.taken : end])
         voice.taken = end
         if known <= TURN_HEAD < len(text.tokens):
-            self._prompt(voice)
+            self._prompt(resident, voice)
 
-    def _prompt(self, voice: Voice) -> None:
+    def _prompt(self, resident: Resident, voice: Voice) -> None:
         """The talker's prompt, once the assistant turn's token after its head is known."""
         c, t = self.config.codec_ids, self.config.text_ids
         device = self.loop.runner.device
@@ -284,9 +294,34 @@ class SpokenReplies(RowFeature):
             (head[:TURN_HEAD], torch.stack((pad, pad, pad, pad, bos, head[TURN_HEAD])) + codec)
         )
         parts = [turn]
-        if voice.user_ids:
-            parts.insert(0, text.rows(voice.user_ids))
+        if voice.user:
+            parts.insert(0, self._user_rows(resident, voice))
         voice.talker.prefill = torch.cat(parts)
+
+    def _user_rows(self, resident: Resident, voice: Voice) -> torch.Tensor:
+        """The user turns as the talker reads them: text projected from the thinker's token
+        embeddings; media from the thinker's hidden states entering layer
+        `accept_hidden_layer`, projected (and at their M-RoPE positions, the talker's too)."""
+        request, user = resident.request, voice.user
+        prompt = request.prompt_token_ids
+        at = {position: k for k, position in enumerate(user)}
+        media = [item for item in request.media if item.offset in at]
+        rows = voice.text.rows([prompt[p] for p in user])
+        for kept in resident.features.kept_media:
+            taken = [(at[p], p - kept.start) for p in range(kept.start, kept.end) if p in at]
+            if taken:
+                ks, js = zip(*taken, strict=True)
+                rows[list(ks)] = self.talker.hidden_projection(kept.hidden()[list(js)])
+        resident.features.kept_media = []
+        if media:
+            moved = [replace(item, offset=at[item.offset]) for item in media]
+            length = len(user) + TURN_ROWS
+            rope = np.tile(np.arange(length) + mrope_shift(moved, 0, length), (3, 1))
+            for i, item in enumerate(moved):
+                rope[:, item.offset : item.offset + item.length] = mrope_positions(moved, i)
+            voice.talker.rope = rope
+            voice.talker.rope_delta = sum(item.span - item.length for item in moved)
+        return rows
 
     def _turn(self, request: GenerationRequest) -> int:
         """Where the prompt's last assistant turn begins (its <|im_start|>)."""
@@ -300,18 +335,18 @@ class SpokenReplies(RowFeature):
             "generate_audio",
         )
 
-    def _user_ids(self, request: GenerationRequest) -> list[int]:
-        """The prompt's user-turn tokens: those whose turn's role (the token after the
+    def _user_positions(self, request: GenerationRequest) -> list[int]:
+        """The prompt's user-turn positions: those whose turn's role (the token after the
         <|im_start|> before them) is the user's, before the assistant turn."""
         prompt = request.prompt_token_ids
         end = self._turn(request)
-        ids, role = [], prompt[1] if len(prompt) > 1 else -1
+        positions, role = [], prompt[1] if len(prompt) > 1 else -1
         for i in range(end):
             if prompt[i] == self._im_start and i + 1 < len(prompt):
                 role = prompt[i + 1]
-            if role == self._user:
-                ids.append(prompt[i])
-        return ids
+            if role == self._user_id:
+                positions.append(i)
+        return positions
 
     def _frames(self, request: GenerationRequest, length: int) -> int:
         """The most frames the reply's voice may make."""

@@ -22,7 +22,7 @@ import torch
 from inflight.model.contract import MediaEmbeds
 from inflight.model.speech.code_predictor import CodePicker
 from inflight.model.speech.codec_decoder import CodecStream
-from inflight.model.transfer import to_device_packed
+from inflight.model.transfer import to_device, to_device_packed
 from inflight.protocol.outputs import FinishReason
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.device.model_runner import ModelRunner
@@ -83,6 +83,10 @@ class TalkerRow:
     predict: Draw
     text: TextFeed
     prefill: torch.Tensor | None = None  # [positions, hidden]
+    # M-RoPE: the prompt's 3-D rotary positions [3, positions] (None: each its index), and
+    # how far those after it lie from their index.
+    rope: np.ndarray | None = None
+    rope_delta: int = 0
     audio: AudioStream = field(default_factory=AudioStream)
     computed: int = 0  # positions in its KV
     first_codes: list[int] = field(default_factory=list)
@@ -206,16 +210,39 @@ class TalkerLoop:
     def _forward(self, planned: list[Planned]) -> torch.Tensor:
         """The talker's final hidden states of the sampling rows [rows, hidden], in order."""
         rows = [RowInput([0] * p.inputs.shape[0], p.past, p.row.blocks, p.samples) for p in planned]
-        batch = build_ragged_batch(rows, self.runner.block_size, self.runner.device)
+        device = self.runner.device
+        batch = build_ragged_batch(rows, self.runner.block_size, device)
         inputs = torch.cat([p.inputs for p in planned])
         indices = torch.arange(inputs.shape[0], device=inputs.device)
-        batch.forward.media = MediaEmbeds(indices, inputs)
+        batch.forward.media = MediaEmbeds(indices, inputs, self._rope(planned))
+        if any(p.row.rope_delta for p in planned):
+            delta = [d for p in planned for d in [p.row.rope_delta] * p.inputs.shape[0]]
+            batch.forward.positions += to_device(delta, torch.int64, device)
         hidden = self.runner.execute(batch)
         for p in planned:
             p.row.computed += p.inputs.shape[0]
             if p.samples:
                 p.row.frame_embed = None
         return hidden
+
+    def _rope(self, planned: list[Planned]) -> torch.Tensor | None:
+        """The packed positions' 3-D rotary positions, where a prompt chunk has its own (a
+        prompt with media; the others' three coordinates equal); None where none has."""
+
+        def own(p: Planned) -> bool:
+            return p.row.rope is not None and p.past < p.row.rope.shape[1]
+
+        if not any(own(p) for p in planned):
+            return None
+        parts = []
+        for p in planned:
+            n, row = p.inputs.shape[0], p.row
+            if own(p):
+                assert row.rope is not None
+                parts.append(row.rope[:, p.past : p.past + n])
+            else:
+                parts.append(np.tile(np.arange(p.past, p.past + n) + row.rope_delta, (3, 1)))
+        return to_device(np.concatenate(parts, axis=1), torch.int64, self.runner.device)
 
     def _first_codes(
         self, rows: list[TalkerRow], hidden: torch.Tensor, outputs: list[FrameOutput]

@@ -18,8 +18,13 @@ from inflight.engine import (
 from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.options import OPTION_FIELDS
 from inflight.protocol.outputs import RequestOutput
-from inflight.protocol.request import AudioReply, GenerationRequest, SamplingParams
-from inflight.protocol.speech import SpeechFacts, SpeechOutput
+from inflight.protocol.request import (
+    AudioReply,
+    GenerationRequest,
+    RequestFieldError,
+    SamplingParams,
+)
+from inflight.protocol.speech import SPEECH_SAMPLING, SpeechFacts, SpeechOutput
 from inflight.runtime.deployment import ifb_unsupported_reason
 from inflight.runtime.factory import open_runtime
 from inflight.runtime.host.pinned import pin_id
@@ -228,8 +233,9 @@ class LLM:
                 reason = chunk.finish_reason or reason
         finally:
             handle.close()
-        assert self.speech_facts is not None
-        return SpeechOutput(bytes(audio), self.speech_facts.sample_rate, tuple(codes), reason)
+        facts = self.speech_facts or self.voice_facts
+        assert facts is not None
+        return SpeechOutput(bytes(audio), facts.sample_rate, tuple(codes), reason)
 
     def speech_stream(
         self, text: str, params: SamplingParams | None = None, **speech: Any
@@ -242,11 +248,53 @@ class LLM:
     def prepare_speech(
         self, text: str, params: SamplingParams | None = None, **speech: Any
     ) -> GenerationRequest:
-        """A checked speech request (see `speech`); queues nothing."""
+        """A checked speech request (see `speech`); queues nothing. A model that speaks its
+        replies (Qwen3-Omni) reads `text` as its reply (see `_read_aloud`)."""
         runtime = self._live()
-        if not isinstance(runtime, SpeechRuntime):
-            raise ValueError(f"{self.model_name} writes text; speech needs a text-to-speech model")
-        return runtime.inputs.request(text, params, **speech)
+        if isinstance(runtime, SpeechRuntime):
+            return runtime.inputs.request(text, params, **speech)
+        if runtime.voice_facts is not None:
+            return self._read_aloud(runtime, text, params, **speech)
+        raise ValueError(f"{self.model_name} writes text; speech needs a model that speaks")
+
+    def _read_aloud(
+        self,
+        runtime: Runtime,
+        text: str,
+        params: SamplingParams | None,
+        voice: str | None = None,
+        instructions: str | None = None,
+        **others: Any,
+    ) -> GenerationRequest:
+        """A model that speaks its replies reading `text`: the assistant turn holding `text`
+        already (`AudioReply.reply_in_prompt`), after a user turn of the `instructions`.
+        `params` sample the talker (`max_tokens`: its frames)."""
+        given = sorted(k for k, v in others.items() if v is not None)
+        if given:
+            raise RequestFieldError(
+                f"{given[0]} is not served by a model that speaks its replies", given[0]
+            )
+        if not isinstance(text, str) or not text.strip():
+            raise RequestFieldError("input must be non-empty text", "input")
+        facts = runtime.voice_facts
+        assert facts is not None
+        if voice is None:
+            raise RequestFieldError(f"voice is needed: one of {', '.join(facts.voices)}", "voice")
+        turn = self.prepare([{"role": "user", "content": instructions or ""}])
+        ids = [*turn.prompt_token_ids, *self.tokenizer.encode(text, add_special_tokens=False)]
+        p = params or SamplingParams(**SPEECH_SAMPLING)
+        audio = AudioReply(
+            voice,
+            temperature=p.temperature,
+            top_k=max(p.top_k, 0),
+            top_p=p.top_p,
+            repetition_penalty=p.repetition_penalty,
+            max_frames=p.max_tokens,
+            reply_in_prompt=True,
+        )
+        # The thinker's token after the reply is not spoken.
+        thinker = SamplingParams(max_tokens=1, seed=p.seed)
+        return runtime.check(GenerationRequest(ids, thinker, generate_audio=audio))
 
     def prepare(
         self,

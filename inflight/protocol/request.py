@@ -300,7 +300,10 @@ class AudioReply:
     text spoken in `voice` as it is written. The talker samples each frame's first code with
     `temperature` (0: greedy, and then the code predictor too), `top_k` (0: off), `top_p`
     and `repetition_penalty` (its model's defaults unless set); `max_frames` bounds the
-    audio (12.5 frames a second; None: as long as the talker's context allows)."""
+    audio (12.5 frames a second; None: as long as the talker's context allows).
+    `reply_in_prompt`: the prompt's assistant turn holds the whole reply, which is read aloud
+    (the speech API on such a model); what the thinker writes after it is not spoken, and the
+    request ends as its voice does."""
 
     voice: str
     temperature: float = 0.9
@@ -308,6 +311,7 @@ class AudioReply:
     top_p: float = 1.0
     repetition_penalty: float = 1.05
     max_frames: int | None = None
+    reply_in_prompt: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.voice, str) or not self.voice:

@@ -182,3 +182,28 @@ def test_text_replies_and_the_models_list_on_a_model_that_speaks(served):
             model="test-model", messages=MESSAGES, audio={"voice": "ethan", "format": "wav"}
         )
     assert refused.value.body["param"] == "modalities"
+
+
+def test_the_speech_api_reads_the_input_aloud(served):
+    """POST /v1/audio/speech on a model that speaks: the input read as its reply (the thinker
+    writes nothing), the library's audio; what only a text-to-speech model takes, a 400."""
+    url, llm = served
+    params = SamplingParams(temperature=0, max_tokens=15)
+    whole = llm.speech("The quick brown fox", params, voice="chelsie")
+    assert whole.codes and whole.finish_reason in ("stop", "length")
+    expected = (np.clip(np.frombuffer(whole.audio, np.float32), -1, 1) * 32767).round()
+    speech = client(url).audio.speech.create(
+        model="test-model",
+        voice="chelsie",
+        input="The quick brown fox",
+        response_format="wav",
+        extra_body={"temperature": 0, "max_new_tokens": 15},
+    )
+    assert np.array_equal(read_wav(speech.content), expected.astype("<i2"))
+    voices = client(url).get("/audio/voices", cast_to=object)
+    assert voices["voices"] == ["chelsie", "ethan"] and voices["task_type"] is None
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(url).audio.speech.create(
+            model="test-model", voice="ethan", input="hi", extra_body={"language": "english"}
+        )
+    assert refused.value.body["param"] == "language"

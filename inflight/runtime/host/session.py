@@ -54,7 +54,9 @@ class SpokenSide(Protocol):
     """The talker's part of a step (`speech/replies.py`): after each step taken in, it
     advances the voices of the replies asking for audio."""
 
-    def step(self, result: StepResult, finish: Callable[[Resident, str], None]) -> None: ...
+    def step(
+        self, result: StepResult, finish: Callable[[Resident, FinishReason, str], None]
+    ) -> None: ...
 
 
 class GenerationSession:
@@ -138,7 +140,9 @@ class GenerationSession:
         if deferred:
             self._executor.sample(launched)
         if self._voices is not None:
-            self._voices.step(result, lambda r, error: self._end_voice(r, error, result))
+            self._voices.step(
+                result, lambda r, reason, error: self._end_voice(r, reason, error, result)
+            )
         return result
 
     def finish(self) -> None:
@@ -199,10 +203,14 @@ class GenerationSession:
         picks = self._executor.fetch(launched)
         self._outputs.complete(launched.step, picks, launched.scores, result)
 
-    def _end_voice(self, r: Resident, error: str, result: StepResult) -> None:
-        """A resident's voice ended: its request ends, as its text did (or failed)."""
+    def _end_voice(self, r: Resident, reason: FinishReason, error: str, result: StepResult) -> None:
+        """A resident's voice ended (`reason`): its request ends as its text did, or as its
+        voice did where the reply was its prompt's (read aloud), or failed."""
+        audio = r.request.generate_audio
         if error:
             self._outputs.finish(r, FinishReason.ERROR, None, result, error)
+        elif audio is not None and audio.reply_in_prompt:
+            self._outputs.finish(r, reason, None, result)
         elif r.ended is not None:
             self._outputs.finish(r, *r.ended, result)
 

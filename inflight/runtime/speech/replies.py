@@ -231,10 +231,12 @@ class SpokenReplies(RowFeature):
     # -- the talker's step --------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, result: StepResult, finish: Callable[[Resident, str], None]) -> None:
+    def step(
+        self, result: StepResult, finish: Callable[[Resident, FinishReason, str], None]
+    ) -> None:
         """One talker step over the voices that can go on: their frames and audio into the
-        step's chunks; `finish(resident, error)` ends a request whose voice ended after its
-        text (as its text ended), or failed (`error`)."""
+        step's chunks; `finish(resident, reason, error)` ends a request whose voice ended
+        (`reason`) after its text, or failed (`error`)."""
         for resident, voice in self.voices.items():
             if not voice.text.ended:
                 # The latest token waits: it may turn out to be the one that stops the reply.
@@ -256,13 +258,15 @@ class SpokenReplies(RowFeature):
             voice.ended = True
             self.loop.release(voice.talker)
             if out.finish is FinishReason.ERROR or voice.text.ended:
-                finish(resident, out.error)
+                finish(resident, out.finish, out.error)
 
     # -- parts --------------------------------------------------------------------------------
 
     def _take(self, resident: Resident, voice: Voice, end: int) -> None:
-        """The reply's tokens up to `end` into the voice's text (its prompt once it can be)."""
-        if end <= voice.taken:
+        """The reply's tokens up to `end` into the voice's text (its prompt once it can be);
+        none where the reply is the prompt's."""
+        audio = resident.request.generate_audio
+        if end <= voice.taken or (audio is not None and audio.reply_in_prompt):
             return
         text, known = voice.text, len(voice.text.tokens)
         text.push(resident.output[voice.taken : end])

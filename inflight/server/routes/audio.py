@@ -1,5 +1,6 @@
-"""The OpenAI speech API on a text-to-speech model: `POST /v1/audio/speech` (whole, streamed as
-audio bytes, or as server-sent events) and `GET /v1/audio/voices`.
+"""The OpenAI speech API on a text-to-speech model, or on a model that speaks its replies (which
+reads the input as its reply): `POST /v1/audio/speech` (whole, streamed as audio bytes, or as
+server-sent events) and `GET /v1/audio/voices`.
 
 Audio is 16-bit signed little-endian mono at the model's rate (24 kHz): `pcm` raw, `wav` with
 a RIFF header (streamed: its sizes left at the maximum, as streaming encoders write them).
@@ -72,7 +73,7 @@ async def voices(state: State) -> dict[str, Any]:
     return {
         "voices": list(facts.voices),
         "languages": ["auto", *facts.languages],
-        "task_type": next(t for t, kind in TASKS.items() if kind == facts.kind),
+        "task_type": next((t for t, kind in TASKS.items() if kind == facts.kind), None),
         "sample_rate": facts.sample_rate,
     }
 
@@ -100,7 +101,7 @@ async def speech(body: SpeechRequest, request: Request, state: State) -> Respons
         )
     voice = body.voice.id if isinstance(body.voice, VoiceId) else body.voice
     ignored = []
-    if voice is not None and facts.kind != "custom_voice":
+    if voice is not None and facts.kind not in ("custom_voice", "reply"):
         voice, ignored = None, ["voice"]  # OpenAI's clients always send one
     client = state.client
     options: dict[str, Any] = {
@@ -151,10 +152,15 @@ _FIELDS = {"reference_audio": "ref_audio", "max_tokens": "max_new_tokens"}
 
 
 def _speech(state: State) -> SpeechFacts:
-    facts = state.client.llm.speech_facts
+    """A text-to-speech model's facts, or those of a model that speaks its replies (it reads
+    the input as its reply)."""
+    llm = state.client.llm
+    facts = llm.speech_facts or llm.voice_facts
     if facts is None:
         raise ServerError(
-            400, "this model writes text: serve a text-to-speech model (Qwen3-TTS) for speech"
+            400,
+            "this model writes text: serve a text-to-speech model (Qwen3-TTS) or one that "
+            "speaks (Qwen3-Omni) for speech",
         )
     return facts
 

@@ -30,7 +30,6 @@ IM_START, IM_END = 1, 2
 VOCAB = 320  # the thinker's (the tokenizer's 300 and room)
 CODEBOOK = 64
 GROUPS = 4
-VOICES = {"ethan": CODEBOOK + 254, "chelsie": CODEBOOK + 253}
 _MROPE = {
     "rope_type": "default",
     "rope_theta": 1e6,
@@ -39,8 +38,14 @@ _MROPE = {
 }
 
 
-def config_dict() -> dict:
-    """The tiny bundle's config (as `Qwen3OmniMoeConfig` takes it)."""
+def voices(codebook: int = CODEBOOK) -> dict[str, int]:
+    """The voices' codec rows (in the talker's top 1024, past the codebook)."""
+    return {"ethan": codebook + 254, "chelsie": codebook + 253}
+
+
+def config_dict(codebook: int = CODEBOOK, groups: int = GROUPS) -> dict:
+    """The tiny bundle's config (as `Qwen3OmniMoeConfig` takes it); `codebook` and `groups`:
+    its codec's (a bench widens the rest)."""
     return dict(
         thinker_config=dict(
             audio_config=dict(
@@ -88,7 +93,7 @@ def config_dict() -> dict:
         ),
         talker_config=dict(
             text_config=dict(
-                vocab_size=CODEBOOK + 1024,
+                vocab_size=codebook + 1024,
                 hidden_size=32,
                 intermediate_size=64,
                 num_hidden_layers=2,
@@ -103,26 +108,26 @@ def config_dict() -> dict:
                 max_position_embeddings=2048,
             ),
             code_predictor_config=dict(
-                vocab_size=CODEBOOK,
+                vocab_size=codebook,
                 hidden_size=32,
                 intermediate_size=64,
                 num_hidden_layers=1,
                 num_attention_heads=4,
                 num_key_value_heads=2,
                 head_dim=8,
-                num_code_groups=GROUPS,
+                num_code_groups=groups,
             ),
-            num_code_groups=GROUPS,
+            num_code_groups=groups,
             thinker_hidden_size=64,
             accept_hidden_layer=2,
             spatial_merge_size=1,
-            codec_pad_id=CODEBOOK + 100,
-            codec_bos_id=CODEBOOK + 101,
-            codec_eos_token_id=CODEBOOK + 102,
-            codec_nothink_id=CODEBOOK + 107,
-            codec_think_bos_id=CODEBOOK + 108,
-            codec_think_eos_id=CODEBOOK + 109,
-            speaker_id=dict(VOICES),
+            codec_pad_id=codebook + 100,
+            codec_bos_id=codebook + 101,
+            codec_eos_token_id=codebook + 102,
+            codec_nothink_id=codebook + 107,
+            codec_think_bos_id=codebook + 108,
+            codec_think_eos_id=codebook + 109,
+            speaker_id=voices(codebook),
             audio_token_id=IDS["<|audio_pad|>"],
             image_token_id=IDS["<|image_pad|>"],
             video_token_id=IDS["<|video_pad|>"],
@@ -130,13 +135,13 @@ def config_dict() -> dict:
             vision_start_token_id=IDS["<|vision_start|>"],
         ),
         code2wav_config=dict(
-            codebook_size=CODEBOOK,
+            codebook_size=codebook,
             hidden_size=32,
             num_attention_heads=4,
             num_key_value_heads=4,
             intermediate_size=64,
             num_hidden_layers=1,
-            num_quantizers=GROUPS,
+            num_quantizers=groups,
             decoder_dim=32,
             upsample_rates=[8, 5, 4, 3],
             upsampling_ratios=[2, 2],
@@ -153,13 +158,13 @@ def config_dict() -> dict:
     )
 
 
-def tiny_model(seed: int = 0, enable_audio_output: bool = True):
+def tiny_model(seed: int = 0):
     """The reference bundle with seeded random weights (float32, eval): matrices drawn wide
     enough that greedy picks are clear-cut, Code2Wav's scaled as its real weights are (its
     default init gives ~1e-8 of amplitude)."""
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
-    config = Qwen3OmniMoeConfig(**config_dict(), enable_audio_output=enable_audio_output)
+    config = Qwen3OmniMoeConfig(**config_dict())
     torch.manual_seed(seed)
     model = Qwen3OmniMoeForConditionalGeneration(config).eval()
     with torch.no_grad():

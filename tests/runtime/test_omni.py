@@ -6,15 +6,6 @@ failure, the text-only mode."""
 
 import numpy as np
 import pytest
-from omni_reference import (
-    IDS,
-    IM_END,
-    IM_START,
-    greedy_thinker,
-    media_arguments,
-    reference_reply,
-    write_tiny_checkpoint,
-)
 from PIL import Image
 
 from inflight.protocol.deployment import DeploymentOptions
@@ -24,6 +15,15 @@ from inflight.protocol.stepped import AdmissionAnswer
 from inflight.runtime.runtime import Runtime
 
 from helpers import assert_no_leaks, run_staggered
+from omni_reference import (
+    IDS,
+    IM_END,
+    IM_START,
+    greedy_thinker,
+    media_arguments,
+    reference_reply,
+    write_tiny_checkpoint,
+)
 
 NL = 212  # "\n" in the tiny tokenizer
 MAX_TOKENS, FRAMES = 12, 30
@@ -307,3 +307,29 @@ def test_an_admission_waits_for_talker_blocks(omni, references):
         session.step()
     session.finish()
     assert_no_leaks(small)
+
+
+def test_a_voice_ahead_of_its_listener_yields_to_text_rows(runtime, built, references, monkeypatch):
+    """With the clock standing still, a voice more than LEAD_S of audio ahead makes no frames
+    while text rows run, and goes on once they have ended; what it says is unchanged."""
+    from inflight.runtime.speech import replies
+
+    monkeypatch.setattr(replies.time, "monotonic", lambda: 0.0)
+    eos, reference = references["user"]
+    session = runtime.new_session()
+    voice = session.admit(spoken(built["user"][0], eos)).ref
+    talk = session.admit(text(built["two_turns"][0], 60)).ref
+    audio, paused, finished = bytearray(), 0, {}
+    while session.residents():
+        result = session.step()
+        chunk = result.deltas.get(voice)
+        if chunk is not None:
+            audio += chunk.audio
+        texting = talk in result.deltas and talk not in result.finished
+        if texting and len(audio) / 4 / 24000 > replies.LEAD_S:
+            paused += chunk is None or not chunk.codes
+        finished.update(result.finished)
+    session.finish()
+    assert paused > 0
+    assert finished[voice].finish_reason is FinishReason.STOP
+    assert_as_reference(materialize([finished[voice]]), reference)

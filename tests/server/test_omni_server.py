@@ -12,11 +12,11 @@ import wave
 import numpy as np
 import openai
 import pytest
-from omni_reference import write_tiny_checkpoint
 
 from inflight import LLM
 from inflight.protocol.request import AudioReply, SamplingParams
 
+from omni_reference import write_tiny_checkpoint
 from server_harness import serve
 
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]

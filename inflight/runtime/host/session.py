@@ -55,7 +55,10 @@ class SpokenSide(Protocol):
     advances the voices of the replies asking for audio."""
 
     def step(
-        self, result: StepResult, finish: Callable[[Resident, FinishReason, str], None]
+        self,
+        result: StepResult,
+        finish: Callable[[Resident, FinishReason, str], None],
+        busy: bool = False,
     ) -> None: ...
 
 
@@ -141,7 +144,9 @@ class GenerationSession:
             self._executor.sample(launched)
         if self._voices is not None:
             self._voices.step(
-                result, lambda r, reason, error: self._end_voice(r, reason, error, result)
+                result,
+                lambda r, reason, error: self._end_voice(r, reason, error, result),
+                busy=launched is not None,
             )
         return result
 

@@ -19,6 +19,7 @@ reply (an end or stop token) is not spoken.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -42,6 +43,9 @@ TURN_HEAD = 3
 # Talker prompt rows of the assistant turn: its head, four tts_pad, tts_bos + its next token.
 TURN_ROWS = TURN_HEAD + 6
 CODE_PREDICTOR_TOP_K, CODE_PREDICTOR_TOP_P = 50, 0.8
+# A voice this far ahead of real time yields its turn to the thinker's rows: a talker step
+# costs a text step several times over, and audio faster than it is heard helps nobody.
+LEAD_S = 2.0
 
 
 @dataclass
@@ -80,6 +84,7 @@ class Voice:
     speaker: int  # its voice's codec row
     taken: int = 0  # reply tokens in its text
     audio: bytearray = field(default_factory=bytearray)
+    started: float | None = None  # when its first audio went out (monotonic seconds)
     ended: bool = False  # its voice has ended
 
 
@@ -232,16 +237,27 @@ class SpokenReplies(RowFeature):
 
     @torch.inference_mode()
     def step(
-        self, result: StepResult, finish: Callable[[Resident, FinishReason, str], None]
+        self,
+        result: StepResult,
+        finish: Callable[[Resident, FinishReason, str], None],
+        busy: bool = False,
     ) -> None:
         """One talker step over the voices that can go on: their frames and audio into the
         step's chunks; `finish(resident, reason, error)` ends a request whose voice ended
-        (`reason`) after its text, or failed (`error`)."""
+        (`reason`) after its text, or failed (`error`). `busy`: the thinker has rows this
+        step, and a voice far enough ahead of real time (`LEAD_S`) leaves it to them."""
+        now = time.monotonic()
         for resident, voice in self.voices.items():
             if not voice.text.ended:
                 # The latest token waits: it may turn out to be the one that stops the reply.
                 self._take(resident, voice, len(resident.output) - 1)
-        voices = {id(v.talker): (r, v) for r, v in self.voices.items() if not v.ended}
+        voices = {
+            id(v.talker): (r, v)
+            for r, v in self.voices.items()
+            if not v.ended and not (busy and self._ahead(v, now))
+        }
+        if not voices:
+            return
         planned, outputs = self.loop.step(v.talker for _, v in voices.values())
         sampling = [voices[id(p.row)] for p in planned if p.samples]
         for (resident, voice), out in zip(sampling, outputs, strict=True):
@@ -253,6 +269,8 @@ class SpokenReplies(RowFeature):
             chunk.codes += out.codes
             chunk.audio += out.audio
             voice.audio += out.audio
+            if out.audio and voice.started is None:
+                voice.started = now
             if out.finish is None:
                 continue
             voice.ended = True
@@ -261,6 +279,13 @@ class SpokenReplies(RowFeature):
                 finish(resident, out.finish, out.error)
 
     # -- parts --------------------------------------------------------------------------------
+
+    def _ahead(self, voice: Voice, now: float) -> bool:
+        """Whether the voice's listener has more than `LEAD_S` of its audio still to hear."""
+        if voice.started is None:
+            return False
+        heard = now - voice.started
+        return len(voice.audio) / 4 / self.config.sample_rate - heard > LEAD_S
 
     def _take(self, resident: Resident, voice: Voice, end: int) -> None:
         """The reply's tokens up to `end` into the voice's text (its prompt once it can be);

@@ -18,7 +18,8 @@ thinker samples and never stops early) spoken in the voice "ethan" with the mode
 talker may end a reply early, so the real-time factor is each request's wall time over the
 audio it made. Time to first audio is submit to the first chunk with samples. Text beside
 speech: `--text` text requests of `--reply-tokens` tokens alone, then with `--beside` spoken
-replies submitted with them; their output tokens over the time until the last ends.
+replies submitted with them (`--text-tokens` tokens each, the spoken replies' voices at most
+`--frames` frames); their output tokens over the time until the last ends.
 
     .venv/bin/python bench/omni.py --shape tiny
     python bench/omni.py --shape wide --device cuda           # on the GPU machine
@@ -196,6 +197,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=125)
     parser.add_argument("--text", type=int, default=16)
     parser.add_argument("--beside", type=int, default=4)
+    parser.add_argument("--text-tokens", type=int, default=512)
     parser.add_argument("--device", default=None)
     parser.add_argument(
         "--check-graphs", action="store_true", help="CUDA graphs against eager, greedy"
@@ -215,7 +217,7 @@ def main() -> None:
             str(path),
             enable_in_flight_batching=True,
             max_batch_size=batch,
-            max_model_len=args.frames + 256,
+            max_model_len=max(args.frames, args.text_tokens) + 256,
             **options,
         ) as llm:
             for c in args.concurrency:
@@ -227,13 +229,14 @@ def main() -> None:
             for beside in (0, args.beside):
                 text_beside(llm, args.text, beside, 8, 8)  # warm-up
                 row = {"run": "text_beside_speech", "texts": args.text, "spoken": beside}
-                row.update(text_beside(llm, args.text, beside, args.reply_tokens, args.frames))
+                row.update(text_beside(llm, args.text, beside, args.text_tokens, args.frames))
                 print(row, flush=True)
                 results.append(row)
     write_report(
         report_path(f"omni_{args.shape}.json"),
         shape=args.shape,
         reply_tokens=args.reply_tokens,
+        text_tokens=args.text_tokens,
         frames=args.frames,
         device=args.device or "auto",
         **check,

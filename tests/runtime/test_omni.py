@@ -333,3 +333,26 @@ def test_a_voice_ahead_of_its_listener_yields_to_text_rows(runtime, built, refer
     assert paused > 0
     assert finished[voice].finish_reason is FinishReason.STOP
     assert_as_reference(materialize([finished[voice]]), reference)
+
+
+def test_a_talker_failure_fails_its_voices_not_the_text_beside(runtime, built, monkeypatch):
+    """A talker step that raises fails the requests whose voices it ran; the text request
+    beside them finishes as it does alone, and nothing leaks."""
+    from inflight.runtime.speech.talker_loop import TalkerLoop
+
+    def broken(self, rows):
+        raise RuntimeError("talker out of memory")
+
+    session = runtime.new_session()
+    voice = session.admit(spoken(built["user"][0], 5)).ref
+    talk = session.admit(text(built["two_turns"][0], 20)).ref
+    monkeypatch.setattr(TalkerLoop, "step", broken)
+    finished = {}
+    while session.residents():
+        finished.update(session.step().finished)
+    session.finish()
+    assert finished[voice].finish_reason is FinishReason.ERROR
+    assert "the talker failed: talker out of memory" in finished[voice].error
+    (alone,) = run_staggered(runtime, [text(built["two_turns"][0], 20)])
+    assert tuple(finished[talk].token_ids) == alone.outputs[0].token_ids
+    assert_no_leaks(runtime)

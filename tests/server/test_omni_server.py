@@ -207,3 +207,21 @@ def test_the_speech_api_reads_the_input_aloud(served):
             model="test-model", voice="ethan", input="hi", extra_body={"language": "english"}
         )
     assert refused.value.body["param"] == "language"
+
+
+def test_the_anthropic_api_answers_text_and_refuses_audio(served):
+    import anthropic
+
+    url, _ = served
+    claude = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+    reply = claude.messages.create(
+        model="test-model", max_tokens=4, messages=[{"role": "user", "content": "Hello"}]
+    )
+    assert reply.content[0].type == "text"
+    with pytest.raises(anthropic.BadRequestError, match="modalities"):
+        claude.messages.create(
+            model="test-model",
+            max_tokens=4,
+            messages=[{"role": "user", "content": "Hello"}],
+            extra_body={"modalities": ["text", "audio"], "audio": {"voice": "ethan"}},
+        )

@@ -19,6 +19,7 @@ reply (an end or stop token) is not spoken.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -37,6 +38,8 @@ from inflight.runtime.host.residents import Resident
 from inflight.runtime.speech.sampling import Draw
 from inflight.runtime.speech.talker_loop import TalkerLoop, TalkerRow
 
+log = logging.getLogger(__name__)
+
 # The assistant turn's tokens before its reply's first (<|im_start|>assistant\n), read as
 # text only by the talker's prompt.
 TURN_HEAD = 3
@@ -45,7 +48,7 @@ TURN_ROWS = TURN_HEAD + 6
 CODE_PREDICTOR_TOP_K, CODE_PREDICTOR_TOP_P = 50, 0.8
 # A voice this far ahead of real time yields its turn to the thinker's rows: a talker step
 # costs a text step several times over, and audio faster than it is heard helps nobody.
-LEAD_S = 2.0
+LEAD_S = 1.0
 
 
 @dataclass
@@ -258,7 +261,15 @@ class SpokenReplies(RowFeature):
         }
         if not voices:
             return
-        planned, outputs = self.loop.step(v.talker for _, v in voices.values())
+        try:
+            planned, outputs = self.loop.step(v.talker for _, v in voices.values())
+        except Exception as exc:  # noqa: BLE001 (the talker's failure is its voices' alone)
+            log.exception("a talker step failed; its voices' requests fail")
+            for resident, voice in voices.values():
+                voice.ended = True
+                self.loop.release(voice.talker)
+                finish(resident, FinishReason.ERROR, f"the talker failed: {exc}")
+            return
         sampling = [voices[id(p.row)] for p in planned if p.samples]
         for (resident, voice), out in zip(sampling, outputs, strict=True):
             chunk = result.deltas.get(resident.ref)

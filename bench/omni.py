@@ -40,13 +40,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from inflight import LLM  # noqa: E402
+from inflight.bench.phases import time_phases  # noqa: E402
 from inflight.bench.report import report_path, write_report  # noqa: E402
 from inflight.protocol.request import AudioReply, SamplingParams  # noqa: E402
+from inflight.runtime.speech.talker_loop import TalkerLoop  # noqa: E402
 
 from omni_reference import IDS, config_dict  # noqa: E402
 from tiny_models import write_tokenizer  # noqa: E402
 
 SAMPLE_RATE = 24000
+PHASES = ("_forward", "_first_codes", "_frames", "_audio")
 MESSAGES = [{"role": "user", "content": "Tell me about in-flight batching, briefly."}]
 
 
@@ -132,7 +135,11 @@ def audio_chats(llm: LLM, concurrency: int, tokens: int, frames: int) -> dict:
     return {
         "ttfa_ms_mean": 1000 * statistics.mean(first),
         "ttfa_ms_max": 1000 * max(first),
+        # A random talker may end a reply after a few frames, whose RTF is then its wait for
+        # them: the median reads the bulk, the mean shows such outliers.
+        "rtf_median": statistics.median(rtf),
         "rtf_mean": statistics.mean(rtf),
+        "short_replies": sum(n < 0.5 * frames * 1920 for n in samples),
         "audio_seconds": sum(samples) / SAMPLE_RATE,
         "audio_seconds_per_second": sum(samples) / SAMPLE_RATE / wall,
     }
@@ -202,6 +209,9 @@ def main() -> None:
     parser.add_argument(
         "--check-graphs", action="store_true", help="CUDA graphs against eager, greedy"
     )
+    parser.add_argument(
+        "--profile", action="store_true", help="time the talker's step phases (synchronizing)"
+    )
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -220,10 +230,19 @@ def main() -> None:
             max_model_len=max(args.frames, args.text_tokens) + 256,
             **options,
         ) as llm:
+            times = None
+            if args.profile:
+                times = time_phases(TalkerLoop, PHASES, llm._live().device)
             for c in args.concurrency:
                 audio_chats(llm, c, 8, 8)  # warm-up at this batch
+                for phase in (times or {}).values():
+                    phase.clear()
                 row = {"run": "audio_chats", "concurrency": c}
                 row.update(audio_chats(llm, c, args.reply_tokens, args.frames))
+                if times is not None:
+                    row["phase_ms_mean"] = {
+                        name: 1000 * statistics.mean(t) for name, t in times.items() if t
+                    }
                 print(row, flush=True)
                 results.append(row)
             for beside in (0, args.beside):

@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from inflight import LLM  # noqa: E402
+from inflight.bench.phases import time_phases  # noqa: E402
 from inflight.bench.report import report_path, write_report  # noqa: E402
 from inflight.protocol.request import SamplingParams  # noqa: E402
 
@@ -115,25 +116,10 @@ PHASES = ("_forward", "_first_codes", "_frames", "_audio")
 
 
 def profiled(device: torch.device) -> dict[str, list[float]]:
-    """Wrap the talker loop's step phases in timers (synchronized on CUDA); their times."""
+    """The talker loop's step phases timed (synchronized on CUDA)."""
     from inflight.runtime.speech.talker_loop import TalkerLoop
 
-    times: dict[str, list[float]] = {name: [] for name in PHASES}
-    for name in PHASES:
-        method = getattr(TalkerLoop, name)
-
-        def timed(*args, _method=method, _name=name, **kwargs):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = _method(*args, **kwargs)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times[_name].append(time.perf_counter() - t0)
-            return out
-
-        setattr(TalkerLoop, name, timed)
-    return times
+    return time_phases(TalkerLoop, PHASES, device)
 
 
 def summary(first: list[float], total: list[float], made: list[int], wall: float) -> dict:

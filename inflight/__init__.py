@@ -10,11 +10,12 @@ if TYPE_CHECKING:
     from inflight.api import LLM
     from inflight.engine import RequestHandle
     from inflight.protocol.outputs import CompletionOutput, RequestOutput, StreamChunk
-    from inflight.protocol.request import SamplingParams
+    from inflight.protocol.request import AudioReply, SamplingParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "AudioReply",
     "RequestHandle",
     "StreamChunk",
     "RequestOutput",
@@ -31,10 +32,10 @@ def __getattr__(name: str) -> Any:
         from inflight.engine import RequestHandle
 
         return RequestHandle
-    if name == "SamplingParams":
-        from inflight.protocol.request import SamplingParams
+    if name in ("SamplingParams", "AudioReply"):
+        from inflight.protocol import request
 
-        return SamplingParams
+        return getattr(request, name)
     if name in ("CompletionOutput", "RequestOutput", "StreamChunk"):
         from inflight.protocol import outputs
 

@@ -3,7 +3,7 @@ writes across steps, and what the runtime asks of every causal language model.""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,11 +36,29 @@ class MediaEmbeds:
     keep_layer: int | None = None
     kept: torch.Tensor | None = None
 
-    def deepstack(self, hidden: int) -> torch.Tensor | None:
-        """The DeepStack features [M, k, hidden], where the embeddings carry them."""
-        if self.embeds.shape[-1] == hidden:
+    def between_layers(self, hidden: int) -> BetweenLayers | None:
+        """What the decoder does with these tokens between its layers, if anything: keep
+        their hidden states, add DeepStack features."""
+        deepstack = None
+        if self.embeds.shape[-1] > hidden:
+            deepstack = self.embeds[:, hidden:].reshape(self.embeds.shape[0], -1, hidden)
+        if deepstack is None and self.keep_layer is None:
             return None
-        return self.embeds[:, hidden:].reshape(self.embeds.shape[0], -1, hidden)
+
+        def after(layer: int, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+            if self.keep_layer == layer + 1:
+                self.kept = (x if residual is None else x + residual)[self.indices]
+            # A layer's hidden state is x + residual: its DeepStack feature joins x.
+            if deepstack is not None and 0 <= layer < deepstack.shape[1]:
+                x = x.index_add(0, self.indices, deepstack[:, layer].to(x.dtype))
+            return x
+
+        return after
+
+
+# Called with a decoder layer's index and its output (x, residual; the hidden state is their
+# sum), and with -1 and the embeddings before the first: x as the next layer takes it.
+BetweenLayers = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass
@@ -56,6 +74,10 @@ class ForwardBatch:
     lora: LoRAMapping | None = None
     media: MediaEmbeds | None = None
     recurrent: MambaRows | None = None
+
+    def between_layers(self, hidden: int) -> BetweenLayers | None:
+        """What its media ask of the decoder between layers (`MediaEmbeds.between_layers`)."""
+        return None if self.media is None else self.media.between_layers(hidden)
 
     def embed(
         self, embed_tokens: torch.nn.Module, rotary: RotaryEmbedding

@@ -14,10 +14,15 @@ features cannot run stepped is refused in-flight batching there, once, at load.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from inflight.protocol.deployment import DeploymentOptions
+from inflight.protocol.request import SamplingParams
 from inflight.runtime.host.kv_window import KVWindow
+
+if TYPE_CHECKING:
+    from inflight.model.config import ModelConfig
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -457,4 +462,30 @@ def ifb_unsupported_reason(plan: DeploymentPlan) -> str | None:
     return next(
         (f"{f}: {STEPPED[f]}" for f in plan.features if STEPPED[f] is not None),
         None,
+    )
+
+
+# Each resident carries its own SamplingParams: the sampler, detokenizer, stop checks and KV
+# reservation all work per row, so no sampling parameter keeps two requests from sharing a step.
+PER_ROW_FIELDS = frozenset(f"params.{f.name}" for f in fields(SamplingParams))
+
+
+def model_facts(config: ModelConfig) -> ModelFacts:
+    """What the deployment plan reads of a model."""
+    return ModelFacts(
+        family=config.family,
+        vocab_size=config.vocab_size,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
+        max_position_embeddings=config.max_position_embeddings,
+        kv_window=config.kv_window,
+        sliding_group_window=config.sliding_group_window,
+        recurrent=config.mamba is not None,
+        experts=config.moe is not None,
+        media=tuple(encoder.kind for encoder in config.encoders),
+        mrope=config.rope.mrope_section is not None,
+        speech=config.speech is not None,
+        talker=config.talker is not None,
     )

@@ -3,24 +3,27 @@ session at a time, and serves the blocking path (`handle_request`)."""
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
 from inflight.model.checkpoints.lora import load_lora_adapter
-from inflight.model.config import ModelConfig
 from inflight.model.families.qwen3_omni import Qwen3OmniForConditionalGeneration
 from inflight.model.layers.parallel import TensorParallel
 from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import (
     GenerationRequest,
-    SamplingParams,
 )
 from inflight.protocol.speech import SpeechFacts
 from inflight.protocol.stepped import ExecutionCapabilities
-from inflight.runtime.deployment import ModelFacts, ifb_unsupported_reason, resolve
+from inflight.runtime.deployment import (
+    PER_ROW_FIELDS,
+    ifb_unsupported_reason,
+    model_facts,
+    resolve,
+)
 from inflight.runtime.device.draft_model import DraftModel
 from inflight.runtime.device.encoder_cache import EncoderCache
 from inflight.runtime.device.executor import Executor
@@ -54,31 +57,6 @@ from inflight.runtime.inputs.processor import InputProcessor
 from inflight.runtime.speech.predictor_graphs import PredictorGraphs
 from inflight.runtime.speech.replies import SpokenReplies
 from inflight.runtime.speech.talker_loop import TalkerLoop, TalkerShape
-
-# Each resident carries its own SamplingParams: the sampler, detokenizer, stop checks and KV
-# reservation all work per row, so no sampling parameter keeps two requests from sharing a step.
-PER_ROW_FIELDS = frozenset(f"params.{f.name}" for f in fields(SamplingParams))
-
-
-def model_facts(config: ModelConfig) -> ModelFacts:
-    """What the deployment plan reads of a model."""
-    return ModelFacts(
-        family=config.family,
-        vocab_size=config.vocab_size,
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        intermediate_size=config.intermediate_size,
-        max_position_embeddings=config.max_position_embeddings,
-        kv_window=config.kv_window,
-        sliding_group_window=config.sliding_group_window,
-        recurrent=config.mamba is not None,
-        experts=config.moe is not None,
-        media=tuple(encoder.kind for encoder in config.encoders),
-        mrope=config.rope.mrope_section is not None,
-        speech=config.speech is not None,
-        talker=config.talker is not None,
-    )
 
 
 class Runtime:

@@ -11,7 +11,7 @@ from inflight.engine.compatibility import (
 )
 from inflight.protocol.options import OPTION_FIELDS
 from inflight.protocol.request import GenerationRequest, SamplingParams
-from inflight.runtime.runtime import PER_ROW_FIELDS
+from inflight.runtime.deployment import PER_ROW_FIELDS
 
 DIFFERENT = {
     "params.temperature": {"temperature": 0.11},

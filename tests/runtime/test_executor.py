@@ -11,7 +11,7 @@ from inflight.model.checkpoints.loader import open_checkpoint
 from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.protocol.stepped import ResidentRef
-from inflight.runtime.deployment import MachineFacts, resolve
+from inflight.runtime.deployment import MachineFacts, model_facts, resolve
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.device.executor import Executor
 from inflight.runtime.device.inputs import ForwardInput
@@ -21,7 +21,6 @@ from inflight.runtime.host.decoding import PlainDecoding
 from inflight.runtime.host.residents import Resident, SequenceKV
 from inflight.runtime.host.rows import SamplingRow, ScheduledRow, ScheduledStep
 from inflight.runtime.host.structured import Constraints, GrammarCompiler
-from inflight.runtime.runtime import model_facts
 
 CPU = torch.device("cpu")
 BATCH = 4

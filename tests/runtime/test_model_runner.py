@@ -11,10 +11,9 @@ from transformers import AutoModelForCausalLM
 
 from inflight.model.checkpoints.loader import open_checkpoint
 from inflight.protocol.deployment import DeploymentOptions
-from inflight.runtime.deployment import MachineFacts, resolve
+from inflight.runtime.deployment import MachineFacts, model_facts, resolve
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.device.model_runner import build_model_runner
-from inflight.runtime.runtime import model_facts
 
 TOL = 1e-4  # float32 against transformers in float64 (as tests/model/test_hf_parity.py)
 CPU = torch.device("cpu")

@@ -406,12 +406,10 @@ class LlamaForCausalLM(nn.Module):
                 "tables for it (AttentionMetadata.window)"
             )
         x, angles = batch.embed(self.embed_tokens, self.rotary)
-        media = batch.media
-        deepstack = None if media is None else media.deepstack(x.shape[-1])
-        # Media that joins or is read between the layers runs them one by one.
-        between = deepstack is not None or (media is not None and media.keep_layer is not None)
+        # Inputs that join or are read between the layers run them one by one.
+        between = batch.between_layers(x.shape[-1])
         step = None
-        if (lora is None or lora.per_token) and input_ids.shape[0] > 0 and not between:
+        if (lora is None or lora.per_token) and input_ids.shape[0] > 0 and between is None:
             step = self._native_step(kv_caches, backend)
         self.ran_native_step = step is not None
         if step is not None:
@@ -419,17 +417,12 @@ class LlamaForCausalLM(nn.Module):
             x, residual = step(x, *angles, meta, slots)
         else:
             residual = None
-            if media is not None and media.keep_layer == 0:
-                media.kept = x[media.indices]
+            if between is not None:
+                x = between(-1, x, residual)
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 x, residual = layer(x, residual, angles, kv_cache, meta, backend, lora)
-                if media is None:
-                    continue
-                if media.keep_layer == i + 1:
-                    media.kept = (x + residual)[media.indices]
-                # A layer's hidden state is x + residual: its DeepStack feature joins x.
-                if deepstack is not None and i < deepstack.shape[1]:
-                    x = x.index_add(0, media.indices, deepstack[:, i].to(x.dtype))
+                if between is not None:
+                    x = between(i, x, residual)
         return self.norm.add_forward(x, residual)[0]
 
     def _window_pool(self, kv_caches: list[KVCache]) -> bool:

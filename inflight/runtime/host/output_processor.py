@@ -128,7 +128,8 @@ class OutputProcessor:
         keeps seated is only marked `ended` (the feature finishes it later)."""
         ends = reason in (FinishReason.STOP, FinishReason.LENGTH)
         if ends and r.ended is None and any(f.keeps(r, reason, stop_reason) for f in self._keeping):
-            r.ended = (reason, stop_reason)
+            assert r.text is not None
+            r.text.ended = (reason, stop_reason)
             return
         result.finished[r.ref] = self._evict(r, reason, stop_reason, error)
         if ends:

@@ -56,6 +56,9 @@ class OutputText:
     detokenizer: IncrementalDetokenizer
     logprobs: list[LogprobEntry] | None = None
     prompt_logprobs: list[LogprobEntry | None] | None = None
+    # The output has ended (why, and the stop string or token), while a feature keeps its
+    # sequence seated (`RowFeature.keeps`): it is in no more steps' rows.
+    ended: tuple[FinishReason, str | int | None] | None = None
 
 
 @dataclass(slots=True)
@@ -112,9 +115,11 @@ class Resident:
     # they share: it waits for them.
     leader: Resident | None = None
     features: FeatureStates = field(default_factory=FeatureStates)
-    # Its output has ended (why, and the stop string or token), while a feature keeps it
-    # seated (`RowFeature.keeps`): it is in no more steps' rows.
-    ended: tuple[FinishReason, str | int | None] | None = None
+
+    @property
+    def ended(self) -> tuple[FinishReason, str | int | None] | None:
+        """Why its output ended, where a feature keeps it seated past that (`OutputText`)."""
+        return None if self.text is None else self.text.ended
 
     @property
     def prompt(self) -> tuple[int, ...]:

@@ -57,7 +57,7 @@ class SpokenSide(Protocol):
     def step(
         self,
         result: StepResult,
-        finish: Callable[[Resident, FinishReason, str], None],
+        finish: Callable[[Resident, FinishReason, str | int | None, str], None],
         busy: bool = False,
     ) -> None: ...
 
@@ -145,7 +145,7 @@ class GenerationSession:
         if self._voices is not None:
             self._voices.step(
                 result,
-                lambda r, reason, error: self._end_voice(r, reason, error, result),
+                lambda r, reason, stop, error: self._outputs.finish(r, reason, stop, result, error),
                 busy=launched is not None,
             )
         return result
@@ -207,17 +207,6 @@ class GenerationSession:
         result.step_id = launched.step.step_id
         picks = self._executor.fetch(launched)
         self._outputs.complete(launched.step, picks, launched.scores, result)
-
-    def _end_voice(self, r: Resident, reason: FinishReason, error: str, result: StepResult) -> None:
-        """A resident's voice ended (`reason`): its request ends as its text did, or as its
-        voice did where the reply was its prompt's (read aloud), or failed."""
-        audio = r.request.generate_audio
-        if error:
-            self._outputs.finish(r, FinishReason.ERROR, None, result, error)
-        elif audio is not None and audio.reply_in_prompt:
-            self._outputs.finish(r, reason, None, result)
-        elif r.ended is not None:
-            self._outputs.finish(r, *r.ended, result)
 
     def _settle(self) -> None:
         """Wait for a launched step nobody will complete (its residents are all gone)."""

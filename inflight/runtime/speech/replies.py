@@ -242,13 +242,14 @@ class SpokenReplies(RowFeature):
     def step(
         self,
         result: StepResult,
-        finish: Callable[[Resident, FinishReason, str], None],
+        finish: Callable[[Resident, FinishReason, str | int | None, str], None],
         busy: bool = False,
     ) -> None:
         """One talker step over the voices that can go on: their frames and audio into the
-        step's chunks; `finish(resident, reason, error)` ends a request whose voice ended
-        (`reason`) after its text, or failed (`error`). `busy`: the thinker has rows this
-        step, and a voice far enough ahead of real time (`LEAD_S`) leaves it to them."""
+        step's chunks; `finish(resident, reason, stop_reason, error)` ends a request whose
+        voice ended after its text (as its text ended; as its voice did, where the reply was
+        its prompt's), or failed (`error`). `busy`: the thinker has rows this step, and a voice
+        far enough ahead of real time (`LEAD_S`) leaves it to them."""
         now = time.monotonic()
         for resident, voice in self.voices.items():
             if not voice.text.ended:
@@ -268,7 +269,7 @@ class SpokenReplies(RowFeature):
             for resident, voice in voices.values():
                 voice.ended = True
                 self.loop.release(voice.talker)
-                finish(resident, FinishReason.ERROR, f"the talker failed: {exc}")
+                finish(resident, FinishReason.ERROR, None, f"the talker failed: {exc}")
             return
         sampling = [voices[id(p.row)] for p in planned if p.samples]
         for (resident, voice), out in zip(sampling, outputs, strict=True):
@@ -286,8 +287,13 @@ class SpokenReplies(RowFeature):
                 continue
             voice.ended = True
             self.loop.release(voice.talker)
-            if out.finish is FinishReason.ERROR or voice.text.ended:
-                finish(resident, out.finish, out.error)
+            audio = resident.request.generate_audio
+            if out.finish is FinishReason.ERROR:
+                finish(resident, out.finish, None, out.error)
+            elif audio is not None and audio.reply_in_prompt:
+                finish(resident, out.finish, None, "")
+            elif resident.ended is not None:
+                finish(resident, *resident.ended, "")
 
     # -- parts --------------------------------------------------------------------------------
 

@@ -13,12 +13,11 @@ from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest
 from inflight.protocol.speech import SpeechFacts
 from inflight.protocol.stepped import ExecutionCapabilities
-from inflight.runtime.deployment import resolve
+from inflight.runtime.deployment import PER_ROW_FIELDS, model_facts, resolve
 from inflight.runtime.device.machine import probe_machine
 from inflight.runtime.device.model_runner import build_model_runner
 from inflight.runtime.host.kv_cache import BlockPool
 from inflight.runtime.host.slots import ResidentSlots
-from inflight.runtime.runtime import PER_ROW_FIELDS, model_facts
 from inflight.runtime.speech.inputs import SpeechInputs
 from inflight.runtime.speech.predictor_graphs import PredictorGraphs
 from inflight.runtime.speech.session import MIN_FRAMES, SpeechSession

@@ -237,12 +237,15 @@ def _segment_attention(
     return out
 
 
-class _Attention(nn.Module):
-    def __init__(self, config: Qwen2VLVisionConfig) -> None:
+class VisionAttention(nn.Module):
+    """A 2-D-rotary ViT's attention, each image's tokens (or window's: `groups`) apart; Qwen2-VL's
+    and Qwen3-VL's (Qwen3-Omni's) alike."""
+
+    def __init__(self, width: int, num_heads: int) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.qkv = nn.Linear(config.embed_dim, 3 * config.embed_dim)
-        self.proj = nn.Linear(config.embed_dim, config.embed_dim)
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[torch.Tensor]
@@ -282,7 +285,7 @@ class _Block(nn.Module):
     def __init__(self, config: Qwen2VLVisionConfig) -> None:
         super().__init__()
         self.norm1 = _norm(config, config.embed_dim)
-        self.attn = _Attention(config)
+        self.attn = VisionAttention(config.embed_dim, config.num_heads)
         self.norm2 = _norm(config, config.embed_dim)
         self.mlp = _GatedMLP(config) if config.windowed else _MLP(config)
 

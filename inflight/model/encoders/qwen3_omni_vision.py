@@ -29,10 +29,9 @@ from torch import nn
 
 from inflight.model.encoders.base import PreparedItem, content_key
 from inflight.model.encoders.qwen2_vl import (
+    VisionAttention,
     _groups,
     _positions,
-    _rotate,
-    _segment_attention,
     merged_grid,
 )
 from inflight.model.encoders.qwen2_vl_processor import Qwen2VLImageProcessor
@@ -243,22 +242,6 @@ class _PatchEmbed(nn.Module):
         return F.linear(patches, self.proj.weight.flatten(1), self.proj.bias)
 
 
-class _Attention(nn.Module):
-    def __init__(self, config: Qwen3OmniVisionConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_heads
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[torch.Tensor]
-    ) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv(x).view(tokens, 3, self.num_heads, -1).unbind(1)
-        out = _segment_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, groups)
-        return self.proj(out.reshape(tokens, -1))
-
-
 class _MLP(nn.Module):
     def __init__(self, config: Qwen3OmniVisionConfig) -> None:
         super().__init__()
@@ -274,7 +257,7 @@ class _Block(nn.Module):
     def __init__(self, config: Qwen3OmniVisionConfig) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(config.hidden_size, eps=_EPS)
-        self.attn = _Attention(config)
+        self.attn = VisionAttention(config.hidden_size, config.num_heads)
         self.norm2 = nn.LayerNorm(config.hidden_size, eps=_EPS)
         self.mlp = _MLP(config)
 

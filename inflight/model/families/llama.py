@@ -560,6 +560,34 @@ class LlamaForCausalLM(nn.Module):
         self.lora.reset()
 
 
+class AroundDecoder(nn.Module):
+    """A model the runtime runs as one Llama-family decoder among its parts (`runs`): the
+    CausalLM contract, that decoder's."""
+
+    def runs(self) -> LlamaForCausalLM:
+        raise NotImplementedError
+
+    @property
+    def max_loras(self) -> int:
+        return self.runs().max_loras
+
+    @property
+    def num_attention_layers(self) -> int:
+        return self.runs().num_attention_layers
+
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        return self.runs()(batch, caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.runs().compute_logits(hidden)
+
+    def allocate_states(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        return None
+
+    def media_encoders(self) -> dict[str, nn.Module]:
+        return self.runs().media_encoders()
+
+
 # The family's flavours: its configs' `family`.
 FLAVOURS = ("llama", "mistral", "qwen2", "qwen3")
 

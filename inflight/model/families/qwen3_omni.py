@@ -19,10 +19,9 @@ import torch
 from torch import nn
 
 from inflight.model.config import ModelConfig, MoEConfig, TalkerConfig
-from inflight.model.contract import ForwardBatch, ModelCaches
 from inflight.model.encoders.qwen3_omni_audio import qwen3_omni_audio_from_hf
 from inflight.model.encoders.qwen3_omni_vision import qwen3_omni_vision_from_hf
-from inflight.model.families.llama import LlamaForCausalLM, llama_from_hf
+from inflight.model.families.llama import AroundDecoder, LlamaForCausalLM, llama_from_hf
 from inflight.model.families.qwen_moe import sparse_layers
 from inflight.model.layers.parallel import TensorParallel
 from inflight.model.layers.platform import Platform
@@ -110,7 +109,7 @@ def _from_hf(cfg: dict[str, Any]) -> ModelConfig:
     return replace(config, talker=talker)
 
 
-class Qwen3OmniForConditionalGeneration(nn.Module):
+class Qwen3OmniForConditionalGeneration(AroundDecoder):
     """The thinker (the CausalLM the runtime's model runner runs) and, where the config has
     one, the talker beside it."""
 
@@ -141,22 +140,8 @@ class Qwen3OmniForConditionalGeneration(nn.Module):
             decoder = LlamaForCausalLM(config.talker.decoder, max_positions, platform, methods)
             self.talker = Talker(config.talker, decoder)
 
-    @property
-    def max_loras(self) -> int:
-        return self.thinker.max_loras
-
-    @property
-    def num_attention_layers(self) -> int:
-        return self.thinker.num_attention_layers
-
-    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        return self.thinker(batch, caches)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.thinker.compute_logits(hidden)
-
-    def allocate_states(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        return None
+    def runs(self) -> LlamaForCausalLM:
+        return self.thinker
 
     def media_encoders(self) -> dict[str, nn.Module]:
         """The thinker's encoders, each item's output [tokens, (1 + k) * hidden]: an image's

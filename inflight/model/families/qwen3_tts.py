@@ -24,8 +24,7 @@ import torch
 from torch import nn
 
 from inflight.model.config import ModelConfig, SpeechConfig
-from inflight.model.contract import ForwardBatch, ModelCaches
-from inflight.model.families.llama import LlamaForCausalLM, llama_from_hf
+from inflight.model.families.llama import AroundDecoder, LlamaForCausalLM, llama_from_hf
 from inflight.model.layers.parallel import TensorParallel
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods
@@ -33,7 +32,7 @@ from inflight.model.registry import Family, register
 from inflight.model.speech.code_predictor import CodePicker, CodePredictor
 from inflight.model.speech.codec_decoder import CodecDecoder, CodecDecoderConfig, CodecStream
 from inflight.model.speech.speaker_encoder import SpeakerEncoder, SpeakerEncoderConfig
-from inflight.model.speech.talker import ProjectionMLP
+from inflight.model.speech.talker import ProjectionMLP, decoder_name, take
 from inflight.model.weights import copy_weights
 
 KINDS = ("custom_voice", "voice_design", "base")
@@ -103,7 +102,7 @@ def _from_hf(cfg: dict[str, Any]) -> ModelConfig:
     return replace(base, family="qwen3_tts", speech=speech)
 
 
-class Qwen3TTSForSpeech(nn.Module):
+class Qwen3TTSForSpeech(AroundDecoder):
     """The talker (a `LlamaForCausalLM` over the codec vocabulary, run by the runtime like any
     decoder) and the speech parts around it."""
 
@@ -141,25 +140,8 @@ class Qwen3TTSForSpeech(nn.Module):
 
     # -- the CausalLM contract: the talker's --------------------------------------------------
 
-    @property
-    def max_loras(self) -> int:
-        return self.talker.max_loras
-
-    @property
-    def num_attention_layers(self) -> int:
-        return self.talker.num_attention_layers
-
-    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        return self.talker(batch, caches)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.talker.compute_logits(hidden)
-
-    def allocate_states(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        return None
-
-    def media_encoders(self) -> dict[str, nn.Module]:
-        return {}
+    def runs(self) -> LlamaForCausalLM:
+        return self.talker
 
     # -- the speech parts ---------------------------------------------------------------------
 
@@ -204,28 +186,24 @@ class Qwen3TTSForSpeech(nn.Module):
             for name, tensor in weights:
                 if "rotary_emb" in name:
                     continue
-                if name.startswith("talker.model.codec_embedding."):
-                    yield "model.embed_tokens." + name.rsplit(".", 1)[1], tensor
-                elif name.startswith("talker.codec_head."):
-                    yield "lm_head." + name.rsplit(".", 1)[1], tensor
-                elif name.startswith(("talker.model.layers.", "talker.model.norm.")):
-                    yield name.removeprefix("talker."), tensor
-                else:
+                ours = (
+                    decoder_name(name.removeprefix("talker."))
+                    if name.startswith("talker.")
+                    else None
+                )
+                if ours is None:
                     rest[name] = tensor
-
-        def taken(prefix: str, strip: bool = True) -> list[tuple[str, torch.Tensor]]:
-            names = [name for name in rest if name.startswith(prefix)]
-            return [
-                (name.removeprefix(prefix) if strip else name, rest.pop(name)) for name in names
-            ]
+                else:
+                    yield ours, tensor
 
         self.talker.load_weights(talker())
-        copy_weights(self.text_embedding, taken("talker.model.text_embedding."), "text embedding")
-        copy_weights(self.text_projection, taken("talker.text_projection."), "text projection")
-        copy_weights(self.code_predictor, taken("talker.code_predictor."), "code predictor")
-        self.codec_decoder.load_weights(taken("speech_tokenizer."))
+        text_embedding = take(rest, "talker.model.text_embedding.")
+        copy_weights(self.text_embedding, text_embedding, "text embedding")
+        copy_weights(self.text_projection, take(rest, "talker.text_projection."), "text projection")
+        copy_weights(self.code_predictor, take(rest, "talker.code_predictor."), "code predictor")
+        self.codec_decoder.load_weights(take(rest, "speech_tokenizer."))
         if self.speaker_encoder is not None:
-            self.speaker_encoder.load_weights(taken("speaker_encoder.", strip=False))
+            self.speaker_encoder.load_weights(take(rest, "speaker_encoder.", strip=False))
         if rest:
             raise ValueError(f"checkpoint tensor {next(iter(rest))!r} belongs to no part")
 

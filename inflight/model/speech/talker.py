@@ -26,6 +26,26 @@ from inflight.model.speech.codec_decoder import CodecDecoder, CodecDecoderConfig
 from inflight.model.weights import copy_weights
 
 
+def decoder_name(name: str) -> str | None:
+    """A talker tensor's name (after `talker.`) as its decoder loads it (its codec embedding
+    the decoder's embedding table, its codec head the LM head); None for its other parts."""
+    if name.startswith("model.codec_embedding."):
+        return "model.embed_tokens." + name.rsplit(".", 1)[1]
+    if name.startswith("codec_head."):
+        return "lm_head." + name.rsplit(".", 1)[1]
+    if name.startswith(("model.layers.", "model.norm.")):
+        return name
+    return None
+
+
+def take(
+    rest: dict[str, torch.Tensor], prefix: str, strip: bool = True
+) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of `rest` under `prefix` (named without it, where `strip`), taken out."""
+    names = [name for name in rest if name.startswith(prefix)]
+    return [(name.removeprefix(prefix) if strip else name, rest.pop(name)) for name in names]
+
+
 class ProjectionMLP(nn.Module):
     """Rows of one model's width into another's: two linear layers around a SiLU."""
 
@@ -83,25 +103,16 @@ class Talker(nn.Module):
 
         def decoder() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
-                if name.startswith("model.codec_embedding."):
-                    yield "model.embed_tokens." + name.rsplit(".", 1)[1], tensor
-                elif name.startswith("codec_head."):
-                    yield "lm_head." + name.rsplit(".", 1)[1], tensor
-                elif name.startswith(("model.layers.", "model.norm.")):
-                    yield name, tensor
-                else:
+                ours = decoder_name(name)
+                if ours is None:
                     rest[name] = tensor
-
-        def taken(prefix: str, strip: bool = True) -> list[tuple[str, torch.Tensor]]:
-            names = [name for name in rest if name.startswith(prefix)]
-            return [
-                (name.removeprefix(prefix) if strip else name, rest.pop(name)) for name in names
-            ]
+                else:
+                    yield ours, tensor
 
         self.decoder.load_weights(decoder())
-        copy_weights(self.text_projection, taken("text_projection."), "text projection")
-        copy_weights(self.hidden_projection, taken("hidden_projection."), "hidden projection")
-        copy_weights(self.code_predictor, taken("code_predictor."), "code predictor")
-        self.code2wav.load_weights(taken("code2wav.", strip=False))
+        copy_weights(self.text_projection, take(rest, "text_projection."), "text projection")
+        copy_weights(self.hidden_projection, take(rest, "hidden_projection."), "hidden projection")
+        copy_weights(self.code_predictor, take(rest, "code_predictor."), "code predictor")
+        self.code2wav.load_weights(take(rest, "code2wav.", strip=False))
         if rest:
             raise ValueError(f"checkpoint tensor 'talker.{next(iter(rest))}' belongs to no part")

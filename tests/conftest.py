@@ -2,6 +2,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# transformers 5.25 fetches some layers' kernels from the hub (gpt-oss's, Mamba's): the
+# reference is its own PyTorch code.
+os.environ.setdefault("USE_HUB_KERNELS", "NO")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # No GPU here: the Triton kernels' tests run them in Triton's interpreter, which is chosen when
 # a kernel is decorated, so before anything imports one.

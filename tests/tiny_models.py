@@ -537,7 +537,11 @@ def make_tiny_gpt_oss(path: Path, seed: int = 0, mxfp4: bool = False):
         ],
     }
     (path / "config.json").write_text(json.dumps(config))
-    return tf.GptOssForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Dequantized as it loads (transformers 5.25 would otherwise fetch MXFP4 kernels from the
+    # hub, even on a machine that cannot run them).
+    return tf.GptOssForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=tf.Mxfp4Config(dequantize=True)
+    ).eval()
 
 
 def quantize_mxfp4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -265,10 +265,14 @@ def test_configs_of_both_families(hybrids):
     assert bamba.mamba.partial_rotary_factor == 0.5 and bamba.mamba.conv_dim == 160
     nemotron = open_checkpoint(hybrids["nemotron_h"][0]).config
     assert nemotron.mamba.layer_types == ("mamba", "mlp", "attention", "mlp")
-    assert nemotron.mamba.time_step_limit == (0.001, float("inf"))
+    # softplus(dt + dt_bias) clamped as `time_step_limit` says, not at `time_step_min` (which
+    # only seeds dt_bias; transformers before 5.25 clamped at it).
+    assert nemotron.mamba.time_step_limit == (0.0, float("inf"))
     assert nemotron.mamba.partial_rotary_factor == 0.0
     # Older NemotronH configs give the layers as a pattern string (E: mixture of experts).
     legacy = {"architectures": ["NemotronHForCausalLM"], "hybrid_override_pattern": "M-M*-"}
     assert hybrid_from_hf(legacy).mamba.layer_types == ("mamba", "mlp", "mamba", "attention", "mlp")
+    limited = hybrid_from_hf({**legacy, "time_step_min": 0.02, "time_step_limit": [0.01, 0.5]})
+    assert limited.mamba.time_step_limit == (0.01, 0.5)
     moe = hybrid_from_hf({**legacy, "hybrid_override_pattern": "ME*"})
     assert moe.mamba.layer_types == ("mamba", "moe", "attention") and moe.moe.sparse_layers == (1,)

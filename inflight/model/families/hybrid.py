@@ -369,9 +369,6 @@ GGUF_ARCHITECTURES = {
 # transformers' default scan block length of each family, for a config.json that gives none and
 # for GGUF files, which never record it. The scan's block length changes results by rounding only.
 MAMBA_CHUNK_SIZES = {"bamba": 256, "nemotron_h": 128}
-# config.time_step_min's default: transformers' NemotronH clamps softplus(dt + dt_bias) from below
-# at it.
-NEMOTRON_H_TIME_STEP_MIN = 0.001
 
 
 def _hf_float(value: Any) -> float:
@@ -479,9 +476,12 @@ def _nemotron_h_from_hf(cfg: dict[str, Any]) -> tuple[ModelConfig, MambaConfig]:
         conv_bias=bool(_first(cfg, ("use_conv_bias", "mamba_conv_bias"), True)),
         proj_bias=bool(cfg.get("use_bias", False)),
         norm_eps=eps,
-        time_step_limit=(
-            _hf_float(_first(cfg, ("time_step_min", "mamba_dt_min"), NEMOTRON_H_TIME_STEP_MIN)),
-            float("inf"),
+        # The clamp of softplus(dt + dt_bias): `time_step_limit` (NVIDIA's name) or
+        # `mamba_dt_limit`, none where absent; `time_step_min` only seeds dt_bias at training
+        # (transformers before 5.25 clamped at it).
+        time_step_limit=tuple(
+            _hf_float(v)
+            for v in _first(cfg, ("time_step_limit", "mamba_dt_limit"), (0.0, float("inf")))
         ),
         partial_rotary_factor=0.0,
     )
@@ -668,13 +668,9 @@ def hybrid_from_gguf(gguf: GGUFMetadata, flavour: str) -> ModelConfig:
         conv_bias=_has_bias(gguf, "ssm_conv1d"),
         proj_bias=_has_bias(gguf, "ssm_in"),
         norm_eps=eps,
-        # As transformers, not llama.cpp: ggml's ssm_scan takes softplus(dt + dt_bias) as it
-        # is, transformers' NemotronH clamps it from below at time_step_min, which the
-        # converter does not write (its default then, as for a config.json without it).
-        time_step_limit=(
-            NEMOTRON_H_TIME_STEP_MIN if flavour == "nemotron_h" else 0.0,
-            float("inf"),
-        ),
+        # ggml's ssm_scan takes softplus(dt + dt_bias) as it is, as transformers does where a
+        # config gives no limit; the converter writes none.
+        time_step_limit=(0.0, float("inf")),
         partial_rotary_factor=partial_rotary_factor,
     )
     config = ModelConfig(

@@ -356,3 +356,32 @@ def test_a_talker_failure_fails_its_voices_not_the_text_beside(runtime, built, m
     (alone,) = run_staggered(runtime, [text(built["two_turns"][0], 20)])
     assert tuple(finished[talk].token_ids) == alone.outputs[0].token_ids
     assert_no_leaks(runtime)
+
+
+def test_a_reply_begun_in_the_prompt_reads_the_prefills_media(omni, runtime):
+    """The assistant's turn begun in the prompt (its token after the head known at admission):
+    the talker's prompt still waits for the prefill's hidden states of the image, so its frames
+    are transformers' until the frame that reads the reply's last token, which transformers
+    replaces by tts_eos here (it moves tts_eos to where a reply starting at the turn's head
+    would end)."""
+    model = omni[1]
+    prompt, media = runtime.input_processor.expand_media(
+        chat(turn("user", *VISION, 40)) + [42, 43], {"image": [picture()]}, None
+    )
+    arguments = media_arguments(media)
+    tokens = greedy_thinker(model, prompt, MAX_TOKENS, arguments)
+    end = max(i for i in range(2, 7) if tokens[i] not in tokens[:i])
+    reply, codes, _ = reference_reply(model, prompt, tokens[end], MAX_TOKENS, FRAMES, arguments)
+    session = runtime.new_session()
+    ref = session.admit(spoken(prompt, tokens[end], media=media)).ref
+    frames = []
+    while session.residents():
+        chunk = session.step().deltas.get(ref)
+        if chunk is not None:
+            frames += chunk.codes
+    session.finish()
+    # Frame f reads the turn's token 4 + f: the reply's last spoken token is read at frame
+    # len(reply) - 1 (the turn holds two tokens past its head).
+    same = len(reply) - 1
+    assert frames[:same] == codes[:same]
+    assert_no_leaks(runtime)

@@ -208,8 +208,7 @@ class SpokenReplies(RowFeature):
         speaker = self.config.speakers[audio.voice.lower()]
         voice = self.voices[resident] = Voice(talker, text, self._user_positions(request), speaker)
         resident.features.audio = voice.audio
-        if len(text.tokens) > TURN_HEAD:
-            self._prompt(resident, voice)
+        self._prompt_when_known(resident, voice)
 
     def evict(self, resident: Resident) -> None:
         voice = self.voices.pop(resident, None)
@@ -231,6 +230,7 @@ class SpokenReplies(RowFeature):
             stopped_by_token = reason is FinishReason.STOP and not isinstance(stop_reason, str)
             self._take(resident, voice, len(resident.output) - stopped_by_token)
             text.ended = True
+            self._prompt_when_known(resident, voice)
             if voice.talker.prefill is None:
                 voice.ended = True  # nothing to say
                 return False
@@ -255,6 +255,8 @@ class SpokenReplies(RowFeature):
             if not voice.text.ended:
                 # The latest token waits: it may turn out to be the one that stops the reply.
                 self._take(resident, voice, len(resident.output) - 1)
+            if not voice.ended:
+                self._prompt_when_known(resident, voice)
         voices = {
             id(v.talker): (r, v)
             for r, v in self.voices.items()
@@ -305,19 +307,26 @@ class SpokenReplies(RowFeature):
         return len(voice.audio) / 4 / self.config.sample_rate - heard > LEAD_S
 
     def _take(self, resident: Resident, voice: Voice, end: int) -> None:
-        """The reply's tokens up to `end` into the voice's text (its prompt once it can be);
-        none where the reply is the prompt's."""
+        """The reply's tokens up to `end` into the voice's text; none where the reply is the
+        prompt's."""
         audio = resident.request.generate_audio
         if end <= voice.taken or (audio is not None and audio.reply_in_prompt):
             return
-        text, known = voice.text, len(voice.text.tokens)
-        text.push(resident.output[voice.taken : end])
+        voice.text.push(resident.output[voice.taken : end])
         voice.taken = end
-        if known <= TURN_HEAD < len(text.tokens):
-            self._prompt(resident, voice)
+
+    def _prompt_when_known(self, resident: Resident, voice: Voice) -> None:
+        """Build the talker's prompt once it is known: the assistant turn's token after its
+        head, and (a prompt with media) the hidden states its prefill keeps, which it has once
+        the reply's first token is out."""
+        if voice.talker.prefill is not None or len(voice.text.tokens) <= TURN_HEAD:
+            return
+        if resident.request.media and not resident.output:
+            return
+        self._prompt(resident, voice)
 
     def _prompt(self, resident: Resident, voice: Voice) -> None:
-        """The talker's prompt, once the assistant turn's token after its head is known."""
+        """The talker's prompt (`_prompt_when_known`)."""
         c, t = self.config.codec_ids, self.config.text_ids
         device = self.loop.runner.device
         text = voice.text

@@ -30,6 +30,7 @@ from inflight.runtime.factory import open_runtime
 from inflight.runtime.host.pinned import pin_id
 from inflight.runtime.inputs.processor import Message, Prompt, template_args
 from inflight.runtime.runtime import Runtime
+from inflight.runtime.speech.inputs import check_text
 from inflight.runtime.speech.runtime import SpeechRuntime
 
 
@@ -274,8 +275,7 @@ class LLM:
             raise RequestFieldError(
                 f"{given[0]} is not served by a model that speaks its replies", given[0]
             )
-        if not isinstance(text, str) or not text.strip():
-            raise RequestFieldError("input must be non-empty text", "input")
+        check_text(text)
         facts = runtime.voice_facts
         assert facts is not None
         if voice is None:

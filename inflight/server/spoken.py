@@ -31,6 +31,8 @@ from inflight.server.protocol import ChatCompletionRequest
 FORMATS = ("wav", "pcm16")
 # inflight's fields beside OpenAI's in `audio`: the talker's sampling and the audio's bound.
 TALKER_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "max_frames")
+# The HTTP fields a refusal of the request's `AudioReply` names.
+AUDIO_PARAMS = {name: f"audio.{name}" for name in ("voice", *TALKER_FIELDS)}
 EXPIRES_S = 3600  # how long a reply's audio id can be sent back
 MAX_TRANSCRIPTS = 4096
 
@@ -90,12 +92,8 @@ def chat_audio(body: ChatCompletionRequest, voices: SpeechFacts | None) -> ChatA
         )
     if isinstance(voice, dict):
         raise ServerError(400, "custom voice ids are not served: name a voice", "audio.voice")
-    if not isinstance(voice, str) or voice.lower() not in voices.voices:
-        raise ServerError(
-            400,
-            f"audio.voice {voice!r} is not one of this model's voices: {', '.join(voices.voices)}",
-            "audio.voice",
-        )
+    # Whether the model has the voice is the runtime's check (its refusal names `audio.voice`:
+    # `AUDIO_PARAMS`).
     try:
         reply = AudioReply(voice, **fields)
     except RequestFieldError as exc:

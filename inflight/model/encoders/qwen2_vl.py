@@ -379,6 +379,42 @@ def _layout(
     return _Layout(positions.to(device), block_order.to(device), frames, _groups(sizes, device))
 
 
+def vision_rotary(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [patches, head_dim] of a ViT's 2-D rotary at (row, column) `positions`: the
+    first quarter of the frequencies turn with the row, the second with the column, and both
+    halves of the head (rotate-half layout) repeat them. Computed per call, in float32: never
+    cast with the weights."""
+    half = head_dim // 2
+    exponents = torch.arange(0, half, 2, dtype=torch.float) / half
+    inv_freq = (1.0 / theta**exponents).to(positions.device)
+    angles = (positions[..., None].float() * inv_freq).flatten(1)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def pack_images(
+    items: list[tuple[np.ndarray, tuple[int, int, int]]],
+    merge: int,
+    patch_dim: int,
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, list[tuple[int, int, int]], list[int]]:
+    """Images as a tower takes them in one forward: their patches stacked (on `weight`'s device,
+    in its dtype), their grids, and the tokens each yields; a ValueError where an image's
+    patches are not its grid's."""
+    grids, counts = [], []
+    for patches, grid in items:
+        grid = tuple(int(n) for n in grid)
+        counts.append(math.prod(merged_grid(grid, merge)))
+        want = (math.prod(grid), patch_dim)
+        if tuple(patches.shape) != want:
+            raise ValueError(f"patches of a {grid} grid must be {want}, got {tuple(patches.shape)}")
+        grids.append(grid)
+    pixels = np.concatenate([np.asarray(patches, np.float32) for patches, _ in items])
+    return torch.from_numpy(pixels).to(weight.device, weight.dtype), grids, counts
+
+
 class _VisionTransformer(nn.Module):
     def __init__(self, config: Qwen2VLVisionConfig) -> None:
         super().__init__()
@@ -387,24 +423,13 @@ class _VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(_Block(config) for _ in range(config.depth))
         self.merger = _Merger(config)
 
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [patches, head_dim] of the 2-D rotary: the first quarter of the
-        frequencies turn with the row, the second with the column, and both halves of the
-        head (rotate-half layout) repeat them. Computed per call, in float32: never cast with
-        the weights."""
-        half = self.config.embed_dim // self.config.num_heads // 2
-        exponents = torch.arange(0, half, 2, dtype=torch.float) / half
-        inv_freq = (1.0 / self.config.rope_theta**exponents).to(positions.device)
-        angles = (positions[..., None].float() * inv_freq).flatten(1)
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos(), angles.sin()
-
     def forward(self, patches: torch.Tensor, layout: _Layout) -> torch.Tensor:
         x = self.patch_embed(patches)
         width, unit = x.shape[-1], self.config.spatial_merge_size**2
         if layout.order is not None:
             x = x.view(-1, unit, width)[layout.order].view(-1, width)
-        cos, sin = self._rotary(layout.positions)
+        head_dim = self.config.embed_dim // self.config.num_heads
+        cos, sin = vision_rotary(layout.positions, head_dim, self.config.rope_theta)
         full = set(self.config.fullatt_block_indexes)
         for i, block in enumerate(self.blocks):
             windowed = self.config.windowed and i not in full
@@ -433,19 +458,10 @@ class Qwen2VLImageEncoder(nn.Module):
         if not items:
             return []
         config = self.config
-        grids, counts = [], []
-        for patches, grid in items:
-            grid = tuple(int(n) for n in grid)
-            counts.append(math.prod(merged_grid(grid, config.spatial_merge_size)))
-            want = (math.prod(grid), config.patch_dim)
-            if tuple(patches.shape) != want:
-                raise ValueError(
-                    f"patches of a {grid} grid must be {want}, got {tuple(patches.shape)}"
-                )
-            grids.append(grid)
         weight = self.visual.patch_embed.proj.weight
-        pixels = np.concatenate([np.asarray(patches, np.float32) for patches, _ in items])
-        pixels = torch.from_numpy(pixels).to(weight.device, weight.dtype)
+        pixels, grids, counts = pack_images(
+            items, config.spatial_merge_size, config.patch_dim, weight
+        )
         embeds = self.visual(pixels, _layout(config, grids, weight.device))
         return list(embeds.split(counts))
 

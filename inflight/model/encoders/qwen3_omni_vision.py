@@ -33,6 +33,8 @@ from inflight.model.encoders.qwen2_vl import (
     _groups,
     _positions,
     merged_grid,
+    pack_images,
+    vision_rotary,
 )
 from inflight.model.encoders.qwen2_vl_processor import Qwen2VLImageProcessor
 from inflight.model.encoders.vision import activation
@@ -303,18 +305,6 @@ class _VisionTransformer(nn.Module):
             _Merger(config, norm_merged=True) for _ in config.deepstack_visual_indexes
         )
 
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [patches, head_dim] of the 2-D rotary: the first quarter of the
-        frequencies turn with the row, the second with the column, and both halves of the
-        head (rotate-half layout) repeat them. Computed per call, in float32: never cast with
-        the weights."""
-        half = self.config.head_dim // 2
-        exponents = torch.arange(0, half, 2, dtype=torch.float) / half
-        inv_freq = (1.0 / self.config.rope_theta**exponents).to(positions.device)
-        angles = (positions[..., None].float() * inv_freq).flatten(1)
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos(), angles.sin()
-
     def forward(
         self, patches: torch.Tensor, layout: _Layout, deepstack: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -324,7 +314,7 @@ class _VisionTransformer(nn.Module):
         # The interpolation weights stay float32 (the sum too), as Hugging Face's.
         table = (self.pos_embed(layout.taps) * layout.weights[..., None]).sum(1)
         x = x + table.to(x.dtype)
-        cos, sin = self._rotary(layout.positions)
+        cos, sin = vision_rotary(layout.positions, self.config.head_dim, self.config.rope_theta)
         features = []
         mergers = dict(zip(self.config.deepstack_visual_indexes, self.merger_list, strict=True))
         for i, block in enumerate(self.blocks):
@@ -377,19 +367,10 @@ class Qwen3OmniImageEncoder(nn.Module):
         self, items: list[tuple[np.ndarray, tuple[int, int, int]]], deepstack: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         config = self.config
-        grids, counts = [], []
-        for patches, grid in items:
-            grid = tuple(int(n) for n in grid)
-            counts.append(math.prod(merged_grid(grid, config.spatial_merge_size)))
-            want = (math.prod(grid), config.patch_dim)
-            if tuple(patches.shape) != want:
-                raise ValueError(
-                    f"patches of a {grid} grid must be {want}, got {tuple(patches.shape)}"
-                )
-            grids.append(grid)
         weight = self.visual.patch_embed.proj.weight
-        pixels = np.concatenate([np.asarray(patches, np.float32) for patches, _ in items])
-        pixels = torch.from_numpy(pixels).to(weight.device, weight.dtype)
+        pixels, grids, counts = pack_images(
+            items, config.spatial_merge_size, config.patch_dim, weight
+        )
         layout = _layout(config, grids, weight.device)
         merged, features = self.visual(pixels, layout, deepstack)
         return merged, features, counts

@@ -32,6 +32,19 @@ def torch_rms_norm(
     return weight * x.to(dtype), None
 
 
+class TorchRMSNorm(nn.Module):
+    """RMSNorm in torch's ops alone (`torch_rms_norm`), for the small models beside a decoder
+    that run no fused kernels (a code predictor, a codec decoder)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch_rms_norm(x, self.weight, self.eps)[0]
+
+
 def _native_rms_norm(
     lib: ctypes.CDLL,
     x: torch.Tensor,

@@ -16,32 +16,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from inflight.model.config import ModelConfig
+from inflight.model.layers.norm import TorchRMSNorm
+from inflight.model.layers.rotary import rotate
 
 # Picks a code per row from a codebook's logits [rows, vocab]: (codebook index, logits) -> ids.
 CodePicker = Callable[[int, torch.Tensor], torch.Tensor]
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-class _Norm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.weight, self.eps)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class _Attention(nn.Module):
@@ -58,8 +37,8 @@ class _Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_heads * dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_heads * dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(heads * dim, hidden, bias=False)
-        self.q_norm = _Norm(dim, config.rms_norm_eps)
-        self.k_norm = _Norm(dim, config.rms_norm_eps)
+        self.q_norm = TorchRMSNorm(dim, config.rms_norm_eps)
+        self.k_norm = TorchRMSNorm(dim, config.rms_norm_eps)
 
     def forward(
         self,
@@ -72,7 +51,7 @@ class _Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(rows, length, self.heads, self.dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(rows, length, self.kv_heads, self.dim)).transpose(1, 2)
         v = self.v_proj(x).view(rows, length, self.kv_heads, self.dim).transpose(1, 2)
-        q, k = _rotate(q, *angles), _rotate(k, *angles)
+        q, k = rotate(q, angles), rotate(k, angles)
         if cache:
             k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
         cache[:] = [k, v]
@@ -99,8 +78,8 @@ class _Layer(nn.Module):
         super().__init__()
         self.self_attn = _Attention(config)
         self.mlp = _MLP(config)
-        self.input_layernorm = _Norm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = _Norm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = TorchRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = TorchRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -117,7 +96,7 @@ class _Body(nn.Module):
     def __init__(self, config: ModelConfig, groups: int, embedding_dim: int) -> None:
         super().__init__()
         self.layers = nn.ModuleList(_Layer(config) for _ in range(config.num_layers))
-        self.norm = _Norm(config.hidden_size, config.rms_norm_eps)
+        self.norm = TorchRMSNorm(config.hidden_size, config.rms_norm_eps)
         # One table per predicted codebook, in the talker's width (the talker sums them).
         self.codec_embedding = nn.ModuleList(
             nn.Embedding(config.vocab_size, embedding_dim) for _ in range(groups - 1)

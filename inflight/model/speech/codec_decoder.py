@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inflight.model.layers.norm import TorchRMSNorm
+from inflight.model.layers.rotary import rotate
 from inflight.model.weights import copy_weights
 
 # The reference a config describes: Qwen3-TTS's speech tokenizer, or Qwen3-Omni's Code2Wav.
@@ -322,18 +324,6 @@ class _SplitVQ(nn.Module):
 # --- the transformer ----------------------------------------------------------------------
 
 
-class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()  # the statistics in float32 whatever the weights' dtype
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
 class _LayerScale(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
@@ -341,12 +331,6 @@ class _LayerScale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.scale * x
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE with the rotated pairs split into halves (x[i], x[i + d/2])."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class _Attention(nn.Module):
@@ -379,7 +363,7 @@ class _Attention(nn.Module):
             return proj(x).view(b, n, -1, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.q_proj), heads(self.k_proj), heads(self.v_proj)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, (cos, sin)), rotate(k, (cos, sin))
         if state is not None:
             # Streaming: the previous pushes' keys and values go first (the mask says which
             # each query sees); keep the last `keep`, the most that a later query sees.
@@ -410,8 +394,8 @@ class _Layer(nn.Module):
         super().__init__()
         self.self_attn = _Attention(c)
         self.mlp = _MLP(c)
-        self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = TorchRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = TorchRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn_layer_scale = _LayerScale(c.hidden_size)
         self.mlp_layer_scale = _LayerScale(c.hidden_size)
 
@@ -439,7 +423,7 @@ class _Transformer(nn.Module):
         projected = c.kind == "speech_tokenizer"
         self.input_proj = nn.Linear(c.latent_dim, c.hidden_size) if projected else nn.Identity()
         self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_hidden_layers))
-        self.norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = TorchRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.output_proj = nn.Linear(c.hidden_size, c.latent_dim) if projected else nn.Identity()
 
     def _rope(self, start: int, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

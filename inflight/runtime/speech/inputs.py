@@ -88,6 +88,16 @@ def prompt_positions(s: SpeechConfig, request: GenerationRequest) -> int:
     return len(speech.instruction_token_ids) + ROLE_TOKENS + codec_rows - 1 + text
 
 
+def check_text(text: object) -> None:
+    """A RequestFieldError unless `text` is text to speak: not empty, within OpenAI's limit."""
+    if not isinstance(text, str) or not text.strip():
+        raise RequestFieldError("input must be non-empty text", "input")
+    if len(text) > MAX_INPUT_CHARS:
+        raise RequestFieldError(
+            f"input is {len(text)} characters; at most {MAX_INPUT_CHARS} are taken", "input"
+        )
+
+
 class SpeechInputs:
     """`speech`: the model's speech side; `facts`: its voices, languages and rates;
     `min_reference_samples`: the shortest reference clip its speaker encoder takes."""
@@ -133,12 +143,7 @@ class SpeechInputs:
         """A checked speech request of `text` (`speech`: the other `SpeechParams` fields).
         `reference_audio`: samples at `reference_sample_rate` (resampled to the model's), or a
         WAV file's bytes."""
-        if not isinstance(text, str) or not text.strip():
-            raise RequestFieldError("input must be non-empty text", "input")
-        if len(text) > MAX_INPUT_CHARS:
-            raise RequestFieldError(
-                f"input is {len(text)} characters; at most {MAX_INPUT_CHARS} are taken", "input"
-            )
+        check_text(text)
         ids = self.tokenizer.encode(ROLE + text + TAIL, add_special_tokens=False)
         if (
             ids[:ROLE_TOKENS] != self._role

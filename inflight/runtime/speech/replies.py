@@ -77,6 +77,21 @@ class ReplyText:
         return self.eos if frame == len(self.projected) else self.pad
 
 
+@dataclass(frozen=True)
+class TalkerPlan:
+    """What a spoken request's talker needs of its prompt, read once: where the assistant
+    turn begins, the user-turn positions its prompt reads, the frames it may make."""
+
+    turn: int
+    user: list[int]
+    frames: int
+
+    @property
+    def length(self) -> int:
+        """The talker prompt's positions."""
+        return len(self.user) + TURN_ROWS
+
+
 @dataclass
 class Voice:
     """A resident's spoken side: its talker row and reply text, and its audio so far."""
@@ -135,14 +150,14 @@ class SpokenReplies(RowFeature):
                 "audio output reads every image token: drop mm_processor_kwargs keep_ratio",
                 "mm_processor_kwargs",
             )
-        self._turn(request)
-        length = len(self._user_positions(request)) + TURN_ROWS
-        if length >= self.max_model_len:
+        plan = self._plan(request)
+        if plan.length >= self.max_model_len:
             raise RequestFieldError(
-                f"the talker's prompt is {length} positions; max_model_len is {self.max_model_len}",
+                f"the talker's prompt is {plan.length} positions; max_model_len is "
+                f"{self.max_model_len}",
                 "generate_audio",
             )
-        if self.blocks.blocks_for(length + self._frames(request, length)) > self.blocks.num_blocks:
+        if self.blocks.blocks_for(plan.length + plan.frames) > self.blocks.num_blocks:
             raise RequestFieldError(
                 "the spoken reply needs more talker KV blocks than the cache holds; lower "
                 "audio max_frames",
@@ -154,16 +169,17 @@ class SpokenReplies(RowFeature):
         return request.generate_audio is not None and bool(request.media)
 
     def reserve(self, request: GenerationRequest, sequences: int) -> object | None:
+        """The request's talker plan and the talker KV blocks held back for it."""
         if request.generate_audio is None:
             return True
-        length = len(self._user_positions(request)) + TURN_ROWS
-        blocks = self.blocks.blocks_for(length + self._frames(request, length))
-        return blocks if self.blocks.reserve(blocks) else None
+        plan = self._plan(request)
+        blocks = self.blocks.blocks_for(plan.length + plan.frames)
+        return (plan, blocks) if self.blocks.reserve(blocks) else None
 
     def unreserve(self, request: GenerationRequest, sequences: int, held: object) -> None:
         if request.generate_audio is not None:
-            assert isinstance(held, int)
-            self.blocks.unreserve(held)
+            assert isinstance(held, tuple)
+            self.blocks.unreserve(held[1])
 
     @torch.inference_mode()
     def seat(self, resident: Resident, held: object) -> None:
@@ -171,7 +187,8 @@ class SpokenReplies(RowFeature):
         audio = request.generate_audio
         if audio is None:
             return
-        assert isinstance(held, int)
+        assert isinstance(held, tuple)
+        plan, blocks = held
         embed, project = self.model.embed_tokens, self.talker.text_projection
         device = self.loop.runner.device
 
@@ -181,7 +198,7 @@ class SpokenReplies(RowFeature):
         t = self.config.text_ids
         eos, pad = rows([t["tts_eos"], t["tts_pad"]])
         text = ReplyText(rows, eos, pad)
-        text.push(list(request.prompt_token_ids[self._turn(request) :]))
+        text.push(list(request.prompt_token_ids[plan.turn :]))
         generator = torch.Generator(device)
         seed = request.params.seed
         if seed is None:
@@ -190,12 +207,11 @@ class SpokenReplies(RowFeature):
             )
         generator.manual_seed(seed)
         greedy = audio.temperature == 0
-        length = len(self._user_positions(request)) + TURN_ROWS
         talker = TalkerRow(
             slot=resident.ref.slot,
             blocks=[],
-            held=held,
-            max_frames=self._frames(request, length),
+            held=blocks,
+            max_frames=plan.frames,
             repetition_penalty=audio.repetition_penalty,
             ignore_eos=False,
             talk=Draw(audio.temperature, audio.top_k, audio.top_p, generator),
@@ -206,7 +222,7 @@ class SpokenReplies(RowFeature):
         )
         self.loop.start(talker)
         speaker = self.config.speakers[audio.voice.lower()]
-        voice = self.voices[resident] = Voice(talker, text, self._user_positions(request), speaker)
+        voice = self.voices[resident] = Voice(talker, text, plan.user, speaker)
         resident.features.audio = voice.audio
         self._prompt_when_known(resident, voice)
 
@@ -390,22 +406,21 @@ class SpokenReplies(RowFeature):
             "generate_audio",
         )
 
-    def _user_positions(self, request: GenerationRequest) -> list[int]:
-        """The prompt's user-turn positions: those whose turn's role (the token after the
-        <|im_start|> before them) is the user's, before the assistant turn."""
-        prompt = request.prompt_token_ids
-        end = self._turn(request)
-        positions, role = [], prompt[1] if len(prompt) > 1 else -1
-        for i in range(end):
-            if prompt[i] == self._im_start and i + 1 < len(prompt):
-                role = prompt[i + 1]
-            if role == self._user_id:
-                positions.append(i)
-        return positions
-
-    def _frames(self, request: GenerationRequest, length: int) -> int:
-        """The most frames the reply's voice may make."""
+    def _plan(self, request: GenerationRequest) -> TalkerPlan:
+        """The request's talker plan: the user turns are the prompt's positions whose turn's
+        role (the token after the <|im_start|> before them) is the user's, before the
+        assistant turn; the frames are as many as `max_frames` asks, within the talker's
+        context."""
         audio = request.generate_audio
         assert audio is not None
-        room = self.max_model_len - length
-        return room if audio.max_frames is None else min(audio.max_frames, room)
+        prompt = request.prompt_token_ids
+        turn = self._turn(request)
+        user, role = [], prompt[1] if len(prompt) > 1 else -1
+        for i in range(turn):
+            if prompt[i] == self._im_start:
+                role = prompt[i + 1]
+            if role == self._user_id:
+                user.append(i)
+        room = self.max_model_len - len(user) - TURN_ROWS
+        frames = room if audio.max_frames is None else min(audio.max_frames, room)
+        return TalkerPlan(turn, user, frames)

@@ -18,7 +18,7 @@ from inflight.server import openai
 from inflight.server.client import Run
 from inflight.server.errors import ServerError, openai_error_payload
 from inflight.server.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields
-from inflight.server.spoken import SpokenReply, chat_audio
+from inflight.server.spoken import AUDIO_PARAMS, SpokenReply, chat_audio
 from inflight.server.state import State, check_body
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "Connection": "keep-alive"}
@@ -64,7 +64,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     prepared = await client.prepare_chat(
         messages,
         params,
-        params_of=openai.field_params(body, choice),
+        params_of={**openai.field_params(body, choice), **(AUDIO_PARAMS if spoken else {})},
         **chat.template_args(messages, choice, body.chat_template_kwargs, thinking),
         mm_processor_kwargs=body.mm_processor_kwargs,
         lora_name=lora_name,

@@ -339,11 +339,8 @@ class Qwen3OmniImageEncoder(nn.Module):
 
     @torch.inference_mode()
     def encode(self, items: list[tuple[np.ndarray, tuple[int, int, int]]]) -> list[torch.Tensor]:
-        """Prompt embeddings of images, each given as (flattened patches float32
-        [t*h*w, channels*temporal*patch*patch], grid (t, h, w) in patches) as the processor
-        makes them: for each, [t*h*w / merge^2, out_hidden_size] in the weights' dtype and
-        device, in the order of the merged grid (t-major, then row, then column). Views of
-        one tensor: all images run in one tower forward."""
+        """Prompt embeddings of images, as `Qwen2VLImageEncoder.encode` gives them (the same
+        items, the same shapes and order)."""
         if not items:
             return []
         merged, _, counts = self._run(items, deepstack=False)

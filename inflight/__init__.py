@@ -10,12 +10,13 @@ if TYPE_CHECKING:
     from inflight.api import LLM
     from inflight.engine import RequestHandle
     from inflight.protocol.outputs import CompletionOutput, RequestOutput, StreamChunk
-    from inflight.protocol.request import AudioReply, SamplingParams
+    from inflight.protocol.request import AudioReply, DiffusionParams, SamplingParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
     "AudioReply",
+    "DiffusionParams",
     "RequestHandle",
     "StreamChunk",
     "RequestOutput",
@@ -32,7 +33,7 @@ def __getattr__(name: str) -> Any:
         from inflight.engine import RequestHandle
 
         return RequestHandle
-    if name in ("SamplingParams", "AudioReply"):
+    if name in ("SamplingParams", "AudioReply", "DiffusionParams"):
         from inflight.protocol import request
 
         return getattr(request, name)

@@ -20,12 +20,14 @@ from inflight.protocol.options import OPTION_FIELDS
 from inflight.protocol.outputs import RequestOutput
 from inflight.protocol.request import (
     AudioReply,
+    DiffusionParams,
     GenerationRequest,
     RequestFieldError,
     SamplingParams,
 )
 from inflight.protocol.speech import SPEECH_SAMPLING, SpeechFacts, SpeechOutput
 from inflight.runtime.deployment import ifb_unsupported_reason
+from inflight.runtime.diffusion.runtime import DiffusionRuntime
 from inflight.runtime.factory import open_runtime
 from inflight.runtime.host.pinned import pin_id
 from inflight.runtime.inputs.processor import Message, Prompt, template_args
@@ -95,7 +97,7 @@ class LLM:
                 "start without --enable-in-flight-batching to use the blocking path"
             )
         self._engine = RequestEngine(runtime, engine_config)
-        self._runtime: Runtime | SpeechRuntime | None = runtime
+        self._runtime: Runtime | SpeechRuntime | DiffusionRuntime | None = runtime
         self.in_flight_batching = ifb
         # Kept for the counters, which stay readable after close().
         self._blocks, self._slots = runtime.blocks, runtime.slots
@@ -120,6 +122,11 @@ class LLM:
         self.max_model_len = runtime.max_model_len
         self.max_batch_size = engine_config.max_batch_size
         self.max_queued_requests = deployment.max_queued_requests
+        # A block-diffusion model's canvas (its output comes this many tokens at a time; None:
+        # the model writes a token at a time).
+        self.canvas_length: int | None = None
+        if isinstance(runtime, DiffusionRuntime):
+            self.canvas_length = runtime.canvas_length
         if warmup_prompts:
             try:
                 self.warm_up(warmup_prompts)
@@ -140,11 +147,13 @@ class LLM:
         *,
         lora_name: str | None = None,
         save_system_prompt_kv_cache: bool = False,
+        diffusion: DiffusionParams | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list of them; returns one output per prompt, in order.
         `lora_name`: the LoRA adapter they run with (None: the base model);
         `save_system_prompt_kv_cache`: pin each prompt's KV (its full blocks) in the context
-        cache, never evicted until `unpin` (see `pinned_prefixes`).
+        cache, never evicted until `unpin` (see `pinned_prefixes`); `diffusion`: how a
+        block-diffusion model (`canvas_length` set) denoises them (None: its defaults).
 
         Every prompt is submitted at once (waiting, not failing, while the engine pushes back);
         under in-flight batching they generate together, on the blocking path one by one.
@@ -152,6 +161,7 @@ class LLM:
         options = {
             "lora_name": lora_name,
             "save_system_prompt_kv_cache": save_system_prompt_kv_cache,
+            "diffusion": diffusion,
         }
         return self._run(self._requests(prompts, params, options))
 
@@ -167,6 +177,7 @@ class LLM:
         mm_processor_kwargs: dict[str, Any] | None = None,
         save_system_prompt_kv_cache: bool = False,
         audio: AudioReply | None = None,
+        diffusion: DiffusionParams | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply to a conversation (or to each of a list of conversations).
 
@@ -180,7 +191,8 @@ class LLM:
         pruner). `save_system_prompt_kv_cache`: pin the KV of each conversation's system turn
         in the context cache (see `generate`). `audio` (a model that speaks, `voice_facts`):
         each reply spoken too, as it is written; its `CompletionOutput.audio` holds the
-        samples (float32 little-endian, `voice_facts.sample_rate`)."""
+        samples (float32 little-endian, `voice_facts.sample_rate`). `diffusion`: as in
+        `generate`."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of chat messages")
         conversations = messages if isinstance(messages[0], list) else [messages]
@@ -189,6 +201,7 @@ class LLM:
             "lora_name": lora_name,
             "save_system_prompt_kv_cache": save_system_prompt_kv_cache,
             "generate_audio": audio,
+            "diffusion": diffusion,
         }
         requests = self._requests(conversations, params, options, template, mm_processor_kwargs)
         return self._run(requests)
@@ -205,12 +218,18 @@ class LLM:
                     handle.cancel()
 
     def generate_stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, lora_name: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        lora_name: str | None = None,
+        diffusion: DiffusionParams | None = None,
     ) -> RequestHandle:
         """The output as it is generated: iterate the handle for its chunks (the last one has
-        `finished` set), `for` on a thread or `async for` on an asyncio loop. Closing it before
-        the end cancels the request."""
-        (request,) = self._requests(prompt, params, {"lora_name": lora_name})
+        `finished` set; a block-diffusion model's come a canvas at a time), `for` on a thread
+        or `async for` on an asyncio loop. Closing it before the end cancels the request."""
+        options = {"lora_name": lora_name, "diffusion": diffusion}
+        (request,) = self._requests(prompt, params, options)
         return self.start(request, wait_for_room=True)
 
     def speech(
@@ -461,7 +480,7 @@ class LLM:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _live(self) -> Runtime | SpeechRuntime:
+    def _live(self) -> Runtime | SpeechRuntime | DiffusionRuntime:
         if self._runtime is None:
             raise RuntimeError("this LLM is closed")
         return self._runtime

@@ -116,7 +116,7 @@ class MambaConfig:
 ROUTER_SCORINGS = ("softmax", "sigmoid")
 # An expert's feed-forward: "silu" (SwiGLU), "relu2" (relu(up x)², no gate), "swiglu_clamped"
 # (gpt-oss: gate and up clamped, (up + 1) * gate * sigmoid(alpha * gate)).
-EXPERT_ACTIVATIONS = ("silu", "relu2", "swiglu_clamped")
+EXPERT_ACTIVATIONS = ("silu", "relu2", "swiglu_clamped", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -234,6 +234,46 @@ class TalkerConfig:
 
 
 @dataclass(frozen=True)
+class DenoiseDefaults:
+    """A block-diffusion model's denoising settings where a request leaves them unset (its
+    generation_config.json, else transformers' defaults): at most `max_denoising_steps` steps a
+    canvas, the temperature falling linearly from `t_max` to `t_min` over them, positions
+    accepted while their entropies beyond the largest sum to at most `entropy_bound`, and a
+    canvas ends early once its argmax held for `stability_threshold` steps and its mean entropy
+    is below `confidence_threshold`."""
+
+    max_denoising_steps: int = 48
+    t_min: float = 0.4
+    t_max: float = 0.8
+    entropy_bound: float = 0.1
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+
+
+@dataclass(frozen=True)
+class DiffusionConfig:
+    """A block-diffusion decoder (DiffusionGemma): the text is written a canvas of
+    `canvas_length` tokens at a time. The decoder's layers serve two passes: a causal one that
+    writes the KV of the prompt and of each finished canvas, and a bidirectional one over
+    [KV | canvas] that reads it (self-conditioned on the previous step's predictions).
+
+    Its full-attention layers (`ModelConfig.layer_windows` None) have heads of
+    `global_head_dim` and `global_kv_heads` key/value heads, whose values are their keys before
+    the key norm and rotation (no value projection), and a rotation of the first
+    `global_rotary_fraction` of the head at `global_rope_theta`; the sliding layers' are the
+    decoder's `head_dim`, `num_kv_heads` and `rope`. The logits are soft-capped at
+    `logit_softcap`."""
+
+    canvas_length: int
+    global_head_dim: int
+    global_kv_heads: int
+    global_rope_theta: float
+    global_rotary_fraction: float
+    logit_softcap: float
+    defaults: DenoiseDefaults = field(default_factory=DenoiseDefaults)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str
     vocab_size: int
@@ -263,6 +303,7 @@ class ModelConfig:
     moe: MoEConfig | None = None  # mixture-of-experts layers, if any
     speech: SpeechConfig | None = None  # a text-to-speech model's (its output is audio)
     talker: TalkerConfig | None = None  # a model that may speak its replies (Qwen3-Omni)
+    diffusion: DiffusionConfig | None = None  # a block-diffusion model (DiffusionGemma)
 
     def __post_init__(self) -> None:
         if self.layer_windows and len(self.layer_windows) != self.num_layers:

@@ -46,6 +46,12 @@ REQUEST_OPTIONS: tuple[RequestOption, ...] = (
         "it needs a text-to-speech model (Qwen3-TTS); this one writes text",
     ),
     RequestOption(
+        "diffusion",
+        "block diffusion settings (diffusion)",
+        None,
+        "they steer a block-diffusion model (DiffusionGemma); this one writes a token at a time",
+    ),
+    RequestOption(
         "save_system_prompt_kv_cache",
         "system-prompt KV capture (save_system_prompt_kv_cache)",
         False,

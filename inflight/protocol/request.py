@@ -340,6 +340,55 @@ class AudioReply:
 
 
 @dataclass(frozen=True)
+class DiffusionParams:
+    """How a block-diffusion model (DiffusionGemma) denoises a request's canvases; each field
+    left None takes the model's default (its generation_config.json, else transformers').
+
+    Each canvas takes at most `max_denoising_steps` steps. Step s of N (counting the steps
+    left, N down to 1) samples at temperature t_min + (t_max - t_min) * s / N. The positions
+    of lowest entropy are accepted while their entropies beyond the largest one sum to at
+    most `entropy_bound`; the rest are redrawn at random. A canvas ends early once its argmax
+    held for `stability_threshold` steps and its mean entropy is below
+    `confidence_threshold`. The request's `temperature` scales both temperatures (1: the
+    model's schedule; 0: every step takes its argmax), `seed` seeds its own generator."""
+
+    max_denoising_steps: int | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    entropy_bound: float | None = None
+    stability_threshold: int | None = None
+    confidence_threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        steps = self.max_denoising_steps
+        if steps is not None and (not is_int(steps) or steps < 1):
+            raise RequestFieldError(
+                f"max_denoising_steps must be an integer >= 1, got {steps!r}",
+                "max_denoising_steps",
+            )
+        for name in ("t_min", "t_max", "entropy_bound"):
+            value = getattr(self, name)
+            if value is not None and (not _is_number(value) or value <= 0):
+                raise RequestFieldError(f"{name} must be a number > 0, got {value!r}", name)
+        if self.t_min is not None and self.t_max is not None and self.t_min > self.t_max:
+            raise RequestFieldError(
+                f"t_min ({self.t_min}) must not exceed t_max ({self.t_max})", "t_min"
+            )
+        stability = self.stability_threshold
+        if stability is not None and (not is_int(stability) or stability < 0):
+            raise RequestFieldError(
+                f"stability_threshold must be an integer >= 0, got {stability!r}",
+                "stability_threshold",
+            )
+        confidence = self.confidence_threshold
+        if confidence is not None and (not _is_number(confidence) or confidence < 0):
+            raise RequestFieldError(
+                f"confidence_threshold must be a number >= 0, got {confidence!r}",
+                "confidence_threshold",
+            )
+
+
+@dataclass(frozen=True)
 class AdmissionIntent:
     """What a runtime's check of a request found it needs, so that admission takes it without
     checking again: its output budget, the KV blocks of each of its n sequences
@@ -375,6 +424,7 @@ class GenerationRequest:
     media: Sequence[MediaItem] = ()  # images and audio clips in the prompt, in prompt order
     system_prompt_tokens: int | None = None
     speech: SpeechParams | None = None  # text to speech: the voice, and more (a speech model)
+    diffusion: DiffusionParams | None = None  # how a block-diffusion model denoises it
     intent: AdmissionIntent | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -50,6 +50,7 @@ class ModelFacts:
     mrope: bool = False  # M-RoPE positions (Qwen2-VL)
     speech: bool = False  # a text-to-speech model: its output is audio
     talker: bool = False  # a model that may speak its replies (Qwen3-Omni)
+    diffusion: bool = False  # a block-diffusion model: it writes a canvas at a time
 
 
 @dataclass(frozen=True)
@@ -254,6 +255,39 @@ def _speech(d: Deployment) -> str | None:
     return None
 
 
+def _diffusion(d: Deployment) -> str | None:
+    """A block-diffusion model's steps encode and denoise canvases on one device, its float
+    weights unquantized: none of an autoregressive decoder's extras."""
+    if not d.model.diffusion:
+        return None
+    o = d.options
+    for on, what, flag in (
+        (o.enable_lora, "LoRA", "enable_lora=False"),
+        (
+            o.speculative_config is not None,
+            "speculative decoding (a draft model beside it included)",
+            "no speculative_config",
+        ),
+        (d.tensor_parallel, "tensor parallelism", "tensor_parallel_size=1"),
+        (
+            o.quantization not in ("auto", "none"),
+            f"quantization={o.quantization!r}",
+            "quantization='auto' or 'none'",
+        ),
+        (
+            o.kv_cache_dtype != "auto",
+            f"kv_cache_dtype={o.kv_cache_dtype!r}",
+            "kv_cache_dtype='auto'",
+        ),
+    ):
+        if on:
+            return (
+                f"{what} is not served for a block-diffusion model ({d.model.family}); "
+                f"start with {flag}"
+            )
+    return None
+
+
 def _talker(d: Deployment) -> str | None:
     """A model's talker runs on one device beside its thinker."""
     if d.model.talker and d.options.speech and d.tensor_parallel:
@@ -287,6 +321,7 @@ RULES: tuple[Rule, ...] = (
     _attention,
     _kv_cache_dtype,
     _speech,
+    _diffusion,
     _talker,
     _draft_model,
 )
@@ -303,6 +338,7 @@ STEPPED: dict[str, str | None] = {
     "tensor_parallel": None,
     "structured_outputs": None,
     "speech": None,
+    "diffusion": None,
 }
 
 
@@ -346,6 +382,8 @@ class DeploymentPlan:
         reusable (a hybrid's hold no recurrent state)."""
         if self.model.speech:
             return frozenset({"speech"})
+        if self.model.diffusion:
+            return frozenset({"diffusion"})
         served = {"lora_name"} if self.options.enable_lora else set()
         if self.speaks:
             served.add("generate_audio")
@@ -404,6 +442,7 @@ def resolve(
         ("recurrent", model.recurrent),
         ("tensor_parallel", d.tensor_parallel),
         ("speech", model.speech or (model.talker and options.speech)),
+        ("diffusion", model.diffusion),
     ):
         if on:
             features.append(name)
@@ -488,4 +527,5 @@ def model_facts(config: ModelConfig) -> ModelFacts:
         mrope=config.rope.mrope_section is not None,
         speech=config.speech is not None,
         talker=config.talker is not None,
+        diffusion=config.diffusion is not None,
     )

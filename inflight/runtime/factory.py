@@ -1,4 +1,5 @@
-"""Which runtime a checkpoint gets: a text-to-speech model's (`speech/`), or the text one."""
+"""Which runtime a checkpoint gets: a text-to-speech model's (`speech/`), a block-diffusion
+model's (`diffusion/`), or the text one."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
 from inflight.protocol.deployment import DeploymentOptions
+from inflight.runtime.diffusion.runtime import DiffusionRuntime
 from inflight.runtime.runtime import Runtime
 from inflight.runtime.speech.runtime import SpeechRuntime
 
@@ -14,8 +16,10 @@ def open_runtime(
     model: str | Path | Checkpoint | None,
     options: DeploymentOptions,
     show_progress: bool = False,
-) -> Runtime | SpeechRuntime:
+) -> Runtime | SpeechRuntime | DiffusionRuntime:
     checkpoint = open_checkpoint(model)
     if checkpoint.config.speech is not None:
         return SpeechRuntime(checkpoint, options, show_progress)
+    if checkpoint.config.diffusion is not None:
+        return DiffusionRuntime(checkpoint, options, show_progress)
     return Runtime(checkpoint, options, show_progress)

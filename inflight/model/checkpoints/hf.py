@@ -32,6 +32,8 @@ class HFCheckpoint:
         for name in self._components():
             self.raw_config[f"{name}_config"] = self._json(f"{name}/config.json")
         self.generation_config = self._json("generation_config.json", {})
+        # Some families read their settings from it (a diffusion model's denoising defaults).
+        self.raw_config.setdefault("generation_config", self.generation_config)
 
     def _json(self, name: str, default: Any = None) -> Any:
         file = self.path / name

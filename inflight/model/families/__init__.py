@@ -2,6 +2,7 @@
 `registry.py`). Adding a family is adding its module and its line here."""
 
 from inflight.model.families import (  # noqa: F401 (imported to register)
+    diffusion_gemma,
     gpt_oss,
     hybrid,
     llama,

@@ -186,6 +186,9 @@ class Experts(nn.Module):
             return self.act(h)
         if config.activation == "relu2":
             return torch.relu(h).square()
+        if config.activation == "gelu_tanh":
+            gate, up = h.chunk(2, dim=-1)
+            return nn.functional.gelu(gate, approximate="tanh") * up
         gate, up = h.chunk(2, dim=-1)
         limit = config.swiglu_limit
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)

@@ -1,0 +1,150 @@
+"""`DiffusionRuntime`: a loaded block-diffusion model (DiffusionGemma), its KV cache and
+resident slots, as the request engine drives it (the `ExecutionFactory` a `Runtime` is for an
+autoregressive model): it checks requests and opens one `DiffusionSession` at a time."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from inflight.model.checkpoints.loader import Checkpoint, build_model
+from inflight.model.families.diffusion_gemma import DiffusionGemmaForBlockDiffusion
+from inflight.protocol.deployment import DeploymentOptions
+from inflight.protocol.request import GenerationRequest
+from inflight.protocol.stepped import ExecutionCapabilities
+from inflight.runtime.deployment import PER_ROW_FIELDS, model_facts, resolve
+from inflight.runtime.device.machine import probe_machine
+from inflight.runtime.diffusion.requests import DiffusionChecks
+from inflight.runtime.diffusion.session import DiffusionCounters, DiffusionSession
+from inflight.runtime.host.kv_cache import BlockPool
+from inflight.runtime.host.slots import ResidentSlots
+from inflight.runtime.inputs.chat_media import MediaLimits
+from inflight.runtime.inputs.processor import InputProcessor
+
+
+class DiffusionRuntime:
+    """Built from the deployment plan as a text runtime is; the parts a text runtime has that
+    block diffusion has no use for (context cache, speculation, media, voices) are None or
+    empty. Its sampling defaults are the model's denoising settings, not generation_config's
+    temperature and filters (which a canvas does not take)."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        options: DeploymentOptions | None = None,
+        show_progress: bool = False,
+    ) -> None:
+        options = options or DeploymentOptions()
+        self.checkpoint = replace(checkpoint, sampling_defaults={})
+        self.tokenizer = checkpoint.tokenizer
+        config = checkpoint.config
+        diffusion = config.diffusion
+        assert diffusion is not None
+        self.plan = plan = resolve(options, model_facts(config), probe_machine())
+        canvas = diffusion.canvas_length
+        if plan.max_num_tokens < canvas:
+            raise ValueError(
+                f"max_num_tokens ({plan.max_num_tokens}) must hold a canvas of {canvas} tokens "
+                f"(the model's canvas_length); start with max_num_tokens >= {canvas}"
+            )
+        self.device = torch.device(plan.device)
+        self.dtype = getattr(torch, plan.dtype)
+        self.max_model_len = plan.max_model_len
+        self.blocks = BlockPool(plan.num_kv_blocks, plan.block_size)
+        self.slots = ResidentSlots(plan.max_batch_size)
+        self.context_cache = self.speculator = self.encoder_cache = None
+        self.media: dict[str, object] = {}
+        self.voice_facts = None
+        model = build_model(
+            checkpoint,
+            self.dtype,
+            self.device,
+            plan.max_model_len,
+            show_progress,
+            options.quantization,
+        )
+        assert isinstance(model, DiffusionGemmaForBlockDiffusion)
+        self.model = model
+        self.caches = model.allocate_kv(
+            plan.num_kv_blocks * plan.block_size, self.dtype, self.device
+        )
+        self.generator = torch.Generator(self.device)
+        if options.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(options.seed)
+        self.checks = DiffusionChecks(
+            checked_by=id(self),
+            canvas=canvas,
+            vocab_size=config.vocab_size,
+            max_model_len=plan.max_model_len,
+            block_size=plan.block_size,
+            num_blocks=plan.num_kv_blocks,
+            max_batch_size=plan.max_batch_size,
+            defaults=diffusion.defaults,
+        )
+        self.counters = DiffusionCounters()
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            {},
+            MediaLimits(allow_fetch=options.allow_media_fetch),
+            self.checks.checked,
+        )
+        self._session: DiffusionSession | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.checkpoint.name
+
+    @property
+    def canvas_length(self) -> int:
+        return self.checks.canvas
+
+    @property
+    def fault(self) -> str | None:
+        return None
+
+    @property
+    def capabilities(self) -> ExecutionCapabilities:
+        return ExecutionCapabilities(
+            stepped=True,
+            seated_admission=True,
+            max_batch_size=self.slots.capacity,
+            per_row_fields=PER_ROW_FIELDS | self.plan.served_options,
+        )
+
+    def check(self, request: GenerationRequest) -> GenerationRequest:
+        return self.checks.checked(request)
+
+    def new_session(self) -> DiffusionSession:
+        if self._session is not None:
+            raise RuntimeError("a diffusion session is already open on this runtime")
+        self._session = DiffusionSession(
+            self.model,
+            self.caches,
+            self.checks,
+            self.blocks,
+            self.slots,
+            self.tokenizer,
+            self.generator,
+            self.plan.max_num_tokens,
+            self.counters,
+            on_finish=self._session_finished,
+        )
+        return self._session
+
+    def _session_finished(self) -> None:
+        self._session = None
+
+    def close(self) -> None:
+        """Nothing to stop: a diffusion runtime runs in this process alone."""
+
+    def register_lora(self, name: str, path: str) -> None:
+        raise ValueError("LoRA is not served for a block-diffusion model")
+
+    def unregister_lora(self, name: str) -> None:
+        raise KeyError(name)
+
+    def lora_names(self) -> list[str]:
+        return []

@@ -1,0 +1,281 @@
+"""`DiffusionSession`: the stepped execution of a block-diffusion model.
+
+Every resident is one request: its prompt encoded (in chunks within the token budget), then
+canvas after canvas, each denoised step by step until it settles and then encoded in turn.
+Residents join at any step (their prompt's encode is their first segment) and leave at a
+canvas's end (a stop, the end of their canvases) or when cancelled, between or inside
+canvases. One forward holds every segment the step plans (`schedule.py`): encodes and
+denoising steps of any residents, at any step of their canvases. A finished canvas is
+delivered whole: its tokens, its text, the stop checks over them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from inflight.model.checkpoints.tokenizer import Tokenizer
+from inflight.model.families.diffusion_gemma import CanvasBatch, DiffusionGemmaForBlockDiffusion
+from inflight.model.metadata import KVCache
+from inflight.protocol.outputs import FinishedSnapshot, FinishReason, StreamChunk
+from inflight.protocol.request import GenerationRequest
+from inflight.protocol.stepped import (
+    Admission,
+    AdmissionAnswer,
+    ResidentRef,
+    ScheduledSequence,
+    StepResult,
+)
+from inflight.runtime.diffusion.canvas import Canvas, CanvasSampler
+from inflight.runtime.diffusion.requests import DiffusionChecks, denoising
+from inflight.runtime.diffusion.schedule import plan_segments
+from inflight.runtime.host.detokenizer import IncrementalDetokenizer
+from inflight.runtime.host.kv_cache import BlockPool
+from inflight.runtime.host.slots import ResidentSlots
+
+
+@dataclass
+class DiffusionRow:
+    """A resident request: its KV (blocks, and the slot of each position), the tokens waiting
+    to be encoded, its canvas in progress, its output."""
+
+    ref: ResidentRef
+    request: GenerationRequest
+    sampler: CanvasSampler
+    blocks: list[int]
+    slots: np.ndarray
+    waiting: list[int]
+    canvases_left: int
+    detokenizer: IncrementalDetokenizer
+    encoded: int = 0
+    canvas: Canvas | None = None
+    output: list[int] = field(default_factory=list)
+
+
+@dataclass
+class DiffusionCounters:
+    """What the session's steps did: forwards, denoising steps of canvases, tokens delivered
+    (tokens per denoising step = tokens / denoise_steps)."""
+
+    forwards: int = 0
+    denoise_steps: int = 0
+    tokens: int = 0
+
+
+class DiffusionSession:
+    def __init__(
+        self,
+        model: DiffusionGemmaForBlockDiffusion,
+        caches: list[KVCache],
+        checks: DiffusionChecks,
+        blocks: BlockPool,
+        slots: ResidentSlots,
+        tokenizer: Tokenizer,
+        generator: torch.Generator,
+        max_num_tokens: int,
+        counters: DiffusionCounters,
+        *,
+        on_finish: Callable[[], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.caches = caches
+        self.checks = checks
+        self.blocks = blocks
+        self.slots = slots
+        self.tokenizer = tokenizer
+        self.generator = generator
+        self.max_num_tokens = max_num_tokens
+        self.counters = counters
+        self.canvas = checks.canvas
+        self.device = generator.device
+        self.eos = frozenset(tokenizer.eos_token_ids)
+        self.rows: dict[ResidentRef, DiffusionRow] = {}
+        self.step_id = 0
+        self._on_finish = on_finish
+
+    # -- the SteppedExecution contract ---------------------------------------------------------
+
+    def residents(self) -> list[ResidentRef]:
+        return list(self.rows)
+
+    def admit(self, request: GenerationRequest) -> Admission:
+        try:
+            request = self.checks.checked(request)
+            p = request.params
+            settings = denoising(p, request.diffusion, self.checks.defaults)
+        except ValueError as exc:
+            return Admission(AdmissionAnswer.REJECTED, reason=str(exc))
+        intent = request.intent
+        assert intent is not None
+        if self.slots.num_free < 1 or self.blocks.num_free < intent.blocks_needed:
+            return Admission(AdmissionAnswer.NO_CAPACITY)
+        blocks = self.blocks.allocate(intent.blocks_needed)
+        ref = self.slots.acquire()
+        assert blocks is not None and ref is not None
+        size = self.blocks.block_size
+        slots = (np.asarray(blocks, np.int64)[:, None] * size + np.arange(size)).ravel()
+        generator = torch.Generator(self.device)
+        seed = p.seed
+        if seed is None:
+            seed = int(torch.randint(2**62, (1,), generator=self.generator, device=self.device))
+        generator.manual_seed(seed)
+        prompt = list(request.prompt_token_ids)
+        self.rows[ref] = DiffusionRow(
+            ref=ref,
+            request=request,
+            sampler=CanvasSampler(settings, self.model.config.vocab_size, self.canvas, generator),
+            blocks=blocks,
+            slots=slots,
+            waiting=prompt,
+            canvases_left=intent.max_new_tokens // self.canvas,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer,
+                tuple(prompt),
+                p.skip_special_tokens,
+                p.stop,
+                p.include_stop_str_in_output,
+            ),
+        )
+        return Admission(AdmissionAnswer.ADMITTED, (ref,))
+
+    @torch.inference_mode()
+    def step(self, cancelled: Collection[ResidentRef] = ()) -> StepResult:
+        self.step_id += 1
+        result = StepResult(self.step_id)
+        for ref in cancelled:
+            if ref in self.rows:
+                self._evict(self.rows[ref], FinishReason.CANCELLED, None, result)
+        rows = list(self.rows.values())
+        segments = plan_segments([len(r.waiting) for r in rows], self.canvas, self.max_num_tokens)
+        if not segments:
+            return result
+        pieces: list[torch.Tensor] = []
+        batch = CanvasBatch(
+            ids=torch.empty(0),
+            soft=None,
+            write_slots=torch.empty(0),
+            query_lens=[],
+            starts=[],
+            denoise=[],
+            past_slots=[],
+        )
+        writes, softs, denoising_rows = [], [], []
+        for segment in segments:
+            r = rows[segment.index]
+            past = r.encoded
+            if segment.encode:
+                chunk = r.waiting[: segment.encode]
+                pieces.append(torch.tensor(chunk, dtype=torch.int64))
+                self._add(batch, len(chunk), r.encoded, False, r.slots[: r.encoded])
+                writes.append(r.slots[r.encoded : r.encoded + len(chunk)])
+                r.encoded += len(chunk)
+                del r.waiting[: segment.encode]
+            if segment.denoise:
+                if r.canvas is None:
+                    r.canvas = r.sampler.start()
+                pieces.append(r.canvas.ids[0])
+                self._add(batch, self.canvas, r.encoded, True, r.slots[: r.encoded])
+                softs.append(r.canvas.soft)
+                denoising_rows.append(r)
+            query = segment.encode + (self.canvas if segment.denoise else 0)
+            result.work.append(ScheduledSequence(r.ref, query, past, segment.denoise))
+        device = self.device
+        batch.ids = torch.cat([piece.to(device) for piece in pieces])
+        batch.write_slots = torch.from_numpy(np.concatenate([np.zeros(0, np.int64), *writes])).to(
+            device
+        )
+        if softs:
+            hidden = self.model.config.hidden_size
+            zeros = torch.zeros(self.canvas, hidden, dtype=self.caches[0][0].dtype, device=device)
+            batch.soft = torch.cat([zeros if s is None else s for s in softs])
+        self.counters.forwards += 1
+        hidden_states = self.model(batch, self.caches)
+        if not denoising_rows:
+            return result
+        logits = self.model.compute_logits(hidden_states).view(len(denoising_rows), self.canvas, -1)
+        for r, row_logits in zip(denoising_rows, logits, strict=True):
+            assert r.canvas is not None
+            self.counters.denoise_steps += 1
+            if r.sampler.step(r.canvas, row_logits, self.model.soft_embedding):
+                self._finish_canvas(r, result)
+        return result
+
+    def finish(self) -> None:
+        if self.rows:
+            raise RuntimeError("a diffusion session finished with residents")
+        if self._on_finish is not None:
+            self._on_finish()
+
+    def abort(self) -> list[ResidentRef]:
+        refs = list(self.rows)
+        sink = StepResult(self.step_id)
+        for ref in refs:
+            self._evict(self.rows[ref], FinishReason.ERROR, None, sink)
+        return refs
+
+    # -- internals ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _add(batch: CanvasBatch, length: int, start: int, denoise: bool, past: np.ndarray) -> None:
+        batch.query_lens.append(length)
+        batch.starts.append(start)
+        batch.denoise.append(denoise)
+        batch.past_slots.append(past)
+
+    def _finish_canvas(self, r: DiffusionRow, result: StepResult) -> None:
+        """Deliver the canvas's argmax: its tokens up to a stop, its text; end the request at
+        a stop or its last canvas, else queue the canvas to be encoded."""
+        assert r.canvas is not None and r.canvas.argmax is not None
+        tokens = r.canvas.argmax[0].tolist()
+        r.canvas = None
+        r.canvases_left -= 1
+        params = r.request.params
+        chunk = StreamChunk(prompt_tokens=len(r.request.prompt_token_ids))
+        reason: FinishReason | None = None
+        stop_reason: str | int | None = None
+        for token in tokens:
+            r.output.append(token)
+            chunk.token_ids.append(token)
+            if token in params.stop_token_ids:
+                reason, stop_reason = FinishReason.STOP, token
+                break
+            if not params.ignore_eos and token in self.eos:
+                reason = FinishReason.STOP
+                break
+            released, matched = r.detokenizer.add(token)
+            chunk.text += released
+            if matched is not None:
+                reason, stop_reason = FinishReason.STOP, matched
+                break
+        self.counters.tokens += len(chunk.token_ids)
+        result.deltas[r.ref] = chunk
+        if reason is None and r.canvases_left == 0:
+            reason = FinishReason.LENGTH
+        if reason is None:
+            r.waiting = tokens
+            return
+        if not isinstance(stop_reason, str):
+            chunk.text += r.detokenizer.flush()
+        chunk.finished, chunk.finish_reason = True, reason.value
+        self._evict(r, reason, stop_reason, result)
+
+    def _evict(
+        self,
+        r: DiffusionRow,
+        reason: FinishReason,
+        stop_reason: str | int | None,
+        result: StepResult,
+    ) -> None:
+        del self.rows[r.ref]
+        self.blocks.release(r.blocks)
+        self.slots.release(r.ref)
+        result.finished[r.ref] = FinishedSnapshot(
+            request=r.request,
+            token_ids=list(r.output),
+            text=r.detokenizer.text,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+        )

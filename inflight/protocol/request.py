@@ -350,7 +350,8 @@ class DiffusionParams:
     most `entropy_bound`; the rest are redrawn at random. A canvas ends early once its argmax
     held for `stability_threshold` steps and its mean entropy is below
     `confidence_threshold`. The request's `temperature` scales both temperatures (1: the
-    model's schedule; 0: every step takes its argmax), `seed` seeds its own generator."""
+    model's schedule; 0: every step takes its argmax, from canvases drawn under seed 0, so
+    the output is the same whatever the request's seed); `seed` seeds its own generator."""
 
     max_denoising_steps: int | None = None
     t_min: float | None = None

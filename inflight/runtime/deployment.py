@@ -314,6 +314,7 @@ RULES: tuple[Rule, ...] = (
     _cuda_present,
     _context,
     _lora_modules_need_lora,
+    _diffusion,  # before the rules of what it shares with others (experts), naming it
     _tensor_parallel,
     _recurrent,
     _experts,
@@ -321,7 +322,6 @@ RULES: tuple[Rule, ...] = (
     _attention,
     _kv_cache_dtype,
     _speech,
-    _diffusion,
     _talker,
     _draft_model,
 )

@@ -7,10 +7,17 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import fields
 from typing import Any
 
 from inflight.protocol.outputs import CompletionOutput, LogprobEntry, RequestOutput, StreamChunk
-from inflight.protocol.request import GenerationRequest, SamplingParams, StructuredOutputs
+from inflight.protocol.request import (
+    DiffusionParams,
+    GenerationRequest,
+    RequestFieldError,
+    SamplingParams,
+    StructuredOutputs,
+)
 from inflight.protocol.speech import SpeechFacts
 from inflight.protocol.tokenizer import Tokenizer
 from inflight.server.chat import ChatSetup
@@ -79,13 +86,29 @@ def sampling_params(
         raise ServerError(400, str(exc), str(exc).split(" ", 1)[0]) from exc
 
 
+DIFFUSION_FIELDS = tuple(f.name for f in fields(DiffusionParams))
+
+
+def diffusion_params(body: SamplingFields) -> DiffusionParams | None:
+    """The block-diffusion fields the body sets (None: none); a bad value is a 400."""
+    given = {name: getattr(body, name) for name in DIFFUSION_FIELDS}
+    given = {name: value for name, value in given.items() if value is not None}
+    if not given:
+        return None
+    try:
+        return DiffusionParams(**given)
+    except RequestFieldError as exc:
+        raise ServerError(400, str(exc), exc.field) from exc
+
+
 def field_params(body: SamplingFields, choice: ToolChoice | None = None) -> dict[str, str]:
     """The HTTP field each request field a refusal may name came from."""
     response_format = isinstance(body, ChatCompletionRequest) and body.response_format
     constraint = "response_format" if response_format else "structured_outputs"
     if choice is not None and choice.forced:
         constraint = "tools"
-    return {"n": "n", "structured_outputs": constraint}
+    diffusion = next((name for name in DIFFUSION_FIELDS if getattr(body, name) is not None), "")
+    return {"n": "n", "structured_outputs": constraint, "diffusion": diffusion}
 
 
 def chat_tool_choice(body: ChatCompletionRequest, chat: ChatSetup) -> ToolChoice | None:

@@ -166,6 +166,13 @@ class SamplingFields(Strict):
     user: str | None = None
     # Pin the KV of the prompt's system turn (a text prompt: all of it) in the context cache.
     save_system_prompt_kv_cache: bool = False
+    # A block-diffusion model's denoising (DiffusionParams; unset: the model's defaults).
+    max_denoising_steps: int | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    entropy_bound: float | None = None
+    stability_threshold: int | None = None
+    confidence_threshold: float | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -118,7 +118,8 @@ class DiffusionSession:
         size = self.blocks.block_size
         slots = (np.asarray(blocks, np.int64)[:, None] * size + np.arange(size)).ravel()
         generator = torch.Generator(self.device)
-        seed = p.seed
+        # Greedy denoising is deterministic: its canvases start from one fixed draw.
+        seed = 0 if p.temperature == 0 else p.seed
         if seed is None:
             seed = int(torch.randint(2**62, (1,), generator=self.generator, device=self.device))
         generator.manual_seed(seed)

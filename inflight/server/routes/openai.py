@@ -70,6 +70,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         lora_name=lora_name,
         save_system_prompt_kv_cache=body.save_system_prompt_kv_cache,
         generate_audio=None if spoken is None else spoken.reply,
+        diffusion=openai.diffusion_params(body),
     )
     reader = chat.reader(choice, llm.tokenizer, prepared.prompt_token_ids)
     audio = None
@@ -116,13 +117,12 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     if body.echo and body.max_tokens == 0 and params.prompt_logprobs is None:
         params = SamplingParams(**{**vars(params), "prompt_logprobs": 0})
     params_of = openai.field_params(body)
-    pin = body.save_system_prompt_kv_cache
-    prepared = [
-        client.prepare(
-            p, params, params_of=params_of, lora_name=lora_name, save_system_prompt_kv_cache=pin
-        )
-        for p in prompts
-    ]
+    options = {
+        "lora_name": lora_name,
+        "save_system_prompt_kv_cache": body.save_system_prompt_kv_cache,
+        "diffusion": openai.diffusion_params(body),
+    }
+    prepared = [client.prepare(p, params, params_of=params_of, **options) for p in prompts]
     # A prompt list is admitted whole or refused whole: too big ever (400) or busy now (429),
     # before any of it runs; then the engine queues its prompts and seats them as room frees.
     client.gate.check(len(prompts) * params.n, "prompt")

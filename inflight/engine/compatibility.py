@@ -52,6 +52,7 @@ BATCH_FIELDS = (
     "save_system_prompt_kv_cache",
     "speech",
     "generate_audio",
+    "diffusion",
 )
 
 # Ruled by the options table: no runtime serves them yet, so a request asking for one is refused

@@ -83,6 +83,7 @@ def test_fields_the_runtime_applies_per_row_are_exempt():
         "save_system_prompt_kv_cache",
         "speech",
         "generate_audio",
+        "diffusion",
     )
     for change in DIFFERENT.values():
         assert compat.compatible(_request(), _request(change))

@@ -91,7 +91,8 @@ def test_lookups_name_what_the_registry_holds():
     with pytest.raises(
         ValueError,
         match=r"unsupported architecture \['GemmaForCausalLM'\]; "
-        r"supported: LlamaForCausalLM, MistralForCausalLM, .*BambaForCausalLM",
+        r"supported: DiffusionGemmaForBlockDiffusion, LlamaForCausalLM, MistralForCausalLM, "
+        r".*BambaForCausalLM",
     ):
         registry.config_from_hf({"architectures": ["GemmaForCausalLM"]})
     with pytest.raises(ValueError, match="unsupported architecture 'gemma'"):
@@ -100,7 +101,7 @@ def test_lookups_name_what_the_registry_holds():
         ValueError, match="unsupported GGUF architecture 'gemma'; supported: .*granitehybrid"
     ):
         registry.gguf_family("gemma")
-    with pytest.raises(ValueError, match="unknown model family 'gemma'; registered: llama, "):
+    with pytest.raises(ValueError, match="unknown model family 'gemma'; registered: diffusion_gemma, llama, "):
         registry.by_name("gemma")
     assert registry.gguf_family("granitehybrid").name == "bamba"
     assert registry.by_name("qwen3").model is LlamaForCausalLM

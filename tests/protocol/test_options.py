@@ -5,6 +5,7 @@ import pytest
 from inflight.protocol.options import OPTION_FIELDS, REQUEST_OPTIONS, check_runtime_serves
 from inflight.protocol.request import (
     AudioReply,
+    DiffusionParams,
     GenerationRequest,
     RequestFieldError,
     SpeechParams,
@@ -16,6 +17,7 @@ ASKING = {
     "save_system_prompt_kv_cache": True,
     "past_trajectory": [1],
     "speech": SpeechParams(voice="vivian"),
+    "diffusion": DiffusionParams(max_denoising_steps=8),
 }
 
 

@@ -150,6 +150,9 @@ class RandomWeights:
         if c.mamba is not None:
             yield from self._bamba_weights(matrix, ones)
             return
+        if c.diffusion is not None:
+            yield from self._diffusion_weights(matrix, ones)
+            return
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         yield "embed_tokens.weight", matrix(c.vocab_size, c.hidden_size)
         for i in range(c.num_layers):
@@ -235,6 +238,57 @@ class RandomWeights:
             yield p + "down_proj.weight", matrix(hidden, c.intermediate_size)
         yield "model.final_layernorm.weight", ones(hidden)
         yield "lm_head.weight", matrix(c.vocab_size, hidden)
+
+    def _diffusion_weights(self, matrix, ones) -> Iterator[tuple[str, torch.Tensor]]:
+        """A DiffusionGemma checkpoint's text weights, under transformers' names (norms,
+        scales and layer scalars one)."""
+        c, d, moe = self.config, self.config.diffusion, self.config.moe
+        assert d is not None and moe is not None
+        hidden, inner, e, k = (
+            c.hidden_size,
+            c.intermediate_size,
+            moe.num_experts,
+            moe.intermediate_size,
+        )
+        yield "model.decoder.embed_tokens.weight", matrix(c.vocab_size, hidden)
+        for i in range(c.num_layers):
+            full = c.window(i) is None
+            head = d.global_head_dim if full else c.head_dim
+            kv = (d.global_kv_heads if full else c.num_kv_heads) * head
+            p = f"model.decoder.layers.{i}."
+            for norm in (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+                "post_feedforward_layernorm_1",
+                "post_feedforward_layernorm_2",
+                "pre_feedforward_layernorm_2",
+            ):
+                yield p + norm + ".weight", ones(hidden)
+            yield p + "self_attn.q_proj.weight", matrix(c.num_heads * head, hidden)
+            yield p + "self_attn.k_proj.weight", matrix(kv, hidden)
+            if not full:
+                yield p + "self_attn.v_proj.weight", matrix(kv, hidden)
+            yield p + "self_attn.o_proj.weight", matrix(hidden, c.num_heads * head)
+            yield p + "self_attn.q_norm.weight", ones(head)
+            yield p + "self_attn.k_norm.weight", ones(head)
+            yield p + "mlp.gate_proj.weight", matrix(inner, hidden)
+            yield p + "mlp.up_proj.weight", matrix(inner, hidden)
+            yield p + "mlp.down_proj.weight", matrix(hidden, inner)
+            yield p + "router.proj.weight", matrix(e, hidden)
+            yield p + "router.scale", ones(hidden)
+            yield p + "router.per_expert_scale", ones(e)
+            yield p + "experts.gate_up_proj", matrix(e * 2 * k, hidden).view(e, 2 * k, hidden)
+            yield p + "experts.down_proj", matrix(e * hidden, k).view(e, hidden, k)
+            yield p + "layer_scalar", ones(1)
+            yield f"model.encoder.language_model.layers.{i}.layer_scalar", ones(1)
+        yield "model.decoder.norm.weight", ones(hidden)
+        p = "model.decoder.self_conditioning."
+        yield p + "pre_norm.weight", ones(hidden)
+        yield p + "gate_proj.weight", matrix(inner, hidden)
+        yield p + "up_proj.weight", matrix(inner, hidden)
+        yield p + "down_proj.weight", matrix(hidden, inner)
 
     def _encoder_weights(self, matrix, ones) -> Iterator[tuple[str, torch.Tensor]]:
         """The media encoder's (tower and projector), under their Hugging Face names: the

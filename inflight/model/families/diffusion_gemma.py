@@ -151,12 +151,9 @@ def _from_hf(cfg: dict[str, Any]) -> ModelConfig:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Gemma-4's RMSNorm: in float32, x · (mean(x²) + eps)^-½, times `weight` where it has one."""
-    y = x.float()
-    y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-    if weight is not None:
-        y = y * weight.float()
-    return y.type_as(x)
+    """Gemma-4's RMSNorm: x · (mean(x²) + eps)^-½ (computed in float32 whatever x's dtype),
+    times `weight` where it has one."""
+    return nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -204,6 +201,7 @@ class _Plan:
     padded: torch.Tensor  # [T]: each token's row in [B * Q]
     batch: int
     width: int  # Q: the longest segment
+    dense: bool  # every segment is Q long: packed is padded
     layouts: dict[int | None, _Layout]
     encode_tokens: torch.Tensor  # [encode tokens]: their packed indices
     denoise_tokens: torch.Tensor  # [canvas tokens]
@@ -291,9 +289,11 @@ class _Attention(nn.Module):
         rows = plan.batch * plan.width
         own = []
         for t, heads in ((q, self.heads), (k, self.kv_heads), (v, self.kv_heads)):
-            padded = t.new_zeros(rows, heads, self.head_dim)
-            padded[plan.padded] = t
-            own.append(padded.view(plan.batch, plan.width, heads, self.head_dim))
+            if not plan.dense:
+                padded = t.new_zeros(rows, heads, self.head_dim)
+                padded[plan.padded] = t
+                t = padded
+            own.append(t.view(plan.batch, plan.width, heads, self.head_dim))
         q_pad, k_own, v_own = own
         keys = torch.cat((past_k, k_own), dim=1).transpose(1, 2)
         values = torch.cat((past_v, v_own), dim=1).transpose(1, 2)
@@ -305,8 +305,8 @@ class _Attention(nn.Module):
             scale=1.0,
             enable_gqa=self.heads != self.kv_heads,
         )
-        out = out.transpose(1, 2).reshape(rows, self.heads * self.head_dim)[plan.padded]
-        return self.o_proj(out)
+        out = out.transpose(1, 2).reshape(rows, self.heads * self.head_dim)
+        return self.o_proj(out if plan.dense else out[plan.padded])
 
 
 class _Router(nn.Module):
@@ -496,6 +496,7 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
             padded=tensor(padded),
             batch=len(batch.query_lens),
             width=width,
+            dense=all(length == width for length in batch.query_lens),
             layouts={w: _layout(batch, w, width, device) for w in windows},
             encode_tokens=tensor(encode),
             denoise_tokens=denoise_tokens,

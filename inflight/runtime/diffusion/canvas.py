@@ -1,19 +1,26 @@
-"""A canvas being denoised, and one denoising step of it (on the device).
+"""Canvases being denoised, and one denoising step of all that a forward computed (on the
+device).
 
 Each request draws from a generator of its own, in the order transformers' `generate()` draws
 from torch's: the canvas's uniform ids, then at every step the multinomial sample of each
 position and the uniform redraw of the positions not accepted. A request's canvases are then
 the same bits alone, beside any batchmates, and as `generate()` makes them under the same seed.
+Everything but those draws runs over the step's canvases at once, and the host reads one list
+of which canvases are done.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from inflight.runtime.diffusion.requests import Denoising
+
+# Greedy rows (temperature 0) divide their logits by this: their softmax is their argmax's
+# one-hot, their entropies 0, so every position takes its argmax.
+_GREEDY_SCALE = 1e-6
 
 
 @dataclass
@@ -30,7 +37,8 @@ class Canvas:
 
 
 class CanvasSampler:
-    """Starts and steps a request's canvases of `length` ids over `vocab`, from `generator`."""
+    """A request's denoising settings and generator; starts its canvases of `length` ids over
+    `vocab`."""
 
     def __init__(
         self,
@@ -46,58 +54,14 @@ class CanvasSampler:
 
     def start(self) -> Canvas:
         """A canvas of uniformly random ids."""
-        return Canvas(self._uniform(), self.settings.steps)
+        return Canvas(self.uniform(), self.settings.steps)
 
-    def step(
-        self,
-        canvas: Canvas,
-        logits: torch.Tensor,
-        soft: Callable[[torch.Tensor], torch.Tensor],
-    ) -> bool:
-        """Take the denoiser's float32 `logits` [L, V] of `canvas` in: sample, accept the
-        positions the entropy bound allows, redraw the others, keep the argmax and the
-        self-conditioning (`soft` of the scaled logits); whether the canvas is done (settled,
-        or out of steps)."""
-        s = self.settings
-        if s.temperature == 0:
-            argmax = logits.argmax(-1)[None]
-            entropy = torch.zeros_like(logits[:, 0])[None]
-            sampled = argmax
-            keep = torch.ones_like(argmax, dtype=torch.bool)
-            conditioning = soft(logits / 1e-6)
-        else:
-            scaled = logits / s.scale(canvas.left)
-            probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
-            sampled = torch.multinomial(probs, 1, generator=self.generator).view(1, -1)
-            argmax = scaled.argmax(-1)[None]
-            entropy = torch.distributions.Categorical(logits=scaled).entropy()[None]
-            ordered, order = torch.sort(entropy, dim=-1)
-            accepted = torch.cumsum(ordered, dim=-1) - ordered <= s.entropy_bound
-            keep = torch.zeros_like(accepted).scatter(-1, order, accepted)
-            conditioning = soft(scaled)
-        accepted_ids = torch.where(keep, sampled, canvas.ids)
-        canvas.ids = torch.where(~keep, self._uniform(), accepted_ids)
-        stable = self._stable(canvas, argmax)
-        canvas.argmax, canvas.soft = argmax, conditioning
-        canvas.left -= 1
-        confident = bool(entropy.mean() < s.confidence_threshold)
-        return canvas.left == 0 or (confident and stable)
+    def scale(self, canvas: Canvas) -> float:
+        """The temperature of the canvas's next step."""
+        t = self.settings.scale(canvas.left)
+        return _GREEDY_SCALE if t == 0 else t
 
-    def _stable(self, canvas: Canvas, argmax: torch.Tensor) -> bool:
-        """Whether `argmax` equals each of the last `stability_threshold` ones (recorded)."""
-        n = self.settings.stability_threshold
-        if n == 0:
-            return True
-        if canvas.history is None:
-            canvas.history = torch.full(
-                (n, *argmax.shape), -1, dtype=argmax.dtype, device=argmax.device
-            )
-        stable = bool((canvas.history == argmax[None]).all())
-        canvas.history = torch.roll(canvas.history, shifts=-1, dims=0)
-        canvas.history[-1] = argmax
-        return stable
-
-    def _uniform(self) -> torch.Tensor:
+    def uniform(self) -> torch.Tensor:
         return torch.randint(
             0,
             self.vocab,
@@ -105,3 +69,59 @@ class CanvasSampler:
             generator=self.generator,
             device=self.generator.device,
         )
+
+    def stable(self, canvas: Canvas, argmax: torch.Tensor) -> torch.Tensor:
+        """Whether `argmax` [1, L] equals each of the last `stability_threshold` ones (a bool
+        on the device; recorded)."""
+        n = self.settings.stability_threshold
+        if n == 0:
+            return torch.ones((), dtype=torch.bool, device=argmax.device)
+        if canvas.history is None:
+            canvas.history = torch.full(
+                (n, *argmax.shape), -1, dtype=argmax.dtype, device=argmax.device
+            )
+        stable = (canvas.history == argmax[None]).all()
+        canvas.history = torch.roll(canvas.history, shifts=-1, dims=0)
+        canvas.history[-1] = argmax
+        return stable
+
+
+def denoise(
+    rows: Sequence[tuple[CanvasSampler, Canvas]],
+    logits: torch.Tensor,
+    soft: Callable[[torch.Tensor], torch.Tensor],
+) -> list[bool]:
+    """Take the denoiser's float32 `logits` [R, L, V] of each row's canvas in: sample, accept
+    the positions each row's entropy bound allows, redraw the others, keep the argmax and the
+    self-conditioning (`soft` of the scaled logits); which canvases are done (settled, or out
+    of steps)."""
+    device = logits.device
+    scales = torch.tensor([s.scale(c) for s, c in rows], device=device).view(-1, 1, 1)
+    scaled = logits / scales
+    probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
+    sampled = torch.stack(
+        [
+            torch.multinomial(p, 1, generator=s.generator).view(1, -1)
+            for (s, _), p in zip(rows, probs, strict=True)
+        ]
+    )  # [R, 1, L]
+    noise = torch.stack([s.uniform() for s, _ in rows])
+    argmax = scaled.argmax(-1)[:, None]  # [R, 1, L]
+    entropy = torch.distributions.Categorical(logits=scaled).entropy()  # [R, L]
+    ordered, order = torch.sort(entropy, dim=-1)
+    bounds = torch.tensor([s.settings.entropy_bound for s, _ in rows], device=device)
+    accepted = torch.cumsum(ordered, dim=-1) - ordered <= bounds[:, None]
+    keep = torch.zeros_like(accepted).scatter(-1, order, accepted)[:, None]  # [R, 1, L]
+    ids = torch.stack([c.ids for _, c in rows])
+    ids = torch.where(~keep, noise, torch.where(keep, sampled, ids))
+    conditioning = soft(scaled.flatten(0, 1)).view(len(rows), scaled.shape[1], -1)
+    thresholds = torch.tensor([s.settings.confidence_threshold for s, _ in rows], device=device)
+    confident = entropy.mean(-1) < thresholds
+    stable = torch.stack([s.stable(c, a) for (s, c), a in zip(rows, argmax, strict=True)])
+    settled = (confident & stable).tolist()
+    done = []
+    for r, (_, canvas) in enumerate(rows):
+        canvas.ids, canvas.argmax, canvas.soft = ids[r], argmax[r], conditioning[r]
+        canvas.left -= 1
+        done.append(canvas.left == 0 or settled[r])
+    return done

@@ -29,7 +29,7 @@ from inflight.protocol.stepped import (
     ScheduledSequence,
     StepResult,
 )
-from inflight.runtime.diffusion.canvas import Canvas, CanvasSampler
+from inflight.runtime.diffusion.canvas import Canvas, CanvasSampler, denoise
 from inflight.runtime.diffusion.requests import DiffusionChecks, denoising
 from inflight.runtime.diffusion.schedule import plan_segments
 from inflight.runtime.host.detokenizer import IncrementalDetokenizer
@@ -197,10 +197,11 @@ class DiffusionSession:
         if not denoising_rows:
             return result
         logits = self.model.compute_logits(hidden_states).view(len(denoising_rows), self.canvas, -1)
-        for r, row_logits in zip(denoising_rows, logits, strict=True):
-            assert r.canvas is not None
-            self.counters.denoise_steps += 1
-            if r.sampler.step(r.canvas, row_logits, self.model.soft_embedding):
+        canvases = [(r.sampler, r.canvas) for r in denoising_rows]
+        done = denoise(canvases, logits, self.model.soft_embedding)  # type: ignore[arg-type]
+        self.counters.denoise_steps += len(denoising_rows)
+        for r, ended in zip(denoising_rows, done, strict=True):
+            if ended:
                 self._finish_canvas(r, result)
         return result
 

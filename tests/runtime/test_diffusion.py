@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from inflight import LLM
+from inflight.engine.errors import RequestCancelled
 from inflight.model.checkpoints.loader import open_checkpoint
 from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.options import check_runtime_serves
@@ -302,3 +303,33 @@ def test_deployments_it_cannot_serve_are_refused_at_load(checkpoint, options, ma
 def test_it_reports_its_canvas(llm):
     assert llm.canvas_length == CANVAS
     assert llm.in_flight_batching
+
+
+def test_a_stream_closed_mid_canvas_is_cancelled_and_frees_its_kv(checkpoint, llm):
+    free = llm._blocks.num_free, llm._slots.num_free
+    other = llm.generate_stream(
+        {"prompt_token_ids": PROMPTS[1]},
+        SamplingParams(max_tokens=6 * CANVAS, seed=1),
+        diffusion=DiffusionParams(max_denoising_steps=STEPS),
+    )
+    leaving = llm.generate_stream(
+        {"prompt_token_ids": PROMPTS[0]},
+        SamplingParams(max_tokens=20 * CANVAS, seed=2),
+        diffusion=DiffusionParams(max_denoising_steps=STEPS),
+    )
+    next(iter(leaving))
+    leaving.close()  # between its canvases or inside the next: the engine decides when
+    chunks = list(other)
+    assert chunks[-1].finish_reason == "length"
+    assert sum(len(c.token_ids) for c in chunks) == 6 * CANVAS
+    with pytest.raises(RequestCancelled):
+        leaving.get()
+    assert (llm._blocks.num_free, llm._slots.num_free) == free
+
+
+def test_the_blocking_path_serves_it_one_request_at_a_time(checkpoint):
+    path, reference = checkpoint
+    with LLM(str(path), max_model_len=256) as blocking:
+        assert not blocking.in_flight_batching
+        got = ours(blocking, PROMPTS[2], 6)
+    assert list(got.token_ids) == theirs(reference, PROMPTS[2], 6, eos_token_id=None)

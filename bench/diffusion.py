@@ -34,8 +34,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from diffusion_reference import config_dict  # noqa: E402
-
 from inflight import LLM  # noqa: E402
 from inflight.bench.random_model import RandomWeights, numbered_tokenizer  # noqa: E402
 from inflight.bench.report import report_path, write_report  # noqa: E402
@@ -48,6 +46,8 @@ from inflight.protocol.request import (  # noqa: E402
     SamplingParams,
 )
 from inflight.runtime.diffusion.runtime import DiffusionRuntime  # noqa: E402
+
+from diffusion_reference import config_dict  # noqa: E402
 
 REAL = dict(
     text_config=dict(

@@ -101,7 +101,9 @@ def test_lookups_name_what_the_registry_holds():
         ValueError, match="unsupported GGUF architecture 'gemma'; supported: .*granitehybrid"
     ):
         registry.gguf_family("gemma")
-    with pytest.raises(ValueError, match="unknown model family 'gemma'; registered: diffusion_gemma, llama, "):
+    with pytest.raises(
+        ValueError, match="unknown model family 'gemma'; registered: diffusion_gemma, llama, "
+    ):
         registry.by_name("gemma")
     assert registry.gguf_family("granitehybrid").name == "bamba"
     assert registry.by_name("qwen3").model is LlamaForCausalLM

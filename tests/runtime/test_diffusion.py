@@ -114,7 +114,9 @@ def test_joining_a_batch_mid_flight_changes_no_token(checkpoint, llm):
     long_tokens = [t for c in rest for t in c.token_ids]
     assert long_tokens == theirs(reference, PROMPTS[0], 11, 12 * CANVAS, eos_token_id=None)
     for i in (1, 2):
-        assert list(results[i].token_ids) == theirs(reference, PROMPTS[i], 20 + i, eos_token_id=None)
+        assert list(results[i].token_ids) == theirs(
+            reference, PROMPTS[i], 20 + i, eos_token_id=None
+        )
 
 
 def test_a_stop_token_inside_a_canvas_ends_it_there_as_transformers_eos(checkpoint, llm):

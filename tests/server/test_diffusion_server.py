@@ -35,7 +35,9 @@ def client(url: str) -> openai.OpenAI:
 def test_chat_is_the_library_chat(served):
     url, llm = served
     (want,) = llm.chat(
-        MESSAGES, SamplingParams(max_tokens=2 * CANVAS, seed=5), diffusion=DiffusionParams(**SETTINGS)
+        MESSAGES,
+        SamplingParams(max_tokens=2 * CANVAS, seed=5),
+        diffusion=DiffusionParams(**SETTINGS),
     )
     reply = client(url).chat.completions.create(
         model="test-model",
@@ -62,7 +64,9 @@ def test_completions_round_max_tokens_up_to_canvases(served):
 def test_a_stream_delivers_a_canvas_at_a_time(served):
     url, llm = served
     (want,) = llm.generate(
-        "Hello there", SamplingParams(max_tokens=3 * CANVAS, seed=8), diffusion=DiffusionParams(**SETTINGS)
+        "Hello there",
+        SamplingParams(max_tokens=3 * CANVAS, seed=8),
+        diffusion=DiffusionParams(**SETTINGS),
     )
     stream = client(url).completions.create(
         model="test-model",

@@ -271,6 +271,9 @@ class DiffusionConfig:
     global_rotary_fraction: float
     logit_softcap: float
     defaults: DenoiseDefaults = field(default_factory=DenoiseDefaults)
+    # The encode pass lets an image's tokens attend to each other both ways
+    # (`use_bidirectional_attention: "vision"`); otherwise it is causal throughout.
+    media_bidirectional: bool = False
 
 
 @dataclass(frozen=True)

@@ -27,3 +27,14 @@ def test_later_residents_take_what_is_left_in_seated_order():
     ]
     # A canvas that does not fit does not stop a smaller encode behind it.
     assert plan_segments([0, 3], canvas=8, budget=5) == [Segment(1, 3, False)]
+
+
+def test_a_chunk_holds_a_run_marked_whole_or_ends_before_it():
+    # An image at 10..30 of a 40-token prompt, a budget of 16: the chunk ends before it.
+    assert plan_segments([40], canvas=8, budget=16, whole=[[(10, 30)]]) == [Segment(0, 10, False)]
+    # At the run's start with room for all of it: taken whole, and what follows it.
+    assert plan_segments([30], canvas=8, budget=24, whole=[[(0, 20)]]) == [Segment(0, 24, False)]
+    # At its start without room: it waits.
+    assert plan_segments([30, 0], canvas=8, budget=16, whole=[[(0, 20)], []]) == [
+        Segment(1, 0, True)
+    ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inflight.model.encoders.audio_processor import AudioProcessor, clip_samples
-from inflight.model.encoders.base import PreparedItem, content_key
+from inflight.model.encoders.base import NO_BOUNDS, Bounds, PreparedItem, content_key
 from inflight.model.encoders.vision import activation
 from inflight.model.weights import copy_weights
 
@@ -78,6 +78,8 @@ class AudioConfig:
     @property
     def tokens_per_window(self) -> int:
         return self.max_source_positions * self.hidden_size // self.intermediate_size
+
+    bounds: ClassVar[Bounds] = NO_BOUNDS
 
     @property
     def placeholder(self) -> int:

@@ -33,6 +33,11 @@ def content_key(kind: str, data: np.ndarray, extra: str = "") -> bytes:
     return h.digest()
 
 
+# The bounds of an encoder whose items' placeholders stand alone.
+Bounds = tuple[tuple[int, ...], tuple[int, ...]]
+NO_BOUNDS: Bounds = ((), ())
+
+
 class EncoderConfig(Protocol):
     """A media encoder's config, as the decoder and the input side take any encoder: the kind
     of media it encodes, the prompt token that stands for one item, and what it builds."""
@@ -45,6 +50,12 @@ class EncoderConfig(Protocol):
     @property
     def placeholder(self) -> int:
         """The token that stands for one item in a prompt."""
+        ...
+
+    @property
+    def bounds(self) -> Bounds:
+        """The tokens before and after an item's placeholder tokens once its one placeholder
+        is expanded (Gemma-4's begin- and end-of-image), where the chat template writes none."""
         ...
 
     def build(self, text_hidden: int) -> nn.Module:

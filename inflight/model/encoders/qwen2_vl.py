@@ -18,14 +18,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inflight.model.encoders.base import PreparedItem, content_key
+from inflight.model.encoders.base import NO_BOUNDS, Bounds, PreparedItem, content_key
 from inflight.model.encoders.qwen2_vl_processor import Qwen2VLImageProcessor
 from inflight.model.encoders.vision import activation
 from inflight.model.weights import copy_weights
@@ -102,6 +102,8 @@ class Qwen2VLVisionConfig:
     def patch_dim(self) -> int:
         """Values in one flattened patch: channels x temporal x patch x patch."""
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    bounds: ClassVar[Bounds] = NO_BOUNDS
 
     @property
     def placeholder(self) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inflight.model.encoders.audio_processor import SAMPLE_RATE, AudioProcessor, clip_samples
-from inflight.model.encoders.base import PreparedItem, content_key
+from inflight.model.encoders.base import NO_BOUNDS, Bounds, PreparedItem, content_key
 from inflight.model.encoders.vision import activation
 from inflight.model.weights import copy_weights
 
@@ -99,6 +99,8 @@ class Qwen3OmniAudioConfig:
     def window_tokens(self) -> int:
         """Encoder frames of one attention window (a clip's last window may be shorter)."""
         return _CHUNK_TOKENS * (self.n_window_infer // self.chunk_frames)
+
+    bounds: ClassVar[Bounds] = NO_BOUNDS
 
     @property
     def placeholder(self) -> int:

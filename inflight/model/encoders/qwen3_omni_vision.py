@@ -20,14 +20,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inflight.model.encoders.base import PreparedItem, content_key
+from inflight.model.encoders.base import NO_BOUNDS, Bounds, PreparedItem, content_key
 from inflight.model.encoders.qwen2_vl import (
     VisionAttention,
     _groups,
@@ -125,6 +125,8 @@ class Qwen3OmniVisionConfig:
     def position_side(self) -> int:
         """The side of the square grid the learned position table covers."""
         return math.isqrt(self.num_position_embeddings)
+
+    bounds: ClassVar[Bounds] = NO_BOUNDS
 
     @property
     def placeholder(self) -> int:

@@ -15,14 +15,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inflight.model.encoders.base import PreparedItem, content_key
+from inflight.model.encoders.base import NO_BOUNDS, Bounds, PreparedItem, content_key
 from inflight.model.encoders.image_processor import ImageProcessor
 from inflight.model.weights import copy_weights
 
@@ -75,6 +75,8 @@ class VisionConfig:
     @property
     def tokens_per_image(self) -> int:
         return self.num_positions - (0 if self.keep_cls else 1)
+
+    bounds: ClassVar[Bounds] = NO_BOUNDS
 
     @property
     def placeholder(self) -> int:

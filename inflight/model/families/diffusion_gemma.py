@@ -38,6 +38,7 @@ from inflight.model.config import (
     MoEConfig,
     RopeConfig,
 )
+from inflight.model.contract import MediaEncoder
 from inflight.model.layers.linear import Linear, process_weights_after_loading
 from inflight.model.layers.moe import Experts
 from inflight.model.layers.parallel import TensorParallel
@@ -122,6 +123,7 @@ def _from_hf(cfg: dict[str, Any]) -> ModelConfig:
         global_rotary_fraction=float(full_rope.get("partial_rotary_factor", 1.0)),
         logit_softcap=float(text.get("final_logit_softcapping") or 30.0),
         defaults=DenoiseDefaults(**found),
+        media_bidirectional=text.get("use_bidirectional_attention") == "vision",
     )
     moe = MoEConfig(
         num_experts=text["num_experts"],
@@ -171,7 +173,9 @@ class CanvasBatch:
     `past_slots` (the KV slot of each of its positions before `starts`, in order). On the
     device: `ids` [T] of the packed queries, `soft` [canvas tokens, hidden] the
     self-conditioning embeddings of the denoise segments' tokens in order (None: no
-    denoise segment), `write_slots` [encode tokens] where the encode segments' tokens write."""
+    denoise segment), `write_slots` [encode tokens] where the encode segments' tokens write,
+    `media` the packed positions [n] whose input is a media embedding and those embeddings
+    [n, hidden] (an image's, in place of its placeholder tokens'), or None; `whole` (host)."""
 
     ids: torch.Tensor
     soft: torch.Tensor | None
@@ -180,6 +184,10 @@ class CanvasBatch:
     starts: list[int]
     denoise: list[bool]
     past_slots: list[np.ndarray]
+    media: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Per segment: runs [start, end) of its queries that attend to each other both ways (an
+    # image's tokens in an encode segment, where the model says so).
+    whole: list[list[tuple[int, int]]] | None = None
 
 
 @dataclass
@@ -231,6 +239,8 @@ def _layout(batch: CanvasBatch, window: int | None, width: int, device: torch.de
             if window is not None:
                 causal &= q - own < window
             mask[b, :, longest:] = causal & (own < length)
+            for start, end in batch.whole[b] if batch.whole else ():
+                mask[b, start:end, longest + start : longest + end] = True
         mask[b, length:, :] = False
         # A padding query sees itself alone (a row of no keys would be NaN).
         mask[b, np.arange(length, width), longest + np.arange(length, width)] = True
@@ -411,7 +421,11 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
         self.sc_up_proj = Linear(hidden, config.intermediate_size, False, linear)
         self.sc_down_proj = Linear(config.intermediate_size, hidden, False, linear)
         self.sc_pre_norm = nn.Parameter(torch.empty(hidden))
+        self.encoders = nn.ModuleDict({e.kind: e.build(hidden) for e in config.encoders})
         self._inv_freq: dict[tuple[int | None, torch.device], torch.Tensor] = {}
+
+    def media_encoders(self) -> dict[str, MediaEncoder]:
+        return dict(self.encoders.items())  # type: ignore[arg-type]
 
     # -- the KV cache ---------------------------------------------------------------------------
 
@@ -453,6 +467,9 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
         order; the encode segments' keys and values are written to `caches`."""
         plan = self._plan(batch)
         x = self.embed_tokens(batch.ids) * self.embed_scale()
+        if batch.media is not None:
+            rows, embeds = batch.media
+            x[rows] = embeds.to(x.dtype)
         if batch.soft is not None:
             canvas = x[plan.denoise_tokens]
             signal = rms_norm(batch.soft, self.sc_pre_norm, self.config.rms_norm_eps)
@@ -532,10 +549,14 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The checkpoint's tensors (the decoder's, which the encoder shares; the encoder's
         own layer scalars); the vision tower's are not read."""
-        params = dict(self.named_parameters())
+        params = {n: p for n, p in self.named_parameters() if not n.startswith("encoders.")}
         loaded: set[str] = set()
+        media: list[tuple[str, torch.Tensor]] = []
         with torch.no_grad():
             for name, target, tensor in self._names(weights):
+                if target == "media":
+                    media.append((name, tensor))
+                    continue
                 if target.startswith("experts:"):
                     layer, part = target.removeprefix("experts:").split(":")
                     self.layers[int(layer)].experts.load(part, tensor)
@@ -555,6 +576,8 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
         missing += sorted(scalars - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks DiffusionGemma tensors {missing[:5]}")
+        if "image" in self.encoders:
+            self.encoders["image"].load_weights(media)
         process_weights_after_loading(self)
         for layer in self.layers:
             layer.experts.finish_loading()
@@ -565,6 +588,7 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
         """(checkpoint name, this model's parameter or a load target, tensor)."""
         for name, tensor in weights:
             if name.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.")):
+                yield name, "media", tensor
                 continue
             if name == "lm_head.weight":
                 continue  # tied to the embedding

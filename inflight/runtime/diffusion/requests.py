@@ -8,11 +8,14 @@ and are refused by name; `temperature` scales the denoising schedule.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from inflight.protocol.options import check_runtime_serves
 from inflight.protocol.request import (
+    MEDIA_FIELD,
+    PROCESSOR_FIELD,
     AdmissionIntent,
     DiffusionParams,
     GenerationRequest,
@@ -20,6 +23,7 @@ from inflight.protocol.request import (
     RequestFieldError,
     SamplingParams,
 )
+from inflight.runtime.host.media import MediaSpec, check_media
 
 if TYPE_CHECKING:
     from inflight.model.config import DenoiseDefaults
@@ -101,6 +105,10 @@ class DiffusionChecks:
     num_blocks: int
     max_batch_size: int
     defaults: DenoiseDefaults
+    media: Mapping[str, MediaSpec] = field(default_factory=dict)  # the media it takes
+    # The most tokens a step encodes, where an image is encoded whole (its tokens attend to
+    # each other both ways); None where chunks may split it.
+    whole_media_limit: int | None = None
 
     def checked(self, request: GenerationRequest) -> GenerationRequest:
         """The request carrying its intent (ValueError naming what it cannot have)."""
@@ -112,8 +120,20 @@ class DiffusionChecks:
         check_runtime_serves(request, SERVED_OPTIONS)
         prompt, params = request.prompt_token_ids, request.params
         if request.media:
+            check_media(request, self.media)
+        limit = self.whole_media_limit
+        big = next((i for i in request.media if limit is not None and i.length > limit), None)
+        if big is not None:
             raise RequestFieldError(
-                "image input is not served for a block-diffusion model; send text", "media"
+                f"an {big.kind} of {big.length} tokens is encoded in one step here, above "
+                f"max_num_tokens ({limit}); send a smaller one or raise max_num_tokens",
+                MEDIA_FIELD,
+            )
+        if any(item.length != item.tokens for item in request.media):
+            raise RequestFieldError(
+                "the visual-token pruner (mm_processor_kwargs keep_ratio) is not served for a "
+                "block-diffusion model",
+                PROCESSOR_FIELD,
             )
         for name, default, why in _REFUSED:
             if getattr(params, name) != default:

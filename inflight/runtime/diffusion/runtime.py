@@ -20,6 +20,7 @@ from inflight.runtime.diffusion.session import DiffusionCounters, DiffusionSessi
 from inflight.runtime.host.kv_cache import BlockPool
 from inflight.runtime.host.slots import ResidentSlots
 from inflight.runtime.inputs.chat_media import MediaLimits
+from inflight.runtime.inputs.preprocessing import media_inputs
 from inflight.runtime.inputs.processor import InputProcessor
 
 
@@ -54,8 +55,10 @@ class DiffusionRuntime:
         self.blocks = BlockPool(plan.num_kv_blocks, plan.block_size)
         self.slots = ResidentSlots(plan.max_batch_size)
         self.context_cache = self.speculator = self.encoder_cache = None
-        self.media: dict[str, object] = {}
         self.voice_facts = None
+        prepared = media_inputs(config, checkpoint.processor_config)
+        # The media the model takes, by kind.
+        self.media = {kind: found.spec for kind, found in prepared.items()}
         model = build_model(
             checkpoint,
             self.dtype,
@@ -83,13 +86,17 @@ class DiffusionRuntime:
             num_blocks=plan.num_kv_blocks,
             max_batch_size=plan.max_batch_size,
             defaults=diffusion.defaults,
+            media=self.media,
+            whole_media_limit=plan.max_num_tokens if diffusion.media_bidirectional else None,
         )
         self.counters = DiffusionCounters()
+        limits = options.limit_mm_per_prompt
+        media_limits = MediaLimits(
+            max_images=limits.get("image", MediaLimits.max_images),
+            allow_fetch=options.allow_media_fetch,
+        )
         self.input_processor = InputProcessor(
-            self.tokenizer,
-            {},
-            MediaLimits(allow_fetch=options.allow_media_fetch),
-            self.checks.checked,
+            self.tokenizer, prepared, media_limits, self.checks.checked
         )
         self._session: DiffusionSession | None = None
 

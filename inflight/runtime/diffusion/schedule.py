@@ -25,11 +25,23 @@ class Segment:
     denoise: bool
 
 
-def plan_segments(waiting: Sequence[int], canvas: int, budget: int) -> list[Segment]:
-    """The step's segments, for residents with `waiting[i]` tokens to encode (0: denoising)."""
+def plan_segments(
+    waiting: Sequence[int],
+    canvas: int,
+    budget: int,
+    whole: Sequence[Sequence[tuple[int, int]]] = (),
+) -> list[Segment]:
+    """The step's segments, for residents with `waiting[i]` tokens to encode (0: denoising).
+    `whole[i]`: runs [start, end) of resident i's waiting tokens that one chunk must hold
+    whole (an image whose tokens attend to each other both ways)."""
     segments = []
     for index, pending in enumerate(waiting):
         take = min(pending, budget)
+        for start, end in whole[index] if index < len(whole) else ():
+            if start < take < end:
+                take = start
+            elif start == 0 and take < end:
+                take = 0  # the run does not fit this step
         budget -= take
         denoise = take == pending and budget >= canvas
         if denoise:

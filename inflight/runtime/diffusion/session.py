@@ -53,6 +53,8 @@ class DiffusionRow:
     encoded: int = 0
     canvas: Canvas | None = None
     output: list[int] = field(default_factory=list)
+    # Its prompt's media not encoded yet: (first position, embeddings [tokens, hidden]).
+    media: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -112,6 +114,10 @@ class DiffusionSession:
         assert intent is not None
         if self.slots.num_free < 1 or self.blocks.num_free < intent.blocks_needed:
             return Admission(AdmissionAnswer.NO_CAPACITY)
+        try:
+            media = self._encode_media(request)
+        except (ValueError, RuntimeError) as exc:
+            return Admission(AdmissionAnswer.REJECTED, reason=str(exc))
         blocks = self.blocks.allocate(intent.blocks_needed)
         ref = self.slots.acquire()
         assert blocks is not None and ref is not None
@@ -139,6 +145,7 @@ class DiffusionSession:
                 p.stop,
                 p.include_stop_str_in_output,
             ),
+            media=media,
         )
         return Admission(AdmissionAnswer.ADMITTED, (ref,))
 
@@ -150,7 +157,11 @@ class DiffusionSession:
             if ref in self.rows:
                 self._evict(self.rows[ref], FinishReason.CANCELLED, None, result)
         rows = list(self.rows.values())
-        segments = plan_segments([len(r.waiting) for r in rows], self.canvas, self.max_num_tokens)
+        # Where an image's tokens attend to each other both ways, a chunk holds it whole.
+        bidirectional = self.model.diffusion.media_bidirectional
+        whole = [self._unencoded_media(r) for r in rows] if bidirectional else []
+        waiting = [len(r.waiting) for r in rows]
+        segments = plan_segments(waiting, self.canvas, self.max_num_tokens, whole)
         if not segments:
             return result
         pieces: list[torch.Tensor] = []
@@ -162,22 +173,42 @@ class DiffusionSession:
             starts=[],
             denoise=[],
             past_slots=[],
+            whole=[] if bidirectional else None,
         )
         writes, softs, denoising_rows = [], [], []
+        media_rows: list[torch.Tensor] = []
+        media: list[torch.Tensor] = []
+        packed = 0
         for segment in segments:
             r = rows[segment.index]
             past = r.encoded
             if segment.encode:
                 chunk = r.waiting[: segment.encode]
                 pieces.append(torch.tensor(chunk, dtype=torch.int64))
+                runs = []
+                for start, embeds in r.media:
+                    first = max(start, r.encoded)
+                    last = min(start + embeds.shape[0], r.encoded + len(chunk))
+                    if first < last:
+                        media_rows.append(torch.arange(first, last) - r.encoded + packed)
+                        media.append(embeds[first - start : last - start])
+                        runs.append((first - r.encoded, last - r.encoded))
+                if batch.whole is not None:
+                    batch.whole.append(runs)
+                packed += len(chunk)
                 self._add(batch, len(chunk), r.encoded, False, r.slots[: r.encoded])
                 writes.append(r.slots[r.encoded : r.encoded + len(chunk)])
                 r.encoded += len(chunk)
                 del r.waiting[: segment.encode]
+                if not r.waiting:
+                    r.media = []  # the prompt is in the KV
             if segment.denoise:
                 if r.canvas is None:
                     r.canvas = r.sampler.start()
                 pieces.append(r.canvas.ids[0])
+                packed += self.canvas
+                if batch.whole is not None:
+                    batch.whole.append([])
                 self._add(batch, self.canvas, r.encoded, True, r.slots[: r.encoded])
                 softs.append(r.canvas.soft)
                 denoising_rows.append(r)
@@ -188,6 +219,8 @@ class DiffusionSession:
         batch.write_slots = torch.from_numpy(np.concatenate([np.zeros(0, np.int64), *writes])).to(
             device
         )
+        if media:
+            batch.media = torch.cat(media_rows).to(device), torch.cat(media)
         if softs:
             hidden = self.model.config.hidden_size
             zeros = torch.zeros(self.canvas, hidden, dtype=self.caches[0][0].dtype, device=device)
@@ -219,6 +252,21 @@ class DiffusionSession:
         return refs
 
     # -- internals ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _unencoded_media(r: DiffusionRow) -> list[tuple[int, int]]:
+        """Its prompt's media still to encode, as runs of its waiting tokens."""
+        return [(s - r.encoded, s + e.shape[0] - r.encoded) for s, e in r.media if s >= r.encoded]
+
+    @torch.inference_mode()
+    def _encode_media(self, request: GenerationRequest) -> list[tuple[int, torch.Tensor]]:
+        """The request's media encoded (the model's encoder of each kind), by first position."""
+        encoders = self.model.media_encoders()
+        encoded = []
+        for item in request.media:
+            (embeds,) = encoders[item.kind].encode([item.data])
+            encoded.append((item.offset, embeds))
+        return encoded
 
     @staticmethod
     def _add(batch: CanvasBatch, length: int, start: int, denoise: bool, past: np.ndarray) -> None:

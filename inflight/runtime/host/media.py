@@ -31,10 +31,14 @@ from inflight.runtime.host.features import RowFeature
 
 @dataclass(frozen=True)
 class MediaSpec:
-    """A kind of media a model takes: the token that stands for one item in a prompt."""
+    """A kind of media a model takes: the token that stands for one item in a prompt, and the
+    tokens its expansion puts before and after the item's placeholder tokens (`opens`,
+    `closes`; Gemma-4's begin- and end-of-image)."""
 
     kind: str
     placeholder: int
+    opens: tuple[int, ...] = ()
+    closes: tuple[int, ...] = ()
 
 
 def media_spec(specs: Mapping[str, MediaSpec], kind: str) -> MediaSpec:
@@ -71,7 +75,8 @@ def expand(
     ratio: float = 1.0,
 ) -> tuple[list[int], list[MediaItem]]:
     """The prompt with each placeholder token repeated for the tokens an item keeps (all its
-    `tokens`; of an image, the share `ratio` the pruner keeps, at least one), and its media in
+    `tokens`; of an image, the share `ratio` the pruner keeps, at least one), between its
+    spec's `opens` and `closes`, and its media in
     prompt order (the i-th placeholder of a kind is the i-th item of its group); a
     RequestFieldError when the counts differ."""
     pending: dict[int, tuple[MediaSpec, Iterator[PreparedItem]]] = {}
@@ -94,10 +99,12 @@ def expand(
         item = next(items)
         share = ratio if spec.kind == "image" else 1.0
         length = max(1, round(item.tokens * share))
+        ids += spec.opens
         media.append(
             MediaItem(spec.kind, len(ids), length, item.key, item.data, item.tokens, item.grid)
         )
         ids += [token] * length
+        ids += spec.closes
     return ids, media
 
 

@@ -26,7 +26,8 @@ def media_inputs(config: ModelConfig, processor_config: dict[str, Any]) -> dict[
     `preprocessor_config.json` (empty: the encoders' usual preprocessing)."""
     return {
         encoder.kind: MediaInput(
-            MediaSpec(encoder.kind, encoder.placeholder), encoder.preparer(processor_config)
+            MediaSpec(encoder.kind, encoder.placeholder, *encoder.bounds),
+            encoder.preparer(processor_config),
         )
         for encoder in config.encoders
     }

@@ -28,6 +28,7 @@ import argparse
 import gc
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -82,6 +83,7 @@ def random_checkpoint(args, config: dict, device: torch.device) -> Checkpoint:
     parsed = registry.config_from_hf(
         {**config, "architectures": ["DiffusionGemmaForBlockDiffusion"]}
     )
+    parsed = replace(parsed, vision=None)  # text prompts: no tower to load
     return Checkpoint(
         path=Path(f"diffusiongemma-{args.shape}-random"),
         config=parsed,

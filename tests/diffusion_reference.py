@@ -54,13 +54,14 @@ def config_dict(vocab: int = VOCAB, canvas: int = CANVAS, layers: int = 4) -> di
     )
 
 
-def tiny_model(seed: int = 0, spread: float = 0.0, **shape):
-    """The reference model (float32, eval) with seeded weights; `spread` > 0 redraws its
-    matrices with that deviation (wider: sharper predictions, so canvases settle early)."""
+def tiny_model(seed: int = 0, spread: float = 0.0, config: dict | None = None):
+    """The reference model (float32, eval) with seeded weights, of `config` (None:
+    `config_dict()`); `spread` > 0 redraws its matrices with that deviation."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
     torch.manual_seed(seed)
-    model = DiffusionGemmaForBlockDiffusion(DiffusionGemmaConfig(**config_dict(**shape))).eval()
+    config = config or config_dict()
+    model = DiffusionGemmaForBlockDiffusion(DiffusionGemmaConfig(**config)).eval()
     if spread:
         with torch.no_grad():
             for p in model.parameters():
@@ -69,11 +70,13 @@ def tiny_model(seed: int = 0, spread: float = 0.0, **shape):
     return model
 
 
-def write_tiny_checkpoint(path: Path, seed: int = 0, spread: float = 0.0, **shape):
+def write_tiny_checkpoint(
+    path: Path, seed: int = 0, spread: float = 0.0, config: dict | None = None
+):
     """The tiny model written to `path` with the test tokenizer; returns the model."""
     from tiny_models import write_tokenizer
 
-    model = tiny_model(seed, spread, **shape)
+    model = tiny_model(seed, spread, config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     write_tokenizer(path)
@@ -81,16 +84,11 @@ def write_tiny_checkpoint(path: Path, seed: int = 0, spread: float = 0.0, **shap
 
 
 def reference_generate(model, prompt: list[int], seed: int, **gen) -> list[int]:
-    """transformers' new tokens for `prompt` with torch's generator seeded `seed` (the pads
-    after an EOS left out)."""
+    """transformers' new tokens for `prompt` with torch's generator seeded `seed` (up to the
+    EOS, where one ends it: the pads after it left out)."""
     torch.manual_seed(seed)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), **gen)
     new = out.sequences[0, len(prompt) :].tolist()
-    pad = model.config.text_config.pad_token_id
     eos = gen.get("eos_token_id", EOS)
-    if eos is not None and eos in new:
-        new = new[: new.index(eos) + 1]
-    elif pad is not None and eos is not None:
-        new = [t for t in new if t != pad]
-    return new
+    return new[: new.index(eos) + 1] if eos in new else new

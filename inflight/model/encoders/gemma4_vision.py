@@ -258,7 +258,8 @@ class _Attention(nn.Module):
 class _MLP(nn.Module):
     def __init__(self, config: Gemma4VisionConfig) -> None:
         super().__init__()
-        hidden, inner, clipped = config.hidden_size, config.intermediate_size, config.use_clipped_linears
+        hidden, inner = config.hidden_size, config.intermediate_size
+        clipped = config.use_clipped_linears
         self.gate_proj = _ClippableLinear(hidden, inner, clipped)
         self.up_proj = _ClippableLinear(hidden, inner, clipped)
         self.down_proj = _ClippableLinear(inner, hidden, clipped)

@@ -17,8 +17,9 @@ Gemma-4's layers: sandwich norms around attention and the feed-forward; q/k norm
 scale-free v norm; full-attention layers with their own head size and key/value heads, values
 that are their keys before the key norm and rotation, and a partial ("proportional")
 rotation; a dense MLP and a mixture of experts side by side, each normed; a scalar per layer;
-embeddings scaled by sqrt(hidden); logits soft-capped. The vision tower of the checkpoint is
-not built: image input is not served.
+embeddings scaled by sqrt(hidden); logits soft-capped. Images go through Gemma-4's vision tower
+(`encoders/gemma4_vision.py`), their embeddings in place of their placeholder tokens' in the
+encode pass.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from inflight.model.config import (
     RopeConfig,
 )
 from inflight.model.contract import MediaEncoder
+from inflight.model.encoders.gemma4_vision import gemma4_vision_from_hf
 from inflight.model.layers.linear import Linear, process_weights_after_loading
 from inflight.model.layers.moe import Experts
 from inflight.model.layers.parallel import TensorParallel
@@ -147,6 +149,7 @@ def _from_hf(cfg: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=True,
         qk_norm=True,
         layer_windows=tuple(window if k == "sliding_attention" else None for k in kinds),
+        vision=gemma4_vision_from_hf(cfg),
         moe=moe,
         diffusion=diffusion,
     )
@@ -548,7 +551,7 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The checkpoint's tensors (the decoder's, which the encoder shares; the encoder's
-        own layer scalars); the vision tower's are not read."""
+        own layer scalars; the vision tower's and projection's, to its image encoder)."""
         params = {n: p for n, p in self.named_parameters() if not n.startswith("encoders.")}
         loaded: set[str] = set()
         media: list[tuple[str, torch.Tensor]] = []

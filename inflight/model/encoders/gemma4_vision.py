@@ -30,7 +30,7 @@ from torch import nn
 
 from inflight.model.encoders.base import Bounds, PreparedItem, content_key
 from inflight.model.encoders.gemma4_image_processor import Gemma4ImageProcessor, patch_positions
-from inflight.model.encoders.qwen2_vl import _groups
+from inflight.model.encoders.qwen2_vl import length_groups
 from inflight.model.encoders.vision import activation
 from inflight.model.weights import copy_into
 
@@ -328,7 +328,7 @@ class _VisionTower(nn.Module):
         config = self.config
         x = self.patch_embedder(pixels, positions)
         cos, sin = _rotary(positions, config.head_dim, config.rope_theta, x.dtype)
-        groups = _groups([rows * cols for rows, cols in grids], x.device)
+        groups = length_groups([rows * cols for rows, cols in grids], x.device)
         for layer in self.encoder.layers:
             x = layer(x, cos, sin, groups)
         k = config.pooling_kernel_size

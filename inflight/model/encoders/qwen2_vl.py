@@ -324,7 +324,7 @@ class _Layout:
     windows: list[torch.Tensor]  # of one window each (Qwen2.5-VL)
 
 
-def _groups(lengths: list[int], device: torch.device) -> list[torch.Tensor]:
+def length_groups(lengths: list[int], device: torch.device) -> list[torch.Tensor]:
     """Consecutive segments of these lengths, as token indices grouped by length."""
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     lengths_np = np.asarray(lengths)
@@ -365,7 +365,7 @@ def _layout(
     unit = merge * merge
     positions = torch.cat([_positions(grid, merge) for grid in grids])
     # The window order keeps each frame's patches together, so frames are consecutive either way.
-    frames = _groups([h * w for t, h, w in grids for _ in range(t)], device)
+    frames = length_groups([h * w for t, h, w in grids for _ in range(t)], device)
     if not config.windowed:
         return _Layout(positions.to(device), None, frames, [])
     side = config.window_size // config.patch_size // merge
@@ -378,7 +378,9 @@ def _layout(
         offset += math.prod(merged)
     block_order = torch.from_numpy(np.concatenate(order))
     positions = positions.view(-1, unit, 2)[block_order].view(-1, 2)
-    return _Layout(positions.to(device), block_order.to(device), frames, _groups(sizes, device))
+    return _Layout(
+        positions.to(device), block_order.to(device), frames, length_groups(sizes, device)
+    )
 
 
 def vision_rotary(

@@ -30,8 +30,8 @@ from torch import nn
 from inflight.model.encoders.base import NO_BOUNDS, Bounds, PreparedItem, content_key
 from inflight.model.encoders.qwen2_vl import (
     VisionAttention,
-    _groups,
     _positions,
+    length_groups,
     merged_grid,
     pack_images,
     vision_rotary,
@@ -230,7 +230,7 @@ def _layout(
         torch.cat(positions).to(device),
         torch.cat(taps).to(device),
         torch.cat(weights).to(device),
-        _groups([h * w for t, h, w in grids for _ in range(t)], device),
+        length_groups([h * w for t, h, w in grids for _ in range(t)], device),
     )
 
 

@@ -31,7 +31,7 @@ from inflight.protocol.stepped import (
 )
 from inflight.runtime.diffusion.canvas import Canvas, CanvasSampler, denoise
 from inflight.runtime.diffusion.requests import DiffusionChecks, denoising
-from inflight.runtime.diffusion.schedule import plan_segments
+from inflight.runtime.diffusion.schedule import Segment, plan_segments
 from inflight.runtime.host.detokenizer import IncrementalDetokenizer
 from inflight.runtime.host.kv_cache import BlockPool
 from inflight.runtime.host.slots import ResidentSlots
@@ -164,6 +164,29 @@ class DiffusionSession:
         segments = plan_segments(waiting, self.canvas, self.max_num_tokens, whole)
         if not segments:
             return result
+        batch, denoising_rows = self._batch(rows, segments, bidirectional, result)
+        self.counters.forwards += 1
+        hidden_states = self.model(batch, self.caches)
+        if not denoising_rows:
+            return result
+        logits = self.model.compute_logits(hidden_states).view(len(denoising_rows), self.canvas, -1)
+        canvases = [(r.sampler, r.canvas) for r in denoising_rows]
+        done = denoise(canvases, logits, self.model.soft_embedding)  # type: ignore[arg-type]
+        self.counters.denoise_steps += len(denoising_rows)
+        for r, ended in zip(denoising_rows, done, strict=True):
+            if ended:
+                self._finish_canvas(r, result)
+        return result
+
+    def _batch(
+        self,
+        rows: list[DiffusionRow],
+        segments: list[Segment],
+        bidirectional: bool,
+        result: StepResult,
+    ) -> tuple[CanvasBatch, list[DiffusionRow]]:
+        """The forward of the step's segments (their work recorded in `result`), and the
+        residents whose canvases it steps, in order; the encoded tokens leave their queues."""
         pieces: list[torch.Tensor] = []
         batch = CanvasBatch(
             ids=torch.empty(0),
@@ -225,18 +248,7 @@ class DiffusionSession:
             hidden = self.model.config.hidden_size
             zeros = torch.zeros(self.canvas, hidden, dtype=self.caches[0][0].dtype, device=device)
             batch.soft = torch.cat([zeros if s is None else s for s in softs])
-        self.counters.forwards += 1
-        hidden_states = self.model(batch, self.caches)
-        if not denoising_rows:
-            return result
-        logits = self.model.compute_logits(hidden_states).view(len(denoising_rows), self.canvas, -1)
-        canvases = [(r.sampler, r.canvas) for r in denoising_rows]
-        done = denoise(canvases, logits, self.model.soft_embedding)  # type: ignore[arg-type]
-        self.counters.denoise_steps += len(denoising_rows)
-        for r, ended in zip(denoising_rows, done, strict=True):
-            if ended:
-                self._finish_canvas(r, result)
-        return result
+        return batch, denoising_rows
 
     def finish(self) -> None:
         if self.rows:

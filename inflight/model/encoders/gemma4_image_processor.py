@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 from PIL import Image
 
-from inflight.model.encoders.image_processor import _RESAMPLE
+from inflight.model.encoders.image_processor import _RESAMPLE, rescaled
 from inflight.model.encoders.qwen2_vl_processor import _rgb
 
 # The soft-token budgets Hugging Face's processor accepts (its checkpoints were trained on them).
@@ -143,13 +143,7 @@ class Gemma4ImageProcessor:
                 f"without resizing, an image's sides must be multiples of {self.side}, "
                 f"got {width}x{height}"
             )
-        pixels = np.asarray(image)
-        if self.rescale is not None:
-            # Through float64, as Hugging Face's rescale.
-            pixels = pixels.astype(np.float64) * self.rescale
-        pixels = pixels.astype(np.float32)
-        if self.mean is not None and self.std is not None:
-            pixels = (pixels - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+        pixels = rescaled(np.asarray(image), self.rescale, self.mean, self.std)
         p = self.patch_size
         rows, cols = height // p, width // p
         patches = pixels.reshape(rows, p, cols, p, 3).transpose(0, 2, 1, 3, 4)

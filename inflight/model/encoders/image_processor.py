@@ -99,3 +99,19 @@ def _center_crop(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
         pixels, (h, w) = padded, padded.shape[:2]
     top, left = (h - height) // 2, (w - width) // 2
     return pixels[top : top + height, left : left + width]
+
+
+def rescaled(
+    pixels: np.ndarray,
+    rescale: float | None,
+    mean: tuple[float, ...] | None,
+    std: tuple[float, ...] | None,
+) -> np.ndarray:
+    """uint8 pixels as float32, rescaled through float64 (as Hugging Face's rescale) and
+    normalized where the processor does either."""
+    if rescale is not None:
+        pixels = pixels.astype(np.float64) * rescale
+    pixels = pixels.astype(np.float32)
+    if mean is not None and std is not None:
+        pixels = (pixels - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    return pixels

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 from PIL import Image
 
-from inflight.model.encoders.image_processor import _CLIP_MEAN, _CLIP_STD, _RESAMPLE
+from inflight.model.encoders.image_processor import _CLIP_MEAN, _CLIP_STD, _RESAMPLE, rescaled
 
 # Qwen2VLImageProcessor's pixel budget when the config names none.
 _MIN_PIXELS = 56 * 56
@@ -126,13 +126,7 @@ class Qwen2VLImageProcessor:
                 f"without resizing, an image's sides must be multiples of {self.factor}, "
                 f"got {width}x{height}"
             )
-        pixels = np.asarray(image)
-        if self.rescale is not None:
-            # Through float64, as Hugging Face's rescale.
-            pixels = pixels.astype(np.float64) * self.rescale
-        pixels = pixels.astype(np.float32)
-        if self.mean is not None and self.std is not None:
-            pixels = (pixels - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+        pixels = rescaled(np.asarray(image), self.rescale, self.mean, self.std)
         return self._patches(pixels)
 
     def _patches(self, pixels: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:

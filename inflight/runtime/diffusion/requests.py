@@ -69,6 +69,8 @@ class Denoising:
 def denoising(
     params: SamplingParams, diffusion: DiffusionParams | None, defaults: DenoiseDefaults
 ) -> Denoising:
+    """The request's settings: its own where it sets them, the model's where not; a t_min
+    above the resolved t_max is a RequestFieldError."""
     d = diffusion or DiffusionParams()
 
     def pick(name: str) -> float:
@@ -103,7 +105,6 @@ class DiffusionChecks:
     max_model_len: int
     block_size: int
     num_blocks: int
-    max_batch_size: int
     defaults: DenoiseDefaults
     media: Mapping[str, MediaSpec] = field(default_factory=dict)  # the media it takes
     # The most tokens a step encodes, where an image is encoded whole (its tokens attend to

@@ -84,7 +84,6 @@ class DiffusionRuntime:
             max_model_len=plan.max_model_len,
             block_size=plan.block_size,
             num_blocks=plan.num_kv_blocks,
-            max_batch_size=plan.max_batch_size,
             defaults=diffusion.defaults,
             media=self.media,
             whole_media_limit=plan.max_num_tokens if diffusion.media_bidirectional else None,

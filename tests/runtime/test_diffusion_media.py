@@ -93,6 +93,9 @@ def test_images_in_the_prompt_are_transformers_generate_token_for_token(tmp_path
             text = {"prompt_token_ids": BEFORE + AFTER}
             outs = llm.generate([prompt(reference, pictures), text], params, diffusion=diffusion)
             assert list(outs[0].outputs[0].token_ids) == want
+        # The first image, asked a second time, came from the encoder cache.
+        assert llm.get_encoder_metrics()["encoder_runs"] == 2
+        assert llm.get_encoder_metrics()["encoder_cache_hits"] == 1
 
 
 def test_an_image_that_cannot_be_encoded_in_one_step_is_refused_where_it_must_be(tmp_path):

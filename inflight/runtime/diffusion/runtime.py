@@ -14,6 +14,7 @@ from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest
 from inflight.protocol.stepped import ExecutionCapabilities
 from inflight.runtime.deployment import PER_ROW_FIELDS, model_facts, resolve
+from inflight.runtime.device.encoder_cache import EncoderCache
 from inflight.runtime.device.machine import probe_machine
 from inflight.runtime.diffusion.requests import DiffusionChecks
 from inflight.runtime.diffusion.session import DiffusionCounters, DiffusionSession
@@ -54,11 +55,12 @@ class DiffusionRuntime:
         self.max_model_len = plan.max_model_len
         self.blocks = BlockPool(plan.num_kv_blocks, plan.block_size)
         self.slots = ResidentSlots(plan.max_batch_size)
-        self.context_cache = self.speculator = self.encoder_cache = None
+        self.context_cache = self.speculator = None
         self.voice_facts = None
         prepared = media_inputs(config, checkpoint.processor_config)
         # The media the model takes, by kind.
         self.media = {kind: found.spec for kind, found in prepared.items()}
+        self.encoder_cache = EncoderCache(options.encoder_cache_mb << 20) if self.media else None
         model = build_model(
             checkpoint,
             self.dtype,
@@ -136,6 +138,7 @@ class DiffusionRuntime:
             self.generator,
             self.plan.max_num_tokens,
             self.counters,
+            self.encoder_cache,
             on_finish=self._session_finished,
         )
         return self._session

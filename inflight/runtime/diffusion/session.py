@@ -29,6 +29,7 @@ from inflight.protocol.stepped import (
     ScheduledSequence,
     StepResult,
 )
+from inflight.runtime.device.encoder_cache import EncoderCache
 from inflight.runtime.diffusion.canvas import Canvas, CanvasSampler, denoise
 from inflight.runtime.diffusion.requests import DiffusionChecks, denoising
 from inflight.runtime.diffusion.schedule import Segment, plan_segments
@@ -79,6 +80,7 @@ class DiffusionSession:
         generator: torch.Generator,
         max_num_tokens: int,
         counters: DiffusionCounters,
+        encoder_cache: EncoderCache | None = None,
         *,
         on_finish: Callable[[], None] | None = None,
     ) -> None:
@@ -91,6 +93,7 @@ class DiffusionSession:
         self.generator = generator
         self.max_num_tokens = max_num_tokens
         self.counters = counters
+        self.encoder_cache = encoder_cache
         self.canvas = checks.canvas
         self.device = generator.device
         self.eos = frozenset(tokenizer.eos_token_ids)
@@ -272,11 +275,16 @@ class DiffusionSession:
 
     @torch.inference_mode()
     def _encode_media(self, request: GenerationRequest) -> list[tuple[int, torch.Tensor]]:
-        """The request's media encoded (the model's encoder of each kind), by first position."""
-        encoders = self.model.media_encoders()
+        """The request's media encoded (the model's encoder of each kind; an item the encoder
+        cache holds, from there), by first position."""
+        encoders, cache = self.model.media_encoders(), self.encoder_cache
         encoded = []
         for item in request.media:
-            (embeds,) = encoders[item.kind].encode([item.data])
+            embeds = None if cache is None else cache.get(item.key)
+            if embeds is None:
+                (embeds,) = encoders[item.kind].encode([item.data])
+                if cache is not None:
+                    cache.put(item.key, embeds)
             encoded.append((item.offset, embeds))
         return encoded
 

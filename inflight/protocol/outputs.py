@@ -63,6 +63,9 @@ class StreamChunk:
     # decodes (one tuple of codebook codes each; their first codes are `token_ids`).
     audio: bytes = b""
     codes: list[tuple[int, ...]] = field(default_factory=list)
+    # Block diffusion asked for drafts: the canvas being denoised, as its last step's argmax
+    # (each draft replaces the one before; the canvas's tokens, once it ends, replace both).
+    draft: list[int] | None = None
 
 
 def merge_chunks(chunks: Iterable[StreamChunk]) -> list[StreamChunk]:
@@ -83,6 +86,7 @@ def merge_chunks(chunks: Iterable[StreamChunk]) -> list[StreamChunk]:
                     chunk.index,
                     chunk.audio,
                     list(chunk.codes),
+                    chunk.draft,
                 )
             )
             continue
@@ -94,6 +98,11 @@ def merge_chunks(chunks: Iterable[StreamChunk]) -> list[StreamChunk]:
             last.logprobs = [*(last.logprobs or []), *chunk.logprobs]
         last.prompt_tokens = max(last.prompt_tokens, chunk.prompt_tokens)
         last.finished, last.finish_reason = chunk.finished, chunk.finish_reason
+        # The latest draft stands; tokens that came after it end it.
+        if chunk.draft is not None:
+            last.draft = chunk.draft
+        elif chunk.token_ids:
+            last.draft = None
     return merged
 
 

@@ -359,6 +359,8 @@ class DiffusionParams:
     entropy_bound: float | None = None
     stability_threshold: int | None = None
     confidence_threshold: float | None = None
+    # Stream each denoising step's argmax of the canvas in progress (`StreamChunk.draft`).
+    stream_drafts: bool = False
 
     def __post_init__(self) -> None:
         steps = self.max_denoising_steps

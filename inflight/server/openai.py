@@ -86,7 +86,9 @@ def sampling_params(
         raise ServerError(400, str(exc), str(exc).split(" ", 1)[0]) from exc
 
 
-DIFFUSION_FIELDS = tuple(f.name for f in fields(DiffusionParams))
+# The denoising settings a body may carry (drafts are for library streams: no OpenAI shape
+# carries them).
+DIFFUSION_FIELDS = tuple(f.name for f in fields(DiffusionParams) if f.name != "stream_drafts")
 
 
 def diffusion_params(body: SamplingFields) -> DiffusionParams | None:

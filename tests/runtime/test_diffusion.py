@@ -335,3 +335,29 @@ def test_the_blocking_path_serves_it_one_request_at_a_time(checkpoint):
         assert not blocking.in_flight_batching
         got = ours(blocking, PROMPTS[2], 6)
     assert list(got.token_ids) == theirs(reference, PROMPTS[2], 6, eos_token_id=None)
+
+
+def test_drafts_stream_each_step_of_a_canvas_and_change_no_token(checkpoint, llm):
+    _, reference = checkpoint
+    handle = llm.generate_stream(
+        {"prompt_token_ids": PROMPTS[1]},
+        SamplingParams(max_tokens=3 * CANVAS, seed=2),
+        diffusion=DiffusionParams(max_denoising_steps=STEPS, stream_drafts=True),
+    )
+    chunks = list(handle)
+    drafts = [c.draft for c in chunks if c.draft is not None]
+    tokens = [t for c in chunks for t in c.token_ids]
+    # Random weights settle no canvas early: every step but each canvas's last is a draft
+    # (a consumer that falls behind gets the latest one, merged).
+    assert 0 < len(drafts) <= 3 * (STEPS - 1)
+    assert all(len(d) == CANVAS for d in drafts)
+    assert tokens == theirs(reference, PROMPTS[1], 2, eos_token_id=None)
+
+
+def test_merged_chunks_keep_the_latest_draft_until_tokens_come():
+    from inflight.protocol.outputs import StreamChunk, merge_chunks
+
+    (merged,) = merge_chunks([StreamChunk(draft=[1, 2]), StreamChunk(draft=[3, 4])])
+    assert merged.draft == [3, 4] and merged.token_ids == []
+    (merged,) = merge_chunks([StreamChunk(draft=[1, 2]), StreamChunk(token_ids=[5, 6])])
+    assert merged.draft is None and merged.token_ids == [5, 6]

@@ -176,6 +176,16 @@ class DiffusionSession:
         canvases = [(r.sampler, r.canvas) for r in denoising_rows]
         done = denoise(canvases, logits, self.model.soft_embedding)  # type: ignore[arg-type]
         self.counters.denoise_steps += len(denoising_rows)
+        drafting = [
+            r
+            for r, ended in zip(denoising_rows, done, strict=True)
+            if not ended and r.request.diffusion is not None and r.request.diffusion.stream_drafts
+        ]
+        if drafting:
+            drafts = torch.cat([r.canvas.argmax for r in drafting]).tolist()  # type: ignore[union-attr]
+            for r, draft in zip(drafting, drafts, strict=True):
+                prompt = len(r.request.prompt_token_ids)
+                result.deltas[r.ref] = StreamChunk(prompt_tokens=prompt, draft=draft)
         for r, ended in zip(denoising_rows, done, strict=True):
             if ended:
                 self._finish_canvas(r, result)

@@ -27,16 +27,21 @@ def models(tmp_path_factory):
 
 
 def batch(segments, soft=None):
-    """CanvasBatch of (ids, start, denoise, past slots, write slots) segments."""
+    """CanvasBatch of (ids, start, denoise, past slots, write slots) segments, the sliding
+    layers' slots the full layers' (caches of one size)."""
     writes = [w for *_, denoise, _, w in segments if not denoise]
+    write_slots = torch.from_numpy(np.concatenate([np.zeros(0, np.int64), *writes]))
+    past = [past for *_, past, _ in segments]
     return CanvasBatch(
         ids=torch.tensor([t for ids, *_ in segments for t in ids]),
         soft=soft,
-        write_slots=torch.from_numpy(np.concatenate([np.zeros(0, np.int64), *writes])),
+        write_slots=write_slots,
+        window_write_slots=write_slots,
         query_lens=[len(ids) for ids, *_ in segments],
         starts=[start for _, start, *_ in segments],
         denoise=[denoise for _, _, denoise, *_ in segments],
-        past_slots=[past for *_, past, _ in segments],
+        past_slots=past,
+        window_past_slots=past,
     )
 
 
@@ -67,7 +72,7 @@ def test_encode_in_chunks_then_denoise_matches_transformers(models):
     from transformers import DynamicCache
 
     reference, model = models
-    caches = model.allocate_kv(128, torch.float32, torch.device("cpu"))
+    caches = model.allocate_kv(128, 128, torch.float32, torch.device("cpu"))
     cache = DynamicCache(config=reference.config.get_text_config())
     encode(model, caches, PROMPT[:13], 0)
     encode(model, caches, PROMPT[13:], 13)
@@ -108,7 +113,7 @@ def test_encode_in_chunks_then_denoise_matches_transformers(models):
 def test_mixed_segments_of_several_sequences_give_each_what_it_gives_alone(models):
     _, model = models
     hidden = model.config.hidden_size
-    alone = model.allocate_kv(256, torch.float32, torch.device("cpu"))
+    alone = model.allocate_kv(256, 256, torch.float32, torch.device("cpu"))
     # Sequence A (slots 0..): its prompt encoded; sequence B (slots 128..): a prompt of 5.
     encode(model, alone, PROMPT, 0)
     canvas_a = list(range(40, 48))
@@ -118,7 +123,7 @@ def test_mixed_segments_of_several_sequences_give_each_what_it_gives_alone(model
     canvas_b = list(range(60, 68))
     want_b = denoise(model, alone, canvas_b, 5, base=128)
 
-    mixed = model.allocate_kv(256, torch.float32, torch.device("cpu"))
+    mixed = model.allocate_kv(256, 256, torch.float32, torch.device("cpu"))
     encode(model, mixed, PROMPT, 0)
     # One forward: A's canvas step, then B's whole prompt with its first canvas beside it.
     slots_b = np.arange(128, 133)

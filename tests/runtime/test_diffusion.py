@@ -188,6 +188,9 @@ def test_a_long_prompt_is_encoded_in_chunks_of_the_token_budget(checkpoint):
         tokens += result.deltas.get(ref, None).token_ids if ref in result.deltas else []
     # 16 + 16 + 16, then the last 2 beside the first canvas (8): 10 tokens.
     assert work[:4] == [[(16, 0)], [(16, 16)], [(16, 32)], [(2 + CANVAS, 48)]]
+    # The sliding layers held a ring of 15 + 16 positions a resident (wrapped twice here).
+    (k, _), full = rt.caches[0], rt.caches[-1][0]
+    assert k.shape[0] == rt.slots.capacity * 31 and full.shape[0] == rt.blocks.num_blocks * 16
     assert tokens == theirs(reference, prompt, 9, eos_token_id=None)
     session.finish()
 

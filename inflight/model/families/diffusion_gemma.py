@@ -173,20 +173,24 @@ class CanvasBatch:
     """One forward of a block-diffusion model over packed segments (see the module's
     docstring). Per segment, on the host: `query_lens`, `starts` (its first query's position;
     queries follow one another), `denoise` (a canvas: bidirectional, writes no KV) and
-    `past_slots` (the KV slot of each of its positions before `starts`, in order). On the
-    device: `ids` [T] of the packed queries, `soft` [canvas tokens, hidden] the
-    self-conditioning embeddings of the denoise segments' tokens in order (None: no
-    denoise segment), `write_slots` [encode tokens] where the encode segments' tokens write,
+    `past_slots` (the full layers' KV slot of each of its positions before `starts`, in
+    order) and `window_past_slots` (the sliding layers' slots of at least its last window - 1
+    positions before `starts`: their KV may be a ring that holds no more). On the device: `ids`
+    [T] of the packed queries, `soft` [canvas tokens, hidden] the self-conditioning embeddings
+    of the denoise segments' tokens in order (None: no denoise segment), `write_slots` and
+    `window_write_slots` [encode tokens] where the encode segments' tokens write,
     `media` the packed positions [n] whose input is a media embedding and those embeddings
     [n, hidden] (an image's, in place of its placeholder tokens'), or None; `whole` (host)."""
 
     ids: torch.Tensor
     soft: torch.Tensor | None
     write_slots: torch.Tensor
+    window_write_slots: torch.Tensor
     query_lens: list[int]
     starts: list[int]
     denoise: list[bool]
     past_slots: list[np.ndarray]
+    window_past_slots: list[np.ndarray]
     media: tuple[torch.Tensor, torch.Tensor] | None = None
     # Per segment: runs [start, end) of its queries that attend to each other both ways (an
     # image's tokens in an encode segment, where the model says so).
@@ -217,11 +221,14 @@ class _Plan:
     encode_tokens: torch.Tensor  # [encode tokens]: their packed indices
     denoise_tokens: torch.Tensor  # [canvas tokens]
     is_denoise: torch.Tensor  # [T, 1] bool
-    write_slots: torch.Tensor  # [encode tokens]
+    writes: dict[int | None, torch.Tensor]  # by window: the encode tokens' slots
 
 
 def _layout(batch: CanvasBatch, window: int | None, width: int, device: torch.device) -> _Layout:
-    pasts = [s if window is None else s[max(0, len(s) - window + 1) :] for s in batch.past_slots]
+    if window is None:
+        pasts = batch.past_slots
+    else:
+        pasts = [s[max(0, len(s) - window + 1) :] for s in batch.window_past_slots]
     longest = max((len(p) for p in pasts), default=0)
     past = np.zeros((len(pasts), longest), np.int64)
     mask = np.zeros((len(pasts), width, longest + width), bool)
@@ -296,8 +303,8 @@ class _Attention(nn.Module):
         layout = plan.layouts[self.window]
         # The encode tokens' keys join the cache first: a canvas of the same sequence in this
         # batch reads them as its past (their own segment reads them as its own keys).
-        k_cache[plan.write_slots] = k[plan.encode_tokens]
-        v_cache[plan.write_slots] = v[plan.encode_tokens]
+        k_cache[plan.writes[self.window]] = k[plan.encode_tokens]
+        v_cache[plan.writes[self.window]] = v[plan.encode_tokens]
         past_k, past_v = k_cache[layout.past], v_cache[layout.past]  # [B, P, kv, D]
         rows = plan.batch * plan.width
         own = []
@@ -432,12 +439,16 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
 
     # -- the KV cache ---------------------------------------------------------------------------
 
-    def allocate_kv(self, slots: int, dtype: torch.dtype, device: torch.device) -> list[KVCache]:
-        """Each layer's key and value tensors [slots, its kv heads, its head size]."""
+    def allocate_kv(
+        self, slots: int, window_slots: int, dtype: torch.dtype, device: torch.device
+    ) -> list[KVCache]:
+        """Each layer's key and value tensors [its slots, its kv heads, its head size]: `slots`
+        for the full layers, `window_slots` for the sliding ones."""
         caches = []
         for layer in self.layers:
             attn = layer.self_attn
-            shape = (slots, attn.kv_heads, attn.head_dim)
+            rows = slots if attn.window is None else window_slots
+            shape = (rows, attn.kv_heads, attn.head_dim)
             caches.append(
                 (
                     torch.zeros(shape, dtype=dtype, device=device),
@@ -445,12 +456,6 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
                 )
             )
         return caches
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        size = torch.tensor([], dtype=dtype).element_size()
-        return sum(
-            2 * layer.self_attn.kv_heads * layer.self_attn.head_dim * size for layer in self.layers
-        )
 
     # -- the forward ----------------------------------------------------------------------------
 
@@ -521,7 +526,9 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
             encode_tokens=tensor(encode),
             denoise_tokens=denoise_tokens,
             is_denoise=is_denoise,
-            write_slots=batch.write_slots,
+            writes={
+                w: batch.write_slots if w is None else batch.window_write_slots for w in windows
+            },
         )
 
     def _rotation(

@@ -17,7 +17,7 @@ from inflight.runtime.deployment import PER_ROW_FIELDS, model_facts, resolve
 from inflight.runtime.device.encoder_cache import EncoderCache
 from inflight.runtime.device.machine import probe_machine
 from inflight.runtime.diffusion.requests import DiffusionChecks
-from inflight.runtime.diffusion.session import DiffusionCounters, DiffusionSession
+from inflight.runtime.diffusion.session import DiffusionCounters, DiffusionSession, WindowRing
 from inflight.runtime.host.kv_cache import BlockPool
 from inflight.runtime.host.slots import ResidentSlots
 from inflight.runtime.inputs.chat_media import MediaLimits
@@ -71,8 +71,15 @@ class DiffusionRuntime:
         )
         assert isinstance(model, DiffusionGemmaForBlockDiffusion)
         self.model = model
+        # The sliding layers keep a window of each resident's KV, in a ring of their own.
+        window = max((w for w in config.layer_windows if w is not None), default=1)
+        ring = min(window - 1 + plan.max_num_tokens, plan.max_model_len)
+        self.ring = WindowRing(window, ring)
         self.caches = model.allocate_kv(
-            plan.num_kv_blocks * plan.block_size, self.dtype, self.device
+            plan.num_kv_blocks * plan.block_size,
+            plan.max_batch_size * ring,
+            self.dtype,
+            self.device,
         )
         self.generator = torch.Generator(self.device)
         if options.seed is None:
@@ -137,6 +144,7 @@ class DiffusionRuntime:
             self.tokenizer,
             self.generator,
             self.plan.max_num_tokens,
+            self.ring,
             self.counters,
             self.encoder_cache,
             on_finish=self._session_finished,

@@ -58,6 +58,23 @@ class DiffusionRow:
     media: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class WindowRing:
+    """The sliding layers' KV: a ring of `size` slots a resident, as many as its window and a
+    step's tokens reach (position p of resident r in slot r * size + p % size), so a long
+    sequence holds a window of it there."""
+
+    window: int
+    size: int
+
+    def slots(self, resident: int, start: int, end: int) -> np.ndarray:
+        return resident * self.size + np.arange(start, end) % self.size
+
+    def past(self, resident: int, end: int) -> np.ndarray:
+        """The slots of the last window - 1 positions before `end`."""
+        return self.slots(resident, max(0, end - self.window + 1), end)
+
+
 @dataclass
 class DiffusionCounters:
     """What the session's steps did: forwards, denoising steps of canvases, tokens delivered
@@ -79,6 +96,7 @@ class DiffusionSession:
         tokenizer: Tokenizer,
         generator: torch.Generator,
         max_num_tokens: int,
+        ring: WindowRing,
         counters: DiffusionCounters,
         encoder_cache: EncoderCache | None = None,
         *,
@@ -92,6 +110,7 @@ class DiffusionSession:
         self.tokenizer = tokenizer
         self.generator = generator
         self.max_num_tokens = max_num_tokens
+        self.ring = ring
         self.counters = counters
         self.encoder_cache = encoder_cache
         self.canvas = checks.canvas
@@ -205,13 +224,15 @@ class DiffusionSession:
             ids=torch.empty(0),
             soft=None,
             write_slots=torch.empty(0),
+            window_write_slots=torch.empty(0),
             query_lens=[],
             starts=[],
             denoise=[],
             past_slots=[],
+            window_past_slots=[],
             whole=[] if bidirectional else None,
         )
-        writes, softs, denoising_rows = [], [], []
+        writes, window_writes, softs, denoising_rows = [], [], [], []
         media_rows: list[torch.Tensor] = []
         media: list[torch.Tensor] = []
         packed = 0
@@ -232,8 +253,9 @@ class DiffusionSession:
                 if batch.whole is not None:
                     batch.whole.append(runs)
                 packed += len(chunk)
-                self._add(batch, len(chunk), r.encoded, False, r.slots[: r.encoded])
+                self._add(batch, len(chunk), r, False)
                 writes.append(r.slots[r.encoded : r.encoded + len(chunk)])
+                window_writes.append(self.ring.slots(r.ref.slot, r.encoded, r.encoded + len(chunk)))
                 r.encoded += len(chunk)
                 del r.waiting[: segment.encode]
                 if not r.waiting:
@@ -245,14 +267,16 @@ class DiffusionSession:
                 packed += self.canvas
                 if batch.whole is not None:
                     batch.whole.append([])
-                self._add(batch, self.canvas, r.encoded, True, r.slots[: r.encoded])
+                self._add(batch, self.canvas, r, True)
                 softs.append(r.canvas.soft)
                 denoising_rows.append(r)
             query = segment.encode + (self.canvas if segment.denoise else 0)
             result.work.append(ScheduledSequence(r.ref, query, past, segment.denoise))
         device = self.device
         batch.ids = torch.cat([piece.to(device) for piece in pieces])
-        batch.write_slots = torch.from_numpy(np.concatenate([np.zeros(0, np.int64), *writes])).to(
+        none = np.zeros(0, np.int64)
+        batch.write_slots = torch.from_numpy(np.concatenate([none, *writes])).to(device)
+        batch.window_write_slots = torch.from_numpy(np.concatenate([none, *window_writes])).to(
             device
         )
         if media:
@@ -298,12 +322,13 @@ class DiffusionSession:
             encoded.append((item.offset, embeds))
         return encoded
 
-    @staticmethod
-    def _add(batch: CanvasBatch, length: int, start: int, denoise: bool, past: np.ndarray) -> None:
+    def _add(self, batch: CanvasBatch, length: int, r: DiffusionRow, denoise: bool) -> None:
+        """A segment of `length` queries of `r` after what its KV holds."""
         batch.query_lens.append(length)
-        batch.starts.append(start)
+        batch.starts.append(r.encoded)
         batch.denoise.append(denoise)
-        batch.past_slots.append(past)
+        batch.past_slots.append(r.slots[: r.encoded])
+        batch.window_past_slots.append(self.ring.past(r.ref.slot, r.encoded))
 
     def _finish_canvas(self, r: DiffusionRow, result: StepResult) -> None:
         """Deliver the canvas's argmax: its tokens up to a stop, its text; end the request at

@@ -587,7 +587,8 @@ def check_structured_outputs(device: torch.device, seed: int) -> tuple[bool, str
     """Constrained rows beside free ones on CUDA (masks applied on the device, steps without
     overlap while they live): every constrained output is a string of its language. A random
     Qwen3-0.6B-shaped model with the embedded model's tokenizer, which the grammars need
-    ($INFLIGHT_TOKENIZER: a checkpoint to take it from where the GGUF cannot be read)."""
+    ($INFLIGHT_TOKENIZER: a checkpoint to take it from where the GGUF cannot be read;
+    `bench/tokenizer_checkpoint.py` writes one small enough to carry)."""
     import json
     import re
 

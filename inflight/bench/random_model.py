@@ -16,6 +16,7 @@ from inflight.model.config import MambaConfig, ModelConfig, MoEConfig, RopeConfi
 from inflight.model.encoders.audio import AudioConfig
 from inflight.model.encoders.qwen2_vl import Qwen2VLVisionConfig
 from inflight.model.encoders.vision import VisionConfig
+from inflight.model.families.diffusion_gemma import LAYER_NORMS
 
 SHAPES = {
     "qwen3-0.6b": ModelConfig(
@@ -256,15 +257,7 @@ class RandomWeights:
             head = d.global_head_dim if full else c.head_dim
             kv = (d.global_kv_heads if full else c.num_kv_heads) * head
             p = f"model.decoder.layers.{i}."
-            for norm in (
-                "input_layernorm",
-                "post_attention_layernorm",
-                "pre_feedforward_layernorm",
-                "post_feedforward_layernorm",
-                "post_feedforward_layernorm_1",
-                "post_feedforward_layernorm_2",
-                "pre_feedforward_layernorm_2",
-            ):
+            for norm in LAYER_NORMS:
                 yield p + norm + ".weight", ones(hidden)
             yield p + "self_attn.q_proj.weight", matrix(c.num_heads * head, hidden)
             yield p + "self_attn.k_proj.weight", matrix(kv, hidden)

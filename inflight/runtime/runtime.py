@@ -36,7 +36,7 @@ from inflight.runtime.device.inputs import (
 from inflight.runtime.device.machine import probe_machine
 from inflight.runtime.device.model_runner import ModelRunner, build_model_runner, runner_for
 from inflight.runtime.device.parallel import ParallelExecutor, Workers, rank_device
-from inflight.runtime.device.sampler import Sampler
+from inflight.runtime.device.sampler import Sampler, seeded_generator
 from inflight.runtime.host.adapters import AdapterRegistry
 from inflight.runtime.host.blocking import BlockingRun
 from inflight.runtime.host.context_cache import ContextCache
@@ -237,11 +237,7 @@ class Runtime:
             max_num_tokens=plan.max_num_tokens,
             graphs=graphs,
         )
-        generator = torch.Generator(self.device)
-        if plan.options.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(plan.options.seed)
+        generator = seeded_generator(self.device, plan.options.seed)
         self.voice_facts = SpeechFacts(
             kind="reply",
             voices=tuple(sorted(config.speakers)),

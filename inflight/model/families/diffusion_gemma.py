@@ -24,7 +24,7 @@ encode pass.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,6 +161,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+class _Norm(nn.Module):
+    """`rms_norm` with a weight of its own."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] rotated by the halves convention (cos, sin [T, D])."""
     half = x.shape[-1] // 2
@@ -281,8 +293,8 @@ class _Attention(nn.Module):
         # The full layers' values are their keys (`attention_k_eq_v`).
         self.v_proj = None if full else Linear(hidden, self.kv_heads * self.head_dim, False, linear)
         self.o_proj = Linear(self.heads * self.head_dim, hidden, False, linear)
-        self.q_norm = nn.Parameter(torch.empty(self.head_dim))
-        self.k_norm = nn.Parameter(torch.empty(self.head_dim))
+        self.q_norm = _Norm(self.head_dim, self.eps)
+        self.k_norm = _Norm(self.head_dim, self.eps)
 
     def forward(
         self,
@@ -293,11 +305,11 @@ class _Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         cos, sin = rotation
-        q = rms_norm(self.q_proj(x).view(tokens, self.heads, self.head_dim), self.q_norm, self.eps)
+        q = self.q_norm(self.q_proj(x).view(tokens, self.heads, self.head_dim))
         q = _rotate(q, cos, sin)
         k = self.k_proj(x).view(tokens, self.kv_heads, self.head_dim)
         v = k if self.v_proj is None else self.v_proj(x).view(tokens, self.kv_heads, -1)
-        k = _rotate(rms_norm(k, self.k_norm, self.eps), cos, sin)
+        k = _rotate(self.k_norm(k), cos, sin)
         v = rms_norm(v, None, self.eps)
         k_cache, v_cache = cache
         layout = plan.layouts[self.window]
@@ -351,7 +363,8 @@ class _Router(nn.Module):
         return weights * self.per_expert_scale[ids], ids
 
 
-_NORMS = (
+# A layer's norms, as the checkpoint names them (and the layer its modules).
+LAYER_NORMS = (
     "input_layernorm",
     "post_attention_layernorm",
     "pre_feedforward_layernorm",
@@ -360,6 +373,34 @@ _NORMS = (
     "post_feedforward_layernorm_2",
     "pre_feedforward_layernorm_2",
 )
+
+
+class _GatedMLP(nn.Module):
+    """down(gelu_tanh(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inner: int, methods: LinearMethods) -> None:
+        super().__init__()
+        linear = methods.unquantized
+        self.gate_proj = Linear(hidden, inner, False, linear)
+        self.up_proj = Linear(hidden, inner, False, linear)
+        self.down_proj = Linear(inner, hidden, False, linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = nn.functional.gelu(self.gate_proj(x), approximate="tanh")
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class _SelfConditioning(_GatedMLP):
+    """A canvas's input embeddings [n, hidden] joined by the previous step's predictions (their
+    soft embeddings): the scale-free norm of embeddings + MLP(norm(soft))."""
+
+    def __init__(self, hidden: int, inner: int, eps: float, methods: LinearMethods) -> None:
+        super().__init__(hidden, inner, methods)
+        self.pre_norm = _Norm(hidden, eps)
+        self.eps = eps
+
+    def forward(self, embeds: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return rms_norm(embeds + super().forward(self.pre_norm(soft)), None, self.eps)
 
 
 class _Layer(nn.Module):
@@ -373,17 +414,16 @@ class _Layer(nn.Module):
         super().__init__()
         moe = config.moe
         assert moe is not None
-        hidden, inner, linear = config.hidden_size, config.intermediate_size, methods.unquantized
-        self.eps = config.rms_norm_eps
+        hidden = config.hidden_size
         self.self_attn = _Attention(config, layer, methods)
-        self.gate_proj = Linear(hidden, inner, False, linear)
-        self.up_proj = Linear(hidden, inner, False, linear)
-        self.down_proj = Linear(inner, hidden, False, linear)
+        self.mlp = _GatedMLP(hidden, config.intermediate_size, methods)
         self.router = _Router(config, moe, methods)
         self.experts = Experts(hidden, moe, platform, methods, f"layers.{layer}.experts")
-        self.norms = nn.ParameterDict({name: nn.Parameter(torch.empty(hidden)) for name in _NORMS})
-        # The two passes' layer scalars (transformers keeps one per pass).
-        self.scalars = nn.Parameter(torch.empty(2))
+        for name in LAYER_NORMS:
+            setattr(self, name, _Norm(hidden, config.rms_norm_eps))
+        # The two passes' scalars (transformers keeps one per pass): the denoise's, the encode's.
+        self.layer_scalar = nn.Parameter(torch.empty(1))
+        self.encoder_layer_scalar = nn.Parameter(torch.empty(1))
 
     def forward(
         self,
@@ -392,19 +432,14 @@ class _Layer(nn.Module):
         plan: _Plan,
         cache: KVCache,
     ) -> torch.Tensor:
-        norm, eps = self.norms, self.eps
-        h = self.self_attn(rms_norm(x, norm["input_layernorm"], eps), rotation, plan, cache)
-        x = x + rms_norm(h, norm["post_attention_layernorm"], eps)
-        h = rms_norm(x, norm["pre_feedforward_layernorm"], eps)
-        dense = self.down_proj(
-            nn.functional.gelu(self.gate_proj(h), approximate="tanh") * self.up_proj(h)
-        )
-        dense = rms_norm(dense, norm["post_feedforward_layernorm_1"], eps)
+        h = self.self_attn(self.input_layernorm(x), rotation, plan, cache)
+        x = x + self.post_attention_layernorm(h)
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         weights, ids = self.router(x)
-        sparse = self.experts(rms_norm(x, norm["pre_feedforward_layernorm_2"], eps), weights, ids)
-        sparse = rms_norm(sparse, norm["post_feedforward_layernorm_2"], eps)
-        x = x + rms_norm(dense + sparse, norm["post_feedforward_layernorm"], eps)
-        scalar = torch.where(plan.is_denoise, self.scalars[1], self.scalars[0])
+        sparse = self.experts(self.pre_feedforward_layernorm_2(x), weights, ids)
+        sparse = self.post_feedforward_layernorm_2(sparse)
+        x = x + self.post_feedforward_layernorm(dense + sparse)
+        scalar = torch.where(plan.is_denoise, self.layer_scalar, self.encoder_layer_scalar)
         return x * scalar.to(x.dtype)
 
 
@@ -425,14 +460,13 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
         self.layers = nn.ModuleList(
             _Layer(config, i, platform, methods) for i in range(config.num_layers)
         )
-        self.norm = nn.Parameter(torch.empty(hidden))
-        linear = methods.unquantized
-        self.sc_gate_proj = Linear(hidden, config.intermediate_size, False, linear)
-        self.sc_up_proj = Linear(hidden, config.intermediate_size, False, linear)
-        self.sc_down_proj = Linear(config.intermediate_size, hidden, False, linear)
-        self.sc_pre_norm = nn.Parameter(torch.empty(hidden))
+        self.norm = _Norm(hidden, config.rms_norm_eps)
+        self.self_conditioning = _SelfConditioning(
+            hidden, config.intermediate_size, config.rms_norm_eps, methods
+        )
         self.encoders = nn.ModuleDict({e.kind: e.build(hidden) for e in config.encoders})
         self._inv_freq: dict[tuple[int | None, torch.device], torch.Tensor] = {}
+        self._embed_scale: torch.Tensor | None = None
 
     def media_encoders(self) -> dict[str, MediaEncoder]:
         return dict(self.encoders.items())  # type: ignore[arg-type]
@@ -460,8 +494,13 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
     # -- the forward ----------------------------------------------------------------------------
 
     def embed_scale(self) -> torch.Tensor:
-        weight = self.embed_tokens.weight
-        return torch.tensor(self.config.hidden_size**0.5).to(weight.dtype).to(weight.device)
+        """sqrt(hidden) in the embedding's dtype (rounded as transformers rounds it), made once
+        the weights are where they run."""
+        if self._embed_scale is None:
+            weight = self.embed_tokens.weight
+            scale = torch.tensor(self.config.hidden_size**0.5).to(weight.dtype)
+            self._embed_scale = scale.to(weight.device)
+        return self._embed_scale
 
     def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
         """A step's predictions [n, vocab] (the temperature-scaled logits) as the next step's
@@ -479,17 +518,14 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
             rows, embeds = batch.media
             x[rows] = embeds.to(x.dtype)
         if batch.soft is not None:
-            canvas = x[plan.denoise_tokens]
-            signal = rms_norm(batch.soft, self.sc_pre_norm, self.config.rms_norm_eps)
-            gate = nn.functional.gelu(self.sc_gate_proj(signal), approximate="tanh")
-            signal = self.sc_down_proj(gate * self.sc_up_proj(signal))
-            x[plan.denoise_tokens] = rms_norm(canvas + signal, None, self.config.rms_norm_eps)
+            canvas = plan.denoise_tokens
+            x[canvas] = self.self_conditioning(x[canvas], batch.soft)
         rotations = {
             window: self._rotation(window, plan.positions, x.dtype) for window in plan.layouts
         }
         for layer, cache in zip(self.layers, caches, strict=True):
             x = layer(x, rotations[layer.self_attn.window], plan, cache)
-        return rms_norm(x[plan.denoise_tokens], self.norm, self.config.rms_norm_eps)
+        return self.norm(x[plan.denoise_tokens])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits, soft-capped: cap · tanh(logits / cap)."""
@@ -557,33 +593,35 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
     # -- weights --------------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The checkpoint's tensors (the decoder's, which the encoder shares; the encoder's
-        own layer scalars; the vision tower's and projection's, to its image encoder)."""
+        """The checkpoint's tensors under transformers' names: the decoder's (`model.decoder.`,
+        which the encoder shares, so the encoder's copies are skipped but its layer scalars),
+        the vision tower's and projection's (to the image encoder); a missing or unknown one is
+        a ValueError naming it."""
         params = {n: p for n, p in self.named_parameters() if not n.startswith("encoders.")}
         loaded: set[str] = set()
         media: list[tuple[str, torch.Tensor]] = []
         with torch.no_grad():
-            for name, target, tensor in self._names(weights):
-                if target == "media":
+            for name, tensor in weights:
+                if name.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.")):
                     media.append((name, tensor))
                     continue
-                if target.startswith("experts:"):
-                    layer, part = target.removeprefix("experts:").split(":")
-                    self.layers[int(layer)].experts.load(part, tensor)
+                if name == "lm_head.weight":
+                    continue  # tied to the embedding
+                target = name.removeprefix("model.decoder.")
+                if name.startswith("model.encoder.language_model."):
+                    if not name.endswith(".layer_scalar"):
+                        continue  # the decoder's
+                    target = name.removeprefix("model.encoder.language_model.")
+                    target = target.replace("layer_scalar", "encoder_layer_scalar")
+                layer, experts, part = target.partition(".experts.")
+                if experts:
+                    self.layers[int(layer.removeprefix("layers."))].experts.load(part, tensor)
                     continue
-                if target.startswith("scalar:"):
-                    layer, which = target.removeprefix("scalar:").split(":")
-                    self.layers[int(layer)].scalars[int(which)] = tensor.reshape(())
-                    loaded.add(f"scalar:{layer}:{which}")
-                    continue
-                if target not in params:
+                if target == name or target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in DiffusionGemma")
                 copy_into(params[target], tensor, name)
                 loaded.add(target)
-        wanted = {n for n in params if ".experts." not in n and not n.endswith(".scalars")}
-        missing = sorted(wanted - loaded)
-        scalars = {f"scalar:{i}:{w}" for i in range(len(self.layers)) for w in (0, 1)}
-        missing += sorted(scalars - loaded)
+        missing = sorted(n for n in set(params) - loaded if ".experts." not in n)
         if missing:
             raise ValueError(f"checkpoint lacks DiffusionGemma tensors {missing[:5]}")
         if "image" in self.encoders:
@@ -591,57 +629,6 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
         process_weights_after_loading(self)
         for layer in self.layers:
             layer.experts.finish_loading()
-
-    def _names(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterator[tuple[str, str, torch.Tensor]]:
-        """(checkpoint name, this model's parameter or a load target, tensor)."""
-        for name, tensor in weights:
-            if name.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.")):
-                yield name, "media", tensor
-                continue
-            if name == "lm_head.weight":
-                continue  # tied to the embedding
-            encoder = name.startswith("model.encoder.language_model.")
-            if encoder:
-                rest = name.removeprefix("model.encoder.language_model.")
-                if rest.endswith(".layer_scalar"):
-                    yield name, f"scalar:{rest.split('.')[1]}:0", tensor
-                # Everything else of the encoder's is the decoder's (shared).
-                continue
-            rest = name.removeprefix("model.decoder.")
-            if rest == name:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in DiffusionGemma")
-            parts = rest.split(".")
-            if parts[0] == "self_conditioning":
-                target = {
-                    "pre_norm.weight": "sc_pre_norm",
-                    "gate_proj.weight": "sc_gate_proj.weight",
-                    "up_proj.weight": "sc_up_proj.weight",
-                    "down_proj.weight": "sc_down_proj.weight",
-                }.get(".".join(parts[1:]), rest)
-                yield name, target, tensor
-            elif rest == "norm.weight":
-                yield name, "norm", tensor
-            elif parts[0] == "layers":
-                layer, inner = parts[1], ".".join(parts[2:])
-                yield name, self._layer_target(layer, inner), tensor
-            else:
-                yield name, rest, tensor
-
-    @staticmethod
-    def _layer_target(layer: str, inner: str) -> str:
-        if inner.startswith("experts."):
-            return f"experts:{layer}:{inner.removeprefix('experts.')}"
-        if inner == "layer_scalar":
-            return f"scalar:{layer}:1"
-        if inner.removesuffix(".weight") in _NORMS:
-            return f"layers.{layer}.norms.{inner.removesuffix('.weight')}"
-        if inner.startswith("mlp."):
-            return f"layers.{layer}.{inner.removeprefix('mlp.')}"
-        if inner in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
-            return f"layers.{layer}.{inner.removesuffix('.weight')}"
-        return f"layers.{layer}.{inner}"
 
 
 def _build(

@@ -52,15 +52,21 @@ def _event(device: torch.device) -> torch.cuda.Event | None:
     return event
 
 
+def seeded_generator(device: torch.device, seed: int | None) -> torch.Generator:
+    """A generator on `device` seeded by the deployment's `seed` (None: from the OS)."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
 class Sampler:
     def __init__(self, seed: int | None = None, device: torch.device | None = None) -> None:
         device = device or torch.device("cpu")
-        self._generator = torch.Generator(device=device)
+        self._generator = seeded_generator(device, seed)
         self._apply_masks = select_mask_kernel(device)
-        if seed is None:
-            self._generator.seed()
-        else:
-            self._generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledRow]:
         return self.fetch(self.sample(logits, rows))

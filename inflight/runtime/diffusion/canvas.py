@@ -95,9 +95,12 @@ def denoise(
     the positions each row's entropy bound allows, redraw the others, keep the argmax and the
     self-conditioning (`soft` of the scaled logits); which canvases are done (settled, or out
     of steps)."""
-    device = logits.device
-    scales = torch.tensor([s.scale(c) for s, c in rows], device=device).view(-1, 1, 1)
-    scaled = logits / scales
+    # Each row's temperature, entropy bound and confidence threshold: one copy to the device.
+    settings = torch.tensor(
+        [(s.scale(c), s.settings.entropy_bound, s.settings.confidence_threshold) for s, c in rows],
+        device=logits.device,
+    )
+    scaled = logits / settings[:, 0, None, None]
     probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
     sampled = torch.stack(
         [
@@ -109,14 +112,12 @@ def denoise(
     argmax = scaled.argmax(-1)[:, None]  # [R, 1, L]
     entropy = torch.distributions.Categorical(logits=scaled).entropy()  # [R, L]
     ordered, order = torch.sort(entropy, dim=-1)
-    bounds = torch.tensor([s.settings.entropy_bound for s, _ in rows], device=device)
-    accepted = torch.cumsum(ordered, dim=-1) - ordered <= bounds[:, None]
+    accepted = torch.cumsum(ordered, dim=-1) - ordered <= settings[:, 1, None]
     keep = torch.zeros_like(accepted).scatter(-1, order, accepted)[:, None]  # [R, 1, L]
     ids = torch.stack([c.ids for _, c in rows])
     ids = torch.where(~keep, noise, torch.where(keep, sampled, ids))
     conditioning = soft(scaled.flatten(0, 1)).view(len(rows), scaled.shape[1], -1)
-    thresholds = torch.tensor([s.settings.confidence_threshold for s, _ in rows], device=device)
-    confident = entropy.mean(-1) < thresholds
+    confident = entropy.mean(-1) < settings[:, 2]
     stable = torch.stack([s.stable(c, a) for (s, c), a in zip(rows, argmax, strict=True)])
     settled = (confident & stable).tolist()
     done = []

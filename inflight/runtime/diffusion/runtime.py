@@ -4,6 +4,7 @@ autoregressive model): it checks requests and opens one `DiffusionSession` at a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -12,10 +13,10 @@ from inflight.model.checkpoints.loader import Checkpoint, build_model
 from inflight.model.families.diffusion_gemma import DiffusionGemmaForBlockDiffusion
 from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest
-from inflight.protocol.stepped import ExecutionCapabilities
-from inflight.runtime.deployment import PER_ROW_FIELDS, model_facts, resolve
+from inflight.runtime.deployment import model_facts, resolve
 from inflight.runtime.device.encoder_cache import EncoderCache
 from inflight.runtime.device.machine import probe_machine
+from inflight.runtime.device.sampler import seeded_generator
 from inflight.runtime.diffusion.requests import DiffusionChecks
 from inflight.runtime.diffusion.session import DiffusionCounters, DiffusionSession, WindowRing
 from inflight.runtime.host.kv_cache import BlockPool
@@ -23,13 +24,16 @@ from inflight.runtime.host.slots import ResidentSlots
 from inflight.runtime.inputs.chat_media import MediaLimits
 from inflight.runtime.inputs.preprocessing import media_inputs
 from inflight.runtime.inputs.processor import InputProcessor
+from inflight.runtime.session_runtime import SessionRuntime
 
 
-class DiffusionRuntime:
+class DiffusionRuntime(SessionRuntime[DiffusionSession]):
     """Built from the deployment plan as a text runtime is; the parts a text runtime has that
-    block diffusion has no use for (context cache, speculation, media, voices) are None or
+    block diffusion has no use for (context cache, speculation, voices) are None or
     empty. Its sampling defaults are the model's denoising settings, not generation_config's
     temperature and filters (which a canvas does not take)."""
+
+    model_kind = "a block-diffusion model"
 
     def __init__(
         self,
@@ -81,11 +85,7 @@ class DiffusionRuntime:
             self.dtype,
             self.device,
         )
-        self.generator = torch.Generator(self.device)
-        if options.seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(options.seed)
+        self.generator = seeded_generator(self.device, options.seed)
         self.checks = DiffusionChecks(
             checked_by=id(self),
             canvas=canvas,
@@ -106,36 +106,16 @@ class DiffusionRuntime:
         self.input_processor = InputProcessor(
             self.tokenizer, prepared, media_limits, self.checks.checked
         )
-        self._session: DiffusionSession | None = None
-
-    @property
-    def model_name(self) -> str:
-        return self.checkpoint.name
 
     @property
     def canvas_length(self) -> int:
         return self.checks.canvas
 
-    @property
-    def fault(self) -> str | None:
-        return None
-
-    @property
-    def capabilities(self) -> ExecutionCapabilities:
-        return ExecutionCapabilities(
-            stepped=True,
-            seated_admission=True,
-            max_batch_size=self.slots.capacity,
-            per_row_fields=PER_ROW_FIELDS | self.plan.served_options,
-        )
-
     def check(self, request: GenerationRequest) -> GenerationRequest:
         return self.checks.checked(request)
 
-    def new_session(self) -> DiffusionSession:
-        if self._session is not None:
-            raise RuntimeError("a diffusion session is already open on this runtime")
-        self._session = DiffusionSession(
+    def _open(self, on_finish: Callable[[], None]) -> DiffusionSession:
+        return DiffusionSession(
             self.model,
             self.caches,
             self.checks,
@@ -147,21 +127,5 @@ class DiffusionRuntime:
             self.ring,
             self.counters,
             self.encoder_cache,
-            on_finish=self._session_finished,
+            on_finish=on_finish,
         )
-        return self._session
-
-    def _session_finished(self) -> None:
-        self._session = None
-
-    def close(self) -> None:
-        """Nothing to stop: a diffusion runtime runs in this process alone."""
-
-    def register_lora(self, name: str, path: str) -> None:
-        raise ValueError("LoRA is not served for a block-diffusion model")
-
-    def unregister_lora(self, name: str) -> None:
-        raise KeyError(name)
-
-    def lora_names(self) -> list[str]:
-        return []

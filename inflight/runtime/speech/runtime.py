@@ -4,6 +4,8 @@ requests and opens one `SpeechSession` at a time."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from inflight.model.checkpoints.loader import Checkpoint
@@ -12,21 +14,24 @@ from inflight.model.speech.speaker_encoder import SpeakerEncoderConfig
 from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest
 from inflight.protocol.speech import SpeechFacts
-from inflight.protocol.stepped import ExecutionCapabilities
-from inflight.runtime.deployment import PER_ROW_FIELDS, model_facts, resolve
+from inflight.runtime.deployment import model_facts, resolve
 from inflight.runtime.device.machine import probe_machine
 from inflight.runtime.device.model_runner import build_model_runner
+from inflight.runtime.device.sampler import seeded_generator
 from inflight.runtime.host.kv_cache import BlockPool
 from inflight.runtime.host.slots import ResidentSlots
+from inflight.runtime.session_runtime import SessionRuntime
 from inflight.runtime.speech.inputs import SpeechInputs
 from inflight.runtime.speech.predictor_graphs import PredictorGraphs
 from inflight.runtime.speech.session import MIN_FRAMES, SpeechSession
 from inflight.runtime.speech.talker_loop import TalkerLoop, TalkerShape
 
 
-class SpeechRuntime:
+class SpeechRuntime(SessionRuntime[SpeechSession]):
     """Built from the deployment plan as a text runtime is; the parts a text runtime has that
     speech has no use for (context cache, speculation, media) are None or empty."""
+
+    model_kind = "a text-to-speech model"
 
     def __init__(
         self,
@@ -61,11 +66,7 @@ class SpeechRuntime:
             sample_rate=speech.sample_rate,
             frames_per_second=speech.sample_rate / model.codec_decoder.config.samples_per_frame,
         )
-        self.generator = torch.Generator(self.device)
-        if options.seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(options.seed)
+        self.generator = seeded_generator(self.device, options.seed)
         min_samples = 0
         if speech.speaker_encoder is not None:
             min_samples = SpeakerEncoderConfig.from_dict(speech.speaker_encoder).min_samples
@@ -107,47 +108,9 @@ class SpeechRuntime:
             max_num_tokens=plan.max_num_tokens,
             graphs=self.predictor_graphs,
         )
-        self._session: SpeechSession | None = None
-
-    @property
-    def model_name(self) -> str:
-        return self.checkpoint.name
-
-    @property
-    def fault(self) -> str | None:
-        return None
-
-    @property
-    def capabilities(self) -> ExecutionCapabilities:
-        return ExecutionCapabilities(
-            stepped=True,
-            seated_admission=True,
-            max_batch_size=self.slots.capacity,
-            per_row_fields=PER_ROW_FIELDS | self.plan.served_options,
-        )
 
     def check(self, request: GenerationRequest) -> GenerationRequest:
         return self.inputs.check(request)
 
-    def new_session(self) -> SpeechSession:
-        if self._session is not None:
-            raise RuntimeError("a speech session is already open on this runtime")
-        self._session = SpeechSession(
-            self.model, self.loop, self.slots, self.generator, on_finish=self._session_finished
-        )
-        return self._session
-
-    def _session_finished(self) -> None:
-        self._session = None
-
-    def close(self) -> None:
-        """Nothing to stop: a speech runtime runs in this process alone."""
-
-    def register_lora(self, name: str, path: str) -> None:
-        raise ValueError("LoRA is not served for a text-to-speech model")
-
-    def unregister_lora(self, name: str) -> None:
-        raise KeyError(name)
-
-    def lora_names(self) -> list[str]:
-        return []
+    def _open(self, on_finish: Callable[[], None]) -> SpeechSession:
+        return SpeechSession(self.model, self.loop, self.slots, self.generator, on_finish=on_finish)

@@ -34,6 +34,8 @@
    experts with biases, YaRN): its bf16 greedy tokens part from float32's within a few tokens
    on either backend, so the check compares the first token's top-20 logprobs of the Triton
    path and of the torch backend in bf16 with float32's (`check_first_logprobs`).
+11. Batch invariance (`batch_invariant=True`): a request's tokens and logprobs alone and
+   beside 1, 7 and 63 others, bit for bit (`check_batch_invariance`).
 
     python3 bench/gpu_check.py [NAME ...]   (prints a table; exits 1 on a failed check; with
     names, only the checks whose names contain one of them, e.g. "fused" "greedy")
@@ -335,6 +337,54 @@ def run_all(runtime: Runtime, requests: list[GenerationRequest]) -> list:
             outputs[refs[ref]] = materialize([snapshot])
     session.finish()
     return [outputs[i] for i in range(len(requests))]
+
+
+def check_batch_invariance(device: torch.device, seed: int) -> tuple[bool, str]:
+    """One request (a 100-token prompt, 24 greedy tokens with their top-5 logprobs) on a
+    random-weight Qwen3-0.6B-shaped model, alone and beside 1, 7 and 63 others (prompts of
+    20-300 tokens, 8-40 tokens each, so its steps' company changes as they finish; prefills
+    chunked at 2,048 tokens a step): with batch_invariant=True its tokens and logprobs must be
+    the same bits every time (logprobs are its logits less their log-sum-exp, per row). The
+    default mode is run alike and reported, not required."""
+    rng = random.Random(seed)
+    checkpoint = random_checkpoint("qwen3-0.6b", device, seed)
+    vocab = checkpoint.config.vocab_size
+    target = GenerationRequest(
+        [rng.randrange(1, vocab) for _ in range(100)],
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5),
+    )
+    others = [
+        GenerationRequest(
+            [rng.randrange(1, vocab) for _ in range(rng.randint(20, 300))],
+            SamplingParams(max_tokens=rng.randint(8, 40), temperature=0, ignore_eos=True),
+        )
+        for _ in range(63)
+    ]
+    details, ok = [], True
+    for invariant in (True, False):
+        runtime = Runtime(
+            checkpoint,
+            DeploymentOptions(
+                device="cuda",
+                max_batch_size=64,
+                max_model_len=512,
+                max_num_tokens=2048,
+                batch_invariant=invariant,
+            ),
+        )
+        runs = [run_all(runtime, [target, *others[:n]])[0] for n in (0, 1, 7, 63)]
+        same = [
+            r.token_ids == runs[0].token_ids
+            and r.outputs[0].logprobs == runs[0].outputs[0].logprobs
+            for r in runs[1:]
+        ]
+        if invariant:
+            ok = all(same)
+        mode = "batch_invariant" if invariant else "default mode"
+        details.append(f"{mode}: beside 1, 7, 63 identical to alone {same}")
+        del runtime
+        torch.cuda.empty_cache()
+    return ok, "; ".join(details)
 
 
 def check_moe_kernel(device: torch.device, seed: int) -> tuple[bool, str]:
@@ -644,6 +694,7 @@ def main() -> int:
         ("windowed kernels", functools.partial(check_kernels, window=100)),
         ("sink kernels", functools.partial(check_kernels, window=100, sinks=True)),
         ("fused ops", check_fused_ops),
+        ("batch invariance", check_batch_invariance),
         ("greedy end to end", functools.partial(check_end_to_end, "qwen3-0.6b")),
         ("mamba decode kernel", check_mamba_decode),
         ("hybrid end to end", functools.partial(check_end_to_end, "bamba-9b")),

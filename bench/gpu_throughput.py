@@ -12,6 +12,8 @@ writes JSON to $OUT (or bench/out).
     python3 bench/gpu_throughput.py --shapes bamba-9b --hf bamba-9b --requests 64 --batch 64
     python3 bench/gpu_throughput.py --hf --quantization fp8   (FP8 weights; Hopper / Ada)
     python3 bench/gpu_throughput.py --hf --kv-cache-dtype fp8   (an FP8 KV cache)
+    python3 bench/gpu_throughput.py --shapes qwen3-30b-a3b --hf qwen3-30b-a3b --requests 64
+    python3 bench/gpu_throughput.py --batch-invariant   (the mode's cost)
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default="none", choices=["none", "fp8"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="each row's logits bit-identical whatever shares its step",
+    )
+    parser.add_argument(
         "--context-cache",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -83,6 +90,7 @@ def ready_engine(shape: str, work: list[tuple[list[int], int]], args: argparse.N
             enable_context_reuse=args.context_cache,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
+            batch_invariant=args.batch_invariant,
         ),
     )
     engine = RequestEngine(
@@ -176,21 +184,23 @@ def run_hf_hybrid(shape: str, work: list[tuple[list[int], int]], batch: int) -> 
 
 
 def run_hf(shape: str, work: list[tuple[list[int], int]]) -> dict:
-    from transformers import (
-        GenerationConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
+    import transformers
+    from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     c = SHAPES[shape]
-    config_cls, model_cls = (
-        (Qwen3Config, Qwen3ForCausalLM) if c.family == "qwen3" else (LlamaConfig, LlamaForCausalLM)
-    )
+    fields = _hf_fields(shape)
+    family = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}.get(c.family, "Llama")
+    if c.moe is not None:
+        fields.update(
+            num_experts=c.moe.num_experts,
+            num_experts_per_tok=c.moe.top_k,
+            moe_intermediate_size=c.moe.intermediate_size,
+            norm_topk_prob=c.moe.renormalize,
+        )
+    config = getattr(transformers, f"{family}Config")(**fields)
     with torch.device("cuda"):
-        model = model_cls(config_cls(**_hf_fields(shape))).to(torch.bfloat16).eval()
+        model = getattr(transformers, f"{family}ForCausalLM")(config).to(torch.bfloat16).eval()
     model.set_attn_implementation("paged|sdpa")
     generation = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
     cb = ContinuousBatchingConfig(num_blocks=len(work) * 9, max_batch_tokens=8192)

@@ -140,6 +140,12 @@ class DeploymentOptions:
         choices=ATTENTION_BACKENDS,
     )
     cuda_graphs: bool = knob(True, "replay captured CUDA graphs for decode steps (CUDA, triton)")
+    batch_invariant: bool = knob(
+        False,
+        "each request's logits bit-identical whatever else shares its steps (CUDA: one Triton "
+        "matmul tile shape for every step, unsplit decode attention; the CPU float32 path is so "
+        "already)",
+    )
     overlap: bool | None = knob(
         None, "complete each step while the device runs the next (default: on CUDA only)"
     )

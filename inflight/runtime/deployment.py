@@ -288,6 +288,49 @@ def _diffusion(d: Deployment) -> str | None:
     return None
 
 
+def _batch_invariant(d: Deployment) -> str | None:
+    """Batch-invariant mode where each kernel a step runs keeps a row's bits whatever shares
+    the step, as checked: the CPU float32 path (its kernels work per row); on CUDA, a dense
+    decoder of full-attention layers, text in and text out, in float through triton."""
+    o, m = d.options, d.model
+    if not o.batch_invariant:
+        return None
+    if d.device == "cpu":
+        if d.dtype != "float32":
+            return (
+                f"batch_invariant=True on the CPU is its float32 path, got dtype={d.dtype!r}; "
+                "start with dtype='float32'"
+            )
+        return None
+    for on, what, flag in (
+        (
+            o.attention_backend not in (None, "triton"),
+            f"attention_backend={o.attention_backend!r}",
+            "attention_backend='triton'",
+        ),
+        (o.quantization == "fp8", "quantization='fp8'", "quantization='none'"),
+        (o.enable_lora, "LoRA", "enable_lora=False"),
+        (o.speculative_config is not None, "speculative decoding", "no speculative_config"),
+        (d.tensor_parallel, "tensor parallelism", "tensor_parallel_size=1"),
+    ):
+        if on:
+            return f"batch_invariant=True on CUDA is not served with {what}; start with {flag}"
+    windowed = m.kv_window is not None or m.sliding_group_window is not None
+    for on, what in (
+        (m.experts, "mixture-of-experts layers"),
+        (m.recurrent, "Mamba layers"),
+        (windowed, "sliding-window attention"),
+        (bool(m.media), "media encoders"),
+        (m.speech or m.talker or m.diffusion, "speech or diffusion output"),
+    ):
+        if on:
+            return (
+                f"batch_invariant=True on CUDA is not served for a model with {what} "
+                f"({m.family}); start with batch_invariant=False"
+            )
+    return None
+
+
 def _talker(d: Deployment) -> str | None:
     """A model's talker runs on one device beside its thinker."""
     if d.model.talker and d.options.speech and d.tensor_parallel:
@@ -324,6 +367,7 @@ RULES: tuple[Rule, ...] = (
     _speech,
     _talker,
     _draft_model,
+    _batch_invariant,
 )
 
 # Features a deployment may use, and why one cannot run stepped beside joiners (None: it can, so

@@ -1,9 +1,9 @@
-"""Host-side planning of the CUDA backend's prefill programs (runs on the CPU)."""
+"""The CUDA backend's planning of a step (runs on the CPU): prefill programs, decode order."""
 
 import pytest
 import torch
 
-from inflight.model.kernels.triton.plan import decode_splits, plan_prefill
+from inflight.model.kernels.triton.plan import decode_splits, plan_prefill, plan_step
 from inflight.runtime.runtime import DeploymentOptions, Runtime
 
 
@@ -23,6 +23,16 @@ def test_programs_cover_every_prefill_query_once():
 def test_a_decode_only_step_has_no_prefill_programs():
     plan = plan_prefill([1, 1, 1], num_decodes=3, device=torch.device("cpu"))
     assert plan.programs == 0
+    step = plan_step([1, 1, 1], 3, torch.tensor([5, 9, 2]), torch.device("cpu"))
+    assert step.prefill is None
+
+
+def test_decode_rows_are_ordered_longest_first_and_prefill_rows_are_left_out():
+    seq_lens = torch.tensor([40, 900, 41, 7, 300, 12])  # 4 decode rows, then 2 prefill chunks
+    step = plan_step([1, 1, 1, 1, 60, 12], 4, seq_lens, torch.device("cpu"))
+    assert step.decode_order.tolist() == [1, 2, 0, 3]
+    assert step.prefill.programs == 2
+    assert plan_step([30], 0, torch.tensor([30]), torch.device("cpu")).decode_order is None
 
 
 def test_triton_backend_needs_cuda(tiny_dirs):

@@ -8,12 +8,13 @@ device. `TRITON_INTERPRET` is set by the root conftest, before any kernel is dec
 
 import pytest
 import torch
+import torch.nn.functional as F
 import triton
 
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.triton import TritonAttentionBackend
 from inflight.model.config import MoEConfig
-from inflight.model.kernels.triton import attention, lora, mamba, moe, ops, rope
+from inflight.model.kernels.triton import attention, lora, mamba, matmul, moe, ops, rope
 from inflight.model.layers.activation import torch_silu_mul
 from inflight.model.layers.mamba import ssm_decode as torch_ssm_decode
 from inflight.model.layers.moe import Experts
@@ -21,6 +22,7 @@ from inflight.model.layers.norm import torch_rms_norm
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods, TorchLinearMethod
 from inflight.model.layers.rotary import rotate
+from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 
 from helpers import scattered_step, windowed_steps
 
@@ -110,6 +112,60 @@ def test_decode_rows_split_their_keys_and_merge_to_the_same_output(splits):
     got = attention.paged_attention(q, *caches, meta, dim**-0.5, splits=splits)
     for row in range(len(shapes)):
         assert _rel(got[row], want[row]) < 1e-6, row
+
+
+def test_decode_rows_taken_longest_first_keep_their_bits():
+    """The step plan's order (rows longest first, so a step's last wave of programs is of short
+    rows) changes which program takes a row, not the row's result."""
+    shapes = [(1, 5), (1, 700), (1, 64), (1, 300), (1, 0)]
+    heads, kv_heads, dim = 8, 2, 32
+    meta, caches = _step(shapes, kv_heads, dim, torch.float32)
+    q = torch.randn(len(shapes), heads, dim)
+    TritonAttentionBackend().plan(meta)
+    assert meta.plan.prefill is None
+    assert meta.plan.decode_order.tolist() == [1, 3, 2, 0, 4]
+    ordered = attention.paged_attention(q, *caches, meta, dim**-0.5, splits=1)
+    meta.plan = None
+    assert torch.equal(ordered, attention.paged_attention(q, *caches, meta, dim**-0.5, splits=1))
+
+
+def test_the_batch_invariant_backend_gives_a_decode_row_its_bits_alone_or_among_80(monkeypatch):
+    """By default the step's row count picks how many parts a row's keys are split in (here 16
+    alone, 4 among 80 rows), so the order its sums run in; the batch-invariant backend never
+    splits them."""
+    monkeypatch.setattr(attention, "_multiprocessors", lambda device: H200_SMS)
+    shapes = [(1, 300)] + [(1, n) for n in torch.randint(0, 60, (79,)).tolist()]
+    heads, kv_heads, dim = 8, 2, 32
+    meta, caches = _step(shapes, kv_heads, dim, torch.float32, num_blocks=400)
+    table = meta.block_tables[0, : -(-301 // 16)].tolist()
+    alone = build_ragged_batch([RowInput([0], 300, table, True)], 16, torch.device("cpu"))
+    q = torch.randn(len(shapes), heads, dim)
+    k, v = (torch.randn(len(shapes), kv_heads, dim) for _ in range(2))
+    backend = TritonAttentionBackend(batch_invariant=True)
+    outputs = []
+    for step, rows in ((meta, len(shapes)), (alone.forward.attention, 1)):
+        backend.plan(step)
+        outputs.append(backend.forward(q[:rows], k[:rows], v[:rows], caches, step, dim**-0.5))
+    assert torch.equal(outputs[0][:1], outputs[1])
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
+def test_the_invariant_matmul_gives_each_row_its_bits_whatever_the_row_count(bias):
+    """x @ w^T (+ b) with N and K off the tiles' multiples and rows over several row tiles:
+    the formula's result, and each row's bits the same whatever the row count. The slices keep
+    each row's place in its tile: the interpreter's dots are numpy's, whose bits for a row can
+    hang on that place, where a tensor core's do not (a row at any place in a step:
+    `bench/gpu_check.py "batch invariance"`)."""
+    torch.manual_seed(0)
+    w, x = torch.randn(200, 150), torch.randn(130, 150)
+    b = torch.randn(200) if bias else None
+    y = matmul.invariant_linear(x, w, b)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert _rel(y, want.float()) < 1e-6
+    for rows in (slice(0, 1), slice(0, 7), slice(0, 65), slice(64, 130)):
+        assert torch.equal(matmul.invariant_linear(x[rows], w, b), y[rows])
+    y3 = matmul.invariant_linear(x.reshape(10, 13, 150), w, b)
+    assert torch.equal(y3, y.reshape(10, 13, 200))
 
 
 @pytest.mark.parametrize("window", [5, 40])

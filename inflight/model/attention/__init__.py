@@ -17,12 +17,17 @@ log = logging.getLogger(__name__)
 
 
 def select_backend(
-    name: str | None, device: torch.device, dtype: torch.dtype, head_dim: int
+    name: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    batch_invariant: bool = False,
 ) -> AttentionBackend:
     """The named backend, or by default: triton on CUDA, cpu (its native attention kernel) for
     float32 on the CPU where it builds, else torch. Where a named backend runs is the
-    deployment plan's rule; a named cpu backend whose kernel cannot be built is a ValueError, a
-    default one falls back to torch."""
+    deployment plan's rule; `batch_invariant` asks triton for its batch-invariant mode (the cpu
+    backend's attention is per row whatever the step). A named cpu backend whose kernel cannot
+    be built is a ValueError, a default one falls back to torch."""
     native_cpu = device.type == "cpu" and dtype == torch.float32 and head_dim % 8 == 0
     chosen = name or ("triton" if device.type == "cuda" else "cpu" if native_cpu else "torch")
     if chosen == "torch":
@@ -39,4 +44,4 @@ def select_backend(
             return TorchAttentionBackend()
     from inflight.model.attention.triton import TritonAttentionBackend
 
-    return TritonAttentionBackend()
+    return TritonAttentionBackend(batch_invariant)

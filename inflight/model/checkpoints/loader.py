@@ -109,6 +109,7 @@ def build_model(
     max_loras: int = 0,
     max_lora_rank: int = 16,
     parallel: TensorParallel | None = None,
+    batch_invariant: bool = False,
 ) -> CausalLM:
     """The model of the checkpoint's family (`ModelConfig.family`, see `registry.py`) with its
     weights loaded, each linear layer in the method `quantization` picks for it on the CPU
@@ -131,14 +132,17 @@ def build_model(
     `max_loras` > 0 gives every decoder linear that many LoRA adapter slots of ranks up to
     `max_lora_rank` (see `layers/lora_adapters.py`), on top of whichever method it runs.
 
-    `parallel`: build this tensor-parallel rank's shard (see `layers/parallel.py`)."""
+    `parallel`: build this tensor-parallel rank's shard (see `layers/parallel.py`).
+
+    `batch_invariant`: float matmuls whose rows' bits do not depend on the step's other rows
+    (`InvariantLinearMethod` on CUDA)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
         )
     config = checkpoint.config
     build = registry.model_builder(config)
-    platform = Platform.detect(device, dtype)
+    platform = Platform.detect(device, dtype, batch_invariant)
     methods = linear_methods(quantization, platform, checkpoint, parallel is not None)
     with torch.device("meta"):
         model = build(config, max_positions, platform, methods, max_loras, max_lora_rank, parallel)

@@ -54,6 +54,16 @@ class TorchLinearMethod(LinearMethod):
         return F.linear(x, layer.weight, bias)
 
 
+class InvariantLinearMethod(LinearMethod):
+    """CUDA, batch-invariant mode: one Triton matmul tile shape for every row count
+    (kernels/triton/matmul.py), where cuBLAS would pick its kernel by the step's size."""
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from inflight.model.kernels.triton.matmul import invariant_linear
+
+        return invariant_linear(x, layer.weight, bias)
+
+
 class PackedLinearMethod(LinearMethod):
     """CPU float32: the weight prepacked into oneDNN's blocked layout, which runs the small-batch
     matmuls of decoding about twice as fast as the plain layout."""
@@ -212,7 +222,10 @@ QUANTIZED_METHODS: dict[str, type[LinearMethod]] = {"int8": Int8LinearMethod, "q
 
 
 def unquantized_method(platform: Platform) -> LinearMethod:
-    """The float method of `platform`: oneDNN-packed on the CPU float32 path, else F.linear."""
+    """The float method of `platform`: oneDNN-packed on the CPU float32 path, the
+    batch-invariant Triton matmul on CUDA in that mode, else F.linear."""
+    if platform.batch_invariant and platform.device.type == "cuda":
+        return InvariantLinearMethod()
     return PackedLinearMethod() if platform.onednn else TorchLinearMethod()
 
 

@@ -83,6 +83,7 @@ class Executor:
         graphs = self.runner.graphs
         unfold = (
             graphs is not None
+            and self.runner.unfolds
             and all(forward_input.unfolds(rows) for forward_input in self.inputs)
             and replayable(rows, graphs.buckets[-1])
         )

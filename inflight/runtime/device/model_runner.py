@@ -87,7 +87,9 @@ def head_rows(hidden: torch.Tensor, rows: HeadRows) -> torch.Tensor:
 class ModelRunner:
     """Given graph inputs, decode-only steps replay captured CUDA graphs (see `cuda_graphs.py`).
     `caches`: the model's KV caches and, for a hybrid, its recurrent states (a resident's slot
-    is its state slot)."""
+    is its state slot). `unfolds`: whether a step's short prefill chunks may replay a graph as
+    decode rows (not in batch-invariant mode: the decode kernel sums a query's keys in another
+    order than the prefill kernel, so a prompt's bits would hang on its step's company)."""
 
     def __init__(
         self,
@@ -98,8 +100,10 @@ class ModelRunner:
         device: torch.device,
         graph_inputs: DecodeInputs | None = None,
         parallel: TensorParallel | None = None,
+        unfolds: bool = True,
     ) -> None:
         self.model = model
+        self.unfolds = unfolds
         self.caches = caches
         self.block_size = block_size
         self.device = device
@@ -108,7 +112,9 @@ class ModelRunner:
         if graph_inputs is not None:
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(
-                    self.forward, graph_inputs, graph_buckets(graph_inputs.input_ids.shape[0])
+                    self._planned_forward,
+                    graph_inputs,
+                    graph_buckets(graph_inputs.input_ids.shape[0]),
                 )
 
     @property
@@ -119,6 +125,12 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The model's forward pass over its caches: hidden states of every packed token."""
         return self.model(batch, self.caches)
+
+    def _planned_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """A decode graph's forward: the backend's step plan is captured with it, so its device
+        part (the decode rows' order) is replayed with every step."""
+        self.caches.backend.plan(batch.attention)
+        return self.forward(batch)
 
     @torch.inference_mode()
     def execute(self, batch: RaggedBatch) -> torch.Tensor:
@@ -175,6 +187,7 @@ def build_model_runner(
         options.max_loras if options.enable_lora else 0,
         options.max_lora_rank,
         parallel,
+        options.batch_invariant,
     )
     return runner_for(
         model,
@@ -203,7 +216,9 @@ def runner_for(
     `embeds`: every position's input is an embedding (a talker's), which decode graphs read
     from a buffer of their own."""
     options = plan.options
-    backend = select_backend(options.attention_backend, device, dtype, model_config.head_dim)
+    backend = select_backend(
+        options.attention_backend, device, dtype, model_config.head_dim, options.batch_invariant
+    )
     graphs = plan.cuda_graphs and not isinstance(backend, TorchAttentionBackend)
     layers = model_config if parallel is None else parallel.local_config(model_config)
     kv_dtype = torch.float8_e4m3fn if options.kv_cache_dtype == "fp8" else dtype
@@ -245,4 +260,5 @@ def runner_for(
         device=device,
         graph_inputs=graph_inputs,
         parallel=parallel,
+        unfolds=not options.batch_invariant,
     )

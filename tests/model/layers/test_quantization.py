@@ -13,6 +13,7 @@ from inflight.model.layers.quantization import (
     FP8_MAX,
     Fp8LinearMethod,
     Int8LinearMethod,
+    InvariantLinearMethod,
     LinearMethod,
     LinearMethods,
     PackedLinearMethod,
@@ -192,3 +193,13 @@ def test_auto_takes_the_k_quants_as_one_kind():
     assert auto.choose(256, ["up.weight"]) is Q4
     without = LinearMethods(FLOAT, "auto", kernels_without, stored)
     assert without.choose(256, ["q.weight", "k.weight", "v.weight"]) is FLOAT
+
+
+def test_batch_invariant_mode_takes_the_fixed_tile_matmul_on_cuda_only():
+    """On CUDA the float method leaves cuBLAS (which picks its kernel by the step's size) for
+    the Triton matmul of one tile shape; the CPU float32 path keeps its per-row packed method."""
+    cuda = Platform(torch.device("cuda"), torch.bfloat16, batch_invariant=True)
+    assert isinstance(unquantized_method(cuda), InvariantLinearMethod)
+    assert isinstance(unquantized_method(Platform(cuda.device, cuda.dtype)), TorchLinearMethod)
+    cpu = Platform(torch.device("cpu"), torch.float32, onednn=True, batch_invariant=True)
+    assert isinstance(unquantized_method(cpu), PackedLinearMethod)

@@ -31,10 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
-from inflight.model.kernels.triton.plan import PREFILL_BLOCK_M, PrefillPlan, decode_splits
+from inflight.model.kernels.triton.plan import PREFILL_BLOCK_M, StepPlan, decode_splits
 from inflight.model.metadata import AttentionMetadata
 
-DECODE_BLOCK_N = 64  # keys per decode iteration
+# Keys per decode iteration: 128 for whole rows (on an H200, 256 rows of ~840 keys at 79 % of
+# HBM bandwidth, against 71-74 % with 64); 64 where a row's keys are split in more than 2 parts,
+# which are short (16 rows split in 16: 37 us against 92 with 128). bench/decode_attention.py.
+DECODE_BLOCK_N = 128
+SPLIT_BLOCK_N = 64
 PREFILL_BLOCK_N = 64
 
 
@@ -95,9 +99,11 @@ def _decode_kernel(
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
     HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, ORDER, ORDERED: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
+    if ORDERED:  # programs take the rows longest first: the last wave is of short ones
+        row = tl.load(ORDER + row)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + row)
@@ -112,6 +118,10 @@ def _decode_kernel(
         mask=(g < GROUP)[:, None],
         other=0.0,
     )
+    if K.dtype.element_ty == tl.float8e4nv:
+        # float8 widens to float16 in one instruction (to bfloat16 in several): the dots run
+        # in float16, which holds q's bfloat16 values and the probabilities more finely.
+        q = q.to(tl.float16)
     # This program's part of the keys: whole BLOCK_N tiles, the last parts possibly empty.
     part = tl.cdiv(tl.cdiv(seq_len - lo, SPLITS), BLOCK_N) * BLOCK_N
     first = lo + split * part
@@ -246,26 +256,14 @@ def paged_attention(
     rows = meta.num_decodes
     has_sinks = sinks is not None
     sinks = out if sinks is None else sinks  # unread without sinks
+    step: StepPlan | None = meta.plan
     if rows:
-        heads = q.shape[1]
-        if splits is None:
-            splits = decode_splits(rows, num_kv_heads, _multiprocessors(q.device))
-        parts = stats = out  # unread with one split
-        if splits > 1:
-            parts = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=q.device)
-            stats = torch.empty(rows, heads, splits, 2, dtype=torch.float32, device=q.device)
-        _decode_kernel[(rows, num_kv_heads, splits)](
-            q, k_cache, v_cache, out, parts, stats, meta.block_tables, meta.seq_lens, scale, sinks,
-            *strides, HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-            HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=DECODE_BLOCK_N, SPLITS=splits,
-            WINDOW=window or 0, HAS_SINKS=has_sinks,
+        decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, rows, scale,
+            splits=splits, window=window, sinks=sinks if has_sinks else None,
+            order=None if step is None else step.decode_order,
         )  # fmt: skip
-        if splits > 1:
-            _merge_kernel[(rows, heads)](
-                parts, stats, out, sinks, out.stride(0), out.stride(1),
-                HEADS=heads, HEAD_DIM=head_dim, SPLITS=splits, HAS_SINKS=has_sinks,
-            )  # fmt: skip
-    plan: PrefillPlan | None = meta.plan
+    plan = None if step is None else step.prefill
     if plan is not None and plan.programs:
         _prefill_kernel[(plan.programs, q.shape[1])](
             q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc,
@@ -275,3 +273,54 @@ def paged_attention(
             HAS_SINKS=has_sinks,
         )  # fmt: skip
     return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    rows: int,
+    scale: float,
+    splits: int | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    order: torch.Tensor | None = None,
+) -> None:
+    """Write into `out` the attention of the first `rows` queries of q, one token a row, over
+    the keys their block tables name (`seq_lens` of them); `order`: the rows' indices, longest
+    first (see `plan.decode_order`), which the programs take in that order. The launch settings
+    are the kernel's tuned ones (bench/decode_attention.py sweeps them)."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    heads = q.shape[1]
+    group = heads // num_kv_heads
+    if splits is None:
+        splits = decode_splits(rows, num_kv_heads, _multiprocessors(q.device))
+    if block_n is None:
+        block_n = DECODE_BLOCK_N if splits <= 2 else SPLIT_BLOCK_N
+    has_sinks = sinks is not None
+    sinks = out if sinks is None else sinks  # unread without sinks
+    parts = stats = out  # unread with one split
+    if splits > 1:
+        parts = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        stats = torch.empty(rows, heads, splits, 2, dtype=torch.float32, device=q.device)
+    _decode_kernel[(rows, num_kv_heads, splits)](
+        q, k_cache, v_cache, out, parts, stats, block_tables, seq_lens, scale, sinks,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
+        WINDOW=window or 0, HAS_SINKS=has_sinks,
+        ORDER=out if order is None else order, ORDERED=order is not None,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        _merge_kernel[(rows, heads)](
+            parts, stats, out, sinks, out.stride(0), out.stride(1),
+            HEADS=heads, HEAD_DIM=head_dim, SPLITS=splits, HAS_SINKS=has_sinks,
+        )  # fmt: skip

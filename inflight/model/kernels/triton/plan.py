@@ -1,4 +1,5 @@
-"""Host-side planning of a step's prefill attention for the CUDA backend (CPU-testable)."""
+"""What the CUDA backend plans once per step for every layer's attention (CPU-testable): the
+prefill programs (on the host) and the order the decode programs take their rows in."""
 
 from __future__ import annotations
 
@@ -52,3 +53,25 @@ def plan_prefill(
         return to_device(values, torch.int32, device)
 
     return PrefillPlan(len(rows), tensor(rows), tensor(starts), tensor(query_lens))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """`prefill`: None in a step of decode rows only. `decode_order` [num_decodes] int64: the
+    decode rows longest first, so that a step's last wave of programs is of short rows (a
+    device op, sorting the rows' lengths where they are: a captured graph replays it)."""
+
+    prefill: PrefillPlan | None
+    decode_order: torch.Tensor | None
+
+
+def plan_step(
+    query_lens: list[int], num_decodes: int, seq_lens: torch.Tensor, device: torch.device
+) -> StepPlan:
+    prefill = None
+    if len(query_lens) > num_decodes:
+        prefill = plan_prefill(query_lens, num_decodes, device)
+    order = None
+    if num_decodes:
+        order = torch.argsort(seq_lens[:num_decodes], descending=True)
+    return StepPlan(prefill, order)

@@ -7,6 +7,7 @@ path exactly as `PackedLinearMethod` sets it up, (b) the int8 kernel and (c) the
 qkv + o + gate_up + down and one head; for q4 the head is int8, as `quantization="q4"` runs it.
 
     .venv/bin/python bench/int8_linear.py [--repeats 10] [--budget 0.05] [--m 1 16 128 1600]
+    INFLIGHT_CPU_ISA=avx2 .venv/bin/python bench/int8_linear.py   (a lower kernel variant)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from inflight.bench.report import write_report
+from inflight.model.kernels.cpu import native
 from inflight.model.kernels.cpu.int8 import int8_linear, quantize_weight
 from inflight.model.kernels.cpu.q4 import q4_linear, quantize_q4
 
@@ -64,6 +66,10 @@ def main() -> None:
 
     torch.manual_seed(0)
     rows = []
+    variant = native.chosen_variant().name
+    print(
+        f"kernel variant: {variant} (runnable here: {[v.name for v in native.runnable_variants()]})"
+    )
     print(
         f"{'shape':>8} {'K':>5} {'N':>6} {'M':>5} {'fp32 ms':>9} {'int8 ms':>9} {'q4 ms':>9} "
         f"{'int8 x':>7} {'q4 x':>7}"
@@ -121,6 +127,7 @@ def main() -> None:
     write_report(
         args.out,
         threads=torch.get_num_threads(),
+        variant=variant,
         torch=torch.__version__,
         repeats=args.repeats,
         rows=rows,

@@ -28,10 +28,13 @@ def no_native_build(monkeypatch):
     """No native kernel can be built (as without gcc); none is loaded before, and the ones loaded
     after are built again."""
 
-    def fail(source, what):
+    def fail(source, what, flags):
         raise native.NativeBuildError(f"{what} needs gcc to build its kernel; none on PATH")
 
-    loaders = (int8.load_kernel, q4.load_kernel, ops.library, attention.library)
+    loaders = (
+        int8.load_kernel, int8.load_variant, q4.load_kernel, q4.load_variant, ops.library,
+        attention.library,
+    )  # fmt: skip
     monkeypatch.setattr(native, "_build", fail)
     monkeypatch.setattr(native, "_warned", False)
     for loader in loaders:

@@ -1,4 +1,5 @@
-"""Int8-weight matmul for the CPU: the AVX2 kernel in int8_matmul.c, built by `native` on first use.
+"""Int8-weight matmul for the CPU: the kernel in int8_matmul.c (AVX2, or VNNI dot products where
+the CPU has them: `native.Variant`), built by `native` on first use.
 
 Weights are quantized once, symmetrically, in blocks of 32 along K with one float32 scale per
 block; activations are quantized the same way inside every call, per token. See int8_matmul.c for
@@ -102,9 +103,17 @@ def pack_int8(values: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
 
 @functools.cache
 def load_kernel() -> ctypes.CDLL:
-    """The compiled kernel, built on first use and cached across processes; raises
-    native.NativeBuildError when this CPU lacks AVX2 or FMA, or when gcc is missing or fails."""
-    lib = native.build(_SOURCE, "the int8 CPU matmul")
+    """The compiled kernel of the variant `native.chosen_variant` picks at first use, built and
+    cached across processes; raises native.NativeBuildError when this CPU lacks AVX2 or FMA, or
+    when gcc is missing or fails (a ValueError where $INFLIGHT_CPU_ISA names no variant this
+    CPU runs)."""
+    return load_variant(native.chosen_variant())
+
+
+@functools.cache
+def load_variant(variant: native.Variant) -> ctypes.CDLL:
+    """The kernel built for `variant`."""
+    lib = native.build(_SOURCE, f"the int8 CPU matmul ({variant.name})", variant)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.int8_linear.argtypes = [p, i64, i64, p, p, i64, p, p, ctypes.c_int]
     lib.int8_linear.restype = ctypes.c_int

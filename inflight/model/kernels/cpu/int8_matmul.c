@@ -24,6 +24,17 @@ Determinism. Every output is computed by the same instruction sequence whatever 
 it falls in or the thread that runs it: the integer sums are exact and the float ops per output
 (one fma per group, then a fixed horizontal sum, then the bias) never depend on its neighbours.
 Build with -ffp-contract=off so that the compiler cannot fuse differently in different tiles.
+
+VNNI variant (built where the compiler targets AVX512-VNNI with VL or AVX-VNNI, native.py's
+variants; INFLIGHT_EMULATE_VNNI builds it on plain AVX2 with the instruction emulated, which is
+how machines without VNNI test it). vpdpbusd sums 4 products of unsigned by signed bytes into
+each int32 lane: 32 products a register in one instruction, against 4 above. The activations are
+stored as signed bytes in the weights' byte order (MR tokens a register, as above), and each
+weight register is flipped to unsigned (w + 128, an xor) as it is loaded, so a lane sums
+(w + 128) * x: the kernel subtracts 128 * (the sum of x over the lane's bytes in the group),
+which quantize_row stores per token, group and lane. The difference times 256 is then the AVX2
+variant's integer sum exactly, and the float ops that follow are the same: both variants give
+the same bits.
 */
 
 #include <immintrin.h>
@@ -33,16 +44,54 @@ Build with -ffp-contract=off so that the compiler cannot fuse differently in dif
 
 #include "block_groups.h"
 #include "simd_math.h"
+#include "vnni.h"
 #include "work_split.h"
+
+#if VNNI
+typedef int8_t Act; /* activations as signed bytes, in the weights' byte order */
+#else
+typedef int16_t Act; /* activations as int16, even- then odd-byte halves */
+#endif
 
 #define CHUNK_BYTES (128 * 1024) /* int8 weight rows per cache tile, well within L2 */
 /* Weight rows prefetched ahead of the tile reading them: the first token tile over a unit
    streams its rows from memory, which the hardware prefetcher alone leaves exposed (30% of the
    time of the head at M = 16). Prefetches past the end of the weights are harmless hints. */
 #define AHEAD 8
+#if VNNI
+/* Quantizes one row of x: values into its slot of the interleaved tile layout (register stride
+   MR * 32 bytes), 8 scales per group into xd (divided by 256, as the AVX2 variant's), and per
+   group the 8 lanes' 128 * (sum of their values) into xc. */
+static void quantize_row(const float *x, const Groups *groups, Act *xq, float *xd, int32_t *xc) {
+    for (int gi = 0; gi < groups->count; gi++) {
+        const int g = groups->sizes[gi], lanes = 8 / g;
+        int32_t sums[8] = {0};
+        for (int i = 0; i < g; i++, x += 32) {
+            __m256i q[4];
+            int32_t v[32];
+            const float amax = quantize_block(x, q);
+            for (int j = 0; j < 4; j++) _mm256_storeu_si256((__m256i *)(v + 8 * j), q[j]);
+            for (int c = 0; c < 8; c++) {
+                const int lane = i * lanes + c % lanes;
+                Act *dst = xq + (c / lanes) * MR * 32 + 4 * lane;
+                for (int j = 0; j < 4; j++) {
+                    dst[j] = (Act)v[4 * c + j];
+                    sums[lane] += v[4 * c + j];
+                }
+            }
+            for (int l = 0; l < lanes; l++) xd[i * lanes + l] = amax / 127.0f / 256.0f;
+        }
+        for (int l = 0; l < 8; l++) xc[l] = 128 * sums[l];
+        xq += g * MR * 32;
+        xd += 8;
+        xc += 8;
+    }
+}
+#else
 /* Quantizes one row of x: values into its slot of the interleaved tile layout (register stride
    MR * 32 int16), 8 scales per group into xd, divided by 256 to undo the weights' scaling. */
-static void quantize_row(const float *x, const Groups *groups, int16_t *xq, float *xd) {
+static void quantize_row(const float *x, const Groups *groups, Act *xq, float *xd, int32_t *xc) {
+    (void)xc;
     /* per 128-bit half (two 4-element chunks): even elements' pairs first, then odd ones' */
     const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
@@ -69,7 +118,28 @@ static void quantize_row(const float *x, const Groups *groups, int16_t *xq, floa
         xd += 8;
     }
 }
+#endif
 
+#if VNNI
+/* Integer sums of one group for an mr x nr tile, as (w + 128) * x; `tile` takes the
+   correction off. mr and nr are constants after inlining, so the loops unroll and s stays in
+   registers. */
+INLINE void dot_group(const int mr, const int nr, int regs, int64_t k, const int8_t *w,
+                      const Act *xq, __m256i s[MR][NR]) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    for (int r = 0; r < regs; r++, w += 32, xq += MR * 32) {
+        __m256i u[NR];
+        for (int n = 0; n < nr; n++) {
+            _mm_prefetch((const char *)(w + (n + AHEAD) * k), _MM_HINT_T0);
+            u[n] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + n * k)), flip);
+        }
+        for (int m = 0; m < mr; m++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + m * 32));
+            for (int n = 0; n < nr; n++) s[m][n] = DPBUSD(s[m][n], u[n], a);
+        }
+    }
+}
+#else
 /* Integer sums of one group for a full MR x NR tile. Written in assembly because GCC spills one
    of the eight accumulators around the loop, which puts a store-to-load round trip on every
    step and costs half the speed. */
@@ -140,10 +210,13 @@ INLINE void dot_group(const int mr, const int nr, int regs, int64_t k, const int
     }
 }
 
-/* One register tile: mr tokens (interleaved at xq, scales at xd) x nr weight rows, all of K. */
+#endif
+
+/* One register tile: mr tokens (interleaved at xq, scales at xd, VNNI's corrections at xc) x nr
+   weight rows, all of K. */
 INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, int64_t n_total,
-                 const int8_t *w, const float *ws, const int16_t *xq, const float *xd,
-                 const float *bias, float *y) {
+                 const int8_t *w, const float *ws, const Act *xq, const float *xd,
+                 const int32_t *xc, const float *bias, float *y) {
     const int64_t sg = 8 * (int64_t)groups->count;
     __m256 acc[MR * NR];
     for (int i = 0; i < MR * NR; i++) acc[i] = _mm256_setzero_ps();
@@ -152,10 +225,21 @@ INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, in
         __m256i s[MR][NR];
         for (int m = 0; m < mr; m++)
             for (int n = 0; n < nr; n++) s[m][n] = _mm256_setzero_si256();
+#if VNNI
+        dot_group(mr, nr, g, k, w, xq, s);
+        for (int m = 0; m < mr; m++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(xc + m * sg));
+            for (int n = 0; n < nr; n++)
+                s[m][n] = _mm256_slli_epi32(_mm256_sub_epi32(s[m][n], c), 8);
+        }
+        xc += 8;
+#else
+        (void)xc;
         if (mr == MR && nr == NR)
             dot_group_full(g, k, w, xq, s);
         else
             dot_group(mr, nr, g, k, w, xq, s);
+#endif
         for (int m = 0; m < mr; m++) {
             const __m256 dx = _mm256_loadu_ps(xd + m * sg);
             for (int n = 0; n < nr; n++) {
@@ -174,12 +258,12 @@ INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, in
 
 #define TILE_CASE(a, b)                                                                      \
     case (a) * NR + (b) - 1:                                                                 \
-        tile(a, b, groups, k, n_total, w, ws, xq, xd, bias, y);                              \
+        tile(a, b, groups, k, n_total, w, ws, xq, xd, xc, bias, y);                          \
         break;
 
 static void run_tile(int mr, int nr, const Groups *groups, int64_t k, int64_t n_total,
-                     const int8_t *w, const float *ws, const int16_t *xq, const float *xd,
-                     const float *bias, float *y) {
+                     const int8_t *w, const float *ws, const Act *xq, const float *xd,
+                     const int32_t *xc, const float *bias, float *y) {
     switch (mr * NR + nr - 1) {
         TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(2, 1) TILE_CASE(2, 2)
         TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(4, 1) TILE_CASE(4, 2)
@@ -192,14 +276,15 @@ typedef struct {
     int64_t k, sg, n_total;
     const float *x, *ws, *bias;
     const int8_t *w;
-    int16_t *xq;
+    Act *xq;
     float *xd, *y;
+    int32_t *xc; /* VNNI: per token, group and lane, 128 * the lane's activation sum */
 } Call;
 
 static void quantize_token(const void *call, int64_t m) {
     const Call *c = call;
     quantize_row(c->x + m * c->k, c->groups, c->xq + (m / MR) * MR * c->k + (m % MR) * 32,
-                 c->xd + m * c->sg);
+                 c->xd + m * c->sg, c->xc + m * c->sg);
 }
 
 /* Each token tile stays in L1 while the unit's rows stream by from L2. */
@@ -211,7 +296,8 @@ static void run_unit(const void *call, int64_t n0, int64_t n1, int64_t m0, int64
         for (int64_t n = n0; n < n1; n += NR) {
             const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
             run_tile(mr, nr, c->groups, c->k, c->n_total, c->w + n * c->k, c->ws + n * sg,
-                     c->xq + m * c->k, c->xd + m * sg, c->bias ? c->bias + n : NULL,
+                     c->xq + m * c->k, c->xd + m * sg, c->xc + m * sg,
+                     c->bias ? c->bias + n : NULL,
                      c->y + m * c->n_total + n);
         }
     }
@@ -226,17 +312,18 @@ int int8_linear(const float *x, int64_t m_total, int64_t k, const int8_t *w, con
     const int64_t sg = 8 * (int64_t)groups.count;
     const int64_t m_tiles = (m_total + MR - 1) / MR;
     /* sizes rounded up to the alignment, as aligned_alloc requires */
-    const size_t xq_bytes = ((size_t)(m_tiles * MR * k) * sizeof(int16_t) + 63) & ~(size_t)63;
+    const size_t xq_bytes = ((size_t)(m_tiles * MR * k) * sizeof(Act) + 63) & ~(size_t)63;
     const size_t xd_bytes = ((size_t)(m_total * sg) * sizeof(float) + 63) & ~(size_t)63;
-    int16_t *xq = aligned_alloc(64, xq_bytes);
+    Act *xq = aligned_alloc(64, xq_bytes);
     float *xd = aligned_alloc(64, xd_bytes);
-    if (!xq || !xd) {
-        free(xq), free(xd);
+    int32_t *xc = aligned_alloc(64, xd_bytes); /* as many int32 as xd's floats */
+    if (!xq || !xd || !xc) {
+        free(xq), free(xd), free(xc);
         return -2;
     }
-    const Call call = {&groups, k, sg, n_total, x, ws, bias, w, xq, xd, y};
+    const Call call = {&groups, k, sg, n_total, x, ws, bias, w, xq, xd, y, xc};
     const Steps steps = {quantize_token, run_unit};
     split_work(&steps, &call, m_total, n_total, CHUNK_BYTES / k, NR, threads);
-    free(xq), free(xd);
+    free(xq), free(xd), free(xc);
     return 0;
 }

@@ -3,11 +3,17 @@
 No torch headers are involved, so a build takes about a second; the shared object is cached
 under `$XDG_CACHE_HOME/inflight` (default `~/.cache/inflight`), keyed by a digest of the source,
 the local headers it includes and the flags.
+
+Every kernel runs on AVX2 + FMA. A kernel with code for a wider instruction set (the int8
+matmul's VNNI dot products) is built as the best `Variant` this CPU has, chosen at run time from
+/proc/cpuinfo; `INFLIGHT_CPU_ISA` names a lower one to use instead (`avx2` on any machine), and
+the variants give the same bits.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -15,6 +21,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,29 +33,84 @@ log = logging.getLogger(__name__)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 
 
+ISA_ENV = "INFLIGHT_CPU_ISA"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """An instruction set a kernel can be built for: the compiler flags it adds to FLAGS and the
+    /proc/cpuinfo flags a CPU needs to run it."""
+
+    name: str
+    flags: tuple[str, ...] = ()
+    needs: frozenset[str] = frozenset()
+
+
+# Best first.
+VARIANTS = (
+    Variant(
+        "avx512-vnni",
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+    ),
+    Variant("avx-vnni", ("-mavxvnni",), frozenset({"avx_vnni"})),
+    Variant("avx2"),
+)
+
+
 class NativeBuildError(RuntimeError):
     """A kernel could not be built or loaded here (no gcc, no source, an unsuited CPU, a failed
     compile or load); callers fall back to torch's ops or refuse an explicit request for it."""
 
 
-def check_cpu(what: str) -> None:
-    """Raise NativeBuildError unless this CPU has AVX2 and FMA (what the kernels are compiled
-    for)."""
-    flags: set[str] = set()
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's flags as /proc/cpuinfo lists them (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return frozenset()
+
+
+def check_cpu(what: str) -> None:
+    """Raise NativeBuildError unless this CPU has AVX2 and FMA (what the kernels are compiled
+    for)."""
+    flags = cpu_flags()
     # No /proc/cpuinfo (not Linux): fall back on what PyTorch dispatches to.
     if not flags and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         return
     missing = [f for f in ("avx2", "fma") if f not in flags]
     if missing:
         raise NativeBuildError(f"running {what} needs a CPU with {' and '.join(missing).upper()}")
+
+
+def runnable_variants() -> list[Variant]:
+    """The variants this CPU can run, best first (AVX2 always: `check_cpu` guards it)."""
+    flags = cpu_flags()
+    return [v for v in VARIANTS if v.needs <= flags]
+
+
+def chosen_variant() -> Variant:
+    """The best variant this CPU runs, or the one $INFLIGHT_CPU_ISA names (a ValueError naming
+    the choices where it is unknown or needs what this CPU lacks)."""
+    forced = os.environ.get(ISA_ENV)
+    if not forced:
+        return runnable_variants()[0]
+    by_name = {v.name: v for v in VARIANTS}
+    if forced not in by_name:
+        raise ValueError(f"{ISA_ENV}={forced!r} is none of {', '.join(by_name)}")
+    variant = by_name[forced]
+    missing = sorted(variant.needs - cpu_flags())
+    if missing:
+        raise ValueError(
+            f"{ISA_ENV}={forced!r} needs CPU flags this CPU lacks ({', '.join(missing)}); it "
+            f"runs {', '.join(v.name for v in runnable_variants())}"
+        )
+    return variant
 
 
 def _cache_dir() -> Path:
@@ -59,13 +121,14 @@ def _cache_dir() -> Path:
 _warned = False
 
 
-def build(source: Path, what: str) -> ctypes.CDLL:
-    """The compiled library of `source`, built now unless cached; NativeBuildError when that
-    fails for any reason. The first failure in a process is logged as a warning (the native
-    kernels share their causes of failure: one warning says it all), later ones at debug level."""
+def build(source: Path, what: str, variant: Variant | None = None) -> ctypes.CDLL:
+    """The compiled library of `source` (for `variant`: its flags added), built now unless
+    cached; NativeBuildError when that fails for any reason. The first failure in a process is
+    logged as a warning (the native kernels share their causes of failure: one warning says it
+    all), later ones at debug level."""
     global _warned
     try:
-        return _build(source, what)
+        return _build(source, what, () if variant is None else variant.flags)
     except (OSError, subprocess.SubprocessError, NativeBuildError) as exc:
         error = exc if isinstance(exc, NativeBuildError) else NativeBuildError(f"{what}: {exc}")
         (log.debug if _warned else log.warning)(
@@ -75,12 +138,13 @@ def build(source: Path, what: str) -> ctypes.CDLL:
         raise error from exc
 
 
-def _build(source: Path, what: str) -> ctypes.CDLL:
+def _build(source: Path, what: str, extra: tuple[str, ...]) -> ctypes.CDLL:
     check_cpu(what)
+    flags = (*FLAGS, *extra)
     text = source.read_bytes()
     for header in re.findall(rb'^#include "([^"]+)"', text, re.MULTILINE):
         text += (source.parent / header.decode()).read_bytes()
-    digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{digest}.so"
     if not target.exists():
         gcc = shutil.which("gcc")
@@ -93,7 +157,7 @@ def _build(source: Path, what: str) -> ctypes.CDLL:
         os.close(fd)
         try:
             result = subprocess.run(
-                [gcc, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True
+                [gcc, *flags, str(source), "-o", tmp], capture_output=True, text=True
             )
             if result.returncode != 0:
                 raise NativeBuildError(f"building {source.name} failed:\n{result.stderr}")

@@ -1,4 +1,5 @@
-"""4-bit-weight matmul for the CPU: the AVX2 kernel in q4_matmul.c, built by `native` on first use.
+"""4-bit-weight matmul for the CPU: the kernel in q4_matmul.c (AVX2, or VNNI dot products where
+the CPU has them: `native.Variant`), built by `native` on first use.
 
 Weights are quantized once in blocks of 32 along K as w = d * q + m, q in 0..15, with float32 d
 and m per block: GGUF's Q4_1, so a Q4_1 checkpoint's weights come back as they were stored (up to
@@ -87,9 +88,17 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, low: torch.Tensor) -> Q4Weight:
 
 @functools.cache
 def load_kernel() -> ctypes.CDLL:
-    """The compiled kernel, built on first use and cached across processes; raises
-    native.NativeBuildError when this CPU lacks AVX2 or FMA, or when gcc is missing or fails."""
-    lib = native.build(_SOURCE, "the 4-bit CPU matmul")
+    """The compiled kernel of the variant `native.chosen_variant` picks at first use, built and
+    cached across processes; raises native.NativeBuildError when this CPU lacks AVX2 or FMA, or
+    when gcc is missing or fails (a ValueError where $INFLIGHT_CPU_ISA names no variant this
+    CPU runs)."""
+    return load_variant(native.chosen_variant())
+
+
+@functools.cache
+def load_variant(variant: native.Variant) -> ctypes.CDLL:
+    """The kernel built for `variant`."""
+    lib = native.build(_SOURCE, f"the 4-bit CPU matmul ({variant.name})", variant)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.q4_linear.argtypes = [p, i64, i64, p, p, p, i64, p, p, ctypes.c_int]
     lib.q4_linear.restype = ctypes.c_int

@@ -18,6 +18,10 @@ activations of MR consecutive tokens are interleaved register by register; their
 expanded the same way, their sums s in the first lane of each block only (so that the lanes'
 sum counts each block's m * s once).
 
+VNNI variant (vnni.h): vpdpbusd takes the nibbles as its unsigned operand and sums 4 products
+into each int32 lane at once: one instruction for 32 products, no int16 sums to widen. The
+int32 sums are the AVX2 path's exactly, so both give the same bits.
+
 Determinism. As in int8_matmul.c: the integer sums are exact and every output takes the same
 float ops (per group: convert, multiply, two fma; then a fixed horizontal sum and the bias)
 whatever M, N, its tile or its thread. Build with -ffp-contract=off.
@@ -30,6 +34,7 @@ whatever M, N, its tile or its thread. Build with -ffp-contract=off.
 
 #include "block_groups.h"
 #include "simd_math.h"
+#include "vnni.h"
 #include "work_split.h"
 
 #define CHUNK_BYTES (64 * 1024) /* packed weight rows per cache tile, well within L2 */
@@ -79,6 +84,33 @@ static void quantize_row(const float *x, const Groups *groups, int8_t *xq, float
     }
 }
 
+#if VNNI
+/* Integer sums of one group of g registers for an mr x nr tile, accumulated in int32 by
+   vpdpbusd; mr and nr are constants after inlining, so the loops unroll. */
+INLINE void dot_group(const int mr, const int nr, int g, int64_t kq, const uint8_t *w,
+                      const int8_t *xq, __m256i s[MR][NR]) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) s[m][n] = _mm256_setzero_si256();
+    for (int r = 0; r < g; r += 2, w += 32, xq += 2 * MR * 32) {
+        __m256i word[NR];
+        for (int n = 0; n < nr; n++) {
+            _mm_prefetch((const char *)(w + (n + AHEAD) * kq), _MM_HINT_T0);
+            word[n] = _mm256_loadu_si256((const __m256i *)(w + n * kq));
+        }
+        for (int half = 0; half < 2 && r + half < g; half++) {
+            for (int n = 0; n < nr; n++) {
+                const __m256i q = _mm256_and_si256(_mm256_srli_epi16(word[n], 4 * half), low);
+                for (int m = 0; m < mr; m++) {
+                    const __m256i p =
+                        _mm256_loadu_si256((const __m256i *)(xq + (half * MR + m) * 32));
+                    s[m][n] = DPBUSD(s[m][n], q, p);
+                }
+            }
+        }
+    }
+}
+#else
 /* Integer sums of one group of g registers for an mr x nr tile; mr and nr are constants after
    inlining, so the loops unroll and the sums stay in registers. */
 INLINE void dot_group(const int mr, const int nr, int g, int64_t kq, const uint8_t *w,
@@ -163,6 +195,8 @@ static inline void dot_group_full(int g, int64_t kq, const uint8_t *w, const int
     s[3][0] = _mm256_madd_epi16(s30, ones), s[3][1] = _mm256_madd_epi16(s31, ones);
 }
 
+#endif
+
 /* One register tile: mr tokens (interleaved at xq, scales at xe, sums at xs) x nr weight rows,
    all of K. */
 INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t kq, int64_t n_total,
@@ -174,10 +208,14 @@ INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t kq, i
     for (int gi = 0; gi < groups->count; gi++) {
         const int g = groups->sizes[gi];
         __m256i s[MR][NR];
+#if VNNI
+        dot_group(mr, nr, g, kq, w, xq, s);
+#else
         if (mr == MR && nr == NR && g % 2 == 0)
             dot_group_full(g, kq, w, xq, s);
         else
             dot_group(mr, nr, g, kq, w, xq, s);
+#endif
         for (int m = 0; m < mr; m++) {
             const __m256 e = _mm256_loadu_ps(xe + m * sg), sum = _mm256_loadu_ps(xs + m * sg);
             for (int n = 0; n < nr; n++) {

@@ -1,0 +1,81 @@
+"""The native kernels' instruction-set variants (`native.Variant`): which one a CPU runs, the
+variable that forces a lower one, and the int8 and 4-bit matmuls of every variant the bits of
+AVX2's.
+
+Every variant this machine runs is checked, and the VNNI code on any AVX2 machine too, built with
+vpdpbusd emulated (`INFLIGHT_EMULATE_VNNI`): its layout, corrections and tiles are the real
+variants', only the one instruction is spelled in AVX2. The K-quant kernel, the attention and
+the decoder step have no code of their own for wider sets yet: they are built for AVX2."""
+
+import pytest
+import torch
+
+from inflight.model.kernels.cpu import int8, native, q4
+
+EMULATED_VNNI = native.Variant("vnni-emulated", ("-DINFLIGHT_EMULATE_VNNI",))
+AVX2 = native.VARIANTS[-1]
+CHECKED = [*native.runnable_variants(), EMULATED_VNNI]
+
+
+def _int8(lib, x, k, weight, bias):
+    tensors = (weight.values, weight.scales)
+    return int8.run_kernel(lib.int8_linear, "int8_linear", x, k, 37, tensors, bias)
+
+
+def _q4(lib, x, k, weight, bias):
+    tensors = (weight.values, weight.scales, weight.mins)
+    return int8.run_kernel(lib.q4_linear, "q4_linear", x, k, 37, tensors, bias)
+
+
+KERNELS = {
+    "int8": (int8.quantize_weight, int8.load_variant, _int8),
+    "q4": (q4.quantize_q4, q4.load_variant, _q4),
+}
+
+
+@pytest.mark.parametrize("kind", KERNELS)
+@pytest.mark.parametrize("variant", CHECKED, ids=lambda v: v.name)
+def test_every_variant_gives_the_bits_of_avx2(variant, kind):
+    """K over every group size (8, 4, 2, 1 blocks; for q4 an odd last register), 1-9 and 16
+    tokens (partial register tiles), an odd number of rows, a bias; int8 weights reaching -128
+    (as GGUF's Q8_0 blocks may), a row of zeros and one of outliers among the activations."""
+    quantize, load, run = KERNELS[kind]
+    torch.manual_seed(0)
+    want_lib, got_lib = load(AVX2), load(variant)
+    for k in (32 * 15, 576, 1536):
+        weight = quantize(torch.randn(37, k))
+        if kind == "int8":
+            weight.values.view(-1)[::97] = -128
+        bias = torch.randn(37)
+        x = torch.randn(16, k)
+        x[3] = 0
+        x[5, ::13] *= 1e4
+        for m in (*range(1, 10), 16):
+            want = run(want_lib, x[:m], k, weight, bias)
+            assert torch.equal(run(got_lib, x[:m], k, weight, bias), want), (k, m)
+
+
+def test_the_best_variant_the_cpu_reports_is_chosen(monkeypatch):
+    monkeypatch.delenv(native.ISA_ENV, raising=False)
+    for flags, name in (
+        (
+            {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni"},
+            "avx512-vnni",
+        ),
+        ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx_vnni"}, "avx-vnni"),
+        ({"avx2", "fma"}, "avx2"),
+    ):
+        monkeypatch.setattr(native, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert native.chosen_variant().name == name
+
+
+def test_the_variable_forces_a_lower_variant_and_refuses_what_the_cpu_lacks(monkeypatch):
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx_vnni"}))
+    monkeypatch.setenv(native.ISA_ENV, "avx2")
+    assert native.chosen_variant() is AVX2
+    monkeypatch.setenv(native.ISA_ENV, "avx512-vnni")
+    with pytest.raises(ValueError, match="avx512-vnni.*lacks.*avx512_vnni.*runs avx-vnni, avx2"):
+        native.chosen_variant()
+    monkeypatch.setenv(native.ISA_ENV, "sse4")
+    with pytest.raises(ValueError, match="'sse4' is none of avx512-vnni, avx-vnni, avx2"):
+        native.chosen_variant()

@@ -5,10 +5,12 @@ import random
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.contract import ForwardBatch, ModelCaches
+from inflight.model.kernels.cpu import blocks
 from inflight.model.metadata import AttentionMetadata
 from inflight.protocol.outputs import materialize
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
@@ -299,3 +301,30 @@ def with_eager_graphs(runtime):
             runner.forward, inputs, graph_buckets(rows), runtime.max_model_len
         )
     return runtime
+
+
+def random_blocks(
+    type_name: str, rows: int, k: int, seed: int, decades: tuple[float, float] = (-4, -2)
+) -> np.ndarray:
+    """Valid random rows [rows, bytes] of `type_name`: random integers and packed scales, and
+    float16 d (and dmin) positive and finite, 10^decades[0] up to 2 * 10^decades[1]."""
+    rng = np.random.default_rng(seed)
+    values, size = blocks.BLOCK_SHAPES[type_name]
+    supers = k // values
+    raw = rng.integers(0, 256, (rows, supers, size), dtype=np.uint8)
+
+    def half() -> np.ndarray:
+        values = rng.uniform(1.0, 2.0, (rows, supers)) * 10.0 ** rng.uniform(
+            *decades, (rows, supers)
+        )
+        return values.astype(np.float16).view(np.uint8).reshape(rows, supers, 2)
+
+    if type_name == "Q6_K":
+        raw[..., 208:210] = half()
+    elif type_name in ("Q8_0", "Q5_0"):
+        raw[..., 0:2] = half()
+        if type_name == "Q8_0":  # int8 values in -127..127, as GGML's quantizer writes them
+            raw[..., 2:][raw[..., 2:] == 128] = 129
+    else:
+        raw[..., 0:2], raw[..., 2:4] = half(), half()
+    return raw.reshape(rows, -1)

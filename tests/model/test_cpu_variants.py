@@ -1,16 +1,18 @@
 """The native kernels' instruction-set variants (`native.Variant`): which one a CPU runs, the
-variable that forces a lower one, and the int8 and 4-bit matmuls of every variant the bits of
-AVX2's.
+variable that forces a lower one, and the quantized matmuls (int8, 4-bit, Q5_K / Q6_K) of every
+variant the bits of AVX2's.
 
 Every variant this machine runs is checked, and the VNNI code on any AVX2 machine too, built with
 vpdpbusd emulated (`INFLIGHT_EMULATE_VNNI`): its layout, corrections and tiles are the real
-variants', only the one instruction is spelled in AVX2. The K-quant kernel, the attention and
-the decoder step have no code of their own for wider sets yet: they are built for AVX2."""
+variants', only the one instruction is spelled in AVX2. The attention and the decoder step have
+no code of their own for wider sets yet: they are built for AVX2."""
 
 import pytest
 import torch
 
-from inflight.model.kernels.cpu import int8, native, q4
+from inflight.model.kernels.cpu import blocks, int8, native, q4
+
+from helpers import random_blocks
 
 EMULATED_VNNI = native.Variant("vnni-emulated", ("-DINFLIGHT_EMULATE_VNNI",))
 AVX2 = native.VARIANTS[-1]
@@ -27,9 +29,24 @@ def _q4(lib, x, k, weight, bias):
     return int8.run_kernel(lib.q4_linear, "q4_linear", x, k, 37, tensors, bias)
 
 
+def _k8(lib, x, k, weight, bias):
+    tensors = (weight.values, weight.scales, weight.multipliers)
+    return int8.run_kernel(lib.k8_linear, "k8_linear", x, k, 37, tensors, bias)
+
+
+def _k_quant(type_name):
+    def quantize(weight):
+        n, k = weight.shape
+        return blocks.block_weight(type_name, random_blocks(type_name, n, k, seed=k), k)
+
+    return quantize
+
+
 KERNELS = {
     "int8": (int8.quantize_weight, int8.load_variant, _int8),
     "q4": (q4.quantize_q4, q4.load_variant, _q4),
+    "Q5_K": (_k_quant("Q5_K"), blocks.load_variant, _k8),
+    "Q6_K": (_k_quant("Q6_K"), blocks.load_variant, _k8),
 }
 
 
@@ -42,7 +59,8 @@ def test_every_variant_gives_the_bits_of_avx2(variant, kind):
     quantize, load, run = KERNELS[kind]
     torch.manual_seed(0)
     want_lib, got_lib = load(AVX2), load(variant)
-    for k in (32 * 15, 576, 1536):
+    # K-quants: whole superblocks of 256
+    for k in (256, 768, 1536) if kind.endswith("_K") else (32 * 15, 576, 1536):
         weight = quantize(torch.randn(37, k))
         if kind == "int8":
             weight.values.view(-1)[::97] = -128

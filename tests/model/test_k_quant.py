@@ -25,39 +25,12 @@ from inflight.model.layers.quantization import (
     StoredBlocksLinearMethod,
 )
 
-from helpers import prefill_logits, torch_threads
+from helpers import prefill_logits, random_blocks, torch_threads
 from tiny_models import VOCAB
 
 TYPES = ("Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
 # K = 256: one superblock; 576 is no multiple of 256, so SmolLM2-like shapes use 768 / 1536.
 SHAPES = [(1, 256, 9), (7, 512, 64), (33, 768, 13), (4, 1536, 130)]
-
-
-def random_blocks(
-    type_name: str, rows: int, k: int, seed: int, decades: tuple[float, float] = (-4, -2)
-) -> np.ndarray:
-    """Valid random rows [rows, bytes] of `type_name`: random integers and packed scales, and
-    float16 d (and dmin) positive and finite, 10^decades[0] up to 2 * 10^decades[1]."""
-    rng = np.random.default_rng(seed)
-    values, size = blocks.BLOCK_SHAPES[type_name]
-    supers = k // values
-    raw = rng.integers(0, 256, (rows, supers, size), dtype=np.uint8)
-
-    def half() -> np.ndarray:
-        values = rng.uniform(1.0, 2.0, (rows, supers)) * 10.0 ** rng.uniform(
-            *decades, (rows, supers)
-        )
-        return values.astype(np.float16).view(np.uint8).reshape(rows, supers, 2)
-
-    if type_name == "Q6_K":
-        raw[..., 208:210] = half()
-    elif type_name in ("Q8_0", "Q5_0"):
-        raw[..., 0:2] = half()
-        if type_name == "Q8_0":  # int8 values in -127..127, as GGML's quantizer writes them
-            raw[..., 2:][raw[..., 2:] == 128] = 129
-    else:
-        raw[..., 0:2], raw[..., 2:4] = half(), half()
-    return raw.reshape(rows, -1)
 
 
 def dequantized(type_name: str, raw: np.ndarray) -> torch.Tensor:

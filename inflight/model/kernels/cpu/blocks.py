@@ -245,9 +245,17 @@ def load_kernels(types: Iterable[str]) -> None:
 
 @functools.cache
 def load_kernel() -> ctypes.CDLL:
-    """The compiled Q5_K/Q6_K kernel, built on first use and cached across processes; raises
-    native.NativeBuildError when this CPU lacks AVX2 or FMA, or when gcc is missing or fails."""
-    lib = native.build(_SOURCE, "the K-quant CPU matmul")
+    """The compiled Q5_K/Q6_K kernel of the variant `native.chosen_variant` picks at first use,
+    built and cached across processes; raises native.NativeBuildError when this CPU lacks AVX2
+    or FMA, or when gcc is missing or fails (a ValueError where $INFLIGHT_CPU_ISA names no
+    variant this CPU runs)."""
+    return load_variant(native.chosen_variant())
+
+
+@functools.cache
+def load_variant(variant: native.Variant) -> ctypes.CDLL:
+    """The Q5_K/Q6_K kernel built for `variant`."""
+    lib = native.build(_SOURCE, f"the K-quant CPU matmul ({variant.name})", variant)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.k8_linear.argtypes = [p, i64, i64, p, p, p, i64, p, p, ctypes.c_int]
     lib.k8_linear.restype = ctypes.c_int

@@ -25,6 +25,10 @@ l of register r holds bytes 4r..4r+3 of block l, so registers 0-3 hold the first
 Activations of MR tokens interleave register by register; per token and superblock, 8 scales
 e (lane order) and 16 sums t (first halves, then second).
 
+VNNI variant (vnni.h): vpdpbusd sums each lane's 4 products u * p in int32 at once, a half's 4
+registers into one sum per block, which one int32 multiply by c_h then scales: the integers of
+the AVX2 path exactly, so both give the same bits.
+
 Determinism. As in q4_matmul.c: the integer sums are exact and every output takes the same
 float ops (per superblock: convert, multiply, three fma; then a fixed horizontal sum and the
 bias) whatever M, N, its tile or its thread. Build with -ffp-contract=off.
@@ -37,6 +41,7 @@ bias) whatever M, N, its tile or its thread. Build with -ffp-contract=off.
 
 #include "block_groups.h"
 #include "simd_math.h"
+#include "vnni.h"
 #include "work_split.h"
 
 #define SUPER 256
@@ -70,6 +75,39 @@ static void quantize_row(const float *x, int64_t supers, int8_t *xq, float *xe, 
     }
 }
 
+#if VNNI
+/* Integer sums of one superblock for an mr x nr tile: s[m][n] lane l, sum over both halves h
+   of block l of c_h * sum(u p), each half's sum made by vpdpbusd and scaled by one int32
+   multiply. mr and nr are constants after inlining. */
+INLINE void dot_super(const int mr, const int nr, int64_t kq, int64_t sc, const uint8_t *w,
+                      const int8_t *wc, const int8_t *xq, __m256i s[MR][NR]) {
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) s[m][n] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+        __m256i t[MR][NR];
+        for (int m = 0; m < mr; m++)
+            for (int n = 0; n < nr; n++) t[m][n] = _mm256_setzero_si256();
+        for (int r = 4 * h; r < 4 * h + 4; r++) {
+            __m256i u[NR];
+            for (int n = 0; n < nr; n++) {
+                if (r % 2 == 0)
+                    _mm_prefetch((const char *)(w + (n + AHEAD) * kq + r * 32), _MM_HINT_T0);
+                u[n] = _mm256_loadu_si256((const __m256i *)(w + n * kq + r * 32));
+            }
+            for (int m = 0; m < mr; m++) {
+                const __m256i p = _mm256_loadu_si256((const __m256i *)(xq + (r * MR + m) * 32));
+                for (int n = 0; n < nr; n++) t[m][n] = DPBUSD(t[m][n], u[n], p);
+            }
+        }
+        for (int n = 0; n < nr; n++) {
+            const __m256i c =
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wc + n * sc + 8 * h)));
+            for (int m = 0; m < mr; m++)
+                s[m][n] = _mm256_add_epi32(s[m][n], _mm256_mullo_epi32(t[m][n], c));
+        }
+    }
+}
+#else
 /* c of the 8 blocks' half h (int8 at p), each twice, as int16: lanes 2l and 2l + 1 hold block
    l's, facing the two int16 pair sums that vpmaddubsw makes of block l's 4 bytes in lane l. */
 static inline __m256i pair_scales(const int8_t *p) {
@@ -107,6 +145,8 @@ INLINE void dot_super(const int mr, const int nr, int64_t kq, int64_t sc, const 
         }
     }
 }
+
+#endif
 
 /* 8 int8 at p times the float f, as float32 lanes (exact: see the top). */
 static inline __m256 scaled(const int8_t *p, __m256 f) {

@@ -301,6 +301,12 @@ def _batch_invariant(d: Deployment) -> str | None:
                 f"batch_invariant=True on the CPU is its float32 path, got dtype={d.dtype!r}; "
                 "start with dtype='float32'"
             )
+        if o.attention_backend not in (None, "cpu") or m.head_dim % 8:
+            return (
+                "batch_invariant=True on the CPU runs its native attention kernel (head_dim a "
+                f"multiple of 8, got {m.head_dim}; attention_backend='cpu', got "
+                f"{o.attention_backend!r}); start with batch_invariant=False"
+            )
         return None
     for on, what, flag in (
         (

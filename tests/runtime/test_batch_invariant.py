@@ -36,6 +36,7 @@ def test_a_dense_text_model_on_cuda_and_the_cpu_float32_path_are_served():
         (dict(), ModelFacts("gemma3", 1024, 4, 2, 16, 128, 4096, kv_window=512), "sliding"),
         (dict(), ModelFacts("llava", 1024, 4, 2, 16, 128, 4096, media=("image",)), "media"),
         (dict(device="cpu", dtype="bfloat16"), DENSE, "float32"),
+        (dict(device="cpu", attention_backend="torch"), DENSE, "native attention"),
     ],
 )
 def test_what_it_is_not_checked_for_is_refused_by_name(options, facts, named):

@@ -68,6 +68,8 @@ class StepPlan:
 def plan_step(
     query_lens: list[int], num_decodes: int, seq_lens: torch.Tensor, device: torch.device
 ) -> StepPlan:
+    """The step's plan: `query_lens` and `seq_lens` of every row, the first `num_decodes` of
+    them decode rows."""
     prefill = None
     if len(query_lens) > num_decodes:
         prefill = plan_prefill(query_lens, num_decodes, device)

@@ -97,3 +97,26 @@ def test_the_variable_forces_a_lower_variant_and_refuses_what_the_cpu_lacks(monk
     monkeypatch.setenv(native.ISA_ENV, "sse4")
     with pytest.raises(ValueError, match="'sse4' is none of avx512-vnni, avx-vnni, avx2"):
         native.chosen_variant()
+
+
+@pytest.mark.parametrize("variant", CHECKED, ids=lambda v: v.name)
+def test_the_small_weights_build_gives_the_bits_of_the_general_one(variant):
+    """Weights within -16..15 (Q5_0's, -16 included): the build for small weights sums them by
+    vpmaddubsw in int16 (or, with VNNI, as the general build does), every output the general
+    build's bits; GGUF's Q5_0 blocks are packed to run in it."""
+    torch.manual_seed(1)
+    general, small = int8.load_variant(AVX2), int8.load_variant(variant, small=True)
+    for k in (32 * 15, 576, 1536):
+        values = torch.randint(-16, 16, (37, k), dtype=torch.int8)
+        values[:, ::7] = -16
+        weight = int8.pack_int8(values, torch.rand(37, k // 32) * 1e-2, small=True)
+        bias = torch.randn(37)
+        x = torch.randn(16, k)
+        x[5, ::13] *= 1e4
+        for m in (*range(1, 10), 16):
+            want = _int8(general, x[:m], k, weight, bias)
+            assert torch.equal(_int8(small, x[:m], k, weight, bias), want), (k, m)
+    q5_0 = blocks.block_weight("Q5_0", random_blocks("Q5_0", 37, 576, seed=2), 576)
+    assert q5_0.small
+    x = torch.randn(9, 576)
+    assert torch.equal(blocks.block_linear(x, q5_0), _int8(general, x, 576, q5_0, None))

@@ -313,6 +313,7 @@ def test_parts_of_one_kernel_are_stacked_into_one_weight():
     }
     layer = _fused_layer(raws, k, bias=False)
     assert [type(w) for w in layer.prepared] == [QuantizedWeight]
+    assert not layer.prepared[0].small  # the Q8_0 part's values are not small
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(0))
     alone = [blocks.block_linear(x, blocks.block_weight(t, raw, k)) for t, raw in raws.values()]
     assert torch.equal(layer(x), torch.cat(alone, dim=-1))

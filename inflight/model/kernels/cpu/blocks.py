@@ -3,7 +3,8 @@ re-laid for a native kernel, never dequantized to float.
 
 Q8_0 and Q5_0 are blocks of 32 with a float16 scale d: w = d * q, q int8 (Q8_0), or
 w = d * (q - 16), q 5-bit (Q5_0, which llama.cpp writes for Q4_K's tensors whose rows are not
-a multiple of 256 long): both are the int8 kernel's own form (int8_matmul.c), exactly.
+a multiple of 256 long): both are the int8 kernel's own form (int8_matmul.c), exactly; Q5_0's
+small values run in its build for small weights.
 
 A K-quant row is cut into superblocks of 256 values (so K is a multiple of 256):
 - Q4_K: 8 blocks of 32, w = d * sc_j * q - dmin * m_j, q in 0..15, sc_j and m_j 6-bit, d and
@@ -206,7 +207,7 @@ def block_weight(type_name: str, raw_rows, in_features: int) -> BlockWeight:
     if type_name == "Q8_0":
         return int8.pack_int8(*unpack_q8_0(raw_rows, in_features))
     if type_name == "Q5_0":
-        return int8.pack_int8(*unpack_q5_0(raw_rows, in_features))
+        return int8.pack_int8(*unpack_q5_0(raw_rows, in_features), small=True)
     if type_name == "Q4_K":
         return q4.pack_q4(*unpack_q4_k(raw_rows, in_features))
     if type_name == "Q5_K":
@@ -231,6 +232,8 @@ def concat_rows(weights: list[BlockWeight]) -> BlockWeight:
         value = getattr(first, f.name)
         if isinstance(value, torch.Tensor):
             value = torch.cat([getattr(w, f.name) for w in weights])
+        elif isinstance(value, bool):  # int8's `small`: the stack's only where every part's
+            value = all(getattr(w, f.name) for w in weights)
         parts[f.name] = value
     return type(first)(**parts)
 
@@ -238,7 +241,8 @@ def concat_rows(weights: list[BlockWeight]) -> BlockWeight:
 def load_kernels(types: Iterable[str]) -> None:
     """Build (or find cached) the kernels that run `types`, and only those: a failure shows
     here, as native.NativeBuildError, not mid-generation."""
-    loaders = {"Q8_0": int8.load_kernel, "Q5_0": int8.load_kernel, "Q4_K": q4.load_kernel}
+    small_int8 = functools.partial(int8.load_kernel, True)
+    loaders = {"Q8_0": int8.load_kernel, "Q5_0": small_int8, "Q4_K": q4.load_kernel}
     for loader in {loaders.get(t, load_kernel) for t in types if t in BLOCK_SHAPES}:
         loader()
 
@@ -269,7 +273,7 @@ def kernel_call(weight: BlockWeight, bias: torch.Tensor | None) -> KernelCall:
         tensors = (weight.values, weight.scales, weight.multipliers)
         kernel = load_kernel().k8_linear
     elif isinstance(weight, int8.QuantizedWeight):
-        kernel, tensors = int8.load_kernel().int8_linear, (weight.values, weight.scales)
+        kernel, tensors = int8.load_kernel(weight.small).int8_linear, (weight.values, weight.scales)
     else:
         kernel, tensors = q4.load_kernel().q4_linear, (weight.values, weight.scales, weight.mins)
     return KernelCall(kernel, tensors, bias, weight.out_features)

@@ -29,6 +29,9 @@ class QuantizedWeight:
 
     values: torch.Tensor
     scales: torch.Tensor
+    # Values within -16..15 (GGUF's Q5_0): run by the kernel's build for small weights (the same
+    # bits, half the multiplies on AVX2).
+    small: bool = False
 
     @property
     def out_features(self) -> int:
@@ -84,10 +87,10 @@ def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
     return pack_int8(*quantize_blocks(weight.detach()))
 
 
-def pack_int8(values: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
+def pack_int8(values: torch.Tensor, scales: torch.Tensor, small: bool = False) -> QuantizedWeight:
     """The kernel's layout of w = scale * value per block of 32: values [N, K] int8 in
-    -127..127, scales [N, K / 32] float32 (as `quantize_blocks` returns them, or a checkpoint
-    stores them)."""
+    -127..127 (`small`: in -16..15), scales [N, K / 32] float32 (as `quantize_blocks` returns
+    them, or a checkpoint stores them)."""
     n, k = check_weight(values, "int8")
     packed_values, packed_scales = [], []
     start = 0
@@ -97,22 +100,27 @@ def pack_int8(values: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
         packed_scales.append(scales[:, start : start + g].repeat_interleave(8 // g, dim=1))
         start += g
     return QuantizedWeight(
-        torch.cat(packed_values, dim=1).contiguous(), torch.cat(packed_scales, dim=1).contiguous()
+        torch.cat(packed_values, dim=1).contiguous(),
+        torch.cat(packed_scales, dim=1).contiguous(),
+        small,
     )
 
 
 @functools.cache
-def load_kernel() -> ctypes.CDLL:
-    """The compiled kernel of the variant `native.chosen_variant` picks at first use, built and
-    cached across processes; raises native.NativeBuildError when this CPU lacks AVX2 or FMA, or
-    when gcc is missing or fails (a ValueError where $INFLIGHT_CPU_ISA names no variant this
-    CPU runs)."""
-    return load_variant(native.chosen_variant())
+def load_kernel(small: bool = False) -> ctypes.CDLL:
+    """The compiled kernel of the variant `native.chosen_variant` picks at first use (`small`:
+    its build for weights within -16..15), built and cached across processes; raises
+    native.NativeBuildError when this CPU lacks AVX2 or FMA, or when gcc is missing or fails
+    (a ValueError where $INFLIGHT_CPU_ISA names no variant this CPU runs)."""
+    return load_variant(native.chosen_variant(), small)
 
 
 @functools.cache
-def load_variant(variant: native.Variant) -> ctypes.CDLL:
-    """The kernel built for `variant`."""
+def load_variant(variant: native.Variant, small: bool = False) -> ctypes.CDLL:
+    """The kernel built for `variant` (`small`: for weights within -16..15)."""
+    if small:
+        flags = (*variant.flags, "-DINFLIGHT_SMALL_WEIGHTS")
+        variant = native.Variant(f"{variant.name}, small weights", flags, variant.needs)
     lib = native.build(_SOURCE, f"the int8 CPU matmul ({variant.name})", variant)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.int8_linear.argtypes = [p, i64, i64, p, p, i64, p, p, ctypes.c_int]
@@ -125,7 +133,7 @@ def int8_linear(
 ) -> torch.Tensor:
     """x [..., K] float32 (CPU) @ weight^T (+ bias) -> [..., N] float32."""
     return run_kernel(
-        load_kernel().int8_linear, "int8_linear", x, weight.in_features,
+        load_kernel(weight.small).int8_linear, "int8_linear", x, weight.in_features,
         weight.out_features, (weight.values, weight.scales), bias,
     )  # fmt: skip
 

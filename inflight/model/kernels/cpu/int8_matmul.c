@@ -47,7 +47,14 @@ the same bits.
 #include "vnni.h"
 #include "work_split.h"
 
-#if VNNI
+/* INFLIGHT_SMALL_WEIGHTS: a build for weights within -16..15 (GGUF's Q5_0), without VNNI. */
+#if !VNNI && defined(INFLIGHT_SMALL_WEIGHTS)
+#define SMALL 1
+#else
+#define SMALL 0
+#endif
+
+#if VNNI || SMALL
 typedef int8_t Act; /* activations as signed bytes, in the weights' byte order */
 #else
 typedef int16_t Act; /* activations as int16, even- then odd-byte halves */
@@ -58,10 +65,10 @@ typedef int16_t Act; /* activations as int16, even- then odd-byte halves */
    streams its rows from memory, which the hardware prefetcher alone leaves exposed (30% of the
    time of the head at M = 16). Prefetches past the end of the weights are harmless hints. */
 #define AHEAD 8
-#if VNNI
+#if VNNI || SMALL
 /* Quantizes one row of x: values into its slot of the interleaved tile layout (register stride
    MR * 32 bytes), 8 scales per group into xd (divided by 256, as the AVX2 variant's), and per
-   group the 8 lanes' 128 * (sum of their values) into xc. */
+   group the 8 lanes' 128 * (sum of their values) into xc (which only VNNI reads). */
 static void quantize_row(const float *x, const Groups *groups, Act *xq, float *xd, int32_t *xc) {
     for (int gi = 0; gi < groups->count; gi++) {
         const int g = groups->sizes[gi], lanes = 8 / g;
@@ -138,6 +145,35 @@ INLINE void dot_group(const int mr, const int nr, int regs, int64_t k, const int
             for (int n = 0; n < nr; n++) s[m][n] = DPBUSD(s[m][n], u[n], a);
         }
     }
+}
+#elif SMALL
+/* Integer sums of one group for an mr x nr tile of weights within -16..15: vpmaddubsw of |w| by
+   x signed as w, pairs of at most 2 * 16 * 127 products, so the int16 sums of a whole group
+   (8 registers at most: 32512) never saturate, and one vpmaddwd by ones widens them. 32
+   products cost a sign, a multiply and an add, against two multiplies and two adds in the
+   general build; the sums are the same integers. */
+INLINE void dot_group(const int mr, const int nr, int regs, int64_t k, const int8_t *w,
+                      const Act *xq, __m256i s[MR][NR]) {
+    __m256i s16[MR][NR];
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) s16[m][n] = _mm256_setzero_si256();
+    for (int r = 0; r < regs; r++, w += 32, xq += MR * 32) {
+        __m256i v[NR], a[NR];
+        for (int n = 0; n < nr; n++) {
+            _mm_prefetch((const char *)(w + (n + AHEAD) * k), _MM_HINT_T0);
+            v[n] = _mm256_loadu_si256((const __m256i *)(w + n * k));
+            a[n] = _mm256_sign_epi8(v[n], v[n]);
+        }
+        for (int m = 0; m < mr; m++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + m * 32));
+            for (int n = 0; n < nr; n++)
+                s16[m][n] = _mm256_add_epi16(
+                    s16[m][n], _mm256_maddubs_epi16(a[n], _mm256_sign_epi8(x, v[n])));
+        }
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) s[m][n] = _mm256_madd_epi16(s16[m][n], ones);
 }
 #else
 /* Integer sums of one group for a full MR x NR tile. Written in assembly because GCC spills one
@@ -233,6 +269,11 @@ INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, in
                 s[m][n] = _mm256_slli_epi32(_mm256_sub_epi32(s[m][n], c), 8);
         }
         xc += 8;
+#elif SMALL
+        (void)xc;
+        dot_group(mr, nr, g, k, w, xq, s);
+        for (int m = 0; m < mr; m++)
+            for (int n = 0; n < nr; n++) s[m][n] = _mm256_slli_epi32(s[m][n], 8);
 #else
         (void)xc;
         if (mr == MR && nr == NR)

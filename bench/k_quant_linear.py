@@ -1,5 +1,6 @@
-"""GGUF K-quant CPU matmuls (Q4_K in the 4-bit kernel, Q5_K and Q6_K in k8_matmul.c) beside
-the oneDNN-packed float32 one and the int8 kernel, on shapes whose K is a multiple of 256.
+"""GGUF K-quant CPU matmuls (Q4_K in the 4-bit kernel, Q5_K and Q6_K in k8_matmul.c) and Q5_0
+(llama.cpp's fallback for them: the int8 kernel's build for small weights) beside the
+oneDNN-packed float32 one and the int8 kernel, on shapes whose K is a multiple of 256.
 
 Per shape and batch size M: the best time per call over `--repeats` rounds, the kernels taking
 turns within a round (the machine's cores are shared: see int8_linear.py). Weights are random
@@ -31,18 +32,21 @@ from int8_linear import best_times  # noqa: E402
 # name: (K, N). SmolLM2-135M's down_proj (K = 1536; its other K, 576, is no multiple of 256),
 # and a Llama-3.2-1B-like up projection.
 SHAPES = {"down": (1536, 576), "up_1b": (2048, 8192)}
-# Q8_0 and Q5_0 run from their blocks in the int8 kernel: its column.
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+# Q8_0 runs from its blocks in the int8 kernel (its column), Q5_0 in that kernel's build for
+# small weights.
+K_QUANTS = ("Q5_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def random_blocks(type_name: str, rows: int, k: int, seed: int) -> np.ndarray:
     """Valid random rows of `type_name`: random bytes, float16 d (and dmin) about 1e-3."""
     rng = np.random.default_rng(seed)
-    size = blocks.BLOCK_SHAPES[type_name][1]
-    raw = rng.integers(0, 256, (rows, k // 256, size), dtype=np.uint8)
-    half = rng.uniform(5e-4, 2e-3, (rows, k // 256, 2)).astype(np.float16).view(np.uint8)
+    values, size = blocks.BLOCK_SHAPES[type_name]
+    raw = rng.integers(0, 256, (rows, k // values, size), dtype=np.uint8)
+    half = rng.uniform(5e-4, 2e-3, (rows, k // values, 2)).astype(np.float16).view(np.uint8)
     if type_name == "Q6_K":
         raw[..., 208:210] = half[..., :2]
+    elif type_name == "Q5_0":
+        raw[..., 0:2] = half[..., :2]
     else:
         raw[..., 0:4] = half
     return raw.reshape(rows, -1)

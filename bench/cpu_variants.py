@@ -1,6 +1,8 @@
 """The int8 and 4-bit CPU matmuls of every instruction-set variant this machine runs, side by
 side (and beside another tree's kernels: `--against DIR`, a folder holding that tree's
-`inflight/model/kernels/cpu` sources, e.g. from `git archive`), alternated in rounds.
+`inflight/model/kernels/cpu` sources, e.g. from `git archive`), alternated in rounds; the int8
+kernel on weights within -16..15 (Q5_0's) in its general build and in its build for small
+weights.
 
 Per kernel, variant and M: the best of `--repeats` calls, ms, at the head's shape of the
 default model (49,152 x 576) and its gate_up (3,072 x 576), at torch's thread count.
@@ -51,8 +53,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--against", type=Path, help="another tree's kernels/cpu folder")
     args = parser.parse_args()
+    # "q5_0": weights within -16..15 (GGUF's Q5_0) in the int8 kernel's build for small weights,
+    # beside "int8", the general build, on the same weights.
     libs = {
-        v.name: {"int8": int8.load_variant(v), "q4": q4.load_variant(v)}
+        v.name: {
+            "int8": int8.load_variant(v),
+            "q5_0": int8.load_variant(v, small=True),
+            "q4": q4.load_variant(v),
+        }
         for v in native.runnable_variants()
     }
     if args.against:
@@ -62,14 +70,23 @@ def main() -> None:
     rows = []
     for shape, (k, n) in SHAPES.items():
         weight = torch.randn(n, k) * 0.02
-        w8, w4 = int8.quantize_weight(weight), q4.quantize_q4(weight)
-        tensors = {"int8": (w8.values, w8.scales), "q4": (w4.values, w4.scales, w4.mins)}
+        w5 = int8.pack_int8(
+            torch.randint(-16, 16, (n, k), dtype=torch.int8), torch.rand(n, k // 32) * 1e-2
+        )
+        w4 = q4.quantize_q4(weight)
+        tensors = {
+            "int8": (w5.values, w5.scales),
+            "q5_0": (w5.values, w5.scales),
+            "q4": (w4.values, w4.scales, w4.mins),
+        }
         for m in args.m:
             x = torch.randn(m, k)
             for rnd in range(args.rounds):
-                for kind in ("int8", "q4"):
+                for kind in ("int8", "q5_0", "q4"):
                     for name, lib in libs.items():
-                        fn = getattr(lib[kind], f"{kind}_linear")
+                        if kind not in lib:
+                            continue
+                        fn = lib[kind].q4_linear if kind == "q4" else lib[kind].int8_linear
                         call = partial(int8.run_kernel, fn, kind, x, k, n, tensors[kind], None)
                         ms = best_ms(call, args.repeats)
                         rows.append(

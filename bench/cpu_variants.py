@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import time
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -22,6 +22,9 @@ import torch
 
 from inflight.bench.report import report_path, write_report
 from inflight.model.kernels.cpu import int8, native, q4
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cpu_attention import best_ms  # noqa: E402
 
 SHAPES = {"head": (576, 49152), "gate_up": (576, 3072)}
 P, I64 = ctypes.c_void_p, ctypes.c_int64
@@ -34,16 +37,6 @@ def _kernels_of(folder: Path) -> dict[str, ctypes.CDLL]:
     k4 = native.build(folder / "q4_matmul.c", "the 4-bit matmul of --against")
     k4.q4_linear.argtypes = [P, I64, I64, P, P, P, I64, P, P, ctypes.c_int]
     return {"int8": i8, "q4": k4}
-
-
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
 
 
 def main() -> None:

@@ -7,10 +7,11 @@ churn. The bytes counted are the keys and values each row reads (its context x K
 size x 2); the ceilings beside them are a device-to-device copy (bytes read + written) and a
 kernel that only reads the same blocks through the same block tables.
 
-The sweep times the kernel's launch settings (keys per iteration, warps, pipeline stages), its
-grid order and key splits, over the token-major cache layout the backend uses
-([blocks, block_size, KV heads, head size]) and a head-major one ([blocks, KV heads,
-block_size, head size], read through a permuted view).
+The figures are the kernel as the backend launches it (its rows longest first, as
+`plan.decode_order` gives them); the sweep times its launch settings (keys per iteration, warps,
+pipeline stages), key splits and the rows in order or longest first, over the token-major cache
+layout the backend uses ([blocks, block_size, KV heads, head size]) and a head-major one
+([blocks, KV heads, block_size, head size], read through a permuted view).
 
     python3 bench/decode_attention.py [--shapes qwen3-0.6b llama-3.1-8b] [--rows 256 64 16]
         [--sweep]   (prints the figures; writes JSON to $OUT or bench/out)
@@ -58,6 +59,7 @@ class Case:
             at += n
         self.block_tables = table.to(device)
         self.seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        self.order = torch.argsort(self.seq_lens, descending=True)
         self.q = torch.randn(len(lens), heads, dim, device=device, dtype=torch.bfloat16)
         self.out = torch.empty_like(self.q)
 
@@ -147,13 +149,12 @@ def _timed(case: Case, reference: torch.Tensor, launch: dict) -> dict:
 
 def sweep(case: Case, reference: torch.Tensor) -> list[dict]:
     """Launch settings, key splits and the rows longest first."""
-    order = torch.argsort(case.seq_lens, descending=True).to(torch.int32)
     results = []
     for n, w, s, splits, ordered in itertools.product(
         (32, 64, 128), (4, 8), (2, 3), (1, 2), (False, True)
     ):
         launch = dict(block_n=n, num_warps=w, num_stages=s, splits=splits)
-        result = _timed(case, reference, dict(launch, order=order if ordered else None))
+        result = _timed(case, reference, dict(launch, order=case.order if ordered else None))
         results.append({**result, "order": ordered})
     return results
 
@@ -173,7 +174,7 @@ def main() -> None:
             dtype = torch.bfloat16 if kv == "bf16" else torch.float8_e4m3fn
             case = Case(shape, lens, dtype, layout == "head-major")
             reference = case.run().clone()
-            ms = do_bench(case.run)
+            ms = do_bench(lambda case=case: case.run(order=case.order))
             read = read_only_ms(case)
             entry = {
                 "shape": shape, "rows": rows, "kv": kv, "layout": layout,

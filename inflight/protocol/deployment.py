@@ -143,8 +143,8 @@ class DeploymentOptions:
     batch_invariant: bool = knob(
         False,
         "each request's logits bit-identical whatever else shares its steps (CUDA: one Triton "
-        "matmul tile shape for every step, unsplit decode attention; the CPU float32 path is so "
-        "already)",
+        "matmul tile shape for every step, unsplit decode attention; the CPU float32 path with "
+        "its native attention is so already)",
     )
     overlap: bool | None = knob(
         None, "complete each step while the device runs the next (default: on CUDA only)"

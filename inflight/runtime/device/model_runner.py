@@ -236,10 +236,14 @@ def runner_for(
         device,
         None if window_blocks is None else window_blocks + spare,
     )
+    # Batch-invariant mode packs no prefill as decode rows: its graphs need only the residents'.
+    unfolds = not options.batch_invariant
     graph_inputs = None
     if graphs:
         graph_inputs = DecodeInputs(
-            graph_rows(plan.max_batch_size, plan.max_num_tokens),
+            graph_rows(plan.max_batch_size, plan.max_num_tokens)
+            if unfolds
+            else plan.max_batch_size,
             -(-plan.max_model_len // plan.block_size),
             plan.block_size,
             scratch_block=num_blocks,
@@ -260,5 +264,5 @@ def runner_for(
         device=device,
         graph_inputs=graph_inputs,
         parallel=parallel,
-        unfolds=not options.batch_invariant,
+        unfolds=unfolds,
     )

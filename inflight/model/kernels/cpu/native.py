@@ -4,10 +4,10 @@ No torch headers are involved, so a build takes about a second; the shared objec
 under `$XDG_CACHE_HOME/inflight` (default `~/.cache/inflight`), keyed by a digest of the source,
 the local headers it includes and the flags.
 
-Every kernel runs on AVX2 + FMA. A kernel with code for a wider instruction set (the int8
-matmul's VNNI dot products) is built as the best `Variant` this CPU has, chosen at run time from
-/proc/cpuinfo; `INFLIGHT_CPU_ISA` names a lower one to use instead (`avx2` on any machine), and
-the variants give the same bits.
+Every kernel runs on AVX2 + FMA. A kernel with code for a wider instruction set (the quantized
+matmuls' VNNI dot products: int8, 4-bit, Q5_K / Q6_K) is built as the best `Variant` this CPU
+has, chosen at run time from /proc/cpuinfo; `INFLIGHT_CPU_ISA` names a lower one to use instead
+(`avx2` on any machine), and the variants give the same bits.
 """
 
 from __future__ import annotations

@@ -246,31 +246,26 @@ def paged_attention(
     this device), the prefill chunks with the programs planned in `meta.plan`; with a `window`,
     a query at position p over keys p - window + 1 .. p; with `sinks` [Hq], each head's logit
     joins its softmaxes as one more score."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
     out = torch.empty_like(q)
-    group = q.shape[1] // num_kv_heads
-    strides = (
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        meta.block_tables.stride(0), out.stride(0), out.stride(1),
-    )  # fmt: skip
-    rows = meta.num_decodes
-    has_sinks = sinks is not None
-    sinks = out if sinks is None else sinks  # unread without sinks
     step: StepPlan | None = meta.plan
-    if rows:
+    if meta.num_decodes:
         decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, rows, scale,
-            splits=splits, window=window, sinks=sinks if has_sinks else None,
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, meta.num_decodes, scale,
+            splits=splits, window=window, sinks=sinks,
             order=None if step is None else step.decode_order,
         )  # fmt: skip
     plan = None if step is None else step.prefill
-    if plan is not None and plan.programs:
+    if plan is not None:
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
         _prefill_kernel[(plan.programs, q.shape[1])](
             q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc,
-            meta.seq_lens, plan.query_lens, plan.rows, plan.starts, scale, sinks, *strides,
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            meta.seq_lens, plan.query_lens, plan.rows, plan.starts, scale,
+            out if sinks is None else sinks,  # unread without sinks
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            meta.block_tables.stride(0), out.stride(0), out.stride(1),
+            GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, WINDOW=window or 0,
-            HAS_SINKS=has_sinks,
+            HAS_SINKS=sinks is not None,
         )  # fmt: skip
     return out
 

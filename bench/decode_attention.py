@@ -15,6 +15,7 @@ layout the backend uses ([blocks, block_size, KV heads, head size]) and a head-m
 
     python3 bench/decode_attention.py [--shapes qwen3-0.6b llama-3.1-8b] [--rows 256 64 16]
         [--sweep]   (prints the figures; writes JSON to $OUT or bench/out)
+    python3 bench/decode_attention.py --splits [ROWS ...]   (key splits by row count only)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from triton.testing import do_bench
 
 from inflight.bench.report import report_path, write_report
 from inflight.model.kernels.triton.attention import decode_attention
+from inflight.model.kernels.triton.plan import decode_splits
 
 # (query heads, KV heads, head size)
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128)}
@@ -159,13 +161,45 @@ def sweep(case: Case, reference: torch.Tensor) -> list[dict]:
     return results
 
 
+def splits_sweep(shapes: list[str], rows_list: list[int]) -> list[dict]:
+    """Each row count's time with its keys in 1, 2 and 4 parts (keys an iteration as the kernel
+    takes them for that many), at the workload's contexts and at 1.5x them (a step late in the
+    run holds the longer requests), beside the parts `plan.decode_splits` picks."""
+    results = []
+    for shape, rows, stretch in itertools.product(shapes, rows_list, (1.0, 1.5)):
+        lens = [int(n * stretch) for n in contexts(rows)]
+        case = Case(shape, lens, torch.bfloat16, False)
+        reference = case.run().clone()
+        picked = decode_splits(
+            rows, case.k.shape[2], torch.cuda.get_device_properties(0).multi_processor_count
+        )
+        timed = {
+            splits: _timed(case, reference, dict(splits=splits, order=case.order))
+            for splits in (1, 2, 4)
+        }
+        best = min(timed, key=lambda n: timed[n].get("ms", float("inf")))
+        us = {n: round(t["ms"] * 1e3, 1) for n, t in timed.items() if "ms" in t}
+        entry = dict(shape=shape, rows=rows, stretch=stretch, picked=picked, best=best, us=us)
+        print(f"  splits {entry}", flush=True)
+        results.append(entry)
+        del case
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
     parser.add_argument("--rows", nargs="+", type=int, default=[256, 64, 16])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument(
+        "--splits", nargs="*", type=int, help="only time key splits at these row counts"
+    )
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    if args.splits is not None:
+        record = {"splits": splits_sweep(args.shapes, args.splits or [32, 64, 96, 128, 192])}
+        write_report(report_path("decode_splits.json"), **record)
+        return
     record: dict = {"copy_tbs": copy_tbs(), "cases": []}
     print(f"device-to-device copy: {record['copy_tbs']:.2f} TB/s (read + written)", flush=True)
     for shape, rows in itertools.product(args.shapes, args.rows):

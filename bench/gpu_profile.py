@@ -27,6 +27,23 @@ from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 from inflight.runtime.runtime import Runtime
 
+# Prompts admitted beside the decoding batch for the profile of a mixed step (a prefill of
+# MIXED_PROMPTS x --prompt tokens with every resident's decode row, as the workload's first steps).
+MIXED_PROMPTS = 16
+
+
+def _kernel_table(step) -> str:
+    """The device kernels `step` runs, by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=15, max_name_column_width=60
+    )
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -41,7 +58,7 @@ def main() -> None:
         random_checkpoint(args.shape, device),
         DeploymentOptions(
             device="cuda",
-            max_batch_size=args.batch,
+            max_batch_size=args.batch + 2 * MIXED_PROMPTS,
             max_model_len=args.prompt + 1000 + 16,
             max_num_tokens=16384,
             kv_cache_dtype=args.kv_cache_dtype,
@@ -49,13 +66,17 @@ def main() -> None:
     )
     rng = random.Random(0)
     session = runtime.new_session()
-    for _ in range(args.batch):
-        prompt = [rng.randrange(1, 100000) for _ in range(args.prompt)]
-        session.admit(
-            GenerationRequest(
-                prompt, SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+
+    def admit(count: int) -> None:
+        for _ in range(count):
+            prompt = [rng.randrange(1, 100000) for _ in range(args.prompt)]
+            session.admit(
+                GenerationRequest(
+                    prompt, SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+                )
             )
-        )
+
+    admit(args.batch)
     torch.cuda.synchronize()
     start = time.perf_counter()
     while any(r.prefilling for r in runtime.scheduler.residents.values()):
@@ -104,15 +125,25 @@ def main() -> None:
     for _ in range(10):
         build_ragged_batch(rows, runtime.blocks.block_size, device)
     print(f"build_ragged_batch: {(time.perf_counter() - t) / 10 * 1000:.2f} ms")
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            runner.logits(runner.execute(batch))
-        torch.cuda.synchronize()
-    print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
-    )
+    print(_kernel_table(lambda: [runner.logits(runner.execute(batch)) for _ in range(5)]))
+    # Two mixed steps: the host's work for the first (cProfile), the device's for the second.
+    admit(MIXED_PROMPTS)
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    session.step()
+    profiler.disable()
+    print(f"one mixed step, host: {(time.perf_counter() - start) * 1000:.1f} ms (cProfile on)")
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
+    print(text.getvalue()[-5000:])
+    session.step()
+    admit(MIXED_PROMPTS)
+    start = time.perf_counter()
+    print(f"one mixed step ({MIXED_PROMPTS} x {args.prompt} prompt tokens + the decode rows):")
+    print(_kernel_table(session.step))
+    print(f"mixed step wall time (profiled): {(time.perf_counter() - start) * 1000:.1f} ms")
     # A hidden synchronization makes the host wait for the step in flight: find any.
     torch.cuda.set_sync_debug_mode("error")
     try:

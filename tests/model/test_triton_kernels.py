@@ -247,7 +247,7 @@ def _rope_reference(qkv, heads, kv_heads, cos, sin, norms):
 @pytest.mark.parametrize("normed", [True, False], ids=["qk-norm", "plain"])
 def test_rope_store_rotates_q_and_stores_k_v_at_their_slots_only(dtype, normed):
     torch.manual_seed(1)
-    tokens, heads, kv_heads, dim, eps = 13, 4, 2, 32, 1e-6
+    tokens, heads, kv_heads, dim, eps = 37, 4, 2, 32, 1e-6  # 16 tokens a program, 3 programs
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
     angle = torch.rand(tokens, 1, dim // 2) * 40
     angle = torch.cat((angle, angle), dim=-1)
@@ -268,6 +268,16 @@ def test_rope_store_rotates_q_and_stores_k_v_at_their_slots_only(dtype, normed):
     untouched = torch.ones(k_cache.shape[0], dtype=torch.bool)
     untouched[slots] = False
     assert k_cache[untouched].isnan().all() and v_cache[untouched].isnan().all()
+    # A token's bits alone as among the others (a decode as in a prefill).
+    for t in (0, 20, tokens - 1):
+        alone = [torch.zeros_like(c) for c in caches]
+        q_t = rope.rope_store(qkv[t : t + 1], heads, kv_heads, (cos[t : t + 1], sin[t : t + 1]),
+                              slots[t : t + 1], *alone, norms)  # fmt: skip
+        assert torch.equal(q_t, q[t : t + 1])
+        for cache, got in zip(caches, alone, strict=True):
+            assert torch.equal(
+                got.view(-1, kv_heads, dim)[slots[t]], cache.view(-1, kv_heads, dim)[slots[t]]
+            )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

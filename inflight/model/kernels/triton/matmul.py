@@ -92,8 +92,8 @@ def invariant_linear(
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) in x's dtype, each row's bits independent of
-    the others' (`tiles`: a launch shape other than `tiles_for` the row count's, as
-    `bench/invariant_matmul.py` sweeps them)."""
+    the others'. `tiles`: the launch shape, by default `tiles_for` the row count
+    (`bench/invariant_matmul.py` passes others)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

@@ -39,15 +39,17 @@ def _rope_store_kernel(
 ):  # fmt: skip
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
-    inside = (t < tokens)[:, None]
+    live = t < tokens
+    inside = live[:, None]
+    row = t[:, None].to(tl.int64)
     i = tl.arange(0, HALF)[None, :]
-    src = QKV + t[:, None].to(tl.int64) * stride_t + head * (2 * HALF) + i
+    src = QKV + row * stride_t + head * (2 * HALF) + i
     lo = tl.load(src, mask=inside, other=0.0)
     hi = tl.load(src + HALF, mask=inside, other=0.0)
     dtype = lo.dtype
     is_q = head < NUM_HEADS
     if head >= NUM_HEADS + NUM_KV_HEADS:
-        slot = tl.load(SLOTS + t, mask=t < tokens, other=0).to(tl.int64)[:, None]
+        slot = tl.load(SLOTS + t, mask=live, other=0).to(tl.int64)[:, None]
         dst = V_CACHE + slot * stride_slot + (head - NUM_HEADS - NUM_KV_HEADS) * (2 * HALF) + i
         tl.store(dst, _to_cache(lo, V_CACHE, CACHE_MAX), mask=inside)
         tl.store(dst + HALF, _to_cache(hi, V_CACHE, CACHE_MAX), mask=inside)
@@ -65,20 +67,19 @@ def _rope_store_kernel(
                 w2 = tl.load(K_NORM + HALF + i).to(tl.float32)
             x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        angles = COS + t[:, None].to(tl.int64) * stride_cos + i
-        cos1 = tl.load(angles, mask=inside, other=0.0).to(tl.float32)
-        cos2 = tl.load(angles + HALF, mask=inside, other=0.0).to(tl.float32)
-        angles = SIN + t[:, None].to(tl.int64) * stride_cos + i
-        sin1 = tl.load(angles, mask=inside, other=0.0).to(tl.float32)
-        sin2 = tl.load(angles + HALF, mask=inside, other=0.0).to(tl.float32)
+        angles = row * stride_cos + i
+        cos1 = tl.load(COS + angles, mask=inside, other=0.0).to(tl.float32)
+        cos2 = tl.load(COS + angles + HALF, mask=inside, other=0.0).to(tl.float32)
+        sin1 = tl.load(SIN + angles, mask=inside, other=0.0).to(tl.float32)
+        sin2 = tl.load(SIN + angles + HALF, mask=inside, other=0.0).to(tl.float32)
         out1 = x1 * cos1 - x2 * sin1
         out2 = x2 * cos2 + x1 * sin2
         if is_q:
-            q_dst = Q + t[:, None].to(tl.int64) * stride_qt + head * (2 * HALF) + i
+            q_dst = Q + row * stride_qt + head * (2 * HALF) + i
             tl.store(q_dst, out1.to(dtype), mask=inside)
             tl.store(q_dst + HALF, out2.to(dtype), mask=inside)
         else:
-            slot = tl.load(SLOTS + t, mask=t < tokens, other=0).to(tl.int64)[:, None]
+            slot = tl.load(SLOTS + t, mask=live, other=0).to(tl.int64)[:, None]
             k_dst = K_CACHE + slot * stride_slot + (head - NUM_HEADS) * (2 * HALF) + i
             tl.store(k_dst, _to_cache(out1, K_CACHE, CACHE_MAX), mask=inside)
             tl.store(k_dst + HALF, _to_cache(out2, K_CACHE, CACHE_MAX), mask=inside)

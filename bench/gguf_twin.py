@@ -51,20 +51,21 @@ def cut_header(source: Path, out: Path) -> None:
 def _fill_tensor(tensor, rng: np.random.Generator) -> None:
     kind = tensor.tensor_type
     data = tensor.data
-    rows = int(np.prod(tensor.shape[1:]))  # GGUF shapes list the row length first
-    values = np.ones(tensor.n_elements, np.float32)
-    if not tensor.name.endswith("norm.weight"):
-        values = rng.normal(0.0, STD, tensor.n_elements).astype(np.float32)
-    values = values.reshape(rows, -1)
-    if kind == Q.F32:
-        data[...] = values.reshape(data.shape)
-    elif kind == Q.F16:
-        data[...] = values.astype(np.float16).reshape(data.shape)
-    elif kind in K_QUANT_SCALES:
+    if kind in K_QUANT_SCALES:
         blocks = data.reshape(-1, gguf.GGML_QUANT_SIZES[kind][1])
         blocks[...] = rng.integers(0, 256, blocks.shape, dtype=np.uint8)
         for offset, scale in K_QUANT_SCALES[kind]:
             blocks[:, offset : offset + 2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
+        return
+    rows = int(np.prod(tensor.shape[1:]))  # GGUF shapes list the row length first
+    if tensor.name.endswith("norm.weight"):
+        values = np.ones((rows, tensor.n_elements // rows), np.float32)
+    else:
+        values = rng.normal(0.0, STD, (rows, tensor.n_elements // rows)).astype(np.float32)
+    if kind == Q.F32:
+        data[...] = values.reshape(data.shape)
+    elif kind == Q.F16:
+        data[...] = values.astype(np.float16).reshape(data.shape)
     else:
         try:
             quantized = gguf.quants.quantize(values, kind)

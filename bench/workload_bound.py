@@ -17,6 +17,7 @@ measured (a device-to-device copy 4.27 TB/s, an 8,192-cube bf16 matmul 788 TFLOP
 twice that). Prints a table; writes JSON to $OUT (or bench/out).
 
     .venv/bin/python bench/workload_bound.py [--shapes qwen3-0.6b llama-3.1-8b qwen3-30b-a3b]
+        [--requests 256] [--buckets]   (the decode bound by rows, as gpu_timeline.py groups steps)
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class Shape:
 
     @staticmethod
     def of(config: ModelConfig) -> Shape:
+        if any(config.layer_windows) or config.mamba is not None:
+            # Every layer is taken to read its whole context's K and V.
+            raise ValueError("sliding windows and Mamba layers are not modelled")
         h, hd = config.hidden_size, config.head_dim
         attention = h * hd * (2 * config.num_heads + 2 * config.num_kv_heads)
         moe = config.moe

@@ -9,7 +9,8 @@ kernel that only reads the same blocks through the same block tables.
 
 The figures are the kernel as the backend launches it (its rows longest first, as
 `plan.decode_order` gives them); the sweep times its launch settings (keys per iteration, warps,
-pipeline stages), key splits and the rows in order or longest first, over the token-major cache
+pipeline stages), key splits, the rows in order or longest first and the head's keys and values
+read whole or in two halves (`halves`, the FP8 cache's default), over the token-major cache
 layout the backend uses ([blocks, block_size, KV heads, head size]) and a head-major one
 ([blocks, KV heads, block_size, head size], read through a permuted view).
 
@@ -150,12 +151,12 @@ def _timed(case: Case, reference: torch.Tensor, launch: dict) -> dict:
 
 
 def sweep(case: Case, reference: torch.Tensor) -> list[dict]:
-    """Launch settings, key splits and the rows longest first."""
+    """Launch settings, key splits, the rows longest first, the head read whole or in halves."""
     results = []
-    for n, w, s, splits, ordered in itertools.product(
-        (32, 64, 128), (4, 8), (2, 3), (1, 2), (False, True)
+    for n, w, s, splits, ordered, halves in itertools.product(
+        (32, 64, 128), (4, 8), (2, 3), (1, 2), (False, True), (False, True)
     ):
-        launch = dict(block_n=n, num_warps=w, num_stages=s, splits=splits)
+        launch = dict(block_n=n, num_warps=w, num_stages=s, splits=splits, halves=halves)
         result = _timed(case, reference, dict(launch, order=case.order if ordered else None))
         results.append({**result, "order": ordered})
     return results

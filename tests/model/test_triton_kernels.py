@@ -114,6 +114,28 @@ def test_decode_rows_split_their_keys_and_merge_to_the_same_output(splits):
         assert _rel(got[row], want[row]) < 1e-6, row
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_rows_read_in_halves_of_the_head_attend_alike(splits):
+    """The FP8 cache's path (`halves`: each key and value read in two halves of the head) gives
+    the whole path's output, split or not, on a float32 cache (the interpreter's float8 is not
+    the GPU's)."""
+    shapes = [(1, 0), (1, 5), (1, 64), (1, 129), (1, 700)]
+    heads, kv_heads, dim = 8, 2, 32
+    meta, caches = _step(shapes, kv_heads, dim, torch.float32)
+    q = torch.randn(len(shapes), heads, dim)
+    got = {}
+    for halves in (False, True):
+        out = torch.full_like(q, float("nan"))
+        attention.decode_attention(
+            q, *caches, meta.block_tables, meta.seq_lens, out, len(shapes), dim**-0.5,
+            splits=splits, halves=halves,
+        )  # fmt: skip
+        got[halves] = out
+    assert not got[True].isnan().any()
+    for row in range(len(shapes)):
+        assert _rel(got[True][row], got[False][row].float()) < 1e-6, row
+
+
 def test_decode_rows_taken_longest_first_keep_their_bits():
     """The step plan's order (rows longest first, so a step's last wave of programs is of short
     rows) changes which program takes a row, not the row's result."""

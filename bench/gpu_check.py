@@ -15,7 +15,8 @@
    same prefix in float32 arbitrates: the two picks within 0.1 there is a tie rounding broke.
 5. Structured outputs on CUDA: constrained rows beside free ones stay in their languages.
 6. FP8 weights: the Triton per-token activation quantizer bit for bit against the torch
-   formula, and the FP8 linear (torch._scaled_mm, rowwise scales) against its float64 formula.
+   formula, and the FP8 linear against its float64 formula, at a few rows (the few-rows Triton
+   kernel, K a multiple of its step or not) and at many (torch._scaled_mm, rowwise scales).
 7. The LoRA side paths in bf16 (the indexed Triton kernel, the masked matmuls) against the float64
    formula: a fused three-part layer, slots of two ranks and an empty one, tokens of every slot
    and of the base model.
@@ -576,7 +577,8 @@ def check_lora(device: torch.device, seed: int) -> tuple[bool, str]:
 
 def check_fp8(device: torch.device, seed: int) -> tuple[bool, str]:
     """The Triton activation quantizer against the torch formula (bit for bit), and the FP8
-    linear against its float64 formula."""
+    linear against its float64 formula: 1, 5 and 40 rows take the few-rows kernel (K 4,096,
+    14,336 and 2,080, the last not a multiple of its step), 300 rows cuBLASLt."""
     from inflight.model.kernels.triton import ops as triton_ops
     from inflight.model.layers.linear import Linear, process_weights_after_loading
     from inflight.model.layers.platform import Platform
@@ -584,7 +586,7 @@ def check_fp8(device: torch.device, seed: int) -> tuple[bool, str]:
 
     torch.manual_seed(seed)
     exact, worst = True, 0.0
-    for tokens, size in ((1, 4096), (5, 14336), (300, 2048), (64, 1000)):
+    for tokens, size in ((1, 4096), (5, 14336), (300, 2048), (64, 1000), (40, 2080)):
         x = torch.randn(tokens, size, device=device, dtype=torch.bfloat16)
         if tokens > 1:
             x[0] = 0  # an all-zero row keeps scale 1

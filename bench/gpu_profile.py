@@ -5,7 +5,7 @@ profiles `--steps` decode steps with cProfile (host) and times the forward alone
 events (device).
 
     python3 bench/gpu_profile.py [--shape qwen3-0.6b] [--batch 256] [--prompt 512]
-        [--kv-cache-dtype fp8]
+        [--kv-cache-dtype fp8] [--quantization fp8]
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--quantization", default="none", choices=["none", "fp8"])
     args = parser.parse_args()
     device = torch.device("cuda")
     runtime = Runtime(
@@ -62,6 +63,7 @@ def main() -> None:
             max_model_len=args.prompt + 1000 + 16,
             max_num_tokens=16384,
             kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization,
         ),
     )
     rng = random.Random(0)

@@ -14,13 +14,13 @@ import triton
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.triton import TritonAttentionBackend
 from inflight.model.config import MoEConfig
-from inflight.model.kernels.triton import attention, lora, mamba, matmul, moe, ops, rope
+from inflight.model.kernels.triton import attention, fp8_matmul, lora, mamba, matmul, moe, ops, rope
 from inflight.model.layers.activation import torch_silu_mul
 from inflight.model.layers.mamba import ssm_decode as torch_ssm_decode
 from inflight.model.layers.moe import Experts
 from inflight.model.layers.norm import torch_rms_norm
 from inflight.model.layers.platform import Platform
-from inflight.model.layers.quantization import LinearMethods, TorchLinearMethod
+from inflight.model.layers.quantization import LinearMethods, TorchLinearMethod, fp8_rows
 from inflight.model.layers.rotary import rotate
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 
@@ -328,6 +328,35 @@ def test_silu_mul_matches_the_torch_path(dtype):
     # float16: the kernel's exp and torch's may round silu(gate) one step apart.
     step = 1e-6 if dtype == torch.float32 else 2**-10
     assert ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1)).max() <= step
+
+
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features", "tiles"),
+    [
+        (1, 200, 512, fp8_matmul.Fp8Tiles(64, 128)),  # weight rows past the last tile's
+        (5, 130, 1000, fp8_matmul.Fp8Tiles()),  # K not a multiple of the step
+        (37, 96, 384, fp8_matmul.Fp8Tiles(32, 128)),  # rows padded to a tile of 64
+        (fp8_matmul.MAX_ROWS, 64, 256, fp8_matmul.Fp8Tiles()),
+    ],
+)
+def test_fp8_few_rows_kernel_matches_its_formula(rows, out_features, in_features, tiles):
+    """Float8 operands made by torch (the interpreter reads them right), so the products are
+    exact and only the float32 sums' order may differ."""
+    torch.manual_seed(rows)
+    xq, x_scale = fp8_rows(torch.randn(rows, in_features))
+    wq, w_scale = fp8_rows(torch.randn(out_features, in_features) * 0.02)
+    bias = torch.randn(out_features)
+    want = (xq.double() * x_scale.double()) @ (wq.double() * w_scale.double()).T + bias.double()
+    got = fp8_matmul.fp8_few_rows_linear(xq, x_scale, wq, w_scale, bias, torch.float32, tiles)
+    assert got.shape == (rows, out_features)
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-6
+
+
+def test_fp8_few_rows_kernel_refuses_more_rows_than_it_takes():
+    xq, x_scale = fp8_rows(torch.randn(fp8_matmul.MAX_ROWS + 1, 128))
+    wq, w_scale = fp8_rows(torch.randn(32, 128))
+    with pytest.raises(ValueError, match="at most"):
+        fp8_matmul.fp8_few_rows_linear(xq, x_scale, wq, w_scale, None, torch.float32)
 
 
 def test_lora_adds_each_tokens_slot_and_leaves_base_tokens_alone():

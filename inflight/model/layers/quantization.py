@@ -188,16 +188,23 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Fp8LinearMethod(LinearMethod):
     """FP8 (e4m3) weights with a scale per output channel, and activations quantized per token
-    at run time: one FP8 tensor-core matmul (`torch._scaled_mm`, rowwise scales) that halves
-    the weights' bytes. For CUDA devices with FP8 tensor cores (Hopper, Ada), where one Triton
-    kernel quantizes the activations; the formula runs on the CPU too, which the tests use."""
+    at run time: one FP8 tensor-core matmul with rowwise scales that halves the weights' bytes.
+    For CUDA devices with FP8 tensor cores (Hopper, Ada), where one Triton kernel quantizes the
+    activations and calls of at most `fp8_matmul.MAX_ROWS` rows (decode steps) take the
+    few-rows kernel, which streams the weights at bandwidth where cuBLASLt does not; larger
+    ones `torch._scaled_mm`. The formula runs on the CPU too, which the tests use."""
 
     def __init__(self, platform: Platform) -> None:
         self.quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = fp8_rows
+        self.few_rows: Callable[..., torch.Tensor] | None = None
+        self.max_few_rows = 0
         if platform.device.type == "cuda":
+            from inflight.model.kernels.triton import fp8_matmul
             from inflight.model.kernels.triton import ops as triton_ops
 
             self.quantize_rows = functools.partial(triton_ops.fp8_rows, fp8_max=FP8_MAX)
+            self.few_rows = fp8_matmul.fp8_few_rows_linear
+            self.max_few_rows = fp8_matmul.MAX_ROWS
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         layer.prepared = fp8_rows(_take_weight(layer))
@@ -206,14 +213,17 @@ class Fp8LinearMethod(LinearMethod):
         weight, weight_scale = layer.prepared
         shape = x.shape
         xq, x_scale = self.quantize_rows(x.reshape(-1, shape[-1]))
-        y = torch._scaled_mm(
-            xq,
-            weight.t(),
-            scale_a=x_scale,
-            scale_b=weight_scale.t(),
-            bias=bias,
-            out_dtype=x.dtype,
-        )
+        if self.few_rows is not None and xq.shape[0] <= self.max_few_rows:
+            y = self.few_rows(xq, x_scale, weight, weight_scale, bias, x.dtype)
+        else:
+            y = torch._scaled_mm(
+                xq,
+                weight.t(),
+                scale_a=x_scale,
+                scale_b=weight_scale.t(),
+                bias=bias,
+                out_dtype=x.dtype,
+            )
         return y.reshape(*shape[:-1], y.shape[-1])
 
 

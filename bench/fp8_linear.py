@@ -1,0 +1,160 @@
+"""FP8 linear layers against bf16 ones, by row count, on the decoder layers of a model.
+
+For each linear layer of `--shapes` (qkv, o, gate_up, down: the layers FP8 mode quantizes) at
+each of `--m` rows: bf16 `F.linear`; cuBLASLt's FP8 path in parts (the activations' per-row
+quantization, `torch._scaled_mm`) and whole; and at <= `fp8_matmul.MAX_ROWS` rows the few-rows
+kernel, whole (quantization included) and alone. Times are CUDA-graph replays (a decode step
+runs in one) cycling over copies of the weight larger than L2 together, as a step's layers
+read theirs. Bandwidth: the FP8 weight's bytes over the time. Then the sums over a step's
+decoder layers, and each FP8 path's largest error against the float64 value of the same
+quantized operands (relative to the output's largest magnitude). `--sweep`: every candidate
+launch shape of the few-rows kernel at each layer and row count.
+
+    python3 bench/fp8_linear.py [--shapes qwen3-0.6b llama-3.1-8b] [--m 1 4 16 32 64 128 256]
+        [--sweep]   (prints the figures; writes JSON to $OUT or bench/out)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+from invariant_matmul import layers
+from triton.testing import do_bench_cudagraph
+
+from inflight.bench.random_model import SHAPES
+from inflight.bench.report import report_path, write_report
+from inflight.model.kernels.triton import fp8_matmul
+from inflight.model.kernels.triton import ops as triton_ops
+from inflight.model.layers.quantization import FP8_MAX, fp8_rows
+
+DECODER_LAYERS = ("qkv", "o", "gate_up", "down")
+
+
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return triton_ops.fp8_rows(x, FP8_MAX)
+
+
+# Bytes of weights a timed call cycles through, above the H200's 50 MB L2, so that each call
+# reads its weight from memory as a step's layers do (one copy would stay in L2).
+ROTATE_BYTES = 256 * 2**20
+# A multiprocessor's shared memory for a program's loads in flight (the H200's 227 KB, less
+# what Triton keeps for itself).
+SHARED_BYTES = 220 * 1024
+
+
+def _us(fn, copies: int) -> float:
+    """Microseconds a call of fn(i) takes, i cycling over the weight's copies."""
+    return do_bench_cudagraph(lambda: [fn(i) for i in range(copies)], rep=30) * 1000 / copies
+
+
+def _candidates(m: int) -> list[fp8_matmul.Fp8Tiles]:
+    """Launch shapes whose loads in flight fit in a multiprocessor's shared memory at m rows."""
+    block_m = max(16, 1 << (m - 1).bit_length())
+    shapes = itertools.product((32, 64, 128), (128, 256), (4,), (3, 4, 6))
+    return [
+        fp8_matmul.Fp8Tiles(*shape)
+        for shape in shapes
+        if (shape[0] + block_m) * shape[1] * shape[3] <= SHARED_BYTES
+    ]
+
+
+def _measure(weight: torch.Tensor, m: int, sweep: bool) -> dict:
+    """One layer's figures at m rows (see the module's docstring)."""
+    n, k = weight.shape
+    copies = max(1, ROTATE_BYTES // (n * k))
+    weights = [weight] + [torch.randn_like(weight) * 0.02 for _ in range(copies - 1)]
+    fp8 = [fp8_rows(w) for w in weights]
+    x = torch.randn(m, k, device=weight.device, dtype=torch.bfloat16)
+    xq, xs = _quantize(x)
+    wq, ws = fp8[0]
+    exact = (xq.double() * xs.double()) @ (wq.double() * ws.double()).t()
+    top = exact.abs().max().item()
+
+    def scaled(i: int, xq: torch.Tensor = xq, xs: torch.Tensor = xs) -> torch.Tensor:
+        wq, ws = fp8[i]
+        return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16)
+
+    row = {
+        "bf16_us": _us(lambda i: F.linear(x, weights[i]), copies),
+        "quantize_us": _us(lambda i: _quantize(x), copies),
+        "scaled_mm_us": _us(scaled, copies),
+        "fp8_shipped_us": _us(lambda i: scaled(i, *_quantize(x)), copies),
+        "scaled_mm_error": (scaled(0).double() - exact).abs().max().item() / top,
+    }
+    if m > fp8_matmul.MAX_ROWS:
+        return row
+
+    def few(
+        i: int, tiles: fp8_matmul.Fp8Tiles, xq: torch.Tensor = xq, xs: torch.Tensor = xs
+    ) -> torch.Tensor:
+        return fp8_matmul.fp8_few_rows_linear(xq, xs, *fp8[i], None, torch.bfloat16, tiles)
+
+    tiles = fp8_matmul.Fp8Tiles()
+    row["few_rows_us"] = _us(lambda i: few(i, tiles), copies)
+    row["fp8_few_rows_us"] = _us(lambda i: few(i, tiles, *_quantize(x)), copies)
+    row["few_rows_error"] = (few(0, tiles).double() - exact).abs().max().item() / top
+    if sweep:
+        swept = sorted(
+            ((_us(lambda i, c=c: few(i, c), copies), vars(c)) for c in _candidates(m)),
+            key=lambda s: s[0],
+        )
+        row["sweep_best"] = swept[:5]
+        print(f"  sweep {n}x{k} m={m}: best {swept[0][0]:.1f} us {swept[0][1]}, shipped tiles "
+              f"{row['few_rows_us']:.1f}")  # fmt: skip
+    return row
+
+
+def _line(row: dict, gb: float) -> str:
+    def bw(us: float) -> str:
+        return f"{gb / (us / 1e6):.0f} GB/s"
+
+    line = (
+        f"bf16 {row['bf16_us']:.1f} us; fp8 shipped {row['fp8_shipped_us']:.1f} (quantize "
+        f"{row['quantize_us']:.1f}, scaled_mm {row['scaled_mm_us']:.1f} = "
+        f"{bw(row['scaled_mm_us'])}, error {row['scaled_mm_error']:.1e})"
+    )
+    if "few_rows_us" in row:
+        line += (
+            f"; few-rows {row['fp8_few_rows_us']:.1f} (alone {row['few_rows_us']:.1f} = "
+            f"{bw(row['few_rows_us'])}, error {row['few_rows_error']:.1e})"
+        )
+    return line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256])
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    report: dict = {"shapes": {}}
+    for shape in args.shapes:
+        per_layer: dict[str, dict] = {}
+        for name in DECODER_LAYERS:
+            n, k = layers(shape)[name]
+            weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            for m in args.m:
+                row = per_layer[f"{name}@{m}"] = _measure(weight, m, args.sweep)
+                print(f"{shape} {name} ({n}x{k}) m={m}: {_line(row, n * k / 1e9)}", flush=True)
+        sums = {}
+        for m in args.m:
+            keys = ["bf16_us", "fp8_shipped_us"]
+            keys += ["fp8_few_rows_us"] if m <= fp8_matmul.MAX_ROWS else []
+            sums[m] = {
+                key: SHAPES[shape].num_layers
+                * sum(per_layer[f"{nm}@{m}"][key] for nm in DECODER_LAYERS)
+                / 1000
+                for key in keys
+            }
+            figures = ", ".join(f"{key[:-3]} {v:.3f}" for key, v in sums[m].items())
+            print(f"{shape}: a step's decoder linears at {m} rows, ms: {figures}")
+        report["shapes"][shape] = {"layers": per_layer, "step_ms": sums}
+    write_report(report_path("fp8_linear.json"), **report)
+
+
+if __name__ == "__main__":
+    main()

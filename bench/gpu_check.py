@@ -576,9 +576,10 @@ def check_lora(device: torch.device, seed: int) -> tuple[bool, str]:
 
 
 def check_fp8(device: torch.device, seed: int) -> tuple[bool, str]:
-    """The Triton activation quantizer against the torch formula (bit for bit), and the FP8
-    linear against its float64 formula: 1, 5 and 40 rows take the few-rows kernel (K 4,096,
-    14,336 and 2,080, the last not a multiple of its step), 300 rows cuBLASLt."""
+    """The Triton activation quantizer against the torch formula (bit for bit; rows of 20,000
+    read in two passes, the others in one), and the FP8 linear against its float64 formula:
+    1, 2, 5 and 40 rows take the few-rows kernel (K 4,096, 20,000, 14,336 and 2,080, the last
+    not a multiple of its step), 300 rows cuBLASLt."""
     from inflight.model.kernels.triton import ops as triton_ops
     from inflight.model.layers.linear import Linear, process_weights_after_loading
     from inflight.model.layers.platform import Platform
@@ -586,7 +587,7 @@ def check_fp8(device: torch.device, seed: int) -> tuple[bool, str]:
 
     torch.manual_seed(seed)
     exact, worst = True, 0.0
-    for tokens, size in ((1, 4096), (5, 14336), (300, 2048), (64, 1000), (40, 2080)):
+    for tokens, size in ((1, 4096), (5, 14336), (300, 2048), (64, 1000), (40, 2080), (2, 20000)):
         x = torch.randn(tokens, size, device=device, dtype=torch.bfloat16)
         if tokens > 1:
             x[0] = 0  # an all-zero row keeps scale 1

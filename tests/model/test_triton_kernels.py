@@ -20,7 +20,7 @@ from inflight.model.layers.mamba import ssm_decode as torch_ssm_decode
 from inflight.model.layers.moe import Experts
 from inflight.model.layers.norm import torch_rms_norm
 from inflight.model.layers.platform import Platform
-from inflight.model.layers.quantization import LinearMethods, TorchLinearMethod, fp8_rows
+from inflight.model.layers.quantization import FP8_MAX, LinearMethods, TorchLinearMethod, fp8_rows
 from inflight.model.layers.rotary import rotate
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
 
@@ -350,6 +350,18 @@ def test_fp8_few_rows_kernel_matches_its_formula(rows, out_features, in_features
     got = fp8_matmul.fp8_few_rows_linear(xq, x_scale, wq, w_scale, bias, torch.float32, tiles)
     assert got.shape == (rows, out_features)
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-6
+
+
+@pytest.mark.parametrize("size", [1000, ops.ONE_PASS_MAX + 100], ids=["one pass", "two passes"])
+def test_fp8_rows_kernel_scales_each_row_as_the_formula(size):
+    """The scales only: the interpreter rounds to e4m3 otherwise than the GPU (the quantized
+    values are checked bit for bit on the device, `bench/gpu_check.py "fp8 linear"`)."""
+    torch.manual_seed(size)
+    x = 3 * torch.randn(3, size)
+    x[1] = 0  # an all-zero row keeps scale 1
+    q, scale = ops.fp8_rows(x, FP8_MAX)
+    assert q.shape == x.shape and q.dtype == torch.float8_e4m3fn
+    assert torch.equal(scale, fp8_rows(x)[1])
 
 
 def test_fp8_few_rows_kernel_refuses_more_rows_than_it_takes():

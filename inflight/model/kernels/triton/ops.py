@@ -78,22 +78,37 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _fp8_rows_kernel(
-    X, OUT, SCALE, stride_x, stride_o, size, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr
-):
+    X, OUT, SCALE, stride_x, stride_o, size,
+    FP8_MAX: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, size, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(X + row * stride_x + cols, mask=cols < size, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    top = tl.max(amax, axis=0)
-    scale = tl.where(top > 0, top / FP8_MAX, 1.0)
-    tl.store(SCALE + row, scale)
-    for start in range(0, size, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    if ONE_PASS:  # the row held in registers: read once
+        cols = tl.arange(0, BLOCK)
         x = tl.load(X + row * stride_x + cols, mask=cols < size, other=0.0).to(tl.float32)
+        top = tl.max(tl.abs(x), axis=0)
+        scale = tl.where(top > 0, top / FP8_MAX, 1.0)
+        tl.store(SCALE + row, scale)
         q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
         tl.store(OUT + row * stride_o + cols, q.to(tl.float8e4nv), mask=cols < size)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, size, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(X + row * stride_x + cols, mask=cols < size, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        top = tl.max(amax, axis=0)
+        scale = tl.where(top > 0, top / FP8_MAX, 1.0)
+        tl.store(SCALE + row, scale)
+        for start in range(0, size, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(X + row * stride_x + cols, mask=cols < size, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+            tl.store(OUT + row * stride_o + cols, q.to(tl.float8e4nv), mask=cols < size)
+
+
+# Rows up to this long are read once, held in registers (8 warps: 64 values a thread); longer
+# ones twice, a block at a time (the largest magnitude first, then the quantized values).
+ONE_PASS_MAX = 16384
 
 
 def fp8_rows(x: torch.Tensor, fp8_max: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,8 +117,12 @@ def fp8_rows(x: torch.Tensor, fp8_max: float) -> tuple[torch.Tensor, torch.Tenso
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    size = x.shape[1]
+    one_pass = size <= ONE_PASS_MAX
+    block = triton.next_power_of_2(size) if one_pass else 1024
     if x.shape[0]:
         _fp8_rows_kernel[(x.shape[0],)](
-            x, out, scale, x.stride(0), out.stride(0), x.shape[1], FP8_MAX=fp8_max, BLOCK=1024
-        )
+            x, out, scale, x.stride(0), out.stride(0), size, FP8_MAX=fp8_max, BLOCK=block,
+            ONE_PASS=one_pass, num_warps=8 if block > 4096 else 4,
+        )  # fmt: skip
     return out, scale

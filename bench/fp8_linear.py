@@ -52,7 +52,7 @@ def _us(fn, copies: int) -> float:
 
 def _candidates(m: int) -> list[fp8_matmul.Fp8Tiles]:
     """Launch shapes whose loads in flight fit in a multiprocessor's shared memory at m rows."""
-    block_m = max(16, 1 << (m - 1).bit_length())
+    block_m = fp8_matmul.row_tile(m)
     shapes = itertools.product((32, 64, 128), (128, 256), (4,), (3, 4, 6))
     return [
         fp8_matmul.Fp8Tiles(*shape)

@@ -40,6 +40,11 @@ class Fp8Tiles:
     stages: int = 6
 
 
+def row_tile(rows: int) -> int:
+    """The rows a call's activations are padded to: the tensor cores' short side, 16 to 64."""
+    return max(16, triton.next_power_of_2(rows))
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_few_rows_kernel(
     X, XS, W, WS, Y, BIAS, M, N, K, stride_xm, stride_wn, stride_ym,
@@ -95,7 +100,7 @@ def fp8_few_rows_linear(
         _fp8_few_rows_kernel[(triton.cdiv(n, tiles.block_n),)](
             xq, x_scale, weight, weight_scale, y, y if bias is None else bias, m, n, k,
             xq.stride(0), weight.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(m)),
+            HAS_BIAS=bias is not None, BLOCK_M=row_tile(m),
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PROMOTE=PROMOTE,
             num_warps=tiles.warps, num_stages=tiles.stages,
         )  # fmt: skip

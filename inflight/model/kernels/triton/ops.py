@@ -77,33 +77,43 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _fp8_scale(top, FP8_MAX: tl.constexpr):
+    """The scale of a row whose largest magnitude is `top` (an all-zero row: 1)."""
+    return tl.where(top > 0, top / FP8_MAX, 1.0)
+
+
+@triton.jit
+def _fp8_store(OUT, cols, size, x, scale, FP8_MAX: tl.constexpr):
+    q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+    tl.store(OUT + cols, q.to(tl.float8e4nv), mask=cols < size)
+
+
+@triton.jit
 def _fp8_rows_kernel(
     X, OUT, SCALE, stride_x, stride_o, size,
     FP8_MAX: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
+    X += row * stride_x
+    OUT += row * stride_o
     if ONE_PASS:  # the row held in registers: read once
         cols = tl.arange(0, BLOCK)
-        x = tl.load(X + row * stride_x + cols, mask=cols < size, other=0.0).to(tl.float32)
-        top = tl.max(tl.abs(x), axis=0)
-        scale = tl.where(top > 0, top / FP8_MAX, 1.0)
+        x = tl.load(X + cols, mask=cols < size, other=0.0).to(tl.float32)
+        scale = _fp8_scale(tl.max(tl.abs(x), axis=0), FP8_MAX)
         tl.store(SCALE + row, scale)
-        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-        tl.store(OUT + row * stride_o + cols, q.to(tl.float8e4nv), mask=cols < size)
+        _fp8_store(OUT, cols, size, x, scale, FP8_MAX)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, size, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(X + row * stride_x + cols, mask=cols < size, other=0.0)
+            x = tl.load(X + cols, mask=cols < size, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        top = tl.max(amax, axis=0)
-        scale = tl.where(top > 0, top / FP8_MAX, 1.0)
+        scale = _fp8_scale(tl.max(amax, axis=0), FP8_MAX)
         tl.store(SCALE + row, scale)
         for start in range(0, size, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(X + row * stride_x + cols, mask=cols < size, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-            tl.store(OUT + row * stride_o + cols, q.to(tl.float8e4nv), mask=cols < size)
+            x = tl.load(X + cols, mask=cols < size, other=0.0).to(tl.float32)
+            _fp8_store(OUT, cols, size, x, scale, FP8_MAX)
 
 
 # Rows up to this long are read once, held in registers (8 warps: 64 values a thread); longer

@@ -1,6 +1,6 @@
 """The native kernels' instruction-set variants (`native.Variant`): which one a CPU runs, the
-variable that forces a lower one, and the quantized matmuls (int8, 4-bit, Q5_K / Q6_K) of every
-variant the bits of AVX2's.
+variable that forces a lower one, and the quantized matmuls (int8, 4-bit, Q5_K, Q6_K's centered
+build) of every variant the bits of AVX2's.
 
 Every variant this machine runs is checked, and the VNNI code on any AVX2 machine too, built with
 vpdpbusd emulated (`INFLIGHT_EMULATE_VNNI`): its layout, corrections and tiles are the real
@@ -46,7 +46,7 @@ KERNELS = {
     "int8": (int8.quantize_weight, int8.load_variant, _int8),
     "q4": (q4.quantize_q4, q4.load_variant, _q4),
     "Q5_K": (_k_quant("Q5_K"), blocks.load_variant, _k8),
-    "Q6_K": (_k_quant("Q6_K"), blocks.load_variant, _k8),
+    "Q6_K": (_k_quant("Q6_K"), lambda variant: blocks.load_variant(variant, centered=True), _k8),
 }
 
 
@@ -109,10 +109,12 @@ def test_the_small_weights_build_gives_the_bits_of_the_general_one(variant):
     for k in (32 * 15, 576, 1536):
         values = torch.randint(-16, 16, (37, k), dtype=torch.int8)
         values[:, ::7] = -16
+        values[0], values[1] = -16, 15  # with rows of x at +-127 everywhere: int16's bounds
         weight = int8.pack_int8(values, torch.rand(37, k // 32) * 1e-2, small=True)
         bias = torch.randn(37)
         x = torch.randn(16, k)
         x[5, ::13] *= 1e4
+        x[6], x[7] = 1.0, -1.0
         for m in (*range(1, 10), 16):
             want = _int8(general, x[:m], k, weight, bias)
             assert torch.equal(_int8(small, x[:m], k, weight, bias), want), (k, m)
@@ -120,3 +122,26 @@ def test_the_small_weights_build_gives_the_bits_of_the_general_one(variant):
     assert q5_0.small
     x = torch.randn(9, 576)
     assert torch.equal(blocks.block_linear(x, q5_0), _int8(general, x, 576, q5_0, None))
+
+
+@pytest.mark.parametrize("variant", CHECKED, ids=lambda v: v.name)
+def test_the_centered_build_sums_q6_k_as_the_general_one(variant):
+    """Q6_K's centered build takes the 32 off in integers (int16 sums that wrap on the way), the
+    general one in float minimum terms: the same products up to float rounding, at the int16
+    bounds too (every q 0 or 63 against activations at +-127 everywhere, scales -128 and 127)."""
+    general = blocks.load_variant(AVX2)
+    centered = blocks.load_variant(variant, centered=True)
+    k = 512
+    raw = random_blocks("Q6_K", 37, k, seed=4).reshape(37, k // 256, 210)
+    raw[0:2, :, 0:192] = 0  # q = 0 everywhere
+    raw[2:4, :, 0:192] = 255  # q = 63 everywhere
+    raw[0, :, 192:208] = 128  # scale -128
+    raw[2, :, 192:208] = 127
+    weight = blocks.block_weight("Q6_K", raw.reshape(37, -1), k)
+    assert weight.centered
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(4))
+    x[6], x[7] = 1.0, -1.0
+    for m in (1, 5, 16):
+        want = _k8(general, x[:m], k, weight, None)
+        got = _k8(centered, x[:m], k, weight, None)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

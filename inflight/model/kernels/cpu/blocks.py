@@ -13,7 +13,8 @@ A K-quant row is cut into superblocks of 256 values (so K is a multiple of 256):
 - Q5_K: the same with q in 0..31 (a fifth bit per value).
 - Q6_K: 16 blocks of 16, w = d * sc_j * (q - 32), q in 0..63, sc_j int8, d float16.
 Q5_K and Q6_K run in k8_matmul.c: one byte per value, an int8 scale and minimum per 16 and two
-float32 multipliers per superblock (see there). Activations are quantized to int8 per block of
+float32 multipliers per superblock (see there); Q6_K in its centered build, which sums
+(q - 32) in integers. Activations are quantized to int8 per block of
 32 inside every call, per token, as the other kernels do.
 """
 
@@ -50,11 +51,13 @@ _SOURCE = Path(__file__).with_name("k8_matmul.c")
 class K8Weight:
     """A Q5_K or Q6_K [N, K] weight in k8_matmul.c's layout: values [N, K] uint8 (register-
     permuted within superblocks), integer scales and minimums [N, 32 * K / 256] int8, float32
-    multipliers [N, 2 * K / 256]."""
+    multipliers [N, 2 * K / 256]. `centered`: w = d * c * (q - 32) (Q6_K), run by the kernel's
+    centered build; the minimums still say so (n = c, f = -32 d), for the general build."""
 
     values: torch.Tensor
     scales: torch.Tensor
     multipliers: torch.Tensor
+    centered: bool = False
 
     @property
     def out_features(self) -> int:
@@ -178,10 +181,16 @@ def unpack_q6_k(raw_rows, in_features: int) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def _pack_k8(
-    q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, d: torch.Tensor, f: torch.Tensor
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    d: torch.Tensor,
+    f: torch.Tensor,
+    centered: bool = False,
 ) -> K8Weight:
     """k8_matmul.c's layout of w = d * c * q + f * n: q [N, K] uint8, c and n [N, K / 16]
-    integers in int8's range (per half block, in K order), d and f [N, K / 256] float32."""
+    integers in int8's range (per half block, in K order), d and f [N, K / 256] float32;
+    `centered` as K8Weight's."""
     n, k = q.shape
     supers = k // SUPER
     # [N, superblock, block i, chunk c, 4 bytes] -> register c, lane i
@@ -193,7 +202,10 @@ def _pack_k8(
     packed = torch.cat([by_half(scales), by_half(mins)], dim=-1).to(torch.int8)
     multipliers = torch.stack([d, f], dim=-1).float()
     return K8Weight(
-        values.contiguous(), packed.reshape(n, -1).contiguous(), multipliers.reshape(n, -1)
+        values.contiguous(),
+        packed.reshape(n, -1).contiguous(),
+        multipliers.reshape(n, -1),
+        centered,
     )
 
 
@@ -216,7 +228,7 @@ def block_weight(type_name: str, raw_rows, in_features: int) -> BlockWeight:
         return _pack_k8(q, sc.repeat_interleave(2, -1), m.repeat_interleave(2, -1), d, -dmin)
     if type_name == "Q6_K":
         q, sc, d = unpack_q6_k(raw_rows, in_features)
-        return _pack_k8(q, sc, sc, d, -32.0 * d)
+        return _pack_k8(q, sc, sc, d, -32.0 * d, centered=True)
     raise ValueError(
         f"no native kernel runs {type_name!r} blocks (known: {', '.join(BLOCK_TYPES)})"
     )
@@ -232,7 +244,7 @@ def concat_rows(weights: list[BlockWeight]) -> BlockWeight:
         value = getattr(first, f.name)
         if isinstance(value, torch.Tensor):
             value = torch.cat([getattr(w, f.name) for w in weights])
-        elif isinstance(value, bool):  # int8's `small`: the stack's only where every part's
+        elif isinstance(value, bool):  # `small`, `centered`: the stack's where every part's
             value = all(getattr(w, f.name) for w in weights)
         parts[f.name] = value
     return type(first)(**parts)
@@ -242,23 +254,32 @@ def load_kernels(types: Iterable[str]) -> None:
     """Build (or find cached) the kernels that run `types`, and only those: a failure shows
     here, as native.NativeBuildError, not mid-generation."""
     small_int8 = functools.partial(int8.load_kernel, True)
-    loaders = {"Q8_0": int8.load_kernel, "Q5_0": small_int8, "Q4_K": q4.load_kernel}
+    centered_k8 = functools.partial(load_kernel, True)
+    loaders = {
+        "Q8_0": int8.load_kernel,
+        "Q5_0": small_int8,
+        "Q4_K": q4.load_kernel,
+        "Q6_K": centered_k8,
+    }
     for loader in {loaders.get(t, load_kernel) for t in types if t in BLOCK_SHAPES}:
         loader()
 
 
 @functools.cache
-def load_kernel() -> ctypes.CDLL:
-    """The compiled Q5_K/Q6_K kernel of the variant `native.chosen_variant` picks at first use,
-    built and cached across processes; raises native.NativeBuildError when this CPU lacks AVX2
-    or FMA, or when gcc is missing or fails (a ValueError where $INFLIGHT_CPU_ISA names no
-    variant this CPU runs)."""
-    return load_variant(native.chosen_variant())
+def load_kernel(centered: bool = False) -> ctypes.CDLL:
+    """The compiled Q5_K/Q6_K kernel of the variant `native.chosen_variant` picks at first use
+    (`centered`: its build for Q6_K's w = d * c * (q - 32)), built and cached across processes;
+    raises native.NativeBuildError when this CPU lacks AVX2 or FMA, or when gcc is missing or
+    fails (a ValueError where $INFLIGHT_CPU_ISA names no variant this CPU runs)."""
+    return load_variant(native.chosen_variant(), centered)
 
 
 @functools.cache
-def load_variant(variant: native.Variant) -> ctypes.CDLL:
-    """The Q5_K/Q6_K kernel built for `variant`."""
+def load_variant(variant: native.Variant, centered: bool = False) -> ctypes.CDLL:
+    """The Q5_K/Q6_K kernel built for `variant` (`centered`: for Q6_K's form)."""
+    if centered:
+        flags = (*variant.flags, "-DINFLIGHT_CENTERED")
+        variant = native.Variant(f"{variant.name}, centered", flags, variant.needs)
     lib = native.build(_SOURCE, f"the K-quant CPU matmul ({variant.name})", variant)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.k8_linear.argtypes = [p, i64, i64, p, p, p, i64, p, p, ctypes.c_int]
@@ -271,7 +292,7 @@ def kernel_call(weight: BlockWeight, bias: torch.Tensor | None) -> KernelCall:
     form."""
     if isinstance(weight, K8Weight):
         tensors = (weight.values, weight.scales, weight.multipliers)
-        kernel = load_kernel().k8_linear
+        kernel = load_kernel(weight.centered).k8_linear
     elif isinstance(weight, int8.QuantizedWeight):
         kernel, tensors = int8.load_kernel(weight.small).int8_linear, (weight.values, weight.scales)
     else:

@@ -68,11 +68,13 @@ typedef int16_t Act; /* activations as int16, even- then odd-byte halves */
 #if VNNI || SMALL
 /* Quantizes one row of x: values into its slot of the interleaved tile layout (register stride
    MR * 32 bytes), 8 scales per group into xd (divided by 256, as the AVX2 variant's), and per
-   group the 8 lanes' 128 * (sum of their values) into xc (which only VNNI reads). */
+   group the correction the dot takes off into xc: VNNI, per lane, 128 * (the sum of its values);
+   SMALL, per int16 lane of the registers (bytes 2j and 2j + 1 of each), -16 * (the sum of its
+   values), in int16 (modulo 2^16: see dot_group). */
 static void quantize_row(const float *x, const Groups *groups, Act *xq, float *xd, int32_t *xc) {
     for (int gi = 0; gi < groups->count; gi++) {
         const int g = groups->sizes[gi], lanes = 8 / g;
-        int32_t sums[8] = {0};
+        int32_t sums[16] = {0}; /* VNNI: per int32 lane (8); SMALL: per int16 lane */
         for (int i = 0; i < g; i++, x += 32) {
             __m256i q[4];
             int32_t v[32];
@@ -83,12 +85,17 @@ static void quantize_row(const float *x, const Groups *groups, Act *xq, float *x
                 Act *dst = xq + (c / lanes) * MR * 32 + 4 * lane;
                 for (int j = 0; j < 4; j++) {
                     dst[j] = (Act)v[4 * c + j];
-                    sums[lane] += v[4 * c + j];
+                    sums[SMALL ? 2 * lane + j / 2 : lane] += v[4 * c + j];
                 }
             }
             for (int l = 0; l < lanes; l++) xd[i * lanes + l] = amax / 127.0f / 256.0f;
         }
+#if SMALL
+        int16_t *corr = (int16_t *)xc;
+        for (int l = 0; l < 16; l++) corr[l] = (int16_t)(-16 * sums[l]);
+#else
         for (int l = 0; l < 8; l++) xc[l] = 128 * sums[l];
+#endif
         xq += g * MR * 32;
         xd += 8;
         xc += 8;
@@ -147,33 +154,74 @@ INLINE void dot_group(const int mr, const int nr, int regs, int64_t k, const int
     }
 }
 #elif SMALL
-/* Integer sums of one group for an mr x nr tile of weights within -16..15: vpmaddubsw of |w| by
-   x signed as w, pairs of at most 2 * 16 * 127 products, so the int16 sums of a whole group
-   (8 registers at most: 32512) never saturate, and one vpmaddwd by ones widens them. 32
-   products cost a sign, a multiply and an add, against two multiplies and two adds in the
-   general build; the sums are the same integers. */
+/* Integer sums of one group for an mr x nr tile of weights within -16..15. vpmaddubsw takes
+   the unsigned w + 16 (at most 31) and x: int16 pairs of at most 2 * 31 * 127 = 7874, never
+   saturated. Each int16 sum starts at -16 * (the sum of its x over the group), xc's correction,
+   so that it ends at the sum of w * x: at most 16 * 16 * 127 = 32512 in magnitude, in int16.
+   Its partial sums may leave int16 on the way, but vpaddw wraps, so only the end must fit.
+   One vpmaddwd by ones widens the group's sums. 32 products cost a multiply and an add, where
+   vpsignb's route (|w| by x signed as w) needs a sign as well. */
 INLINE void dot_group(const int mr, const int nr, int regs, int64_t k, const int8_t *w,
-                      const Act *xq, __m256i s[MR][NR]) {
+                      const Act *xq, const int32_t *xc, int64_t sg, __m256i s[MR][NR]) {
+    const __m256i offset = _mm256_set1_epi8(16), ones = _mm256_set1_epi16(1);
     __m256i s16[MR][NR];
     for (int m = 0; m < mr; m++)
-        for (int n = 0; n < nr; n++) s16[m][n] = _mm256_setzero_si256();
+        for (int n = 0; n < nr; n++)
+            s16[m][n] = _mm256_loadu_si256((const __m256i *)(xc + m * sg));
     for (int r = 0; r < regs; r++, w += 32, xq += MR * 32) {
-        __m256i v[NR], a[NR];
+        __m256i u[NR];
         for (int n = 0; n < nr; n++) {
             _mm_prefetch((const char *)(w + (n + AHEAD) * k), _MM_HINT_T0);
-            v[n] = _mm256_loadu_si256((const __m256i *)(w + n * k));
-            a[n] = _mm256_sign_epi8(v[n], v[n]);
+            u[n] = _mm256_add_epi8(_mm256_loadu_si256((const __m256i *)(w + n * k)), offset);
         }
         for (int m = 0; m < mr; m++) {
             const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + m * 32));
             for (int n = 0; n < nr; n++)
-                s16[m][n] = _mm256_add_epi16(
-                    s16[m][n], _mm256_maddubs_epi16(a[n], _mm256_sign_epi8(x, v[n])));
+                s16[m][n] = _mm256_add_epi16(s16[m][n], _mm256_maddubs_epi16(u[n], x));
         }
     }
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int m = 0; m < mr; m++)
         for (int n = 0; n < nr; n++) s[m][n] = _mm256_madd_epi16(s16[m][n], ones);
+}
+
+/* The same sums for a full MR x NR tile, in assembly: GCC's loop kept some of the eight sums
+   in memory. */
+static inline void dot_group_full(int regs, int64_t k, const int8_t *w, const Act *xq,
+                                  const int32_t *xc, int64_t sg, __m256i s[MR][NR]) {
+    const __m256i offset = _mm256_set1_epi8(16);
+    __m256i s00 = _mm256_loadu_si256((const __m256i *)xc), s01 = s00;
+    __m256i s10 = _mm256_loadu_si256((const __m256i *)(xc + sg)), s11 = s10;
+    __m256i s20 = _mm256_loadu_si256((const __m256i *)(xc + 2 * sg)), s21 = s20;
+    __m256i s30 = _mm256_loadu_si256((const __m256i *)(xc + 3 * sg)), s31 = s30;
+    for (int r = 0; r < regs; r++, w += 32, xq += MR * 32) {
+        __m256i u0, u1, p, t;
+        __asm__(
+            "prefetcht0 (%[w0],%[ahead])\n\t"
+            "prefetcht0 (%[w1],%[ahead])\n\t"
+            "vpaddb (%[w0]), %[offset], %[u0]\n\t"
+            "vpaddb (%[w1]), %[offset], %[u1]\n\t"
+#define TOKEN(off, sa, sb)                                                                   \
+    "vmovdqu " off "(%[x]), %[p]\n\t"                                                       \
+    "vpmaddubsw %[p], %[u0], %[t]\n\t"                                                      \
+    "vpaddw %[t], %[" sa "], %[" sa "]\n\t"                                                  \
+    "vpmaddubsw %[p], %[u1], %[t]\n\t"                                                      \
+    "vpaddw %[t], %[" sb "], %[" sb "]\n\t"
+            TOKEN("0", "s00", "s01") TOKEN("32", "s10", "s11") TOKEN("64", "s20", "s21")
+                TOKEN("96", "s30", "s31")
+#undef TOKEN
+            : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11),
+              [s20] "+x"(s20), [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31),
+              [u0] "=&x"(u0), [u1] "=&x"(u1), [p] "=&x"(p), [t] "=&x"(t)
+            /* the "m" operands tell the compiler which memory the step reads */
+            : [w0] "r"(w), [w1] "r"(w + k), [x] "r"(xq), [offset] "x"(offset),
+              [ahead] "r"(AHEAD * k), "m"(*(const int8_t(*)[32])w),
+              "m"(*(const int8_t(*)[32])(w + k)), "m"(*(const int8_t(*)[MR * 32])xq));
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    s[0][0] = _mm256_madd_epi16(s00, ones), s[0][1] = _mm256_madd_epi16(s01, ones);
+    s[1][0] = _mm256_madd_epi16(s10, ones), s[1][1] = _mm256_madd_epi16(s11, ones);
+    s[2][0] = _mm256_madd_epi16(s20, ones), s[2][1] = _mm256_madd_epi16(s21, ones);
+    s[3][0] = _mm256_madd_epi16(s30, ones), s[3][1] = _mm256_madd_epi16(s31, ones);
 }
 #else
 /* Integer sums of one group for a full MR x NR tile. Written in assembly because GCC spills one
@@ -183,8 +231,8 @@ static inline void dot_group_full(int regs, int64_t k, const int8_t *w, const in
                                   __m256i s[MR][NR]) {
     const __m256i odd = _mm256_set1_epi16((short)0xff00);
     /* locals rather than s itself, which lives in memory and would be stored on every step */
-    __m256i s00 = s[0][0], s01 = s[0][1], s10 = s[1][0], s11 = s[1][1];
-    __m256i s20 = s[2][0], s21 = s[2][1], s30 = s[3][0], s31 = s[3][1];
+    __m256i s00 = _mm256_setzero_si256(), s01 = s00, s10 = s00, s11 = s00;
+    __m256i s20 = s00, s21 = s00, s30 = s00, s31 = s00;
     for (int r = 0; r < regs; r++, w += 32, xq += MR * 32) {
         __m256i l0, h0, l1, h1, t;
         __asm__(
@@ -259,8 +307,10 @@ INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, in
     for (int gi = 0; gi < groups->count; gi++) {
         const int g = groups->sizes[gi];
         __m256i s[MR][NR];
-        for (int m = 0; m < mr; m++)
-            for (int n = 0; n < nr; n++) s[m][n] = _mm256_setzero_si256();
+        const int full = mr == MR && nr == NR;
+        if (VNNI || (!full && !SMALL)) /* the others set s */
+            for (int m = 0; m < mr; m++)
+                for (int n = 0; n < nr; n++) s[m][n] = _mm256_setzero_si256();
 #if VNNI
         dot_group(mr, nr, g, k, w, xq, s);
         for (int m = 0; m < mr; m++) {
@@ -270,13 +320,16 @@ INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, in
         }
         xc += 8;
 #elif SMALL
-        (void)xc;
-        dot_group(mr, nr, g, k, w, xq, s);
+        if (full)
+            dot_group_full(g, k, w, xq, xc, sg, s);
+        else
+            dot_group(mr, nr, g, k, w, xq, xc, sg, s);
         for (int m = 0; m < mr; m++)
             for (int n = 0; n < nr; n++) s[m][n] = _mm256_slli_epi32(s[m][n], 8);
+        xc += 8;
 #else
         (void)xc;
-        if (mr == MR && nr == NR)
+        if (full)
             dot_group_full(g, k, w, xq, s);
         else
             dot_group(mr, nr, g, k, w, xq, s);

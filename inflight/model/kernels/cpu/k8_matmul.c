@@ -29,6 +29,15 @@ VNNI variant (vnni.h): vpdpbusd sums each lane's 4 products u * p in int32 at on
 registers into one sum per block, which one int32 multiply by c_h then scales: the integers of
 the AVX2 path exactly, so both give the same bits.
 
+Centered build (INFLIGHT_CENTERED, for Q6_K): w = d * c_h * (u - 32), so a block contributes
+d e sum_h c_h sum_h((u - 32) p), all of it integer: each half's sum starts at -32 * (its sum of
+p), which quantize_row stores per token, half and int16 lane, and the minimums' float terms go.
+In int16: vpmaddubsw pairs of u (at most 63) by p stay below 16002, never saturated, and a half's
+four registers add in int16 (vpaddw wraps; the end, a sum of 8 products (u - 32) p, is at most
+8 * 32 * 127 = 32512 in magnitude), so one vpmaddwd by the half's scales per four registers,
+where the general build needs one per two and three float ops more per superblock. VNNI: the
+same integers, the correction widened to int32 first.
+
 Determinism. As in q4_matmul.c: the integer sums are exact and every output takes the same
 float ops (per superblock: convert, multiply, three fma; then a fixed horizontal sum and the
 bias) whatever M, N, its tile or its thread. Build with -ffp-contract=off.
@@ -48,13 +57,22 @@ bias) whatever M, N, its tile or its thread. Build with -ffp-contract=off.
 #define CHUNK_BYTES (96 * 1024) /* weight rows per cache tile, well within L2 */
 #define AHEAD 8                 /* weight rows prefetched ahead (see int8_matmul.c) */
 
+#ifdef INFLIGHT_CENTERED
+#define CENTERED 1
+#else
+#define CENTERED 0
+#endif
+
 /* Quantizes one row of x (K / 256 superblocks): bytes into its slot of the interleaved tile
-   layout (register stride MR * 32), per superblock 8 scales into xe and 16 half sums into xs. */
+   layout (register stride MR * 32), per superblock 8 scales into xe and into xs 16 half sums,
+   or, in the centered build, the same 64 bytes as int16 corrections: per half h and int16 lane
+   j of its registers (bytes 2j and 2j + 1 of each), -32 * (the sum of those bytes' p). */
 static void quantize_row(const float *x, int64_t supers, int8_t *xq, float *xe, float *xs) {
     /* packs work per 128-bit half; this puts the 4-byte chunks back in element order */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     int32_t chunks[8], sums[8];
     for (int64_t sb = 0; sb < supers; sb++, xq += 8 * MR * 32, xe += 8, xs += 16) {
+        int16_t corr[2][16] = {{0}};
         for (int i = 0; i < 8; i++, x += 32) {
             __m256i q[4];
             const float amax = quantize_block(x, q);
@@ -65,6 +83,13 @@ static void quantize_row(const float *x, int64_t supers, int8_t *xq, float *xe, 
             for (int c = 0; c < 8; c++) memcpy(xq + c * MR * 32 + i * 4, &chunks[c], 4);
             const float e = amax / 127.0f;
             xe[i] = e;
+            if (CENTERED) {
+                /* chunk c (bytes 4c..4c + 3 of block i) sits in register c, lane i */
+                const int8_t *p = (const int8_t *)chunks;
+                for (int c = 0; c < 8; c++)
+                    for (int j = 0; j < 4; j++) corr[c / 4][2 * i + j / 2] -= 32 * p[4 * c + j];
+                continue;
+            }
             for (int h = 0; h < 2; h++) {
                 _mm256_storeu_si256((__m256i *)sums, _mm256_add_epi32(q[2 * h], q[2 * h + 1]));
                 int32_t sum = 0;
@@ -72,6 +97,7 @@ static void quantize_row(const float *x, int64_t supers, int8_t *xq, float *xe, 
                 xs[8 * h + i] = e * (float)sum;
             }
         }
+        if (CENTERED) memcpy(xs, corr, sizeof corr);
     }
 }
 
@@ -148,6 +174,127 @@ INLINE void dot_super(const int mr, const int nr, int64_t kq, int64_t sc, const 
 
 #endif
 
+#if CENTERED && VNNI
+/* Integer sums of one superblock for an mr x nr tile of a centered weight: s[m][n] lane l, sum
+   over both halves h of block l of c_h * sum((u - 32) p), each half's sum made by vpdpbusd from
+   its correction (xc, token m's at xc + m * sx) and scaled by one int32 multiply. */
+INLINE void dot_centered(const int mr, const int nr, int64_t kq, int64_t sc, const uint8_t *w,
+                         const int8_t *wc, const int8_t *xq, const int16_t *xc, int64_t sx,
+                         __m256i s[MR][NR]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256i t[MR][NR];
+        for (int m = 0; m < mr; m++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(xc + m * sx + 16 * h));
+            for (int n = 0; n < nr; n++) t[m][n] = _mm256_madd_epi16(c, ones);
+        }
+        for (int r = 4 * h; r < 4 * h + 4; r++) {
+            __m256i u[NR];
+            for (int n = 0; n < nr; n++) {
+                if (r % 2 == 0)
+                    _mm_prefetch((const char *)(w + (n + AHEAD) * kq + r * 32), _MM_HINT_T0);
+                u[n] = _mm256_loadu_si256((const __m256i *)(w + n * kq + r * 32));
+            }
+            for (int m = 0; m < mr; m++) {
+                const __m256i p = _mm256_loadu_si256((const __m256i *)(xq + (r * MR + m) * 32));
+                for (int n = 0; n < nr; n++) t[m][n] = DPBUSD(t[m][n], u[n], p);
+            }
+        }
+        for (int n = 0; n < nr; n++) {
+            const __m256i c =
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wc + n * sc + 8 * h)));
+            for (int m = 0; m < mr; m++) {
+                const __m256i scaled = _mm256_mullo_epi32(t[m][n], c);
+                s[m][n] = h ? _mm256_add_epi32(s[m][n], scaled) : scaled;
+            }
+        }
+    }
+}
+#elif CENTERED
+/* Integer sums of one superblock for an mr x nr tile of a centered weight: s[m][n] lane l, sum
+   over both halves h of block l of c_h * sum((u - 32) p). Each half's int16 pair sums start at
+   its correction (xc, token m's at xc + m * sx) and take its four registers; one vpmaddwd by the
+   pair scales widens and scales them. */
+INLINE void dot_centered(const int mr, const int nr, int64_t kq, int64_t sc, const uint8_t *w,
+                         const int8_t *wc, const int8_t *xq, const int16_t *xc, int64_t sx,
+                         __m256i s[MR][NR]) {
+    for (int h = 0; h < 2; h++) {
+        __m256i s16[MR][NR];
+        for (int m = 0; m < mr; m++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(xc + m * sx + 16 * h));
+            for (int n = 0; n < nr; n++) s16[m][n] = c;
+        }
+        for (int r = 4 * h; r < 4 * h + 4; r++) {
+            __m256i u[NR];
+            for (int n = 0; n < nr; n++) {
+                if (r % 2 == 0)
+                    _mm_prefetch((const char *)(w + (n + AHEAD) * kq + r * 32), _MM_HINT_T0);
+                u[n] = _mm256_loadu_si256((const __m256i *)(w + n * kq + r * 32));
+            }
+            for (int m = 0; m < mr; m++) {
+                const __m256i p = _mm256_loadu_si256((const __m256i *)(xq + (r * MR + m) * 32));
+                for (int n = 0; n < nr; n++)
+                    s16[m][n] = _mm256_add_epi16(s16[m][n], _mm256_maddubs_epi16(u[n], p));
+            }
+        }
+        for (int n = 0; n < nr; n++) {
+            const __m256i c = pair_scales(wc + n * sc + 8 * h);
+            for (int m = 0; m < mr; m++) {
+                const __m256i scaled = _mm256_madd_epi16(s16[m][n], c);
+                s[m][n] = h ? _mm256_add_epi32(s[m][n], scaled) : scaled;
+            }
+        }
+    }
+}
+
+/* The same sums for a full MR x NR tile, the int16 sums in assembly: GCC's loop kept some of
+   the eight in memory. */
+static inline void dot_centered_full(int64_t kq, int64_t sc, const uint8_t *w, const int8_t *wc,
+                                     const int8_t *xq, const int16_t *xc, int64_t sx,
+                                     __m256i s[MR][NR]) {
+    for (int h = 0; h < 2; h++) {
+        const int16_t *c = xc + 16 * h;
+        __m256i s00 = _mm256_loadu_si256((const __m256i *)c), s01 = s00;
+        __m256i s10 = _mm256_loadu_si256((const __m256i *)(c + sx)), s11 = s10;
+        __m256i s20 = _mm256_loadu_si256((const __m256i *)(c + 2 * sx)), s21 = s20;
+        __m256i s30 = _mm256_loadu_si256((const __m256i *)(c + 3 * sx)), s31 = s30;
+        for (int r = 4 * h; r < 4 * h + 4; r++) {
+            const uint8_t *w0 = w + r * 32;
+            const int8_t *x = xq + r * MR * 32;
+            __m256i u0, u1, p, t;
+            __asm__(
+                "prefetcht0 (%[w0],%[ahead])\n\t"
+                "prefetcht0 (%[w1],%[ahead])\n\t"
+                "vmovdqu (%[w0]), %[u0]\n\t"
+                "vmovdqu (%[w1]), %[u1]\n\t"
+#define TOKEN(off, sa, sb)                                                                   \
+    "vmovdqu " off "(%[x]), %[p]\n\t"                                                       \
+    "vpmaddubsw %[p], %[u0], %[t]\n\t"                                                      \
+    "vpaddw %[t], %[" sa "], %[" sa "]\n\t"                                                  \
+    "vpmaddubsw %[p], %[u1], %[t]\n\t"                                                      \
+    "vpaddw %[t], %[" sb "], %[" sb "]\n\t"
+                TOKEN("0", "s00", "s01") TOKEN("32", "s10", "s11") TOKEN("64", "s20", "s21")
+                    TOKEN("96", "s30", "s31")
+#undef TOKEN
+                : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11),
+                  [s20] "+x"(s20), [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31),
+                  [u0] "=&x"(u0), [u1] "=&x"(u1), [p] "=&x"(p), [t] "=&x"(t)
+                /* the "m" operands tell the compiler which memory the step reads */
+                : [w0] "r"(w0), [w1] "r"(w0 + kq), [x] "r"(x), [ahead] "r"(AHEAD * kq),
+                  "m"(*(const uint8_t(*)[32])w0), "m"(*(const uint8_t(*)[32])(w0 + kq)),
+                  "m"(*(const int8_t(*)[MR * 32])x));
+        }
+        const __m256i c0 = pair_scales(wc + 8 * h), c1 = pair_scales(wc + sc + 8 * h);
+        const __m256i t[MR][NR] = {{_mm256_madd_epi16(s00, c0), _mm256_madd_epi16(s01, c1)},
+                                   {_mm256_madd_epi16(s10, c0), _mm256_madd_epi16(s11, c1)},
+                                   {_mm256_madd_epi16(s20, c0), _mm256_madd_epi16(s21, c1)},
+                                   {_mm256_madd_epi16(s30, c0), _mm256_madd_epi16(s31, c1)}};
+        for (int m = 0; m < MR; m++)
+            for (int n = 0; n < NR; n++) s[m][n] = h ? _mm256_add_epi32(s[m][n], t[m][n]) : t[m][n];
+    }
+}
+#endif
+
 /* 8 int8 at p times the float f, as float32 lanes (exact: see the top). */
 static inline __m256 scaled(const int8_t *p, __m256 f) {
     const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
@@ -164,6 +311,25 @@ INLINE void tile(const int mr, const int nr, int64_t supers, int64_t kq, int64_t
     for (int i = 0; i < MR * NR; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < supers; sb++) {
         __m256i s[MR][NR];
+#if CENTERED
+        /* xs holds the corrections (see quantize_row): 32 int16 a superblock */
+        const int16_t *xc = (const int16_t *)xs;
+#if VNNI
+        dot_centered(mr, nr, kq, sc, w, wc, xq, xc, 2 * ss, s);
+#else
+        if (mr == MR && nr == NR)
+            dot_centered_full(kq, sc, w, wc, xq, xc, 2 * ss, s);
+        else
+            dot_centered(mr, nr, kq, sc, w, wc, xq, xc, 2 * ss, s);
+#endif
+        for (int m = 0; m < mr; m++) {
+            const __m256 e = _mm256_loadu_ps(xe + m * se);
+            for (int n = 0; n < nr; n++) {
+                const __m256 d = _mm256_mul_ps(e, _mm256_broadcast_ss(wf + n * sf));
+                acc[m * NR + n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m][n]), d, acc[m * NR + n]);
+            }
+        }
+#else
         dot_super(mr, nr, kq, sc, w, wc, xq, s);
         __m256 d[NR], low[NR][2];
         for (int n = 0; n < nr; n++) {
@@ -181,6 +347,7 @@ INLINE void tile(const int mr, const int nr, int64_t supers, int64_t kq, int64_t
                 acc[m * NR + n] = _mm256_fmadd_ps(low[n][1], t1, a);
             }
         }
+#endif
         w += SUPER, xq += 8 * MR * 32;
         wc += 32, wf += 2, xe += 8, xs += 16;
     }

@@ -55,6 +55,21 @@ static inline float quantize_block(const float *x, __m256i q[4]) {
     return amax;
 }
 
+/* Inline-assembly text of one register step of a full MR x NR tile whose sums are int16 pairs
+   (the 4-bit kernel, the int8 kernel's build for small weights, the K-quant kernel's centered
+   build): token m's 32 activation bytes, at offset o<m> from %[x], times the unsigned weight
+   bytes of rows 0 and 1 (%[u0], %[u1]) by vpmaddubsw, added to %[s<m>0] and %[s<m>1] by
+   vpaddw; %[p] and %[t] are scratch registers. */
+#define MADDUBS_TOKEN(off, sa, sb)                                                           \
+    "vmovdqu " off "(%[x]), %[p]\n\t"                                                       \
+    "vpmaddubsw %[p], %[u0], %[t]\n\t"                                                      \
+    "vpaddw %[t], %[" sa "], %[" sa "]\n\t"                                                  \
+    "vpmaddubsw %[p], %[u1], %[t]\n\t"                                                      \
+    "vpaddw %[t], %[" sb "], %[" sb "]\n\t"
+#define MADDUBS_STEP(o0, o1, o2, o3)                                                         \
+    MADDUBS_TOKEN(o0, "s00", "s01") MADDUBS_TOKEN(o1, "s10", "s11")                          \
+    MADDUBS_TOKEN(o2, "s20", "s21") MADDUBS_TOKEN(o3, "s30", "s31")
+
 /* Writes an mr x nr tile's outputs (row stride n_total) from its accumulators, acc[m * NR + n]
    for token m and row n: a fixed horizontal sum, then the bias. Partial tiles go through the
    same sum, padded with zeros, so that an output never depends on its neighbours. */

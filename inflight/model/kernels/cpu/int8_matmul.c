@@ -200,15 +200,7 @@ static inline void dot_group_full(int regs, int64_t k, const int8_t *w, const Ac
             "prefetcht0 (%[w1],%[ahead])\n\t"
             "vpaddb (%[w0]), %[offset], %[u0]\n\t"
             "vpaddb (%[w1]), %[offset], %[u1]\n\t"
-#define TOKEN(off, sa, sb)                                                                   \
-    "vmovdqu " off "(%[x]), %[p]\n\t"                                                       \
-    "vpmaddubsw %[p], %[u0], %[t]\n\t"                                                      \
-    "vpaddw %[t], %[" sa "], %[" sa "]\n\t"                                                  \
-    "vpmaddubsw %[p], %[u1], %[t]\n\t"                                                      \
-    "vpaddw %[t], %[" sb "], %[" sb "]\n\t"
-            TOKEN("0", "s00", "s01") TOKEN("32", "s10", "s11") TOKEN("64", "s20", "s21")
-                TOKEN("96", "s30", "s31")
-#undef TOKEN
+            MADDUBS_STEP("0", "32", "64", "96")
             : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11),
               [s20] "+x"(s20), [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31),
               [u0] "=&x"(u0), [u1] "=&x"(u1), [p] "=&x"(p), [t] "=&x"(t)

@@ -39,8 +39,8 @@ where the general build needs one per two and three float ops more per superbloc
 same integers, the correction widened to int32 first.
 
 Determinism. As in q4_matmul.c: the integer sums are exact and every output takes the same
-float ops (per superblock: convert, multiply, three fma; then a fixed horizontal sum and the
-bias) whatever M, N, its tile or its thread. Build with -ffp-contract=off.
+float ops (per superblock: convert, multiply, three fma, one in the centered build; then a fixed
+horizontal sum and the bias) whatever M, N, its tile or its thread. Build with -ffp-contract=off.
 */
 
 #include <immintrin.h>
@@ -101,25 +101,38 @@ static void quantize_row(const float *x, int64_t supers, int8_t *xq, float *xe, 
     }
 }
 
+/* Register r of nr weight rows' superblock (rows kq bytes apart) into u, the rows AHEAD
+   further on prefetched (every other register: a 64-byte line holds two). */
+INLINE void load_register(const int nr, int r, int64_t kq, const uint8_t *w, __m256i u[NR]) {
+    for (int n = 0; n < nr; n++) {
+        if (r % 2 == 0) _mm_prefetch((const char *)(w + (n + AHEAD) * kq + r * 32), _MM_HINT_T0);
+        u[n] = _mm256_loadu_si256((const __m256i *)(w + n * kq + r * 32));
+    }
+}
+
 #if VNNI
 /* Integer sums of one superblock for an mr x nr tile: s[m][n] lane l, sum over both halves h
    of block l of c_h * sum(u p), each half's sum made by vpdpbusd and scaled by one int32
-   multiply. mr and nr are constants after inlining. */
+   multiply; in the centered build sum((u - 32) p), each half's sum started at its correction
+   (xc, token m's at xc + m * sx), widened. mr and nr are constants after inlining. */
 INLINE void dot_super(const int mr, const int nr, int64_t kq, int64_t sc, const uint8_t *w,
-                      const int8_t *wc, const int8_t *xq, __m256i s[MR][NR]) {
+                      const int8_t *wc, const int8_t *xq, const int16_t *xc, int64_t sx,
+                      __m256i s[MR][NR]) {
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int m = 0; m < mr; m++)
         for (int n = 0; n < nr; n++) s[m][n] = _mm256_setzero_si256();
     for (int h = 0; h < 2; h++) {
         __m256i t[MR][NR];
-        for (int m = 0; m < mr; m++)
-            for (int n = 0; n < nr; n++) t[m][n] = _mm256_setzero_si256();
+        for (int m = 0; m < mr; m++) {
+            const __m256i start =
+                CENTERED ? _mm256_madd_epi16(
+                               _mm256_loadu_si256((const __m256i *)(xc + m * sx + 16 * h)), ones)
+                         : _mm256_setzero_si256();
+            for (int n = 0; n < nr; n++) t[m][n] = start;
+        }
         for (int r = 4 * h; r < 4 * h + 4; r++) {
             __m256i u[NR];
-            for (int n = 0; n < nr; n++) {
-                if (r % 2 == 0)
-                    _mm_prefetch((const char *)(w + (n + AHEAD) * kq + r * 32), _MM_HINT_T0);
-                u[n] = _mm256_loadu_si256((const __m256i *)(w + n * kq + r * 32));
-            }
+            load_register(nr, r, kq, w, u);
             for (int m = 0; m < mr; m++) {
                 const __m256i p = _mm256_loadu_si256((const __m256i *)(xq + (r * MR + m) * 32));
                 for (int n = 0; n < nr; n++) t[m][n] = DPBUSD(t[m][n], u[n], p);
@@ -145,7 +158,9 @@ static inline __m256i pair_scales(const int8_t *p) {
    of block l of c_h * sum(u p). vpmaddwd by the pair scales widens and scales at once: a lane
    holds at most 4 * 2 * 32004 * 128 < 2^25. mr and nr are constants after inlining. */
 INLINE void dot_super(const int mr, const int nr, int64_t kq, int64_t sc, const uint8_t *w,
-                      const int8_t *wc, const int8_t *xq, __m256i s[MR][NR]) {
+                      const int8_t *wc, const int8_t *xq, const int16_t *xc, int64_t sx,
+                      __m256i s[MR][NR]) {
+    (void)xc, (void)sx; /* the centered build's (VNNI runs it here; AVX2 in dot_centered) */
     for (int m = 0; m < mr; m++)
         for (int n = 0; n < nr; n++) s[m][n] = _mm256_setzero_si256();
     for (int h = 0; h < 2; h++) {
@@ -174,43 +189,7 @@ INLINE void dot_super(const int mr, const int nr, int64_t kq, int64_t sc, const 
 
 #endif
 
-#if CENTERED && VNNI
-/* Integer sums of one superblock for an mr x nr tile of a centered weight: s[m][n] lane l, sum
-   over both halves h of block l of c_h * sum((u - 32) p), each half's sum made by vpdpbusd from
-   its correction (xc, token m's at xc + m * sx) and scaled by one int32 multiply. */
-INLINE void dot_centered(const int mr, const int nr, int64_t kq, int64_t sc, const uint8_t *w,
-                         const int8_t *wc, const int8_t *xq, const int16_t *xc, int64_t sx,
-                         __m256i s[MR][NR]) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++) {
-        __m256i t[MR][NR];
-        for (int m = 0; m < mr; m++) {
-            const __m256i c = _mm256_loadu_si256((const __m256i *)(xc + m * sx + 16 * h));
-            for (int n = 0; n < nr; n++) t[m][n] = _mm256_madd_epi16(c, ones);
-        }
-        for (int r = 4 * h; r < 4 * h + 4; r++) {
-            __m256i u[NR];
-            for (int n = 0; n < nr; n++) {
-                if (r % 2 == 0)
-                    _mm_prefetch((const char *)(w + (n + AHEAD) * kq + r * 32), _MM_HINT_T0);
-                u[n] = _mm256_loadu_si256((const __m256i *)(w + n * kq + r * 32));
-            }
-            for (int m = 0; m < mr; m++) {
-                const __m256i p = _mm256_loadu_si256((const __m256i *)(xq + (r * MR + m) * 32));
-                for (int n = 0; n < nr; n++) t[m][n] = DPBUSD(t[m][n], u[n], p);
-            }
-        }
-        for (int n = 0; n < nr; n++) {
-            const __m256i c =
-                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wc + n * sc + 8 * h)));
-            for (int m = 0; m < mr; m++) {
-                const __m256i scaled = _mm256_mullo_epi32(t[m][n], c);
-                s[m][n] = h ? _mm256_add_epi32(s[m][n], scaled) : scaled;
-            }
-        }
-    }
-}
-#elif CENTERED
+#if CENTERED && !VNNI
 /* Integer sums of one superblock for an mr x nr tile of a centered weight: s[m][n] lane l, sum
    over both halves h of block l of c_h * sum((u - 32) p). Each half's int16 pair sums start at
    its correction (xc, token m's at xc + m * sx) and take its four registers; one vpmaddwd by the
@@ -226,11 +205,7 @@ INLINE void dot_centered(const int mr, const int nr, int64_t kq, int64_t sc, con
         }
         for (int r = 4 * h; r < 4 * h + 4; r++) {
             __m256i u[NR];
-            for (int n = 0; n < nr; n++) {
-                if (r % 2 == 0)
-                    _mm_prefetch((const char *)(w + (n + AHEAD) * kq + r * 32), _MM_HINT_T0);
-                u[n] = _mm256_loadu_si256((const __m256i *)(w + n * kq + r * 32));
-            }
+            load_register(nr, r, kq, w, u);
             for (int m = 0; m < mr; m++) {
                 const __m256i p = _mm256_loadu_si256((const __m256i *)(xq + (r * MR + m) * 32));
                 for (int n = 0; n < nr; n++)
@@ -267,15 +242,7 @@ static inline void dot_centered_full(int64_t kq, int64_t sc, const uint8_t *w, c
                 "prefetcht0 (%[w1],%[ahead])\n\t"
                 "vmovdqu (%[w0]), %[u0]\n\t"
                 "vmovdqu (%[w1]), %[u1]\n\t"
-#define TOKEN(off, sa, sb)                                                                   \
-    "vmovdqu " off "(%[x]), %[p]\n\t"                                                       \
-    "vpmaddubsw %[p], %[u0], %[t]\n\t"                                                      \
-    "vpaddw %[t], %[" sa "], %[" sa "]\n\t"                                                  \
-    "vpmaddubsw %[p], %[u1], %[t]\n\t"                                                      \
-    "vpaddw %[t], %[" sb "], %[" sb "]\n\t"
-                TOKEN("0", "s00", "s01") TOKEN("32", "s10", "s11") TOKEN("64", "s20", "s21")
-                    TOKEN("96", "s30", "s31")
-#undef TOKEN
+                MADDUBS_STEP("0", "32", "64", "96")
                 : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11),
                   [s20] "+x"(s20), [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31),
                   [u0] "=&x"(u0), [u1] "=&x"(u1), [p] "=&x"(p), [t] "=&x"(t)
@@ -315,7 +282,7 @@ INLINE void tile(const int mr, const int nr, int64_t supers, int64_t kq, int64_t
         /* xs holds the corrections (see quantize_row): 32 int16 a superblock */
         const int16_t *xc = (const int16_t *)xs;
 #if VNNI
-        dot_centered(mr, nr, kq, sc, w, wc, xq, xc, 2 * ss, s);
+        dot_super(mr, nr, kq, sc, w, wc, xq, xc, 2 * ss, s);
 #else
         if (mr == MR && nr == NR)
             dot_centered_full(kq, sc, w, wc, xq, xc, 2 * ss, s);
@@ -330,7 +297,7 @@ INLINE void tile(const int mr, const int nr, int64_t supers, int64_t kq, int64_t
             }
         }
 #else
-        dot_super(mr, nr, kq, sc, w, wc, xq, s);
+        dot_super(mr, nr, kq, sc, w, wc, xq, NULL, 0, s);
         __m256 d[NR], low[NR][2];
         for (int n = 0; n < nr; n++) {
             d[n] = _mm256_broadcast_ss(wf + n * sf);

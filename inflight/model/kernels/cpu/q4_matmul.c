@@ -162,26 +162,17 @@ static inline void dot_group_full(int g, int64_t kq, const uint8_t *w, const int
             "prefetcht0 (%[w1],%[ahead])\n\t"
             "vmovdqu (%[w0]), %[v0]\n\t"
             "vmovdqu (%[w1]), %[v1]\n\t"
-            "vpand %[v0], %[low], %[q0]\n\t"
-            "vpand %[v1], %[low], %[q1]\n\t"
-#define TOKEN(off, sa, sb)                                                                   \
-    "vmovdqu " off "(%[x]), %[p]\n\t"                                                       \
-    "vpmaddubsw %[p], %[q0], %[t]\n\t"                                                      \
-    "vpaddw %[t], %[" sa "], %[" sa "]\n\t"                                                  \
-    "vpmaddubsw %[p], %[q1], %[t]\n\t"                                                      \
-    "vpaddw %[t], %[" sb "], %[" sb "]\n\t"
-            TOKEN("0", "s00", "s01") TOKEN("32", "s10", "s11") TOKEN("64", "s20", "s21")
-                TOKEN("96", "s30", "s31")
-            "vpsrlw $4, %[v0], %[q0]\n\t"
-            "vpsrlw $4, %[v1], %[q1]\n\t"
-            "vpand %[q0], %[low], %[q0]\n\t"
-            "vpand %[q1], %[low], %[q1]\n\t"
-            TOKEN("128", "s00", "s01") TOKEN("160", "s10", "s11") TOKEN("192", "s20", "s21")
-                TOKEN("224", "s30", "s31")
-#undef TOKEN
+            "vpand %[v0], %[low], %[u0]\n\t"
+            "vpand %[v1], %[low], %[u1]\n\t"
+            MADDUBS_STEP("0", "32", "64", "96")
+            "vpsrlw $4, %[v0], %[u0]\n\t"
+            "vpsrlw $4, %[v1], %[u1]\n\t"
+            "vpand %[u0], %[low], %[u0]\n\t"
+            "vpand %[u1], %[low], %[u1]\n\t"
+            MADDUBS_STEP("128", "160", "192", "224")
             : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11),
               [s20] "+x"(s20), [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31),
-              [v0] "=&x"(w0), [v1] "=&x"(w1), [q0] "=&x"(q0), [q1] "=&x"(q1), [p] "=&x"(p),
+              [v0] "=&x"(w0), [v1] "=&x"(w1), [u0] "=&x"(q0), [u1] "=&x"(q1), [p] "=&x"(p),
               [t] "=&x"(t)
             /* the "m" operands tell the compiler which memory the step reads */
             : [w0] "r"(w), [w1] "r"(w + kq), [x] "r"(xq), [low] "x"(low),

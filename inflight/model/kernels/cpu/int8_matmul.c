@@ -31,8 +31,8 @@ how machines without VNNI test it). vpdpbusd sums 4 products of unsigned by sign
 each int32 lane: 32 products a register in one instruction, against 4 above. The activations are
 stored as signed bytes in the weights' byte order (MR tokens a register, as above), and each
 weight register is flipped to unsigned (w + 128, an xor) as it is loaded, so a lane sums
-(w + 128) * x: the kernel subtracts 128 * (the sum of x over the lane's bytes in the group),
-which quantize_row stores per token, group and lane. The difference times 256 is then the AVX2
+(w + 128) * x: its sums start at -128 * (the sum of x over the lane's bytes in the group),
+which quantize_row stores per token, group and lane. The sum times 256 is then the AVX2
 variant's integer sum exactly, and the float ops that follow are the same: both variants give
 the same bits.
 */
@@ -68,7 +68,8 @@ typedef int16_t Act; /* activations as int16, even- then odd-byte halves */
 #if VNNI || SMALL
 /* Quantizes one row of x: values into its slot of the interleaved tile layout (register stride
    MR * 32 bytes), 8 scales per group into xd (divided by 256, as the AVX2 variant's), and per
-   group the correction the dot takes off into xc: VNNI, per lane, 128 * (the sum of its values);
+   group the correction the dot's sums start at into xc: VNNI, per lane, -128 * (the sum of its
+   values);
    SMALL, per int16 lane of the registers (bytes 2j and 2j + 1 of each), -16 * (the sum of its
    values), in int16 (modulo 2^16: see dot_group). */
 static void quantize_row(const float *x, const Groups *groups, Act *xq, float *xd, int32_t *xc) {
@@ -94,7 +95,7 @@ static void quantize_row(const float *x, const Groups *groups, Act *xq, float *x
         int16_t *corr = (int16_t *)xc;
         for (int l = 0; l < 16; l++) corr[l] = (int16_t)(-16 * sums[l]);
 #else
-        for (int l = 0; l < 8; l++) xc[l] = 128 * sums[l];
+        for (int l = 0; l < 8; l++) xc[l] = -128 * sums[l];
 #endif
         xq += g * MR * 32;
         xd += 8;
@@ -135,9 +136,9 @@ static void quantize_row(const float *x, const Groups *groups, Act *xq, float *x
 #endif
 
 #if VNNI
-/* Integer sums of one group for an mr x nr tile, as (w + 128) * x; `tile` takes the
-   correction off. mr and nr are constants after inlining, so the loops unroll and s stays in
-   registers. */
+/* Integer sums of one group for an mr x nr tile, as (w + 128) * x added to s (which `tile`
+   starts at the correction). mr and nr are constants after inlining, so the loops unroll and s
+   stays in registers. */
 INLINE void dot_group(const int mr, const int nr, int regs, int64_t k, const int8_t *w,
                       const Act *xq, __m256i s[MR][NR]) {
     const __m256i flip = _mm256_set1_epi8((char)0x80);
@@ -300,16 +301,15 @@ INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, in
         const int g = groups->sizes[gi];
         __m256i s[MR][NR];
         const int full = mr == MR && nr == NR;
-        if (VNNI || (!full && !SMALL)) /* the others set s */
-            for (int m = 0; m < mr; m++)
-                for (int n = 0; n < nr; n++) s[m][n] = _mm256_setzero_si256();
 #if VNNI
-        dot_group(mr, nr, g, k, w, xq, s);
+        /* the sums start at the flip's correction, so that they end at the sum of w * x */
         for (int m = 0; m < mr; m++) {
             const __m256i c = _mm256_loadu_si256((const __m256i *)(xc + m * sg));
-            for (int n = 0; n < nr; n++)
-                s[m][n] = _mm256_slli_epi32(_mm256_sub_epi32(s[m][n], c), 8);
+            for (int n = 0; n < nr; n++) s[m][n] = c;
         }
+        dot_group(mr, nr, g, k, w, xq, s);
+        for (int m = 0; m < mr; m++)
+            for (int n = 0; n < nr; n++) s[m][n] = _mm256_slli_epi32(s[m][n], 8);
         xc += 8;
 #elif SMALL
         if (full)
@@ -321,10 +321,13 @@ INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, in
         xc += 8;
 #else
         (void)xc;
-        if (full)
+        if (full) {
             dot_group_full(g, k, w, xq, s);
-        else
+        } else {
+            for (int m = 0; m < mr; m++)
+                for (int n = 0; n < nr; n++) s[m][n] = _mm256_setzero_si256();
             dot_group(mr, nr, g, k, w, xq, s);
+        }
 #endif
         for (int m = 0; m < mr; m++) {
             const __m256 dx = _mm256_loadu_ps(xd + m * sg);
@@ -364,7 +367,7 @@ typedef struct {
     const int8_t *w;
     Act *xq;
     float *xd, *y;
-    int32_t *xc; /* VNNI: per token, group and lane, 128 * the lane's activation sum */
+    int32_t *xc; /* VNNI and SMALL: per token and group, the corrections (quantize_row) */
 } Call;
 
 static void quantize_token(const void *call, int64_t m) {

@@ -8,9 +8,9 @@ Integer dot. AVX2 has no int8 dot product into int32 (no VNNI), and the usual ma
 (sign + maddubs + madd per 32 products) keeps Zen 3's two vector multiply pipes busy for 1.5
 cycles. Here the activations are stored as int16 and each 32-byte weight load is split into two
 int16 registers in place: the odd bytes by masking the even ones out, the even bytes by shifting
-them into the high half. Both come out multiplied by 256, which the activation scales undo
-exactly (a power of two); 32 products then cost two madd on the multiply pipes and two adds on
-the others. Sums fit: 32 products of at most 127 * 127 * 256 per int32 lane and group.
+them into the high half. Both come out multiplied by 256, which an arithmetic shift of each
+group's sums undoes exactly; 32 products then cost two madd on the multiply pipes and two adds
+on the others. Sums fit: 32 products of at most 127 * 127 * 256 per int32 lane and group.
 
 Layout. Converting and scaling every block separately would cost three more float ops per 32
 products, so K is cut into groups of blocks laid out as block_groups.h describes: one convert +
@@ -32,9 +32,9 @@ each int32 lane: 32 products a register in one instruction, against 4 above. The
 stored as signed bytes in the weights' byte order (MR tokens a register, as above), and each
 weight register is flipped to unsigned (w + 128, an xor) as it is loaded, so a lane sums
 (w + 128) * x: its sums start at -128 * (the sum of x over the lane's bytes in the group),
-which quantize_row stores per token, group and lane. The sum times 256 is then the AVX2
-variant's integer sum exactly, and the float ops that follow are the same: both variants give
-the same bits.
+which quantize_row stores per token, group and lane. The sum is then the AVX2 variant's
+integer sum (shifted back) exactly, and the float ops that follow are the same: both variants
+give the same bits.
 */
 
 #include <immintrin.h>
@@ -67,11 +67,10 @@ typedef int16_t Act; /* activations as int16, even- then odd-byte halves */
 #define AHEAD 8
 #if VNNI || SMALL
 /* Quantizes one row of x: values into its slot of the interleaved tile layout (register stride
-   MR * 32 bytes), 8 scales per group into xd (divided by 256, as the AVX2 variant's), and per
-   group the correction the dot's sums start at into xc: VNNI, per lane, -128 * (the sum of its
-   values);
-   SMALL, per int16 lane of the registers (bytes 2j and 2j + 1 of each), -16 * (the sum of its
-   values), in int16 (modulo 2^16: see dot_group). */
+   MR * 32 bytes), 8 scales per group into xd, and per group the correction the dot's sums start
+   at into xc: VNNI, per lane, -128 * (the sum of its values); SMALL, per int16 lane of the
+   registers (bytes 2j and 2j + 1 of each), -16 * (the sum of its values), in int16 (modulo
+   2^16: see dot_group). */
 static void quantize_row(const float *x, const Groups *groups, Act *xq, float *xd, int32_t *xc) {
     for (int gi = 0; gi < groups->count; gi++) {
         const int g = groups->sizes[gi], lanes = 8 / g;
@@ -89,7 +88,7 @@ static void quantize_row(const float *x, const Groups *groups, Act *xq, float *x
                     sums[SMALL ? 2 * lane + j / 2 : lane] += v[4 * c + j];
                 }
             }
-            for (int l = 0; l < lanes; l++) xd[i * lanes + l] = amax / 127.0f / 256.0f;
+            for (int l = 0; l < lanes; l++) xd[i * lanes + l] = amax / 127.0f;
         }
 #if SMALL
         int16_t *corr = (int16_t *)xc;
@@ -104,7 +103,7 @@ static void quantize_row(const float *x, const Groups *groups, Act *xq, float *x
 }
 #else
 /* Quantizes one row of x: values into its slot of the interleaved tile layout (register stride
-   MR * 32 int16), 8 scales per group into xd, divided by 256 to undo the weights' scaling. */
+   MR * 32 int16), 8 scales per group into xd. */
 static void quantize_row(const float *x, const Groups *groups, Act *xq, float *xd, int32_t *xc) {
     (void)xc;
     /* per 128-bit half (two 4-element chunks): even elements' pairs first, then odd ones' */
@@ -127,7 +126,7 @@ static void quantize_row(const float *x, const Groups *groups, Act *xq, float *x
                 memcpy(dst, &pairs[(c / 2) * 4 + c % 2], 4);
                 memcpy(dst + 16, &pairs[(c / 2) * 4 + 2 + c % 2], 4);
             }
-            for (int l = 0; l < lanes; l++) xd[i * lanes + l] = amax / 127.0f / 256.0f;
+            for (int l = 0; l < lanes; l++) xd[i * lanes + l] = amax / 127.0f;
         }
         xq += g * MR * 32;
         xd += 8;
@@ -308,16 +307,12 @@ INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, in
             for (int n = 0; n < nr; n++) s[m][n] = c;
         }
         dot_group(mr, nr, g, k, w, xq, s);
-        for (int m = 0; m < mr; m++)
-            for (int n = 0; n < nr; n++) s[m][n] = _mm256_slli_epi32(s[m][n], 8);
         xc += 8;
 #elif SMALL
         if (full)
             dot_group_full(g, k, w, xq, xc, sg, s);
         else
             dot_group(mr, nr, g, k, w, xq, xc, sg, s);
-        for (int m = 0; m < mr; m++)
-            for (int n = 0; n < nr; n++) s[m][n] = _mm256_slli_epi32(s[m][n], 8);
         xc += 8;
 #else
         (void)xc;
@@ -328,6 +323,9 @@ INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, in
                 for (int n = 0; n < nr; n++) s[m][n] = _mm256_setzero_si256();
             dot_group(mr, nr, g, k, w, xq, s);
         }
+        /* the weights came in times 256 (see the top): exact */
+        for (int m = 0; m < mr; m++)
+            for (int n = 0; n < nr; n++) s[m][n] = _mm256_srai_epi32(s[m][n], 8);
 #endif
         for (int m = 0; m < mr; m++) {
             const __m256 dx = _mm256_loadu_ps(xd + m * sg);

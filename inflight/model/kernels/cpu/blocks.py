@@ -13,9 +13,9 @@ A K-quant row is cut into superblocks of 256 values (so K is a multiple of 256):
 - Q5_K: the same with q in 0..31 (a fifth bit per value).
 - Q6_K: 16 blocks of 16, w = d * sc_j * (q - 32), q in 0..63, sc_j int8, d float16.
 Q5_K and Q6_K run in k8_matmul.c: one byte per value, an int8 scale and minimum per 16 and two
-float32 multipliers per superblock (see there); Q6_K in its centered build, which sums
-(q - 32) in integers. Activations are quantized to int8 per block of
-32 inside every call, per token, as the other kernels do.
+float32 multipliers per superblock (see there); Q6_K in its centered build, which sums (q - 32)
+in integers. Activations are quantized to int8 per block of 32 inside every call, per token, as
+the other kernels do.
 """
 
 from __future__ import annotations

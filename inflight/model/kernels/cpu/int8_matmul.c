@@ -299,7 +299,6 @@ INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, in
     for (int gi = 0; gi < groups->count; gi++) {
         const int g = groups->sizes[gi];
         __m256i s[MR][NR];
-        const int full = mr == MR && nr == NR;
 #if VNNI
         /* the sums start at the flip's correction, so that they end at the sum of w * x */
         for (int m = 0; m < mr; m++) {
@@ -309,14 +308,14 @@ INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, in
         dot_group(mr, nr, g, k, w, xq, s);
         xc += 8;
 #elif SMALL
-        if (full)
+        if (mr == MR && nr == NR)
             dot_group_full(g, k, w, xq, xc, sg, s);
         else
             dot_group(mr, nr, g, k, w, xq, xc, sg, s);
         xc += 8;
 #else
         (void)xc;
-        if (full) {
+        if (mr == MR && nr == NR) {
             dot_group_full(g, k, w, xq, s);
         } else {
             for (int m = 0; m < mr; m++)

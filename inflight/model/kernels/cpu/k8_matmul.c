@@ -70,9 +70,9 @@ horizontal sum and the bias) whatever M, N, its tile or its thread. Build with -
 static void quantize_row(const float *x, int64_t supers, int8_t *xq, float *xe, float *xs) {
     /* packs work per 128-bit half; this puts the 4-byte chunks back in element order */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    int32_t chunks[8], sums[8];
+    int32_t chunks[8];
     for (int64_t sb = 0; sb < supers; sb++, xq += 8 * MR * 32, xe += 8, xs += 16) {
-        int16_t corr[2][16] = {{0}};
+        int16_t corr[2][16] = {{0}}; /* the centered build's, copied into xs at the end */
         for (int i = 0; i < 8; i++, x += 32) {
             __m256i q[4];
             const float amax = quantize_block(x, q);
@@ -88,13 +88,14 @@ static void quantize_row(const float *x, int64_t supers, int8_t *xq, float *xe, 
                 const int8_t *p = (const int8_t *)chunks;
                 for (int c = 0; c < 8; c++)
                     for (int j = 0; j < 4; j++) corr[c / 4][2 * i + j / 2] -= 32 * p[4 * c + j];
-                continue;
-            }
-            for (int h = 0; h < 2; h++) {
-                _mm256_storeu_si256((__m256i *)sums, _mm256_add_epi32(q[2 * h], q[2 * h + 1]));
-                int32_t sum = 0;
-                for (int j = 0; j < 8; j++) sum += sums[j];
-                xs[8 * h + i] = e * (float)sum;
+            } else {
+                for (int h = 0; h < 2; h++) {
+                    int32_t sums[8], sum = 0;
+                    _mm256_storeu_si256((__m256i *)sums,
+                                        _mm256_add_epi32(q[2 * h], q[2 * h + 1]));
+                    for (int j = 0; j < 8; j++) sum += sums[j];
+                    xs[8 * h + i] = e * (float)sum;
+                }
             }
         }
         if (CENTERED) memcpy(xs, corr, sizeof corr);

@@ -7,7 +7,10 @@ whose device time is short of its wall time waited for the host; "idle" is the d
 between the end of one step's work and the start of the next's.
 
     python3 bench/gpu_timeline.py [--shape qwen3-0.6b] [--requests 256] [--quantization fp8]
-        [--kv-cache-dtype fp8]
+        [--kv-cache-dtype fp8] [--profile-prefill 3]
+
+Each step with a prefill is listed alone; `--profile-prefill K` also prints the device kernels of
+the K-th of them (from 0) by total time, profiled as it runs in the workload.
 """
 
 from __future__ import annotations
@@ -36,11 +39,27 @@ class StepTime:
     end: torch.cuda.Event
 
 
-def trace(steps: list[StepTime]) -> None:
-    """Time every session step into `steps` (the composition of the step it launches)."""
+def _kernel_table(run):
+    """Run `run()` under the profiler; return its result and the device kernels by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        result = run()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=20, max_name_column_width=70
+    )
+    return result, table
+
+
+def trace(steps: list[StepTime], profile_prefill: int | None = None) -> list[str]:
+    """Time every session step into `steps` (the composition of the step it launches); the
+    returned list gets the kernel table of prefill step `profile_prefill`, once it has run."""
     launch, step = Executor.launch, GenerationSession.step
     composition: list[tuple[int, int]] = []
     last = [time.perf_counter()]
+    tables: list[str] = []
 
     def timed_launch(self, scheduled):
         prefill = sum(
@@ -56,7 +75,13 @@ def trace(steps: list[StepTime]) -> None:
         end = torch.cuda.Event(enable_timing=True)
         composition.clear()
         begin.record()
-        result = step(self, cancelled)
+        prefills = sum(1 for s in steps if s.prefill_tokens)
+        if profile_prefill is not None and not tables and prefills == profile_prefill:
+            result, table = _kernel_table(lambda: step(self, cancelled))
+            if composition and composition[0][0]:
+                tables.append(f"prefill step {prefills} {composition[0]}:\n{table}")
+        else:
+            result = step(self, cancelled)
         end.record()
         now = time.perf_counter()
         if composition:
@@ -67,17 +92,27 @@ def trace(steps: list[StepTime]) -> None:
 
     Executor.launch = timed_launch
     GenerationSession.step = timed_step
+    return tables
 
 
 def summarize(steps: list[StepTime]) -> dict:
     torch.cuda.synchronize()
     groups: dict[str, dict] = {}
+    prefills: list[dict] = []
     previous_end = None
     for s in steps:
         device = s.begin.elapsed_time(s.end) / 1000
         idle = 0.0 if previous_end is None else max(0.0, previous_end.elapsed_time(s.begin) / 1000)
         previous_end = s.end
         if s.prefill_tokens:
+            prefills.append(
+                {
+                    "prefill_tokens": s.prefill_tokens,
+                    "decode_rows": s.decode_rows,
+                    "wall_ms": s.wall_s * 1000,
+                    "device_ms": device * 1000,
+                }
+            )
             key = "prefill+decode"
         else:
             top = next(b for b in BUCKETS if s.decode_rows <= b)
@@ -90,6 +125,12 @@ def summarize(steps: list[StepTime]) -> dict:
         g["device_s"] += device
         g["idle_s"] += idle
         g["tokens"] += s.prefill_tokens + s.decode_rows
+    print(f"{'prefill tokens':>15}{'decode rows':>12}{'wall ms':>9}{'device ms':>10}")
+    for p in prefills:
+        print(
+            f"{p['prefill_tokens']:>15}{p['decode_rows']:>12}{p['wall_ms']:>9.1f}"
+            f"{p['device_ms']:>10.1f}"
+        )
     print(
         f"{'steps':<16}{'n':>6}{'wall s':>9}{'device s':>10}{'idle s':>9}{'ms/step':>9}"
         f"{'tokens':>9}"
@@ -106,22 +147,25 @@ def summarize(steps: list[StepTime]) -> dict:
     print(
         f"{'all':<16}{total['steps']:>6}{total['wall_s']:>9.2f}{total['device_s']:>10.2f}{total['idle_s']:>9.2f}"
     )
-    return {"groups": groups, "total": total}
+    return {"groups": groups, "total": total, "prefill_steps": prefills}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-0.6b")
     add_engine_args(parser)
+    parser.add_argument("--profile-prefill", type=int, default=None, metavar="K")
     args = parser.parse_args()
     work = workload(args.requests, SHAPES[args.shape].vocab_size)
     engine = ready_engine(args.shape, work, args)
     steps: list[StepTime] = []
-    trace(steps)
+    tables = trace(steps, args.profile_prefill)
     tok_s = _submit_all(engine, work)
     engine.shutdown()
     print(f"{args.shape}: {tok_s:.0f} output tok/s (timed steps; a little slower than untimed)")
     summary = summarize(steps)
+    for table in tables:
+        print(table)
     write_report(
         report_path("gpu_timeline.json"),
         device=torch.cuda.get_device_name(),

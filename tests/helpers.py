@@ -300,7 +300,44 @@ def with_eager_graphs(runtime):
         runner.graphs = EagerGraphs(
             runner.forward, inputs, graph_buckets(rows), runtime.max_model_len
         )
+    # As `runner_for` does after a capture: the eager path once, on the scratch block.
+    runner.warm_up(min(config.max_num_tokens, runtime.max_model_len), inputs)
     return runtime
+
+
+def assert_warm_up_writes_only_scratch(runtime) -> None:
+    """The model runner's warm-up (of a runtime `with_eager_graphs` gave graphs) over caches
+    filled with noise: it writes the scratch block of every layer's KV pool (and, for a hybrid,
+    the scratch state slot) and nothing else, bit for bit."""
+    speech = runtime.plan.model.speech
+    runner = runtime.runner if speech else runtime.executor.runner
+    inputs = runner.graphs.inputs
+    scratch = {runtime.blocks.num_blocks + 1: inputs.scratch_block}
+    if inputs.window_scratch_block is not None:
+        scratch[inputs.window_scratch_block + 1] = inputs.window_scratch_block
+
+    def by_block(t: torch.Tensor) -> torch.Tensor:
+        """A view of a KV tensor with blocks first: the CPU backends' [heads, slots, dim] or
+        the Triton backend's [blocks, block_size, heads, dim]."""
+        if t.dim() == 4:
+            return t
+        return t.unflatten(1, (-1, runtime.plan.block_size)).transpose(0, 1)
+
+    views = [by_block(t) for pair in runner.caches.kv for t in pair]
+    tensors = [(t, scratch[t.shape[0]]) for t in views]
+    states = runner.caches.states
+    if states is not None:
+        tensors += [(t, inputs.scratch_state) for t in (*states.conv, *states.ssm)]
+    generator = torch.Generator().manual_seed(0)
+    for t, _ in tensors:
+        t.copy_(torch.randn(t.shape, generator=generator))
+    before = [t.clone() for t, _ in tensors]
+    runner.warm_up(min(runtime.plan.max_num_tokens, runtime.max_model_len), inputs)
+    for (t, own), old in zip(tensors, before, strict=True):
+        rest = torch.ones(t.shape[0], dtype=torch.bool)
+        rest[own] = False
+        assert torch.equal(t[rest], old[rest])
+        assert not torch.equal(t[own], old[own])
 
 
 def random_blocks(

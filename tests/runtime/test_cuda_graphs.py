@@ -21,7 +21,12 @@ from inflight.runtime.device.cuda_graphs import (
 )
 from inflight.runtime.runtime import Runtime
 
-from helpers import assert_no_leaks, run_staggered, with_eager_graphs
+from helpers import (
+    assert_no_leaks,
+    assert_warm_up_writes_only_scratch,
+    run_staggered,
+    with_eager_graphs,
+)
 
 CPU = torch.device("cpu")
 
@@ -173,6 +178,13 @@ def test_fill_writes_each_rows_lora_slot_and_parks_spare_rows_on_the_base():
     assert plain.lora(4) is None
     with pytest.raises(ValueError, match="LoRA slots for graphs captured without LoRA"):
         plain.fill(_decode(rows, lora=[0, -1, -1]), 4)
+
+
+def test_the_warm_up_writes_only_the_scratch_block(tiny_dirs):
+    """The eager pass a graphed runtime runs once at start (a prefill of a full step's tokens,
+    so that no request pays the first compiles of that path) touches no resident's KV."""
+    options = DeploymentOptions(max_batch_size=4, max_model_len=256, max_num_tokens=100)
+    assert_warm_up_writes_only_scratch(with_eager_graphs(Runtime(tiny_dirs["qwen3"], options)))
 
 
 @pytest.mark.parametrize("speculative", [False, True])

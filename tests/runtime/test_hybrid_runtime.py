@@ -14,7 +14,13 @@ from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.request import GenerationRequest, SamplingParams
 from inflight.runtime.runtime import Runtime
 
-from helpers import assert_no_leaks, assert_same_outputs, run_staggered, with_eager_graphs
+from helpers import (
+    assert_no_leaks,
+    assert_same_outputs,
+    assert_warm_up_writes_only_scratch,
+    run_staggered,
+    with_eager_graphs,
+)
 from tiny_models import make_tiny_hybrid
 
 FAMILIES = ("bamba", "nemotron_h")
@@ -119,6 +125,15 @@ def test_speculative_decoding_is_refused_for_hybrids(hybrid):
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match="not served for hybrid Mamba models"):
         Runtime(hybrid[0], DeploymentOptions(**dict(CONFIG, speculative_config=spec)))
+
+
+def test_the_warm_up_writes_only_the_scratch_block_and_state_slot(hybrid):
+    """The eager pass a graphed runtime runs once at start (a full step's prefill) leaves every
+    resident's KV blocks and state slots as they were."""
+    config = dict(CONFIG, max_num_tokens=40)
+    assert_warm_up_writes_only_scratch(
+        with_eager_graphs(Runtime(hybrid[0], DeploymentOptions(**config)))
+    )
 
 
 def test_decode_graphs_and_overlap_give_the_eager_tokens(hybrid, monkeypatch):

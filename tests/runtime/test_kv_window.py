@@ -14,7 +14,13 @@ from inflight.runtime.deployment import MachineFacts, ModelFacts, resolve
 from inflight.runtime.host.kv_window import KVWindow
 from inflight.runtime.runtime import Runtime
 
-from helpers import assert_no_leaks, assert_same_outputs, run_staggered, with_eager_graphs
+from helpers import (
+    assert_no_leaks,
+    assert_same_outputs,
+    assert_warm_up_writes_only_scratch,
+    run_staggered,
+    with_eager_graphs,
+)
 from tiny_models import SLIDING_WINDOW, VOCAB
 
 
@@ -168,6 +174,15 @@ def test_a_partly_sliding_models_sliding_layers_hold_a_window_of_blocks(sliding_
     assert (first.cached_tokens, again.cached_tokens) == (0, 96)
     assert again.token_ids == first.token_ids
     assert_no_leaks(runtime)
+
+
+def test_the_warm_up_writes_only_the_scratch_blocks_of_both_pools(sliding_dirs):
+    """The eager pass a graphed runtime runs once at start writes the scratch block of the full
+    layers' pool and of the window group's, and no other block of either."""
+    options = dict(max_model_len=512, block_size=4, max_batch_size=4, quantization="none")
+    runtime = with_eager_graphs(Runtime(sliding_dirs["qwen3"], DeploymentOptions(**options)))
+    assert runtime.window_blocks is not None
+    assert_warm_up_writes_only_scratch(runtime)
 
 
 def test_the_window_group_replays_graphs_as_eager_steps(sliding_dirs, monkeypatch):

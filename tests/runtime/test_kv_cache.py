@@ -1,9 +1,11 @@
 """`BlockPool`: contiguous first-fit allocation, then reuse of cached blocks oldest first; free
 blocks held back for sequences that take their blocks as they grow."""
 
+import random
+
 import pytest
 
-from inflight.runtime.host.kv_cache import BlockPool
+from inflight.runtime.host.kv_cache import BlockPool, FreeRuns
 
 
 def test_allocation_prefers_one_contiguous_run_of_empty_blocks():
@@ -13,6 +15,39 @@ def test_allocation_prefers_one_contiguous_run_of_empty_blocks():
     pool.release(first)
     assert pool.allocate(3) == [3, 4, 5]  # the first run of 3, not blocks 0, 1, 3
     assert pool.allocate(4) == [0, 1, 6, 7]  # no run of 4: the first empty ones
+
+
+def test_free_runs_take_blocks_as_a_first_fit_over_the_sorted_free_blocks():
+    """Random takes and returns against the plain rule: the first `count` consecutive numbers
+    in the sorted free blocks, else the lowest `count` of them; `pop` takes the highest."""
+    rng = random.Random(0)
+    for size in (1, 7, 64, 300):
+        runs, model = FreeRuns(size), list(range(size))
+        for _ in range(2000):
+            taken = sorted(set(range(size)) - set(model))
+            if taken and rng.random() < 0.5:
+                block = rng.choice(taken)
+                runs.add(block)
+                model = sorted([*model, block])
+            elif model and rng.random() < 0.2:
+                assert runs.pop() == model.pop()
+            else:
+                count = rng.randint(0, len(model))
+                fit = (
+                    next(
+                        (
+                            model[i : i + count]
+                            for i in range(len(model) - count + 1)
+                            if model[i + count - 1] - model[i] == count - 1
+                        ),
+                        model[:count],
+                    )
+                    if count
+                    else []
+                )
+                assert runs.first_fit(count) == fit
+                model = [b for b in model if b not in set(fit)]
+            assert len(runs) == len(model)
 
 
 def test_when_only_cached_blocks_are_free_the_oldest_are_reused():

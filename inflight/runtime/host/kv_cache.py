@@ -3,7 +3,72 @@ them are the executor's)."""
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import OrderedDict
+
+
+class FreeRuns:
+    """A set of block numbers kept as sorted runs of consecutive numbers, so that a first fit
+    costs a pass over the runs, not a sort of every free block (an H200's pool holds some
+    65,000 blocks: sorting them took ~1 ms an admission)."""
+
+    def __init__(self, count: int) -> None:
+        self._starts = [0] if count else []
+        self._ends = [count] if count else []  # exclusive
+        self._size = count
+
+    def __len__(self) -> int:
+        return self._size
+
+    def first_fit(self, count: int) -> list[int]:
+        """Take `count` (<= len) blocks: the first `count` of the lowest run that holds them,
+        else the lowest `count` blocks there are."""
+        for i, (start, end) in enumerate(zip(self._starts, self._ends, strict=True)):
+            if end - start >= count:
+                self._take(i, start + count)
+                return list(range(start, start + count))
+        blocks: list[int] = []
+        while len(blocks) < count:
+            start, end = self._starts[0], self._ends[0]
+            stop = min(end, start + count - len(blocks))
+            blocks += range(start, stop)
+            self._take(0, stop)
+        return blocks
+
+    def pop(self) -> int:
+        """Take one block (the highest)."""
+        block = self._ends[-1] - 1
+        if block == self._starts[-1]:
+            del self._starts[-1], self._ends[-1]
+        else:
+            self._ends[-1] = block
+        self._size -= 1
+        return block
+
+    def add(self, block: int) -> None:
+        """Return a block that is not in the set, joining the runs beside it."""
+        i = bisect_right(self._starts, block)  # runs [0, i) start at or before it
+        after = i < len(self._starts) and self._starts[i] == block + 1
+        if i and self._ends[i - 1] == block:
+            if after:
+                self._ends[i - 1] = self._ends[i]
+                del self._starts[i], self._ends[i]
+            else:
+                self._ends[i - 1] = block + 1
+        elif after:
+            self._starts[i] = block
+        else:
+            self._starts.insert(i, block)
+            self._ends.insert(i, block + 1)
+        self._size += 1
+
+    def _take(self, i: int, stop: int) -> None:
+        """Take run i's blocks before `stop`."""
+        self._size -= stop - self._starts[i]
+        if stop == self._ends[i]:
+            del self._starts[i], self._ends[i]
+        else:
+            self._starts[i] = stop
 
 
 class BlockPool:
@@ -26,7 +91,7 @@ class BlockPool:
         self.block_size = block_size
         self._refs = [0] * num_blocks
         self._digest: list[bytes | None] = [None] * num_blocks
-        self._empty: set[int] = set(range(num_blocks))  # free, holding nothing findable
+        self._empty = FreeRuns(num_blocks)  # free, holding nothing findable
         self._cached: OrderedDict[int, None] = OrderedDict()  # free, findable; oldest first
         self._published: dict[bytes, int] = {}
         self._reserved = 0  # free blocks held back
@@ -54,18 +119,8 @@ class BlockPool:
             blocks = [self._empty.pop() for _ in range(min(count, len(self._empty)))]
         elif count > self.num_free:
             return None
-        else:
-            empty = sorted(self._empty)
-            run = min(count, len(empty))
-            blocks = next(
-                (
-                    empty[i : i + run]
-                    for i in range(len(empty) - run + 1)
-                    if run and empty[i + run - 1] - empty[i] == run - 1
-                ),
-                empty[:run],  # also where no block is empty (run 0): all come from the cached
-            )
-            self._empty.difference_update(blocks)
+        else:  # the rest, where too few are empty, from the cached
+            blocks = self._empty.first_fit(min(count, len(self._empty)))
         while len(blocks) < count:
             block, _ = self._cached.popitem(last=False)
             del self._published[self._digest[block]]

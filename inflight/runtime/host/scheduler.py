@@ -148,8 +148,8 @@ class Scheduler:
         vocab, limit = self.vocab_size, self.max_model_len
         if not prompt:
             raise ValueError("prompt is empty: at least one token is needed")
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
+        if min(prompt) < 0 or max(prompt) >= vocab:  # in C: the token-by-token search only then
+            bad = next(t for t in prompt if not 0 <= t < vocab)
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
         if len(prompt) >= limit:
             raise PromptTooLongError(

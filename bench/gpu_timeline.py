@@ -55,11 +55,13 @@ def _kernel_table(run):
 
 def trace(steps: list[StepTime], profile_prefill: int | None = None) -> list[str]:
     """Time every session step into `steps` (the composition of the step it launches); the
-    returned list gets the kernel table of prefill step `profile_prefill`, once it has run."""
+    returned list gets the kernel table of the step after `profile_prefill` prefill steps, once
+    it has run (that step's own times then include the profiler's)."""
     launch, step = Executor.launch, GenerationSession.step
     composition: list[tuple[int, int]] = []
     last = [time.perf_counter()]
     tables: list[str] = []
+    profiled = [profile_prefill is None]  # one step is profiled, where one is asked for
 
     def timed_launch(self, scheduled):
         prefill = sum(
@@ -76,10 +78,12 @@ def trace(steps: list[StepTime], profile_prefill: int | None = None) -> list[str
         composition.clear()
         begin.record()
         prefills = sum(1 for s in steps if s.prefill_tokens)
-        if profile_prefill is not None and not tables and prefills == profile_prefill:
+        if not profiled[0] and prefills == profile_prefill:
+            profiled[0] = True
             result, table = _kernel_table(lambda: step(self, cancelled))
-            if composition and composition[0][0]:
-                tables.append(f"prefill step {prefills} {composition[0]}:\n{table}")
+            prefill = bool(composition and composition[0][0])
+            kind = f"prefill step {prefills}" if prefill else "the decode step after the prefills"
+            tables.append(f"{kind} {composition[:1]}:\n{table}")
         else:
             result = step(self, cancelled)
         end.record()

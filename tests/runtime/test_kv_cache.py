@@ -46,7 +46,8 @@ def test_free_runs_take_blocks_as_a_first_fit_over_the_sorted_free_blocks():
                     else []
                 )
                 assert runs.first_fit(count) == fit
-                model = [b for b in model if b not in set(fit)]
+                chosen = set(fit)
+                model = [b for b in model if b not in chosen]
             assert len(runs) == len(model)
 
 

@@ -77,12 +77,12 @@ def trace(steps: list[StepTime], profile_prefill: int | None = None) -> list[str
         end = torch.cuda.Event(enable_timing=True)
         composition.clear()
         begin.record()
-        prefills = sum(1 for s in steps if s.prefill_tokens)
-        if not profiled[0] and prefills == profile_prefill:
+        # Counted only until the profile is taken: no work added to the timed steps after it.
+        if not profiled[0] and sum(1 for s in steps if s.prefill_tokens) == profile_prefill:
             profiled[0] = True
             result, table = _kernel_table(lambda: step(self, cancelled))
             prefill = bool(composition and composition[0][0])
-            kind = f"prefill step {prefills}" if prefill else "the decode step after the prefills"
+            kind = f"prefill step {profile_prefill}" if prefill else "the decode step after them"
             tables.append(f"{kind} {composition[:1]}:\n{table}")
         else:
             result = step(self, cancelled)

@@ -135,12 +135,16 @@ static void quantize_row(const float *x, const Groups *groups, Act *xq, float *x
 #endif
 
 #if VNNI
-/* Integer sums of one group for an mr x nr tile, as (w + 128) * x added to s (which `tile`
-   starts at the correction). mr and nr are constants after inlining, so the loops unroll and s
-   stays in registers. */
+/* Integer sums of one group for an mr x nr tile, as (w + 128) * x: each sum starts at the
+   flip's correction (xc, token m's at xc + m * sg), so that it ends at the sum of w * x. mr and
+   nr are constants after inlining, so the loops unroll and s stays in registers. */
 INLINE void dot_group(const int mr, const int nr, int regs, int64_t k, const int8_t *w,
-                      const Act *xq, __m256i s[MR][NR]) {
+                      const Act *xq, const int32_t *xc, int64_t sg, __m256i s[MR][NR]) {
     const __m256i flip = _mm256_set1_epi8((char)0x80);
+    for (int m = 0; m < mr; m++) {
+        const __m256i c = _mm256_loadu_si256((const __m256i *)(xc + m * sg));
+        for (int n = 0; n < nr; n++) s[m][n] = c;
+    }
     for (int r = 0; r < regs; r++, w += 32, xq += MR * 32) {
         __m256i u[NR];
         for (int n = 0; n < nr; n++) {
@@ -267,6 +271,8 @@ static inline void dot_group_full(int regs, int64_t k, const int8_t *w, const in
 INLINE void dot_group(const int mr, const int nr, int regs, int64_t k, const int8_t *w,
                       const int16_t *xq, __m256i s[MR][NR]) {
     const __m256i odd = _mm256_set1_epi16((short)0xff00);
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) s[m][n] = _mm256_setzero_si256();
     for (int r = 0; r < regs; r++, w += 32, xq += MR * 32) {
         __m256i lo[NR], hi[NR];
         for (int n = 0; n < nr; n++) {
@@ -288,8 +294,8 @@ INLINE void dot_group(const int mr, const int nr, int regs, int64_t k, const int
 
 #endif
 
-/* One register tile: mr tokens (interleaved at xq, scales at xd, VNNI's corrections at xc) x nr
-   weight rows, all of K. */
+/* One register tile: mr tokens (interleaved at xq, scales at xd, the VNNI and small-weights
+   builds' corrections at xc) x nr weight rows, all of K. */
 INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, int64_t n_total,
                  const int8_t *w, const float *ws, const Act *xq, const float *xd,
                  const int32_t *xc, const float *bias, float *y) {
@@ -300,12 +306,7 @@ INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, in
         const int g = groups->sizes[gi];
         __m256i s[MR][NR];
 #if VNNI
-        /* the sums start at the flip's correction, so that they end at the sum of w * x */
-        for (int m = 0; m < mr; m++) {
-            const __m256i c = _mm256_loadu_si256((const __m256i *)(xc + m * sg));
-            for (int n = 0; n < nr; n++) s[m][n] = c;
-        }
-        dot_group(mr, nr, g, k, w, xq, s);
+        dot_group(mr, nr, g, k, w, xq, xc, sg, s);
         xc += 8;
 #elif SMALL
         if (mr == MR && nr == NR)
@@ -315,13 +316,10 @@ INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, in
         xc += 8;
 #else
         (void)xc;
-        if (mr == MR && nr == NR) {
+        if (mr == MR && nr == NR)
             dot_group_full(g, k, w, xq, s);
-        } else {
-            for (int m = 0; m < mr; m++)
-                for (int n = 0; n < nr; n++) s[m][n] = _mm256_setzero_si256();
+        else
             dot_group(mr, nr, g, k, w, xq, s);
-        }
         /* the weights came in times 256 (see the top): exact */
         for (int m = 0; m < mr; m++)
             for (int n = 0; n < nr; n++) s[m][n] = _mm256_srai_epi32(s[m][n], 8);

@@ -14,13 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 # Helpers shared by tests: tests/helpers.py, tests/tiny_models.py, tests/engine/fake_execution.py.
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "engine"))
 sys.path.insert(0, str(Path(__file__).parent / "server"))
 
-from helpers import assert_no_leaks  # noqa: E402
+from helpers import assert_no_leaks, torch_threads  # noqa: E402
 from tiny_models import (  # noqa: E402
     FAMILIES,
     SLIDING_KINDS,
@@ -28,6 +29,22 @@ from tiny_models import (  # noqa: E402
     make_tiny_model,
     make_tiny_sliding,
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test`: a worker per core), a worker and the processes it starts
+    take one thread each: two workers of two threads on two cores would contend for them."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+@pytest.fixture
+def two_threads():
+    """The native kernels' work split over two threads whatever the process's own count (one
+    under `make test`'s workers): the kernels' test modules use it for every test."""
+    with torch_threads(2):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,8 @@ from inflight.runtime.runtime import DeploymentOptions, Runtime
 
 from helpers import scattered_step, windowed_steps
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # their work split, as on two cores
+
 
 def _step(shapes, heads, kv_heads, dim, block_size=16, num_blocks=160, seed=0):
     """A ragged step over scattered blocks: (query length, past length) per row."""

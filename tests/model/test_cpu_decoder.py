@@ -25,6 +25,8 @@ from tests.model.test_k_quant import write_k_quant_gguf
 
 from tiny_models import COMMON, _save_random, make_tiny_moe
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # their work split, as on two cores
+
 
 def _runner(model, **options):
     config = DeploymentOptions(

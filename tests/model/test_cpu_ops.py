@@ -1,10 +1,13 @@
 """The fused CPU ops against the torch formulas they replace."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from inflight.model.kernels.cpu import ops as cpu_ops
 from inflight.model.layers.rotary import rotate
+
+pytestmark = pytest.mark.usefixtures("two_threads")  # their work split, as on two cores
 
 
 def _lib():

@@ -14,6 +14,8 @@ from inflight.model.kernels.cpu import blocks, int8, native, q4
 
 from helpers import random_blocks
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # their work split, as on two cores
+
 EMULATED_VNNI = native.Variant("vnni-emulated", ("-DINFLIGHT_EMULATE_VNNI",))
 AVX2 = native.VARIANTS[-1]
 CHECKED = [*native.runnable_variants(), EMULATED_VNNI]

@@ -23,6 +23,8 @@ from inflight.model.layers.quantization import (
 from helpers import prefill_logits
 from tiny_models import FAMILIES
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # their work split, as on two cores
+
 # K = 576: groups of 8, 8, 2 blocks; 1536: six 8s; 96: 2 + 1; 224: 4 + 2 + 1; 32: a single block.
 SHAPES = [(1, 576, 960), (16, 576, 3), (37, 1536, 577), (5, 96, 64), (2, 224, 7), (3, 32, 4099)]
 

@@ -1,7 +1,9 @@
 """A sliding-window model's sequences hold the KV blocks of their window only: those before it
 go back to the pool as they grow, whatever their length, and their tokens stay transformers'."""
 
+import functools
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,13 +25,19 @@ from helpers import (
 )
 from tiny_models import SLIDING_WINDOW, VOCAB
 
+# The long runs' prompt.
+PROMPT = [(7 * i) % VOCAB for i in range(100)]
 
-def _hf_greedy(hf, prompt: list[int], n: int = 1900) -> list[int]:
-    """transformers' greedy tokens after `prompt` through its KV cache, EOS a token like any
-    other (as `ignore_eos` serves it; `generate` would keep it from being picked)."""
+
+@functools.cache
+def _hf_greedy(path: Path, n: int = 1900) -> list[int]:
+    """transformers' greedy tokens after PROMPT on the checkpoint at `path` through its KV
+    cache, EOS a token like any other (as `ignore_eos` serves it; `generate` would keep it from
+    being picked). Cached: the plain and overlapped runs of a test compare with the same."""
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tokens, cache = [], DynamicCache()
     with torch.no_grad():
-        logits = hf.eval()(torch.tensor([prompt]), cache=cache).logits
+        logits = hf.eval()(torch.tensor([PROMPT]), cache=cache).logits
         for _ in range(n):
             tokens.append(int(logits[0, -1].argmax()))
             logits = hf(torch.tensor([tokens[-1:]]), cache=cache).logits
@@ -91,12 +99,11 @@ def test_a_long_sequence_holds_a_window_of_blocks(sliding_dirs, overlap):
     its tokens are transformers'. Overlapped: each step is planned while the one before is in
     flight, whose KV is not committed yet (so not released from yet)."""
     path = sliding_dirs["mistral"]
-    prompt = [(7 * i) % VOCAB for i in range(100)]
-    want = _hf_greedy(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), prompt)
+    want = _hf_greedy(path)
     options = dict(max_model_len=2048, block_size=4, num_kv_blocks=16, quantization="none")
     runtime = Runtime(path, DeploymentOptions(**options, overlap=overlap))
     assert runtime.scheduler.window == KVWindow(SLIDING_WINDOW, 4)
-    tokens, held, taken = _decode_alone(runtime, prompt, runtime.blocks, lambda kv: kv)
+    tokens, held, taken = _decode_alone(runtime, PROMPT, runtime.blocks, lambda kv: kv)
     assert tokens == want
     # Past its first tokens: until then its prompt's last chunk, in flight when the first
     # decode rows are planned (overlapped), is not committed, so blocks before it stay held.
@@ -148,15 +155,14 @@ def test_a_partly_sliding_models_sliding_layers_hold_a_window_of_blocks(sliding_
     prompt asked again comes from the context cache (the sliding layers' last window from
     their pool) with the same tokens."""
     path = sliding_dirs["qwen3"]
-    prompt = [(7 * i) % VOCAB for i in range(100)]
-    want = _hf_greedy(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), prompt)
+    want = _hf_greedy(path)
     options = dict(max_model_len=2048, block_size=4, max_batch_size=2, quantization="none")
     runtime = Runtime(path, DeploymentOptions(**options, overlap=overlap))
     assert runtime.scheduler.window is None
     assert runtime.scheduler.window_group == KVWindow(SLIDING_WINDOW, 4)
     pool, window_pool = runtime.blocks, runtime.window_blocks
     assert window_pool.num_blocks == 2 * 7
-    tokens, held, taken = _decode_alone(runtime, prompt, window_pool, lambda kv: kv.window)
+    tokens, held, taken = _decode_alone(runtime, PROMPT, window_pool, lambda kv: kv.window)
     assert tokens == want
     assert max(n for emitted, n, _ in held if emitted >= 4) == SLIDING_WINDOW // 4 + 1
     assert max(n for _, n, _ in held) <= 7 and set(taken) == {7}
@@ -164,7 +170,7 @@ def test_a_partly_sliding_models_sliding_layers_hold_a_window_of_blocks(sliding_
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     # The long run has reused its window blocks many times over: its prompt's full layers'
     # blocks are cached, not its sliding layers' last window, so the prompt is computed again.
-    rerun = runtime.handle_request(GenerationRequest(prompt, params))
+    rerun = runtime.handle_request(GenerationRequest(PROMPT, params))
     output = rerun.result()
     assert output.cached_tokens == 0 and list(output.token_ids) == want[:8]
     # A short run leaves the last window of its prompt cached in the window group's pool.

@@ -27,7 +27,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check inflight tests bench
 
 # Two workers (CI's box has two cores), each on one thread (tests/conftest.py), a test file
-# each at a time so that module fixtures are built once: 1,141 s serially, 712 s so.
+# each at a time so that module fixtures are built once: 1,141 s serially, 692 s so
+# (bench/RESULTS.md, "The test suite in two workers").
 TEST_WORKERS ?= 2
 
 test: $(STAMP) lint

@@ -28,6 +28,8 @@ from inflight.model.layers.quantization import (
 from helpers import prefill_logits, random_blocks, torch_threads
 from tiny_models import VOCAB
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # their work split, as on two cores
+
 TYPES = ("Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
 # K = 256: one superblock; 576 is no multiple of 256, so SmolLM2-like shapes use 768 / 1536.
 SHAPES = [(1, 256, 9), (7, 512, 64), (33, 768, 13), (4, 1536, 130)]

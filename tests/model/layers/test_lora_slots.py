@@ -14,6 +14,8 @@ from inflight.model.layers.quantization import (
     TorchLinearMethod,
 )
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # their work split, as on two cores
+
 CPU = torch.device("cpu")
 METHODS = {
     "torch": TorchLinearMethod,

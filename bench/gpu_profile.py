@@ -17,6 +17,8 @@ import pstats
 import random
 import time
 import traceback
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -30,19 +32,22 @@ from inflight.runtime.runtime import Runtime
 # Prompts admitted beside the decoding batch for the profile of a mixed step (a prefill of
 # MIXED_PROMPTS x --prompt tokens with every resident's decode row, as the workload's first steps).
 MIXED_PROMPTS = 16
+T = TypeVar("T")
 
 
-def _kernel_table(step) -> str:
-    """The device kernels `step` runs, by total time."""
+def kernel_table(run: Callable[[], T]) -> tuple[T, str]:
+    """Run `run()` under the profiler: its result, and the device kernels it ran by total time
+    (also gpu_timeline.py's)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
+        result = run()
         torch.cuda.synchronize()
-    return prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=15, max_name_column_width=60
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=20, max_name_column_width=70
     )
+    return result, table
 
 
 def main() -> None:
@@ -127,7 +132,7 @@ def main() -> None:
     for _ in range(10):
         build_ragged_batch(rows, runtime.blocks.block_size, device)
     print(f"build_ragged_batch: {(time.perf_counter() - t) / 10 * 1000:.2f} ms")
-    print(_kernel_table(lambda: [runner.logits(runner.execute(batch)) for _ in range(5)]))
+    print(kernel_table(lambda: [runner.logits(runner.execute(batch)) for _ in range(5)])[1])
     # Two mixed steps: the host's work for the first (cProfile), the device's for the second.
     admit(MIXED_PROMPTS)
     torch.cuda.synchronize()
@@ -144,7 +149,7 @@ def main() -> None:
     admit(MIXED_PROMPTS)
     start = time.perf_counter()
     print(f"one mixed step ({MIXED_PROMPTS} x {args.prompt} prompt tokens + the decode rows):")
-    print(_kernel_table(session.step))
+    print(kernel_table(session.step)[1])
     print(f"mixed step wall time (profiled): {(time.perf_counter() - start) * 1000:.1f} ms")
     # A hidden synchronization makes the host wait for the step in flight: find any.
     torch.cuda.set_sync_debug_mode("error")

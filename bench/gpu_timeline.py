@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from gpu_profile import kernel_table
 from gpu_throughput import _submit_all, add_engine_args, ready_engine, workload
 
 from inflight.bench.random_model import SHAPES
@@ -37,20 +38,6 @@ class StepTime:
     wall_s: float
     begin: torch.cuda.Event
     end: torch.cuda.Event
-
-
-def _kernel_table(run):
-    """Run `run()` under the profiler; return its result and the device kernels by total time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        result = run()
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=20, max_name_column_width=70
-    )
-    return result, table
 
 
 def trace(steps: list[StepTime], profile_prefill: int | None = None) -> list[str]:
@@ -80,7 +67,7 @@ def trace(steps: list[StepTime], profile_prefill: int | None = None) -> list[str
         # Counted only until the profile is taken: no work added to the timed steps after it.
         if not profiled[0] and sum(1 for s in steps if s.prefill_tokens) == profile_prefill:
             profiled[0] = True
-            result, table = _kernel_table(lambda: step(self, cancelled))
+            result, table = kernel_table(lambda: step(self, cancelled))
             prefill = bool(composition and composition[0][0])
             kind = f"prefill step {profile_prefill}" if prefill else "the decode step after them"
             tables.append(f"{kind} {composition[:1]}:\n{table}")

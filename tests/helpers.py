@@ -301,7 +301,7 @@ def with_eager_graphs(runtime):
             runner.forward, inputs, graph_buckets(rows), runtime.max_model_len
         )
     # As `runner_for` does after a capture: the eager path once, on the scratch block.
-    runner.warm_up(min(config.max_num_tokens, runtime.max_model_len), inputs)
+    runner.warm_up(config.max_num_tokens, runtime.max_model_len)
     return runtime
 
 
@@ -332,7 +332,7 @@ def assert_warm_up_writes_only_scratch(runtime) -> None:
     for t, _ in tensors:
         t.copy_(torch.randn(t.shape, generator=generator))
     before = [t.clone() for t, _ in tensors]
-    runner.warm_up(min(runtime.plan.max_num_tokens, runtime.max_model_len), inputs)
+    runner.warm_up(runtime.plan.max_num_tokens, runtime.max_model_len)
     for (t, own), old in zip(tensors, before, strict=True):
         rest = torch.ones(t.shape[0], dtype=torch.bool)
         rest[own] = False

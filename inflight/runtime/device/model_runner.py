@@ -146,13 +146,19 @@ class ModelRunner:
         return self.forward(batch.forward)[batch.logits_indices]
 
     @torch.inference_mode()
-    def warm_up(self, tokens: int, scratch: DecodeInputs) -> None:
-        """One eager forward pass of a `tokens`-token prefill and its LM head, written to the
-        scratch block and state slot that no resident owns: the first compiles of the prefill
-        path's kernels (Triton's, cuBLAS's loads) and the allocator's growth to a full step
-        happen here, not in the first request's step (on an H200 with Triton's disk cache cold,
-        the Llama-3.1-8B shape's first 8,192-token step took 1.14 s, the next ones 0.2 s).
-        Every rank of a tensor-parallel group runs it."""
+    def warm_up(self, max_num_tokens: int, max_model_len: int) -> None:
+        """One eager forward pass of a full step's prefill (min(max_num_tokens, max_model_len)
+        tokens) and its LM head, written to the decode graphs' scratch block and state slot,
+        which no resident owns: the first compiles of the prefill path's kernels (Triton's,
+        cuBLAS's loads) and the allocator's growth to a full step happen here, not in the first
+        request's step (on an H200 with Triton's disk cache cold, the Llama-3.1-8B shape's first
+        8,192-token step took 1.14 s, the next ones 0.2 s). Only a runner with decode graphs
+        needs it (their capture never reaches the eager path). Every rank of a tensor-parallel
+        group runs it."""
+        if self.graphs is None:
+            raise RuntimeError("the warm-up writes the decode graphs' scratch block: none here")
+        scratch = self.graphs.inputs
+        tokens = min(max_num_tokens, max_model_len)
         blocks = -(-tokens // self.block_size)
         window = scratch.window_scratch_block
         row = RowInput(
@@ -298,5 +304,5 @@ def runner_for(
         unfolds=unfolds,
     )
     if graph_inputs is not None:
-        runner.warm_up(min(plan.max_num_tokens, plan.max_model_len), graph_inputs)
+        runner.warm_up(plan.max_num_tokens, plan.max_model_len)
     return runner

@@ -221,7 +221,11 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     tokenizer = offline.load_tokenizer(args.model)
     work = offline.make_workload(tokenizer, args.num_prompts, args.prompt_len, args.output_len)
     knobs = {k: v for k, v in _knobs(deployment_options(args)).items() if k in BENCH_KNOBS}
+    # Every prompt generating at once unless --max-batch-size says otherwise, as llama-server
+    # gets a slot per prompt (the deployment default, 8, would run 16 prompts in two waves).
     batch = knobs.pop("max_batch_size")
+    if "max_batch_size" not in args:
+        batch = args.num_prompts
     runs = {
         name: functools.partial(
             offline.run_inflight, args.model, work, batch, quantization=quantization, **knobs

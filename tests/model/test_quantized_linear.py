@@ -17,6 +17,8 @@ KERNELS = {"int8": (quantize_weight, int8_linear), "q4": (quantize_q4, q4_linear
 def test_rows_identical_alone_or_batched_and_across_threads(kind):
     quantize, linear = KERNELS[kind]
     torch.manual_seed(0)
+    # 37 tokens of 576 values: more than a unit of rows takes at a time (work_split.h's
+    # token_block), so a batch runs in blocks of tokens.
     x, weight, bias = torch.randn(37, 576), torch.randn(577, 576), torch.randn(577)
     q = quantize(weight)
     with torch_threads(1):

@@ -112,3 +112,21 @@ def test_scoring_rows_keep_every_position(llama):
         want = hf(torch.tensor([ids])).logits[0]
     assert (logits[1:].double() - want).abs().max().item() < TOL
     assert (logits[0].double() - _hf_last_logits(hf, [7])).abs().max().item() < TOL
+
+
+def test_a_cpu_runner_keeps_freed_memory_from_before_its_weights_load(tiny_dirs, monkeypatch):
+    """glibc's thresholds (host_allocator.py) are set before the load, whose freed memory then
+    serves the steps."""
+    from inflight.runtime.device import model_runner
+
+    calls = []
+    build_model = model_runner.build_model
+
+    def recording_build(*args, **kwargs):
+        calls.append("load")
+        return build_model(*args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "keep_freed_memory", lambda: calls.append("keep"))
+    monkeypatch.setattr(model_runner, "build_model", recording_build)
+    _runner(tiny_dirs["llama"])
+    assert calls == ["keep", "load"]

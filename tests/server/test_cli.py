@@ -95,7 +95,24 @@ def test_every_command_takes_the_deployment_knobs_by_one_name_and_default(capsys
     assert all(f"--{f.name.replace('_', '-')}" in help_text for f in fields(DeploymentOptions))
 
 
-@pytest.mark.slow
+def test_bench_throughput_runs_every_prompt_at_once_unless_told(monkeypatch, capsys):
+    """As llama-server gets a slot per prompt, inflight's batch is --num-prompts unless
+    --max-batch-size is given (the deployment default, 8, would run 16 prompts in two waves)."""
+    from inflight.bench import offline
+    from inflight.server.cli import main
+
+    batches = []
+    monkeypatch.setattr(offline, "load_tokenizer", lambda model: None)
+    monkeypatch.setattr(offline, "make_workload", lambda *args: None)
+    monkeypatch.setattr(
+        offline, "run_inflight", lambda model, work, batch, **knobs: batches.append(batch) or 1.0
+    )
+    command = ["bench", "throughput", "--num-prompts", "16", "--engines", "inflight"]
+    assert main(command) == 0
+    assert main([*command, "--max-batch-size", "4"]) == 0
+    assert batches == [16, 4]
+
+
 @pytest.mark.slow
 def test_make_serve_command_line_serves_then_drains_on_sigterm():
     """`make serve`'s command line serves the default model under in-flight batching with the

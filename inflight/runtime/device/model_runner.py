@@ -34,6 +34,7 @@ from inflight.runtime.device.cuda_graphs import (
     graph_buckets,
     graph_rows,
 )
+from inflight.runtime.device.host_allocator import keep_freed_memory
 
 # Which hidden states one LM-head call takes: a packed range [start, end), or listed rows.
 HeadRows = tuple[int, int] | list[int]
@@ -214,6 +215,8 @@ def build_model_runner(
     `connect` is called once the weights are loaded: there a tensor-parallel rank joins its
     group, before graphs are captured (a capture runs collectives)."""
     options = plan.options
+    if device.type == "cpu":
+        keep_freed_memory()  # before the load, whose freed memory then serves the steps
     model = build_model(
         checkpoint,
         dtype,

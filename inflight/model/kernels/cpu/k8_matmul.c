@@ -112,6 +112,36 @@ INLINE void load_register(const int nr, int r, int64_t kq, const uint8_t *w, __m
 }
 
 #if VNNI
+#ifdef DPBUSD_ASM
+/* One half's four registers of vpdpbusd sums for a full MR x NR tile, added to t, in assembly:
+   GCC's loop copies every accumulator between registers around each vpdpbusd. */
+static inline void dot_half_full(int h, int64_t kq, const uint8_t *w, const int8_t *xq,
+                                 __m256i t[MR][NR]) {
+    __m256i s00 = t[0][0], s01 = t[0][1], s10 = t[1][0], s11 = t[1][1];
+    __m256i s20 = t[2][0], s21 = t[2][1], s30 = t[3][0], s31 = t[3][1];
+    for (int r = 4 * h; r < 4 * h + 4; r++) {
+        const uint8_t *w0 = w + r * 32;
+        const int8_t *x = xq + r * MR * 32;
+        __m256i u0, u1, p;
+        __asm__(
+            "prefetcht0 (%[w0],%[ahead])\n\t"
+            "prefetcht0 (%[w1],%[ahead])\n\t"
+            "vmovdqu (%[w0]), %[u0]\n\t"
+            "vmovdqu (%[w1]), %[u1]\n\t"
+            DPBUSD_STEP("0", "32", "64", "96")
+            : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11),
+              [s20] "+x"(s20), [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31),
+              [u0] "=&x"(u0), [u1] "=&x"(u1), [p] "=&x"(p)
+            /* the "m" operands tell the compiler which memory the step reads */
+            : [w0] "r"(w0), [w1] "r"(w0 + kq), [x] "r"(x), [ahead] "r"(AHEAD * kq),
+              "m"(*(const uint8_t(*)[32])w0), "m"(*(const uint8_t(*)[32])(w0 + kq)),
+              "m"(*(const int8_t(*)[MR * 32])x));
+    }
+    t[0][0] = s00, t[0][1] = s01, t[1][0] = s10, t[1][1] = s11;
+    t[2][0] = s20, t[2][1] = s21, t[3][0] = s30, t[3][1] = s31;
+}
+#endif
+
 /* Integer sums of one superblock for an mr x nr tile: s[m][n] lane l, sum over both halves h
    of block l of c_h * sum(u p), each half's sum made by vpdpbusd and scaled by one int32
    multiply; in the centered build sum((u - 32) p), each half's sum started at its correction
@@ -131,6 +161,11 @@ INLINE void dot_super(const int mr, const int nr, int64_t kq, int64_t sc, const 
                          : _mm256_setzero_si256();
             for (int n = 0; n < nr; n++) t[m][n] = start;
         }
+#ifdef DPBUSD_ASM
+        if (mr == MR && nr == NR)
+            dot_half_full(h, kq, w, xq, t);
+        else
+#endif
         for (int r = 4 * h; r < 4 * h + 4; r++) {
             __m256i u[NR];
             load_register(nr, r, kq, w, u);
@@ -355,14 +390,18 @@ static void quantize_token(const void *call, int64_t m) {
 static void run_unit(const void *call, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
     const Call *c = call;
     const int64_t sb = c->supers;
-    for (int64_t m = m0; m < m1; m += MR) {
-        const int mr = m1 - m < MR ? (int)(m1 - m) : MR;
+    const int64_t block = token_block(c->k, MR);
+    for (int64_t b0 = m0; b0 < m1; b0 += block) {
+        const int64_t b1 = b0 + block < m1 ? b0 + block : m1;
         for (int64_t n = n0; n < n1; n += NR) {
             const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
-            run_tile(mr, nr, sb, c->k, c->n_total, c->w + n * c->k, c->wc + n * 32 * sb,
-                     c->wf + n * 2 * sb, c->xq + m * c->k, c->xe + m * 8 * sb,
-                     c->xs + m * 16 * sb, c->bias ? c->bias + n : NULL,
-                     c->y + m * c->n_total + n);
+            for (int64_t m = b0; m < b1; m += MR) {
+                const int mr = b1 - m < MR ? (int)(b1 - m) : MR;
+                run_tile(mr, nr, sb, c->k, c->n_total, c->w + n * c->k, c->wc + n * 32 * sb,
+                         c->wf + n * 2 * sb, c->xq + m * c->k, c->xe + m * 8 * sb,
+                         c->xs + m * 16 * sb, c->bias ? c->bias + n : NULL,
+                         c->y + m * c->n_total + n);
+            }
         }
     }
 }

@@ -110,6 +110,41 @@ INLINE void dot_group(const int mr, const int nr, int g, int64_t kq, const uint8
         }
     }
 }
+#ifdef DPBUSD_ASM
+/* The same sums for a full MR x NR tile and an even g, in assembly (as dot_group_full below:
+   GCC copies the accumulators between registers around each vpdpbusd). */
+static inline void dot_group_full(int g, int64_t kq, const uint8_t *w, const int8_t *xq,
+                                  __m256i s[MR][NR]) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256i s00 = _mm256_setzero_si256(), s01 = s00, s10 = s00, s11 = s00;
+    __m256i s20 = s00, s21 = s00, s30 = s00, s31 = s00;
+    for (int r = 0; r < g; r += 2, w += 32, xq += 2 * MR * 32) {
+        __m256i w0, w1, q0, q1, p;
+        __asm__(
+            "prefetcht0 (%[w0],%[ahead])\n\t"
+            "prefetcht0 (%[w1],%[ahead])\n\t"
+            "vmovdqu (%[w0]), %[v0]\n\t"
+            "vmovdqu (%[w1]), %[v1]\n\t"
+            "vpand %[v0], %[low], %[u0]\n\t"
+            "vpand %[v1], %[low], %[u1]\n\t"
+            DPBUSD_STEP("0", "32", "64", "96")
+            "vpsrlw $4, %[v0], %[u0]\n\t"
+            "vpsrlw $4, %[v1], %[u1]\n\t"
+            "vpand %[u0], %[low], %[u0]\n\t"
+            "vpand %[u1], %[low], %[u1]\n\t"
+            DPBUSD_STEP("128", "160", "192", "224")
+            : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11),
+              [s20] "+x"(s20), [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31),
+              [v0] "=&x"(w0), [v1] "=&x"(w1), [u0] "=&x"(q0), [u1] "=&x"(q1), [p] "=&x"(p)
+            /* the "m" operands tell the compiler which memory the step reads */
+            : [w0] "r"(w), [w1] "r"(w + kq), [x] "r"(xq), [low] "x"(low),
+              [ahead] "r"(AHEAD * kq), "m"(*(const uint8_t(*)[32])w),
+              "m"(*(const uint8_t(*)[32])(w + kq)), "m"(*(const int8_t(*)[2 * MR * 32])xq));
+    }
+    s[0][0] = s00, s[0][1] = s01, s[1][0] = s10, s[1][1] = s11;
+    s[2][0] = s20, s[2][1] = s21, s[3][0] = s30, s[3][1] = s31;
+}
+#endif
 #else
 /* Integer sums of one group of g registers for an mr x nr tile; mr and nr are constants after
    inlining, so the loops unroll and the sums stay in registers. */
@@ -199,7 +234,7 @@ INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t kq, i
     for (int gi = 0; gi < groups->count; gi++) {
         const int g = groups->sizes[gi];
         __m256i s[MR][NR];
-#if VNNI
+#if VNNI && !defined(DPBUSD_ASM) /* VNNI emulated */
         dot_group(mr, nr, g, kq, w, xq, s);
 #else
         if (mr == MR && nr == NR && g % 2 == 0)
@@ -252,17 +287,21 @@ static void quantize_token(const void *call, int64_t m) {
                  c->xe + m * c->sg, c->xs + m * c->sg);
 }
 
-/* Each token tile stays in L1 while the unit's rows stream by from L2. */
+/* A unit's rows over its tokens, a block of them at a time (work_split.h's token_block). */
 static void run_unit(const void *call, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
     const Call *c = call;
     const int64_t sg = c->sg;
-    for (int64_t m = m0; m < m1; m += MR) {
-        const int mr = m1 - m < MR ? (int)(m1 - m) : MR;
+    const int64_t block = token_block(c->k, MR);
+    for (int64_t b0 = m0; b0 < m1; b0 += block) {
+        const int64_t b1 = b0 + block < m1 ? b0 + block : m1;
         for (int64_t n = n0; n < n1; n += NR) {
             const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
-            run_tile(mr, nr, c->groups, c->kq, c->n_total, c->w + n * c->kq, c->wd + n * sg,
-                     c->wm + n * sg, c->xq + m * c->k, c->xe + m * sg, c->xs + m * sg,
-                     c->bias ? c->bias + n : NULL, c->y + m * c->n_total + n);
+            for (int64_t m = b0; m < b1; m += MR) {
+                const int mr = b1 - m < MR ? (int)(b1 - m) : MR;
+                run_tile(mr, nr, c->groups, c->kq, c->n_total, c->w + n * c->kq, c->wd + n * sg,
+                         c->wm + n * sg, c->xq + m * c->k, c->xe + m * sg, c->xs + m * sg,
+                         c->bias ? c->bias + n : NULL, c->y + m * c->n_total + n);
+            }
         }
     }
 }

@@ -11,9 +11,11 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define VNNI 1
 #define DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#define DPBUSD_ASM "vpdpbusd "
 #elif defined(__AVXVNNI__)
 #define VNNI 1
 #define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#define DPBUSD_ASM "%{vex%} vpdpbusd " /* %{ %}: braces, in extended asm */
 #elif defined(INFLIGHT_EMULATE_VNNI)
 #define VNNI 1
 /* vpdpbusd's sums, exactly: each int32 lane plus its 4 products of unsigned bytes of u by
@@ -30,6 +32,19 @@ static inline __m256i DPBUSD(__m256i acc, __m256i u, __m256i s) {
 }
 #else
 #define VNNI 0
+#endif
+
+#ifdef DPBUSD_ASM
+/* Inline-assembly text of one register step of a full 4 x 2 tile of vpdpbusd sums: token m's 32
+   activation bytes, at offset o<m> from %[x], by the unsigned weight bytes of rows 0 and 1
+   (%[u0], %[u1]) into %[s<m>0] and %[s<m>1]; %[p] is a scratch register. */
+#define DPBUSD_TOKEN(off, sa, sb)                                                            \
+    "vmovdqu " off "(%[x]), %[p]\n\t"                                                       \
+    DPBUSD_ASM "%[p], %[u0], %[" sa "]\n\t"                                                 \
+    DPBUSD_ASM "%[p], %[u1], %[" sb "]\n\t"
+#define DPBUSD_STEP(o0, o1, o2, o3)                                                          \
+    DPBUSD_TOKEN(o0, "s00", "s01") DPBUSD_TOKEN(o1, "s10", "s11")                            \
+    DPBUSD_TOKEN(o2, "s20", "s21") DPBUSD_TOKEN(o3, "s30", "s31")
 #endif
 
 #endif

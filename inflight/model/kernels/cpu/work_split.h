@@ -15,6 +15,19 @@
 #include <stdint.h>
 
 #define M_BLOCK 64 /* tokens per thread's share of a long prompt */
+#define L1_TOKEN_BYTES (16 * 1024) /* quantized activations a unit keeps in L1 */
+
+/* Tokens per pass of a unit's weight rows: as many whole register tiles of mr tokens as fit
+   L1_TOKEN_BYTES at `bytes` a token (at least one tile). A unit runs its rows outer and these
+   tokens inner, so that each tile's rows come from memory once and serve every token tile
+   while in L1: the weights stream evenly over the work. Token tiles outer (the whole unit's
+   rows over one token tile, then the next) had the first one wait on memory alone, a fifth
+   slower at 16 tokens; rows outer over every token of a long prompt reread its activations
+   from L2 for each row tile, a tenth slower at 608. */
+static inline int64_t token_block(int64_t bytes, int mr) {
+    const int64_t tokens = L1_TOKEN_BYTES / bytes / mr * mr;
+    return tokens > mr ? tokens : mr;
+}
 
 /* The two steps on one call's buffers (`call`, the kernel's own struct). */
 typedef struct {

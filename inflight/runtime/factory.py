@@ -7,6 +7,7 @@ from pathlib import Path
 
 from inflight.model.checkpoints.loader import Checkpoint, open_checkpoint
 from inflight.protocol.deployment import DeploymentOptions
+from inflight.runtime.device.openmp_pool import release_thread_pool
 from inflight.runtime.diffusion.runtime import DiffusionRuntime
 from inflight.runtime.runtime import Runtime
 from inflight.runtime.speech.runtime import SpeechRuntime
@@ -19,7 +20,11 @@ def open_runtime(
 ) -> Runtime | SpeechRuntime | DiffusionRuntime:
     checkpoint = open_checkpoint(model)
     if checkpoint.config.speech is not None:
-        return SpeechRuntime(checkpoint, options, show_progress)
-    if checkpoint.config.diffusion is not None:
-        return DiffusionRuntime(checkpoint, options, show_progress)
-    return Runtime(checkpoint, options, show_progress)
+        runtime = SpeechRuntime(checkpoint, options, show_progress)
+    elif checkpoint.config.diffusion is not None:
+        runtime = DiffusionRuntime(checkpoint, options, show_progress)
+    else:
+        runtime = Runtime(checkpoint, options, show_progress)
+    # The steps run on the engine's thread: this one's OpenMP workers would only slow them.
+    release_thread_pool()
+    return runtime

@@ -409,7 +409,7 @@ static void quantize_token(const void *call, int64_t m) {
 static void run_unit(const void *call, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
     const Call *c = call;
     const int64_t sg = c->sg;
-    const int64_t block = token_block(c->k * (int64_t)sizeof(Act), MR);
+    const int64_t block = token_block(m1 - m0, c->k * (int64_t)sizeof(Act), MR);
     for (int64_t b0 = m0; b0 < m1; b0 += block) {
         const int64_t b1 = b0 + block < m1 ? b0 + block : m1;
         for (int64_t n = n0; n < n1; n += NR) {

@@ -15,18 +15,17 @@
 #include <stdint.h>
 
 #define M_BLOCK 64 /* tokens per thread's share of a long prompt */
-#define L1_TOKEN_BYTES (16 * 1024) /* quantized activations a unit keeps in L1 */
+#define L1_TOKEN_BYTES (32 * 1024) /* quantized activations a unit keeps in L1 (32 KiB) */
 
-/* Tokens per pass of a unit's weight rows: as many whole register tiles of mr tokens as fit
-   L1_TOKEN_BYTES at `bytes` a token (at least one tile). A unit runs its rows outer and these
-   tokens inner, so that each tile's rows come from memory once and serve every token tile
-   while in L1: the weights stream evenly over the work. Token tiles outer (the whole unit's
-   rows over one token tile, then the next) had the first one wait on memory alone, a fifth
-   slower at 16 tokens; rows outer over every token of a long prompt reread its activations
-   from L2 for each row tile, a tenth slower at 608. */
-static inline int64_t token_block(int64_t bytes, int mr) {
-    const int64_t tokens = L1_TOKEN_BYTES / bytes / mr * mr;
-    return tokens > mr ? tokens : mr;
+/* Tokens per pass of a unit's weight rows, for `tokens` tokens of `bytes` each: all of them where
+   they fit L1_TOKEN_BYTES, else one register tile of mr. All: the unit runs its rows outer and
+   the tokens inner, so that each tile's rows come from memory once and serve every token tile
+   while in L1, and the weights stream evenly over the work (token tiles outer had the first one
+   wait on memory alone: a decode step's 16 tokens up to a fifth slower). More tokens than fit
+   (a prefill's) would be reread from L2 for every row tile (13-20 % slower at 608 tokens of
+   576 in blocks of 28), so there token tiles go outer, each over the unit's rows in L2. */
+static inline int64_t token_block(int64_t tokens, int64_t bytes, int mr) {
+    return tokens * bytes <= L1_TOKEN_BYTES ? tokens : mr;
 }
 
 /* The two steps on one call's buffers (`call`, the kernel's own struct). */

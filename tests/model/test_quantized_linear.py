@@ -13,13 +13,15 @@ from helpers import torch_threads
 KERNELS = {"int8": (quantize_weight, int8_linear), "q4": (quantize_q4, q4_linear)}
 
 
+# K: a unit of rows runs over 16 or 37 tokens of 576 with its rows outer where their activations
+# fit L1 and its token tiles outer where they do not (work_split.h's token_block, by the
+# variant's bytes a value); over 37 of 2,048 token tiles outer in every variant.
+@pytest.mark.parametrize("k", [576, 2048])
 @pytest.mark.parametrize("kind", KERNELS)
-def test_rows_identical_alone_or_batched_and_across_threads(kind):
+def test_rows_identical_alone_or_batched_and_across_threads(kind, k):
     quantize, linear = KERNELS[kind]
     torch.manual_seed(0)
-    # 37 tokens of 576 values: more than a unit of rows takes at a time (work_split.h's
-    # token_block), so a batch runs in blocks of tokens.
-    x, weight, bias = torch.randn(37, 576), torch.randn(577, 576), torch.randn(577)
+    x, weight, bias = torch.randn(37, k), torch.randn(577, k), torch.randn(577)
     q = quantize(weight)
     with torch_threads(1):
         batched = linear(x, q, bias)

@@ -3,11 +3,10 @@
 A CPU step allocates and frees the same large buffers every step (activations, logits, the
 native kernels' quantized activations). By default glibc hands a block over 128 KiB its own
 mmap and trims the heap's top past 128 KiB, raising both thresholds only as it sees such blocks
-freed: until it has, every step faults fresh pages in, which under a hypervisor cost the first
-~2 s of short chats a quarter of their speed (bench/RESULTS.md, "Short chats on an AVX-512
-box"). Fixed thresholds keep freed memory in the heap for the next step: the process holds its
-peak working set instead of returning it between steps (what vLLM's CPU backend gets from
-tcmalloc).
+freed: until it has, every step faults fresh pages in. On a 2-core KVM guest the first two
+passes of 16 short chats after a load ran a quarter slower (bench/RESULTS.md, "Short chats on
+an AVX-512 box"). Fixed thresholds keep freed memory in the heap for the next step: the process
+holds its peak working set instead of returning it between steps.
 """
 
 from __future__ import annotations

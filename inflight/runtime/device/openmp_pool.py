@@ -5,10 +5,9 @@ counts them all: once they outnumber the CPUs, a worker waiting for the next reg
 times instead of 300,000 before it sleeps on a futex. Loading the weights (torch's parallel ops
 on the building thread) leaves a pool there, and the engine's actor thread, which runs the steps,
 opens another: then between the hundreds of parallel regions of a CPU step the actor's worker
-falls asleep and is woken each time, which under a hypervisor costs tens of microseconds (a
-16-row SmolLM2 forward: 17.3 ms instead of 13.3, bench/RESULTS.md, "Short chats on an AVX-512
-box"). Released, the building thread's workers exit; a later parallel region there starts new
-ones.
+falls asleep and is woken each time: a 16-row SmolLM2 forward took 17.3 ms instead of 13.3 on
+a 2-core KVM guest (bench/RESULTS.md, "Short chats on an AVX-512 box"). Released, the building
+thread's workers exit; a later parallel region there starts new ones.
 """
 
 from __future__ import annotations

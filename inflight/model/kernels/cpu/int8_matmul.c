@@ -157,35 +157,6 @@ INLINE void dot_group(const int mr, const int nr, int regs, int64_t k, const int
         }
     }
 }
-#ifdef DPBUSD_ASM
-/* The same sums for a full MR x NR tile, in assembly: GCC's loop copied every accumulator
-   between registers around each vpdpbusd (up to a fifth slower). */
-static inline void dot_group_full(int regs, int64_t k, const int8_t *w, const Act *xq,
-                                  const int32_t *xc, int64_t sg, __m256i s[MR][NR]) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
-    __m256i s00 = _mm256_loadu_si256((const __m256i *)xc), s01 = s00;
-    __m256i s10 = _mm256_loadu_si256((const __m256i *)(xc + sg)), s11 = s10;
-    __m256i s20 = _mm256_loadu_si256((const __m256i *)(xc + 2 * sg)), s21 = s20;
-    __m256i s30 = _mm256_loadu_si256((const __m256i *)(xc + 3 * sg)), s31 = s30;
-    for (int r = 0; r < regs; r++, w += 32, xq += MR * 32) {
-        __m256i u0, u1, p;
-        __asm__(
-            "prefetcht0 (%[w0],%[ahead])\n\t"
-            "prefetcht0 (%[w1],%[ahead])\n\t"
-            "vpxor (%[w0]), %[flip], %[u0]\n\t"
-            "vpxor (%[w1]), %[flip], %[u1]\n\t"
-            DPBUSD_STEP("0", "32", "64", "96")
-            : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11),
-              [s20] "+x"(s20), [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31),
-              [u0] "=&x"(u0), [u1] "=&x"(u1), [p] "=&x"(p)
-            : [w0] "r"(w), [w1] "r"(w + k), [x] "r"(xq), [flip] "x"(flip),
-              [ahead] "r"(AHEAD * k), "m"(*(const int8_t(*)[32])w),
-              "m"(*(const int8_t(*)[32])(w + k)), "m"(*(const int8_t(*)[MR * 32])xq));
-    }
-    s[0][0] = s00, s[0][1] = s01, s[1][0] = s10, s[1][1] = s11;
-    s[2][0] = s20, s[2][1] = s21, s[3][0] = s30, s[3][1] = s31;
-}
-#endif
 #elif SMALL
 /* Integer sums of one group for an mr x nr tile of weights within -16..15. vpmaddubsw takes
    the unsigned w + 16 (at most 31) and x: int16 pairs of at most 2 * 31 * 127 = 7874, never
@@ -217,37 +188,6 @@ INLINE void dot_group(const int mr, const int nr, int regs, int64_t k, const int
         for (int n = 0; n < nr; n++) s[m][n] = _mm256_madd_epi16(s16[m][n], ones);
 }
 
-/* The same sums for a full MR x NR tile, in assembly: GCC's loop kept some of the eight sums
-   in memory. */
-static inline void dot_group_full(int regs, int64_t k, const int8_t *w, const Act *xq,
-                                  const int32_t *xc, int64_t sg, __m256i s[MR][NR]) {
-    const __m256i offset = _mm256_set1_epi8(16);
-    __m256i s00 = _mm256_loadu_si256((const __m256i *)xc), s01 = s00;
-    __m256i s10 = _mm256_loadu_si256((const __m256i *)(xc + sg)), s11 = s10;
-    __m256i s20 = _mm256_loadu_si256((const __m256i *)(xc + 2 * sg)), s21 = s20;
-    __m256i s30 = _mm256_loadu_si256((const __m256i *)(xc + 3 * sg)), s31 = s30;
-    for (int r = 0; r < regs; r++, w += 32, xq += MR * 32) {
-        __m256i u0, u1, p, t;
-        __asm__(
-            "prefetcht0 (%[w0],%[ahead])\n\t"
-            "prefetcht0 (%[w1],%[ahead])\n\t"
-            "vpaddb (%[w0]), %[offset], %[u0]\n\t"
-            "vpaddb (%[w1]), %[offset], %[u1]\n\t"
-            MADDUBS_STEP("0", "32", "64", "96")
-            : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11),
-              [s20] "+x"(s20), [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31),
-              [u0] "=&x"(u0), [u1] "=&x"(u1), [p] "=&x"(p), [t] "=&x"(t)
-            /* the "m" operands tell the compiler which memory the step reads */
-            : [w0] "r"(w), [w1] "r"(w + k), [x] "r"(xq), [offset] "x"(offset),
-              [ahead] "r"(AHEAD * k), "m"(*(const int8_t(*)[32])w),
-              "m"(*(const int8_t(*)[32])(w + k)), "m"(*(const int8_t(*)[MR * 32])xq));
-    }
-    const __m256i ones = _mm256_set1_epi16(1);
-    s[0][0] = _mm256_madd_epi16(s00, ones), s[0][1] = _mm256_madd_epi16(s01, ones);
-    s[1][0] = _mm256_madd_epi16(s10, ones), s[1][1] = _mm256_madd_epi16(s11, ones);
-    s[2][0] = _mm256_madd_epi16(s20, ones), s[2][1] = _mm256_madd_epi16(s21, ones);
-    s[3][0] = _mm256_madd_epi16(s30, ones), s[3][1] = _mm256_madd_epi16(s31, ones);
-}
 #else
 /* Integer sums of one group for a full MR x NR tile. Written in assembly because GCC spills one
    of the eight accumulators around the loop, which puts a store-to-load round trip on every
@@ -323,6 +263,57 @@ INLINE void dot_group(const int mr, const int nr, int regs, int64_t k, const int
 
 #endif
 
+#if defined(DPBUSD_ASM) || SMALL
+#if VNNI
+/* the weights flipped to unsigned, w ^ 0x80 = w + 128, and their vpdpbusd sums */
+#define PREPARE "vpxor"
+#define STEP DPBUSD_STEP
+#else
+/* the weights offset to unsigned, w + 16, and their vpmaddubsw pair sums */
+#define PREPARE "vpaddb"
+#define STEP MADDUBS_STEP
+#endif
+/* The same sums for a full MR x NR tile, in assembly: GCC's loop kept some of the eight sums in
+   memory (the small-weights build) or copied each between registers around every vpdpbusd (up
+   to a fifth slower). */
+static inline void dot_group_full(int regs, int64_t k, const int8_t *w, const Act *xq,
+                                  const int32_t *xc, int64_t sg, __m256i s[MR][NR]) {
+    const __m256i unsign = _mm256_set1_epi8(VNNI ? (char)0x80 : 16);
+    __m256i s00 = _mm256_loadu_si256((const __m256i *)xc), s01 = s00;
+    __m256i s10 = _mm256_loadu_si256((const __m256i *)(xc + sg)), s11 = s10;
+    __m256i s20 = _mm256_loadu_si256((const __m256i *)(xc + 2 * sg)), s21 = s20;
+    __m256i s30 = _mm256_loadu_si256((const __m256i *)(xc + 3 * sg)), s31 = s30;
+    for (int r = 0; r < regs; r++, w += 32, xq += MR * 32) {
+        __m256i u0, u1, p, t;
+        __asm__(
+            "prefetcht0 (%[w0],%[ahead])\n\t"
+            "prefetcht0 (%[w1],%[ahead])\n\t"
+            PREPARE " (%[w0]), %[unsign], %[u0]\n\t"
+            PREPARE " (%[w1]), %[unsign], %[u1]\n\t"
+            STEP("0", "32", "64", "96")
+            : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11),
+              [s20] "+x"(s20), [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31),
+              [u0] "=&x"(u0), [u1] "=&x"(u1), [p] "=&x"(p), [t] "=&x"(t) /* MADDUBS_STEP's */
+            /* the "m" operands tell the compiler which memory the step reads */
+            : [w0] "r"(w), [w1] "r"(w + k), [x] "r"(xq), [unsign] "x"(unsign),
+              [ahead] "r"(AHEAD * k), "m"(*(const int8_t(*)[32])w),
+              "m"(*(const int8_t(*)[32])(w + k)), "m"(*(const int8_t(*)[MR * 32])xq));
+    }
+#if VNNI
+    s[0][0] = s00, s[0][1] = s01, s[1][0] = s10, s[1][1] = s11;
+    s[2][0] = s20, s[2][1] = s21, s[3][0] = s30, s[3][1] = s31;
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    s[0][0] = _mm256_madd_epi16(s00, ones), s[0][1] = _mm256_madd_epi16(s01, ones);
+    s[1][0] = _mm256_madd_epi16(s10, ones), s[1][1] = _mm256_madd_epi16(s11, ones);
+    s[2][0] = _mm256_madd_epi16(s20, ones), s[2][1] = _mm256_madd_epi16(s21, ones);
+    s[3][0] = _mm256_madd_epi16(s30, ones), s[3][1] = _mm256_madd_epi16(s31, ones);
+#endif
+}
+#undef PREPARE
+#undef STEP
+#endif
+
 /* One register tile: mr tokens (interleaved at xq, scales at xd, the VNNI and small-weights
    builds' corrections at xc) x nr weight rows, all of K. */
 INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, int64_t n_total,
@@ -334,18 +325,12 @@ INLINE void tile(const int mr, const int nr, const Groups *groups, int64_t k, in
     for (int gi = 0; gi < groups->count; gi++) {
         const int g = groups->sizes[gi];
         __m256i s[MR][NR];
-#if VNNI
-#ifdef DPBUSD_ASM
+#if VNNI || SMALL
+#if defined(DPBUSD_ASM) || SMALL
         if (mr == MR && nr == NR)
             dot_group_full(g, k, w, xq, xc, sg, s);
         else
 #endif
-            dot_group(mr, nr, g, k, w, xq, xc, sg, s);
-        xc += 8;
-#elif SMALL
-        if (mr == MR && nr == NR)
-            dot_group_full(g, k, w, xq, xc, sg, s);
-        else
             dot_group(mr, nr, g, k, w, xq, xc, sg, s);
         xc += 8;
 #else

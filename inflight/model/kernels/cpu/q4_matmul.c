@@ -110,41 +110,6 @@ INLINE void dot_group(const int mr, const int nr, int g, int64_t kq, const uint8
         }
     }
 }
-#ifdef DPBUSD_ASM
-/* The same sums for a full MR x NR tile and an even g, in assembly (as dot_group_full below:
-   GCC copies the accumulators between registers around each vpdpbusd). */
-static inline void dot_group_full(int g, int64_t kq, const uint8_t *w, const int8_t *xq,
-                                  __m256i s[MR][NR]) {
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    __m256i s00 = _mm256_setzero_si256(), s01 = s00, s10 = s00, s11 = s00;
-    __m256i s20 = s00, s21 = s00, s30 = s00, s31 = s00;
-    for (int r = 0; r < g; r += 2, w += 32, xq += 2 * MR * 32) {
-        __m256i w0, w1, q0, q1, p;
-        __asm__(
-            "prefetcht0 (%[w0],%[ahead])\n\t"
-            "prefetcht0 (%[w1],%[ahead])\n\t"
-            "vmovdqu (%[w0]), %[v0]\n\t"
-            "vmovdqu (%[w1]), %[v1]\n\t"
-            "vpand %[v0], %[low], %[u0]\n\t"
-            "vpand %[v1], %[low], %[u1]\n\t"
-            DPBUSD_STEP("0", "32", "64", "96")
-            "vpsrlw $4, %[v0], %[u0]\n\t"
-            "vpsrlw $4, %[v1], %[u1]\n\t"
-            "vpand %[u0], %[low], %[u0]\n\t"
-            "vpand %[u1], %[low], %[u1]\n\t"
-            DPBUSD_STEP("128", "160", "192", "224")
-            : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11),
-              [s20] "+x"(s20), [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31),
-              [v0] "=&x"(w0), [v1] "=&x"(w1), [u0] "=&x"(q0), [u1] "=&x"(q1), [p] "=&x"(p)
-            /* the "m" operands tell the compiler which memory the step reads */
-            : [w0] "r"(w), [w1] "r"(w + kq), [x] "r"(xq), [low] "x"(low),
-              [ahead] "r"(AHEAD * kq), "m"(*(const uint8_t(*)[32])w),
-              "m"(*(const uint8_t(*)[32])(w + kq)), "m"(*(const int8_t(*)[2 * MR * 32])xq));
-    }
-    s[0][0] = s00, s[0][1] = s01, s[1][0] = s10, s[1][1] = s11;
-    s[2][0] = s20, s[2][1] = s21, s[3][0] = s30, s[3][1] = s31;
-}
-#endif
 #else
 /* Integer sums of one group of g registers for an mr x nr tile; mr and nr are constants after
    inlining, so the loops unroll and the sums stay in registers. */
@@ -181,10 +146,19 @@ INLINE void dot_group(const int mr, const int nr, int g, int64_t kq, const uint8
         for (int n = 0; n < nr; n++) s[m][n] = _mm256_madd_epi16(s16[m][n], ones);
 }
 
+#endif
+
+#if !VNNI || defined(DPBUSD_ASM)
+#if VNNI
+#define STEP DPBUSD_STEP
+#else
+#define STEP MADDUBS_STEP
+#endif
 /* The same sums for a full MR x NR tile and an even g. Written in assembly because GCC spills
    an int16 sum around the loop (sixteen vector registers: eight sums, two words, two nibble
    registers, an activation, a product and the nibble mask), which puts a store-to-load round
-   trip on every step: 82 against 62 cycles per group of 8 blocks (one core, data in L1). */
+   trip on every step: 82 against 62 cycles per group of 8 blocks (one core, data in L1); the
+   VNNI build's loop copied each sum between registers around every vpdpbusd. */
 static inline void dot_group_full(int g, int64_t kq, const uint8_t *w, const int8_t *xq,
                                   __m256i s[MR][NR]) {
     const __m256i low = _mm256_set1_epi8(0x0f);
@@ -199,28 +173,33 @@ static inline void dot_group_full(int g, int64_t kq, const uint8_t *w, const int
             "vmovdqu (%[w1]), %[v1]\n\t"
             "vpand %[v0], %[low], %[u0]\n\t"
             "vpand %[v1], %[low], %[u1]\n\t"
-            MADDUBS_STEP("0", "32", "64", "96")
+            STEP("0", "32", "64", "96")
             "vpsrlw $4, %[v0], %[u0]\n\t"
             "vpsrlw $4, %[v1], %[u1]\n\t"
             "vpand %[u0], %[low], %[u0]\n\t"
             "vpand %[u1], %[low], %[u1]\n\t"
-            MADDUBS_STEP("128", "160", "192", "224")
+            STEP("128", "160", "192", "224")
             : [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11),
               [s20] "+x"(s20), [s21] "+x"(s21), [s30] "+x"(s30), [s31] "+x"(s31),
               [v0] "=&x"(w0), [v1] "=&x"(w1), [u0] "=&x"(q0), [u1] "=&x"(q1), [p] "=&x"(p),
-              [t] "=&x"(t)
+              [t] "=&x"(t) /* MADDUBS_STEP's product */
             /* the "m" operands tell the compiler which memory the step reads */
             : [w0] "r"(w), [w1] "r"(w + kq), [x] "r"(xq), [low] "x"(low),
               [ahead] "r"(AHEAD * kq), "m"(*(const uint8_t(*)[32])w),
               "m"(*(const uint8_t(*)[32])(w + kq)), "m"(*(const int8_t(*)[2 * MR * 32])xq));
     }
+#if VNNI
+    s[0][0] = s00, s[0][1] = s01, s[1][0] = s10, s[1][1] = s11;
+    s[2][0] = s20, s[2][1] = s21, s[3][0] = s30, s[3][1] = s31;
+#else
     const __m256i ones = _mm256_set1_epi16(1);
     s[0][0] = _mm256_madd_epi16(s00, ones), s[0][1] = _mm256_madd_epi16(s01, ones);
     s[1][0] = _mm256_madd_epi16(s10, ones), s[1][1] = _mm256_madd_epi16(s11, ones);
     s[2][0] = _mm256_madd_epi16(s20, ones), s[2][1] = _mm256_madd_epi16(s21, ones);
     s[3][0] = _mm256_madd_epi16(s30, ones), s[3][1] = _mm256_madd_epi16(s31, ones);
+#endif
 }
-
+#undef STEP
 #endif
 
 /* One register tile: mr tokens (interleaved at xq, scales at xe, sums at xs) x nr weight rows,

@@ -1,7 +1,9 @@
 /* vpdpbusd, where the compiler targets it: DPBUSD(acc, u, s) adds to each int32 lane of acc
    the 4 products of its unsigned bytes of u by its signed bytes of s. VNNI is 1 where it is
    available: AVX512-VNNI with VL (EVEX), AVX-VNNI (VEX), or, with INFLIGHT_EMULATE_VNNI,
-   spelled in AVX2 (how machines without it test the kernels' VNNI code: the same sums). */
+   spelled in AVX2 (how machines without it test the kernels' VNNI code: the same sums). Where
+   the instruction is real, DPBUSD_ASM is its mnemonic for the kernels' inline assembly (their
+   full register tiles, which GCC's loops slowed with a register copy around every vpdpbusd). */
 
 #ifndef INFLIGHT_VNNI_H
 #define INFLIGHT_VNNI_H

@@ -70,6 +70,17 @@ static inline float quantize_block(const float *x, __m256i q[4]) {
     MADDUBS_TOKEN(o0, "s00", "s01") MADDUBS_TOKEN(o1, "s10", "s11")                          \
     MADDUBS_TOKEN(o2, "s20", "s21") MADDUBS_TOKEN(o3, "s30", "s31")
 
+/* A full tile's eight integer sums into s: as they are (int32 lanes) or, where `pairs`, int16
+   pair sums widened by one vpmaddwd by ones. */
+INLINE void put_sums(__m256i s[MR][NR], int pairs, __m256i s00, __m256i s01, __m256i s10,
+                     __m256i s11, __m256i s20, __m256i s21, __m256i s30, __m256i s31) {
+    const __m256i sums[MR][NR] = {{s00, s01}, {s10, s11}, {s20, s21}, {s30, s31}};
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int m = 0; m < MR; m++)
+        for (int n = 0; n < NR; n++)
+            s[m][n] = pairs ? _mm256_madd_epi16(sums[m][n], ones) : sums[m][n];
+}
+
 /* Writes an mr x nr tile's outputs (row stride n_total) from its accumulators, acc[m * NR + n]
    for token m and row n: a fixed horizontal sum, then the bias. Partial tiles go through the
    same sum, padded with zeros, so that an output never depends on its neighbours. */

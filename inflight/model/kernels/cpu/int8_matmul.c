@@ -299,16 +299,7 @@ static inline void dot_group_full(int regs, int64_t k, const int8_t *w, const Ac
               [ahead] "r"(AHEAD * k), "m"(*(const int8_t(*)[32])w),
               "m"(*(const int8_t(*)[32])(w + k)), "m"(*(const int8_t(*)[MR * 32])xq));
     }
-#if VNNI
-    s[0][0] = s00, s[0][1] = s01, s[1][0] = s10, s[1][1] = s11;
-    s[2][0] = s20, s[2][1] = s21, s[3][0] = s30, s[3][1] = s31;
-#else
-    const __m256i ones = _mm256_set1_epi16(1);
-    s[0][0] = _mm256_madd_epi16(s00, ones), s[0][1] = _mm256_madd_epi16(s01, ones);
-    s[1][0] = _mm256_madd_epi16(s10, ones), s[1][1] = _mm256_madd_epi16(s11, ones);
-    s[2][0] = _mm256_madd_epi16(s20, ones), s[2][1] = _mm256_madd_epi16(s21, ones);
-    s[3][0] = _mm256_madd_epi16(s30, ones), s[3][1] = _mm256_madd_epi16(s31, ones);
-#endif
+    put_sums(s, !VNNI, s00, s01, s10, s11, s20, s21, s30, s31);
 }
 #undef PREPARE
 #undef STEP

@@ -22,8 +22,9 @@
    the tokens inner, so that each tile's rows come from memory once and serve every token tile
    while in L1, and the weights stream evenly over the work (token tiles outer had the first one
    wait on memory alone: a decode step's 16 tokens up to a fifth slower). More tokens than fit
-   (a prefill's) would be reread from L2 for every row tile (13-20 % slower at 608 tokens of
-   576 in blocks of 28), so there token tiles go outer, each over the unit's rows in L2. */
+   (a prefill's share of 64) would be reread from L2 for every row tile, even in blocks that
+   fit (rows outer over blocks of 28 tokens of 576: 13-20 % slower), so there token tiles go
+   outer, each over the unit's rows in L2. */
 static inline int64_t token_block(int64_t tokens, int64_t bytes, int mr) {
     return tokens * bytes <= L1_TOKEN_BYTES ? tokens : mr;
 }

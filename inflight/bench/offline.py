@@ -5,19 +5,26 @@ greedy tokens each, EOS ignored, so every engine does the same work. Peers, each
 model file: HF transformers' static batch (`generate` on a left-padded batch) and its continuous
 batching (`generate_batch`), and llama.cpp's `llama-server` with one slot per prompt.
 
-inflight and llama-server each run an untimed pass of a warm-up workload of the same shape
-first (prompts of the text's tokens in random order, so that no prefix of the timed prompts is
-cached by it): the timed pass measures a warm engine, not the first steps after its start (on a
-CPU under a hypervisor, the first pass after loading SmolLM2 ran up to a quarter slower).
+Each engine is opened (loaded, then an untimed pass of a warm-up workload of the same shape:
+prompts of the text's tokens in random order, so that no prefix of a timed prompt is cached by
+it) and then runs timed passes on demand: the timed passes measure a warm engine, not the first
+steps after its start (on a CPU under a hypervisor, the first pass after loading SmolLM2 ran up to
+a quarter slower). With several rounds the engines stay open and their passes alternate, each
+round on prompts of its own (the first round's are the text's windows, later ones random-order
+tokens: no round's prefix is cached by another's), so that a drift of the machine's speed (a
+virtual machine's host moved the same kernel's time by a fifth for tens of seconds) falls on
+every engine alike.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import random
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,13 +42,23 @@ TEXT = (
 
 @dataclass(frozen=True)
 class Workload:
-    prompts: list[list[int]]
+    rounds: list[list[list[int]]]  # each timed round's prompts
     output_len: int
     warmup: list[list[int]]  # the untimed pass's prompts, as many and as long
 
     @property
+    def prompts(self) -> list[list[int]]:
+        """The first round's prompts."""
+        return self.rounds[0]
+
+    @property
     def output_tokens(self) -> int:
+        """Output tokens of one pass."""
         return len(self.prompts) * self.output_len
+
+
+# An open engine's timed pass: one round's prompts in, output tok/s out.
+TimedPass = Callable[[list[list[int]]], float]
 
 
 def run_requests(
@@ -72,7 +89,7 @@ def load_tokenizer(model: str | None) -> Tokenizer:
 
 
 def make_workload(
-    tokenizer, num_prompts: int, prompt_len: int, output_len: int, seed: int = 0
+    tokenizer, num_prompts: int, prompt_len: int, output_len: int, seed: int = 0, rounds: int = 1
 ) -> Workload:
     corpus = tokenizer.encode(TEXT * (prompt_len // 20 + 10), add_special_tokens=False)
     rng = random.Random(seed)
@@ -81,22 +98,35 @@ def make_workload(
         start = rng.randint(0, len(corpus) - prompt_len)
         prompts.append(corpus[start : start + prompt_len])
     warmup = [rng.choices(corpus, k=prompt_len) for _ in range(num_prompts)]
-    return Workload(prompts, output_len, warmup)
+    later = [
+        [rng.choices(corpus, k=prompt_len) for _ in range(num_prompts)] for _ in range(rounds - 1)
+    ]
+    return Workload([prompts, *later], output_len, warmup)
 
 
-def run_inflight(model: str | None, work: Workload, batch: int, **llm_options) -> float:
-    """Output tok/s of inflight under in-flight batching (after a warm-up request)."""
+@contextlib.contextmanager
+def open_inflight(
+    model: str | None, work: Workload, batch: int, **llm_options
+) -> Iterator[TimedPass]:
+    """inflight under in-flight batching, `batch` requests at a time, warm."""
     from inflight import LLM, SamplingParams
 
     llm = LLM(model, enable_in_flight_batching=True, max_batch_size=batch, **llm_options)
     params = SamplingParams(temperature=0, max_tokens=work.output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in work.warmup], params)
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params)
-    elapsed = time.perf_counter() - start
-    llm.close()
-    assert sum(len(o.token_ids) for o in outputs) == work.output_tokens
-    return work.output_tokens / elapsed
+
+    def timed(prompts: list[list[int]]) -> float:
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        elapsed = time.perf_counter() - start
+        produced = sum(len(o.token_ids) for o in outputs)
+        assert produced == len(prompts) * work.output_len
+        return produced / elapsed
+
+    try:
+        timed(work.warmup)
+        yield timed
+    finally:
+        llm.close()
 
 
 def hf_model(model: str | None):
@@ -112,16 +142,17 @@ def hf_model(model: str | None):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def run_hf_static(model: str | None, work: Workload, pad_token_id: int) -> float:
-    """Output tok/s of HF `generate` over one left-padded batch of every prompt."""
+@contextlib.contextmanager
+def open_hf_static(model: str | None, work: Workload, pad_token_id: int) -> Iterator[TimedPass]:
+    """HF `generate` over one left-padded batch of every prompt."""
     import torch
 
     hf = hf_model(model)
-    width = max(len(p) for p in work.prompts)
-    ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in work.prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in work.prompts])
 
-    def generate(n: int) -> None:
+    def generate(prompts: list[list[int]], n: int) -> None:
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         with torch.no_grad():
             hf.generate(
                 input_ids=ids,
@@ -132,14 +163,18 @@ def run_hf_static(model: str | None, work: Workload, pad_token_id: int) -> float
                 pad_token_id=pad_token_id,
             )
 
-    generate(2)
-    start = time.perf_counter()
-    generate(work.output_len)
-    return work.output_tokens / (time.perf_counter() - start)
+    def timed(prompts: list[list[int]]) -> float:
+        start = time.perf_counter()
+        generate(prompts, work.output_len)
+        return len(prompts) * work.output_len / (time.perf_counter() - start)
+
+    generate(work.warmup, 2)
+    yield timed
 
 
-def run_hf_continuous(model: str | None, work: Workload) -> float:
-    """Output tok/s of HF `generate_batch` (continuous batching), KV sized for the workload."""
+@contextlib.contextmanager
+def open_hf_continuous(model: str | None, work: Workload) -> Iterator[TimedPass]:
+    """HF `generate_batch` (continuous batching), KV sized for the workload."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -153,16 +188,19 @@ def run_hf_continuous(model: str | None, work: Workload) -> float:
     generation = GenerationConfig(
         max_new_tokens=work.output_len, do_sample=False, eos_token_id=-1, pad_token_id=0
     )
+
+    def timed(prompts: list[list[int]]) -> float:
+        start = time.perf_counter()
+        results = hf.generate_batch(
+            prompts, generation_config=generation, continuous_batching_config=config
+        )
+        elapsed = time.perf_counter() - start
+        return sum(len(r.generated_tokens) for r in results.values()) / elapsed
+
     hf.generate_batch(
-        [work.prompts[0]], generation_config=generation, continuous_batching_config=config
+        [work.warmup[0]], generation_config=generation, continuous_batching_config=config
     )
-    start = time.perf_counter()
-    results = hf.generate_batch(
-        work.prompts, generation_config=generation, continuous_batching_config=config
-    )
-    elapsed = time.perf_counter() - start
-    produced = sum(len(r.generated_tokens) for r in results.values())
-    return produced / elapsed
+    yield timed
 
 
 def _free_port() -> int:
@@ -171,8 +209,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_llama_server(binary: str, model: str | None, work: Workload, threads: int) -> float:
-    """Output tok/s of llama.cpp's server with one parallel slot per prompt."""
+@contextlib.contextmanager
+def open_llama_server(
+    binary: str, model: str | None, work: Workload, threads: int
+) -> Iterator[TimedPass]:
+    """llama.cpp's server with one parallel slot per prompt, warm."""
     path = str(Path(model) if model else default_model_path())
     port = _free_port()
     slots = len(work.prompts)
@@ -222,11 +263,14 @@ def run_llama_server(binary: str, model: str | None, work: Workload, threads: in
             return reply["tokens_predicted"]
 
         with concurrent.futures.ThreadPoolExecutor(slots) as pool:
-            sum(pool.map(lambda p: complete(p, work.output_len), work.warmup))
-            start = time.perf_counter()
-            produced = sum(pool.map(lambda p: complete(p, work.output_len), work.prompts))
-            elapsed = time.perf_counter() - start
-        return produced / elapsed
+
+            def timed(prompts: list[list[int]]) -> float:
+                start = time.perf_counter()
+                produced = sum(pool.map(lambda p: complete(p, work.output_len), prompts))
+                return produced / (time.perf_counter() - start)
+
+            timed(work.warmup)
+            yield timed
     finally:
         server.terminate()
         server.wait(timeout=30)

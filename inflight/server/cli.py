@@ -212,6 +212,9 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _bench_throughput(args: argparse.Namespace) -> int:
+    import contextlib
+    import statistics
+
     import torch
 
     from inflight.bench import offline
@@ -219,43 +222,62 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     tokenizer = offline.load_tokenizer(args.model)
-    work = offline.make_workload(tokenizer, args.num_prompts, args.prompt_len, args.output_len)
+    work = offline.make_workload(
+        tokenizer, args.num_prompts, args.prompt_len, args.output_len, rounds=args.rounds
+    )
     knobs = {k: v for k, v in _knobs(deployment_options(args)).items() if k in BENCH_KNOBS}
     # Every prompt generating at once unless --max-batch-size says otherwise, as llama-server
     # gets a slot per prompt (the deployment default, 8, would run 16 prompts in two waves).
     batch = knobs.pop("max_batch_size")
     if "max_batch_size" not in args:
         batch = args.num_prompts
-    runs = {
+    engines = {
         name: functools.partial(
-            offline.run_inflight, args.model, work, batch, quantization=quantization, **knobs
+            offline.open_inflight, args.model, work, batch, quantization=quantization, **knobs
         )
         for name, quantization in INFLIGHT_ENGINES.items()
     }
-    runs |= {
-        "hf-static": lambda: offline.run_hf_static(args.model, work, tokenizer.eos_token_ids[0]),
-        "hf-continuous": lambda: offline.run_hf_continuous(args.model, work),
-        "llama-server": lambda: offline.run_llama_server(
+    engines |= {
+        "hf-static": lambda: offline.open_hf_static(args.model, work, tokenizer.eos_token_ids[0]),
+        "hf-continuous": lambda: offline.open_hf_continuous(args.model, work),
+        "llama-server": lambda: offline.open_llama_server(
             args.llama_server, args.model, work, args.threads
         ),
     }
-    results = {}
-    for name in args.engines:
-        if name == "llama-server" and not args.llama_server:
-            print("llama-server: skipped (pass --llama-server PATH)", flush=True)
-            continue
-        results[name] = runs[name]()
-        print(f"{name:<14} {results[name]:8.1f} output tok/s", flush=True)
-    peers = [v for k, v in results.items() if not k.startswith("inflight")]
+    names = [n for n in args.engines if n != "llama-server" or args.llama_server]
+    if "llama-server" in args.engines and not args.llama_server:
+        print("llama-server: skipped (pass --llama-server PATH)", flush=True)
+    rounds: list[dict[str, float]] = []
+    with contextlib.ExitStack() as stack:
+        passes = {name: stack.enter_context(engines[name]()) for name in names}
+        for r, prompts in enumerate(work.rounds):
+            rounds.append({name: timed(prompts) for name, timed in passes.items()})
+            if args.rounds > 1:
+                line = ", ".join(f"{name} {tok_s:.1f}" for name, tok_s in rounds[-1].items())
+                print(f"round {r + 1}: {line} output tok/s", flush=True)
+    results = {name: statistics.median(r[name] for r in rounds) for name in names}
+    for name, tok_s in results.items():
+        spread = ""
+        if args.rounds > 1:
+            low, high = min(r[name] for r in rounds), max(r[name] for r in rounds)
+            spread = f" (median of {args.rounds} rounds, {low:.1f}-{high:.1f})"
+        print(f"{name:<14} {tok_s:8.1f} output tok/s{spread}", flush=True)
+    peers = [n for n in names if not n.startswith("inflight")]
     for name in INFLIGHT_ENGINES:
         if name in results and peers:
-            print(f"{name} / best peer: {results[name] / max(peers):.2f}x")
+            # each round's ratio, its engines having run within seconds of each other
+            ratios = [r[name] / max(r[p] for p in peers) for r in rounds]
+            spread = ""
+            if args.rounds > 1:
+                spread = f" (median of the rounds' ratios, {min(ratios):.2f}-{max(ratios):.2f})"
+            print(f"{name} / best peer: {statistics.median(ratios):.2f}x{spread}")
     if args.out:
         write_report(
             args.out,
             threads=torch.get_num_threads(),
             workload=vars(args) | {"run": None},
             output_tok_s=results,
+            rounds=rounds,
         )
     return 0
 
@@ -368,6 +390,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     through.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server")
     through.add_argument("--out", default=None, help="write the results as JSON here")
+    through.add_argument(
+        "--rounds",
+        type=_positive,
+        default=1,
+        help="timed passes per engine, alternated between the engines, which stay loaded; "
+        "each engine's median and the median of the rounds' ratios are reported",
+    )
     # The knobs the inflight engines take; each engine sets its quantization and in-flight
     # batching itself.
     add_deployment_arguments(through, BENCH_KNOBS)

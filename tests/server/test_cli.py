@@ -98,19 +98,72 @@ def test_every_command_takes_the_deployment_knobs_by_one_name_and_default(capsys
 def test_bench_throughput_runs_every_prompt_at_once_unless_told(monkeypatch, capsys):
     """As llama-server gets a slot per prompt, inflight's batch is --num-prompts unless
     --max-batch-size is given (the deployment default, 8, would run 16 prompts in two waves)."""
+    import contextlib
+
     from inflight.bench import offline
     from inflight.server.cli import main
 
     batches = []
+
+    @contextlib.contextmanager
+    def open_inflight(model, work, batch, **knobs):
+        batches.append(batch)
+        yield lambda prompts: 1.0
+
     monkeypatch.setattr(offline, "load_tokenizer", lambda model: None)
-    monkeypatch.setattr(offline, "make_workload", lambda *args: None)
-    monkeypatch.setattr(
-        offline, "run_inflight", lambda model, work, batch, **knobs: batches.append(batch) or 1.0
-    )
+    work = offline.Workload([[]], 1, [])
+    monkeypatch.setattr(offline, "make_workload", lambda *args, rounds: work)
+    monkeypatch.setattr(offline, "open_inflight", open_inflight)
     command = ["bench", "throughput", "--num-prompts", "16", "--engines", "inflight"]
     assert main(command) == 0
     assert main([*command, "--max-batch-size", "4"]) == 0
     assert batches == [16, 4]
+
+
+def test_bench_throughput_alternates_the_open_engines_round_by_round(monkeypatch, capsys, tmp_path):
+    """--rounds: every engine opened once and kept open, their timed passes alternated, each
+    round on its own prompts; each engine's median and the median of the rounds' ratios (each
+    round's engines measured seconds apart) are reported."""
+    import contextlib
+    import json
+
+    from inflight.bench import offline
+    from inflight.server.cli import main
+
+    events = []
+    speeds = {"inflight": iter([600.0, 500.0, 700.0]), "llama-server": iter([300.0, 200.0, 400.0])}
+
+    def engine(name):
+        @contextlib.contextmanager
+        def open_engine(*args, **kwargs):
+            events.append(("open", name))
+            yield lambda prompts: events.append((name, prompts[0][0])) or next(speeds[name])
+            events.append(("close", name))
+
+        return open_engine
+
+    work = offline.Workload([[[1]], [[2]], [[3]]], 1, [[0]])
+    monkeypatch.setattr(offline, "load_tokenizer", lambda model: None)
+    monkeypatch.setattr(offline, "make_workload", lambda *args, rounds: work)
+    monkeypatch.setattr(offline, "open_inflight", engine("inflight"))
+    monkeypatch.setattr(offline, "open_llama_server", engine("llama-server"))
+    out = tmp_path / "out.json"
+    command = ["bench", "throughput", "--engines", "llama-server", "inflight", "--rounds", "3"]
+    assert main([*command, "--llama-server", "llama-server", "--out", str(out)]) == 0
+    assert events == [
+        ("open", "llama-server"), ("open", "inflight"),
+        ("llama-server", 1), ("inflight", 1), ("llama-server", 2), ("inflight", 2),
+        ("llama-server", 3), ("inflight", 3),
+        ("close", "inflight"), ("close", "llama-server"),
+    ]  # fmt: skip
+    text = capsys.readouterr().out
+    assert "round 2: llama-server 200.0, inflight 500.0 output tok/s" in text
+    assert "inflight          600.0 output tok/s (median of 3 rounds, 500.0-700.0)" in text
+    # ratios 2.0, 2.5, 1.75: their median, not the medians' ratio (600 / 300 = 2.0)
+    assert "inflight / best peer: 2.00x (median of the rounds' ratios, 1.75-2.50)" in text
+    report = json.loads(out.read_text())
+    assert report["output_tok_s"] == {"llama-server": 300.0, "inflight": 600.0}
+    assert [r["inflight"] for r in report["rounds"]] == [600.0, 500.0, 700.0]
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ import httpx
 
 from inflight.model.checkpoints.loader import default_model_path, open_checkpoint
 from inflight.protocol.tokenizer import Tokenizer
+from inflight.runtime.device.openmp_pool import release_thread_pool
 
 TEXT = (
     "The history of science is the study of the development of science and scientific "
@@ -130,7 +131,10 @@ def open_inflight(
 
 
 def hf_model(model: str | None):
-    """HF transformers' own float32 load of the same checkpoint (a directory or a GGUF file)."""
+    """HF transformers' own float32 load of the same checkpoint (a directory or a GGUF file).
+    Its torch ops run on the calling thread, whose OpenMP workers the HF engines release after
+    the load and after each pass: alive beside an inflight engine's they would make libgomp
+    throttle that engine's waiting (inflight/runtime/device/openmp_pool.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -166,9 +170,12 @@ def open_hf_static(model: str | None, work: Workload, pad_token_id: int) -> Iter
     def timed(prompts: list[list[int]]) -> float:
         start = time.perf_counter()
         generate(prompts, work.output_len)
-        return len(prompts) * work.output_len / (time.perf_counter() - start)
+        tok_s = len(prompts) * work.output_len / (time.perf_counter() - start)
+        release_thread_pool()
+        return tok_s
 
     generate(work.warmup, 2)
+    release_thread_pool()
     yield timed
 
 
@@ -195,11 +202,13 @@ def open_hf_continuous(model: str | None, work: Workload) -> Iterator[TimedPass]
             prompts, generation_config=generation, continuous_batching_config=config
         )
         elapsed = time.perf_counter() - start
+        release_thread_pool()
         return sum(len(r.generated_tokens) for r in results.values()) / elapsed
 
     hf.generate_batch(
         [work.warmup[0]], generation_config=generation, continuous_batching_config=config
     )
+    release_thread_pool()
     yield timed
 
 

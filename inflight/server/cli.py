@@ -247,12 +247,27 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     names = [n for n in args.engines if n != "llama-server" or args.llama_server]
     if "llama-server" in args.engines and not args.llama_server:
         print("llama-server: skipped (pass --llama-server PATH)", flush=True)
+    ours = [n for n in names if n in INFLIGHT_ENGINES]
+    if args.rounds > 1 and len(ours) > 1:
+        # Each open engine keeps an OpenMP pool on its thread, and libgomp throttles every
+        # pool's waiting once they outnumber the CPUs: two open at once would slow each other.
+        print(
+            f"inflight: --rounds keeps the engines open, so it takes one inflight engine at a "
+            f"time; got {', '.join(ours)}",
+            file=sys.stderr,
+        )
+        return 2
     rounds: list[dict[str, float]] = []
-    with contextlib.ExitStack() as stack:
-        passes = {name: stack.enter_context(engines[name]()) for name in names}
-        for r, prompts in enumerate(work.rounds):
-            rounds.append({name: timed(prompts) for name, timed in passes.items()})
-            if args.rounds > 1:
+    if args.rounds == 1:  # one engine open at a time
+        rounds.append({})
+        for name in names:
+            with engines[name]() as timed:
+                rounds[0][name] = timed(work.prompts)
+    else:
+        with contextlib.ExitStack() as stack:
+            passes = {name: stack.enter_context(engines[name]()) for name in names}
+            for r, prompts in enumerate(work.rounds):
+                rounds.append({name: timed(prompts) for name, timed in passes.items()})
                 line = ", ".join(f"{name} {tok_s:.1f}" for name, tok_s in rounds[-1].items())
                 print(f"round {r + 1}: {line} output tok/s", flush=True)
     results = {name: statistics.median(r[name] for r in rounds) for name in names}
@@ -394,8 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds",
         type=_positive,
         default=1,
-        help="timed passes per engine, alternated between the engines, which stay loaded; "
-        "each engine's median and the median of the rounds' ratios are reported",
+        help="timed passes per engine, alternated between the engines, which stay loaded (one "
+        "inflight engine at most); each engine's median and the median of the rounds' ratios "
+        "are reported",
     )
     # The knobs the inflight engines take; each engine sets its quantization and in-flight
     # batching itself.

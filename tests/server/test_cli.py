@@ -165,6 +165,22 @@ def test_bench_throughput_alternates_the_open_engines_round_by_round(monkeypatch
     assert report["output_tok_s"] == {"llama-server": 300.0, "inflight": 600.0}
     assert [r["inflight"] for r in report["rounds"]] == [600.0, 500.0, 700.0]
 
+    # One round: one engine open at a time, as before --rounds.
+    events.clear()
+    speeds = {"inflight": iter([600.0]), "llama-server": iter([300.0])}
+    assert main([*command[:-1], "1", "--llama-server", "llama-server"]) == 0
+    assert events == [
+        ("open", "llama-server"), ("llama-server", 1), ("close", "llama-server"),
+        ("open", "inflight"), ("inflight", 1), ("close", "inflight"),
+    ]  # fmt: skip
+    assert "inflight / best peer: 2.00x\n" in capsys.readouterr().out
+
+    # Two inflight engines open at once would throttle each other's OpenMP workers.
+    events.clear()
+    assert main([*command[:3], "inflight", "inflight-q4", "--rounds", "2"]) == 2
+    assert "one inflight engine at a time; got inflight, inflight-q4" in capsys.readouterr().err
+    assert events == []
+
 
 @pytest.mark.slow
 def test_make_serve_command_line_serves_then_drains_on_sigterm():

@@ -250,7 +250,8 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     ours = [n for n in names if n in INFLIGHT_ENGINES]
     if args.rounds > 1 and len(ours) > 1:
         # Each open engine keeps an OpenMP pool on its thread, and libgomp throttles every
-        # pool's waiting once they outnumber the CPUs: two open at once would slow each other.
+        # pool's waiting once their threads outnumber the CPUs (a second thread running kernels
+        # beside an engine cut its short chats from ~690 to ~550 tok/s: bench/RESULTS.md).
         print(
             f"inflight: --rounds keeps the engines open, so it takes one inflight engine at a "
             f"time; got {', '.join(ours)}",

@@ -21,7 +21,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from inflight.bench.offline import load_tokenizer, make_workload, run_inflight, run_llama_server
+from inflight.bench.offline import load_tokenizer, make_workload, open_inflight, open_llama_server
 from inflight.bench.report import report_path, write_report
 from inflight.model.checkpoints.loader import default_model_path
 
@@ -126,11 +126,11 @@ def main() -> None:
             work = make_workload(
                 load_tokenizer(str(path)), args.prompts, args.prompt_len, args.output_len
             )
-            results[name] = {"inflight": run_inflight(str(path), work, args.prompts)}
+            with open_inflight(str(path), work, args.prompts) as timed:
+                results[name] = {"inflight": timed(work.prompts)}
             if args.llama_server:
-                results[name]["llama-server"] = run_llama_server(
-                    args.llama_server, str(path), work, args.threads
-                )
+                with open_llama_server(args.llama_server, str(path), work, args.threads) as timed:
+                    results[name]["llama-server"] = timed(work.prompts)
             print(name, {k: round(v, 1) for k, v in results[name].items()}, flush=True)
     write_report(report_path("moe_cpu.json"), args=vars(args), output_tok_s=results)
 

@@ -52,11 +52,6 @@ class Workload:
         """The first round's prompts."""
         return self.rounds[0]
 
-    @property
-    def output_tokens(self) -> int:
-        """Output tokens of one pass."""
-        return len(self.prompts) * self.output_len
-
 
 # An open engine's timed pass: one round's prompts in, output tok/s out.
 TimedPass = Callable[[list[list[int]]], float]

@@ -257,21 +257,17 @@ static void quantize_token(const void *call, int64_t m) {
                  c->xe + m * c->sg, c->xs + m * c->sg);
 }
 
-/* A unit's rows over its tokens, a block of them at a time (work_split.h's token_block). */
+/* Row tiles outer, token tiles inner (work_split.h's run_blocks picks the tokens). */
 static void run_unit(const void *call, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
     const Call *c = call;
     const int64_t sg = c->sg;
-    const int64_t block = token_block(m1 - m0, c->k, MR);
-    for (int64_t b0 = m0; b0 < m1; b0 += block) {
-        const int64_t b1 = b0 + block < m1 ? b0 + block : m1;
-        for (int64_t n = n0; n < n1; n += NR) {
-            const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
-            for (int64_t m = b0; m < b1; m += MR) {
-                const int mr = b1 - m < MR ? (int)(b1 - m) : MR;
-                run_tile(mr, nr, c->groups, c->kq, c->n_total, c->w + n * c->kq, c->wd + n * sg,
-                         c->wm + n * sg, c->xq + m * c->k, c->xe + m * sg, c->xs + m * sg,
-                         c->bias ? c->bias + n : NULL, c->y + m * c->n_total + n);
-            }
+    for (int64_t n = n0; n < n1; n += NR) {
+        const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
+        for (int64_t m = m0; m < m1; m += MR) {
+            const int mr = m1 - m < MR ? (int)(m1 - m) : MR;
+            run_tile(mr, nr, c->groups, c->kq, c->n_total, c->w + n * c->kq, c->wd + n * sg,
+                     c->wm + n * sg, c->xq + m * c->k, c->xe + m * sg, c->xs + m * sg,
+                     c->bias ? c->bias + n : NULL, c->y + m * c->n_total + n);
         }
     }
 }
@@ -295,7 +291,7 @@ int q4_linear(const float *x, int64_t m_total, int64_t k, const uint8_t *w, cons
     }
     const Call call = {&groups, k, kq, sg, n_total, x, wd, wm, bias, w, xq, xe, xs, y};
     const Steps steps = {quantize_token, run_unit};
-    split_work(&steps, &call, m_total, n_total, CHUNK_BYTES / kq, NR, threads);
+    split_work(&steps, &call, m_total, n_total, CHUNK_BYTES / kq, NR, k, MR, threads);
     free(xq), free(xe), free(xs);
     return 0;
 }

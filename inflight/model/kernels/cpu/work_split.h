@@ -1,4 +1,5 @@
-/* How a quantized matmul call (int8_matmul.c, q4_matmul.c) shares its work between threads.
+/* How a quantized matmul call (int8_matmul.c, q4_matmul.c, k8_matmul.c) shares its work
+   between threads.
 
    A call has two steps: quantize each token's activations into the kernel's tiles, then run
    tiles of tokens x weight rows. Weight rows go in units small enough that every thread gets
@@ -32,13 +33,23 @@ static inline int64_t token_block(int64_t tokens, int64_t bytes, int mr) {
 /* The two steps on one call's buffers (`call`, the kernel's own struct). */
 typedef struct {
     void (*quantize)(const void *call, int64_t m); /* token m into the tiles */
-    /* weight rows [n0, n1) over tokens [m0, m1), m0 a multiple of the token tile */
+    /* weight rows [n0, n1) over tokens [m0, m1), m0 a multiple of the token tile: its row
+       tiles outer, each over every token tile */
     void (*run)(const void *call, int64_t n0, int64_t n1, int64_t m0, int64_t m1);
 } Steps;
 
-/* rows_fit: weight rows that fit the kernel's cache chunk; nr: rows per register tile. */
+/* One unit of weight rows [n0, n1) over tokens [m0, m1), a token_block of them per run. */
+static inline void run_blocks(const Steps *steps, const void *call, int64_t n0, int64_t n1,
+                              int64_t m0, int64_t m1, int64_t token_bytes, int mr) {
+    const int64_t block = token_block(m1 - m0, token_bytes, mr);
+    for (int64_t b0 = m0; b0 < m1; b0 += block)
+        steps->run(call, n0, n1, b0, b0 + block < m1 ? b0 + block : m1);
+}
+
+/* rows_fit: weight rows that fit the kernel's cache chunk; nr and mr: weight rows and tokens
+   per register tile; token_bytes: a token's quantized activations. */
 static void split_work(const Steps *steps, const void *call, int64_t m_total, int64_t n_total,
-                       int64_t rows_fit, int nr, int threads) {
+                       int64_t rows_fit, int nr, int64_t token_bytes, int mr, int threads) {
     const int64_t fit = rows_fit / nr > 0 ? rows_fit / nr : 1;
     const int64_t share = (n_total + 4 * threads * nr - 1) / (4 * threads * nr);
     const int64_t unit = (share < fit ? share : fit) * nr;
@@ -50,7 +61,8 @@ static void split_work(const Steps *steps, const void *call, int64_t m_total, in
             const int64_t m0 = mb * M_BLOCK, m1 = m0 + M_BLOCK < m_total ? m0 + M_BLOCK : m_total;
             for (int64_t m = m0; m < m1; m++) steps->quantize(call, m);
             for (int64_t n0 = 0; n0 < n_total; n0 += unit)
-                steps->run(call, n0, n0 + unit < n_total ? n0 + unit : n_total, m0, m1);
+                run_blocks(steps, call, n0, n0 + unit < n_total ? n0 + unit : n_total, m0, m1,
+                           token_bytes, mr);
         }
     } else {
 #pragma omp parallel num_threads(threads)
@@ -61,7 +73,8 @@ static void split_work(const Steps *steps, const void *call, int64_t m_total, in
 #pragma omp for schedule(dynamic) nowait /* the region's end waits anyway */
             for (int64_t u = 0; u < units; u++) {
                 const int64_t n0 = u * unit;
-                steps->run(call, n0, n0 + unit < n_total ? n0 + unit : n_total, 0, m_total);
+                run_blocks(steps, call, n0, n0 + unit < n_total ? n0 + unit : n_total, 0,
+                           m_total, token_bytes, mr);
             }
         }
     }

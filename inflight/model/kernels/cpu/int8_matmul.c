@@ -70,35 +70,48 @@ typedef int16_t Act; /* activations as int16, even- then odd-byte halves */
    MR * 32 bytes), 8 scales per group into xd, and per group the correction the dot's sums start
    at into xc: VNNI, per lane, -128 * (the sum of its values); SMALL, per int16 lane of the
    registers (bytes 2j and 2j + 1 of each), -16 * (the sum of its values), in int16 (modulo
-   2^16: see dot_group). */
+   2^16: see dot_group). The sums are read back from the laid-out registers once the whole row
+   is written (a register read right after its 4-byte stores waits for them to reach the cache)
+   and summed by the dot itself with ones for the weights: exact, at most 8 * 4 * 127 a lane. */
 static void quantize_row(const float *x, const Groups *groups, Act *xq, float *xd, int32_t *xc) {
+    /* packs work per 128-bit half; this puts the 4-byte chunks back in element order */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    int32_t chunks[8];
+    Act *row = xq;
     for (int gi = 0; gi < groups->count; gi++) {
-        const int g = groups->sizes[gi], lanes = 8 / g;
-        int32_t sums[16] = {0}; /* VNNI: per int32 lane (8); SMALL: per int16 lane */
+        const int g = groups->sizes[gi], lanes = 8 / g, shift = __builtin_ctz(lanes);
         for (int i = 0; i < g; i++, x += 32) {
             __m256i q[4];
-            int32_t v[32];
             const float amax = quantize_block(x, q);
-            for (int j = 0; j < 4; j++) _mm256_storeu_si256((__m256i *)(v + 8 * j), q[j]);
+            const __m256i bytes = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+                order);
+            _mm256_storeu_si256((__m256i *)chunks, bytes);
             for (int c = 0; c < 8; c++) {
-                const int lane = i * lanes + c % lanes;
-                Act *dst = xq + (c / lanes) * MR * 32 + 4 * lane;
-                for (int j = 0; j < 4; j++) {
-                    dst[j] = (Act)v[4 * c + j];
-                    sums[SMALL ? 2 * lane + j / 2 : lane] += v[4 * c + j];
-                }
+                const int lane = i * lanes + (c & (lanes - 1));
+                memcpy(xq + (c >> shift) * MR * 32 + 4 * lane, &chunks[c], 4);
             }
             for (int l = 0; l < lanes; l++) xd[i * lanes + l] = amax / 127.0f;
         }
-#if SMALL
-        int16_t *corr = (int16_t *)xc;
-        for (int l = 0; l < 16; l++) corr[l] = (int16_t)(-16 * sums[l]);
-#else
-        for (int l = 0; l < 8; l++) xc[l] = -128 * sums[l];
-#endif
         xq += g * MR * 32;
         xd += 8;
-        xc += 8;
+    }
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (int gi = 0; gi < groups->count; gi++, xc += 8) {
+        __m256i sums = _mm256_setzero_si256();
+        for (int r = 0; r < groups->sizes[gi]; r++, row += MR * 32) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)row);
+#if VNNI
+            sums = DPBUSD(sums, ones, v);
+#else
+            sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(ones, v));
+#endif
+        }
+#if VNNI
+        _mm256_storeu_si256((__m256i *)xc, _mm256_mullo_epi32(sums, _mm256_set1_epi32(-128)));
+#else
+        _mm256_storeu_si256((__m256i *)xc, _mm256_mullo_epi16(sums, _mm256_set1_epi16(-16)));
+#endif
     }
 }
 #else

@@ -72,7 +72,8 @@ typedef int16_t Act; /* activations as int16, even- then odd-byte halves */
    registers (bytes 2j and 2j + 1 of each), -16 * (the sum of its values), in int16 (modulo
    2^16: see dot_group). The sums are read back from the laid-out registers once the whole row
    is written (a register read right after its 4-byte stores waits for them to reach the cache)
-   and summed by the dot itself with ones for the weights: exact, at most 8 * 4 * 127 a lane. */
+   and summed by the dot itself with ones for the weights: exact (8 registers at most, of 4 or
+   2 values of at most 127 a lane). */
 static void quantize_row(const float *x, const Groups *groups, Act *xq, float *xd, int32_t *xc) {
     /* packs work per 128-bit half; this puts the 4-byte chunks back in element order */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);

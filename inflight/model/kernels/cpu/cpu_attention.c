@@ -110,10 +110,12 @@ static void attend_keys(const float *q, int64_t q_stride_t, int64_t q_stride_h, 
     /* Prefetches: a row's blocks are scattered pages, which the hardware prefetcher finds only
        late, and at decode batch sizes the caches are read from memory. The first two chunks'
        keys now; then, at each chunk, the keys two chunks ahead and the chunk's values (which
-       attend_values reads once every score is known). About 10 % off a layer of 16 rows. */
+       attend_values reads once every score is known). About 10 % off a layer of 16 rows. All
+       into L2 (T1): prefetches into L1 hold its few miss buffers, and the keys' took a 30-layer
+       decode step's attention from 3.0 to 4.1 ms (16 rows, caches from memory). */
     for (int64_t t = 0; t < 16 && t < len; t++)
         for (int64_t d = 0; d < head_dim; d += 16)
-            _mm_prefetch((const char *)(keys + offsets[t] + d), _MM_HINT_T0);
+            _mm_prefetch((const char *)(keys + offsets[t] + d), _MM_HINT_T1);
     for (int64_t t0 = 0; t0 < len; t0 += 8) {
         const float *k[8];
         for (int j = 0; j < 8; j++) k[j] = keys + offsets[t0 + j < len ? t0 + j : len - 1];
@@ -121,7 +123,7 @@ static void attend_keys(const float *q, int64_t q_stride_t, int64_t q_stride_h, 
             const int64_t ahead = t0 + 16 + j < len ? t0 + 16 + j : len - 1;
             const int64_t here = t0 + j < len ? t0 + j : len - 1;
             for (int64_t d = 0; d < head_dim; d += 16) {
-                _mm_prefetch((const char *)(keys + offsets[ahead] + d), _MM_HINT_T0);
+                _mm_prefetch((const char *)(keys + offsets[ahead] + d), _MM_HINT_T1);
                 _mm_prefetch((const char *)(values + offsets[here] + d), _MM_HINT_T1);
             }
         }

@@ -57,3 +57,28 @@ def test_rope_is_bit_identical_to_the_torch_rotation():
     angles = (torch.randn(tokens, 1, dim), torch.randn(tokens, 1, dim))
     assert torch.equal(cpu_ops.rope(_lib(), q, *angles), rotate(q, angles))
     assert torch.equal(cpu_ops.rope(_lib(), k, *angles), rotate(k, angles))
+
+
+@pytest.mark.parametrize("size", [1, 7, 8, 9, 17, 49_152, 49_155])
+def test_argmax_is_torch_argmax_ties_nans_and_infinities_included(size):
+    """The first largest value's index, as torch.argmax: ties (a few distinct values), -0.0
+    beside 0.0, rows all -inf, +inf and NaN (the first NaN wins), rows read through a stride."""
+    torch.manual_seed(size)
+    cases = {
+        "random": torch.randn(16, size),
+        "ties": torch.randint(0, 3, (16, size)).float(),
+        "signed zeros": torch.zeros(16, size).index_fill_(1, torch.arange(0, size, 2), -0.0),
+        "all -inf": torch.full((16, size), float("-inf")),
+        "inf": torch.randn(16, size).masked_fill(torch.rand(16, size) < 0.01, float("inf")),
+        "nan": torch.randn(16, size).masked_fill(torch.rand(16, size) < 0.01, float("nan")),
+    }
+    cases["nan"][0, size // 2] = float("nan")
+    for name, x in cases.items():
+        assert torch.equal(cpu_ops.argmax(_lib(), x), torch.argmax(x, dim=-1)), name
+        wide = torch.randn(16, size + 5)
+        wide[:, :size] = x
+        assert torch.equal(cpu_ops.argmax(_lib(), wide[:, :size]), torch.argmax(x, dim=-1)), name
+        assert torch.equal(
+            cpu_ops.argmax(_lib(), x[:, :, None].expand(16, size, 2)[..., 0]),
+            torch.argmax(x, dim=-1),
+        ), name

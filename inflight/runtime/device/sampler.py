@@ -67,6 +67,7 @@ class Sampler:
         device = device or torch.device("cpu")
         self._generator = seeded_generator(device, seed)
         self._apply_masks = select_mask_kernel(device)
+        self._argmax = select_argmax(device)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledRow]:
         return self.fetch(self.sample(logits, rows))
@@ -94,7 +95,7 @@ class Sampler:
         if masks is not None:
             masked, packed = masks
             self._apply_masks(biased, to_device(masked, torch.int64, logits.device), packed)
-        tokens = torch.argmax(biased, dim=-1)
+        tokens = self._argmax(biased)
         drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
         if drawn:
             index = to_device(drawn, torch.int64, logits.device)
@@ -166,7 +167,7 @@ class Sampler:
                 mixed = row.params.seed * _SEED_STRIDE + row.position
                 generator.manual_seed((mixed + row.sequence * _SEQUENCE_STRIDE) % (2**63))
                 noise[i].exponential_(generator=generator)
-        return torch.argmax(probs / noise, dim=-1)
+        return self._argmax(probs / noise)
 
 
 def _apply_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -234,6 +235,15 @@ def select_mask_kernel(device: torch.device) -> MaskKernel:
     batch 16 over a 49k vocabulary), else the torch formula."""
     lib = cpu_ops.library() if device.type == "cpu" else None
     return torch_apply_masks if lib is None else functools.partial(cpu_ops.apply_token_bitmask, lib)
+
+
+def select_argmax(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Each row's argmax: the native kernel on the CPU where it builds (torch's took 0.47 ms
+    over 16 x 49,152 logits, a twentieth of a SmolLM2 decode step's Python), else torch's."""
+    lib = cpu_ops.library() if device.type == "cpu" else None
+    if lib is None:
+        return functools.partial(torch.argmax, dim=-1)
+    return functools.partial(cpu_ops.argmax, lib)
 
 
 def _filter(

@@ -88,6 +88,56 @@ void rope(const float *x, int64_t stride_t, int64_t stride_h, float *out, const 
     }
 }
 
+/* out[r] = the index of row r's largest value, the first where several tie, as torch.argmax
+   (a NaN counts as the largest: the first NaN's index). Each lane keeps its own largest and
+   where it was first seen (a strictly larger value replaces it); the lanes then give the
+   largest, the lowest index among ties. torch's took 0.47 ms over 16 x 49,152 logits. */
+void argmax_rows(const float *x, int64_t stride, int64_t rows, int64_t size, int64_t *out,
+                 int threads)
+{
+#pragma omp parallel for num_threads(threads) if (rows * size >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * stride;
+        int64_t i = 0, best = 0;
+        float top = v[0];
+        if (size >= 8) {
+            __m256 most = _mm256_loadu_ps(v), nan = _mm256_cmp_ps(most, most, _CMP_UNORD_Q);
+            __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), where = at;
+            const __m256i eight = _mm256_set1_epi32(8);
+            for (i = 8; i + 8 <= size; i += 8) {
+                const __m256 y = _mm256_loadu_ps(v + i);
+                at = _mm256_add_epi32(at, eight);
+                const __m256 larger = _mm256_cmp_ps(y, most, _CMP_GT_OQ);
+                most = _mm256_blendv_ps(most, y, larger);
+                where = _mm256_blendv_epi8(where, at, _mm256_castps_si256(larger));
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+            }
+            if (_mm256_movemask_ps(nan)) { /* rare: the first NaN, by a scan */
+                for (int64_t j = 0; j < size; j++)
+                    if (v[j] != v[j]) {
+                        best = j;
+                        break;
+                    }
+                out[r] = best;
+                continue;
+            }
+            float lane_most[8];
+            int32_t lane_where[8];
+            _mm256_storeu_ps(lane_most, most);
+            _mm256_storeu_si256((__m256i *)lane_where, where);
+            top = lane_most[0], best = lane_where[0];
+            for (int l = 1; l < 8; l++)
+                if (lane_most[l] > top || (lane_most[l] == top && lane_where[l] < best))
+                    top = lane_most[l], best = lane_where[l];
+        }
+        for (; i < size; i++) { /* the last partial vector, or a short row */
+            if (top != top) break;
+            if (v[i] > top || v[i] != v[i]) top = v[i], best = i;
+        }
+        out[r] = best;
+    }
+}
+
 /* Structured outputs: in row rows[i] of logits, every token whose bit in row i of the bitmask is
    clear becomes -inf (bit b of word w stands for token 32 w + b). Words of all ones, the common
    case of a loose constraint, are skipped whole. */

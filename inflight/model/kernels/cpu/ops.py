@@ -1,6 +1,6 @@
 """Fused elementwise ops for the CPU float32 path (cpu_ops.c): RMSNorm with the residual add
-folded in, SiLU(gate) * up, the rotary embedding, the token bitmask of structured outputs, and
-the multi-LoRA side path.
+folded in, SiLU(gate) * up, the rotary embedding, the token bitmask of structured outputs, the
+multi-LoRA side path, and the rows' argmax.
 At decode batch sizes each replaces a chain of torch ops whose dispatch costs more than their
 arithmetic."""
 
@@ -31,7 +31,8 @@ def library() -> ctypes.CDLL | None:
     lib.rope.argtypes = [p, i64, i64, p, p, p, i64, i64, i64, i32]
     lib.apply_token_bitmask.argtypes = [p, i64, p, i64, p, i64, i64, i32]
     lib.lora_add.argtypes = [p, i64, p, i64, p, i64, p, p, p, i64, i64, p, i64, i64, i64, i32]
-    for name in ("rms_norm", "silu_mul", "rope", "apply_token_bitmask", "lora_add"):
+    lib.argmax_rows.argtypes = [p, i64, i64, i64, p, i32]
+    for name in ("rms_norm", "silu_mul", "rope", "apply_token_bitmask", "lora_add", "argmax_rows"):
         getattr(lib, name).restype = None
     return lib
 
@@ -116,3 +117,18 @@ def lora_add(
         ranks.ctypes.data, slots, max_rank, starts.ctypes.data, parts, in_features, bt.shape[2],
         torch.get_num_threads(),
     )  # fmt: skip
+
+
+def argmax(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of float32 x [rows, size > 0]: each row's first largest value's
+    index (int64), a NaN counting as the largest."""
+    rows, size = x.shape
+    assert x.dtype == torch.float32 and size > 0
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        lib.argmax_rows(
+            x.data_ptr(), x.stride(0), rows, size, out.data_ptr(), torch.get_num_threads()
+        )
+    return out

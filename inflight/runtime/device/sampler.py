@@ -238,8 +238,8 @@ def select_mask_kernel(device: torch.device) -> MaskKernel:
 
 
 def select_argmax(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Each row's argmax: the native kernel on the CPU where it builds (torch's took 0.47 ms
-    over 16 x 49,152 logits, a twentieth of a SmolLM2 decode step's Python), else torch's."""
+    """Each row's argmax: the native kernel on the CPU where it builds (0.06 ms over 16 x 49,152
+    logits where torch's took 0.37-0.47, 2-3 % of a SmolLM2 decode step), else torch's."""
     lib = cpu_ops.library() if device.type == "cpu" else None
     if lib is None:
         return functools.partial(torch.argmax, dim=-1)

@@ -111,8 +111,9 @@ static void attend_keys(const float *q, int64_t q_stride_t, int64_t q_stride_h, 
        late, and at decode batch sizes the caches are read from memory. The first two chunks'
        keys now; then, at each chunk, the keys two chunks ahead and the chunk's values (which
        attend_values reads once every score is known). About 10 % off a layer of 16 rows. All
-       into L2 (T1): prefetches into L1 hold its few miss buffers, and the keys' took a 30-layer
-       decode step's attention from 3.0 to 4.1 ms (16 rows, caches from memory). */
+       into L2 (T1): prefetches into L1 hold its few miss buffers, and with the keys' there a
+       30-layer decode step's attention took 4.0-4.9 ms against 3.0-3.4 (16 rows, Zen 4, the
+       caches read from memory). */
     for (int64_t t = 0; t < 16 && t < len; t++)
         for (int64_t d = 0; d < head_dim; d += 16)
             _mm_prefetch((const char *)(keys + offsets[t] + d), _MM_HINT_T1);

@@ -14,9 +14,12 @@
 
 #include "simd_math.h"
 
-/* The register tile: MR tokens x NR weight rows, whose MR * NR = 8 float accumulators reduce in
-   one hsum8. */
+/* The register tile: MR tokens x NR weight rows, whose MR * NR float accumulators reduce 8 at a
+   time in hsum8 (each output's lanes alone, so the same bits whatever the tile). A kernel may
+   define a wider MR before including this (int8_matmul.c where 32 vector registers allow). */
+#ifndef MR
 #define MR 4
+#endif
 #define NR 2
 
 #define MAX_GROUPS 1024 /* K up to about 256k */
@@ -55,6 +58,7 @@ static inline float quantize_block(const float *x, __m256i q[4]) {
     return amax;
 }
 
+#if MR == 4 /* the 4-token tile's assembly helpers */
 /* Inline-assembly text of one register step of a full MR x NR tile whose sums are int16 pairs
    (the 4-bit kernel, the int8 kernel's build for small weights, the K-quant kernel's centered
    build): token m's 32 activation bytes, at offset o<m> from %[x], times the unsigned weight
@@ -80,6 +84,7 @@ INLINE void put_sums(__m256i s[MR][NR], int pairs, __m256i s00, __m256i s01, __m
         for (int n = 0; n < NR; n++)
             s[m][n] = pairs ? _mm256_madd_epi16(sums[m][n], ones) : sums[m][n];
 }
+#endif
 
 /* Writes an mr x nr tile's outputs (row stride n_total) from its accumulators, acc[m * NR + n]
    for token m and row n: a fixed horizontal sum, then the bias. Partial tiles go through the
@@ -87,7 +92,7 @@ INLINE void put_sums(__m256i s[MR][NR], int pairs, __m256i s00, __m256i s01, __m
 INLINE void store_tile(const __m256 acc[MR * NR], int mr, int nr, int64_t n_total,
                        const float *bias, float *y) {
     float out[MR * NR];
-    _mm256_storeu_ps(out, hsum8(acc));
+    for (int h = 0; h < MR * NR / 8; h++) _mm256_storeu_ps(out + 8 * h, hsum8(acc + 8 * h));
     for (int m = 0; m < mr; m++)
         for (int n = 0; n < nr; n++)
             y[m * n_total + n] = out[m * NR + n] + (bias ? bias[n] : 0.0f);

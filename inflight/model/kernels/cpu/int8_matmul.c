@@ -42,9 +42,20 @@ give the same bits.
 #include <stdlib.h>
 #include <string.h>
 
+#include "vnni.h"
+
+/* AVX-512's 32 vector registers hold a tile of 8 tokens: 16 sums, each weight register read
+   once for 8 tokens instead of 4 (a prefill's calls 12-14 % less time on Zen 4, a decode
+   step's 5-10 %); AVX2 and AVX-VNNI's 16 registers keep 4. */
+#if VNNI && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define WIDE 1
+#define MR 8
+#else
+#define WIDE 0
+#endif
+
 #include "block_groups.h"
 #include "simd_math.h"
-#include "vnni.h"
 #include "work_split.h"
 
 /* INFLIGHT_SMALL_WEIGHTS: a build for weights within -16..15 (GGUF's Q5_0), without VNNI. */
@@ -277,7 +288,49 @@ INLINE void dot_group(const int mr, const int nr, int regs, int64_t k, const int
 
 #endif
 
-#if defined(DPBUSD_ASM) || SMALL
+#if WIDE
+/* One register step of a wide tile's half: tokens 4h..4h + 3's 32 activation bytes each
+   (offset o<i> from %[x]) by the unsigned weight bytes of rows 0 and 1 into %[a<m>], %[b<m>]. */
+#define WIDE_TOKEN(off, a, b)                                                                \
+    "vmovdqu32 " off "(%[x]), %[p]\n\t"                                                    \
+    "vpdpbusd %[p], %[u0], %[" a "]\n\t"                                                   \
+    "vpdpbusd %[p], %[u1], %[" b "]\n\t"
+
+/* The sums of a full 8 x 2 tile, in assembly (registers ymm16-31 among them, so EVEX forms:
+   vpxord, vmovdqu32). Two statements a step, as one would pass GCC's 30 operands. */
+static inline void dot_group_full(int regs, int64_t k, const int8_t *w, const Act *xq,
+                                  const int32_t *xc, int64_t sg, __m256i s[MR][NR]) {
+    const __m256i unsign = _mm256_set1_epi8((char)0x80);
+#define XC(m) _mm256_loadu_si256((const __m256i *)(xc + (m) * sg))
+    __m256i a0 = XC(0), a1 = XC(1), a2 = XC(2), a3 = XC(3), a4 = XC(4), a5 = XC(5), a6 = XC(6);
+    __m256i a7 = XC(7), b0 = a0, b1 = a1, b2 = a2, b3 = a3, b4 = a4, b5 = a5, b6 = a6, b7 = a7;
+#undef XC
+    for (int r = 0; r < regs; r++, w += 32, xq += MR * 32) {
+        __m256i u0, u1, p;
+        __asm__("prefetcht0 (%[w0],%[ahead])\n\t"
+                "prefetcht0 (%[w1],%[ahead])\n\t"
+                "vpxord (%[w0]), %[unsign], %[u0]\n\t"
+                "vpxord (%[w1]), %[unsign], %[u1]\n\t"
+                WIDE_TOKEN("0", "a0", "b0") WIDE_TOKEN("32", "a1", "b1")
+                WIDE_TOKEN("64", "a2", "b2") WIDE_TOKEN("96", "a3", "b3")
+                : [a0] "+v"(a0), [b0] "+v"(b0), [a1] "+v"(a1), [b1] "+v"(b1), [a2] "+v"(a2),
+                  [b2] "+v"(b2), [a3] "+v"(a3), [b3] "+v"(b3), [u0] "=&v"(u0), [u1] "=&v"(u1),
+                  [p] "=&v"(p)
+                /* the "m" operands tell the compiler which memory the step reads */
+                : [w0] "r"(w), [w1] "r"(w + k), [x] "r"(xq), [unsign] "v"(unsign),
+                  [ahead] "r"(AHEAD * k), "m"(*(const int8_t(*)[32])w),
+                  "m"(*(const int8_t(*)[32])(w + k)), "m"(*(const int8_t(*)[MR * 32])xq));
+        __asm__(WIDE_TOKEN("128", "a4", "b4") WIDE_TOKEN("160", "a5", "b5")
+                WIDE_TOKEN("192", "a6", "b6") WIDE_TOKEN("224", "a7", "b7")
+                : [a4] "+v"(a4), [b4] "+v"(b4), [a5] "+v"(a5), [b5] "+v"(b5), [a6] "+v"(a6),
+                  [b6] "+v"(b6), [a7] "+v"(a7), [b7] "+v"(b7), [p] "=&v"(p)
+                : [u0] "v"(u0), [u1] "v"(u1), [x] "r"(xq), "m"(*(const int8_t(*)[MR * 32])xq));
+    }
+    const __m256i sa[MR] = {a0, a1, a2, a3, a4, a5, a6, a7}, sb[MR] = {b0, b1, b2, b3, b4, b5, b6, b7};
+    for (int m = 0; m < MR; m++) s[m][0] = sa[m], s[m][1] = sb[m];
+}
+#undef WIDE_TOKEN
+#elif defined(DPBUSD_ASM) || SMALL
 #if VNNI
 /* the weights flipped to unsigned, w ^ 0x80 = w + 128, and their vpdpbusd sums */
 #define PREPARE "vpxor"
@@ -375,6 +428,10 @@ static void run_tile(int mr, int nr, const Groups *groups, int64_t k, int64_t n_
     switch (mr * NR + nr - 1) {
         TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(2, 1) TILE_CASE(2, 2)
         TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(4, 1) TILE_CASE(4, 2)
+#if MR == 8
+        TILE_CASE(5, 1) TILE_CASE(5, 2) TILE_CASE(6, 1) TILE_CASE(6, 2)
+        TILE_CASE(7, 1) TILE_CASE(7, 2) TILE_CASE(8, 1) TILE_CASE(8, 2)
+#endif
     }
 }
 

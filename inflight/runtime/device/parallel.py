@@ -80,6 +80,7 @@ class Workers:
         self.size = size
         self.device = device
         self.fault: str | None = None
+        self._failed = threading.Event()  # set with the fault
         self._closing = threading.Event()
         # A worker opens the checkpoint's files itself; one without files (a benchmark's random
         # weights, made from a seed) is sent whole.
@@ -166,9 +167,11 @@ class Workers:
     def lost(self) -> str | None:
         """Why the ranks stopped serving, once a worker has ended: a step's collective that
         raised may have lost a worker, which ends moments later (on a loaded machine, a few
-        seconds: a failed step that waits names the rank rather than rank 0's collective)."""
-        self._reap(timeout=_LOST_WAIT_S)
-        self._watch_once()
+        seconds: a failed step that waits names the rank rather than rank 0's collective).
+        The watchdog, which reaps the workers, records it; this waits for that rather than
+        reaping too: of two threads waiting on one child, the one that loses finds no exit
+        status yet and would have blamed rank 0's collective (a killed worker's test, 1 in 13)."""
+        self._failed.wait(timeout=_LOST_WAIT_S)
         return self.fault
 
     def fail(self, reason: str) -> None:
@@ -176,6 +179,7 @@ class Workers:
         workers."""
         if self.fault is None:
             self.fault = reason
+            self._failed.set()
             log.error("tensor parallelism stopped: %s", reason)
         if self.group is not None:
             self.group.abort()

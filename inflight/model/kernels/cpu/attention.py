@@ -16,7 +16,13 @@ _SOURCE = Path(__file__).with_name("cpu_attention.c")
 
 @functools.cache
 def library() -> ctypes.CDLL:
-    lib = native.build(_SOURCE, "the CPU attention kernel")
+    return build(_SOURCE, "the CPU attention kernel")
+
+
+def build(source: Path, what: str) -> ctypes.CDLL:
+    """The kernel compiled from `source` (this tree's, or another's beside it in a benchmark),
+    its functions' signatures set."""
+    lib = native.build(source, what)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.paged_attention.argtypes = [
         p, i64, i64, p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64,

@@ -112,27 +112,25 @@ void argmax_rows(const float *x, int64_t stride, int64_t rows, int64_t size, int
                 where = _mm256_blendv_epi8(where, at, _mm256_castps_si256(larger));
                 nan = _mm256_or_ps(nan, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
             }
-            if (_mm256_movemask_ps(nan)) { /* rare: the first NaN, by a scan */
-                for (int64_t j = 0; j < size; j++)
-                    if (v[j] != v[j]) {
-                        best = j;
-                        break;
-                    }
-                out[r] = best;
-                continue;
+            if (_mm256_movemask_ps(nan)) {
+                i = 0; /* rare: the scan below from the start stops at the first NaN */
+            } else {
+                float lane_most[8];
+                int32_t lane_where[8];
+                _mm256_storeu_ps(lane_most, most);
+                _mm256_storeu_si256((__m256i *)lane_where, where);
+                top = lane_most[0], best = lane_where[0];
+                for (int l = 1; l < 8; l++)
+                    if (lane_most[l] > top || (lane_most[l] == top && lane_where[l] < best))
+                        top = lane_most[l], best = lane_where[l];
             }
-            float lane_most[8];
-            int32_t lane_where[8];
-            _mm256_storeu_ps(lane_most, most);
-            _mm256_storeu_si256((__m256i *)lane_where, where);
-            top = lane_most[0], best = lane_where[0];
-            for (int l = 1; l < 8; l++)
-                if (lane_most[l] > top || (lane_most[l] == top && lane_where[l] < best))
-                    top = lane_most[l], best = lane_where[l];
         }
-        for (; i < size; i++) { /* the last partial vector, or a short row */
-            if (top != top) break;
-            if (v[i] > top || v[i] != v[i]) top = v[i], best = i;
+        for (; i < size; i++) { /* the last partial vector, a short row, or a row with a NaN */
+            if (v[i] != v[i]) {
+                best = i;
+                break;
+            }
+            if (v[i] > top) top = v[i], best = i;
         }
         out[r] = best;
     }

@@ -48,7 +48,7 @@ give the same bits.
    once for 8 tokens instead of 4 (on Zen 4, one thread, weights in cache: 608 tokens 12-14 %
    faster, 16 tokens up to 10 %; the 4-bit kernel's tile so widened was not faster, and keeps
    4); AVX2's and AVX-VNNI's 16 registers keep 4. */
-#if VNNI && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) /* vnni.h's VNNI on EVEX */
 #define WIDE 1
 #define MR 8
 #else

@@ -8,7 +8,8 @@ size x 2); the ceilings beside them are a device-to-device copy (bytes read + wr
 kernel that only reads the same blocks through the same block tables.
 
 The figures are the kernel as the backend launches it (its rows longest first, as
-`plan.decode_order` gives them); the sweep times its launch settings (keys per iteration, warps,
+`plan.decode_order` gives them; a float8 cache through the CUDA kernel of `kernels/cuda` where
+it was built, Triton's beside it); the sweep times its launch settings (keys per iteration, warps,
 pipeline stages), key splits, the rows in order or longest first and the head's keys and values
 read whole or in two halves (`halves`, the FP8 cache's default), over the token-major cache
 layout the backend uses ([blocks, block_size, KV heads, head size]) and a head-major one
@@ -151,12 +152,14 @@ def _timed(case: Case, reference: torch.Tensor, launch: dict) -> dict:
 
 
 def sweep(case: Case, reference: torch.Tensor) -> list[dict]:
-    """Launch settings, key splits, the rows longest first, the head read whole or in halves."""
+    """The Triton kernel's launch settings, key splits, the rows longest first, the head read
+    whole or in halves."""
     results = []
     for n, w, s, splits, ordered, halves in itertools.product(
         (32, 64, 128), (4, 8), (2, 3), (1, 2), (False, True), (False, True)
     ):
         launch = dict(block_n=n, num_warps=w, num_stages=s, splits=splits, halves=halves)
+        launch["native"] = False  # the Triton kernel's settings
         result = _timed(case, reference, dict(launch, order=case.order if ordered else None))
         results.append({**result, "order": ordered})
     return results
@@ -208,7 +211,7 @@ def main() -> None:
         for kv, layout in itertools.product(("bf16", "fp8"), ("token-major", "head-major")):
             dtype = torch.bfloat16 if kv == "bf16" else torch.float8_e4m3fn
             case = Case(shape, lens, dtype, layout == "head-major")
-            reference = case.run().clone()
+            reference = case.run(native=False).clone()
             ms = do_bench(lambda case=case: case.run(order=case.order))
             read = read_only_ms(case)
             entry = {
@@ -216,12 +219,24 @@ def main() -> None:
                 "mean_context": sum(lens) / rows, "bytes": case.bytes,
                 "ms": ms, "tbs": tbs(case, ms), "read_only_tbs": tbs(case, read),
             }  # fmt: skip
-            print(
+            line = (
                 f"{shape} rows {rows} {kv} {layout}: {ms * 1e3:.1f} us, {entry['tbs']:.2f} TB/s "
                 f"({entry['tbs'] / PEAK_TBS:.0%} of {PEAK_TBS}); loads alone "
-                f"{entry['read_only_tbs']:.2f} TB/s",
-                flush=True,
+                f"{entry['read_only_tbs']:.2f} TB/s"
             )
+            if kv == "fp8":  # the CUDA kernel where it was built, beside Triton's
+                got = case.run(order=case.order).clone()
+                entry["triton_ms"] = do_bench(
+                    lambda case=case: case.run(order=case.order, native=False)
+                )
+                entry["rel_diff_from_triton"] = (
+                    (got.float() - reference.float()).norm() / reference.float().norm()
+                ).item()
+                line += (
+                    f"; Triton's {entry['triton_ms'] * 1e3:.1f} us, output "
+                    f"{entry['rel_diff_from_triton']:.1e} from it"
+                )
+            print(line, flush=True)
             if args.sweep and rows == args.rows[0] and shape == args.shapes[0]:
                 entry["sweep"] = sweep(case, reference)
                 best = sorted((r for r in entry["sweep"] if "ms" in r), key=lambda r: r["ms"])

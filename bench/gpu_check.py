@@ -4,7 +4,9 @@
    (their keys split in 16, 1 and 4 parts) and prefill chunks with a past, over scattered KV
    blocks; relative error of the Triton output against the torch backend computed in
    float32, with the output memory poisoned (NaN) beforehand so every element must be
-   written; again over a float8 (e4m3) KV cache.
+   written; again over a float8 (e4m3) KV cache, whose decode rows the CUDA kernel of
+   `kernels/cuda` takes where it was built; that kernel also alone against a float32 reference
+   and beside Triton's (query heads 1-8 a KV head, keys in 1, 4 and 16 parts).
 2. Fused RMSNorm (+ residual), SiLU-mul and norm + RoPE + KV store kernels against the torch
    formulas they replace.
 3. The Triton Mamba2 decode step against its torch formula (float32).
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import os
 import random
 import sys
@@ -60,7 +63,8 @@ from inflight.bench.random_model import random_checkpoint
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.triton import TritonAttentionBackend
 from inflight.model.config import MoEConfig
-from inflight.model.kernels.triton.attention import paged_attention
+from inflight.model.kernels.cuda import fp8_decode
+from inflight.model.kernels.triton.attention import decode_attention, paged_attention
 from inflight.model.layers.moe import Experts
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import LinearMethods, TorchLinearMethod
@@ -139,6 +143,67 @@ def check_kernels(
     return ok, f"rel err {rel:.2e} (decode keys in 16, 1, 4 parts), all written {written}, " + (
         f"KV stored {cache_ok}"
     )
+
+
+def check_fp8_decode_cuda(device: torch.device, seed: int) -> tuple[bool, str]:
+    """The CUDA decode kernel of a float8 cache (`kernels/cuda/fp8_decode.cu`) against a
+    float32 reference on the same float8 values, beside Triton's decode kernel on the same
+    case: 1, 2, 4 and 8 query heads a KV head, keys in 1, 4 and 16 parts, the rows in order
+    and longest first, contexts of 1 to 1,500 keys (partial blocks), output poisoned first."""
+    capability = torch.cuda.get_device_capability(device)
+    if fp8_decode.library(capability) is None:
+        return False, "the kernel was not built (see the warning above)"
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    kv_heads, dim, block_size = 4, 128, 16
+    lens = [1, 2, 15, 16, 17, 100, 999, 1500] + [rng.randint(1, 1200) for _ in range(24)]
+    need = [-(-n // block_size) for n in lens]
+    blocks = list(range(sum(need)))
+    rng.shuffle(blocks)
+    tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    at = 0
+    for row, n in enumerate(need):
+        tables[row, :n] = torch.tensor(blocks[at : at + n])
+        at += n
+    tables, seq_lens = tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
+    fp8 = torch.float8_e4m3fn
+    shape = (len(blocks), block_size, kv_heads, dim)
+    cache_k = (torch.randn(shape, device=device) * 2).to(fp8)
+    cache_v = torch.randn(shape, device=device).to(fp8)
+    # The slots of a row's last block past its end hold a NaN's bytes: none may leak out.
+    for row, n in enumerate(lens):
+        if n % block_size:
+            last = blocks[sum(need[:row]) + need[row] - 1]
+            for cache in (cache_k, cache_v):
+                cache.view(torch.uint8)[last, n % block_size :] = 0x7F
+    order = torch.argsort(seq_lens, descending=True)
+    worst = worst_triton = 0.0
+    for group in fp8_decode.GROUPS:
+        q = torch.randn(len(lens), group * kv_heads, dim, device=device, dtype=torch.bfloat16)
+        expected = torch.empty(q.shape, device=device)
+        for row, n in enumerate(lens):
+            slots = tables[row, : need[row]].long()
+            k = cache_k[slots].float().reshape(-1, kv_heads, dim)[:n]
+            v = cache_v[slots].float().reshape(-1, kv_heads, dim)[:n]
+            k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+            scores = torch.einsum("hd,nhd->hn", q[row].float(), k) * dim**-0.5
+            expected[row] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+        for splits, rows_order in itertools.product((1, 4, 16), (None, order)):
+            outs = []
+            for native in (True, False):
+                _poison_allocator(device)
+                out = torch.empty_like(q)
+                decode_attention(
+                    q, cache_k, cache_v, tables, seq_lens, out, len(lens), dim**-0.5,
+                    splits=splits, order=rows_order, native=native,
+                )  # fmt: skip
+                outs.append(out.float())
+            rel = [((o - expected).norm() / expected.norm()).item() for o in outs]
+            if any(o.isnan().any().item() for o in outs):
+                return False, f"NaN in the output (group {group}, {splits} parts)"
+            worst, worst_triton = max(worst, rel[0]), max(worst_triton, rel[1])
+    ok = worst < 1e-2
+    return ok, f"rel err at most {worst:.2e} (Triton's on the same cases {worst_triton:.2e})"
 
 
 def _greedy(runtime: Runtime, prompts: list[list[int]], n: int) -> list[tuple[int, ...]]:
@@ -694,6 +759,7 @@ def main() -> int:
     checks = (
         ("kernels", check_kernels),
         ("fp8 KV kernels", functools.partial(check_kernels, kv_dtype=torch.float8_e4m3fn)),
+        ("fp8 decode CUDA kernel", check_fp8_decode_cuda),
         ("windowed kernels", functools.partial(check_kernels, window=100)),
         ("sink kernels", functools.partial(check_kernels, window=100, sinks=True)),
         ("fused ops", check_fused_ops),

@@ -18,11 +18,13 @@ twice that). Prints a table; writes JSON to $OUT (or bench/out).
 
     .venv/bin/python bench/workload_bound.py [--shapes qwen3-0.6b llama-3.1-8b qwen3-30b-a3b]
         [--requests 256] [--buckets]   (the decode bound by rows, as gpu_timeline.py groups steps)
+        [--sequential]   (also each decode step's linear layers and attention taken in turn)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 from dataclasses import dataclass
 
 from gpu_throughput import workload
@@ -97,10 +99,18 @@ class Shape:
 
 
 def bound_seconds(
-    shape: Shape, work: list[tuple[int, int]], roof: Roof, weight_bytes: int, kv_bytes: int
+    shape: Shape,
+    work: list[tuple[int, int]],
+    roof: Roof,
+    weight_bytes: int,
+    kv_bytes: int,
+    sequential: bool = False,
 ) -> dict[str, float]:
     """Least seconds of the prefill and of the decode steps of `work` (prompt, output), the
-    decode steps also by `gpu_timeline.BUCKETS` of rows ("decode<=R": steps, seconds)."""
+    decode steps also by `gpu_timeline.BUCKETS` of rows ("decode<=R": steps, seconds).
+    `sequential`: a decode step's linear layers and its attention each take their own least
+    time, one after the other (as kernels that run in turn do), where by default the step's
+    bytes and multiply-adds all overlap."""
     matmul_flops = roof.fp8_flops if weight_bytes == 1 else roof.bf16_flops
     prompt_tokens = sum(p for p, _ in work)
     # Causal attention: query i of a prompt scores and weighs i + 1 keys (2 multiply-adds each).
@@ -114,9 +124,12 @@ def bound_seconds(
         rows = len(contexts)
         weights = (shape.touched_params(rows) + shape.head_params) * weight_bytes
         kv = sum(contexts) * shape.kv_elements * kv_bytes
-        flops = 2 * (shape.active_params() + shape.head_params) * rows / matmul_flops
-        flops += 4 * sum(contexts) * shape.attention_width / roof.bf16_flops
-        least = max((weights + kv) / roof.bytes_per_s, flops)
+        linear = 2 * (shape.active_params() + shape.head_params) * rows / matmul_flops
+        attend = 4 * sum(contexts) * shape.attention_width / roof.bf16_flops
+        if sequential:
+            least = max(weights / roof.bytes_per_s, linear) + max(kv / roof.bytes_per_s, attend)
+        else:
+            least = max((weights + kv) / roof.bytes_per_s, linear + attend)
         seconds["decode_s"] += least
         bucket = f"decode<={next(b for b in BUCKETS if rows <= b)}"
         seconds[bucket + " steps"] = seconds.get(bucket + " steps", 0) + 1
@@ -131,26 +144,37 @@ def main() -> None:
     parser.add_argument(
         "--buckets", action="store_true", help="the decode bound by rows, as gpu_timeline.py"
     )
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="also the bound with a decode step's linear layers and attention one after the other",
+    )
     args = parser.parse_args()
+    modes = (False, True) if args.sequential else (False,)
     variants = {"bf16": (2, 2), "fp8 weights + fp8 KV": (1, 1)}
     results = []
-    print(f"{'shape':<16} {'dtype':<22} {'roof':<10} {'prefill s':>9} {'decode s':>9} {'tok/s':>8}")
+    print(
+        f"{'shape':<16} {'dtype':<22} {'roof':<10} {'steps':<10} {'prefill s':>9} "
+        f"{'decode s':>9} {'tok/s':>8}"
+    )
     for name in args.shapes:
         config = SHAPES[name]
         shape = Shape.of(config)
         work = [(len(p), n) for p, n in workload(args.requests, config.vocab_size)]
         outputs = sum(n for _, n in work)
         for dtype, (weight_bytes, kv_bytes) in variants.items():
-            for roof in ROOFS:
-                seconds = bound_seconds(shape, work, roof, weight_bytes, kv_bytes)
+            for roof, sequential in itertools.product(ROOFS, modes):
+                seconds = bound_seconds(shape, work, roof, weight_bytes, kv_bytes, sequential)
                 tok_s = outputs / (seconds["prefill_s"] + seconds["decode_s"])
+                steps = "sequential" if sequential else "overlapped"
                 results.append(
-                    {"shape": name, "dtype": dtype, "roof": roof.name, "output_tok_s": tok_s}
+                    {"shape": name, "dtype": dtype, "roof": roof.name, "steps": steps}
+                    | {"output_tok_s": tok_s}
                     | seconds
                 )
                 print(
-                    f"{name:<16} {dtype:<22} {roof.name:<10} {seconds['prefill_s']:9.2f} "
-                    f"{seconds['decode_s']:9.2f} {tok_s:8.0f}"
+                    f"{name:<16} {dtype:<22} {roof.name:<10} {steps:<10} "
+                    f"{seconds['prefill_s']:9.2f} {seconds['decode_s']:9.2f} {tok_s:8.0f}"
                 )
                 if args.buckets:
                     for key in (f"decode<={b}" for b in BUCKETS if f"decode<={b} s" in seconds):

@@ -1,8 +1,7 @@
 """CPU kernels written in C, built with gcc on first use and loaded with ctypes.
 
 No torch headers are involved, so a build takes about a second; the shared object is cached
-under `$XDG_CACHE_HOME/inflight` (default `~/.cache/inflight`), keyed by a digest of the source,
-the local headers it includes and the flags.
+(`kernels/build.py`).
 
 Every kernel runs on AVX2 + FMA. A kernel with code for a wider instruction set (the quantized
 matmuls' VNNI dot products: int8, 4-bit, Q5_K / Q6_K) is built as the best `Variant` this CPU
@@ -14,17 +13,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import re
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from inflight.model.kernels.build import KernelBuildError, cached_library
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +55,7 @@ VARIANTS = (
 )
 
 
-class NativeBuildError(RuntimeError):
+class NativeBuildError(KernelBuildError):
     """A kernel could not be built or loaded here (no gcc, no source, an unsuited CPU, a failed
     compile or load); callers fall back to torch's ops or refuse an explicit request for it."""
 
@@ -113,11 +110,6 @@ def chosen_variant() -> Variant:
     return variant
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "inflight"
-
-
 _warned = False
 
 
@@ -140,29 +132,7 @@ def build(source: Path, what: str, variant: Variant | None = None) -> ctypes.CDL
 
 def _build(source: Path, what: str, extra: tuple[str, ...]) -> ctypes.CDLL:
     check_cpu(what)
-    flags = (*FLAGS, *extra)
-    text = source.read_bytes()
-    for header in re.findall(rb'^#include "([^"]+)"', text, re.MULTILINE):
-        text += (source.parent / header.decode()).read_bytes()
-    digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{source.stem}-{digest}.so"
-    if not target.exists():
-        gcc = shutil.which("gcc")
-        if gcc is None:
-            raise NativeBuildError(f"building {what} needs gcc; none on PATH")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Build under a temporary name, then rename: concurrent processes each build their own
-        # copy and the rename makes whichever lands last the (identical) cached file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            result = subprocess.run(
-                [gcc, *flags, str(source), "-o", tmp], capture_output=True, text=True
-            )
-            if result.returncode != 0:
-                raise NativeBuildError(f"building {source.name} failed:\n{result.stderr}")
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return ctypes.CDLL(str(target))
+    try:
+        return ctypes.CDLL(str(cached_library(source, "gcc", (*FLAGS, *extra), what)))
+    except KernelBuildError as exc:
+        raise NativeBuildError(str(exc)) from exc

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from inflight.model.kernels.cuda import fp8_decode
 from inflight.model.kernels.triton.plan import PREFILL_BLOCK_M, StepPlan, decode_splits
 from inflight.model.metadata import AttentionMetadata
 
@@ -363,13 +364,16 @@ def decode_attention(
     num_stages: int = 3,
     order: torch.Tensor | None = None,
     halves: bool | None = None,
+    native: bool = True,
 ) -> None:
     """Write into `out` the attention of the first `rows` queries of q, one token a row, over
     the keys their block tables name (`seq_lens` of them); `order`: the rows' indices, longest
     first (see `plan.decode_order`), which the programs take in that order. The launch settings
     are the kernel's tuned ones (bench/decode_attention.py sweeps them); `halves`: keys and
     values read in two halves of the head (`_attend_keys_halves`; by default for a float8
-    cache, which it speeds up)."""
+    cache, which it speeds up). A float8 cache that the CUDA kernel of `kernels/cuda` covers
+    goes to it instead, where it could be built (`native=False`: Triton's whatever the cache;
+    the launch settings are then unread)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     heads = q.shape[1]
     group = heads // num_kv_heads
@@ -379,22 +383,31 @@ def decode_attention(
         block_n = DECODE_BLOCK_N if splits <= 2 else SPLIT_BLOCK_N
     if halves is None:
         halves = k_cache.dtype == torch.float8_e4m3fn
+    cuda = None
+    if native and fp8_decode.serves(q, k_cache, v_cache, window, sinks):
+        cuda = fp8_decode.library(torch.cuda.get_device_capability(q.device))
     has_sinks = sinks is not None
     sinks = out if sinks is None else sinks  # unread without sinks
     parts = stats = out  # unread with one split
     if splits > 1:
         parts = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=q.device)
         stats = torch.empty(rows, heads, splits, 2, dtype=torch.float32, device=q.device)
-    _decode_kernel[(rows, num_kv_heads, splits)](
-        q, k_cache, v_cache, out, parts, stats, block_tables, seq_lens, scale, sinks,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
-        WINDOW=window or 0, HAS_SINKS=has_sinks,
-        ORDER=out if order is None else order, ORDERED=order is not None, HALVES=halves,
-        num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+    if cuda is not None:
+        fp8_decode.decode(
+            cuda, q, k_cache, v_cache, block_tables, seq_lens, out, rows, scale, splits,
+            parts, stats, order,
+        )  # fmt: skip
+    else:
+        _decode_kernel[(rows, num_kv_heads, splits)](
+            q, k_cache, v_cache, out, parts, stats, block_tables, seq_lens, scale, sinks,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
+            WINDOW=window or 0, HAS_SINKS=has_sinks,
+            ORDER=out if order is None else order, ORDERED=order is not None, HALVES=halves,
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
     if splits > 1:
         _merge_kernel[(rows, heads)](
             parts, stats, out, sinks, out.stride(0), out.stride(1),

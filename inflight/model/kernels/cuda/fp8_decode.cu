@@ -87,7 +87,7 @@ struct Args {
 
 // grid (rows, KV heads, splits), 4 warps. G: query heads a KV head (at most 8).
 template <int G>
-__global__ void __launch_bounds__(128, 4) fp8_decode(const Args a) {
+__global__ void __launch_bounds__(kWarps * 32, 4) fp8_decode(const Args a) {
     const int row = a.order ? (int)a.order[blockIdx.x] : (int)blockIdx.x;
     const int kvh = blockIdx.y, split = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;

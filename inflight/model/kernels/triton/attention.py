@@ -379,10 +379,6 @@ def decode_attention(
     group = heads // num_kv_heads
     if splits is None:
         splits = decode_splits(rows, num_kv_heads, _multiprocessors(q.device))
-    if block_n is None:
-        block_n = DECODE_BLOCK_N if splits <= 2 else SPLIT_BLOCK_N
-    if halves is None:
-        halves = k_cache.dtype == torch.float8_e4m3fn
     cuda = None
     if native and fp8_decode.serves(q, k_cache, v_cache, window, sinks):
         cuda = fp8_decode.library(torch.cuda.get_device_capability(q.device))
@@ -398,6 +394,10 @@ def decode_attention(
             parts, stats, order,
         )  # fmt: skip
     else:
+        if block_n is None:
+            block_n = DECODE_BLOCK_N if splits <= 2 else SPLIT_BLOCK_N
+        if halves is None:
+            halves = k_cache.dtype == torch.float8_e4m3fn
         _decode_kernel[(rows, num_kv_heads, splits)](
             q, k_cache, v_cache, out, parts, stats, block_tables, seq_lens, scale, sinks,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

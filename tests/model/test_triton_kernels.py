@@ -364,6 +364,43 @@ def test_fp8_rows_kernel_scales_each_row_as_the_formula(size):
     assert torch.equal(scale, fp8_rows(x)[1])
 
 
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("size", [1000, ops.ONE_PASS_MAX + 100], ids=["one kernel", "two kernels"])
+def test_rms_norm_fp8_is_the_norm_then_the_quantizer_bit_for_bit(size, residual):
+    """The fused kernel quantizes the norm's rows as rounded to the activation dtype, so it
+    gives the bits of `rms_norm` then `fp8_rows` (the interpreter's e4m3 rounding on both
+    sides; the GPU's is checked in `bench/gpu_check.py "fp8 linear"`)."""
+    torch.manual_seed(size)
+    x, res = (torch.randn(3, size).to(torch.float16) for _ in range(2))
+    x[1] = 0
+    res[1] = 0  # an all-zero row keeps scale 1
+    weight = (1 + 0.1 * torch.randn(size)).to(torch.float16)
+    r = res if residual else None
+    values, scales, summed = ops.rms_norm_fp8(x, weight, 1e-6, r, FP8_MAX)
+    normed, want_summed = ops.rms_norm(x, weight, 1e-6, r)
+    want_values, want_scales = ops.fp8_rows(normed, FP8_MAX)
+    assert values.dtype == torch.float8_e4m3fn and scales.shape == (3, 1)
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    assert scales[1].item() == 1.0
+    assert (summed is None) == (not residual)
+    if residual:
+        assert torch.equal(summed, want_summed)
+
+
+@pytest.mark.parametrize("size", [1500, ops.ONE_PASS_MAX + 100], ids=["one kernel", "two kernels"])
+def test_silu_mul_fp8_is_silu_mul_then_the_quantizer_bit_for_bit(size):
+    torch.manual_seed(size)
+    gate_up = 4 * torch.randn(3, 2 * size).to(torch.float16)
+    gate_up[1] = 0
+    values, scales = ops.silu_mul_fp8(gate_up, FP8_MAX)
+    want_values, want_scales = ops.fp8_rows(ops.silu_mul(gate_up), FP8_MAX)
+    assert values.shape == (3, size) and values.dtype == torch.float8_e4m3fn
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    assert scales[1].item() == 1.0
+
+
 def test_fp8_few_rows_kernel_refuses_more_rows_than_it_takes():
     xq, x_scale = fp8_rows(torch.randn(fp8_matmul.MAX_ROWS + 1, 128))
     wq, w_scale = fp8_rows(torch.randn(32, 128))

@@ -36,7 +36,7 @@ from inflight.model.layers.moe import Experts, SparseMoeBlock, load_expert_tenso
 from inflight.model.layers.norm import RMSNorm
 from inflight.model.layers.parallel import TensorParallel, VocabParallelEmbedding
 from inflight.model.layers.platform import Platform
-from inflight.model.layers.quantization import LinearMethods
+from inflight.model.layers.quantization import Fp8Rows, LinearMethods
 from inflight.model.layers.rotary import Angles, Rope, RotaryEmbedding
 from inflight.model.metadata import AttentionMetadata, KVCache
 from inflight.model.registry import Family, GGUFMetadata, register
@@ -157,16 +157,16 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Fp8Rows,
         angles: Angles,
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
         lora: LoRAMapping | None,
     ) -> torch.Tensor:
-        tokens, heads = x.shape[0], self.num_heads
         meta = meta.for_window(self.window)  # a sliding layer's KV may be in a pool of its own
         qkv = self.qkv_proj(x, lora)
+        tokens, heads = qkv.shape[0], self.num_heads
         if backend.takes_qkv:
             norms = None
             if self.q_norm is not None and self.k_norm is not None:
@@ -219,8 +219,9 @@ class MLP(nn.Module):
             intermediate, hidden, config.mlp_bias, methods, f"{prefix}.down_proj"
         )
 
-    def forward(self, x: torch.Tensor, lora: LoRAMapping | None) -> torch.Tensor:
-        out = self.down_proj(self.act(self.gate_up_proj(x, lora)), lora)
+    def forward(self, x: torch.Tensor | Fp8Rows, lora: LoRAMapping | None) -> torch.Tensor:
+        h = self.act(self.gate_up_proj(x, lora), fp8=self.down_proj.takes_fp8_rows)
+        out = self.down_proj(h, lora)
         return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
@@ -280,13 +281,16 @@ class DecoderLayer(nn.Module):
         lora: LoRAMapping | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's output before its residual add, and the residual stream: each residual
-        add is fused into the norm that follows it."""
+        add is fused into the norm that follows it, and so is the quantization of the norm's
+        rows where they feed an FP8 linear layer (a mixture of experts routes float rows)."""
+        fp8 = self.self_attn.qkv_proj.takes_fp8_rows
         if residual is None:
-            h, residual = self.input_layernorm(x), x
+            h, residual = self.input_layernorm(x, fp8), x
         else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
+            h, residual = self.input_layernorm.add_forward(x, residual, fp8)
         h = self.self_attn(h, angles, kv_cache, meta, backend, lora)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        fp8 = isinstance(self.mlp, MLP) and self.mlp.gate_up_proj.takes_fp8_rows
+        h, residual = self.post_attention_layernorm.add_forward(h, residual, fp8)
         return self.mlp(h, lora), residual
 
     def native_kernels(self, kv_cache: KVCache) -> decoder.LayerKernels | None:

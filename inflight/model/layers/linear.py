@@ -3,13 +3,16 @@ model built with LoRA slots, its adapters' low-rank side path."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from inflight.model.kernels.cpu.decoder import KernelCall, LinearKernels
 from inflight.model.layers.lora import LoRAMapping, LoRASlots
+
+if TYPE_CHECKING:
+    from inflight.model.layers.quantization import Fp8Rows
 
 
 class LinearMethod:
@@ -18,6 +21,9 @@ class LinearMethod:
     # False: the method builds its run form from the checkpoint's stored blocks of the layer's
     # sources, and its layers hold no float weight for the checkpoint to load.
     loads_weight = True
+    # True: `apply` also takes its input as `quantization.Fp8Rows`, quantized by the kernel
+    # that made it.
+    takes_fp8_rows = False
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         """Turn the loaded weight into the form `apply` runs (once); the float weight as
@@ -62,12 +68,19 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.lora_slots: LoRASlots | None = None
 
-    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
-        """x @ weight^T (+ bias), then the update of each adapter in `lora` on its tokens."""
+    def forward(self, x: torch.Tensor | Fp8Rows, lora: LoRAMapping | None = None) -> torch.Tensor:
+        """x @ weight^T (+ bias), then the update of each adapter in `lora` on its tokens. x
+        comes quantized (`Fp8Rows`) only where `takes_fp8_rows`."""
         y = self.method.apply(self, x, self.bias)
         if lora is not None:
             self.lora_slots.add(y, x, lora)
         return y
+
+    @property
+    def takes_fp8_rows(self) -> bool:
+        """Whether `forward` takes its input quantized (`quantization.Fp8Rows`): its method does,
+        and no adapter's side path needs the float rows."""
+        return self.method.takes_fp8_rows and self.lora_slots is None
 
     def native_kernels(self) -> LinearKernels | None:
         """This layer as the native CPU decoder step runs it (kernels/cpu/decoder.py): its

@@ -186,13 +186,26 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
+class Fp8Rows(NamedTuple):
+    """Activation rows already in an FP8 linear layer's input form, made by the kernel before
+    it (a norm, SiLU-mul: `Linear.takes_fp8_rows`): the float8 rows [T, K], their float32
+    scales [T, 1] (`fp8_rows`), and the activations' dtype, which the layer outputs."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+
 class Fp8LinearMethod(LinearMethod):
     """FP8 (e4m3) weights with a scale per output channel, and activations quantized per token
     at run time: one FP8 tensor-core matmul with rowwise scales that halves the weights' bytes.
     For CUDA devices with FP8 tensor cores (Hopper, Ada), where one Triton kernel quantizes the
     activations and calls of at most `fp8_matmul.MAX_ROWS` rows (decode steps) take the
     few-rows kernel, which streams the weights at bandwidth where cuBLASLt does not; larger
-    ones `torch._scaled_mm`. The formula runs on the CPU too, which the tests use."""
+    ones `torch._scaled_mm`. The formula runs on the CPU too, which the tests use. It also
+    takes its input already quantized (`Fp8Rows`), where the kernel before it did that."""
+
+    takes_fp8_rows = True
 
     def __init__(self, platform: Platform) -> None:
         self.quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = fp8_rows
@@ -209,12 +222,17 @@ class Fp8LinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: Linear) -> None:
         layer.prepared = fp8_rows(_take_weight(layer))
 
-    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(
+        self, layer: Linear, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         weight, weight_scale = layer.prepared
-        shape = x.shape
-        xq, x_scale = self.quantize_rows(x.reshape(-1, shape[-1]))
+        if isinstance(x, Fp8Rows):
+            (xq, x_scale, dtype), shape = x, x.values.shape
+        else:
+            dtype, shape = x.dtype, x.shape
+            xq, x_scale = self.quantize_rows(x.reshape(-1, shape[-1]))
         if self.few_rows is not None and xq.shape[0] <= self.max_few_rows:
-            y = self.few_rows(xq, x_scale, weight, weight_scale, bias, x.dtype)
+            y = self.few_rows(xq, x_scale, weight, weight_scale, bias, dtype)
         else:
             y = torch._scaled_mm(
                 xq,
@@ -222,7 +240,7 @@ class Fp8LinearMethod(LinearMethod):
                 scale_a=x_scale,
                 scale_b=weight_scale.t(),
                 bias=bias,
-                out_dtype=x.dtype,
+                out_dtype=dtype,
             )
         return y.reshape(*shape[:-1], y.shape[-1])
 

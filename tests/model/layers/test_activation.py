@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from inflight.model.layers import activation
 from inflight.model.layers.activation import SiluAndMul, torch_silu_mul
 from inflight.model.layers.platform import Platform
+from inflight.model.layers.quantization import Fp8Rows, fp8_rows
 
 CPU = torch.device("cpu")
 
@@ -44,3 +45,17 @@ def test_native_kernel_matches_torch():
     # A non-unit inner stride goes through torch.
     transposed = gate_up.T.contiguous().T
     assert torch.equal(layer(transposed), torch_silu_mul(transposed))
+
+
+@pytest.mark.parametrize(
+    "platform", [Platform.detect(CPU, torch.float32), Platform(CPU, torch.float32)]
+)
+def test_rows_for_an_fp8_layer_are_its_rows_quantized(platform):
+    torch.manual_seed(2)
+    layer = SiluAndMul(platform)
+    gate_up = 4 * torch.randn(9, 2 * 96)
+    rows = layer(gate_up, fp8=True)
+    values, scales = fp8_rows(layer(gate_up))
+    assert isinstance(rows, Fp8Rows) and rows.dtype == torch.float32
+    assert torch.equal(rows.values.view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(rows.scales, scales)

@@ -9,6 +9,7 @@ import torch
 from inflight.model.layers import norm
 from inflight.model.layers.norm import RMSNorm, torch_rms_norm
 from inflight.model.layers.platform import Platform
+from inflight.model.layers.quantization import Fp8Rows, fp8_rows
 
 CPU = torch.device("cpu")
 
@@ -58,3 +59,20 @@ def test_native_kernel_matches_torch():
     normed, summed = native.add_forward(x, strided)
     assert torch.equal(summed, x + strided)
     torch.testing.assert_close(normed, reference(x + strided), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "platform", [Platform.detect(CPU, torch.float32), Platform(CPU, torch.float32)]
+)
+def test_rows_for_an_fp8_layer_are_the_norms_rows_quantized(platform):
+    torch.manual_seed(2)
+    layer = RMSNorm(64, 1e-6, platform)
+    x, residual = torch.randn(13, 64), torch.randn(13, 64)
+    rows, summed = layer.add_forward(x, residual, fp8=True)
+    normed, want_summed = layer.add_forward(x, residual)
+    assert isinstance(rows, Fp8Rows) and rows.dtype == torch.float32
+    assert torch.equal(summed, want_summed)
+    for got, want in ((rows, normed), (layer(x, fp8=True), layer(x))):
+        values, scales = fp8_rows(want)
+        assert torch.equal(got.values.view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(got.scales, scales)

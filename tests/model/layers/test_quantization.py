@@ -12,6 +12,7 @@ from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import (
     FP8_MAX,
     Fp8LinearMethod,
+    Fp8Rows,
     Int8LinearMethod,
     InvariantLinearMethod,
     LinearMethod,
@@ -169,6 +170,18 @@ def test_fp8_method_is_the_rowwise_scaled_formula(operands, dtype):
     alone, alone_scale = fp8_rows(x[1:2])
     assert torch.equal(alone.view(torch.uint8), xq[1:2].view(torch.uint8))
     assert torch.equal(alone_scale, x_scale[1:2])
+
+
+def test_fp8_method_takes_rows_quantized_before_it(operands):
+    """Rows a norm or SiLU quantized for it give the bits the float rows give; a layer with
+    adapter slots takes float rows (their side path reads them)."""
+    x, weight, bias = operands
+    layer = _loaded(Fp8LinearMethod(Platform(CPU, torch.float32)), weight, bias)
+    assert layer.takes_fp8_rows
+    assert torch.equal(layer(Fp8Rows(*fp8_rows(x), torch.float32)), layer(x))
+    assert not _loaded(TorchLinearMethod(), weight, bias).takes_fp8_rows
+    layer.lora_slots = object()
+    assert not layer.takes_fp8_rows
 
 
 def test_fp8_mode_keeps_the_head_in_float():

@@ -2,6 +2,8 @@
 
 They compute what the torch reference modules compute, in the same precision at each stage
 (statistics in float32, one rounding to the activation dtype where the reference rounds).
+The `_fp8` variants also quantize their output rows as `fp8_rows` does, for the FP8 linear
+layer they feed, so that no kernel of its own reads those rows again.
 """
 
 from __future__ import annotations
@@ -134,5 +136,94 @@ def fp8_rows(x: torch.Tensor, fp8_max: float) -> tuple[torch.Tensor, torch.Tenso
         _fp8_rows_kernel[(x.shape[0],)](
             x, out, scale, x.stride(0), out.stride(0), size, FP8_MAX=fp8_max, BLOCK=block,
             ONE_PASS=one_pass, num_warps=8 if block > 4096 else 4,
+        )  # fmt: skip
+    return out, scale
+
+
+@triton.jit
+def _rms_norm_fp8_kernel(
+    X, R, OUT, SCALE, RES_OUT, W, stride_x, stride_r, stride_o, stride_ro, size, eps,
+    HAS_RESIDUAL: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < size
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)).to(x.dtype)
+        tl.store(RES_OUT + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / size + eps)
+    normed = (xf * rstd).to(x.dtype)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    # Rounded to the activation dtype, as `rms_norm` stores it, before it is quantized.
+    y = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype).to(tl.float32)
+    scale = _fp8_scale(tl.max(tl.abs(y), axis=0), FP8_MAX)
+    tl.store(SCALE + row, scale)
+    _fp8_store(OUT + row * stride_o, cols, size, y, scale, FP8_MAX)
+
+
+def rms_norm_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    fp8_max: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`rms_norm` with its output rows quantized as `fp8_rows` quantizes them, in one kernel
+    (rows up to ONE_PASS_MAX long; longer ones run the two kernels): the float8 rows [T, size],
+    their float32 scales [T, 1], and the sum (None without a residual)."""
+    size = x.shape[-1]
+    if size > ONE_PASS_MAX:
+        normed, summed = rms_norm(x, weight, eps, residual)
+        return *fp8_rows(normed.reshape(-1, size), fp8_max), summed
+    x2 = x.reshape(-1, size)
+    out = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
+    res_out = torch.empty_like(x2) if residual is not None else x2
+    r2 = residual.reshape(-1, size) if residual is not None else x2
+    block = triton.next_power_of_2(size)
+    if x2.shape[0]:
+        _rms_norm_fp8_kernel[(x2.shape[0],)](
+            x2, r2, out, scale, res_out, weight, x2.stride(0), r2.stride(0), out.stride(0),
+            res_out.stride(0), size, eps, HAS_RESIDUAL=residual is not None, FP8_MAX=fp8_max,
+            BLOCK=block, num_warps=8 if block > 4096 else 4,
+        )  # fmt: skip
+    return out, scale, (res_out.view(x.shape) if residual is not None else None)
+
+
+@triton.jit
+def _silu_mul_fp8_kernel(
+    GU, OUT, SCALE, stride_gu, stride_o, size, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < size
+    gate = tl.load(GU + row * stride_gu + cols, mask=mask, other=0.0)
+    up = tl.load(GU + row * stride_gu + size + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    # Rounded to the activation dtype, as `silu_mul` stores it, before it is quantized.
+    y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    scale = _fp8_scale(tl.max(tl.abs(y), axis=0), FP8_MAX)
+    tl.store(SCALE + row, scale)
+    _fp8_store(OUT + row * stride_o, cols, size, y, scale, FP8_MAX)
+
+
+def silu_mul_fp8(gate_up: torch.Tensor, fp8_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`silu_mul` with its output rows quantized as `fp8_rows` quantizes them, in one kernel a
+    row (rows up to ONE_PASS_MAX long; longer ones run the two kernels): the float8 rows
+    [T, size] and their float32 scales [T, 1]."""
+    tokens, size = gate_up.shape[0], gate_up.shape[1] // 2
+    if size > ONE_PASS_MAX:
+        return fp8_rows(silu_mul(gate_up), fp8_max)
+    out = torch.empty(tokens, size, dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scale = torch.empty(tokens, 1, dtype=torch.float32, device=gate_up.device)
+    block = triton.next_power_of_2(size)
+    if tokens:
+        # 16 warps past 8,192: a row's gate and up held in registers, 32 values of each a thread.
+        _silu_mul_fp8_kernel[(tokens,)](
+            gate_up, out, scale, gate_up.stride(0), out.stride(0), size, FP8_MAX=fp8_max,
+            BLOCK=block, num_warps=16 if block > 8192 else (8 if block > 4096 else 4),
         )  # fmt: skip
     return out, scale

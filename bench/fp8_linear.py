@@ -6,9 +6,11 @@ quantization, `torch._scaled_mm`) and whole; and at <= `fp8_matmul.MAX_ROWS` row
 kernel, whole (quantization included) and alone. Times are CUDA-graph replays (a decode step
 runs in one) cycling over copies of the weight larger than L2 together, as a step's layers
 read theirs. Bandwidth: the FP8 weight's bytes over the time. Then the sums over a step's
-decoder layers, and each FP8 path's largest error against the float64 value of the same
-quantized operands (relative to the output's largest magnitude). `--sweep`: every candidate
-launch shape of the few-rows kernel at each layer and row count.
+decoder layers (`fp8_product`: what `Fp8LinearMethod` runs, the kernel where
+`fp8_matmul.takes` the call, else cuBLASLt), and each FP8 path's largest error against the
+float64 value of the same quantized operands (relative to the output's largest magnitude).
+`--sweep`: the few-rows kernel's tiles of activation rows and cuts of K at each layer and row
+count.
 
     python3 bench/fp8_linear.py [--shapes qwen3-0.6b llama-3.1-8b] [--m 1 4 16 32 64 128 256]
         [--sweep]   (prints the figures; writes JSON to $OUT or bench/out)
@@ -17,6 +19,7 @@ launch shape of the few-rows kernel at each layer and row count.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 
 import torch
@@ -50,15 +53,18 @@ def _us(fn, copies: int) -> float:
     return do_bench_cudagraph(lambda: [fn(i) for i in range(copies)], rep=30) * 1000 / copies
 
 
-def _candidates(m: int) -> list[fp8_matmul.Fp8Tiles]:
-    """Launch shapes whose loads in flight fit in a multiprocessor's shared memory at m rows."""
-    block_m = fp8_matmul.row_tile(m)
-    shapes = itertools.product((32, 64, 128), (128, 256), (4,), (3, 4, 6))
-    return [
-        fp8_matmul.Fp8Tiles(*shape)
-        for shape in shapes
-        if (shape[0] + block_m) * shape[1] * shape[3] <= SHARED_BYTES
+def _sweep(m: int, time_it) -> list[tuple[float, dict]]:
+    """The kernel's candidates at m rows, fastest first: every tile of activation rows and cut
+    of K, on the default launch shape (the best or within 6 % of it at 1-64 rows before the
+    cuts existed: `bench/RESULTS.md`)."""
+    default = fp8_matmul.Fp8Tiles()
+    candidates = [
+        dataclasses.replace(default, block_m=bm, split=split)
+        for bm, split in itertools.product((16, 32, 64, 128), (1, 2, 4))
+        if bm <= fp8_matmul.row_tile(m)
+        and (default.block_n + bm) * default.block_k * default.stages <= SHARED_BYTES
     ]
+    return sorted(((time_it(c), vars(c)) for c in candidates), key=lambda s: s[0])
 
 
 def _measure(weight: torch.Tensor, m: int, sweep: bool) -> dict:
@@ -93,17 +99,19 @@ def _measure(weight: torch.Tensor, m: int, sweep: bool) -> dict:
         return fp8_matmul.fp8_few_rows_linear(xq, xs, *fp8[i], None, torch.bfloat16, tiles)
 
     tiles = fp8_matmul.Fp8Tiles()
+    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
+    row["plan"] = "/".join(map(str, fp8_matmul.plan(m, n, k, tiles, sms)))
+    row["taken"] = fp8_matmul.takes(m, n, sms)
     row["few_rows_us"] = _us(lambda i: few(i, tiles), copies)
     row["fp8_few_rows_us"] = _us(lambda i: few(i, tiles, *_quantize(x)), copies)
     row["few_rows_error"] = (few(0, tiles).double() - exact).abs().max().item() / top
     if sweep:
-        swept = sorted(
-            ((_us(lambda i, c=c: few(i, c), copies), vars(c)) for c in _candidates(m)),
-            key=lambda s: s[0],
-        )
+        swept = _sweep(m, lambda c: _us(lambda i: few(i, c), copies))
         row["sweep_best"] = swept[:5]
-        print(f"  sweep {n}x{k} m={m}: best {swept[0][0]:.1f} us {swept[0][1]}, shipped tiles "
-              f"{row['few_rows_us']:.1f}")  # fmt: skip
+        row["sweep_plans"] = {f"{t['block_m']}/{t['split']}": us for us, t in swept}
+        plans = ", ".join(f"{p} {us:.1f}" for p, us in row["sweep_plans"].items())
+        print(f"  sweep {n}x{k} m={m}: shipped {row['few_rows_us']:.1f} us (block_m/split "
+              f"{row['plan']}); block_m/split: {plans}")  # fmt: skip
     return row
 
 
@@ -119,7 +127,8 @@ def _line(row: dict, gb: float) -> str:
     if "few_rows_us" in row:
         line += (
             f"; few-rows {row['fp8_few_rows_us']:.1f} (alone {row['few_rows_us']:.1f} = "
-            f"{bw(row['few_rows_us'])}, error {row['few_rows_error']:.1e})"
+            f"{bw(row['few_rows_us'])}, error {row['few_rows_error']:.1e}, block_m/split "
+            f"{row['plan']})"
         )
     return line
 
@@ -142,14 +151,14 @@ def main() -> None:
                 print(f"{shape} {name} ({n}x{k}) m={m}: {_line(row, n * k / 1e9)}", flush=True)
         sums = {}
         for m in args.m:
-            keys = ["bf16_us", "fp8_shipped_us"]
-            keys += ["fp8_few_rows_us"] if m <= fp8_matmul.MAX_ROWS else []
-            sums[m] = {
-                key: SHAPES[shape].num_layers
-                * sum(per_layer[f"{nm}@{m}"][key] for nm in DECODER_LAYERS)
-                / 1000
-                for key in keys
-            }
+            rows = [per_layer[f"{nm}@{m}"] for nm in DECODER_LAYERS]
+            for row in rows:  # what `Fp8LinearMethod` runs
+                row["fp8_product_us"] = row[
+                    "fp8_few_rows_us" if row.get("taken") else "fp8_shipped_us"
+                ]
+            keys = ["bf16_us", "fp8_shipped_us", "fp8_product_us"]
+            layers_ms = {key: sum(row[key] for row in rows) / 1000 for key in keys}
+            sums[m] = {key: SHAPES[shape].num_layers * v for key, v in layers_ms.items()}
             figures = ", ".join(f"{key[:-3]} {v:.3f}" for key, v in sums[m].items())
             print(f"{shape}: a step's decoder linears at {m} rows, ms: {figures}")
         report["shapes"][shape] = {"layers": per_layer, "step_ms": sums}

@@ -645,8 +645,9 @@ def check_fp8(device: torch.device, seed: int) -> tuple[bool, str]:
     read in two passes, the others in one), the norm and SiLU-mul kernels that quantize their
     rows for an FP8 layer against the kernel then the quantizer (bit for bit), and the FP8
     linear against its float64 formula:
-    1, 2, 5 and 40 rows take the few-rows kernel (K 4,096, 20,000, 14,336 and 2,080, the last
-    not a multiple of its step), 300 rows cuBLASLt."""
+    1, 2, 5, 40, 100 and 128 rows take the few-rows kernel (K 4,096, 20,000, 14,336, 2,080 (no
+    multiple of its step), 4,096 and 14,336: K cut in 2 or 4 parts but for the 40 rows, tiles of
+    32 rows at 100 and 128), 300 rows cuBLASLt."""
     from inflight.model.kernels.triton import ops as triton_ops
     from inflight.model.layers.linear import Linear, process_weights_after_loading
     from inflight.model.layers.platform import Platform
@@ -654,7 +655,16 @@ def check_fp8(device: torch.device, seed: int) -> tuple[bool, str]:
 
     torch.manual_seed(seed)
     exact, worst = True, 0.0
-    for tokens, size in ((1, 4096), (5, 14336), (300, 2048), (64, 1000), (40, 2080), (2, 20000)):
+    for tokens, size in (
+        (1, 4096),
+        (5, 14336),
+        (300, 2048),
+        (64, 1000),
+        (40, 2080),
+        (2, 20000),
+        (100, 4096),
+        (128, 14336),
+    ):
         x = torch.randn(tokens, size, device=device, dtype=torch.bfloat16)
         if tokens > 1:
             x[0] = 0  # an all-zero row keeps scale 1

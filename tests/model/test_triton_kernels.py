@@ -336,7 +336,11 @@ def test_silu_mul_matches_the_torch_path(dtype):
         (1, 200, 512, fp8_matmul.Fp8Tiles(64, 128)),  # weight rows past the last tile's
         (5, 130, 1000, fp8_matmul.Fp8Tiles()),  # K not a multiple of the step
         (37, 96, 384, fp8_matmul.Fp8Tiles(32, 128)),  # rows padded to a tile of 64
-        (fp8_matmul.MAX_ROWS, 64, 256, fp8_matmul.Fp8Tiles()),
+        (fp8_matmul.MAX_ROWS, 64, 256, fp8_matmul.Fp8Tiles()),  # four tiles of 32 rows
+        (100, 96, 384, fp8_matmul.Fp8Tiles(block_m=64, split=2)),  # the last tile part-empty
+        (5, 130, 1000, fp8_matmul.Fp8Tiles(split=2)),  # the second part runs past K
+        (40, 200, 1024, fp8_matmul.Fp8Tiles(32, 128, split=4)),
+        (3, 64, 256, fp8_matmul.Fp8Tiles(split=4)),  # the last two parts hold no K
     ],
 )
 def test_fp8_few_rows_kernel_matches_its_formula(rows, out_features, in_features, tiles):
@@ -399,6 +403,26 @@ def test_silu_mul_fp8_is_silu_mul_then_the_quantizer_bit_for_bit(size):
     assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
     assert torch.equal(scales, want_scales)
     assert scales[1].item() == 1.0
+
+
+def test_fp8_plan_cuts_k_only_while_weight_tiles_leave_multiprocessors_idle():
+    tiles = fp8_matmul.Fp8Tiles()
+    # Llama-3.1-8B's layers on an H200 (132 multiprocessors).
+    assert fp8_matmul.plan(16, 28672, 4096, tiles, 132) == (16, 1)  # gate_up: 448 tiles
+    assert fp8_matmul.plan(64, 4096, 14336, tiles, 132) == (64, 4)  # down: 64 tiles
+    assert fp8_matmul.plan(1, 6144, 4096, tiles, 132) == (16, 2)  # qkv: 96 tiles
+    assert fp8_matmul.plan(16, 4096, 4096, tiles, 132) == (16, 4)  # o: 64 tiles
+    assert fp8_matmul.plan(100, 4096, 4096, tiles, 132) == (64, 2)  # o: 2 x 64 tiles
+    assert fp8_matmul.plan(8, 4096, 1024, tiles, 132) == (16, 1)  # K of 8 steps: not cut
+    assert fp8_matmul.plan(8, 64, 14336, tiles, 132) == (16, fp8_matmul.MAX_SPLIT)
+    assert fp8_matmul.plan(8, 64, 4096, fp8_matmul.Fp8Tiles(block_m=32, split=1), 132) == (32, 1)
+
+
+def test_fp8_few_rows_kernel_takes_more_than_64_rows_only_where_weight_tiles_are_few():
+    assert fp8_matmul.takes(64, 28672, 132)  # gate_up: 448 tiles of 64 weight rows
+    assert not fp8_matmul.takes(65, 28672, 132)
+    assert fp8_matmul.takes(fp8_matmul.MAX_ROWS, 4096, 132)
+    assert not fp8_matmul.takes(fp8_matmul.MAX_ROWS + 1, 4096, 132)
 
 
 def test_fp8_few_rows_kernel_refuses_more_rows_than_it_takes():

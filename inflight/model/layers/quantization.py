@@ -200,9 +200,9 @@ class Fp8LinearMethod(LinearMethod):
     """FP8 (e4m3) weights with a scale per output channel, and activations quantized per token
     at run time: one FP8 tensor-core matmul with rowwise scales that halves the weights' bytes.
     For CUDA devices with FP8 tensor cores (Hopper, Ada), where one Triton kernel quantizes the
-    activations and calls of at most `fp8_matmul.MAX_ROWS` rows (decode steps) take the
-    few-rows kernel, which streams the weights at bandwidth where cuBLASLt does not; larger
-    ones `torch._scaled_mm`. The formula runs on the CPU too, which the tests use. It also
+    activations and calls of a few rows (decode steps; `fp8_matmul.takes`) take the few-rows
+    kernel, which streams the weights at bandwidth where cuBLASLt does not; the others
+    `torch._scaled_mm`. The formula runs on the CPU too, which the tests use. It also
     takes its input already quantized (`Fp8Rows`), where the kernel before it did that."""
 
     takes_fp8_rows = True
@@ -210,14 +210,15 @@ class Fp8LinearMethod(LinearMethod):
     def __init__(self, platform: Platform) -> None:
         self.quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = fp8_rows
         self.few_rows: Callable[..., torch.Tensor] | None = None
-        self.max_few_rows = 0
+        self.few_rows_takes: Callable[[int, int], bool] = lambda rows, n: False
         if platform.device.type == "cuda":
             from inflight.model.kernels.triton import fp8_matmul
             from inflight.model.kernels.triton import ops as triton_ops
 
             self.quantize_rows = functools.partial(triton_ops.fp8_rows, fp8_max=FP8_MAX)
             self.few_rows = fp8_matmul.fp8_few_rows_linear
-            self.max_few_rows = fp8_matmul.MAX_ROWS
+            sms = fp8_matmul.multiprocessors(platform.device)
+            self.few_rows_takes = lambda rows, n: fp8_matmul.takes(rows, n, sms)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         layer.prepared = fp8_rows(_take_weight(layer))
@@ -231,7 +232,7 @@ class Fp8LinearMethod(LinearMethod):
         else:
             dtype, shape = x.dtype, x.shape
             xq, x_scale = self.quantize_rows(x.reshape(-1, shape[-1]))
-        if self.few_rows is not None and xq.shape[0] <= self.max_few_rows:
+        if self.few_rows is not None and self.few_rows_takes(xq.shape[0], weight.shape[0]):
             y = self.few_rows(xq, x_scale, weight, weight_scale, bias, dtype)
         else:
             y = torch._scaled_mm(

@@ -646,8 +646,8 @@ def check_fp8(device: torch.device, seed: int) -> tuple[bool, str]:
     rows for an FP8 layer against the kernel then the quantizer (bit for bit), and the FP8
     linear against its float64 formula:
     1, 2, 5, 40, 100 and 128 rows take the few-rows kernel (K 4,096, 20,000, 14,336, 2,080 (no
-    multiple of its step), 4,096 and 14,336: K cut in 2 or 4 parts but for the 40 rows, tiles of
-    32 rows at 100 and 128), 300 rows cuBLASLt."""
+    multiple of its step), 4,096 and 14,336: 512 outputs, so K is cut in 2 or 4 parts; the rows
+    in two tiles of 64 at 100 and 128), 300 rows cuBLASLt."""
     from inflight.model.kernels.triton import ops as triton_ops
     from inflight.model.layers.linear import Linear, process_weights_after_loading
     from inflight.model.layers.platform import Platform

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 # Rows a call may have. Past 64 rows the kernel only beats cuBLASLt on layers of few weight
-# tiles (`takes`); from 144 rows cuBLASLt is faster on every layer of Llama-3.1-8B.
+# tiles (`takes`); at 192 and 256 rows Triton's best tiles lost or tied on Llama-3.1-8B's layers
+# (`bench/fp8_gemm_tiles.py`), and 129-191 rows were not tried.
 MAX_ROWS = 128
 # K a float8 tensor-core sum may run before it is added into the float32 accumulator.
 PROMOTE = 128
@@ -61,7 +62,7 @@ def _multiprocessors(device: torch.device) -> int:  # a query of the driver: onc
 def takes(rows: int, n: int, multiprocessors: int, tiles: Fp8Tiles = Fp8Tiles()) -> bool:
     """Whether a call of `rows` rows into `n` outputs should take this kernel rather than
     cuBLASLt: up to 64 rows always; up to MAX_ROWS where its weight tiles number at most the
-    multiprocessors (on an H200, Llama-3.1-8B's qkv, o and down at 96-128 rows 1.1-1.4x
+    multiprocessors (on an H200, Llama-3.1-8B's qkv, o and down at 96-128 rows 1.04-1.31x
     cuBLASLt, gate_up with 448 tiles 0.7x: `bench/RESULTS.md`)."""
     return rows <= 64 or (rows <= MAX_ROWS and triton.cdiv(n, tiles.block_n) <= multiprocessors)
 

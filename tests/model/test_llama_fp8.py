@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from inflight.model.checkpoints.loader import build_model, open_checkpoint
-from inflight.model.layers.linear import Linear
-from inflight.model.layers.quantization import Fp8LinearMethod, Fp8Rows
+from inflight.model.layers.linear import Fp8Rows, Linear
+from inflight.model.layers.quantization import Fp8LinearMethod
 
 from helpers import prefill_logits
 

@@ -28,7 +28,7 @@ from inflight.model.config import ModelConfig, MoEConfig, RopeConfig, rope_from_
 from inflight.model.contract import ForwardBatch, ModelCaches
 from inflight.model.kernels.cpu import decoder
 from inflight.model.layers.activation import SiluAndMul
-from inflight.model.layers.linear import Linear, process_weights_after_loading
+from inflight.model.layers.linear import Fp8Rows, Linear, process_weights_after_loading
 from inflight.model.layers.lora import LoRAMapping
 from inflight.model.layers.lora_adapters import LoRAAdapters
 from inflight.model.layers.mamba import MambaStates
@@ -36,7 +36,7 @@ from inflight.model.layers.moe import Experts, SparseMoeBlock, load_expert_tenso
 from inflight.model.layers.norm import RMSNorm
 from inflight.model.layers.parallel import TensorParallel, VocabParallelEmbedding
 from inflight.model.layers.platform import Platform
-from inflight.model.layers.quantization import Fp8Rows, LinearMethods
+from inflight.model.layers.quantization import LinearMethods
 from inflight.model.layers.rotary import Angles, Rope, RotaryEmbedding
 from inflight.model.metadata import AttentionMetadata, KVCache
 from inflight.model.registry import Family, GGUFMetadata, register

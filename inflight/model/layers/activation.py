@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from inflight.model.kernels.cpu import ops as cpu_ops
+from inflight.model.layers.linear import Fp8Rows
 from inflight.model.layers.platform import Platform
-from inflight.model.layers.quantization import FP8_MAX, Fp8Rows, fp8_rows
+from inflight.model.layers.quantization import FP8_MAX, fp8_rows
 
 
 def torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ model built with LoRA slots, its adapters' low-rank side path."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -11,8 +11,16 @@ from torch import nn
 from inflight.model.kernels.cpu.decoder import KernelCall, LinearKernels
 from inflight.model.layers.lora import LoRAMapping, LoRASlots
 
-if TYPE_CHECKING:
-    from inflight.model.layers.quantization import Fp8Rows
+
+class Fp8Rows(NamedTuple):
+    """Activation rows already in an FP8 linear layer's input form, made by the kernel before
+    it (a norm, SiLU-mul: `Linear.takes_fp8_rows`): the float8 rows [T, K], their float32
+    scales [T, 1] (`quantization.fp8_rows`), and the activations' dtype, which the layer
+    outputs."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
 
 
 class LinearMethod:
@@ -21,8 +29,7 @@ class LinearMethod:
     # False: the method builds its run form from the checkpoint's stored blocks of the layer's
     # sources, and its layers hold no float weight for the checkpoint to load.
     loads_weight = True
-    # True: `apply` also takes its input as `quantization.Fp8Rows`, quantized by the kernel
-    # that made it.
+    # True: `apply` also takes its input as `Fp8Rows`, quantized by the kernel that made it.
     takes_fp8_rows = False
 
     def process_weights_after_loading(self, layer: Linear) -> None:
@@ -78,7 +85,7 @@ class Linear(nn.Module):
 
     @property
     def takes_fp8_rows(self) -> bool:
-        """Whether `forward` takes its input quantized (`quantization.Fp8Rows`): its method does,
+        """Whether `forward` takes its input quantized (`Fp8Rows`): its method does,
         and no adapter's side path needs the float rows."""
         return self.method.takes_fp8_rows and self.lora_slots is None
 

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from inflight.model.kernels.cpu import ops as cpu_ops
+from inflight.model.layers.linear import Fp8Rows
 from inflight.model.layers.platform import Platform
-from inflight.model.layers.quantization import FP8_MAX, Fp8Rows, fp8_rows
+from inflight.model.layers.quantization import FP8_MAX, fp8_rows
 
 # (x, weight, eps, residual or None) -> (the norm of x (+ residual), the sum or None).
 RMSNormKernel = Callable[

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from inflight.model.kernels.cpu import blocks, int8, q4
 from inflight.model.kernels.cpu.decoder import KernelCall
-from inflight.model.layers.linear import Linear, LinearMethod
+from inflight.model.layers.linear import Fp8Rows, Linear, LinearMethod
 from inflight.model.layers.platform import Platform
 
 # The native kernel that runs a weight stored in a GGUF type as it was stored: Q4_1 is the
@@ -184,16 +184,6 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = x.abs().amax(dim=-1, keepdim=True).float()
     scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
-class Fp8Rows(NamedTuple):
-    """Activation rows already in an FP8 linear layer's input form, made by the kernel before
-    it (a norm, SiLU-mul: `Linear.takes_fp8_rows`): the float8 rows [T, K], their float32
-    scales [T, 1] (`fp8_rows`), and the activations' dtype, which the layer outputs."""
-
-    values: torch.Tensor
-    scales: torch.Tensor
-    dtype: torch.dtype
 
 
 class Fp8LinearMethod(LinearMethod):

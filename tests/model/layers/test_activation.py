@@ -9,8 +9,9 @@ import torch.nn.functional as F
 
 from inflight.model.layers import activation
 from inflight.model.layers.activation import SiluAndMul, torch_silu_mul
+from inflight.model.layers.linear import Fp8Rows
 from inflight.model.layers.platform import Platform
-from inflight.model.layers.quantization import Fp8Rows, fp8_rows
+from inflight.model.layers.quantization import fp8_rows
 
 CPU = torch.device("cpu")
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from inflight.model.layers import norm
+from inflight.model.layers.linear import Fp8Rows
 from inflight.model.layers.norm import RMSNorm, torch_rms_norm
 from inflight.model.layers.platform import Platform
-from inflight.model.layers.quantization import Fp8Rows, fp8_rows
+from inflight.model.layers.quantization import fp8_rows
 
 CPU = torch.device("cpu")
 

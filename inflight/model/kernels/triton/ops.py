@@ -15,9 +15,10 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    X, R, OUT, RES_OUT, W, stride_x, stride_r, stride_o, stride_ro, size, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    X, R, OUT, SCALE, RES_OUT, W, stride_x, stride_r, stride_o, stride_ro, size, eps,
+    HAS_RESIDUAL: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    """A row's norm; FP8_MAX > 0: quantized as `fp8_rows` quantizes, its scale to SCALE."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
@@ -30,7 +31,15 @@ def _rms_norm_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / size + eps)
     normed = (xf * rstd).to(x.dtype)
     w = tl.load(W + cols, mask=mask, other=0.0)
-    tl.store(OUT + row * stride_o + cols, (w.to(tl.float32) * normed.to(tl.float32)), mask=mask)
+    y = w.to(tl.float32) * normed.to(tl.float32)
+    if FP8_MAX > 0:
+        # Rounded to the activation dtype, as the float path stores it, before it is quantized.
+        y = y.to(x.dtype).to(tl.float32)
+        scale = _fp8_scale(tl.max(tl.abs(y), axis=0), FP8_MAX)
+        tl.store(SCALE + row, scale)
+        _fp8_store(OUT + row * stride_o, cols, size, y, scale, FP8_MAX)
+    else:
+        tl.store(OUT + row * stride_o + cols, y, mask=mask)
 
 
 def rms_norm(
@@ -45,9 +54,9 @@ def rms_norm(
     r2 = residual.reshape(-1, size) if residual is not None else x2
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, out, res_out, weight, x2.stride(0), r2.stride(0), out.stride(0),
+            x2, r2, out, out, res_out, weight, x2.stride(0), r2.stride(0), out.stride(0),
             res_out.stride(0), size, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(size),
+            HAS_RESIDUAL=residual is not None, FP8_MAX=0.0, BLOCK=triton.next_power_of_2(size),
         )  # fmt: skip
     normed = out.view(x.shape)
     return normed, (res_out.view(x.shape) if residual is not None else None)
@@ -140,29 +149,6 @@ def fp8_rows(x: torch.Tensor, fp8_max: float) -> tuple[torch.Tensor, torch.Tenso
     return out, scale
 
 
-@triton.jit
-def _rms_norm_fp8_kernel(
-    X, R, OUT, SCALE, RES_OUT, W, stride_x, stride_r, stride_o, stride_ro, size, eps,
-    HAS_RESIDUAL: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < size
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        x = (x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)).to(x.dtype)
-        tl.store(RES_OUT + row * stride_ro + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / size + eps)
-    normed = (xf * rstd).to(x.dtype)
-    w = tl.load(W + cols, mask=mask, other=0.0)
-    # Rounded to the activation dtype, as `rms_norm` stores it, before it is quantized.
-    y = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype).to(tl.float32)
-    scale = _fp8_scale(tl.max(tl.abs(y), axis=0), FP8_MAX)
-    tl.store(SCALE + row, scale)
-    _fp8_store(OUT + row * stride_o, cols, size, y, scale, FP8_MAX)
-
-
 def rms_norm_fp8(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -184,7 +170,7 @@ def rms_norm_fp8(
     r2 = residual.reshape(-1, size) if residual is not None else x2
     block = triton.next_power_of_2(size)
     if x2.shape[0]:
-        _rms_norm_fp8_kernel[(x2.shape[0],)](
+        _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, out, scale, res_out, weight, x2.stride(0), r2.stride(0), out.stride(0),
             res_out.stride(0), size, eps, HAS_RESIDUAL=residual is not None, FP8_MAX=fp8_max,
             BLOCK=block, num_warps=8 if block > 4096 else 4,

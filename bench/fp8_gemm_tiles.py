@@ -40,6 +40,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from inflight.bench.report import report_path, write_report
 from inflight.model.kernels.triton.fp8_matmul import PROMOTE, fp8_few_rows_linear
+from inflight.model.kernels.triton.plan import multiprocessors
 from inflight.model.layers.quantization import fp8_rows
 
 BLOCK_K = 128
@@ -179,7 +180,7 @@ def gemm(cfg: Config, xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: t
         x_d = TensorDescriptor.from_tensor(xq, [bm, BLOCK_K])
         w_d = TensorDescriptor.from_tensor(w, [bn, BLOCK_K])
         if cfg.kind == "persistent":
-            sms = programs or torch.cuda.get_device_properties(xq.device).multi_processor_count
+            sms = programs or multiprocessors(xq.device)
             grid = (min(sms, grid[0] * grid[1]),)
             _persistent_kernel[grid](x_d, xs, w_d, ws, y, m, n, k, grid[0], **blocks, **launch)
             return y

@@ -31,6 +31,7 @@ from inflight.bench.random_model import SHAPES
 from inflight.bench.report import report_path, write_report
 from inflight.model.kernels.triton import fp8_matmul
 from inflight.model.kernels.triton import ops as triton_ops
+from inflight.model.kernels.triton.plan import multiprocessors
 from inflight.model.layers.quantization import FP8_MAX, fp8_rows
 
 DECODER_LAYERS = ("qkv", "o", "gate_up", "down")
@@ -99,7 +100,7 @@ def _measure(weight: torch.Tensor, m: int, sweep: bool) -> dict:
         return fp8_matmul.fp8_few_rows_linear(xq, xs, *fp8[i], None, torch.bfloat16, tiles)
 
     tiles = fp8_matmul.Fp8Tiles()
-    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
+    sms = multiprocessors(weight.device)
     row["plan"] = "/".join(map(str, fp8_matmul.plan(m, n, k, tiles, sms)))
     row["taken"] = fp8_matmul.takes(m, n, sms)
     row["few_rows_us"] = _us(lambda i: few(i, tiles), copies)

@@ -73,7 +73,7 @@ SHAPES = [(1, 0), (1, 16), (1, 63), (1, 200), (37, 0), (150, 30), (20, 45), (1, 
 def test_the_backend_stores_the_step_and_attends_like_the_torch_backend(
     heads, kv_heads, dim, dtype, monkeypatch
 ):
-    monkeypatch.setattr(attention, "_multiprocessors", lambda device: H200_SMS)
+    monkeypatch.setattr(attention, "multiprocessors", lambda device: H200_SMS)
     meta, (k_cache, v_cache) = _step(SHAPES, kv_heads, dim, dtype)
     tokens = sum(q for q, _ in SHAPES)
     q = torch.randn(tokens, heads, dim).to(dtype)
@@ -155,7 +155,7 @@ def test_the_batch_invariant_backend_gives_a_decode_row_its_bits_alone_or_among_
     """By default the step's row count picks how many parts a row's keys are split in (here 16
     alone, 4 among 80 rows), so the order its sums run in; the batch-invariant backend never
     splits them."""
-    monkeypatch.setattr(attention, "_multiprocessors", lambda device: H200_SMS)
+    monkeypatch.setattr(attention, "multiprocessors", lambda device: H200_SMS)
     shapes = [(1, 300)] + [(1, n) for n in torch.randint(0, 60, (79,)).tolist()]
     heads, kv_heads, dim = 8, 2, 32
     meta, caches = _step(shapes, kv_heads, dim, torch.float32, num_blocks=400)
@@ -199,7 +199,7 @@ def test_windowed_rows_match_the_torch_backend_and_read_no_block_before_their_wi
     the chunk, a later one's past its first keys) as the torch backend computes them. The
     table entries before each row's window name a block of NaN (as a block given back and
     reused holds anything): no kernel reads it."""
-    monkeypatch.setattr(attention, "_multiprocessors", lambda device: H200_SMS)
+    monkeypatch.setattr(attention, "multiprocessors", lambda device: H200_SMS)
     torch.manual_seed(3)
     shapes = [(1, 0), (1, 16), (1, 200), (1, 700), (37, 0), (150, 30), (20, 45), (1, 3)]
     heads, kv_heads, dim, size = 8, 2, 32, 16
@@ -227,7 +227,7 @@ def test_sinks_match_the_torch_backend(window, splits, monkeypatch):
     """gpt-oss's sinks, a logit per query head that joins each softmax as one more score:
     decode rows normalized in one program or across 16 parts by the merge, and prefill
     chunks, as the torch backend computes them."""
-    monkeypatch.setattr(attention, "_multiprocessors", lambda device: H200_SMS)
+    monkeypatch.setattr(attention, "multiprocessors", lambda device: H200_SMS)
     torch.manual_seed(5)
     shapes = [(1, 0), (1, 16), (1, 200), (1, 700), (37, 0), (150, 30), (20, 45)]
     heads, kv_heads, dim, size = 8, 2, 32, 16

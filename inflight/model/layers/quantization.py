@@ -204,10 +204,11 @@ class Fp8LinearMethod(LinearMethod):
         if platform.device.type == "cuda":
             from inflight.model.kernels.triton import fp8_matmul
             from inflight.model.kernels.triton import ops as triton_ops
+            from inflight.model.kernels.triton.plan import multiprocessors
 
             self.quantize_rows = functools.partial(triton_ops.fp8_rows, fp8_max=FP8_MAX)
             self.few_rows = fp8_matmul.fp8_few_rows_linear
-            sms = fp8_matmul.multiprocessors(platform.device)
+            sms = multiprocessors(platform.device)
             self.few_rows_takes = lambda rows, n: fp8_matmul.takes(rows, n, sms)
 
     def process_weights_after_loading(self, layer: Linear) -> None:

@@ -7,12 +7,11 @@ import torch.nn.functional as F
 
 from inflight.model.kernels.cpu.int8 import QuantizedWeight, int8_linear, quantize_weight
 from inflight.model.kernels.cpu.q4 import Q4Weight, q4_linear, quantize_q4
-from inflight.model.layers.linear import Linear, process_weights_after_loading
+from inflight.model.layers.linear import Fp8Rows, Linear, process_weights_after_loading
 from inflight.model.layers.platform import Platform
 from inflight.model.layers.quantization import (
     FP8_MAX,
     Fp8LinearMethod,
-    Fp8Rows,
     Int8LinearMethod,
     InvariantLinearMethod,
     LinearMethod,

@@ -26,14 +26,17 @@ serving would stall its step for the half second a compile takes.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from inflight.model.kernels.cuda import fp8_decode
-from inflight.model.kernels.triton.plan import PREFILL_BLOCK_M, StepPlan, decode_splits
+from inflight.model.kernels.triton.plan import (
+    PREFILL_BLOCK_M,
+    StepPlan,
+    decode_splits,
+    multiprocessors,
+)
 from inflight.model.metadata import AttentionMetadata
 
 # Keys per decode iteration: 128 for whole rows (on an H200, 256 rows of ~840 keys at 79 % of
@@ -42,11 +45,6 @@ from inflight.model.metadata import AttentionMetadata
 DECODE_BLOCK_N = 128
 SPLIT_BLOCK_N = 64
 PREFILL_BLOCK_N = 64
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -378,7 +376,7 @@ def decode_attention(
     heads = q.shape[1]
     group = heads // num_kv_heads
     if splits is None:
-        splits = decode_splits(rows, num_kv_heads, _multiprocessors(q.device))
+        splits = decode_splits(rows, num_kv_heads, multiprocessors(q.device))
     cuda = None
     if native and fp8_decode.serves(q, k_cache, v_cache, window, sinks):
         cuda = fp8_decode.library(torch.cuda.get_device_capability(q.device))

@@ -18,12 +18,13 @@ move into float32 every `PROMOTE` of K.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from inflight.model.kernels.triton.plan import multiprocessors
 
 # Rows a call may have. Past 64 rows the kernel only beats cuBLASLt on layers of few weight
 # tiles (`takes`); at 192 and 256 rows Triton's best tiles lost or tied on Llama-3.1-8B's layers
@@ -54,11 +55,6 @@ def row_tile(rows: int) -> int:
     return max(16, triton.next_power_of_2(rows))
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:  # a query of the driver: once a device
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def takes(rows: int, n: int, multiprocessors: int, tiles: Fp8Tiles = Fp8Tiles()) -> bool:
     """Whether a call of `rows` rows into `n` outputs should take this kernel rather than
     cuBLASLt: up to 64 rows always; up to MAX_ROWS where its weight tiles number at most the
@@ -80,12 +76,6 @@ def plan(rows: int, n: int, k: int, tiles: Fp8Tiles, multiprocessors: int) -> tu
     while programs * split < multiprocessors and split < MAX_SPLIT and steps >= 16 * split:
         split *= 2
     return block_m, split
-
-
-def multiprocessors(device: torch.device) -> int:
-    """The device's multiprocessors: `takes` and `plan` fill them. Triton's interpreter on the
-    CPU (the tests) has none to fill: 1."""
-    return _multiprocessors(device) if device.type == "cuda" else 1
 
 
 @triton.jit(do_not_specialize=["M"])

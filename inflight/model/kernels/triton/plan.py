@@ -3,6 +3,7 @@ prefill programs (on the host) and the order the decode programs take their rows
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,15 @@ PREFILL_BLOCK_M = 64  # queries per prefill program
 # Decode programs to aim for per multiprocessor: below this a step's decode rows split their keys.
 DECODE_PROGRAMS_PER_SM = 8
 MAX_DECODE_SPLITS = 16
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessors, which split work aims to fill (a driver query, once a
+    device). Triton's interpreter on the CPU (the tests) has none to fill: 1."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def decode_splits(rows: int, kv_heads: int, multiprocessors: int) -> int:

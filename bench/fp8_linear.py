@@ -10,10 +10,15 @@ decoder layers (`fp8_product`: what `Fp8LinearMethod` runs, the kernel where
 `fp8_matmul.takes` the call, else cuBLASLt), and each FP8 path's largest error against the
 float64 value of the same quantized operands (relative to the output's largest magnitude).
 `--sweep`: the few-rows kernel's tiles of activation rows and cuts of K at each layer and row
-count.
+count. `--library`: other ways to call the library at each layer and row count, each timed alone
+and named by the CUDA kernels it launches (which GEMM `_scaled_mm` picks is the library's
+choice by shape): `_scaled_mm` as shipped; the transposed problem, y^T = w @ xq^T with the
+scales swapped, then copied back to [M, N] (another tile and cluster dispatch of the same
+rowwise GEMM); per-tensor scales of 1 (cuBLASLt's tensorwise path) with a bf16 and a float32
+output, the time a GEMM whose row and column scales were applied by the next kernel would take.
 
     python3 bench/fp8_linear.py [--shapes qwen3-0.6b llama-3.1-8b] [--m 1 4 16 32 64 128 256]
-        [--sweep]   (prints the figures; writes JSON to $OUT or bench/out)
+        [--sweep] [--library]   (prints the figures; writes JSON to $OUT or bench/out)
 """
 
 from __future__ import annotations
@@ -68,7 +73,53 @@ def _sweep(m: int, time_it) -> list[tuple[float, dict]]:
     return sorted(((time_it(c), vars(c)) for c in candidates), key=lambda s: s[0])
 
 
-def _measure(weight: torch.Tensor, m: int, sweep: bool) -> dict:
+def _kernels(fn) -> list[str]:
+    """The CUDA kernels one call of fn launches, by name."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sorted({e.key for e in prof.key_averages() if e.self_device_time_total > 0})
+
+
+def _library(
+    fp8: list[tuple[torch.Tensor, torch.Tensor]],
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    exact: torch.Tensor,
+    copies: int,
+) -> dict:
+    """`--library`'s candidates at one layer and row count (see the module's docstring)."""
+    one = torch.ones((), device=xq.device)
+
+    def rowwise(i: int) -> torch.Tensor:
+        wq, ws = fp8[i]
+        return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16)
+
+    def transposed(i: int) -> torch.Tensor:
+        wq, ws = fp8[i]
+        yt = torch._scaled_mm(wq, xq.t(), scale_a=ws, scale_b=xs.t(), out_dtype=torch.bfloat16)
+        return yt.t().contiguous()
+
+    def tensorwise(i: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch._scaled_mm(xq, fp8[i][0].t(), scale_a=one, scale_b=one, out_dtype=dtype)
+
+    candidates = {"rowwise": rowwise}
+    if xq.shape[0] % 16 == 0:  # `_scaled_mm` takes a second operand of whole 16s only
+        candidates["transposed"] = transposed
+    candidates["tensorwise_bf16"] = tensorwise
+    candidates["tensorwise_f32"] = lambda i: tensorwise(i, torch.float32)
+    top = exact.abs().max().item()
+    out = {}
+    for name, fn in candidates.items():
+        out[name] = {"us": _us(fn, copies), "kernels": _kernels(lambda fn=fn: fn(0))}
+        if name in ("rowwise", "transposed"):
+            out[name]["error"] = (fn(0).double() - exact).abs().max().item() / top
+    return out
+
+
+def _measure(weight: torch.Tensor, m: int, sweep: bool, library: bool) -> dict:
     """One layer's figures at m rows (see the module's docstring)."""
     n, k = weight.shape
     copies = max(1, ROTATE_BYTES // (n * k))
@@ -91,6 +142,12 @@ def _measure(weight: torch.Tensor, m: int, sweep: bool) -> dict:
         "fp8_shipped_us": _us(lambda i: scaled(i, *_quantize(x)), copies),
         "scaled_mm_error": (scaled(0).double() - exact).abs().max().item() / top,
     }
+    if library:
+        row["library"] = _library(fp8, xq, xs, exact, copies)
+        for name, fig in row["library"].items():
+            error = f", error {fig['error']:.1e}" if "error" in fig else ""
+            print(f"  library {n}x{k} m={m} {name}: {fig['us']:.1f} us{error}; kernels "
+                  f"{' | '.join(fig['kernels'])}")  # fmt: skip
     if m > fp8_matmul.MAX_ROWS:
         return row
 
@@ -139,6 +196,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--library", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     report: dict = {"shapes": {}}
@@ -148,7 +206,7 @@ def main() -> None:
             n, k = layers(shape)[name]
             weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
             for m in args.m:
-                row = per_layer[f"{name}@{m}"] = _measure(weight, m, args.sweep)
+                row = per_layer[f"{name}@{m}"] = _measure(weight, m, args.sweep, args.library)
                 print(f"{shape} {name} ({n}x{k}) m={m}: {_line(row, n * k / 1e9)}", flush=True)
         sums = {}
         for m in args.m:

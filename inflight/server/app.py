@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inflight.server.chat import ChatSetup
@@ -49,6 +50,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
         app.add_middleware(_ApiKey, key=settings.api_key)
     app.add_exception_handler(ServerError, _on_server_error)
     app.add_exception_handler(RequestValidationError, _on_invalid)
+    app.add_exception_handler(HTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_crash)
     for routes in (openai, responses, anthropic, audio, lora, pins, ops):
         app.include_router(routes.router)
@@ -75,6 +77,25 @@ async def _on_invalid(request: Request, exc: Exception) -> Response:
     param = ".".join(loc) or None
     text = f"{param}: {message}" if param else message
     return error_response(ServerError(400, text, param), _is_anthropic(request))
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (no such route, a method the route lacks) in the API's body,
+    naming what was asked: a client (`/v1/embeddings`, say) learns that this server has no
+    such endpoint rather than reading a bare 404."""
+    assert isinstance(exc, HTTPException)
+    asked = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        message = f"no endpoint {asked} on this server"
+    elif exc.status_code == 405:
+        allowed = exc.headers.get("allow", "") if exc.headers else ""
+        message = f"{asked}: method not allowed" + (f" (allowed: {allowed})" if allowed else "")
+    else:
+        message = f"{asked}: {exc.detail}"
+    response = error_response(ServerError(exc.status_code, message), _is_anthropic(request))
+    for name, value in (exc.headers or {}).items():
+        response.headers[name] = value
+    return response
 
 
 async def _on_crash(request: Request, exc: Exception) -> Response:

@@ -11,7 +11,6 @@ from typing import Any
 from inflight.protocol.request import SamplingParams, StructuredOutputs
 from inflight.protocol.tokenizer import Tokenizer
 from inflight.server.chat_templates import ChatTemplates, choose_templates
-from inflight.server.errors import ServerError
 from inflight.server.parsers import REASONING_PARSERS, TOOL_PARSERS, MessageParser
 from inflight.server.parsers.calls import ToolSyntax
 from inflight.server.parsers.forced import ForcedCallsSyntax
@@ -115,23 +114,16 @@ class ChatSetup:
         return args
 
     def constraint(
-        self,
-        choice: ToolChoice | None,
-        requested: StructuredOutputs | None,
-        requested_by: str = "response_format or structured_outputs",
-    ) -> StructuredOutputs | None:
-        """The output constraint: a forced tool choice's, or the one the request asked for
-        (in the fields `requested_by` names, which a refusal of both names)."""
+        self, choice: ToolChoice | None, requested: StructuredOutputs | None, requested_by: str
+    ) -> tuple[StructuredOutputs | None, list[str]]:
+        """The output constraint: a forced tool choice's, or the one the request asked for in
+        the field `requested_by` names; and the fields this leaves without effect. A forced
+        choice's calls are the whole reply, so a format asked for beside it shapes no text:
+        accepted and named back (as OpenAI and vLLM take the pair; instructor's Responses
+        tools mode sends both)."""
         if choice is None or not choice.forced:
-            return requested
-        if requested is not None:
-            raise ServerError(
-                400,
-                f"tool_choice {choice.mode!r} constrains the output itself; it does not combine "
-                f"with {requested_by}",
-                "tool_choice",
-            )
-        return forced_constraint(choice, self.arguments_key)
+            return requested, []
+        return forced_constraint(choice, self.arguments_key), [requested_by] if requested else []
 
     def reader(
         self, choice: ToolChoice | None, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]

@@ -98,6 +98,7 @@ class Turn:
     constraint: StructuredOutputs | None
     template_kwargs: dict[str, Any] | None  # the chat template's variables (thinking)
     params_of: dict[str, str]  # the HTTP field each request option came from
+    ignored: list[str]  # fields accepted without effect (a text.format beside a forced call)
 
 
 def chat_turn(body: ResponsesRequest, chat: ChatSetup, store: ResponseStore) -> Turn:
@@ -124,15 +125,15 @@ def chat_turn(body: ResponsesRequest, chat: ChatSetup, store: ResponseStore) -> 
     messages = chat_messages(body.instructions, conversation, len(earlier))
     choice = responses_tool_choice(body, chat)
     forced = choice is not None and choice.forced
+    constraint, ignored = chat.constraint(choice, text_constraint(body), "text.format")
     return Turn(
         messages,
         conversation,
         choice,
-        chat.constraint(
-            choice, text_constraint(body), "a text.format of json_object or json_schema"
-        ),
+        constraint,
         _thinking(body, chat),
         {"structured_outputs": "tool_choice" if forced else "text.format"},
+        ignored,
     )
 
 

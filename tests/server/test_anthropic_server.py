@@ -158,6 +158,19 @@ def test_output_config_constrains_the_reply_and_parse_reads_it(client):
             output_config={"format": {"type": "json_schema", "schema": schema}},
             extra_body={"output_format": {"type": "json_schema", "schema": schema}},
         )
+    # A forced tool call is the whole reply: the format beside it is accepted and named.
+    raw = client.messages.with_raw_response.create(
+        model=MODEL,
+        max_tokens=30,
+        messages=MESSAGES,
+        tools=[{"name": "pick", "description": "Pick a color", "input_schema": schema}],
+        tool_choice={"type": "tool", "name": "pick"},
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+        **GREEDY,
+    )
+    assert raw.http_response.headers["x-inflight-ignored-fields"] == "output_config.format"
+    (call,) = raw.parse().content
+    assert call.type == "tool_use" and call.input["color"] in {"red", "green", "blue"}
 
 
 def test_documented_fields_without_meaning_are_accepted_and_named(client):

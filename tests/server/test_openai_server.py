@@ -284,6 +284,18 @@ def test_errors_use_the_openai_body(server, body, status, param):
         assert error["param"] is not None and error["param"].startswith(param)
 
 
+def test_an_endpoint_the_server_lacks_is_named_in_the_api_body(server, oa):
+    with pytest.raises(openai.NotFoundError, match="POST /v1/embeddings"):
+        oa.embeddings.create(model=MODEL, input="a")
+    r = httpx.get(server[0] + "/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "GET /v1/chat/completions" in error["message"]
+    r = httpx.post(server[0] + "/v1/messages/batches", json={})
+    assert r.status_code == 404
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
+
+
 def test_oversized_body_is_413(server_llm):
     with serve(server_llm, max_body_bytes=1000) as (url, _):
         r = httpx.post(

@@ -233,6 +233,23 @@ def test_a_named_tool_choice_calls_that_function(oa):
     jsonschema.validate(json.loads(call.arguments), PARAMETERS)
 
 
+def test_a_text_format_beside_a_forced_call_is_accepted_and_named(oa):
+    # instructor's Responses tools mode sends the tool's schema both ways.
+    text = {"format": {"type": "json_schema", "name": "weather", "schema": PARAMETERS}}
+    raw = oa.responses.with_raw_response.create(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=TOOLS,
+        tool_choice={"type": "function", "name": "get_weather"},
+        text=text,
+        **GREEDY | {"max_output_tokens": 40},
+    )
+    assert raw.http_response.headers["x-inflight-ignored-fields"] == "text.format"
+    (call,) = raw.parse().output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), PARAMETERS)
+
+
 def test_a_function_call_output_sent_back_gets_a_message(oa, server_llm):
     question = {"role": "user", "content": "What is the weather in Paris?"}
     first = oa.responses.create(
@@ -417,15 +434,6 @@ def test_reasoning_items_sent_back_are_accepted(oa):
         ({"background": True}, "background", "background"),
         ({"include": ["message.output_text.logprobs"]}, "include", "logprobs"),
         (
-            {
-                "tools": TOOLS,
-                "tool_choice": "required",
-                "text": {"format": {"type": "json_object"}},
-            },
-            "tool_choice",
-            "text.format",
-        ),
-        (
             {"text": {"format": {"type": "json_schema", "name": "x"}}},
             "text.format.json_schema.schema",
             "required",
@@ -543,7 +551,7 @@ class _FailingRun:
 
 def test_a_failed_stream_ends_with_an_error_event_and_response_failed():
     store = ResponseStore()
-    turn = Turn([], [], None, None, None, {})
+    turn = Turn([], [], None, None, None, {}, [])
     reply = ResponseReply(
         ResponsesRequest(input="Hi"), MODEL, SamplingParams(), turn, MessageParser(), None, store
     )

@@ -81,6 +81,25 @@ def test_named_tool_choice_calls_that_function_with_valid_arguments(oa):
     _valid_call(call)
 
 
+def test_a_format_beside_a_forced_call_is_accepted_and_named(oa):
+    # The call is the whole reply: a response_format has no text to shape (OpenAI and vLLM
+    # accept the pair too).
+    for choice in (NAMED, "required"):
+        raw = oa.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice=choice,
+            response_format={"type": "json_object"},
+            **GREEDY,
+        )
+        assert raw.http_response.headers["x-inflight-ignored-fields"] == "response_format"
+        reply = raw.parse().choices[0]
+        assert reply.finish_reason == "tool_calls" and reply.message.content is None
+        for call in reply.message.tool_calls:
+            _valid_call(call)
+
+
 def test_required_tool_choice_makes_one_or_more_valid_calls(oa):
     reply = oa.chat.completions.create(
         model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", **GREEDY
@@ -233,7 +252,6 @@ def test_a_missing_tool_is_a_400_naming_it_and_nothing_is_submitted(server, serv
         ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
         ({"tools": None, "tool_choice": "required"}, "tool_choice"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
-        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
         (
             {
                 "messages": [

@@ -24,12 +24,12 @@ async def messages(body: AnthropicMessagesRequest, request: Request, state: Stat
     client, chat = state.client, state.chat
     choice = anthropic.messages_tool_choice(body, chat)
     conversation = anthropic.chat_messages(body.system, body.messages)
-    requested = anthropic.structured_outputs(body)
-    params = anthropic.sampling_params(
-        body,
-        client.llm.get_default_sampling_params(),
-        chat.constraint(choice, requested, "output_config.format or output_format"),
+    constraint, overridden = chat.constraint(
+        choice,
+        anthropic.structured_outputs(body),
+        "output_format" if body.output_format is not None else "output_config.format",
     )
+    params = anthropic.sampling_params(body, client.llm.get_default_sampling_params(), constraint)
     params = chat.reply_params(params)
     thinking, ignored = anthropic.thinking_switch(body, chat)
     forced = choice is not None and choice.forced
@@ -41,7 +41,7 @@ async def messages(body: AnthropicMessagesRequest, request: Request, state: Stat
         lora_name=lora_name,
         save_system_prompt_kv_cache=body.save_system_prompt_kv_cache,
     )
-    headers = ignored_headers(ignored_fields(body) + ignored)
+    headers = ignored_headers(ignored_fields(body) + ignored + overridden)
     reader = chat.reader(choice, client.llm.tokenizer, prepared.prompt_token_ids)
     reply = anthropic.MessageReply(lora_name or state.settings.served_model_name, reader)
     if body.stream:

@@ -44,7 +44,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     chat = state.chat
     spoken = chat_audio(body, llm.voice_facts)
     choice = openai.chat_tool_choice(body, chat)
-    ignored = ignored_fields(body)
+    constraint, ignored = chat.constraint(
+        choice,
+        openai.structured_outputs(body),
+        "structured_outputs" if body.structured_outputs is not None else "response_format",
+    )
+    ignored = ignored_fields(body) + ignored
     effort = body.reasoning_effort
     thinking = None
     if effort is not None:
@@ -57,7 +62,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         max_tokens=body.max_completion_tokens or body.max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         skip_special_tokens=body.skip_special_tokens,
-        constraint=chat.constraint(choice, openai.structured_outputs(body)),
+        constraint=constraint,
     )
     params = chat.reply_params(params)
     messages = openai.chat_messages(body.messages, state.transcripts.recall)

@@ -59,7 +59,8 @@ async def create_response(
     )
     # Here `store` keeps the response and `metadata` is kept and echoed with it: both served.
     served = ("store", "metadata")
-    headers = ignored_headers([f for f in ignored_fields(body) if f not in served])
+    ignored = [f for f in ignored_fields(body) if f not in served]
+    headers = ignored_headers(ignored + turn.ignored)
     if body.stream:
         run = await started(client.run(prepared))
         return StreamingResponse(

@@ -376,6 +376,7 @@ IGNORED_FIELDS = (
     "speed",
     "user_profile_id",
     "workspace_id",
+    "client_metadata",
 )
 
 

@@ -39,6 +39,7 @@ from inflight.server.responses_protocol import (
     InputImage,
     InputText,
     MessageItem,
+    NamespaceToolSpec,
     OpenObject,
     OutputText,
     ReasoningConfig,
@@ -99,6 +100,8 @@ class Turn:
     template_kwargs: dict[str, Any] | None  # the chat template's variables (thinking)
     params_of: dict[str, str]  # the HTTP field each request option came from
     ignored: list[str]  # fields accepted without effect (a text.format beside a forced call)
+    namespaced: dict[str, tuple[str, str]]  # a function's name as the model sees it: its
+    # namespace and its own name (`NamespaceToolSpec`)
 
 
 def chat_turn(body: ResponsesRequest, chat: ChatSetup, store: ResponseStore) -> Turn:
@@ -123,7 +126,7 @@ def chat_turn(body: ResponsesRequest, chat: ChatSetup, store: ResponseStore) -> 
         given = [MessageItem(role="user", content=given)]
     conversation = [*earlier, *given]
     messages = chat_messages(body.instructions, conversation, len(earlier))
-    choice = responses_tool_choice(body, chat)
+    choice, namespaced, dropped = responses_tool_choice(body, chat)
     forced = choice is not None and choice.forced
     constraint, ignored = chat.constraint(choice, text_constraint(body), "text.format")
     return Turn(
@@ -133,7 +136,8 @@ def chat_turn(body: ResponsesRequest, chat: ChatSetup, store: ResponseStore) -> 
         constraint,
         _thinking(body, chat),
         {"structured_outputs": "tool_choice" if forced else "text.format"},
-        ignored,
+        dropped + ignored,
+        namespaced,
     )
 
 
@@ -172,7 +176,7 @@ def chat_messages(
                 "id": item.call_id,
                 "type": "function",
                 "function": {
-                    "name": item.name,
+                    "name": flat_name(item.namespace, item.name) if item.namespace else item.name,
                     "arguments": openai.call_arguments(text, f"{where}.arguments"),
                 },
             }
@@ -239,22 +243,54 @@ def _text(content: str | list[Any], where: str) -> str:
     return "".join(text)
 
 
-def responses_tool_choice(body: ResponsesRequest, chat: ChatSetup) -> ToolChoice | None:
-    """The request's function tools and tool choice, checked (a 400 naming the field)."""
-    tools = []
+def flat_name(namespace: str, name: str) -> str:
+    """A namespaced function's name as the model sees it."""
+    return f"{namespace}__{name}"
+
+
+# Built-in web search, which Codex offers with every request: a hosted service runs it, this
+# server cannot, and a model may answer without it, so the tool is left out of the prompt and
+# named back (tool_choice naming it stays a 400).
+_WEB_SEARCH = ("web_search", "web_search_preview")
+
+
+def responses_tool_choice(
+    body: ResponsesRequest, chat: ChatSetup
+) -> tuple[ToolChoice | None, dict[str, tuple[str, str]], list[str]]:
+    """The request's function tools and tool choice, checked (a 400 naming the field); the
+    flat names of its namespaced functions (see `NamespaceToolSpec`); the tools left out."""
+    tools: list[FunctionTool] = []
+    namespaced: dict[str, tuple[str, str]] = {}
+    dropped: list[str] = []
+
+    def add(tool: FunctionToolSpec, name: str) -> None:
+        # The Responses API's function tools are strict unless they say otherwise.
+        strict = tool.strict is not False
+        tools.append(FunctionTool(name, tool.description, tool.parameters, strict=strict))
+
     for i, tool in enumerate(body.tools or []):
-        if not isinstance(tool, FunctionToolSpec):
+        if isinstance(tool, FunctionToolSpec):
+            add(tool, tool.name)
+        elif isinstance(tool, NamespaceToolSpec):
+            for j, member in enumerate(tool.tools):
+                if not isinstance(member, FunctionToolSpec):
+                    raise ServerError(
+                        400,
+                        f"a namespace holds function tools; got one of type {member.type!r}",
+                        f"tools.{i}.tools.{j}",
+                    )
+                name = flat_name(tool.name, member.name)
+                namespaced[name] = (tool.name, member.name)
+                add(member, name)
+        elif str(tool.type).split("_20")[0] in _WEB_SEARCH:  # dated versions too
+            dropped.append(f"tools.{i} ({tool.type})")
+        else:
             raise ServerError(
                 400,
-                f"tools of type {tool.type!r} are not supported; this server serves function tools",
+                f"tools of type {tool.type!r} are not supported; this server serves function "
+                "and namespace tools",
                 f"tools.{i}",
             )
-        # The Responses API's function tools are strict unless they say otherwise.
-        tools.append(
-            FunctionTool(
-                tool.name, tool.description, tool.parameters, strict=tool.strict is not False
-            )
-        )
     choice = body.tool_choice
     if isinstance(choice, OpenObject):
         raise ServerError(
@@ -264,13 +300,14 @@ def responses_tool_choice(body: ResponsesRequest, chat: ChatSetup) -> ToolChoice
             "tool_choice",
         )
     named = isinstance(choice, FunctionChoice)
-    return tool_choice(
+    checked = tool_choice(
         tools,
         "named" if named else choice,
         choice.name if named else None,
         body.parallel_tool_calls is not False,
         parser=chat.tool_parser,
     )
+    return checked, namespaced, dropped
 
 
 def sampling_params(
@@ -359,8 +396,12 @@ def _reasoning(text: str, status: str, item_id: str | None = None) -> dict[str, 
     }
 
 
-def _function_call(name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {
+def _function_call(
+    name: str, arguments: str, status: str, namespaced: dict[str, tuple[str, str]]
+) -> dict[str, Any]:
+    """A function call item; one of a namespace's functions (called by its flat name) names
+    the namespace and the function apart."""
+    item = {
         "type": "function_call",
         "id": _new_id("fc"),
         "call_id": f"call_{uuid.uuid4().hex[:24]}",
@@ -368,6 +409,9 @@ def _function_call(name: str, arguments: str, status: str) -> dict[str, Any]:
         "arguments": arguments,
         "status": status,
     }
+    if name in namespaced:
+        item["namespace"], item["name"] = namespaced[name]
+    return item
 
 
 class ResponseReply:
@@ -390,6 +434,7 @@ class ResponseReply:
         self.reader = reader
         self.tokenizer = tokenizer
         self.conversation = turn.conversation
+        self.namespaced = turn.namespaced
         self.store = store if body.store is not False else None
         text_format = body.text.format if body.text else None
         reasoning = body.reasoning or ReasoningConfig()
@@ -498,7 +543,7 @@ class ResponseReply:
         if parsed.content or not output and not parsed.tool_calls:
             output.append(_message(parsed.content or "", "completed"))
         for call in parsed.tool_calls:
-            output.append(_function_call(call.name, call.arguments, "completed"))
+            output.append(_function_call(call.name, call.arguments, "completed", self.namespaced))
         # The text written last was cut off (the calls a whole reply returns all parse).
         if result.finish_reason == "length" and output[-1]["type"] != "function_call":
             output[-1]["status"] = "incomplete"
@@ -517,7 +562,7 @@ class ResponseReply:
         started = self._object("in_progress", [])
         yield event("response.created", {"response": started})
         yield event("response.in_progress", {"response": started})
-        items = _ItemStream()
+        items = _ItemStream(self.namespaced)
         reading = self.reader.stream()
         finish = None
         try:
@@ -545,7 +590,8 @@ class _ItemStream:
     function call), each finished when the next opens; a reply without any gets one empty
     message. Yields (event type, event fields) pairs; `done` holds the finished items."""
 
-    def __init__(self) -> None:
+    def __init__(self, namespaced: dict[str, tuple[str, str]]) -> None:
+        self.namespaced = namespaced
         self.done: list[dict[str, Any]] = []
         self.item: dict[str, Any] | None = None  # the open item
         self.text = ""  # the open reasoning's or message's text so far
@@ -561,7 +607,7 @@ class _ItemStream:
                 out.append(self._text_delta("response.output_text.delta", part, logprobs=[]))
                 continue
             if part.name is not None:
-                call = partial(_function_call, part.name, "", "in_progress")
+                call = partial(_function_call, part.name, "", "in_progress", self.namespaced)
                 out += self._open("function_call", call, always=True)
             if part.arguments:
                 assert self.item is not None

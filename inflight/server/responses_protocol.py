@@ -152,9 +152,28 @@ class FunctionToolSpec(Strict):
     strict: bool | None = None  # forced tool choices are always constrained; auto never
 
 
-ResponsesTool = Annotated[
+NamespaceMember = Annotated[
     Annotated[FunctionToolSpec, Tag("function")] | Annotated[OpenObject, Tag("other")],
     _tagged(("function",)),
+]
+
+
+class NamespaceToolSpec(Strict):
+    """Function tools grouped under a name (Codex sends each MCP server's tools, and its
+    sub-agent tools, as one): the model sees each as the function `{namespace}__{name}`, and
+    its calls come back as `name` and `namespace` apart."""
+
+    type: Literal["namespace"]
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    tools: list[NamespaceMember]
+
+
+ResponsesTool = Annotated[
+    Annotated[FunctionToolSpec, Tag("function")]
+    | Annotated[NamespaceToolSpec, Tag("namespace")]
+    | Annotated[OpenObject, Tag("other")],
+    _tagged(("function", "namespace")),
 ]
 
 
@@ -241,6 +260,7 @@ class ResponsesRequest(Strict):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     service_tier: str | None = None
+    client_metadata: dict[str, Any] | None = None  # Codex's ids of its session and turn
     # Accepted by the schema, refused (`refusal`) when set.
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None

@@ -250,6 +250,69 @@ def test_a_text_format_beside_a_forced_call_is_accepted_and_named(oa):
     jsonschema.validate(json.loads(call.arguments), PARAMETERS)
 
 
+# Codex's form: each MCP server's tools (and its sub-agent tools) grouped in a namespace.
+NAMESPACED = [
+    {
+        "type": "namespace",
+        "name": "mcp__weather",
+        "description": "A weather service",
+        "tools": [{**TOOLS[0], "strict": False}],
+    }
+]
+
+
+def test_a_namespaced_function_is_called_by_name_and_namespace(oa, server_llm):
+    question = {"role": "user", "content": "What is the weather in Paris?"}
+    asked = dict(model=MODEL, tools=NAMESPACED, tool_choice="required", **GREEDY)
+    reply = _checked(oa.responses.create(input=[question], **asked | {"max_output_tokens": 40}))
+    (call,) = reply.output
+    assert (call.name, call.namespace) == ("get_weather", "mcp__weather")
+    jsonschema.validate(json.loads(call.arguments), PARAMETERS)
+    # The model was offered the function under its flat name, and wrote the same call.
+    flat = [{**CHAT_TOOLS[0], "function": {**CHAT_TOOLS[0]["function"]}}]
+    flat[0]["function"]["name"] = "mcp__weather__get_weather"
+    expected = server_llm.chat(
+        [question],
+        SamplingParams(temperature=0, max_tokens=1),
+        tools=flat,
+        chat_template=HERMES_TEMPLATE.read_text(),
+    )[0]
+    assert expected.prompt_tokens == reply.usage.input_tokens
+    with oa.responses.stream(input=[question], **asked | {"max_output_tokens": 40}) as stream:
+        events = _checked(list(stream))
+        final = stream.get_final_response()
+    added = next(e for e in events if e.type == "response.output_item.added")
+    assert (added.item.name, added.item.namespace) == ("get_weather", "mcp__weather")
+    assert final.output[0].namespace == "mcp__weather"
+    # Sent back with its namespace, the call renders as the flat name the model wrote.
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}
+    history = [question, call.model_dump(exclude_none=True), result]
+    again = oa.responses.create(input=history, **asked | {"tool_choice": "none"})
+    messages = chat_messages(None, ResponsesRequest(input=history).input, 0)
+    assert messages[1]["tool_calls"][0]["function"]["name"] == "mcp__weather__get_weather"
+    assert again.output[0].type == "message"
+
+
+def test_codex_web_search_and_client_metadata_are_accepted_and_named(oa):
+    raw = oa.responses.with_raw_response.create(
+        model=MODEL,
+        input=QUESTION,
+        tools=[*TOOLS, {"type": "web_search", "external_web_access": False}],
+        extra_body={"client_metadata": {"session_id": "s1"}},
+        **GREEDY,
+    )
+    assert raw.http_response.headers["x-inflight-ignored-fields"] == (
+        "client_metadata, tools.1 (web_search)"
+    )
+    assert raw.parse().status in ("completed", "incomplete")
+    # Asked for by name, a web search is still refused.
+    with pytest.raises(openai.BadRequestError, match="web_search"):
+        oa.responses.create(
+            model=MODEL, input=QUESTION, tools=[{"type": "web_search"}],
+            tool_choice={"type": "web_search"}, **GREEDY,
+        )  # fmt: skip
+
+
 def test_a_function_call_output_sent_back_gets_a_message(oa, server_llm):
     question = {"role": "user", "content": "What is the weather in Paris?"}
     first = oa.responses.create(
@@ -414,7 +477,12 @@ def test_reasoning_items_sent_back_are_accepted(oa):
 @pytest.mark.parametrize(
     ("change", "param", "named"),
     [
-        ({"tools": [{"type": "web_search"}]}, "tools.0", "web_search"),
+        ({"tools": [{"type": "file_search"}]}, "tools.0", "file_search"),
+        (
+            {"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "custom"}]}]},
+            "tools.0.tools.0",
+            "custom",
+        ),
         ({"temprature": 0}, "temprature", "temprature"),
         ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "web_search_preview"),
         ({"tools": TOOLS + TOOLS}, "tools", "get_weather"),
@@ -450,8 +518,8 @@ def test_bad_requests_are_400s_naming_the_field(server, server_llm, change, para
 
 
 def test_openai_sdk_parses_a_bad_request_error(oa):
-    with pytest.raises(openai.BadRequestError, match="web_search"):
-        oa.responses.create(model=MODEL, input=QUESTION, tools=[{"type": "web_search"}])
+    with pytest.raises(openai.BadRequestError, match="file_search"):
+        oa.responses.create(model=MODEL, input=QUESTION, tools=[{"type": "file_search"}])
 
 
 @pytest.fixture(scope="module")
@@ -551,7 +619,7 @@ class _FailingRun:
 
 def test_a_failed_stream_ends_with_an_error_event_and_response_failed():
     store = ResponseStore()
-    turn = Turn([], [], None, None, None, {}, [])
+    turn = Turn([], [], None, None, None, {}, [], {})
     reply = ResponseReply(
         ResponsesRequest(input="Hi"), MODEL, SamplingParams(), turn, MessageParser(), None, store
     )

@@ -290,7 +290,8 @@ def test_an_endpoint_the_server_lacks_is_named_in_the_api_body(server, oa):
     r = httpx.get(server[0] + "/v1/chat/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST"
     error = r.json()["error"]
-    assert error["type"] == "invalid_request_error" and "GET /v1/chat/completions" in error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert "GET /v1/chat/completions" in error["message"]
     r = httpx.post(server[0] + "/v1/messages/batches", json={})
     assert r.status_code == 404
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"

@@ -57,6 +57,8 @@ def chat_messages(
         where = f"messages.{i}.content"
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
+        elif m.role == "system":
+            out.append({"role": "system", "content": _text(m.content, where)})
         elif m.role == "assistant":
             out.append(_assistant(m.content, where))
         else:

@@ -296,7 +296,9 @@ AnthropicBlock = Annotated[
 
 
 class AnthropicMessage(Strict):
-    role: Literal["user", "assistant"]
+    # "system": instructions given later in a conversation (Claude Code sends them), rendered
+    # where they stand.
+    role: Literal["user", "assistant", "system"]
     content: str | list[AnthropicBlock]
 
 
@@ -339,6 +341,7 @@ class AnthropicCountTokensRequest(Strict):
     speed: str | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
+    context_management: dict[str, Any] | None = None  # the hosted service's context edits
 
 
 class AnthropicMessagesRequest(AnthropicCountTokensRequest):
@@ -377,6 +380,7 @@ IGNORED_FIELDS = (
     "user_profile_id",
     "workspace_id",
     "client_metadata",
+    "context_management",
 )
 
 

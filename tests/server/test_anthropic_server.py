@@ -173,6 +173,33 @@ def test_output_config_constrains_the_reply_and_parse_reads_it(client):
     assert call.type == "tool_use" and call.input["color"] in {"red", "green", "blue"}
 
 
+def test_a_system_message_in_the_conversation_is_rendered_where_it_stands(client, server_llm):
+    # Claude Code's form: instructions added after a user turn, and its context edits.
+    conversation = [
+        {"role": "user", "content": "Name a primary color."},
+        {"role": "system", "content": [{"type": "text", "text": "Answer in one word."}]},
+    ]
+    expected = server_llm.chat(
+        [{"role": "system", "content": "Be brief."}, conversation[0],
+         {"role": "system", "content": "Answer in one word."}],
+        SamplingParams(temperature=0, max_tokens=8),
+    )[0]  # fmt: skip
+    raw = client.messages.with_raw_response.create(
+        model=MODEL,
+        system="Be brief.",
+        max_tokens=8,
+        messages=conversation,
+        extra_body={
+            "temperature": 0,
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        },
+    )
+    assert raw.http_response.headers["x-inflight-ignored-fields"] == "context_management"
+    message = raw.parse()
+    assert message.content[0].text == expected.text
+    assert message.usage.input_tokens == expected.prompt_tokens
+
+
 def test_documented_fields_without_meaning_are_accepted_and_named(client):
     raw = client.messages.with_raw_response.create(
         model=MODEL,

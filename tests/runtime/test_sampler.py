@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from inflight.protocol.request import SamplingParams
+from inflight.runtime.device import sampler as sampler_module
 from inflight.runtime.device.sampler import (
     Sampler,
     select_mask_kernel,
@@ -184,3 +185,63 @@ def test_masked_rows_sample_only_what_they_allow_and_report_raw_logprobs():
     hot = [SamplingRow(SamplingParams(temperature=5.0, seed=i), i) for i in range(2)]
     for _ in range(20):
         assert drawn.fetch(drawn.sample(logits, hot, ([1], packed)))[1].token_id in allowed
+
+
+def _sorted_filter_keeps(logits, top_k, top_p, min_p):
+    """The filters' definition over each whole row, sorted: the k most likely; over those,
+    renormalized, each token while the mass before it is below top_p; each at least min_p times
+    the likeliest; the likeliest always."""
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    for i, row in enumerate(logits.double()):
+        ordered, order = row.sort(descending=True)
+        k = top_k[i] if top_k[i] > 0 else len(row)
+        probs = torch.softmax(ordered[:k], dim=-1)
+        kept = probs >= min_p[i] * probs[0]
+        if top_p[i] < 1:  # 1 cuts nothing, however the sum rounds
+            kept &= probs.cumsum(0) - probs < top_p[i]
+        kept[0] = True
+        keep[i, order[:k][kept]] = True
+    return keep
+
+
+@pytest.mark.parametrize("candidates", [1024, 8])
+def test_filters_keep_what_a_sort_of_the_whole_row_keeps(monkeypatch, candidates):
+    # With 8 candidates, most nuclei reach past them and their rows are sorted whole.
+    monkeypatch.setattr(sampler_module, "_CANDIDATES", candidates)
+    rng = random.Random(0)
+    for trial in range(40):
+        rows, vocab = rng.choice([(1, 50), (5, 300), (9, 2000)])
+        logits = _logits(rows, vocab, seed=trial) * rng.choice([0.3, 1.0, 2.0])
+        top_k = [rng.choice([0, 0, 1, 3, 40, vocab - 1, vocab]) for _ in range(rows)]
+        top_p = [rng.choice([1.0, 1.0, 0.9, 0.5, 0.99, 1e-6]) for _ in range(rows)]
+        min_p = [rng.choice([0.0, 0.0, 0.05, 0.5]) for _ in range(rows)]
+        got = sampler_module._filter(logits, top_k, top_p, min_p) > float("-inf")
+        assert torch.equal(got, _sorted_filter_keeps(logits, top_k, top_p, min_p)), trial
+
+
+def test_a_draw_inverts_the_distribution_at_its_number():
+    probs = torch.tensor([[0.5, 0.0, 0.25, 0.25]])
+    scaled = torch.log(probs)
+    picks = {
+        u: sampler_module._invert(scaled, torch.tensor([u], dtype=torch.float64)).item()
+        for u in (0.0, 0.49, 0.5, 0.74, 0.75, 0.999, 1 - 2**-53)
+    }
+    assert picks == {0.0: 0, 0.49: 0, 0.5: 2, 0.74: 2, 0.75: 3, 0.999: 3, 1 - 2**-53: 3}
+    # The last tokens of probability 0 are never picked, even at the top of [0, 1).
+    tail = torch.log(torch.tensor([[0.3, 0.7, 0.0, 0.0]]))
+    assert sampler_module._invert(tail, torch.tensor([1 - 2**-53], dtype=torch.float64)) == 1
+
+
+def test_sampled_rows_over_a_large_vocabulary_follow_their_filtered_distribution():
+    # 10,000 draws of a row over 50,000 tokens, with top-p: each kept token's share within
+    # 4 standard deviations of its probability, nothing outside the nucleus.
+    logits = _logits(1, 50_000, seed=5) * 0.5
+    logits[0, :4] = torch.tensor([12.0, 11.5, 11.0, 10.0])
+    keep = _sorted_filter_keeps(logits / 0.8, [0], [0.9], [0.0])[0]
+    probs = torch.softmax((logits[0] / 0.8).masked_fill(~keep, float("-inf")).double(), dim=-1)
+    sampler, rows = Sampler(seed=11), [_row(temperature=0.8, top_p=0.9)] * 100
+    counts = Counter(o.token_id for _ in range(100) for o in sampler(logits.expand(100, -1), rows))
+    assert set(counts) <= set(keep.nonzero().flatten().tolist())
+    for t in range(4):
+        p = probs[t].item()
+        assert abs(counts[t] / 10_000 - p) <= 4 * math.sqrt(p * (1 - p) / 10_000)

@@ -60,8 +60,9 @@ def test_json_schema_outputs_validate(runtime):
         out = _run(runtime, StructuredOutputs(json=SCHEMA), seed)
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), SCHEMA)
-    # Any object: random weights may write keys past max_tokens; every completed one parses.
-    objects = [_run(runtime, {"json_object": True}, seed) for seed in range(6)]
+    # Any object: random weights write keys past max_tokens in about seven runs of eight;
+    # every completed one parses.
+    objects = [_run(runtime, {"json_object": True}, seed) for seed in range(16)]
     completed = [json.loads(o.text) for o in objects if o.finish_reason == "stop"]
     assert completed and all(isinstance(o, dict) for o in completed)
     assert_no_leaks(runtime)

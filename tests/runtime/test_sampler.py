@@ -134,6 +134,20 @@ def test_seeded_row_draws_the_same_whatever_shares_the_step():
     assert len(draws) > 1
 
 
+def test_a_seeded_filtered_row_draws_the_same_whatever_filters_share_the_step():
+    # Other rows' top-k and top-p change how wide they look for candidates, not how this row does.
+    logits = _logits(3, vocab=3000) * 0.3
+
+    def seeded(seed):
+        return _row(position=3, seed=seed, temperature=0.9, top_p=0.95)
+
+    alone = [Sampler()(logits[1:2], [seeded(s)])[0].token_id for s in range(20)]
+    assert len(set(alone)) > 1
+    for first, last in ((_row(top_k=2500), _row(top_p=0.5)), (_row(top_k=3), _row(min_p=0.1))):
+        for s in range(20):
+            assert Sampler()(logits, [first, seeded(s), last])[1].token_id == alone[s]
+
+
 def test_logprobs_are_raw_sorted_and_consistent():
     logits = _logits(2)
     out = Sampler()(logits, [_row(temperature=0.7, logprobs=5), _row(temperature=0)])

@@ -288,8 +288,8 @@ def select_argmax(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor
     return functools.partial(cpu_ops.argmax, lib)
 
 
-# Top-k and top-p look among each row's most likely tokens, this many first, then 16 times as
-# many where a nucleus reaches past them, up to the whole row: a sort of a whole vocabulary
+# Top-k and top-p look among each row's most likely tokens, at least this many, then 16 times
+# as many where a nucleus reaches past them, up to the whole row: a sort of a whole vocabulary
 # cost more than a CPU decode step (28 ms for 16 rows of 49,152), the 64 likeliest 0.8 ms.
 _CANDIDATES = 64
 
@@ -304,16 +304,28 @@ def _filter(
     rows, vocab = logits.shape
     k = [v if 0 < v < vocab else vocab for v in top_k]
     keep = torch.ones_like(logits, dtype=torch.bool)
-    todo = [i for i in range(rows) if k[i] < vocab or top_p[i] < 1]
-    # On a GPU a nucleus without top-k is looked for in the whole row at once: reading back
-    # which rows reach past their candidates would hold the host until the step's forward is
-    # done, where it is preparing the next step.
-    wide = any(k[i] == vocab for i in todo) and logits.device.type != "cpu"
-    width = vocab if wide else _CANDIDATES
-    while todo:
-        width = min(vocab, max([width, *(k[i] for i in todo if k[i] < vocab)]))
-        todo = _cut(logits, keep, todo, k, top_p, width)
-        width *= 16
+    # Each row's look starts at a width of its own (so that what it keeps never depends on
+    # what shares its step): its top k, at least `_CANDIDATES`. On a GPU a nucleus without
+    # top-k is looked for in the whole row at once: reading back which rows reach past their
+    # candidates would hold the host until the step's forward is done, where it is preparing
+    # the next step.
+    on_cpu = logits.device.type == "cpu"
+
+    def first_width(i: int) -> int:
+        if k[i] < vocab:
+            return min(vocab, max(_CANDIDATES, k[i]))
+        return min(vocab, _CANDIDATES) if on_cpu else vocab
+
+    widths = {i: first_width(i) for i in range(rows) if k[i] < vocab or top_p[i] < 1}
+    while widths:
+        groups: dict[int, list[int]] = {}
+        for i, width in widths.items():
+            groups.setdefault(width, []).append(i)
+        widths = {
+            i: min(vocab, width * 16)
+            for width, group in groups.items()
+            for i in _cut(logits, keep, group, k, top_p, width)
+        }
     floor = [i for i in range(rows) if min_p[i] > 0]
     if floor:
         index = to_device(floor, torch.int64, device)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -84,18 +85,16 @@ def _kernels(fn) -> list[str]:
 
 
 def _library(
+    rowwise: Callable[[int], torch.Tensor],
     fp8: list[tuple[torch.Tensor, torch.Tensor]],
     xq: torch.Tensor,
     xs: torch.Tensor,
     exact: torch.Tensor,
     copies: int,
 ) -> dict:
-    """`--library`'s candidates at one layer and row count (see the module's docstring)."""
+    """`--library`'s candidates at one layer and row count (see the module's docstring);
+    `rowwise(i)`: `_scaled_mm` as shipped on the i-th weight copy."""
     one = torch.ones((), device=xq.device)
-
-    def rowwise(i: int) -> torch.Tensor:
-        wq, ws = fp8[i]
-        return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16)
 
     def transposed(i: int) -> torch.Tensor:
         wq, ws = fp8[i]
@@ -143,7 +142,7 @@ def _measure(weight: torch.Tensor, m: int, sweep: bool, library: bool) -> dict:
         "scaled_mm_error": (scaled(0).double() - exact).abs().max().item() / top,
     }
     if library:
-        row["library"] = _library(fp8, xq, xs, exact, copies)
+        row["library"] = _library(scaled, fp8, xq, xs, exact, copies)
         for name, fig in row["library"].items():
             error = f", error {fig['error']:.1e}" if "error" in fig else ""
             print(f"  library {n}x{k} m={m} {name}: {fig['us']:.1f} us{error}; kernels "

@@ -353,9 +353,11 @@ def _cut(
     candidates, order = row.topk(width, dim=-1)
     limit = to_device([k[i] for i in todo], torch.int64, device).unsqueeze(1)
     outside = torch.arange(width, device=device).unsqueeze(0) >= limit
-    # Renormalized over the top k: over the whole row where k is the vocabulary.
-    within = candidates.masked_fill(outside, float("-inf")).logsumexp(dim=-1, keepdim=True)
-    norm = torch.where(limit < vocab, within, row.logsumexp(dim=-1, keepdim=True))
+    # Renormalized over the top k: over the whole row where k is the vocabulary (a pass over
+    # the rows only where one of them has no top-k).
+    norm = candidates.masked_fill(outside, float("-inf")).logsumexp(dim=-1, keepdim=True)
+    if any(k[i] == vocab for i in todo):
+        norm = torch.where(limit < vocab, norm, row.logsumexp(dim=-1, keepdim=True))
     probs = torch.exp(candidates - norm).masked_fill(outside, 0.0)
     before = probs.cumsum(dim=-1) - probs
     nucleus = to_device([top_p[i] for i in todo], torch.float32, device).unsqueeze(1)

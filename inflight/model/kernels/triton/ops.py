@@ -47,19 +47,34 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm over the last dim of x [..., size] (of `x + residual` when given); returns the
     normalized rows and the sum (None without a residual)."""
+    out = torch.empty_like(x.reshape(-1, x.shape[-1]))
+    summed = _launch_rms_norm(x, weight, eps, residual, out, out, 0.0, num_warps=4)
+    return out.view(x.shape), summed
+
+
+def _launch_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_max: float,
+    num_warps: int,
+) -> torch.Tensor | None:
+    """`_rms_norm_kernel` over x's rows into `out` (and, with fp8_max > 0, the rows' scales
+    into `scale`); returns the sum x + residual (None without a residual)."""
     size = x.shape[-1]
     x2 = x.reshape(-1, size)
-    out = torch.empty_like(x2)
-    res_out = torch.empty_like(x2) if residual is not None else out
+    res_out = torch.empty_like(x2) if residual is not None else x2
     r2 = residual.reshape(-1, size) if residual is not None else x2
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, out, out, res_out, weight, x2.stride(0), r2.stride(0), out.stride(0),
-            res_out.stride(0), size, eps,
-            HAS_RESIDUAL=residual is not None, FP8_MAX=0.0, BLOCK=triton.next_power_of_2(size),
+            x2, r2, out, scale, res_out, weight, x2.stride(0), r2.stride(0), out.stride(0),
+            res_out.stride(0), size, eps, HAS_RESIDUAL=residual is not None, FP8_MAX=fp8_max,
+            BLOCK=triton.next_power_of_2(size), num_warps=num_warps,
         )  # fmt: skip
-    normed = out.view(x.shape)
-    return normed, (res_out.view(x.shape) if residual is not None else None)
+    return res_out.view(x.shape) if residual is not None else None
 
 
 @triton.jit
@@ -163,19 +178,12 @@ def rms_norm_fp8(
     if size > ONE_PASS_MAX:
         normed, summed = rms_norm(x, weight, eps, residual)
         return *fp8_rows(normed.reshape(-1, size), fp8_max), summed
-    x2 = x.reshape(-1, size)
-    out = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
-    res_out = torch.empty_like(x2) if residual is not None else x2
-    r2 = residual.reshape(-1, size) if residual is not None else x2
-    block = triton.next_power_of_2(size)
-    if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, out, scale, res_out, weight, x2.stride(0), r2.stride(0), out.stride(0),
-            res_out.stride(0), size, eps, HAS_RESIDUAL=residual is not None, FP8_MAX=fp8_max,
-            BLOCK=block, num_warps=8 if block > 4096 else 4,
-        )  # fmt: skip
-    return out, scale, (res_out.view(x.shape) if residual is not None else None)
+    tokens = x.numel() // size
+    out = torch.empty(tokens, size, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
+    warps = 8 if triton.next_power_of_2(size) > 4096 else 4
+    summed = _launch_rms_norm(x, weight, eps, residual, out, scale, fp8_max, num_warps=warps)
+    return out, scale, summed
 
 
 @triton.jit

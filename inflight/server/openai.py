@@ -165,11 +165,8 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
         raise ServerError(
             400, "send response_format or structured_outputs, not both", "structured_outputs"
         )
-    try:
-        if body.structured_outputs is not None:
-            return StructuredOutputs(**body.structured_outputs)
-    except (TypeError, ValueError) as exc:
-        raise ServerError(400, f"structured_outputs: {exc}", "structured_outputs") from exc
+    if body.structured_outputs is not None:
+        return vllm_constraint(body.structured_outputs)
     if kind == "text":
         return None
     if kind == "json_object":
@@ -188,6 +185,14 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
         f"response_format type must be text, json_object or json_schema, got {kind!r}",
         "response_format",
     )
+
+
+def vllm_constraint(spec: dict[str, Any]) -> StructuredOutputs:
+    """The constraint of vLLM's `structured_outputs` field; a 400 naming it when malformed."""
+    try:
+        return StructuredOutputs(**spec)
+    except (TypeError, ValueError) as exc:
+        raise ServerError(400, f"structured_outputs: {exc}", "structured_outputs") from exc
 
 
 def chat_messages(

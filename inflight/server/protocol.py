@@ -140,29 +140,35 @@ class StreamOptions(Strict):
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(Strict):
+class VllmSampling(Strict):
+    """Sampling fields every OpenAI endpoint takes here, chat, completions and responses (on
+    /v1/responses they are vLLM's extensions: `vllm bench serve` sends `ignore_eos` there)."""
+
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    stop: StopString | StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logit_bias: LogitBias | None = None
+    # vLLM's constraint field: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    structured_outputs: dict[str, Any] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+
+
+class SamplingFields(VllmSampling):
     """Fields shared by chat and text completions (including vLLM's extensions)."""
 
     model: str | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     n: Annotated[int, Field(ge=1)] = 1
-    stop: StopString | StopStrings | None = None
-    stop_token_ids: StopTokenIds | None = None
-    ignore_eos: bool = False
-    seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: LogitBias | None = None
-    # vLLM's constraint field: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
-    structured_outputs: dict[str, Any] | None = None
     # With --speculative-config: False decodes this request without drafts (same output).
     speculative: bool = True
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     user: str | None = None
     # Pin the KV of the prompt's system turn (a text prompt: all of it) in the context cache.
     save_system_prompt_kv_cache: bool = False

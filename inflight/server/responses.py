@@ -29,7 +29,7 @@ from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient, Run
 from inflight.server.errors import ServerError
 from inflight.server.parsers import MessageDelta, MessageParser
-from inflight.server.protocol import SamplingFields
+from inflight.server.protocol import SamplingFields, VllmSampling
 from inflight.server.responses_protocol import (
     INPUT_ITEM,
     FunctionCallItem,
@@ -128,14 +128,15 @@ def chat_turn(body: ResponsesRequest, chat: ChatSetup, store: ResponseStore) -> 
     messages = chat_messages(body.instructions, conversation, len(earlier))
     choice, namespaced, dropped = responses_tool_choice(body, chat)
     forced = choice is not None and choice.forced
-    constraint, ignored = chat.constraint(choice, text_constraint(body), "text.format")
+    format_field = "text.format" if body.structured_outputs is None else "structured_outputs"
+    constraint, ignored = chat.constraint(choice, text_constraint(body), format_field)
     return Turn(
         messages,
         conversation,
         choice,
         constraint,
         _thinking(body, chat),
-        {"structured_outputs": "tool_choice" if forced else "text.format"},
+        {"structured_outputs": "tool_choice" if forced else format_field},
         dropped + ignored,
         namespaced,
     )
@@ -314,15 +315,27 @@ def sampling_params(
     body: ResponsesRequest, defaults: SamplingParams, constraint: StructuredOutputs | None
 ) -> SamplingParams:
     """The request's sampling fields over the model's defaults, as a chat completion's."""
-    fields = SamplingFields(temperature=body.temperature, top_p=body.top_p)
+    shared = {name: getattr(body, name) for name in VllmSampling.model_fields}
+    fields = SamplingFields(temperature=body.temperature, top_p=body.top_p, **shared)
     return openai.sampling_params(
-        fields, defaults, max_tokens=body.max_output_tokens, logprobs=None, constraint=constraint
+        fields,
+        defaults,
+        max_tokens=body.max_output_tokens,
+        logprobs=None,
+        skip_special_tokens=body.skip_special_tokens,
+        constraint=constraint,
     )
 
 
 def text_constraint(body: ResponsesRequest) -> StructuredOutputs | None:
-    """The output constraint of `text.format`."""
+    """The output constraint of `text.format`, or of vLLM's `structured_outputs` field."""
     spec = body.text.format if body.text else None
+    if body.structured_outputs is not None:
+        if isinstance(spec, TextFormatJsonObject | TextFormatJsonSchema):
+            raise ServerError(
+                400, "send text.format or structured_outputs, not both", "structured_outputs"
+            )
+        return openai.vllm_constraint(body.structured_outputs)
     if isinstance(spec, TextFormatJsonObject):
         return StructuredOutputs(json_object=True)
     if isinstance(spec, TextFormatJsonSchema):

@@ -424,6 +424,53 @@ def test_json_schema_text_format_gives_json_matching_the_schema(oa):
     assert as_object.status != "completed" or isinstance(json.loads(as_object.output_text), dict)
 
 
+def test_vllm_sampling_fields_are_served_as_on_chat_completions(oa, server_llm):
+    # vLLM's extensions of /v1/responses (`vllm bench serve --backend openai-responses` sends
+    # ignore_eos): a seeded reply equals the library's with the same parameters.
+    fields = {
+        "top_k": 20,
+        "min_p": 0.05,
+        "seed": 7,
+        "ignore_eos": True,
+        "repetition_penalty": 1.1,
+        "frequency_penalty": 0.5,
+        "presence_penalty": 0.3,
+        "logit_bias": {"13": -100},
+        "stop_token_ids": [2],
+    }
+    reply = _checked(
+        oa.responses.create(
+            model=MODEL, input=QUESTION, temperature=1.0, max_output_tokens=24, extra_body=fields
+        )
+    )
+    params = SamplingParams(
+        temperature=1.0, max_tokens=24, **{**fields, "logit_bias": {13: -100.0}}
+    )
+    (expected,) = server_llm.chat([{"role": "user", "content": QUESTION}], params)
+    assert reply.output_text == expected.text and reply.usage.output_tokens == 24
+    stop = expected.text[len(expected.text) // 2 :].split()[0]
+    cut = oa.responses.create(
+        model=MODEL,
+        input=QUESTION,
+        temperature=1.0,
+        max_output_tokens=24,
+        extra_body={**fields, "stop": [stop]},
+    )
+    assert cut.output_text == expected.text[: expected.text.index(stop)]
+    assert cut.status == "completed"
+
+
+def test_vllm_structured_outputs_field_constrains_the_reply(oa):
+    reply = oa.responses.create(
+        model=MODEL,
+        input="Is the sky blue?",
+        temperature=0,
+        max_output_tokens=8,
+        extra_body={"structured_outputs": {"choice": ["certainly yes", "no"]}},
+    )
+    assert reply.output_text in ("certainly yes", "no") and reply.status == "completed"
+
+
 def test_max_output_tokens_cut_is_incomplete(oa):
     reply = _checked(
         oa.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=4)
@@ -502,6 +549,16 @@ def test_reasoning_items_sent_back_are_accepted(oa):
         ({"background": True}, "background", "background"),
         ({"include": ["message.output_text.logprobs"]}, "include", "logprobs"),
         (
+            {
+                "text": {"format": {"type": "json_object"}},
+                "structured_outputs": {"choice": ["a"]},
+            },
+            "structured_outputs",
+            "not both",
+        ),
+        ({"structured_outputs": {"choise": ["a"]}}, "structured_outputs", "choise"),
+        ({"top_k": -2}, "top_k", "greater than or equal"),
+        (
             {"text": {"format": {"type": "json_schema", "name": "x"}}},
             "text.format.json_schema.schema",
             "required",
@@ -551,6 +608,16 @@ def test_reasoning_effort_switches_the_templates_thinking(thinking):
     assert "".join(deltas) == reasoning.content[0].text
     assert [i.model_dump(exclude={"id"}) for i in events[-1].response.output] == [
         i.model_dump(exclude={"id"}) for i in reply.output
+    ]
+    # vLLM's chat_template_kwargs reach the template as on chat completions.
+    switched = thinking.responses.create(
+        model=MODEL,
+        input=QUESTION,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+        **GREEDY,
+    )
+    assert [item.model_dump(exclude={"id"}) for item in switched.output] == [
+        item.model_dump(exclude={"id"}) for item in reply.output
     ]
     # Effort "none" closes the block in the prompt: the reply is all text.
     plain = thinking.responses.create(

@@ -45,7 +45,9 @@ async def create_response(
         params,
         truncate=body.truncation == "auto",
         params_of=turn.params_of,
-        **chat.template_args(turn.messages, turn.choice, turn.template_kwargs),
+        **chat.template_args(
+            turn.messages, turn.choice, body.chat_template_kwargs, turn.template_kwargs
+        ),
         lora_name=lora_name,
     )
     reply = responses.ResponseReply(

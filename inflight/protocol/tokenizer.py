@@ -11,10 +11,15 @@ from typing import Any, Protocol
 class Tokenizer(Protocol):
     chat_template: str | None  # the checkpoint's own chat template, if it has one
     eos_token_ids: list[int]  # every token that ends generation
+    vocab_size: int  # ids 0 .. vocab_size - 1, added tokens included
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_str(self, token_id: int) -> str:
+        """The token as its vocabulary spells it (byte-level pieces unmapped: "Ġworld")."""
+        ...
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (a token may hold part of a UTF-8 character)."""

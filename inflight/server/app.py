@@ -18,7 +18,7 @@ from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient
 from inflight.server.errors import ServerError, error_response
 from inflight.server.responses import ResponseStore
-from inflight.server.routes import anthropic, audio, lora, openai, ops, pins, responses
+from inflight.server.routes import anthropic, audio, lora, openai, ops, pins, responses, tokenize
 from inflight.server.state import ServerSettings, ServerState
 from inflight.server.warmup import WarmUp
 
@@ -52,7 +52,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _on_invalid)
     app.add_exception_handler(HTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_crash)
-    for routes in (openai, responses, anthropic, audio, lora, pins, ops):
+    for routes in (openai, responses, anthropic, tokenize, audio, lora, pins, ops):
         app.include_router(routes.router)
     warm_up.start(client.llm)
     return app

@@ -156,11 +156,12 @@ class EngineClient:
         decoded, preprocessed) there, off the event loop."""
         return await asyncio.to_thread(self.prepare, messages, params, **options)
 
-    def count_tokens(self, prompt: object, **template: Any) -> int:
-        """The prompt's length in tokens; `template`: chat-template arguments."""
+    def prompt_tokens(self, prompt: object, **template: Any) -> list[int]:
+        """The prompt's token ids (a 400 or 413 as for a request); `template`: chat-template
+        arguments."""
         try:
             request = self.llm.prepare(prompt, SamplingParams(max_tokens=1), **template)
-            return len(request.prompt_token_ids)
+            return list(request.prompt_token_ids)
         except PromptTooLongError as exc:
             raise ServerError(413, str(exc)) from exc
         except ValueError as exc:

@@ -227,6 +227,26 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
+class TokenizeRequest(Strict):
+    """vLLM's /tokenize: a text prompt, or chat messages rendered as a chat completion of them
+    renders them (its template, tools and template variables, the reply's opening)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None  # unset: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[NonNegativeInt]
+
+
 class LoadLoRARequest(Strict):
     lora_name: Annotated[str, Field(min_length=1)]
     lora_path: Annotated[str, Field(min_length=1)]

@@ -64,6 +64,9 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_str(self, token_id: int) -> str:
+        return self.backend.id_to_token(token_id) or ""
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (a token may hold part of a UTF-8 character)."""
         piece = self.backend.id_to_token(token_id)

@@ -1,0 +1,81 @@
+"""vLLM's tokenizer routes: /tokenize (a text prompt, or chat messages as a chat completion
+renders them) and /detokenize. `vllm bench serve` aligns its prompts to the server's tokenizer
+through them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from inflight.server import openai
+from inflight.server.errors import ServerError
+from inflight.server.protocol import DetokenizeRequest, TokenizeRequest
+from inflight.server.state import State, check_body
+from inflight.server.tools import FunctionTool, ToolChoice
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
+    check_body(state, body, body.model)
+    llm = state.client.llm
+    if (body.prompt is None) == (body.messages is None):
+        raise ServerError(400, "send a prompt or messages (one of them)", "prompt")
+    if body.prompt is not None:
+        unused = [f for f in ("tools", "chat_template_kwargs") if getattr(body, f) is not None]
+        if unused:
+            raise ServerError(400, f"{unused[0]} applies to messages only", unused[0])
+        ids = llm.tokenizer.encode(
+            body.prompt, add_special_tokens=body.add_special_tokens is not False
+        )
+    else:
+        ids = _chat_tokens(body, state)
+    return {
+        "count": len(ids),
+        "max_model_len": llm.max_model_len,
+        "tokens": ids,
+        "token_strs": [llm.tokenizer.token_str(t) for t in ids] if body.return_token_strs else None,
+    }
+
+
+def _chat_tokens(body: TokenizeRequest, state: State) -> list[int]:
+    """The prompt a chat completion of these messages would run (its tools rendered whatever
+    the tool choice; no reply opening other than the template's is served)."""
+    refused = [
+        ("add_generation_prompt", not body.add_generation_prompt),
+        ("continue_final_message", body.continue_final_message),
+        ("add_special_tokens", body.add_special_tokens is True),
+    ]
+    for field, bad in refused:
+        if bad:
+            raise ServerError(
+                400,
+                f"{field}: {getattr(body, field)} is not supported with messages; messages are "
+                "tokenized as a chat completion's prompt (the template's reply opening added)",
+                field,
+            )
+    assert body.messages is not None
+    messages = openai.chat_messages(body.messages)
+    tools = [
+        FunctionTool(t.function.name, t.function.description, t.function.parameters)
+        for t in body.tools or []
+    ]
+    choice = ToolChoice(tools, "none") if tools else None
+    template = state.chat.template_args(messages, choice, body.chat_template_kwargs)
+    return state.client.prompt_tokens(messages, **template)
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, state: State) -> dict[str, str]:
+    check_body(state, body, body.model)
+    tokenizer = state.client.llm.tokenizer
+    bad = next((t for t in body.tokens if t >= tokenizer.vocab_size), None)
+    if bad is not None:
+        raise ServerError(
+            400,
+            f"token id {bad} is outside the tokenizer's vocabulary (size {tokenizer.vocab_size})",
+            "tokens",
+        )
+    return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}

@@ -78,6 +78,26 @@ def test_stop_string_spanning_tokens_in_generation(llm):
 
 
 @pytest.mark.slow
+def test_min_tokens_holds_off_eos_and_stop_strings(llm):
+    chat = [{"role": "user", "content": "What is 2 + 2?"}]
+    free = llm.chat(chat, SamplingParams(temperature=0, max_tokens=200))[0]
+    assert free.finish_reason == "stop" and free.stop_reason is None  # it ends with EOS
+    least = len(free.token_ids) + 8
+    # What the first `least` tokens must be: the greedy ones with EOS biased out.
+    no_eos = {t: -100 for t in llm.tokenizer.eos_token_ids}
+    ref = llm.chat(chat, SamplingParams(temperature=0, max_tokens=least, logit_bias=no_eos))[0]
+    held = llm.chat(chat, SamplingParams(temperature=0, max_tokens=400, min_tokens=least))[0]
+    assert held.token_ids[:least] == ref.token_ids and len(held.token_ids) > least
+    # A stop string in the text of those tokens ends nothing before them.
+    word = free.text.split()[1]
+    stopped = llm.chat(
+        chat, SamplingParams(temperature=0, max_tokens=400, min_tokens=least, stop=[word])
+    )[0]
+    assert len(stopped.token_ids) > least and stopped.text.startswith(ref.text)
+    assert stopped.text.count(word) == ref.text.count(word)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("call", "needle"),
     [
@@ -86,6 +106,13 @@ def test_stop_string_spanning_tokens_in_generation(llm):
         (lambda llm: llm.generate("hi", SamplingParams(max_tokens=0)), "max_tokens"),
         (lambda llm: llm.generate("hi", SamplingParams(top_p=1.5)), "top_p"),
         (lambda llm: llm.generate("hi", SamplingParams(temperature=-1)), "temperature"),
+        (lambda llm: llm.generate("hi", SamplingParams(max_tokens=2, min_tokens=3)), "min_tokens"),
+        (
+            lambda llm: llm.generate(
+                "hi", SamplingParams(min_tokens=3, structured_outputs={"regex": "a+"})
+            ),
+            "min_tokens with structured_outputs",
+        ),
         (lambda llm: llm.generate(42), "prompts"),
         (lambda llm: llm.chat([]), "messages"),
         (lambda llm: llm.generate(["a", "b"], [GREEDY]), "SamplingParams"),

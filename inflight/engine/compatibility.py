@@ -24,6 +24,7 @@ PAYLOAD_FIELDS = frozenset(
         "params.stop",
         "params.stop_token_ids",
         "params.logit_bias",
+        "params.min_tokens",
         "params.include_stop_str_in_output",
     }
 )

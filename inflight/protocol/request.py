@@ -93,10 +93,13 @@ class SamplingParams:
     Penalties, as vLLM and the OpenAI API apply them: `repetition_penalty` divides the positive
     logits (multiplies the others) of every token in the prompt or the output so far;
     `frequency_penalty` subtracts itself times a token's count in the output so far,
-    `presence_penalty` itself once a token is in it.
+    `presence_penalty` itself once a token is in it. `min_tokens` (vLLM's): the first that many
+    output tokens are never EOS (unless `ignore_eos`) nor a stop token id, and no stop string ends
+    the output before them.
     """
 
     max_tokens: int | None = None
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -162,6 +165,17 @@ class SamplingParams:
             raise ValueError(
                 f"max_tokens must be an integer >= 1 (0 only to score a prompt, with "
                 f"prompt_logprobs), got {self.max_tokens!r}"
+            )
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be at most max_tokens, got {self.min_tokens} > {self.max_tokens}"
+            )
+        if self.min_tokens and self.structured_outputs is not None:
+            raise ValueError(
+                "min_tokens with structured_outputs is not served: the constraint may end the "
+                "output before min_tokens, where only EOS is left to pick"
             )
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")

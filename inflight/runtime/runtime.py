@@ -183,7 +183,7 @@ class Runtime:
         extra = {} if self.workers is None else {"workers": self.workers}
         self.executor = executor(
             runner,
-            Sampler(options.seed, self.device),
+            Sampler(options.seed, self.device, eos=self.tokenizer.eos_token_ids),
             self.constraints,
             inputs,
             max_batch_size=plan.max_batch_size,

@@ -59,6 +59,7 @@ def sampling_params(
     try:
         return SamplingParams(
             max_tokens=max_tokens,
+            min_tokens=body.min_tokens or 0,
             temperature=defaults.temperature if body.temperature is None else body.temperature,
             top_p=defaults.top_p if body.top_p is None else body.top_p,
             top_k=defaults.top_k if body.top_k is None else body.top_k,
@@ -74,6 +75,7 @@ def sampling_params(
             stop=[body.stop] if isinstance(body.stop, str) else (body.stop or []),
             stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos,
+            include_stop_str_in_output=body.include_stop_str_in_output,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             logit_bias=bias,

@@ -148,7 +148,9 @@ class VllmSampling(Strict):
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     stop: StopString | StopStrings | None = None
     stop_token_ids: StopTokenIds | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    min_tokens: NonNegativeInt | None = None
     seed: int | None = None
     logit_bias: LogitBias | None = None
     # vLLM's constraint field: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}

@@ -61,3 +61,17 @@ def test_text_that_only_looks_like_a_stop_prefix_is_released(tok):
 def test_earliest_of_several_stop_strings_wins(tok):
     pieces, matched = _feed(tok, "one two three four", stop=["four", "two"])
     assert matched == "two" and "".join(pieces) == "one "
+
+
+def test_a_stop_string_matches_only_once_stops_are_on(tok):
+    prompt_ids = tuple(tok.encode("Say:"))
+    detok = IncrementalDetokenizer(tok, prompt_ids, True, ("cat",), False)
+    ids = tok.encode(" a cat and a cat sat", add_special_tokens=False)
+    texts, matched = [], None
+    for i, t in enumerate(ids):
+        # Stops come on after the first cat's token: the first one never matches.
+        piece, matched = detok.add(t, stops=i > 2)
+        texts.append(piece)
+        if matched:
+            break
+    assert matched == "cat" and "".join(texts) == " a cat and a "

@@ -261,6 +261,7 @@ def test_admission_waits_for_blocks_and_slots(checkpoint):
         ({"n": 2}, "n"),
         ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
         ({"logit_bias": {5: 1.0}}, "logit_bias"),
+        ({"min_tokens": 3}, "min_tokens"),
     ],
 )
 def test_per_token_options_are_refused_by_name(llm, params, field):

@@ -259,3 +259,27 @@ def test_sampled_rows_over_a_large_vocabulary_follow_their_filtered_distribution
     for t in range(4):
         p = probs[t].item()
         assert abs(counts[t] / 10_000 - p) <= 4 * math.sqrt(p * (1 - p) / 10_000)
+
+
+def test_min_tokens_rules_out_eos_and_stop_ids_below_it_only():
+    eos, stop = 7, 11
+    logits = _logits(4)
+    logits[:, eos] = logits[:, stop] = 50.0  # each row would end here
+    sampler = Sampler(seed=0, eos=[eos])
+    rows = [
+        _row(0, temperature=0, min_tokens=2, stop_token_ids=[stop]),
+        _row(1, temperature=1.0, min_tokens=2, stop_token_ids=[stop]),
+        _row(2, temperature=0, min_tokens=2, stop_token_ids=[stop]),  # at min_tokens: free
+        _row(0, temperature=0, min_tokens=2, ignore_eos=True),  # EOS stays open
+    ]
+    out = sampler(logits, rows)
+    assert out[0].token_id not in (eos, stop) and out[1].token_id not in (eos, stop)
+    rest = logits[0].clone()
+    rest[[eos, stop]] = -math.inf
+    assert out[0].token_id == int(rest.argmax())  # the best of the rest
+    assert out[2].token_id in (eos, stop) and out[3].token_id == eos
+    # Logprobs stay those of the raw distribution.
+    (raw,) = sampler(
+        logits[:1], [_row(0, temperature=0, min_tokens=2, logprobs=1, stop_token_ids=[stop])]
+    )
+    assert raw.top_ids[0] in (eos, stop)

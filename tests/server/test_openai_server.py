@@ -297,6 +297,14 @@ def test_an_endpoint_the_server_lacks_is_named_in_the_api_body(server, oa):
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
 
 
+@pytest.mark.parametrize("path", ["/metrics", "/health", "/health/ready", "/v1/models"])
+def test_head_answers_where_get_does_with_its_headers_and_no_body(server, path):
+    got = httpx.get(server[0] + path)
+    head = httpx.head(server[0] + path)
+    assert head.status_code == got.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == got.headers["content-type"]
+
+
 def test_oversized_body_is_413(server_llm):
     with serve(server_llm, max_body_bytes=1000) as (url, _):
         r = httpx.post(
@@ -366,6 +374,44 @@ def test_penalties_apply_as_in_the_python_api(oa, server_llm):
         extra_body={"repetition_penalty": 1.3, "ignore_eos": True},
     )
     assert reply.choices[0].message.content == expected.text
+
+
+def test_min_tokens_and_a_kept_stop_string_apply_as_in_the_python_api(oa, server_llm):
+    """vLLM's min_tokens and include_stop_str_in_output (extra body), chat and completions."""
+    chat = [{"role": "user", "content": "What is 2 + 2?"}]
+    free = server_llm.chat(chat, SamplingParams(temperature=0, max_tokens=200))[0]
+    assert free.finish_reason == "stop"
+    least = len(free.token_ids) + 6
+    params = SamplingParams(temperature=0, max_tokens=least + 40, min_tokens=least)
+    expected = server_llm.chat(chat, params)[0]
+    assert len(expected.token_ids) > least
+    reply = oa.chat.completions.create(
+        model=MODEL,
+        messages=chat,
+        temperature=0,
+        max_tokens=least + 40,
+        extra_body={"min_tokens": least},
+    )
+    assert reply.choices[0].message.content == expected.text
+    assert reply.usage.completion_tokens == len(expected.token_ids)
+    prompt = "The three primary colors are"
+    stop = server_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[
+        0
+    ].text.split()[2]
+    kept = SamplingParams(
+        temperature=0, max_tokens=12, stop=[stop], include_stop_str_in_output=True
+    )
+    expected = server_llm.generate(prompt, kept)[0]
+    assert expected.text.endswith(stop)
+    reply = oa.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        temperature=0,
+        max_tokens=12,
+        stop=[stop],
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert reply.choices[0].text == expected.text and reply.choices[0].finish_reason == "stop"
 
 
 def test_n_choices_whole_and_streamed(oa):

@@ -437,6 +437,7 @@ def test_vllm_sampling_fields_are_served_as_on_chat_completions(oa, server_llm):
         "presence_penalty": 0.3,
         "logit_bias": {"13": -100},
         "stop_token_ids": [2],
+        "min_tokens": 4,
     }
     reply = _checked(
         oa.responses.create(

@@ -1,14 +1,14 @@
 """Per-row sampling: every row of a step carries its own parameters.
 
-Logit bias, then penalties (repetition over the prompt and output so far, frequency and presence
-over the output, vLLM's formulas and order), then a structured-outputs mask shape what every row
-may pick. Greedy rows take the argmax. Sampled rows apply temperature, top-k, top-p and min-p,
-then draw by inverting their cumulative distribution at one uniform number each (one random
-number a row, where racing exponential noise drew one per token of the vocabulary: on the CPU
-that noise took more time than a decode step of the default model). A row with a seed draws its
-number from a generator seeded by (seed, output position, sequence of its request) alone, so it
-picks the same tokens whatever else shares the step. Log-probabilities are those of the raw
-distribution.
+Logit bias (and, below a row's `min_tokens`, its ending tokens ruled out), then penalties
+(repetition over the prompt and output so far, frequency and presence over the output, vLLM's
+formulas and order), then a structured-outputs mask shape what every row may pick. Greedy rows
+take the argmax. Sampled rows apply temperature, top-k, top-p and min-p, then draw by inverting
+their cumulative distribution at one uniform number each (one random number a row, where racing
+exponential noise drew one per token of the vocabulary: on the CPU that noise took more time
+than a decode step of the default model). A row with a seed draws its number from a generator
+seeded by (seed, output position, sequence of its request) alone, so it picks the same tokens
+whatever else shares the step. Log-probabilities are those of the raw distribution.
 """
 
 from __future__ import annotations
@@ -66,8 +66,14 @@ def seeded_generator(device: torch.device, seed: int | None) -> torch.Generator:
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        seed: int | None = None,
+        device: torch.device | None = None,
+        eos: Sequence[int] = (),
+    ) -> None:
         device = device or torch.device("cpu")
+        self._eos = tuple(eos)  # what `min_tokens` rules out, beside a row's stop token ids
         self._generator = seeded_generator(device, seed)
         self._apply_masks = select_mask_kernel(device)
         self._argmax = select_argmax(device)
@@ -91,9 +97,14 @@ class Sampler:
         logits = logits.float()
         biased = logits
         # One copy for bias, penalties and masks to write: the raw logits give the logprobs.
-        if masks is not None or any(r.params.logit_bias or r.params.penalized for r in rows):
+        banned = _min_tokens_bans(rows, self._eos)
+        if (
+            masks is not None
+            or banned
+            or any(r.params.logit_bias or r.params.penalized for r in rows)
+        ):
             biased = logits.clone()
-            _apply_bias(biased, rows)
+            _apply_bias(biased, rows, banned)
             _apply_penalties(biased, rows)
         if masks is not None:
             masked, packed = masks
@@ -212,9 +223,24 @@ def _invert(scaled: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return (block.squeeze(1) * _BLOCK + picked).clamp_(0, vocab - 1)
 
 
-def _apply_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """In place: each row's logit bias."""
+def _min_tokens_bans(rows: list[SamplingRow], eos: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(row, token) for the tokens that would end a row drawing below its `min_tokens`: its
+    stop token ids, and EOS unless it ignores EOS."""
+    bans = []
+    for i, r in enumerate(rows):
+        params = r.params
+        if r.position < params.min_tokens:
+            ending = params.stop_token_ids if params.ignore_eos else (*eos, *params.stop_token_ids)
+            bans += [(i, t) for t in ending]
+    return bans
+
+
+def _apply_bias(
+    logits: torch.Tensor, rows: list[SamplingRow], banned: list[tuple[int, int]] = ()
+) -> None:
+    """In place: each row's logit bias, and -inf for its `banned` tokens."""
     entries = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias.items()]
+    entries += [(i, t, -math.inf) for i, t in banned]
     if not entries:
         return
     row_ids, token_ids, biases = zip(*entries, strict=True)

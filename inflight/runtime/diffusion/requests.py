@@ -44,6 +44,7 @@ _REFUSED: tuple[tuple[str, object, str], ...] = (
     ("prompt_logprobs", None, "the prompt is encoded, not scored"),
     ("structured_outputs", None, "a canvas is not sampled a token at a time"),
     ("n", 1, "send the request n times, each with its own seed"),
+    ("min_tokens", 0, "a canvas ends where its denoised tokens say, not where a draw allows"),
 )
 
 

@@ -33,12 +33,13 @@ class IncrementalDetokenizer:
         )
         self._stop = stop
         self._include_stop = include_stop
-        self._longest_stop = max((len(s) for s in stop), default=0)
         self.text = ""  # everything decoded so far, cut at a stop string once one matched
         self._released = 0  # how much of `text` has been handed out
 
-    def add(self, token_id: int) -> tuple[str, str | None]:
-        """Feed one token; returns (text released now, the stop string matched or None)."""
+    def add(self, token_id: int, stops: bool = True) -> tuple[str, str | None]:
+        """Feed one token; returns (text released now, the stop string matched or None).
+        Without `stops` (below the request's min_tokens) no stop string matches here: one
+        ending in a later token's text still does."""
         chunk = self._stream.step(self._backend, token_id)
         if not chunk:
             return "", None
@@ -46,9 +47,9 @@ class IncrementalDetokenizer:
             self.text += chunk
             self._released = len(self.text)
             return chunk, None
-        searched_from = max(0, len(self.text) - self._longest_stop + 1)
+        before = len(self.text)
         self.text += chunk
-        matched = self._match_stop(searched_from)
+        matched = self._match_stop(before) if stops else None
         held = 0 if matched else self._held_back()
         return self._release(len(self.text) - held), matched
 
@@ -56,10 +57,11 @@ class IncrementalDetokenizer:
         """Release whatever was held back (the request ended without a stop string)."""
         return self._release(len(self.text))
 
-    def _match_stop(self, start: int) -> str | None:
+    def _match_stop(self, before: int) -> str | None:
+        """The earliest stop string that ends past the first `before` characters."""
         best: tuple[int, str] | None = None
         for stop in self._stop:
-            at = self.text.find(stop, start)
+            at = self.text.find(stop, max(0, before - len(stop) + 1))
             if at >= 0 and (best is None or at < best[0]):
                 best = (at, stop)
         if best is None:

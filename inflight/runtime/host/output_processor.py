@@ -205,12 +205,14 @@ class OutputProcessor:
             text.logprobs.append(entry)
             chunk.logprobs = [*(chunk.logprobs or []), entry]
         reason, stop_reason, error = None, None, ""
-        if token in params.stop_token_ids:
+        # Below min_tokens nothing stops the row (the sampler rules out its ending tokens).
+        stops = len(r.output) > params.min_tokens
+        if stops and token in params.stop_token_ids:
             reason, stop_reason = FinishReason.STOP, token
-        elif not params.ignore_eos and token in self._eos:
+        elif stops and not params.ignore_eos and token in self._eos:
             reason = FinishReason.STOP
         else:
-            released, matched = text.detokenizer.add(token)
+            released, matched = text.detokenizer.add(token, stops)
             chunk.text += released
             if matched is not None:
                 reason, stop_reason = FinishReason.STOP, matched

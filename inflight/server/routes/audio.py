@@ -26,6 +26,7 @@ from inflight.server.audio_format import STREAMED, pcm16, wav_header
 from inflight.server.client import Run
 from inflight.server.errors import ServerError, openai_error_payload
 from inflight.server.protocol import Strict, TopP
+from inflight.server.routes import READ
 from inflight.server.routes.openai import IGNORED_HEADER, SSE_HEADERS
 from inflight.server.state import State
 
@@ -66,7 +67,7 @@ class SpeechRequest(Strict):
     subtalker_top_p: TopP | None = None
 
 
-@router.get("/v1/audio/voices")
+@router.api_route("/v1/audio/voices", methods=READ)
 async def voices(state: State) -> dict[str, Any]:
     """The model's preset voices (a custom-voice model's; none for the others) and languages."""
     facts = _speech(state)

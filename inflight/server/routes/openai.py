@@ -18,6 +18,7 @@ from inflight.server import openai
 from inflight.server.client import Run
 from inflight.server.errors import ServerError, openai_error_payload
 from inflight.server.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields
+from inflight.server.routes import READ
 from inflight.server.spoken import AUDIO_PARAMS, SpokenReply, chat_audio
 from inflight.server.state import State, check_body
 
@@ -154,7 +155,7 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     return JSONResponse(reply.whole(prepared, outputs), headers=headers)
 
 
-@router.get("/v1/models")
+@router.api_route("/v1/models", methods=READ)
 async def models(state: State) -> dict[str, Any]:
     """The base model, and each LoRA adapter with the base as its parent."""
     base = state.settings.served_model_name

@@ -7,12 +7,13 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
+from inflight.server.routes import READ
 from inflight.server.state import State
 
 router = APIRouter()
 
 
-@router.get("/health")
+@router.api_route("/health", methods=READ)
 async def health(state: State) -> Response:
     client, llm = state.client, state.client.llm
     fault = llm.engine_fault
@@ -44,7 +45,7 @@ async def health(state: State) -> Response:
     return JSONResponse(body)
 
 
-@router.get("/health/ready")
+@router.api_route("/health/ready", methods=READ)
 async def ready(state: State) -> Response:
     gate, fault = state.client.gate, state.client.llm.engine_fault
     if fault is not None:
@@ -62,6 +63,6 @@ async def ready(state: State) -> Response:
     )
 
 
-@router.get("/metrics")
+@router.api_route("/metrics", methods=READ)
 async def metrics(state: State) -> Response:
     return Response(state.client.metrics.render(), media_type="text/plain; version=0.0.4")

@@ -7,12 +7,13 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from inflight.server.errors import ServerError
+from inflight.server.routes import READ
 from inflight.server.state import State
 
 router = APIRouter()
 
 
-@router.get("/v1/pinned_prefixes")
+@router.api_route("/v1/pinned_prefixes", methods=READ)
 async def pinned_prefixes(state: State) -> Response:
     """Each pinned prefix: its `id`, `tokens` and `hit_tokens` (prompt tokens later requests
     found in it)."""

@@ -12,6 +12,7 @@ from inflight.server.errors import ServerError
 from inflight.server.protocol import ignored_fields
 from inflight.server.responses import ResponseStore
 from inflight.server.responses_protocol import ResponsesRequest, refusal
+from inflight.server.routes import READ
 from inflight.server.routes.openai import SSE_HEADERS, ignored_headers, started
 from inflight.server.state import State, check_body
 
@@ -72,7 +73,7 @@ async def create_response(
     return JSONResponse(reply.whole(output), headers=headers)
 
 
-@router.get("/v1/responses/{response_id}")
+@router.api_route("/v1/responses/{response_id}", methods=READ)
 async def retrieve_response(response_id: str, store: Store) -> dict[str, Any]:
     stored = store.get(response_id)
     if stored is None:

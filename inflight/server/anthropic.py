@@ -187,6 +187,8 @@ def sampling_params(
     try:
         return SamplingParams(
             max_tokens=body.max_tokens,
+            min_tokens=body.min_tokens or 0,
+            ignore_eos=body.ignore_eos,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=defaults.top_p if body.top_p is None else body.top_p,
             top_k=defaults.top_k if body.top_k is None else body.top_k,

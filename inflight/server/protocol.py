@@ -381,6 +381,10 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     top_p: TopP | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     stream: bool = False
+    # vLLM's length controls, this server's extension here (benchmarks such as aiperf send them
+    # to every endpoint to fix the output's length).
+    ignore_eos: bool = False
+    min_tokens: NonNegativeInt | None = None
     # Accepted and ignored (IGNORED_FIELDS).
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None

@@ -57,6 +57,25 @@ def test_stop_sequence_is_reported(client, server_llm):
     assert message.content[0].text == free.text[: free.text.index(word)]
 
 
+def test_vllm_length_controls_apply_as_in_the_python_api(client, server_llm):
+    # ignore_eos and min_tokens, which benchmarks (aiperf) send to every endpoint.
+    chat = [{"role": "user", "content": "What is 2 + 2?"}]
+    free = server_llm.chat(chat, SamplingParams(temperature=0, max_tokens=200))[0]
+    assert free.finish_reason == "stop"
+    least = len(free.token_ids) + 4
+    for extra in ({"min_tokens": least}, {"ignore_eos": True}):
+        params = SamplingParams(temperature=0, max_tokens=least + 30, **extra)
+        expected = server_llm.chat(chat, params)[0]
+        message = client.messages.create(
+            model=MODEL,
+            messages=chat,
+            max_tokens=least + 30,
+            extra_body={"temperature": 0, **extra},
+        )
+        assert message.content[0].text == expected.text
+        assert message.usage.output_tokens == len(expected.token_ids) >= least
+
+
 def test_stream_event_order(client, server_llm):
     expected = server_llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=12))[0]
     with client.messages.stream(model=MODEL, messages=MESSAGES, max_tokens=12, **GREEDY) as stream:

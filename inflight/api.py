@@ -173,6 +173,8 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         lora_name: str | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
         save_system_prompt_kv_cache: bool = False,
@@ -183,20 +185,28 @@ class LLM:
 
         `tools` (OpenAI function tools) and `chat_template_kwargs` (e.g. `{"enable_thinking":
         False}`) are variables of the chat template; `chat_template` (a template's text) renders
-        in place of the model's own. Messages may hold images (content parts `{"type": "image",
-        "image": PIL image}` or `{"type": "image_url", ...}`) and audio clips (`{"type":
-        "audio", "audio": 16 kHz samples or (samples, rate)}`, `{"type": "input_audio", ...}`
-        or `{"type": "audio_url", ...}`; see `runtime/inputs/chat_media.py`); `mm_processor_kwargs`
-        `{"keep_ratio": r}` keeps that share of each image's tokens (the visual-token
-        pruner). `save_system_prompt_kv_cache`: pin the KV of each conversation's system turn
-        in the context cache (see `generate`). `audio` (a model that speaks, `voice_facts`):
-        each reply spoken too, as it is written; its `CompletionOutput.audio` holds the
-        samples (float32 little-endian, `voice_facts.sample_rate`). `diffusion`: as in
-        `generate`."""
+        in place of the model's own. As in vLLM, `continue_final_message` (with
+        `add_generation_prompt=False`) has the reply go on with the final message's text (an
+        assistant's prefill) where a new reply would open. Messages may hold images (content
+        parts `{"type": "image", "image": PIL image}` or `{"type": "image_url", ...}`) and
+        audio clips (`{"type": "audio", "audio": 16 kHz samples or (samples, rate)}`,
+        `{"type": "input_audio", ...}` or `{"type": "audio_url", ...}`; see
+        `runtime/inputs/chat_media.py`); `mm_processor_kwargs` `{"keep_ratio": r}` keeps that
+        share of each image's tokens (the visual-token pruner). `save_system_prompt_kv_cache`:
+        pin the KV of each conversation's system turn in the context cache (see `generate`).
+        `audio` (a model that speaks, `voice_facts`): each reply spoken too, as it is written;
+        its `CompletionOutput.audio` holds the samples (float32 little-endian,
+        `voice_facts.sample_rate`). `diffusion`: as in `generate`."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of chat messages")
         conversations = messages if isinstance(messages[0], list) else [messages]
-        template = template_args(tools, chat_template, chat_template_kwargs)
+        template = template_args(
+            tools,
+            chat_template,
+            chat_template_kwargs,
+            add_generation_prompt,
+            continue_final_message,
+        )
         options = {
             "lora_name": lora_name,
             "save_system_prompt_kv_cache": save_system_prompt_kv_cache,
@@ -323,18 +333,27 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         mm_processor_kwargs: dict[str, Any] | None = None,
         **options: Any,
     ) -> GenerationRequest:
         """Tokenize and validate one prompt (ValueError naming the problem); queues nothing.
-        `tools`, `chat_template` and `chat_template_kwargs` go to the chat template of a
-        conversation, and `mm_processor_kwargs` to its images, as in `chat`. `options` are
+        `tools`, `chat_template`, `chat_template_kwargs`, `add_generation_prompt` and
+        `continue_final_message` go to the chat template of a conversation, and
+        `mm_processor_kwargs` to its images, as in `chat`. `options` are
         request options of the support matrix (`lora_name`, ...: the `GenerationRequest` fields
         after `params`)."""
         unknown = sorted(set(options) - OPTION_FIELDS)
         if unknown:
             raise ValueError(f"unknown request options {unknown}; known: {sorted(OPTION_FIELDS)}")
-        template = template_args(tools, chat_template, chat_template_kwargs)
+        template = template_args(
+            tools,
+            chat_template,
+            chat_template_kwargs,
+            add_generation_prompt,
+            continue_final_message,
+        )
         (request,) = self._requests(prompt, params, options, template, mm_processor_kwargs)
         return request
 

@@ -31,8 +31,10 @@ class Tokenizer(Protocol):
         add_generation_prompt: bool = True,
         *,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
         """Render messages with the checkpoint's template, or `chat_template` in its place
-        (ValueError naming what fails)."""
+        (ValueError naming what fails); `continue_final_message`: the text ends where the final
+        message's does, open for the model to go on with it."""
         ...

@@ -162,6 +162,24 @@ def structured_outputs(body: AnthropicCountTokensRequest) -> StructuredOutputs |
     return None if chosen is None else StructuredOutputs(json=chosen.schema_)
 
 
+def template_args(
+    chat: ChatSetup,
+    conversation: list[dict[str, Any]],
+    choice: ToolChoice | None,
+    thinking: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The chat-template arguments of a conversation: one that ends with an assistant message
+    is continued from its text (the API's prefill), as a new reply is opened otherwise."""
+    prefill = conversation[-1]["role"] == "assistant"
+    return chat.template_args(
+        conversation,
+        choice,
+        thinking=thinking,
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
+    )
+
+
 def thinking_switch(
     body: AnthropicCountTokensRequest, chat: ChatSetup
 ) -> tuple[dict[str, Any] | None, list[str]]:

@@ -97,16 +97,25 @@ class ChatSetup:
         choice: ToolChoice | None,
         chat_template_kwargs: dict[str, Any] | None = None,
         thinking: dict[str, Any] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> dict[str, Any]:
         """The chat-template arguments of `LLM.prepare` for a conversation; `thinking`: the
-        thinking switch's variables, under those `chat_template_kwargs` sets itself."""
+        thinking switch's variables, under those `chat_template_kwargs` sets itself;
+        `continue_final_message` (with `add_generation_prompt` off): the reply goes on with
+        the final message's text."""
         has_tools = choice is not None or any(
             m.get("tool_calls") or m.get("role") == "tool" for m in messages
         )
         template = self.templates.tools if has_tools else self.templates.plain
         if thinking:
             chat_template_kwargs = {**thinking, **(chat_template_kwargs or {})}
-        args: dict[str, Any] = {"chat_template_kwargs": chat_template_kwargs}
+        args: dict[str, Any] = {
+            "chat_template_kwargs": chat_template_kwargs,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+        }
         if template is not None:
             args["chat_template"] = template
         if choice is not None:

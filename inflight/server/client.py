@@ -164,6 +164,8 @@ class EngineClient:
             return list(request.prompt_token_ids)
         except PromptTooLongError as exc:
             raise ServerError(413, str(exc)) from exc
+        except RequestFieldError as exc:
+            raise ServerError(400, str(exc), exc.field) from exc
         except ValueError as exc:
             raise ServerError(400, str(exc)) from exc
 

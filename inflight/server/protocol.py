@@ -218,6 +218,10 @@ class ChatCompletionRequest(SamplingFields):
     mm_processor_kwargs: dict[str, Any] | None = None
     # Variables of the chat template (vLLM's field), e.g. {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: continue_final_message (with add_generation_prompt false) goes on with the final
+    # message's text (an assistant's prefill) instead of opening a new reply.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class CompletionRequest(SamplingFields):

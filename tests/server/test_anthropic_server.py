@@ -76,6 +76,22 @@ def test_vllm_length_controls_apply_as_in_the_python_api(client, server_llm):
         assert message.usage.output_tokens == len(expected.token_ids) >= least
 
 
+def test_a_final_assistant_message_is_continued(client, server_llm):
+    # The API's prefill: the reply goes on from the assistant's text, which it does not repeat.
+    prefill = [*MESSAGES, {"role": "assistant", "content": "My favourite primary color is"}]
+    expected = server_llm.chat(
+        prefill,
+        SamplingParams(temperature=0, max_tokens=12),
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )[0]
+    message = client.messages.create(model=MODEL, messages=prefill, max_tokens=12, **GREEDY)
+    assert message.content[0].text == expected.text
+    assert message.usage.input_tokens == expected.prompt_tokens
+    counted = client.messages.count_tokens(model=MODEL, messages=prefill)
+    assert counted.input_tokens == expected.prompt_tokens
+
+
 def test_stream_event_order(client, server_llm):
     expected = server_llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=12))[0]
     with client.messages.stream(model=MODEL, messages=MESSAGES, max_tokens=12, **GREEDY) as stream:

@@ -414,6 +414,21 @@ def test_min_tokens_and_a_kept_stop_string_apply_as_in_the_python_api(oa, server
     assert reply.choices[0].text == expected.text and reply.choices[0].finish_reason == "stop"
 
 
+def test_a_final_assistant_message_is_continued_as_in_the_python_api(oa, server_llm):
+    """vLLM's continue_final_message with add_generation_prompt false (an assistant prefill)."""
+    prefill = [*MESSAGES, {"role": "assistant", "content": "The capital of France"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    params = SamplingParams(temperature=0, max_tokens=12)
+    expected = server_llm.chat(prefill, params, **options)[0]
+    reply = oa.chat.completions.create(
+        model=MODEL, messages=prefill, temperature=0, max_tokens=12, extra_body=options
+    )
+    assert reply.choices[0].message.content == expected.text
+    assert reply.usage.prompt_tokens == expected.prompt_tokens
+    opened = server_llm.chat(prefill, params)[0]  # a new reply after the closed message
+    assert expected.prompt_tokens < opened.prompt_tokens
+
+
 def test_n_choices_whole_and_streamed(oa):
     params = dict(model=MODEL, messages=MESSAGES, max_tokens=12, n=3, temperature=1.0, seed=5)
     whole = oa.chat.completions.create(**params)

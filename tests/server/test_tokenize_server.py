@@ -64,6 +64,13 @@ def test_messages_are_tokenized_as_a_chat_completion_runs_them(server, server_ll
     )
     assert with_tools.json()["count"] == reply.usage.prompt_tokens
     assert with_tools.json()["count"] > r.json()["count"]  # the tools are in the prompt
+    prefill = [*MESSAGES, {"role": "assistant", "content": "Paris"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    continued = _post(server, "tokenize", messages=prefill, **options)
+    assert continued.json()["tokens"] == list(
+        server_llm.prepare(prefill, **options).prompt_token_ids
+    )
+    assert continued.json()["tokens"][: r.json()["count"]] == r.json()["tokens"]
 
 
 @pytest.mark.parametrize(
@@ -74,15 +81,15 @@ def test_messages_are_tokenized_as_a_chat_completion_runs_them(server, server_ll
         ("tokenize", {"prompt": TEXT, "tools": TOOLS}, "tools", "messages only"),
         (
             "tokenize",
-            {"messages": MESSAGES, "add_generation_prompt": False},
-            "add_generation_prompt",
+            {"messages": MESSAGES, "add_special_tokens": True},
+            "add_special_tokens",
             "not supported",
         ),
         (
             "tokenize",
             {"messages": MESSAGES, "continue_final_message": True},
             "continue_final_message",
-            "not supported",
+            "add_generation_prompt",
         ),
         ("tokenize", {"prompt": TEXT, "add_special_token": False}, "add_special_token", "unknown"),
         ("detokenize", {"tokens": [1, 10**9]}, "tokens", "1000000000"),

@@ -93,20 +93,25 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         *,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
         """Render messages with the checkpoint's own chat template, or with `chat_template`
         (a template's text) in its place; `kwargs` (e.g. `tools`, `enable_thinking`) are
-        variables of the template."""
+        variables of the template. `continue_final_message`: the text is cut where the final
+        message's text ends (what the template closes its turn with dropped), found by a mark
+        rendered after it."""
         source = chat_template or self.chat_template
         if not source:
             raise ValueError(
                 "this model has no chat template; pass raw text to generate() instead of messages"
             )
+        if continue_final_message:
+            messages = _marked_final(messages)
         context = {"bos_token": self.special.bos or "", "eos_token": self.special.eos or ""}
         context |= kwargs
         try:
-            return _compile(source).render(
+            text = _compile(source).render(
                 context, messages=messages, add_generation_prompt=add_generation_prompt
             )
         except ValueError:
@@ -115,6 +120,42 @@ class Tokenizer:
             # Whatever fails inside a template is the template's fault (or its variables'):
             # a caller that passed its own template or variables gets a ValueError saying so.
             raise ValueError(f"chat template: {exc}") from exc
+        return _cut_at_mark(text) if continue_final_message else text
+
+
+# Rendered after the final message's text to find where it ends. Its trailing space tells a
+# template that trims the message (then the text before the mark is trimmed too) from one that
+# keeps it as written.
+_CONTINUE_MARK = "<|inflight-continue|> "
+
+
+def _marked_final(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A copy of `messages` whose final message's text (its content, or its last text part)
+    ends with the mark; ValueError where it has no text."""
+    if not messages:
+        raise ValueError("continue_final_message: the conversation is empty")
+    final = dict(messages[-1])
+    content = final.get("content")
+    if isinstance(content, str):
+        final["content"] = content + _CONTINUE_MARK
+    else:
+        parts = list(content) if isinstance(content, list | tuple) else []
+        last = next((i for i in reversed(range(len(parts))) if "text" in parts[i]), None)
+        if last is None:
+            raise ValueError("continue_final_message: the final message has no text to continue")
+        parts[last] = {**parts[last], "text": parts[last]["text"] + _CONTINUE_MARK}
+        final["content"] = parts
+    return [*messages[:-1], final]
+
+
+def _cut_at_mark(text: str) -> str:
+    at = text.rfind(_CONTINUE_MARK.strip())
+    if at < 0:
+        raise ValueError(
+            "continue_final_message: the chat template does not render the final message's "
+            "text, so it cannot be continued"
+        )
+    return text[:at] if text.startswith(_CONTINUE_MARK, at) else text[:at].rstrip()
 
 
 @lru_cache(maxsize=8)

@@ -30,7 +30,7 @@ _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "mm_
 
 # Variables the rendering itself sets; chat_template_kwargs may not replace them.
 _RESERVED_TEMPLATE_VARIABLES = frozenset(
-    {"messages", "tools", "add_generation_prompt", "chat_template"}
+    {"messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template"}
 )
 
 
@@ -135,9 +135,9 @@ class InputProcessor:
                 f"{field}: the conversation opens with no system message to pin", field
             )
         try:
-            text = self.tokenizer.apply_chat_template(
-                as_text(leading, {}), add_generation_prompt=False, **(template or {})
-            )
+            alone = {**(template or {}), "add_generation_prompt": False}
+            alone.pop("continue_final_message", None)
+            text = self.tokenizer.apply_chat_template(as_text(leading, {}), **alone)
         except Exception as exc:  # a template may insist on a user turn
             raise RequestFieldError(
                 f"{field}: the chat template does not render the system message alone ({exc})",
@@ -213,7 +213,7 @@ class InputProcessor:
 
     def _render(self, messages: list[Message], template: Mapping[str, Any] | None) -> list[int]:
         text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, **(template or {})
+            messages, **{"add_generation_prompt": True, **(template or {})}
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -222,16 +222,30 @@ def template_args(
     tools: list[dict[str, Any]] | None,
     chat_template: str | None,
     chat_template_kwargs: Mapping[str, Any] | None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> dict[str, Any]:
-    """The keyword arguments of `Tokenizer.apply_chat_template` for a conversation."""
+    """The keyword arguments of `Tokenizer.apply_chat_template` for a conversation (vLLM's
+    `add_generation_prompt` and `continue_final_message` only where they differ from the
+    default: a reply opened after the conversation)."""
     kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(_RESERVED_TEMPLATE_VARIABLES & set(kwargs))
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {reserved}; pass them as arguments")
+    if add_generation_prompt and continue_final_message:
+        raise RequestFieldError(
+            "continue_final_message continues the final message in place of a new reply: send "
+            "add_generation_prompt=False with it",
+            "continue_final_message",
+        )
     if tools is not None:
         kwargs["tools"] = tools
     if chat_template is not None:
         kwargs["chat_template"] = chat_template
+    if not add_generation_prompt:
+        kwargs["add_generation_prompt"] = False
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
     return kwargs
 
 

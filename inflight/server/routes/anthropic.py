@@ -37,7 +37,7 @@ async def messages(body: AnthropicMessagesRequest, request: Request, state: Stat
         conversation,
         params,
         params_of={"structured_outputs": "tools" if forced else "output_config"},
-        **chat.template_args(conversation, choice, thinking=thinking),
+        **anthropic.template_args(chat, conversation, choice, thinking),
         lora_name=lora_name,
         save_system_prompt_kv_cache=body.save_system_prompt_kv_cache,
     )
@@ -63,5 +63,5 @@ async def count_tokens(body: AnthropicCountTokensRequest, state: State) -> dict[
     conversation = anthropic.chat_messages(body.system, body.messages)
     thinking, _ = anthropic.thinking_switch(body, state.chat)
     choice = ToolChoice(tools, "none") if tools else None
-    template = state.chat.template_args(conversation, choice, thinking=thinking)
+    template = anthropic.template_args(state.chat, conversation, choice, thinking)
     return {"input_tokens": len(state.client.prompt_tokens(conversation, **template))}

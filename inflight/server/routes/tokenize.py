@@ -42,20 +42,14 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
 
 def _chat_tokens(body: TokenizeRequest, state: State) -> list[int]:
     """The prompt a chat completion of these messages would run (its tools rendered whatever
-    the tool choice; no reply opening other than the template's is served)."""
-    refused = [
-        ("add_generation_prompt", not body.add_generation_prompt),
-        ("continue_final_message", body.continue_final_message),
-        ("add_special_tokens", body.add_special_tokens is True),
-    ]
-    for field, bad in refused:
-        if bad:
-            raise ServerError(
-                400,
-                f"{field}: {getattr(body, field)} is not supported with messages; messages are "
-                "tokenized as a chat completion's prompt (the template's reply opening added)",
-                field,
-            )
+    the tool choice)."""
+    if body.add_special_tokens:
+        raise ServerError(
+            400,
+            "add_special_tokens: true is not supported with messages: they are tokenized as a "
+            "chat completion's prompt, whose special tokens are the chat template's",
+            "add_special_tokens",
+        )
     assert body.messages is not None
     messages = openai.chat_messages(body.messages)
     tools = [
@@ -63,7 +57,13 @@ def _chat_tokens(body: TokenizeRequest, state: State) -> list[int]:
         for t in body.tools or []
     ]
     choice = ToolChoice(tools, "none") if tools else None
-    template = state.chat.template_args(messages, choice, body.chat_template_kwargs)
+    template = state.chat.template_args(
+        messages,
+        choice,
+        body.chat_template_kwargs,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+    )
     return state.client.prompt_tokens(messages, **template)
 
 

@@ -85,6 +85,7 @@ class LLM:
             max_batch_size=deployment.max_batch_size if ifb else 1,
             max_pending_requests=room,
             command_queue_capacity=room,
+            scheduling_policy=deployment.scheduling_policy,
         )
         runtime = open_runtime(model, deployment, show_progress)
         for name, path in deployment.lora_modules.items():
@@ -148,12 +149,15 @@ class LLM:
         lora_name: str | None = None,
         save_system_prompt_kv_cache: bool = False,
         diffusion: DiffusionParams | None = None,
+        priority: int = 0,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list of them; returns one output per prompt, in order.
         `lora_name`: the LoRA adapter they run with (None: the base model);
         `save_system_prompt_kv_cache`: pin each prompt's KV (its full blocks) in the context
         cache, never evicted until `unpin` (see `pinned_prefixes`); `diffusion`: how a
-        block-diffusion model (`canvas_length` set) denoises them (None: its defaults).
+        block-diffusion model (`canvas_length` set) denoises them (None: its defaults);
+        `priority`: their place in the queue under `scheduling_policy="priority"` (lower
+        first).
 
         Every prompt is submitted at once (waiting, not failing, while the engine pushes back);
         under in-flight batching they generate together, on the blocking path one by one.
@@ -162,6 +166,7 @@ class LLM:
             "lora_name": lora_name,
             "save_system_prompt_kv_cache": save_system_prompt_kv_cache,
             "diffusion": diffusion,
+            "priority": priority,
         }
         return self._run(self._requests(prompts, params, options))
 
@@ -180,6 +185,7 @@ class LLM:
         save_system_prompt_kv_cache: bool = False,
         audio: AudioReply | None = None,
         diffusion: DiffusionParams | None = None,
+        priority: int = 0,
     ) -> list[RequestOutput]:
         """Generate a reply to a conversation (or to each of a list of conversations).
 
@@ -196,7 +202,7 @@ class LLM:
         pin the KV of each conversation's system turn in the context cache (see `generate`).
         `audio` (a model that speaks, `voice_facts`): each reply spoken too, as it is written;
         its `CompletionOutput.audio` holds the samples (float32 little-endian,
-        `voice_facts.sample_rate`). `diffusion`: as in `generate`."""
+        `voice_facts.sample_rate`). `diffusion` and `priority`: as in `generate`."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of chat messages")
         conversations = messages if isinstance(messages[0], list) else [messages]
@@ -212,6 +218,7 @@ class LLM:
             "save_system_prompt_kv_cache": save_system_prompt_kv_cache,
             "generate_audio": audio,
             "diffusion": diffusion,
+            "priority": priority,
         }
         requests = self._requests(conversations, params, options, template, mm_processor_kwargs)
         return self._run(requests)
@@ -234,11 +241,12 @@ class LLM:
         *,
         lora_name: str | None = None,
         diffusion: DiffusionParams | None = None,
+        priority: int = 0,
     ) -> RequestHandle:
         """The output as it is generated: iterate the handle for its chunks (the last one has
         `finished` set; a block-diffusion model's come a canvas at a time), `for` on a thread
         or `async for` on an asyncio loop. Closing it before the end cancels the request."""
-        options = {"lora_name": lora_name, "diffusion": diffusion}
+        options = {"lora_name": lora_name, "diffusion": diffusion, "priority": priority}
         (request,) = self._requests(prompt, params, options)
         return self.start(request, wait_for_room=True)
 
@@ -336,14 +344,15 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         mm_processor_kwargs: dict[str, Any] | None = None,
+        priority: int = 0,
         **options: Any,
     ) -> GenerationRequest:
         """Tokenize and validate one prompt (ValueError naming the problem); queues nothing.
         `tools`, `chat_template`, `chat_template_kwargs`, `add_generation_prompt` and
         `continue_final_message` go to the chat template of a conversation, and
-        `mm_processor_kwargs` to its images, as in `chat`. `options` are
-        request options of the support matrix (`lora_name`, ...: the `GenerationRequest` fields
-        after `params`)."""
+        `mm_processor_kwargs` to its images, as in `chat`; `priority` as in `generate`.
+        `options` are request options of the support matrix (`lora_name`, ...: the
+        `GenerationRequest` fields after `params`)."""
         unknown = sorted(set(options) - OPTION_FIELDS)
         if unknown:
             raise ValueError(f"unknown request options {unknown}; known: {sorted(OPTION_FIELDS)}")
@@ -354,6 +363,7 @@ class LLM:
             add_generation_prompt,
             continue_final_message,
         )
+        options = {**options, "priority": priority}
         (request,) = self._requests(prompt, params, options, template, mm_processor_kwargs)
         return request
 
@@ -521,4 +531,7 @@ class LLM:
         if params is None:
             params = self.get_default_sampling_params()
         inputs = runtime.input_processor
-        return inputs.requests(prompts, params, options, template, processor_kwargs)
+        requests = inputs.requests(prompts, params, options, template, processor_kwargs)
+        for request in requests:
+            self._engine.config.check(request)
+        return requests

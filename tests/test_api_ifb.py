@@ -273,3 +273,28 @@ def test_the_default_queue_accepts_three_hundred_requests_at_once(server_llm):
     params = SamplingParams(max_tokens=1)
     handles = [server_llm.start(server_llm.prepare("Hi", params)) for _ in range(300)]
     assert all(len(h.get(timeout=300).token_ids) == 1 for h in handles)
+
+
+@pytest.mark.slow
+def test_the_priority_policy_seats_the_lowest_priority_first(tiny_dirs):
+    llm = LLM(
+        tiny_dirs["llama"],
+        max_model_len=128,
+        enable_in_flight_batching=True,
+        max_batch_size=1,
+        scheduling_policy="priority",
+    )
+    try:
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        running = llm.generate_stream("a", params)
+        next(iter(running))  # seated: the rest queue behind it
+        later = llm.start(llm.prepare("b", params, priority=3))
+        sooner = llm.start(llm.prepare("c", params, priority=-2))
+        alone = llm.generate("c", params)[0]  # queued last, at priority 0: after `sooner`
+        assert later.ready() is False and sooner.ready()
+        assert sooner.get().token_ids == alone.token_ids
+        assert len(later.get(timeout=30).token_ids) == len(running.get().token_ids) == 24
+    finally:
+        llm.close()
+    with pytest.raises(ValueError, match="--scheduling-policy priority"):
+        LLM(tiny_dirs["llama"], max_model_len=128).prepare("a", priority=1)

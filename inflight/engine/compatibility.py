@@ -25,6 +25,7 @@ PAYLOAD_FIELDS = frozenset(
         "params.stop_token_ids",
         "params.logit_bias",
         "params.min_tokens",
+        "priority",  # the engine's queue order
         "params.include_stop_str_in_output",
     }
 )

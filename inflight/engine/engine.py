@@ -2,10 +2,12 @@
 
 One actor thread owns the runtime. `submit()` and `cancel()` work from any thread and never wait
 for it: submit posts to a bounded command queue behind an admission gate, cancel sets a flag. The
-actor founds a batch with the head of its FIFO, then ticks: each tick seats as many queued heads as
-may join (strict FCFS; a head that may not join waits and blocks those behind it), runs one step of
-the execution, and commits the step's result, publishing the outcome of every resident the step
-evicted. A drained batch never admits: the next head founds a new one.
+actor founds a batch with the head of its queue, then ticks: each tick seats as many queued heads
+as may join (in strict order; a head that may not join waits and blocks those behind it), runs one
+step of the execution, and commits the step's result, publishing the outcome of every resident the
+step evicted. A drained batch never admits: the next head founds a new one. The queue is in
+arrival order (FCFS), or under the priority policy in order of (priority, arrival): a request
+jumps the queue, never a running batch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import threading
 import time
 import weakref
+from bisect import insort
 from collections import deque
 from collections.abc import Sequence
 from enum import Enum
@@ -104,8 +107,10 @@ class RequestEngine:
         self, request: GenerationRequest, channel: StreamChannel | None = None
     ) -> RequestHandle:
         """Accept a request (its tokens stream into `channel`, or a new one); never waits for
-        the actor. A request the runtime has not checked is checked here."""
+        the actor. A request the runtime has not checked is checked here, and its priority
+        against the scheduling policy."""
         self._actor.check_runtime()
+        self.config.check(request)
         request = self._factory.check(request)
         return self._actor.submit(request, channel or StreamChannel())
 
@@ -164,7 +169,7 @@ class _Actor:
         self.metrics = metrics
         self.compatibility = BatchCompatibility(factory.capabilities.per_row_fields)
         self.commands = CommandQueue(config.command_queue_capacity)
-        self.queued: deque[RequestRecord] = deque()  # the actor's FIFO
+        self.queued: deque[RequestRecord] = deque()  # the actor's queue, in seating order
         self.ledger = RequestCoordinator()
         self.resident_count = 0
         self.wake = threading.Event()
@@ -307,7 +312,12 @@ class _Actor:
         return self.fault is not None
 
     def _drain_commands(self) -> None:
-        self.queued.extend(self.commands.pop_batch(self.commands.capacity))
+        arrived = self.commands.pop_batch(self.commands.capacity)
+        if self.config.scheduling_policy == "priority":
+            for record in arrived:
+                insort(self.queued, record, key=_seating_order)
+        else:
+            self.queued.extend(arrived)
         self._retire_cancelled_queued()
         if self.stop_mode is ShutdownMode.CANCEL:
             for _, record in self.ledger.residents():
@@ -384,7 +394,7 @@ class _Actor:
         return None
 
     def _admit_joiners(self, execution: SteppedExecution) -> None:
-        """Seat queued heads in FCFS order while they may join and the batch has room."""
+        """Seat queued heads in order while they may join and the batch has room."""
         while self.queued and len(self.ledger) < self.config.max_batch_size:
             if self.stop_mode is not None:
                 return  # under shutdown, queued requests found later batches instead
@@ -511,3 +521,8 @@ class _Actor:
                 self._terminate(record, TerminalStatus.FAILED, error=error)
         if abandoned:
             log.warning("the engine's end left %d request(s) without a run", len(abandoned))
+
+
+def _seating_order(record: RequestRecord) -> tuple[int, int]:
+    """The priority policy's queue order: priority (lower first), then arrival (ids rise)."""
+    return record.request.priority, record.id

@@ -17,6 +17,7 @@ from inflight.protocol.request import is_int
 QUANTIZATIONS = ("auto", "none", "int8", "q4", "fp8")
 # What the KV cache holds keys and values in: "auto", the model's dtype; "fp8", float8 e4m3.
 KV_CACHE_DTYPES = ("auto", "fp8")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 DEVICES = ("cpu", "cuda")
@@ -94,6 +95,12 @@ class DeploymentOptions:
         4096,
         "requests waiting beyond the batch before refusals (a 429 over HTTP); a request asking "
         "for more sequences than the batch and this together can never fit (a 400)",
+    )
+    scheduling_policy: str = knob(
+        "fcfs",
+        "the order queued requests are seated in: fcfs (arrival), or priority (a request's "
+        "priority, lower first, as vLLM's; arrival among equals; nothing running is preempted)",
+        choices=SCHEDULING_POLICIES,
     )
     max_model_len: int | None = knob(
         None,

@@ -424,9 +424,10 @@ class AdmissionIntent:
 class GenerationRequest:
     """One prompt, already tokenized, and how to continue it.
 
-    The fields after `params` are request options of the design's support matrix; where each is
-    served or refused, and with which message, is the table in `options.py`. `intent` is set by
-    a runtime's check (`LLM.prepare`, or `submit` for a request built by hand).
+    The fields after `params` but `priority` (the engine's queue order) are request options of
+    the design's support matrix; where each is served or refused, and with which message, is the
+    table in `options.py`. `intent` is set by a runtime's check (`LLM.prepare`, or `submit` for
+    a request built by hand).
     """
 
     prompt_token_ids: Sequence[int]
@@ -442,11 +443,18 @@ class GenerationRequest:
     system_prompt_tokens: int | None = None
     speech: SpeechParams | None = None  # text to speech: the voice, and more (a speech model)
     diffusion: DiffusionParams | None = None  # how a block-diffusion model denoises it
+    # The engine's, not a runtime option: its place in the queue under the priority scheduling
+    # policy (lower first, as vLLM's; arrival order among equals).
+    priority: int = 0
     intent: AdmissionIntent | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
         object.__setattr__(self, "media", tuple(self.media))
+        if not is_int(self.priority):
+            raise RequestFieldError(
+                f"priority must be an integer, got {self.priority!r}", "priority"
+            )
 
 
 def is_int(value: Any) -> bool:

@@ -140,9 +140,10 @@ class StreamOptions(Strict):
     continuous_usage_stats: bool = False
 
 
-class VllmSampling(Strict):
-    """Sampling fields every OpenAI endpoint takes here, chat, completions and responses (on
-    /v1/responses they are vLLM's extensions: `vllm bench serve` sends `ignore_eos` there)."""
+class VllmExtensions(Strict):
+    """Sampling fields, and vLLM's scheduling priority, that every OpenAI endpoint takes here:
+    chat, completions and responses (on /v1/responses they are vLLM's extensions: `vllm bench
+    serve` sends `ignore_eos` there)."""
 
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
@@ -158,9 +159,11 @@ class VllmSampling(Strict):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    # The request's place in the queue under --scheduling-policy priority (lower first).
+    priority: int = 0
 
 
-class SamplingFields(VllmSampling):
+class SamplingFields(VllmExtensions):
     """Fields shared by chat and text completions (including vLLM's extensions)."""
 
     model: str | None = None

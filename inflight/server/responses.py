@@ -29,7 +29,7 @@ from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient, Run
 from inflight.server.errors import ServerError
 from inflight.server.parsers import MessageDelta, MessageParser
-from inflight.server.protocol import SamplingFields, VllmSampling
+from inflight.server.protocol import SamplingFields, VllmExtensions
 from inflight.server.responses_protocol import (
     INPUT_ITEM,
     FunctionCallItem,
@@ -315,7 +315,7 @@ def sampling_params(
     body: ResponsesRequest, defaults: SamplingParams, constraint: StructuredOutputs | None
 ) -> SamplingParams:
     """The request's sampling fields over the model's defaults, as a chat completion's."""
-    shared = {name: getattr(body, name) for name in VllmSampling.model_fields}
+    shared = {name: getattr(body, name) for name in VllmExtensions.model_fields}
     fields = SamplingFields(temperature=body.temperature, top_p=body.top_p, **shared)
     return openai.sampling_params(
         fields,

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
 
 from inflight.server.errors import ServerError
-from inflight.server.protocol import Strict, Temperature, TopP, VllmSampling
+from inflight.server.protocol import Strict, Temperature, TopP, VllmExtensions
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
@@ -231,7 +231,7 @@ class ResponsesStreamOptions(Strict):
     include_obfuscation: bool = True  # the padding field is never sent here
 
 
-class ResponsesRequest(VllmSampling):
+class ResponsesRequest(VllmExtensions):
     model: str | None = None
     input: str | list[InputItem] | None = None
     instructions: str | None = None
@@ -261,7 +261,7 @@ class ResponsesRequest(VllmSampling):
     prompt_cache_retention: str | None = None
     service_tier: str | None = None
     client_metadata: dict[str, Any] | None = None  # Codex's ids of its session and turn
-    # vLLM's extensions beside its sampling ones (`VllmSampling`), as on chat completions.
+    # vLLM's extensions beside its sampling ones (`VllmExtensions`), as on chat completions.
     skip_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     # Accepted by the schema, refused (`refusal`) when set.

@@ -13,6 +13,7 @@ from inflight.engine import (
     ShutdownMode,
     SubmitError,
 )
+from inflight.protocol.request import RequestFieldError
 
 from fake_execution import FakeFactory
 from test_request_engine import req, wait_until
@@ -220,3 +221,30 @@ def test_cancelling_shutdown_reaches_a_joiner():
         with pytest.raises(RequestCancelled):
             h.get(timeout=0)
     assert e.metrics.cancelled == 2 and e.metrics.completed == 0
+
+
+def test_the_priority_policy_seats_lower_priorities_first_then_by_arrival():
+    factory = FakeFactory(step_delay=0.02)
+    e = engine(factory, batch=1, scheduling_policy="priority")
+    running = e.submit(req(tokens=8, prompt=(1,)))
+    wait_until(lambda: e.resident == 1)
+    handles = [
+        e.submit(req(tokens=2, prompt=(prompt,), priority=priority))
+        for prompt, priority in [(2, 5), (3, 0), (4, 5), (5, -1), (6, 0)]
+    ]
+    for h in [running, *handles]:
+        h.get(timeout=10)
+    # Nothing running was preempted: the first request kept its seat.
+    assert [r.prompt_token_ids[0] for r in factory.admitted] == [1, 5, 3, 6, 2, 4]
+    e.shutdown()
+
+
+def test_a_priority_is_refused_by_name_under_fcfs():
+    factory = FakeFactory()
+    e = engine(factory)
+    with pytest.raises(RequestFieldError, match="--scheduling-policy priority") as err:
+        e.submit(req(priority=1))
+    assert err.value.field == "priority"
+    assert e.metrics.submitted == 0 and e.metrics.refused == 0
+    assert e.submit(req(priority=0)).get(timeout=5).token_ids == (1, 2, 3)
+    e.shutdown()

@@ -265,6 +265,7 @@ def test_health_counts_mid_flight_joins_and_metrics_parse(server, server_llm):
         ({"messages": MESSAGES, "structured_outputs": {"regex": "["}}, 400, "structured_outputs"),
         ({"messages": MESSAGES, "structured_outputs": {"yaml": "x"}}, 400, "structured_outputs"),
         ({"messages": MESSAGES, "model": "gpt-4"}, 404, "model"),
+        ({"messages": MESSAGES, "priority": 1}, 400, "priority"),  # under fcfs
         ({"messages": [{"role": "user", "content": "word " * 600}]}, 413, None),
         # Bounds on what one request may ask for, each named.
         ({"messages": MESSAGES, "max_tokens": 10**9}, 400, "max_tokens"),

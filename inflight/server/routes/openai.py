@@ -82,6 +82,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         mm_processor_kwargs=body.mm_processor_kwargs,
         lora_name=lora_name,
         save_system_prompt_kv_cache=body.save_system_prompt_kv_cache,
+        priority=body.priority,
         generate_audio=None if spoken is None else spoken.reply,
         diffusion=openai.diffusion_params(body),
     )
@@ -134,6 +135,7 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
         "lora_name": lora_name,
         "save_system_prompt_kv_cache": body.save_system_prompt_kv_cache,
         "diffusion": openai.diffusion_params(body),
+        "priority": body.priority,
     }
     prepared = [client.prepare(p, params, params_of=params_of, **options) for p in prompts]
     # A prompt list is admitted whole or refused whole: too big ever (400) or busy now (429),

@@ -50,6 +50,7 @@ async def create_response(
             turn.messages, turn.choice, body.chat_template_kwargs, turn.template_kwargs
         ),
         lora_name=lora_name,
+        priority=body.priority,
     )
     reply = responses.ResponseReply(
         body,

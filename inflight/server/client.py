@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -234,6 +234,10 @@ class Run:
     def n(self) -> int:
         """How many sequences the request generates."""
         return self._request.params.n
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        return self._request.prompt_token_ids
 
     async def start(self) -> None:
         client = self._client

@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -34,6 +34,7 @@ from inflight.server.protocol import (
     NamedFunction,
     NamedToolChoice,
     SamplingFields,
+    StreamOptions,
     TextPart,
 )
 from inflight.server.spoken import SpokenReply, audio_tokens
@@ -359,6 +360,7 @@ class ChatReply:
         legacy_functions: bool = False,
         audio: SpokenReply | None = None,
         voices: SpeechFacts | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -370,6 +372,9 @@ class ChatReply:
         self.legacy_functions = legacy_functions
         # Asked spoken (`spoken.py`): the text is the audio's transcript.
         self.audio, self.voices = audio, voices
+        # vLLM's return_token_ids: the prompt's ids, sent with each choice's (None: not asked).
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids = prompt_token_ids is not None
 
     def whole(self, output: RequestOutput) -> dict[str, Any]:
         completion_tokens = sum(len(o.token_ids) for o in output.outputs)
@@ -377,7 +382,7 @@ class ChatReply:
         if self.voices is not None:
             frames = sum(audio_tokens(o, self.voices) for o in output.outputs)
             self._count_audio(usage, frames)
-        return {
+        body = {
             "id": self.id,
             "object": "chat.completion",
             "created": self.created,
@@ -385,6 +390,9 @@ class ChatReply:
             "choices": [self._choice(sequence) for sequence in output.outputs],
             "usage": usage,
         }
+        if self.prompt_token_ids is not None:
+            body["prompt_token_ids"] = list(self.prompt_token_ids)
+        return body
 
     @staticmethod
     def _count_audio(usage: dict[str, Any], frames: int) -> None:
@@ -416,12 +424,16 @@ class ChatReply:
                 }
                 for call in parsed.tool_calls
             ]
-        return {
+        choice = {
             "index": output.index,
             "message": message,
             "logprobs": logprobs,
             "finish_reason": self._finish_reason(output.finish_reason, bool(parsed.tool_calls)),
+            "stop_reason": output.stop_reason,
         }
+        if self.token_ids:
+            choice["token_ids"] = list(output.token_ids)
+        return choice
 
     def _finish_reason(self, reason: str | None, called: bool) -> str | None:
         """A reply that ended by itself after calling tools finishes with "tool_calls" (with
@@ -468,18 +480,32 @@ class ChatReply:
             delta["tool_calls"] = calls
         return delta
 
-    async def stream(self, run: Run, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    async def stream(
+        self, run: Run, options: StreamOptions | None
+    ) -> AsyncIterator[dict[str, Any]]:
         """For each of the n choices: its role, its reasoning / content / tool-call deltas (as
-        they come, tagged with its index) and its finish reason; then usage (if asked for)."""
+        they come, tagged with its index) and its finish reason; then usage (if asked for, and
+        on every chunk with vLLM's continuous_usage_stats). With token ids asked for, the
+        first chunk carries the prompt's and each chunk its choice's new ones."""
         n = run.n
+        every_chunk = options is not None and options.every_chunk
+        prompt_tokens = len(run.prompt_token_ids)
+        completion_tokens, frames = 0, 0
+
+        def counted(chunk: dict[str, Any]) -> dict[str, Any]:
+            if every_chunk:
+                chunk["usage"] = _usage(prompt_tokens, completion_tokens)
+            return chunk
+
         for index in range(n):
-            yield self._chunk({"role": "assistant", "content": ""}, index)
+            opening = self._chunk({"role": "assistant", "content": ""}, index)
+            if self.prompt_token_ids is not None and index == 0:
+                opening["prompt_token_ids"] = list(self.prompt_token_ids)
+            yield counted(opening)
         finish_reasons: list[str | None] = [None] * n
-        completion_tokens, prompt_tokens, frames = 0, 0, 0
         readings = [self.reader.stream() for _ in range(n)]
         async for chunk in run:
             index = chunk.index
-            prompt_tokens = chunk.prompt_tokens
             completion_tokens += len(chunk.token_ids)
             frames += len(chunk.codes)
             if chunk.finished:
@@ -490,22 +516,26 @@ class ChatReply:
                 audio = self.audio.delta(chunk.audio, delta.pop("content", ""))
                 delta = {"audio": audio} if audio else {}
             logprobs = self.logprobs and chunk.logprobs
-            if not delta and not logprobs:
+            token_ids = self.token_ids and chunk.token_ids
+            if not delta and not logprobs and not token_ids:
                 continue
-            extra = {}
+            extra: dict[str, Any] = {}
             if logprobs:
                 extra["logprobs"] = {"content": [_chat_logprob(e) for e in chunk.logprobs]}
-            yield self._chunk(delta or {"content": ""}, index, **extra)
+            if token_ids:
+                extra["token_ids"] = list(chunk.token_ids)
+            yield counted(self._chunk(delta or {"content": ""}, index, **extra))
         for index in range(n):
             rest = self._delta(readings[index].finish())
             if self.audio is not None:
                 audio = self.audio.delta(b"", rest.pop("content", ""))
                 rest = {"audio": {**(audio or {}), **self.audio.last()}}
             if rest:
-                yield self._chunk(rest, index)
+                yield counted(self._chunk(rest, index))
             reason = self._finish_reason(finish_reasons[index], readings[index].calls_made > 0)
-            yield self._chunk({}, index, finish_reason=reason)
-        if include_usage:
+            stop = run.output.outputs[index].stop_reason if run.output is not None else None
+            yield counted(self._chunk({}, index, finish_reason=reason, stop_reason=stop))
+        if options is not None and options.include_usage:
             chunk = self._chunk({})
             chunk["choices"] = []
             chunk["usage"] = _usage(prompt_tokens, completion_tokens)
@@ -561,13 +591,17 @@ class CompletionReply:
             rows = [(first, None, None), *prompt, *rows]
         if self.body.logprobs is not None:
             logprobs = self._logprobs(rows)
-        return {
+        choice = {
             "index": index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": output.finish_reason,
             "stop_reason": output.stop_reason,
         }
+        if self.body.return_token_ids:
+            choice["prompt_token_ids"] = list(request.prompt_token_ids)
+            choice["token_ids"] = list(output.token_ids)
+        return choice
 
     def whole(
         self, requests: list[GenerationRequest], outputs: list[RequestOutput]
@@ -603,10 +637,12 @@ class CompletionReply:
         }
 
     async def stream(
-        self, requests: list[GenerationRequest], runs: list[Run], include_usage: bool
+        self, requests: list[GenerationRequest], runs: list[Run], options: StreamOptions | None
     ) -> AsyncIterator[dict[str, Any]]:
         """Each prompt's deltas, interleaved as they come, tagged with the choice index
-        `prompt * n + sequence`."""
+        `prompt * n + sequence`; usage at the end if asked for (and on every chunk with vLLM's
+        continuous_usage_stats). With token ids asked for, each choice's first chunk carries
+        its prompt's, and each chunk its new ones."""
         queue: asyncio.Queue[tuple[int, StreamChunk | BaseException | None]] = asyncio.Queue()
 
         async def pump(index: int, run: Run) -> None:
@@ -618,33 +654,61 @@ class CompletionReply:
                 await queue.put((index, exc))
 
         tasks = [asyncio.ensure_future(pump(i, run)) for i, run in enumerate(runs)]
-        usage = [0, 0]
+        # Every prompt's tokens count from the start, as the whole reply's usage counts them.
+        usage = [sum(len(r.prompt_token_ids) for r in requests), 0]
+        every_chunk = options is not None and options.every_chunk
+        ids = self.body.return_token_ids
+        opened: set[int] = set()  # choices whose first chunk went out
+
+        def chunk_of(choice: int, text: str, request: GenerationRequest, **extra: Any) -> dict:
+            if ids and choice not in opened:
+                extra["prompt_token_ids"] = list(request.prompt_token_ids)
+            opened.add(choice)
+            chunk = self._chunk(choice, text, **extra)
+            if every_chunk:
+                chunk["usage"] = _usage(*usage)
+            return chunk
+
         try:
             n = self.body.n
             if self.body.echo:
                 for i, request in enumerate(requests):
                     for sequence in range(n):
-                        yield self._chunk(i * n + sequence, self._prompt_text(request))
+                        yield chunk_of(i * n + sequence, self._prompt_text(request), request)
             running = len(runs)
+            # Sequences that ended, by prompt: their last chunk goes out once the prompt's run
+            # has its output (the stop reason is in it).
+            ended: dict[int, list[StreamChunk]] = {}
             while running:
                 index, item = await queue.get()
                 if item is None:
                     running -= 1
+                    output = runs[index].output
+                    assert output is not None
+                    for last in ended.pop(index, []):
+                        (sequence,) = (o for o in output.outputs if o.index == last.index)
+                        yield chunk_of(
+                            index * n + last.index,
+                            "",
+                            requests[index],
+                            finish_reason=last.finish_reason,
+                            stop_reason=sequence.stop_reason,
+                        )
                     continue
                 if isinstance(item, BaseException):
                     raise item
                 usage[1] += len(item.token_ids)
-                choice = index * n + item.index
+                choice, request = index * n + item.index, requests[index]
                 if item.text or item.token_ids:
-                    logprobs = None
+                    extra: dict[str, Any] = {"logprobs": None}
                     if self.body.logprobs is not None and item.logprobs:
-                        logprobs = self._logprobs([self._row(e) for e in item.logprobs])
-                    yield self._chunk(choice, item.text, logprobs=logprobs)
+                        extra["logprobs"] = self._logprobs([self._row(e) for e in item.logprobs])
+                    if ids:
+                        extra["token_ids"] = list(item.token_ids)
+                    yield chunk_of(choice, item.text, request, **extra)
                 if item.finished:
-                    if item.index == 0:
-                        usage[0] += item.prompt_tokens
-                    yield self._chunk(choice, "", finish_reason=item.finish_reason)
-            if include_usage:
+                    ended.setdefault(index, []).append(item)
+            if options is not None and options.include_usage:
                 chunk = self._chunk(0, "")
                 chunk["choices"] = []
                 chunk["usage"] = _usage(*usage)

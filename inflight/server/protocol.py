@@ -137,7 +137,12 @@ class NamedToolChoice(Strict):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far.
     continuous_usage_stats: bool = False
+
+    @property
+    def every_chunk(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class VllmExtensions(Strict):
@@ -175,6 +180,9 @@ class SamplingFields(VllmExtensions):
     # With --speculative-config: False decodes this request without drafts (same output).
     speculative: bool = True
     user: str | None = None
+    # vLLM's: the reply carries the prompt's and each choice's token ids (streamed: the
+    # prompt's in the first chunk, each chunk its new ones).
+    return_token_ids: bool = False
     # Pin the KV of the prompt's system turn (a text prompt: all of it) in the context cache.
     save_system_prompt_kv_cache: bool = False
     # A block-diffusion model's denoising (DiffusionParams; unset: the model's defaults).

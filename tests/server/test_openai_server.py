@@ -430,6 +430,66 @@ def test_a_final_assistant_message_is_continued_as_in_the_python_api(oa, server_
     assert expected.prompt_tokens < opened.prompt_tokens
 
 
+def test_token_ids_stop_reasons_and_usage_on_every_chunk(oa, server_llm):
+    """vLLM's return_token_ids and stream_options.continuous_usage_stats, chat and
+    completions, whole and streamed; stop_reason beside finish_reason."""
+    params = SamplingParams(temperature=0, max_tokens=16)
+    expected = server_llm.chat(MESSAGES, params)[0]
+    prompt = list(server_llm.prepare(MESSAGES).prompt_token_ids)
+    ids = {"return_token_ids": True}
+    whole = oa.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=16, extra_body=ids
+    )
+    assert whole.prompt_token_ids == prompt
+    assert whole.choices[0].token_ids == list(expected.token_ids)
+    assert whole.choices[0].stop_reason == expected.stop_reason
+    chunks = list(
+        oa.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            temperature=0,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body=ids,
+        )
+    )
+    assert chunks[0].prompt_token_ids == prompt
+    streamed = [t for c in chunks if c.choices for t in getattr(c.choices[0], "token_ids", [])]
+    assert streamed == list(expected.token_ids)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == len(expected.token_ids)
+    assert all(c.usage.prompt_tokens == len(prompt) for c in chunks)
+    # Completions: a stop string is the stop reason, whole and streamed.
+    text = "The capital of France is"
+    free = server_llm.generate(text, SamplingParams(temperature=0, max_tokens=12))[0]
+    stop = free.text.split()[1]
+    cut = server_llm.generate(text, SamplingParams(temperature=0, max_tokens=12, stop=[stop]))[0]
+    reply = oa.completions.create(
+        model=MODEL, prompt=text, temperature=0, max_tokens=12, stop=[stop], extra_body=ids
+    )
+    (choice,) = reply.choices
+    assert choice.stop_reason == stop and choice.token_ids == list(cut.token_ids)
+    assert choice.prompt_token_ids == list(server_llm.prepare(text).prompt_token_ids)
+    chunks = list(
+        oa.completions.create(
+            model=MODEL,
+            prompt=text,
+            temperature=0,
+            max_tokens=12,
+            stop=[stop],
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body=ids,
+        )
+    )
+    assert chunks[0].choices[0].prompt_token_ids == choice.prompt_token_ids
+    streamed = [t for c in chunks if c.choices for t in getattr(c.choices[0], "token_ids", [])]
+    assert streamed == list(cut.token_ids)
+    last = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    assert last.choices[0].stop_reason == stop and last.usage.completion_tokens == len(streamed)
+
+
 def test_n_choices_whole_and_streamed(oa):
     params = dict(model=MODEL, messages=MESSAGES, max_tokens=12, n=3, temperature=1.0, seed=5)
     whole = oa.chat.completions.create(**params)

@@ -99,13 +99,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         legacy_functions=body.functions is not None,
         audio=audio,
         voices=None if spoken is None else llm.voice_facts,
+        prompt_token_ids=prepared.prompt_token_ids if body.return_token_ids else None,
     )
     headers = ignored_headers(ignored)
     if body.stream:
         run = await started(client.run(prepared))
-        usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
-            openai_events(reply.stream(run, usage)),
+            openai_events(reply.stream(run, body.stream_options)),
             media_type="text/event-stream",
             headers={**SSE_HEADERS, **headers},
         )
@@ -154,9 +154,8 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
             for run in runs:
                 await run.aclose()
             raise
-        usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
-            openai_events(reply.stream(prepared, runs, usage)),
+            openai_events(reply.stream(prepared, runs, body.stream_options)),
             media_type="text/event-stream",
             headers={**SSE_HEADERS, **headers},
         )

@@ -49,6 +49,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import math
 import os
 import random
 import sys
@@ -71,7 +72,10 @@ from inflight.model.layers.quantization import LinearMethods, TorchLinearMethod
 from inflight.protocol.deployment import DeploymentOptions
 from inflight.protocol.outputs import materialize
 from inflight.protocol.request import GenerationRequest, SamplingParams
+from inflight.runtime.device import sampler as sampler_module
 from inflight.runtime.device.batch_builder import RowInput, build_ragged_batch
+from inflight.runtime.device.sampler import Sampler
+from inflight.runtime.host.rows import SamplingRow
 from inflight.runtime.runtime import Runtime
 
 
@@ -795,6 +799,87 @@ def check_structured_outputs(device: torch.device, seed: int) -> tuple[bool, str
     return not bad, f"4 constrained of 8 rows: {len(bad)} outside their language {bad}"
 
 
+def _sorted_keeps(
+    logits: torch.Tensor, top_k: list, top_p: list, min_p: list
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filters by their definition, over each whole row sorted in float64 on the host; and
+    the tokens at a cut's edge (the mass before them within 1e-5 of top_p), where float32 sums
+    of ~40,000 small probabilities may round to either side."""
+    keep = torch.zeros(logits.shape, dtype=torch.bool)
+    edge = torch.zeros(logits.shape, dtype=torch.bool)
+    for i, row in enumerate(logits.double().cpu()):
+        ordered, order = row.sort(descending=True)
+        k = top_k[i] if top_k[i] > 0 else len(row)
+        probs = torch.softmax(ordered[:k], dim=-1)
+        kept = probs >= min_p[i] * probs[0]
+        if top_p[i] < 1:
+            before = probs.cumsum(0) - probs
+            kept &= before < top_p[i]
+            edge[i, order[:k][(before - top_p[i]).abs() < 1e-5]] = True
+        kept[0] = True
+        keep[i, order[:k][kept]] = True
+    return keep, edge
+
+
+def check_sampler(device: torch.device, seed: int) -> tuple[bool, str]:
+    """The sampler on the device (rows of 49,152 tokens): top-k / top-p / min-p keep what a
+    float64 sort of each whole row keeps but at a nucleus's rounding edge, also with 8
+    candidates (the wider looks and whole-row sorts); a seeded row draws the same token alone
+    and beside 15 other rows; 20,000 draws of a top-p row stay in its nucleus, its likeliest
+    tokens within 4.5 sigma of their share."""
+    rng, vocab = random.Random(seed), 49_152
+    g = torch.Generator(device=device).manual_seed(seed)
+    rows_checked, bad = 0, 0
+    saved = sampler_module._CANDIDATES
+    try:
+        for candidates in (saved, 8):
+            sampler_module._CANDIDATES = candidates
+            for _ in range(6):
+                logits = torch.randn(16, vocab, device=device, generator=g)
+                logits *= rng.choice([0.5, 2.0, 4.0])
+                top_k = [rng.choice([0, 0, 1, 5, 50, 2000]) for _ in range(16)]
+                top_p = [rng.choice([1.0, 0.9, 0.5, 0.99, 1e-6]) for _ in range(16)]
+                min_p = [rng.choice([0.0, 0.0, 0.05]) for _ in range(16)]
+                got = sampler_module._filter(logits, top_k, top_p, min_p) > float("-inf")
+                want, edge = _sorted_keeps(logits, top_k, top_p, min_p)
+                bad += int(((got.cpu() != want) & ~edge).any(dim=-1).sum())
+                rows_checked += 16
+    finally:
+        sampler_module._CANDIDATES = saved
+    sampler = Sampler(seed=seed, device=device)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234 + seed)
+    mine = torch.randn(1, vocab, device=device, generator=g)
+    same = True
+    for position in range(8):
+        alone = sampler(mine, [SamplingRow(seeded, position)])[0].token_id
+        others = torch.randn(15, vocab, device=device, generator=g)
+        params = [SamplingParams(temperature=0.7, top_k=rng.choice([0, 20])) for _ in range(15)]
+        batch = [SamplingRow(p, position) for p in params]
+        together = sampler(
+            torch.cat([others[:7], mine, others[7:]]),
+            [*batch[:7], SamplingRow(seeded, position), *batch[7:]],
+        )
+        same &= together[7].token_id == alone
+    logits = torch.randn(1, vocab, device=device, generator=g) * 0.5
+    logits[0, :4] = torch.tensor([12.0, 11.5, 11.0, 10.0], device=device)
+    keep = _sorted_keeps(logits / 0.8, [0], [0.9], [0.0])[0][0]
+    probs = torch.softmax((logits[0].cpu() / 0.8).masked_fill(~keep, float("-inf")).double(), -1)
+    rows = [SamplingRow(SamplingParams(temperature=0.8, top_p=0.9), 0)] * 100
+    counts = np.bincount(
+        [o.token_id for _ in range(200) for o in sampler(logits.expand(100, -1), rows)],
+        minlength=vocab,
+    )
+    outside = int(counts[~keep.numpy()].sum())
+    shares = [(counts[t] / 20_000, probs[t].item()) for t in range(4)]
+    sigmas = [abs(f - p) / math.sqrt(p * (1 - p) / 20_000) for f, p in shares if 0 < p < 1]
+    ok = bool(bad == 0 and same and outside == 0 and max(sigmas) <= 4.5)
+    return ok, (
+        f"filters: {bad} of {rows_checked} rows differ from the sorted definition; seeded row "
+        f"same beside others: {same}; draws outside the nucleus {outside}, largest deviation "
+        f"{max(sigmas):.2f} sigma"
+    )
+
+
 def main() -> int:
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
@@ -813,6 +898,7 @@ def main() -> int:
         ("hybrid end to end", functools.partial(check_end_to_end, "bamba-9b")),
         ("structured outputs", check_structured_outputs),
         ("fp8 linear", check_fp8),
+        ("sampler", check_sampler),
         ("moe kernel", check_moe_kernel),
         ("moe end to end", functools.partial(check_end_to_end, "qwen3-30b-a3b-4-layers")),
         ("gpt-oss logprobs", functools.partial(check_first_logprobs, "gpt-oss-20b-4-layers")),

@@ -9,6 +9,8 @@ read theirs. Bandwidth: the FP8 weight's bytes over the time. Then the sums over
 decoder layers (`fp8_product`: what `Fp8LinearMethod` runs, the kernel where
 `fp8_matmul.takes` the call, else cuBLASLt), and each FP8 path's largest error against the
 float64 value of the same quantized operands (relative to the output's largest magnitude).
+Every row count also times cuBLASLt's tensorwise GEMM with the scaling kernel after it
+(`fp8_tensorwise`), quantization included.
 `--sweep`: the few-rows kernel's tiles of activation rows and cuts of K at each layer and row
 count. `--library`: other ways to call the library at each layer and row count, each timed alone
 and named by the CUDA kernels it launches (which GEMM `_scaled_mm` picks is the library's
@@ -35,7 +37,7 @@ from triton.testing import do_bench_cudagraph
 
 from inflight.bench.random_model import SHAPES
 from inflight.bench.report import report_path, write_report
-from inflight.model.kernels.triton import fp8_matmul
+from inflight.model.kernels.triton import fp8_matmul, fp8_tensorwise
 from inflight.model.kernels.triton import ops as triton_ops
 from inflight.model.kernels.triton.plan import multiprocessors
 from inflight.model.layers.quantization import FP8_MAX, fp8_rows
@@ -141,6 +143,16 @@ def _measure(weight: torch.Tensor, m: int, sweep: bool, library: bool) -> dict:
         "fp8_shipped_us": _us(lambda i: scaled(i, *_quantize(x)), copies),
         "scaled_mm_error": (scaled(0).double() - exact).abs().max().item() / top,
     }
+
+    one = torch.ones((), device=weight.device)
+
+    def tensorwise(i: int, xq: torch.Tensor = xq, xs: torch.Tensor = xs) -> torch.Tensor:
+        wq, ws = fp8[i]
+        return fp8_tensorwise.fp8_tensorwise_linear(xq, xs, wq, ws, None, torch.bfloat16, one=one)
+
+    row["tensorwise_taken"] = fp8_tensorwise.takes(m, n, k)
+    row["fp8_tensorwise_us"] = _us(lambda i: tensorwise(i, *_quantize(x)), copies)
+    row["tensorwise_error"] = (tensorwise(0).double() - exact).abs().max().item() / top
     if library:
         row["library"] = _library(scaled, fp8, xq, xs, exact, copies)
         for name, fig in row["library"].items():
@@ -179,7 +191,9 @@ def _line(row: dict, gb: float) -> str:
     line = (
         f"bf16 {row['bf16_us']:.1f} us; fp8 shipped {row['fp8_shipped_us']:.1f} (quantize "
         f"{row['quantize_us']:.1f}, scaled_mm {row['scaled_mm_us']:.1f} = "
-        f"{bw(row['scaled_mm_us'])}, error {row['scaled_mm_error']:.1e})"
+        f"{bw(row['scaled_mm_us'])}, error {row['scaled_mm_error']:.1e}); tensorwise + scales "
+        f"{row['fp8_tensorwise_us']:.1f} (error {row['tensorwise_error']:.1e}"
+        f"{', taken' if row['tensorwise_taken'] else ''})"
     )
     if "few_rows_us" in row:
         line += (
@@ -211,9 +225,8 @@ def main() -> None:
         for m in args.m:
             rows = [per_layer[f"{nm}@{m}"] for nm in DECODER_LAYERS]
             for row in rows:  # what `Fp8LinearMethod` runs
-                row["fp8_product_us"] = row[
-                    "fp8_few_rows_us" if row.get("taken") else "fp8_shipped_us"
-                ]
+                taken = "fp8_tensorwise_us" if row["tensorwise_taken"] else "fp8_shipped_us"
+                row["fp8_product_us"] = row["fp8_few_rows_us" if row.get("taken") else taken]
             keys = ["bf16_us", "fp8_shipped_us", "fp8_product_us"]
             layers_ms = {key: sum(row[key] for row in rows) / 1000 for key in keys}
             sums[m] = {key: SHAPES[shape].num_layers * v for key, v in layers_ms.items()}

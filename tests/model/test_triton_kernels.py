@@ -14,7 +14,17 @@ import triton
 from inflight.model.attention import TorchAttentionBackend
 from inflight.model.attention.triton import TritonAttentionBackend
 from inflight.model.config import MoEConfig
-from inflight.model.kernels.triton import attention, fp8_matmul, lora, mamba, matmul, moe, ops, rope
+from inflight.model.kernels.triton import (
+    attention,
+    fp8_matmul,
+    fp8_tensorwise,
+    lora,
+    mamba,
+    matmul,
+    moe,
+    ops,
+    rope,
+)
 from inflight.model.layers.activation import torch_silu_mul
 from inflight.model.layers.mamba import ssm_decode as torch_ssm_decode
 from inflight.model.layers.moe import Experts
@@ -403,6 +413,26 @@ def test_silu_mul_fp8_is_silu_mul_then_the_quantizer_bit_for_bit(size):
     assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
     assert torch.equal(scales, want_scales)
     assert scales[1].item() == 1.0
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols", "bias"), [(1, 300, True), (37, 512, False), (160, 1000, True)]
+)
+def test_fp8_tensorwise_scales_each_element_by_its_row_and_column(rows, cols, bias):
+    torch.manual_seed(rows)
+    product = torch.randn(rows, cols) * 100
+    x_scale, w_scale = torch.rand(rows, 1) + 0.1, torch.rand(cols, 1) + 0.1
+    b = torch.randn(cols) if bias else None
+    got = fp8_tensorwise.scale_product(product, x_scale, w_scale, b, torch.float32)
+    want = product * x_scale * w_scale.t() + (b if bias else 0)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+
+
+def test_fp8_tensorwise_takes_the_rows_where_the_rowwise_gemm_is_slow():
+    takes = fp8_tensorwise.takes
+    assert not takes(128, 28672, 4096) and takes(129, 28672, 4096) and takes(192, 4096, 4096)
+    assert not takes(256, 28672, 4096) and takes(256, 4096, 14336)  # down only, past 192
+    assert not takes(257, 4096, 14336) and not takes(8192, 4096, 14336)  # prefill
 
 
 def test_fp8_plan_cuts_k_only_while_weight_tiles_leave_multiprocessors_idle():

@@ -191,9 +191,11 @@ class Fp8LinearMethod(LinearMethod):
     at run time: one FP8 tensor-core matmul with rowwise scales that halves the weights' bytes.
     For CUDA devices with FP8 tensor cores (Hopper, Ada), where one Triton kernel quantizes the
     activations and calls of a few rows (decode steps; `fp8_matmul.takes`) take the few-rows
-    kernel, which streams the weights at bandwidth where cuBLASLt does not; the others
-    `torch._scaled_mm`. The formula runs on the CPU too, which the tests use. It also
-    takes its input already quantized (`Fp8Rows`), where the kernel before it did that."""
+    kernel, which streams the weights at bandwidth where cuBLASLt does not; calls of the row
+    counts where cuBLASLt's rowwise GEMM is slow (`fp8_tensorwise.takes`) its tensorwise GEMM
+    with the scales applied after; the others `torch._scaled_mm` with rowwise scales. The
+    formula runs on the CPU too, which the tests use. It also takes its input already
+    quantized (`Fp8Rows`), where the kernel before it did that."""
 
     takes_fp8_rows = True
 
@@ -201,8 +203,10 @@ class Fp8LinearMethod(LinearMethod):
         self.quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = fp8_rows
         self.few_rows: Callable[..., torch.Tensor] | None = None
         self.few_rows_takes: Callable[[int, int], bool] = lambda rows, n: False
+        self.tensorwise: Callable[..., torch.Tensor] | None = None
+        self.tensorwise_takes: Callable[[int, int, int], bool] = lambda rows, n, k: False
         if platform.device.type == "cuda":
-            from inflight.model.kernels.triton import fp8_matmul
+            from inflight.model.kernels.triton import fp8_matmul, fp8_tensorwise
             from inflight.model.kernels.triton import ops as triton_ops
             from inflight.model.kernels.triton.plan import multiprocessors
 
@@ -210,6 +214,11 @@ class Fp8LinearMethod(LinearMethod):
             self.few_rows = fp8_matmul.fp8_few_rows_linear
             sms = multiprocessors(platform.device)
             self.few_rows_takes = lambda rows, n: fp8_matmul.takes(rows, n, sms)
+            self.tensorwise = functools.partial(
+                fp8_tensorwise.fp8_tensorwise_linear,
+                one=torch.ones((), device=platform.device),
+            )
+            self.tensorwise_takes = fp8_tensorwise.takes
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         layer.prepared = fp8_rows(_take_weight(layer))
@@ -223,8 +232,11 @@ class Fp8LinearMethod(LinearMethod):
         else:
             dtype, shape = x.dtype, x.shape
             xq, x_scale = self.quantize_rows(x.reshape(-1, shape[-1]))
-        if self.few_rows is not None and self.few_rows_takes(xq.shape[0], weight.shape[0]):
+        rows, (n, k) = xq.shape[0], weight.shape
+        if self.few_rows is not None and self.few_rows_takes(rows, n):
             y = self.few_rows(xq, x_scale, weight, weight_scale, bias, dtype)
+        elif self.tensorwise is not None and self.tensorwise_takes(rows, n, k):
+            y = self.tensorwise(xq, x_scale, weight, weight_scale, bias, dtype)
         else:
             y = torch._scaled_mm(
                 xq,

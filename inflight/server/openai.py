@@ -322,7 +322,8 @@ def completion_prompts(prompt: Any) -> list[str | dict[str, Any]]:
     return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
 
 
-def _chat_logprob(entry: LogprobEntry) -> dict[str, Any]:
+def chat_logprob(entry: LogprobEntry) -> dict[str, Any]:
+    """A token's logprob as chat completions and the Responses API write it."""
     return {
         "token": entry.token,
         "logprob": entry.logprob,
@@ -404,7 +405,7 @@ class ChatReply:
     def _choice(self, output: CompletionOutput) -> dict[str, Any]:
         logprobs = None
         if self.logprobs:
-            logprobs = {"content": [_chat_logprob(e) for e in output.logprobs or ()]}
+            logprobs = {"content": [chat_logprob(e) for e in output.logprobs or ()]}
         parsed = self.reader.whole(output.text)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if self.audio is not None:
@@ -521,7 +522,7 @@ class ChatReply:
                 continue
             extra: dict[str, Any] = {}
             if logprobs:
-                extra["logprobs"] = {"content": [_chat_logprob(e) for e in chunk.logprobs]}
+                extra["logprobs"] = {"content": [chat_logprob(e) for e in chunk.logprobs]}
             if token_ids:
                 extra["token_ids"] = list(chunk.token_ids)
             yield counted(self._chunk(delta or {"content": ""}, index, **extra))

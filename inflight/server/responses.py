@@ -14,14 +14,14 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from pydantic import BaseModel
 
-from inflight.protocol.outputs import RequestOutput
+from inflight.protocol.outputs import LogprobEntry, RequestOutput
 from inflight.protocol.request import GenerationRequest, SamplingParams, StructuredOutputs
 from inflight.protocol.tokenizer import Tokenizer
 from inflight.server import openai
@@ -48,6 +48,7 @@ from inflight.server.responses_protocol import (
     ResponsesRequest,
     TextFormatJsonObject,
     TextFormatJsonSchema,
+    output_logprobs,
 )
 from inflight.server.tools import FunctionTool, ToolChoice, tool_choice
 
@@ -321,7 +322,7 @@ def sampling_params(
         fields,
         defaults,
         max_tokens=body.max_output_tokens,
-        logprobs=None,
+        logprobs=(body.top_logprobs or 0) if output_logprobs(body) else None,
         skip_special_tokens=body.skip_special_tokens,
         constraint=constraint,
     )
@@ -384,18 +385,20 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _message(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+def _message(
+    text: str, status: str, item_id: str | None = None, logprobs: list | None = None
+) -> dict[str, Any]:
     return {
         "type": "message",
         "id": item_id or _new_id("msg"),
         "role": "assistant",
         "status": status,
-        "content": [_output_text(text)] if status != "in_progress" else [],
+        "content": [_output_text(text, logprobs)] if status != "in_progress" else [],
     }
 
 
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _output_text(text: str, logprobs: list | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _reasoning(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
@@ -448,6 +451,9 @@ class ResponseReply:
         self.tokenizer = tokenizer
         self.conversation = turn.conversation
         self.namespaced = turn.namespaced
+        # With `include` asking: the message carries every generated token's logprob (the
+        # reasoning's too, as a chat completion's `logprobs.content` does).
+        self.logprobs = output_logprobs(body)
         self.store = store if body.store is not False else None
         text_format = body.text.format if body.text else None
         reasoning = body.reasoning or ReasoningConfig()
@@ -554,7 +560,10 @@ class ResponseReply:
         if parsed.reasoning:
             output.append(_reasoning(parsed.reasoning, "completed"))
         if parsed.content or not output and not parsed.tool_calls:
-            output.append(_message(parsed.content or "", "completed"))
+            logprobs = None
+            if self.logprobs:
+                logprobs = [openai.chat_logprob(e) for e in result.logprobs or ()]
+            output.append(_message(parsed.content or "", "completed", logprobs=logprobs))
         for call in parsed.tool_calls:
             output.append(_function_call(call.name, call.arguments, "completed", self.namespaced))
         # The text written last was cut off (the calls a whole reply returns all parse).
@@ -575,11 +584,12 @@ class ResponseReply:
         started = self._object("in_progress", [])
         yield event("response.created", {"response": started})
         yield event("response.in_progress", {"response": started})
-        items = _ItemStream(self.namespaced)
+        items = _ItemStream(self.namespaced, self.logprobs)
         reading = self.reader.stream()
         finish = None
         try:
             async for chunk in run:
+                items.read(chunk.logprobs or ())
                 for kind, data in items.events(reading.feed(chunk.text)):
                     yield event(kind, data)
                 if chunk.finished:
@@ -601,13 +611,24 @@ class ResponseReply:
 class _ItemStream:
     """Output items opened as their kind of output arrives (reasoning, a message, one per
     function call), each finished when the next opens; a reply without any gets one empty
-    message. Yields (event type, event fields) pairs; `done` holds the finished items."""
+    message. Yields (event type, event fields) pairs; `done` holds the finished items. With
+    `logprobs`, each text delta carries the logprobs of the tokens read since the one before,
+    and the message all it was given (the tokens read before it opened and after its last
+    text included)."""
 
-    def __init__(self, namespaced: dict[str, tuple[str, str]]) -> None:
+    def __init__(self, namespaced: dict[str, tuple[str, str]], logprobs: bool = False) -> None:
         self.namespaced = namespaced
+        self.logprobs = logprobs
         self.done: list[dict[str, Any]] = []
         self.item: dict[str, Any] | None = None  # the open item
         self.text = ""  # the open reasoning's or message's text so far
+        self.pending: list[dict[str, Any]] = []  # logprobs not yet sent with a text delta
+        self.sent: list[dict[str, Any]] = []  # those the open message's deltas carried
+
+    def read(self, entries: Sequence[LogprobEntry]) -> None:
+        """The logprobs of the tokens just read."""
+        if self.logprobs:
+            self.pending += [openai.chat_logprob(e) for e in entries]
 
     def events(self, delta: MessageDelta) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
@@ -618,6 +639,7 @@ class _ItemStream:
             if isinstance(part, str):
                 out += self._open("message", lambda: _message("", "in_progress"))
                 out.append(self._text_delta("response.output_text.delta", part, logprobs=[]))
+                self._send_logprobs(out[-1][1])
                 continue
             if part.name is not None:
                 call = partial(_function_call, part.name, "", "in_progress", self.namespaced)
@@ -637,8 +659,16 @@ class _ItemStream:
         out = self.events(delta)
         if self.item is None and not self.done:
             out += self._open("message", lambda: _message("", "in_progress"))
+        if self.pending and self.item is not None and self.item["type"] == "message":
+            # The tokens read after the message's last text (its end token): one more delta.
+            out.append(self._text_delta("response.output_text.delta", "", logprobs=[]))
+            self._send_logprobs(out[-1][1])
         out += self._finish("incomplete" if cut else "completed")
         return out
+
+    def _send_logprobs(self, delta: dict[str, Any]) -> None:
+        delta["logprobs"], self.pending = self.pending, []
+        self.sent += delta["logprobs"]
 
     def _where(self, **more: Any) -> dict[str, Any]:
         assert self.item is not None
@@ -684,8 +714,13 @@ class _ItemStream:
             )
         else:
             if item["type"] == "message":
-                done, part = _message(self.text, status, item["id"]), _output_text(self.text)
-                text_done = ("response.output_text.done", {"text": self.text, "logprobs": []})
+                logprobs, self.sent = self.sent, []
+                done = _message(self.text, status, item["id"], logprobs)
+                part = _output_text(self.text, logprobs)
+                text_done = (
+                    "response.output_text.done",
+                    {"text": self.text, "logprobs": logprobs},
+                )
             else:
                 done = _reasoning(self.text, status, item["id"])
                 part = {"type": "reasoning_text", "text": self.text}

@@ -250,11 +250,11 @@ class ResponsesRequest(VllmExtensions):
     truncation: Literal["auto", "disabled"] | None = None
     metadata: dict[str, str] | None = None
     include: list[str] | None = None
-    # Accepted, with nothing to do here: a limit on built-in tools (not served), a count that
-    # only output logprobs read (refused), hints to a hosted service's caching, routing and
-    # abuse checks.
-    max_tool_calls: Annotated[int, Field(ge=0)] | None = None
+    # The alternatives each token's logprob lists, with `include` asking for them.
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # Accepted, with nothing to do here: a limit on built-in tools (not served), hints to a
+    # hosted service's caching, routing and abuse checks.
+    max_tool_calls: Annotated[int, Field(ge=0)] | None = None
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
@@ -270,6 +270,11 @@ class ResponsesRequest(VllmExtensions):
     prompt: dict[str, Any] | None = None
 
 
+def output_logprobs(body: ResponsesRequest) -> bool:
+    """Whether the reply's message carries its tokens' logprobs."""
+    return "message.output_text.logprobs" in (body.include or [])
+
+
 def refusal(body: ResponsesRequest) -> ServerError | None:
     """A 400 naming the first option of this request the server does not serve."""
     checks = [
@@ -282,9 +287,9 @@ def refusal(body: ResponsesRequest) -> ServerError | None:
         ("prompt", body.prompt is not None, "stored prompt templates are not supported"),
         (
             "include",
-            "message.output_text.logprobs" in (body.include or []),
-            "output logprobs are not supported on /v1/responses; "
-            "use /v1/chat/completions with logprobs",
+            output_logprobs(body) and body.tools is not None and body.tool_choice != "none",
+            "output logprobs are served for replies without tools: a message's tokens are "
+            "told from its calls' only as the reply is read",
         ),
     ]
     return next((ServerError(400, m, f) for f, bad, m in checks if bad), None)

@@ -472,6 +472,29 @@ def test_vllm_structured_outputs_field_constrains_the_reply(oa):
     assert reply.output_text in ("certainly yes", "no") and reply.status == "completed"
 
 
+def test_output_logprobs_are_the_chat_paths_whole_and_streamed(oa, server_llm):
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+    (expected,) = server_llm.chat([{"role": "user", "content": QUESTION}], params)
+    asked = {"include": ["message.output_text.logprobs"], "top_logprobs": 2, **GREEDY}
+    reply = _checked(oa.responses.create(model=MODEL, input=QUESTION, **asked))
+    (part,) = reply.output[0].content
+    assert part.text == expected.text and len(part.logprobs) == len(expected.token_ids)
+    for got, want in zip(part.logprobs, expected.logprobs, strict=True):
+        assert (got.token, got.logprob, bytes(got.bytes)) == (want.token, want.logprob, want.bytes)
+        assert [t.token for t in got.top_logprobs] == [t.token for t in want.top]
+    events = _checked(list(oa.responses.create(model=MODEL, input=QUESTION, stream=True, **asked)))
+    whole = [lp.model_dump() for lp in part.logprobs]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [lp.model_dump() for d in deltas for lp in d.logprobs] == whole
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.model_dump() for lp in done.logprobs] == whole
+    final = events[-1].response.output[0].content[0]
+    assert [lp.model_dump() for lp in final.logprobs] == whole
+    # Not asked: none.
+    plain = oa.responses.create(model=MODEL, input=QUESTION, **GREEDY)
+    assert plain.output[0].content[0].logprobs == []
+
+
 def test_max_output_tokens_cut_is_incomplete(oa):
     reply = _checked(
         oa.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=4)
@@ -548,7 +571,11 @@ def test_reasoning_items_sent_back_are_accepted(oa):
         ),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id", "resp_unknown"),
         ({"background": True}, "background", "background"),
-        ({"include": ["message.output_text.logprobs"]}, "include", "logprobs"),
+        (
+            {"include": ["message.output_text.logprobs"], "tools": TOOLS},
+            "include",
+            "without tools",
+        ),
         (
             {
                 "text": {"format": {"type": "json_object"}},

@@ -182,7 +182,9 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of `x` in float8 (e4m3) scaled to its largest magnitude, and the float32 scales
     [rows, 1] that bring it back (an all-zero row gets scale 1)."""
     amax = x.abs().amax(dim=-1, keepdim=True).float()
-    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+    # Times the reciprocal, which torch's CUDA division by a number computes anyway (its CPU
+    # one divides): the same scale on both, and in the Triton kernels.
+    scale = torch.where(amax > 0, amax * (1.0 / FP8_MAX), 1.0)
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 

@@ -102,13 +102,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# Divisions here round to nearest (`div_rn`) as torch's do: Triton's `/` on float32 compiles to
-# NVIDIA's approximate division (up to 2 ulp off), which put a value of some rows on the other
-# side of an e4m3 rounding boundary from `fp8_rows` (an H100, 2026-12-05).
+# The arithmetic of `fp8_rows`, bit for bit: the scale is the largest magnitude times the
+# float32 reciprocal of FP8_MAX, and each value is divided by it rounding to nearest (`div_rn`:
+# Triton's `/` on float32 is NVIDIA's approximate division, up to 2 ulp off, which put values of
+# some rows across an e4m3 rounding boundary from `fp8_rows`; an H100, 2026-12-05).
 @triton.jit
 def _fp8_scale(top, FP8_MAX: tl.constexpr):
     """The scale of a row whose largest magnitude is `top` (an all-zero row: 1)."""
-    return tl.where(top > 0, tl.math.div_rn(top, tl.full(top.shape, FP8_MAX, tl.float32)), 1.0)
+    return tl.where(top > 0, top * (1.0 / FP8_MAX), 1.0)
 
 
 @triton.jit

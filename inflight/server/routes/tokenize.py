@@ -4,6 +4,7 @@ through them."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter
@@ -31,7 +32,7 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
             body.prompt, add_special_tokens=body.add_special_tokens is not False
         )
     else:
-        ids = _chat_tokens(body, state)
+        ids = await _chat_tokens(body, state)
     return {
         "count": len(ids),
         "max_model_len": llm.max_model_len,
@@ -40,9 +41,10 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
     }
 
 
-def _chat_tokens(body: TokenizeRequest, state: State) -> list[int]:
+async def _chat_tokens(body: TokenizeRequest, state: State) -> list[int]:
     """The prompt a chat completion of these messages would run (its tools rendered whatever
-    the tool choice)."""
+    the tool choice), rendered on a worker thread as a chat completion's is (its images are
+    read there)."""
     if body.add_special_tokens:
         raise ServerError(
             400,
@@ -64,7 +66,7 @@ def _chat_tokens(body: TokenizeRequest, state: State) -> list[int]:
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
     )
-    return state.client.prompt_tokens(messages, **template)
+    return await asyncio.to_thread(state.client.prompt_tokens, messages, **template)
 
 
 @router.post("/detokenize")

@@ -169,8 +169,17 @@ def template_args(
     thinking: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """The chat-template arguments of a conversation: one that ends with an assistant message
-    is continued from its text (the API's prefill), as a new reply is opened otherwise."""
+    is continued from its text (the API's prefill), as a new reply is opened otherwise. As the
+    API does, a prefill may not end with whitespace (a 400): the reply's first token would
+    carry it."""
     prefill = conversation[-1]["role"] == "assistant"
+    text = conversation[-1].get("content") or ""
+    if prefill and text != text.rstrip():
+        raise ServerError(
+            400,
+            "final assistant content cannot end with trailing whitespace",
+            "messages",
+        )
     return chat.template_args(
         conversation,
         choice,

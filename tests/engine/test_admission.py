@@ -239,6 +239,24 @@ def test_the_priority_policy_seats_lower_priorities_first_then_by_arrival():
     e.shutdown()
 
 
+def test_a_cancelled_queued_request_leaves_the_priority_order_of_the_rest():
+    factory = FakeFactory(step_delay=0.02)
+    e = engine(factory, batch=1, scheduling_policy="priority")
+    running = e.submit(req(tokens=8, prompt=(1,)))
+    wait_until(lambda: e.resident == 1)
+    handles = {
+        prompt: e.submit(req(tokens=2, prompt=(prompt,), priority=priority))
+        for prompt, priority in [(2, 5), (3, 0), (4, -1), (5, 0)]
+    }
+    e.cancel(handles[4].id)
+    with pytest.raises(RequestCancelled):
+        handles[4].get(timeout=10)
+    for h in [running, handles[2], handles[3], handles[5]]:
+        h.get(timeout=10)
+    assert [r.prompt_token_ids[0] for r in factory.admitted] == [1, 3, 5, 2]
+    e.shutdown()
+
+
 def test_a_priority_is_refused_by_name_under_fcfs():
     factory = FakeFactory()
     e = engine(factory)

@@ -90,6 +90,10 @@ def test_a_final_assistant_message_is_continued(client, server_llm):
     assert message.usage.input_tokens == expected.prompt_tokens
     counted = client.messages.count_tokens(model=MODEL, messages=prefill)
     assert counted.input_tokens == expected.prompt_tokens
+    # As the API refuses it: a prefill ending with whitespace.
+    spaced = [*MESSAGES, {"role": "assistant", "content": "My favourite color is "}]
+    with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+        client.messages.create(model=MODEL, messages=spaced, max_tokens=4, **GREEDY)
 
 
 def test_stream_event_order(client, server_llm):

@@ -28,6 +28,7 @@ from inflight.server.protocol import (
     AudioURLPart,
     ChatCompletionRequest,
     ChatMessage,
+    ChatTool,
     CompletionRequest,
     ImagePart,
     InputAudioPart,
@@ -116,6 +117,19 @@ def field_params(body: SamplingFields, choice: ToolChoice | None = None) -> dict
     return {"n": "n", "structured_outputs": constraint, "diffusion": diffusion}
 
 
+def chat_tools(tools: list[ChatTool] | None) -> list[FunctionTool]:
+    """A chat body's function tools."""
+    return [
+        FunctionTool(
+            t.function.name,
+            t.function.description,
+            t.function.parameters,
+            strict=t.function.strict is True,
+        )
+        for t in tools or []
+    ]
+
+
 def chat_tool_choice(body: ChatCompletionRequest, chat: ChatSetup) -> ToolChoice | None:
     """The request's tools and tool_choice (or the legacy functions and function_call: at
     most one call), checked (a 400 naming the field)."""
@@ -139,15 +153,7 @@ def chat_tool_choice(body: ChatCompletionRequest, chat: ChatSetup) -> ToolChoice
         )
     if body.function_call is not None:
         raise ServerError(400, "function_call needs functions", "function_call")
-    tools = [
-        FunctionTool(
-            t.function.name,
-            t.function.description,
-            t.function.parameters,
-            strict=t.function.strict is True,
-        )
-        for t in body.tools or []
-    ]
+    tools = chat_tools(body.tools)
     choice = body.tool_choice
     named = isinstance(choice, NamedToolChoice)
     return tool_choice(
@@ -375,7 +381,6 @@ class ChatReply:
         self.audio, self.voices = audio, voices
         # vLLM's return_token_ids: the prompt's ids, sent with each choice's (None: not asked).
         self.prompt_token_ids = prompt_token_ids
-        self.token_ids = prompt_token_ids is not None
 
     def whole(self, output: RequestOutput) -> dict[str, Any]:
         completion_tokens = sum(len(o.token_ids) for o in output.outputs)
@@ -432,7 +437,7 @@ class ChatReply:
             "finish_reason": self._finish_reason(output.finish_reason, bool(parsed.tool_calls)),
             "stop_reason": output.stop_reason,
         }
-        if self.token_ids:
+        if self.prompt_token_ids is not None:
             choice["token_ids"] = list(output.token_ids)
         return choice
 
@@ -517,7 +522,7 @@ class ChatReply:
                 audio = self.audio.delta(chunk.audio, delta.pop("content", ""))
                 delta = {"audio": audio} if audio else {}
             logprobs = self.logprobs and chunk.logprobs
-            token_ids = self.token_ids and chunk.token_ids
+            token_ids = self.prompt_token_ids is not None and chunk.token_ids
             if not delta and not logprobs and not token_ids:
                 continue
             extra: dict[str, Any] = {}

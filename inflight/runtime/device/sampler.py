@@ -236,7 +236,7 @@ def _min_tokens_bans(rows: list[SamplingRow], eos: tuple[int, ...]) -> list[tupl
 
 
 def _apply_bias(
-    logits: torch.Tensor, rows: list[SamplingRow], banned: list[tuple[int, int]] = ()
+    logits: torch.Tensor, rows: list[SamplingRow], banned: Sequence[tuple[int, int]] = ()
 ) -> None:
     """In place: each row's logit bias, and -inf for its `banned` tokens."""
     entries = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias.items()]

@@ -13,7 +13,7 @@ from inflight.server import openai
 from inflight.server.errors import ServerError
 from inflight.server.protocol import DetokenizeRequest, TokenizeRequest
 from inflight.server.state import State, check_body
-from inflight.server.tools import FunctionTool, ToolChoice
+from inflight.server.tools import ToolChoice
 
 router = APIRouter()
 
@@ -54,10 +54,7 @@ async def _chat_tokens(body: TokenizeRequest, state: State) -> list[int]:
         )
     assert body.messages is not None
     messages = openai.chat_messages(body.messages)
-    tools = [
-        FunctionTool(t.function.name, t.function.description, t.function.parameters)
-        for t in body.tools or []
-    ]
+    tools = openai.chat_tools(body.tools)
     choice = ToolChoice(tools, "none") if tools else None
     template = state.chat.template_args(
         messages,

@@ -22,6 +22,8 @@ import triton.language as tl
 # only where K outgrows N (down: the extra pass reads little beside a long K).
 FEW, MANY = 128, 192
 MAX_ROWS = 256
+# The scaling kernel's tile of the product.
+_BLOCK_M, _BLOCK_N = 16, 256
 
 
 def takes(rows: int, n: int, k: int) -> bool:
@@ -72,9 +74,6 @@ def scale_product(
         BLOCK_N=_BLOCK_N,
     )
     return out
-
-
-_BLOCK_M, _BLOCK_N = 16, 256
 
 
 @triton.jit

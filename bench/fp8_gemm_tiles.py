@@ -1,4 +1,5 @@
-"""Triton FP8 (e4m3) GEMMs against cuBLASLt at 64-256 rows, on Llama-3.1-8B's decoder linears.
+"""Triton FP8 (e4m3) GEMMs against cuBLASLt at 64-256 rows, on Llama-3.1-8B's decoder linears
+(`--dtype bf16`: the same kernels on bf16 operands with scales of 1, against cuBLAS's `F.linear`).
 
 Every candidate computes `fp8_matmul`'s formula, y = (xq * xs) @ (w * ws)^T in bf16 from xq
 [M, K], w [N, K] in e4m3 and scales xs [M, 1], ws [N, 1] in float32, summing in float32 with
@@ -17,6 +18,7 @@ tiles are searched in phases (`_measure`): ~800 timings in all, ~6-7 min on an H
 
     PYTHONPATH=.:bench python3 bench/fp8_gemm_tiles.py [--m 64 128 192 256]
         [--layers qkv o gate_up down] [--kinds tiled tma splitk persistent] [--quick]
+        [--dtype fp8 | bf16]
         (prints the figures; writes JSON to $OUT or bench/out)
     --interpret-check: small cases of each kind on the CPU, in Triton's interpreter.
 """
@@ -43,7 +45,8 @@ from inflight.model.kernels.triton.fp8_matmul import PROMOTE, fp8_few_rows_linea
 from inflight.model.kernels.triton.plan import multiprocessors
 from inflight.model.layers.quantization import fp8_rows
 
-BLOCK_K = 128
+# Bytes of K a step loads of each row: 128 float8 or 64 bf16 values.
+STEP_BYTES = 128
 SHARED_BYTES = 220 * 1024  # loads in flight a program may keep (the H200 has 227 KB)
 ERROR_LIMIT = 5e-3
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -162,6 +165,21 @@ class Config:
         return f"{self.kind} {self.block_n}x{self.block_m} w{self.warps} s{self.stages}{tail}"
 
 
+def block_k_of(dtype: torch.dtype) -> int:
+    return STEP_BYTES // dtype.itemsize
+
+
+def operands(
+    rows: int, k: int, dtype: str, device: str = "cuda"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random [rows, k] operand and its float32 scales [rows, 1]: e4m3 rows scaled to their
+    largest magnitude, or bf16 with scales of 1 (`--dtype bf16`)."""
+    x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+    if dtype == "fp8":
+        return fp8_rows(x)
+    return x, torch.ones(rows, 1, device=device)
+
+
 def gemm(cfg: Config, xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
          programs: int = 0) -> torch.Tensor:  # fmt: skip
     """y [M, N] bf16 by `cfg` (xs, ws: [M, 1], [N, 1] float32, contiguous); `programs`: the
@@ -170,15 +188,16 @@ def gemm(cfg: Config, xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: t
     y = torch.empty(m, n, dtype=torch.bfloat16, device=xq.device)
     bm, bn, split = cfg.block_m, cfg.block_n, cfg.split
     launch = {"num_warps": cfg.warps, "num_stages": cfg.stages, "PROMOTE": PROMOTE}
-    blocks = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK_K}
-    if triton.cdiv(k, BLOCK_K) % split:
-        raise ValueError(f"K {k}: {triton.cdiv(k, BLOCK_K)} steps of {BLOCK_K}, not {split} parts")
-    k_split = triton.cdiv(k, BLOCK_K) // split * BLOCK_K
+    block_k = block_k_of(xq.dtype)
+    blocks = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": block_k}
+    if triton.cdiv(k, block_k) % split:
+        raise ValueError(f"K {k}: {triton.cdiv(k, block_k)} steps of {block_k}, not {split} parts")
+    k_split = triton.cdiv(k, block_k) // split * block_k
     out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=xq.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
     if cfg.kind in ("tma", "persistent") or cfg.tma:
-        x_d = TensorDescriptor.from_tensor(xq, [bm, BLOCK_K])
-        w_d = TensorDescriptor.from_tensor(w, [bn, BLOCK_K])
+        x_d = TensorDescriptor.from_tensor(xq, [bm, block_k])
+        w_d = TensorDescriptor.from_tensor(w, [bn, block_k])
         if cfg.kind == "persistent":
             sms = programs or multiprocessors(xq.device)
             grid = (min(sms, grid[0] * grid[1]),)
@@ -187,7 +206,7 @@ def gemm(cfg: Config, xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: t
         _tma_kernel[grid](x_d, xs, w_d, ws, out, m, n, k, k_split, **blocks, SPLIT=split, **launch)
     else:
         _tiled_kernel[grid](xq, xs, w, ws, out, m, n, k, k_split, **blocks, SPLIT=split,
-                            EVEN_K=k % BLOCK_K == 0, **launch)  # fmt: skip
+                            EVEN_K=k % block_k == 0, **launch)  # fmt: skip
     if split > 1:
         block = 1024
         _reduce_kernel[(triton.cdiv(m * n, block),)](out, xs, ws, y, m, n, SPLIT=split, BLOCK=block)
@@ -216,7 +235,7 @@ def _shapes(m: int, quick: bool, of: tuple = ()) -> list[tuple[int, int, int]]:
 
 def _stages(shape: tuple[int, ...]) -> list[int]:
     """Stage counts that fit in shared memory, the first tried first: the most within 128 KB."""
-    stage = (shape[0] + shape[1]) * BLOCK_K
+    stage = (shape[0] + shape[1]) * STEP_BYTES
     fits = [s for s in (3, 4, 5, 6) if s * stage <= SHARED_BYTES]
     first = max([s for s in fits if s * stage <= 128 * 1024] or fits[:1])
     return [first] + [s for s in (3, 4, 6) if s in fits and s != first]
@@ -230,12 +249,14 @@ def _exact(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor
     return (xq.double() * xs.double()) @ (w.double() * ws.double()).t()
 
 
-def _measure(layer: str, m: int, weights: list, kinds: list[str], quick: bool) -> list[dict]:
+def _measure(
+    layer: str, m: int, weights: list, kinds: list[str], quick: bool, dtype: str
+) -> list[dict]:
     """The us and error of each candidate for `layer` at m rows, references first. A search in
     phases: each shape at its first stage count, then the best two at the others (not with
     --quick); persistent on the best TMA shapes; split-K with the faster loader."""
     (w0, ws0), k = weights[0], weights[0][0].shape[1]
-    xq, xs = fp8_rows(torch.randn(m, k, device=w0.device, dtype=torch.bfloat16))
+    xq, xs = operands(m, k, dtype)
     exact = _exact(xq, xs, w0, ws0)
     rows: list[dict] = []
 
@@ -267,8 +288,14 @@ def _measure(layer: str, m: int, weights: list, kinds: list[str], quick: bool) -
     def few(i: int) -> torch.Tensor:
         return fp8_few_rows_linear(xq, xs, *weights[i], None, torch.bfloat16)
 
-    timed("cublaslt", {"kind": "cublaslt"}, scaled)
-    if m <= 64:
+    def linear(i: int) -> torch.Tensor:
+        return torch.nn.functional.linear(xq, weights[i][0])
+
+    if dtype == "bf16":
+        timed("cublas", {"kind": "cublas"}, linear)
+    else:
+        timed("cublaslt", {"kind": "cublaslt"}, scaled)
+    if m <= 64 and dtype == "fp8":
         timed("few_rows", {"kind": "few_rows"}, few)
     for kind in ("tiled", "tma"):
         if kind in kinds:
@@ -280,7 +307,7 @@ def _measure(layer: str, m: int, weights: list, kinds: list[str], quick: bool) -
         run([Config("persistent", *s, st) for s in shapes for st in stages if st in _stages(s)])
     if "splitk" in kinds and layer in SPLIT_LAYERS:
         tma = [c.kind for c in ranked("tiled", "tma")][:1] == ["tma"]
-        splits = [sp for sp in (2, 4, 8) if triton.cdiv(k, BLOCK_K) % sp == 0]
+        splits = [sp for sp in (2, 4, 8) if triton.cdiv(k, block_k_of(xq.dtype)) % sp == 0]
         shapes = _shapes(m, quick, SPLIT_SHAPES[:: 3 if quick else 1])
         run([Config("splitk", *s, _stages(s)[0], sp, tma) for s in shapes for sp in splits])
         refine("splitk")
@@ -291,53 +318,58 @@ def benchmark(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     start, layers = time.perf_counter(), "+".join(args.layers)
     report: dict = {"args": vars(args), "layers": {}, "sums_us": {}}
+    library = "cublas" if args.dtype == "bf16" else "cublaslt"
+    path = report_path(f"{args.dtype}_gemm_tiles.json")
     for layer in args.layers:
         n, k = LAYERS[layer]
-        copies = max(1, ROTATE_BYTES // (n * k))
-        weights = [fp8_rows(torch.randn(n, k, device="cuda") * 0.02) for _ in range(copies)]
+        size = n * k * (2 if args.dtype == "bf16" else 1)
+        weights = [operands(n, k, args.dtype) for _ in range(max(1, ROTATE_BYTES // size))]
         for m in args.m:
-            rows = _measure(layer, m, weights, args.kinds, args.quick)
+            rows = _measure(layer, m, weights, args.kinds, args.quick, args.dtype)
             best: dict[str, dict] = {}  # each kind's fastest, fastest first
             for r in sorted((r for r in rows if r.get("error", 1) <= ERROR_LIMIT),
                             key=lambda r: r["us"]):  # fmt: skip
                 best.setdefault(r["kind"], r)
             report["layers"][f"{layer}@{m}"] = {"best": best, "candidates": rows}
-            write_report(report_path("fp8_gemm_tiles.json"), **report)  # so far, if cut short
+            write_report(path, **report)  # so far, if cut short
             bad = [r["name"] for r in rows if not r.get("error", 0) <= ERROR_LIMIT]  # NaN too
             note = f"; error > {ERROR_LIMIT}, rejected: {bad}" if bad else ""
             print(f"{layer} ({n}x{k}) m={m}: {len(rows)} timed, {time.perf_counter() - start:.0f} "
                   f"s in{note}")  # fmt: skip
-            ref = best.get("cublaslt", {}).get("us", math.nan)
+            ref = best.get(library, {}).get("us", math.nan)
             for kind, b in best.items():
                 us = b["us"]
                 print(f"  {kind:10s} {us:7.1f} us {2 * m * n * k / us / 1e6:5.0f} TFLOPS "
-                      f"{n * k / us / 1e6:4.2f} TB/s err {b['error']:.1e} x{ref / us:.2f} "
+                      f"{size / us / 1e6:4.2f} TB/s err {b['error']:.1e} x{ref / us:.2f} "
                       f" {b['name']}", flush=True)  # fmt: skip
-    print(f"\nus a call: cuBLASLt -> the fastest other [its kind]; the sum over {layers}")
+    print(f"\nus a call: {library} -> the fastest other [its kind]; the sum over {layers}")
     missing = {"us": math.nan, "kind": "-"}
     for m in args.m:
         bests = [report["layers"][f"{ly}@{m}"]["best"] for ly in args.layers]
         kinds = {kd for b in bests for kd in b}
         sums = {kd: sum(b[kd]["us"] for b in bests) for kd in kinds if all(kd in b for b in bests)}
-        ours = [next((r for kd, r in b.items() if kd != "cublaslt"), missing) for b in bests]
+        ours = [next((r for kd, r in b.items() if kd != library), missing) for b in bests]
         sums["best"] = sum(o["us"] for o in ours)
         report["sums_us"][m] = sums
-        cells = [f"{ly} {b.get('cublaslt', missing)['us']:5.1f} -> {o['us']:5.1f} [{o['kind']}]"
+        cells = [f"{ly} {b.get(library, missing)['us']:5.1f} -> {o['us']:5.1f} [{o['kind']}]"
                  for ly, b, o in zip(args.layers, bests, ours, strict=True)]  # fmt: skip
-        ref = sums.get("cublaslt", math.nan)
+        ref = sums.get(library, math.nan)
         print(f"m={m:3d} | " + " | ".join(cells) + f" | sum {ref:.1f} -> {sums['best']:.1f} "
               f"(x{ref / sums['best']:.2f}); by kind: "
               + ", ".join(f"{kd} {v:.1f}" for kd, v in sorted(sums.items())))  # fmt: skip
-    write_report(report_path("fp8_gemm_tiles.json"), **report)
+    write_report(path, **report)
 
 
 def interpret_check() -> None:
     """Each kind on small shapes on the CPU (Triton's interpreter) against the float64 formula."""
     torch.manual_seed(0)
     errors = []
-    for m, n, k in ((40, 192, 512), (40, 192, 448), (16, 64, 128)):
-        xq, xs = fp8_rows(torch.randn(m, k))
-        w, ws = fp8_rows(torch.randn(n, k) * 0.02)
+    cases = itertools.product(("fp8", "bf16"), ((40, 192, 512), (40, 192, 448), (16, 64, 128)))
+    for dtype, (m, n, k) in cases:
+        xq, xs = operands(m, k, dtype, "cpu")
+        w, ws = operands(n, k, dtype, "cpu")
+        if dtype == "bf16":  # numpy has no bf16: the interpreter would multiply its bits
+            xq, w = xq.float(), w.float()
         exact = _exact(xq, xs, w, ws)
         for cfg in (
             Config("tiled", 64, 32, 4, 3), Config("tiled", 128, 64, 4, 3),
@@ -346,9 +378,9 @@ def interpret_check() -> None:
             Config("splitk", 64, 32, 4, 3, split=2, tma=True),
             Config("persistent", 64, 32, 4, 3), Config("persistent", 128, 64, 4, 3),
         ):  # fmt: skip
-            if triton.cdiv(k, BLOCK_K) % cfg.split == 0:
+            if triton.cdiv(k, block_k_of(xq.dtype)) % cfg.split == 0:
                 errors.append(error := _error(gemm(cfg, xq, xs, w, ws, programs=4), exact))
-                print(f"M={m} N={n} K={k} {cfg.name():32s} error {error:.2e}")
+                print(f"{dtype} M={m} N={n} K={k} {cfg.name():32s} error {error:.2e}")
     # The interpreter truncates float32 to bf16 (the GPU rounds): up to 2**-7 of the largest
     # magnitude, where an indexing or masking fault is of the order of 1.
     passed = all(e <= 2**-7 for e in errors)  # NaN fails
@@ -362,6 +394,7 @@ def main() -> None:
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dtype", default="fp8", choices=["fp8", "bf16"])
     parser.add_argument("--interpret-check", action="store_true")
     args = parser.parse_args()
     if args.interpret_check and os.environ.get("TRITON_INTERPRET") != "1":

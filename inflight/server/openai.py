@@ -165,6 +165,20 @@ def chat_tool_choice(body: ChatCompletionRequest, chat: ChatSetup) -> ToolChoice
     )
 
 
+# The fields of each `response_format` type. Beside OpenAI's: Hugging Face's InferenceClient
+# sends a json_schema format as TGI's grammar, {"type": "json_object", "value": schema} (TGI also
+# names it "json", and takes {"type": "regex", "value": pattern}); llama.cpp's server reads a
+# json_object's "schema".
+RESPONSE_FORMAT_FIELDS = {
+    "text": {"type"},
+    "json_object": {"type", "value", "schema"},
+    "json_schema": {"type", "json_schema"},
+    "json": {"type", "value"},
+    "regex": {"type", "value"},
+}
+JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}
+
+
 def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
     """The output constraint of `response_format` (chat) or vLLM's `structured_outputs` field;
     a 400 naming the field when it is malformed."""
@@ -176,24 +190,60 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
         )
     if body.structured_outputs is not None:
         return vllm_constraint(body.structured_outputs)
+    if response_format is None:
+        return None
+    return _response_format(response_format, kind)
+
+
+def _response_format(spec: dict[str, Any], kind: Any) -> StructuredOutputs | None:
+    if not isinstance(kind, str) or kind not in RESPONSE_FORMAT_FIELDS:
+        raise ServerError(
+            400,
+            f"response_format type must be text, json_object or json_schema (or TGI's json and "
+            f"regex), got {kind!r}",
+            "response_format.type",
+        )
+    unknown = sorted(set(spec) - RESPONSE_FORMAT_FIELDS[kind])
+    if unknown:
+        raise ServerError(
+            400,
+            f"response_format of type {kind!r} has no field {unknown[0]!r}",
+            f"response_format.{unknown[0]}",
+        )
     if kind == "text":
         return None
-    if kind == "json_object":
-        return StructuredOutputs(json_object=True)
     if kind == "json_schema":
-        spec = (response_format or {}).get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        inner = spec.get("json_schema")
+        if not isinstance(inner, dict) or not isinstance(inner.get("schema", {}), dict):
             raise ServerError(
                 400,
                 "response_format json_schema needs a json_schema object with a schema",
-                "response_format",
+                "response_format.json_schema",
             )
-        return StructuredOutputs(json=spec.get("schema", {}), strict=spec.get("strict") is True)
-    raise ServerError(
-        400,
-        f"response_format type must be text, json_object or json_schema, got {kind!r}",
-        "response_format",
-    )
+        unknown = sorted(set(inner) - JSON_SCHEMA_FIELDS)
+        if unknown:
+            raise ServerError(
+                400,
+                f"response_format.json_schema has no field {unknown[0]!r}",
+                f"response_format.json_schema.{unknown[0]}",
+            )
+        return StructuredOutputs(json=inner.get("schema", {}), strict=inner.get("strict") is True)
+    given = [name for name in ("value", "schema") if name in spec]
+    if len(given) > 1:
+        raise ServerError(
+            400, "send a json_object's schema as value or as schema, not both", "response_format"
+        )
+    if not given and kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    field = f"response_format.{given[0] if given else 'value'}"
+    value = spec.get(given[0]) if given else None
+    if kind == "regex":
+        if not isinstance(value, str):
+            raise ServerError(400, "a regex response_format needs its pattern as value", field)
+        return StructuredOutputs(regex=value)
+    if not isinstance(value, dict):
+        raise ServerError(400, f"{field} must be a JSON schema object", field)
+    return StructuredOutputs(json=value)
 
 
 def vllm_constraint(spec: dict[str, Any]) -> StructuredOutputs:

@@ -348,7 +348,13 @@ def test_streams_are_read_on_the_event_loop(server_llm):
 def test_a_bad_response_format_and_n_are_refused_naming_the_field(server):
     url, _ = server
     for body, param in (
-        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_object", "strict": True}}, "response_format.strict"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}},
+            "response_format.json_schema.x",
+        ),
+        ({"response_format": {"type": "regex", "value": 3}}, "response_format.value"),
         ({"n": 5}, "n"),
     ):
         r = httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES, **body})

@@ -67,6 +67,47 @@ def test_json_schema_chat_streamed_and_whole(oa):
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
 
 
+def test_hugging_face_inference_client_and_tgi_formats_keep_their_schema(oa, server, monkeypatch):
+    """huggingface_hub's InferenceClient sends a json_schema format as TGI's grammar, {"type":
+    "json_object", "value": schema}: the schema holds (it was read as any JSON object), as it
+    does in TGI's {"type": "json", ...} and llama.cpp's {"type": "json_object", "schema": ...};
+    TGI's regex format too. Greedy, each gives the reply of OpenAI's json_schema format."""
+    import huggingface_hub
+    from huggingface_hub import InferenceClient
+
+    # HF_HUB_OFFLINE blocks the client's every request; this one goes to the test's server.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    json_schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    want = oa.chat.completions.create(
+        model=MODEL, messages=ASK, response_format=json_schema, temperature=0, max_tokens=64
+    )
+    want_text = want.choices[0].message.content
+    jsonschema.validate(json.loads(want_text), SCHEMA)
+    hf = InferenceClient(base_url=server + "/v1", api_key="unused")
+    reply = hf.chat_completion(
+        model=MODEL, messages=ASK, response_format=json_schema, temperature=0, max_tokens=64
+    )
+    assert reply.choices[0].message.content == want_text
+    for response_format in (
+        {"type": "json", "value": SCHEMA},
+        {"type": "json_object", "schema": SCHEMA},
+    ):
+        body = {"model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 64}
+        r = httpx.post(
+            server + "/v1/chat/completions", json=body | {"response_format": response_format}
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == want_text
+    phone = oa.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "My phone number?"}],
+        max_tokens=16,
+        temperature=0.8,
+        extra_body={"response_format": {"type": "regex", "value": "[0-9]{3}-[0-9]{4}"}},
+    )
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", phone.choices[0].message.content)
+
+
 def test_a_schema_that_leaves_additional_properties_unsaid_gets_only_its_own(oa):
     """As OpenAI and vLLM serve such schemas: no keys of the model's own, which JSON Schema's
     default would allow."""

@@ -270,6 +270,29 @@ class ResponsesRequest(VllmExtensions):
     prompt: dict[str, Any] | None = None
 
 
+class InputTokensRequest(Strict):
+    """POST /v1/responses/input_tokens: the fields of a Responses request that make its prompt,
+    counted as the response would render it (vLLM's chat_template_kwargs too)."""
+
+    model: str | None = None
+    input: str | list[InputItem] | None = None
+    instructions: str | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    previous_response_id: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Accepted by the schema, refused as /v1/responses refuses it.
+    conversation: str | dict[str, Any] | None = None
+
+    def as_response(self) -> ResponsesRequest:
+        """The Responses request these fields belong to."""
+        return ResponsesRequest(**{name: getattr(self, name) for name in self.model_fields_set})
+
+
 def output_logprobs(body: ResponsesRequest) -> bool:
     """Whether the reply's message carries its tokens' logprobs."""
     return "message.output_text.logprobs" in (body.include or [])

@@ -61,6 +61,12 @@ def test_models_list_the_adapters_with_their_base(setup):
     url, *_ = setup
     data = httpx.get(url + "/v1/models").json()["data"]
     assert [(m["id"], m.get("parent")) for m in data] == [("base", None), ("sql", "base")]
+    # Each one alone (`client.models.retrieve`); a name served by no model is a 404.
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    assert [client.models.retrieve(m["id"]).model_dump(exclude_unset=True) for m in data] == data
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("meta-llama/Llama-3.1-8B")
+    assert "'meta-llama/Llama-3.1-8B' is not served here" in missing.value.body["message"]
 
 
 def test_an_adapter_answers_as_peft_does_and_the_base_as_itself(setup):

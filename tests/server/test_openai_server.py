@@ -298,7 +298,9 @@ def test_an_endpoint_the_server_lacks_is_named_in_the_api_body(server, oa):
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
 
 
-@pytest.mark.parametrize("path", ["/metrics", "/health", "/health/ready", "/v1/models"])
+@pytest.mark.parametrize(
+    "path", ["/metrics", "/health", "/health/ready", "/v1/models", f"/v1/models/{MODEL}"]
+)
 def test_head_answers_where_get_does_with_its_headers_and_no_body(server, path):
     got = httpx.get(server[0] + path)
     head = httpx.head(server[0] + path)

@@ -374,6 +374,27 @@ def test_previous_response_id_continues_the_conversation(oa, server_llm):
     assert reply.output_text == expected.text
 
 
+def test_input_tokens_count_the_prompt_a_response_runs(oa, server):
+    """`responses.input_tokens.count` (POST /v1/responses/input_tokens) gives the input tokens
+    a response of the same fields reports: instructions, tools, a stored conversation."""
+    first = oa.responses.create(model=MODEL, input=QUESTION, instructions="Be brief.", **GREEDY)
+    counted = oa.responses.input_tokens.count(model=MODEL, input=QUESTION, instructions="Be brief.")
+    assert counted.object == "response.input_tokens"
+    assert counted.input_tokens == first.usage.input_tokens
+    fields = {"input": "And its weather?", "previous_response_id": first.id, "tools": TOOLS}
+    reply = oa.responses.create(model=MODEL, tool_choice="required", **fields, **GREEDY)
+    counted = oa.responses.input_tokens.count(model=MODEL, tool_choice="required", **fields)
+    assert counted.input_tokens == reply.usage.input_tokens > first.usage.input_tokens
+    for extra, param in (
+        ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"max_output_tokens": 5}, "max_output_tokens"),  # not a field of the count
+    ):
+        r = httpx.post(server + "/v1/responses/input_tokens", json={"input": QUESTION, **extra})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+
+
 def test_stored_responses_are_retrieved_and_deleted(oa, server):
     reply = oa.responses.create(model=MODEL, input=QUESTION, **GREEDY)
     got = _checked(oa.responses.retrieve(reply.id))

@@ -166,22 +166,35 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
 @router.api_route("/v1/models", methods=READ)
 async def models(state: State) -> dict[str, Any]:
     """The base model, and each LoRA adapter with the base as its parent."""
+    return {"object": "list", "data": _model_cards(state)}
+
+
+# A path: served names may hold slashes ("meta-llama/Llama-3.1-8B").
+@router.api_route("/v1/models/{model:path}", methods=READ)
+async def model(model: str, state: State) -> dict[str, Any]:
+    """One model of the list (`client.models.retrieve`); 404 for a name not served here."""
+    cards = _model_cards(state)
+    card = next((c for c in cards if c["id"] == model), None)
+    if card is None:
+        names = ", ".join(repr(c["id"]) for c in cards)
+        raise ServerError(404, f"model {model!r} is not served here; served: {names}", "model")
+    return card
+
+
+def _model_cards(state: State) -> list[dict[str, Any]]:
     base = state.settings.served_model_name
     llm = state.client.llm
     entry = {"object": "model", "created": _STARTED, "owned_by": "inflight"}
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": base,
-                **entry,
-                "max_model_len": llm.max_model_len,
-                "input_modalities": llm.input_modalities,
-                "output_modalities": llm.output_modalities,
-            },
-            *({"id": name, **entry, "parent": base, "root": name} for name in llm.lora_adapters),
-        ],
-    }
+    return [
+        {
+            "id": base,
+            **entry,
+            "max_model_len": llm.max_model_len,
+            "input_modalities": llm.input_modalities,
+            "output_modalities": llm.output_modalities,
+        },
+        *({"id": name, **entry, "parent": base, "root": name} for name in llm.lora_adapters),
+    ]
 
 
 def ignored_headers(fields: list[str]) -> dict[str, str]:

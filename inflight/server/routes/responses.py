@@ -1,7 +1,9 @@
-"""OpenAI Responses API routes: create, retrieve and delete responses."""
+"""OpenAI Responses API routes: create, retrieve and delete responses; count a request's input
+tokens."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -11,7 +13,7 @@ from inflight.server import responses
 from inflight.server.errors import ServerError
 from inflight.server.protocol import ignored_fields
 from inflight.server.responses import ResponseStore
-from inflight.server.responses_protocol import ResponsesRequest, refusal
+from inflight.server.responses_protocol import InputTokensRequest, ResponsesRequest, refusal
 from inflight.server.routes import READ
 from inflight.server.routes.openai import SSE_HEADERS, ignored_headers, started
 from inflight.server.state import State, check_body
@@ -72,6 +74,27 @@ async def create_response(
         )
     output = await client.generate(prepared, request.is_disconnected)
     return JSONResponse(reply.whole(output), headers=headers)
+
+
+@router.post("/v1/responses/input_tokens")
+async def count_input_tokens(
+    body: InputTokensRequest, state: State, store: Store
+) -> dict[str, Any]:
+    """The tokens of the prompt a response to these fields would run (a previous response's
+    conversation, instructions and tools included), rendered on a worker thread as a
+    response's is."""
+    check_body(state, body, body.model)
+    request = body.as_response()
+    refused = refusal(request)
+    if refused is not None:
+        raise refused
+    chat = state.chat
+    turn = responses.chat_turn(request, chat, store)
+    template = chat.template_args(
+        turn.messages, turn.choice, request.chat_template_kwargs, turn.template_kwargs
+    )
+    tokens = await asyncio.to_thread(state.client.prompt_tokens, turn.messages, **template)
+    return {"object": "response.input_tokens", "input_tokens": len(tokens)}
 
 
 @router.api_route("/v1/responses/{response_id}", methods=READ)

@@ -428,6 +428,9 @@ IGNORED_FIELDS = (
     "workspace_id",
     "client_metadata",
     "context_management",
+    "prompt_cache_options",
+    "image",
+    "access_programs",
 )
 
 

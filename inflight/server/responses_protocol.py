@@ -261,11 +261,19 @@ class ResponsesRequest(VllmExtensions):
     prompt_cache_retention: str | None = None
     service_tier: str | None = None
     client_metadata: dict[str, Any] | None = None  # Codex's ids of its session and turn
+    # The hosted service's compaction, moderation, cache, image-compression and access
+    # options: accepted and named back (IGNORED_FIELDS).
+    context_management: list[dict[str, Any]] | None = None
+    moderation: dict[str, Any] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    image: dict[str, Any] | None = None
+    access_programs: dict[str, Any] | None = None
     # vLLM's extensions beside its sampling ones (`VllmExtensions`), as on chat completions.
     skip_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     # Accepted by the schema, refused (`refusal`) when set.
     background: bool | None = None
+    background_options: dict[str, Any] | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
 
@@ -302,6 +310,11 @@ def refusal(body: ResponsesRequest) -> ServerError | None:
     """A 400 naming the first option of this request the server does not serve."""
     checks = [
         ("background", bool(body.background), "background responses are not supported"),
+        (
+            "background_options",
+            body.background_options is not None,
+            "background responses are not supported",
+        ),
         (
             "conversation",
             body.conversation is not None,

@@ -313,6 +313,32 @@ def test_codex_web_search_and_client_metadata_are_accepted_and_named(oa):
         )  # fmt: skip
 
 
+def test_the_hosted_services_newer_options_are_accepted_and_named(oa, server_llm):
+    """The SDK's compaction, moderation, cache, image and access options: the reply is the
+    plain one, the options named in the ignored-fields header; background options refused as
+    background is."""
+    raw = oa.responses.with_raw_response.create(
+        model=MODEL,
+        input=QUESTION,
+        context_management=[{"type": "compaction", "compact_threshold": 100000}],
+        moderation={"policy": {"input": {"mode": "score"}}},
+        prompt_cache_options={"mode": "implicit"},
+        image={"context_compression": "auto"},
+        access_programs={"cyber": "standard"},
+        **GREEDY,
+    )
+    assert raw.http_response.headers["x-inflight-ignored-fields"] == (
+        "moderation, context_management, prompt_cache_options, image, access_programs"
+    )
+    expected = _expected(server_llm, [{"role": "user", "content": QUESTION}])
+    assert raw.parse().output_text == expected.text
+    with pytest.raises(openai.BadRequestError) as refused:
+        oa.responses.create(
+            model=MODEL, input=QUESTION, background_options={"completion_window": "2h"}, **GREEDY
+        )
+    assert refused.value.body["param"] == "background_options"
+
+
 def test_a_function_call_output_sent_back_gets_a_message(oa, server_llm):
     question = {"role": "user", "content": "What is the weather in Paris?"}
     first = oa.responses.create(

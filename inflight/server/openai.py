@@ -73,7 +73,7 @@ def sampling_params(
                 if body.repetition_penalty is None
                 else body.repetition_penalty
             ),
-            seed=body.seed,
+            seed=_seed(body),
             stop=[body.stop] if isinstance(body.stop, str) else (body.stop or []),
             stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos,
@@ -88,6 +88,16 @@ def sampling_params(
         )
     except ValueError as exc:
         raise ServerError(400, str(exc), str(exc).split(" ", 1)[0]) from exc
+
+
+def _seed(body: SamplingFields) -> int | None:
+    """The seed, also under the name Mistral's client gives it (`random_seed`)."""
+    named = body.random_seed if isinstance(body, ChatCompletionRequest) else None
+    if named is None:
+        return body.seed
+    if body.seed is not None and body.seed != named:
+        raise ServerError(400, "send seed or random_seed, not both", "random_seed")
+    return named
 
 
 # The denoising settings a body may carry (drafts are for library streams: no OpenAI shape
@@ -154,7 +164,7 @@ def chat_tool_choice(body: ChatCompletionRequest, chat: ChatSetup) -> ToolChoice
     if body.function_call is not None:
         raise ServerError(400, "function_call needs functions", "function_call")
     tools = chat_tools(body.tools)
-    choice = body.tool_choice
+    choice = "required" if body.tool_choice == "any" else body.tool_choice
     named = isinstance(choice, NamedToolChoice)
     return tool_choice(
         tools,

@@ -202,8 +202,11 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # "any": Mistral's client's name for "required".
+    tool_choice: Literal["none", "auto", "required", "any"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Mistral's client's name for the seed.
+    random_seed: int | None = None
     # The legacy form of tools and tool_choice (one call a reply, returned as function_call).
     functions: list[FunctionDefinition] | None = None
     function_call: Literal["none", "auto"] | NamedFunction | None = None

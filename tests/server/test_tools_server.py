@@ -120,6 +120,26 @@ def test_required_tool_choice_makes_one_or_more_valid_calls(oa):
     assert len(single.choices[0].message.tool_calls) == 1
 
 
+def test_mistral_clients_names_any_and_random_seed_are_required_and_seed(oa, server):
+    """Mistral's client sends tool_choice "any" for "required" and the seed as random_seed."""
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, **GREEDY}
+    required = oa.chat.completions.create(tool_choice="required", **body)
+    mistral = httpx.post(server + "/v1/chat/completions", json={**body, "tool_choice": "any"})
+    assert mistral.status_code == 200, mistral.text
+    calls = mistral.json()["choices"][0]["message"]["tool_calls"]
+    assert [c["function"] for c in calls] == [
+        c.function.model_dump() for c in required.choices[0].message.tool_calls
+    ]
+    sampled = {"model": MODEL, "messages": MESSAGES, "temperature": 1.0, "max_tokens": 16}
+    seeded = oa.chat.completions.create(seed=7, **sampled).choices[0].message.content
+    named = httpx.post(server + "/v1/chat/completions", json={**sampled, "random_seed": 7})
+    assert named.json()["choices"][0]["message"]["content"] == seeded
+    both = httpx.post(
+        server + "/v1/chat/completions", json={**sampled, "seed": 7, "random_seed": 8}
+    )
+    assert both.status_code == 400 and both.json()["error"]["param"] == "random_seed"
+
+
 @pytest.mark.parametrize("tool_choice", [NAMED, "required"], ids=["named", "required"])
 def test_forced_calls_take_only_the_arguments_the_tool_declares(oa, tool_choice):
     """Not the keys of the model's own that JSON Schema's default allows, which a small model

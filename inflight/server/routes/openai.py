@@ -171,7 +171,7 @@ async def models(state: State) -> dict[str, Any]:
 
 # A path: served names may hold slashes ("meta-llama/Llama-3.1-8B").
 @router.api_route("/v1/models/{model:path}", methods=READ)
-async def model(model: str, state: State) -> dict[str, Any]:
+async def retrieve_model(model: str, state: State) -> dict[str, Any]:
     """One model of the list (`client.models.retrieve`); 404 for a name not served here."""
     cards = _model_cards(state)
     card = next((c for c in cards if c["id"] == model), None)

@@ -120,10 +120,11 @@ def _save_random(
     return model
 
 
-def make_tiny_model(family: str, path: Path, seed: int = 0):
-    """Write a tiny random checkpoint of `family` to `path`; returns the HF model (float32)."""
+def make_tiny_model(family: str, path: Path, seed: int = 0, special: tuple[str, ...] = ()):
+    """Write a tiny random checkpoint of `family` to `path` (its tokenizer with the `special`
+    tokens too); returns the HF model (float32)."""
     config_cls, model_cls, extra = _family(family)
-    return _save_random(model_cls, config_cls(**{**COMMON, **extra}), path, seed)
+    return _save_random(model_cls, config_cls(**{**COMMON, **extra}), path, seed, special)
 
 
 def make_lora_adapter(base: Path, path: Path, seed: int, **config):

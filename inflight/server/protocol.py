@@ -460,6 +460,5 @@ def unsupported(body: BaseModel) -> tuple[str, str] | None:
     if isinstance(body, CompletionRequest):
         checks += [
             ("best_of", body.best_of not in (None, 1), "best_of other than 1 is not supported"),
-            ("suffix", body.suffix is not None, "suffix (insertion) is not supported"),
         ]
     return next(((field, message) for field, bad, message in checks if bad), None)

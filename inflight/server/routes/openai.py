@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inflight.protocol.outputs import RequestOutput
 from inflight.protocol.request import SamplingParams
-from inflight.server import openai
+from inflight.server import infill, openai
 from inflight.server.client import Run
 from inflight.server.errors import ServerError, openai_error_payload
 from inflight.server.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields
@@ -118,6 +118,8 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     lora_name = check_body(state, body, body.model)
     client, llm = state.client, state.client.llm
     prompts = openai.completion_prompts(body.prompt)
+    if body.suffix is not None:
+        prompts = infill.infill_prompts(prompts, body.suffix, body.echo, llm.tokenizer)
     if body.max_tokens == 0 and not body.echo:
         raise ServerError(400, "max_tokens=0 only makes sense with echo", "max_tokens")
     params = openai.sampling_params(

@@ -40,12 +40,14 @@
 11. Batch invariance (`batch_invariant=True`): a request's tokens and logprobs alone and
    beside 1, 7 and 63 others, bit for bit (`check_batch_invariance`).
 
-    python3 bench/gpu_check.py [NAME ...]   (prints a table; exits 1 on a failed check; with
-    names, only the checks whose names contain one of them, e.g. "fused" "greedy")
+    python3 bench/gpu_check.py [NAME ...] [--seeds N]   (prints a table; exits 1 on a failed
+    check; with names, only the checks whose names contain one of them, e.g. "fused" "greedy";
+    each at seeds 0 .. N - 1, 2 by default)
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import functools
 import itertools
@@ -889,6 +891,10 @@ def check_sampler(device: torch.device, seed: int) -> tuple[bool, str]:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="run only the checks whose names hold one")
+    parser.add_argument("--seeds", type=int, default=2, help="each check at seeds 0 .. N - 1")
+    args = parser.parse_args()
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     failed = False
@@ -915,10 +921,9 @@ def main() -> int:
         ("M-RoPE images", functools.partial(check_media, "qwen2-vl")),
         ("audio end to end", functools.partial(check_media, "voxtral")),
     )
-    # Arguments: run only the checks whose names contain one of them.
-    chosen = [(n, c) for n, c in checks if not sys.argv[1:] or any(a in n for a in sys.argv[1:])]
+    chosen = [(n, c) for n, c in checks if not args.names or any(a in n for a in args.names)]
     for name, check in chosen:
-        for seed in (0, 1):
+        for seed in range(args.seeds):
             start = time.perf_counter()
             ok, detail = check(device, seed)
             failed |= not ok

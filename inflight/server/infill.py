@@ -45,8 +45,11 @@ def infill_prompt(tokenizer: Tokenizer, prefix: str, suffix: str) -> list[int]:
             "suffix",
         )
     pre, suf, mid = markers
-    lead = tokenizer.encode("", add_special_tokens=True)
     text = tokenizer.encode(prefix, add_special_tokens=False)
+    # What the tokenizer puts in front of the text (a BOS), and nothing it appends.
+    full = tokenizer.encode(prefix, add_special_tokens=True)
+    starts = range(len(full) - len(text) + 1)
+    lead = full[: next((k for k in starts if full[k : k + len(text)] == text), 0)]
     after = tokenizer.encode(suffix, add_special_tokens=False)
     return [*lead, pre, *text, suf, *after, mid]
 

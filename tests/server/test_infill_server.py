@@ -81,3 +81,32 @@ def test_a_model_without_markers_refuses_a_suffix_by_name(server_llm):
     with pytest.raises(ServerError) as refused:
         infill_prompt(server_llm.tokenizer, PREFIX, SUFFIX)
     assert refused.value.param == "suffix" and refused.value.status == 400
+
+
+class _CharTokenizer:
+    """A token a character, `markers` as single tokens from id 1000; optionally a BOS (1) in
+    front and an EOS (2) after what it encodes with special tokens."""
+
+    def __init__(self, markers: tuple[str, ...], bos: bool, eos: bool) -> None:
+        self.special = {m: 1000 + i for i, m in enumerate(markers)}
+        self.bos, self.eos = bos, eos
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if text in self.special:
+            return [self.special[text]]
+        ids = [ord(c) for c in text]
+        return (
+            [1] * (self.bos and add_special_tokens) + ids + [2] * (self.eos and add_special_tokens)
+        )
+
+    def token_str(self, token_id: int) -> str:
+        return next(m for m, i in self.special.items() if i == token_id)
+
+
+@pytest.mark.parametrize("markers", FIM_MARKERS, ids=["qwen", "starcoder", "deepseek"])
+@pytest.mark.parametrize(("bos", "eos"), [(False, False), (True, False), (True, True)])
+def test_each_family_frames_the_gap_after_a_bos_and_before_no_eos(markers, bos, eos):
+    tok = _CharTokenizer(markers, bos, eos)
+    pre, suf, mid = (tok.special[m] for m in markers)
+    assert fim_markers(tok) == (pre, suf, mid)
+    assert infill_prompt(tok, "ab", "c") == [1] * bos + [pre, 97, 98, suf, 99, mid]

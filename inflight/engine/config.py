@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from inflight.protocol.deployment import SCHEDULING_POLICIES
 from inflight.protocol.request import GenerationRequest, RequestFieldError
 
 
@@ -32,7 +33,7 @@ class EngineConfig:
                 f"idle_wait must be a positive number of seconds (0 would spin), "
                 f"got {self.idle_wait!r}"
             )
-        if self.scheduling_policy not in ("fcfs", "priority"):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
             )

@@ -156,9 +156,12 @@ class EngineClient:
         decoded, preprocessed) there, off the event loop."""
         return await asyncio.to_thread(self.prepare, messages, params, **options)
 
-    def prompt_tokens(self, prompt: object, **template: Any) -> list[int]:
-        """The prompt's token ids (a 400 or 413 as for a request); `template`: chat-template
-        arguments."""
+    async def prompt_tokens(self, prompt: object, **template: Any) -> list[int]:
+        """The prompt's token ids (a 400 or 413 as for a request), rendered on a worker thread
+        as `prepare_chat` renders a conversation; `template`: chat-template arguments."""
+        return await asyncio.to_thread(self._prompt_tokens, prompt, template)
+
+    def _prompt_tokens(self, prompt: object, template: dict[str, Any]) -> list[int]:
         try:
             request = self.llm.prepare(prompt, SamplingParams(max_tokens=1), **template)
             return list(request.prompt_token_ids)

@@ -238,15 +238,14 @@ def _response_format(spec: dict[str, Any], kind: Any) -> StructuredOutputs | Non
                 f"response_format.json_schema.{unknown[0]}",
             )
         return StructuredOutputs(json=inner.get("schema", {}), strict=inner.get("strict") is True)
-    given = [name for name in ("value", "schema") if name in spec]
-    if len(given) > 1:
+    if "value" in spec and "schema" in spec:
         raise ServerError(
             400, "send a json_object's schema as value or as schema, not both", "response_format"
         )
-    if not given and kind == "json_object":
+    name = "schema" if "schema" in spec else "value"
+    if name not in spec and kind == "json_object":
         return StructuredOutputs(json_object=True)
-    field = f"response_format.{given[0] if given else 'value'}"
-    value = spec.get(given[0]) if given else None
+    field, value = f"response_format.{name}", spec.get(name)
     if kind == "regex":
         if not isinstance(value, str):
             raise ServerError(400, "a regex response_format needs its pattern as value", field)

@@ -55,12 +55,17 @@ def check_body(state: ServerState, body: BaseModel, model: str | None) -> str | 
         )
     adapters = llm.lora_adapters
     if model is not None and model != served and model not in adapters:
-        names = ", ".join(repr(n) for n in [served, *adapters])
-        raise ServerError(404, f"model {model!r} is not served here; served: {names}", "model")
+        raise not_served(model, [served, *adapters])
     refusal = unsupported(body)
     if refusal is not None:
         raise ServerError(400, refusal[1], refusal[0])
     return model if model in adapters else None
+
+
+def not_served(model: str, names: list[str]) -> ServerError:
+    """The 404 for a model name none of the served `names` has."""
+    served = ", ".join(repr(n) for n in names)
+    return ServerError(404, f"model {model!r} is not served here; served: {served}", "model")
 
 
 # A route's parameter of this type receives the server's state.

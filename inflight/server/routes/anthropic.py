@@ -64,4 +64,4 @@ async def count_tokens(body: AnthropicCountTokensRequest, state: State) -> dict[
     thinking, _ = anthropic.thinking_switch(body, state.chat)
     choice = ToolChoice(tools, "none") if tools else None
     template = anthropic.template_args(state.chat, conversation, choice, thinking)
-    return {"input_tokens": len(state.client.prompt_tokens(conversation, **template))}
+    return {"input_tokens": len(await state.client.prompt_tokens(conversation, **template))}

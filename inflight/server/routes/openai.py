@@ -20,7 +20,7 @@ from inflight.server.errors import ServerError, openai_error_payload
 from inflight.server.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields
 from inflight.server.routes import READ
 from inflight.server.spoken import AUDIO_PARAMS, SpokenReply, chat_audio
-from inflight.server.state import State, check_body
+from inflight.server.state import State, check_body, not_served
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "Connection": "keep-alive"}
 IGNORED_HEADER = "X-Inflight-Ignored-Fields"
@@ -178,8 +178,7 @@ async def retrieve_model(model: str, state: State) -> dict[str, Any]:
     cards = _model_cards(state)
     card = next((c for c in cards if c["id"] == model), None)
     if card is None:
-        names = ", ".join(repr(c["id"]) for c in cards)
-        raise ServerError(404, f"model {model!r} is not served here; served: {names}", "model")
+        raise not_served(model, [c["id"] for c in cards])
     return card
 
 

@@ -3,7 +3,6 @@ tokens."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -81,8 +80,7 @@ async def count_input_tokens(
     body: InputTokensRequest, state: State, store: Store
 ) -> dict[str, Any]:
     """The tokens of the prompt a response to these fields would run (a previous response's
-    conversation, instructions and tools included), rendered on a worker thread as a
-    response's is."""
+    conversation, instructions and tools included)."""
     check_body(state, body, body.model)
     request = body.as_response()
     refused = refusal(request)
@@ -93,7 +91,7 @@ async def count_input_tokens(
     template = chat.template_args(
         turn.messages, turn.choice, request.chat_template_kwargs, turn.template_kwargs
     )
-    tokens = await asyncio.to_thread(state.client.prompt_tokens, turn.messages, **template)
+    tokens = await state.client.prompt_tokens(turn.messages, **template)
     return {"object": "response.input_tokens", "input_tokens": len(tokens)}
 
 

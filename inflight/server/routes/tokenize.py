@@ -4,7 +4,6 @@ through them."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter
@@ -43,8 +42,7 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
 
 async def _chat_tokens(body: TokenizeRequest, state: State) -> list[int]:
     """The prompt a chat completion of these messages would run (its tools rendered whatever
-    the tool choice), rendered on a worker thread as a chat completion's is (its images are
-    read there)."""
+    the tool choice)."""
     if body.add_special_tokens:
         raise ServerError(
             400,
@@ -63,7 +61,7 @@ async def _chat_tokens(body: TokenizeRequest, state: State) -> list[int]:
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
     )
-    return await asyncio.to_thread(state.client.prompt_tokens, messages, **template)
+    return await state.client.prompt_tokens(messages, **template)
 
 
 @router.post("/detokenize")

@@ -6,6 +6,11 @@ e4m3 wrongly and has no bf16 constants), so those dtypes stay with `bench/gpu_ch
 device. `TRITON_INTERPRET` is set by the root conftest, before any kernel is decorated.
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -561,3 +566,66 @@ def test_fused_experts_match_the_per_expert_layers(activation):
         ]
     got = moe.fused_experts(x, weights, ids, *stack, *biases, experts.activate)
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+# Run in a process of its own: under TRITON_INTERPRET the kernels are the interpreter's.
+_NORM_LAYOUTS = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from inflight.model.kernels.triton import ops
+from inflight.model.layers.quantization import FP8_MAX
+
+found = {}
+for block in (1024, 4096, 16384):
+    for residual in (False, True):
+        for fp8 in (False, True):
+            signature = {
+                "X": "*bf16", "R": "*bf16", "OUT": "*fp8e4nv" if fp8 else "*bf16",
+                "SCALE": "*fp32", "RES_OUT": "*bf16", "W": "*bf16", "stride_x": "i32",
+                "stride_r": "i32", "stride_o": "i32", "stride_ro": "i32", "size": "i32",
+                "eps": "fp32", "HAS_RESIDUAL": "constexpr", "FP8_MAX": "constexpr",
+                "BLOCK": "constexpr",
+            }
+            # Pointers, strides and the size 16-aligned, as a real launch specializes them.
+            aligned = {(i,): [["tt.divisibility", 16]] for i in range(11)}
+            constants = {"HAS_RESIDUAL": residual, "FP8_MAX": FP8_MAX if fp8 else 0.0,
+                         "BLOCK": block}
+            compiled = triton.compile(
+                ASTSource(ops._rms_norm_kernel, signature, constants, attrs=aligned),
+                target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": 8 if block > 4096 else 4},
+            )
+            found[f"{block} {residual} {fp8}"] = sorted(
+                line.split("=", 1)[1] for line in compiled.asm["ttgir"].splitlines()
+                if line.startswith("#blocked")
+            )
+json.dump(found, sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def norm_layouts() -> dict[str, list[str]]:
+    """The register layouts Triton gives the norm kernel compiled for an sm_90 (no GPU needed),
+    float and float8 output, by row block and residual."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", _NORM_LAYOUTS], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("block", [1024, 4096, 16384])
+def test_the_fp8_norm_is_laid_out_as_the_float_norm_so_its_sum_of_squares_adds_alike(
+    norm_layouts, block, residual
+):
+    """The norm's sum of squares adds each thread's values first, so its bits follow the
+    kernel's register layout: the float8 rows must be computed in the float norm's, or a row's
+    rstd can differ by a bit from `rms_norm`'s (16 values a thread against 8 did, on an H100).
+    The interpreter cannot see this; Triton's compile for sm_90 can, without a GPU."""
+    float_layouts = norm_layouts[f"{block} {residual} False"]
+    assert len(float_layouts) == 1
+    assert norm_layouts[f"{block} {residual} True"] == float_layouts

@@ -11,9 +11,9 @@ The figures are the kernel as the backend launches it (its rows longest first, a
 `plan.decode_order` gives them; a float8 cache through the CUDA kernel of `kernels/cuda` where
 it was built, Triton's beside it); the sweep times its launch settings (keys per iteration, warps,
 pipeline stages), key splits, the rows in order or longest first and the head's keys and values
-read whole or in two halves (`halves`, the FP8 cache's default), over a token-major cache
-([blocks, block_size, KV heads, head size]: the backend's bf16 layout) and a head-major one
-([blocks, KV heads, block_size, head size] read through a permuted view: its float8 layout).
+read whole or in two halves (`halves`, the FP8 cache's default), over the token-major cache
+layout the backend uses ([blocks, block_size, KV heads, head size]) and a head-major one
+([blocks, KV heads, block_size, head size], read through a permuted view).
 
     python3 bench/decode_attention.py [--shapes qwen3-0.6b llama-3.1-8b] [--rows 256 64 16]
         [--sweep]   (prints the figures; writes JSON to $OUT or bench/out)

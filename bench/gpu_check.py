@@ -119,14 +119,8 @@ def check_kernels(
     q = torch.randn(tokens, heads, dim, device=device, dtype=torch.bfloat16)
     k = torch.randn(tokens, kv_heads, dim, device=device, dtype=torch.bfloat16)
     v = torch.randn(tokens, kv_heads, dim, device=device, dtype=torch.bfloat16)
-    triton_backend = TritonAttentionBackend()
-    # Laid out as the backend lays a cache of kv_dtype (a float8 one head-major underneath).
-    cache_k, cache_v = (
-        _filled(
-            triton_backend.new_kv_cache(num_blocks, block_size, kv_heads, dim, kv_dtype, device)
-        )
-        for _ in range(2)
-    )
+    cache_k = torch.randn(num_blocks, block_size, kv_heads, dim, device=device).to(kv_dtype)
+    cache_v = torch.randn(num_blocks, block_size, kv_heads, dim, device=device).to(kv_dtype)
 
     def head_major(cache: torch.Tensor) -> torch.Tensor:
         return cache.permute(2, 0, 1, 3).reshape(kv_heads, -1, dim).float().contiguous()
@@ -139,6 +133,7 @@ def check_kernels(
     expected = reference.forward(
         q.float(), stored_k, stored_v, ref_cache, meta, dim**-0.5, window, sink
     )
+    triton_backend = TritonAttentionBackend()
     triton_backend.plan(meta)
     _poison_allocator(device)
     got = triton_backend.forward(q, k, v, (cache_k, cache_v), meta, dim**-0.5, window, sink)
@@ -155,16 +150,6 @@ def check_kernels(
     return ok, f"rel err {rel:.2e} (decode keys in 16, 1, 4 parts), all written {written}, " + (
         f"KV stored {cache_ok}"
     )
-
-
-def _filled(cache: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """cache, whatever its strides, holding normal values times `scale` in its dtype."""
-    values = (torch.randn(cache.shape, device=cache.device) * scale).to(cache.dtype)
-    if cache.dtype == torch.float8_e4m3fn:  # as bytes: only the layout changes here
-        cache.view(torch.uint8).copy_(values.view(torch.uint8))
-    else:
-        cache.copy_(values)
-    return cache
 
 
 def check_fp8_decode_cuda(device: torch.device, seed: int) -> tuple[bool, str]:
@@ -189,10 +174,9 @@ def check_fp8_decode_cuda(device: torch.device, seed: int) -> tuple[bool, str]:
         at += n
     tables, seq_lens = tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
     fp8 = torch.float8_e4m3fn
-    shape = (len(blocks), block_size, kv_heads, dim, fp8, device)
-    # The backend's layout of a float8 cache (head-major underneath).
-    cache_k = _filled(TritonAttentionBackend().new_kv_cache(*shape), scale=2.0)
-    cache_v = _filled(TritonAttentionBackend().new_kv_cache(*shape))
+    shape = (len(blocks), block_size, kv_heads, dim)
+    cache_k = (torch.randn(shape, device=device) * 2).to(fp8)
+    cache_v = torch.randn(shape, device=device).to(fp8)
     # The slots of a row's last block past its end hold a NaN's bytes: none may leak out.
     for row, n in enumerate(lens):
         if n % block_size:

@@ -50,12 +50,10 @@ def main() -> None:
     }
     caches: dict[str, list[KVCache]] = {}
     for name, backend in backends.items():
-        shape = (len(blocks), BLOCK_SIZE, config.num_kv_heads, config.head_dim)
-        cpu = (torch.float32, torch.device("cpu"))
-        caches[name] = [
-            (backend.new_kv_cache(*shape, *cpu), backend.new_kv_cache(*shape, *cpu))
-            for _ in range(config.num_layers)
-        ]
+        shape = backend.kv_cache_shape(
+            len(blocks), BLOCK_SIZE, config.num_kv_heads, config.head_dim
+        )
+        caches[name] = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
     errors: dict[str, list[float]] = {"hf-float32": [], **{f"inflight-{n}": [] for n in backends}}
     seq = list(ids)
     with torch.inference_mode():

@@ -224,18 +224,10 @@ def step(args: argparse.Namespace) -> dict:
         for slot, adapter in enumerate(adapters):
             model.lora.load(slot, adapter)
         backend = select_backend(None, CPU, torch.float32, config.head_dim)
-        shape = (
-            rows * blocks,
-            block_size,
-            config.num_kv_heads,
-            config.head_dim,
-            torch.float32,
-            CPU,
+        shape = backend.kv_cache_shape(
+            rows * blocks, block_size, config.num_kv_heads, config.head_dim
         )
-        caches = [
-            (backend.new_kv_cache(*shape).normal_(), backend.new_kv_cache(*shape).normal_())
-            for _ in range(config.num_layers)
-        ]
+        caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(config.num_layers)]
         batch = build_ragged_batch(
             [
                 RowInput([i + 5], context, list(range(i * blocks, (i + 1) * blocks)), True)

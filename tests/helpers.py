@@ -22,8 +22,6 @@ from inflight.runtime.device.cuda_graphs import (
 )
 from inflight.runtime.device.model_runner import allocate_kv_cache
 
-CPU = torch.device("cpu")
-
 
 def assert_no_leaks(target) -> None:
     """Every KV block and resident slot is free again (DESIGN invariant 11), of a Runtime or,
@@ -184,11 +182,8 @@ class PagedSequence:
         cfg = model.config
         self.model, self.backend, self.block_size = model, backend, block_size
         self.num_blocks = -(-capacity // block_size)
-        shape = (self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU)
-        self.caches = [
-            (backend.new_kv_cache(*shape), backend.new_kv_cache(*shape))
-            for _ in range(cfg.num_layers)
-        ]
+        shape = backend.kv_cache_shape(self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
         self.length = 0
 
     def extend(self, ids: list[int], media=None, shift: int = 0) -> torch.Tensor:

@@ -6,7 +6,7 @@ A step packs the new tokens of every sequence into one flat run of T tokens. Dec
 query token each) come first, then prefill chunks; `AttentionMetadata` says where each sequence's
 queries start, how much of it is already in the KV cache, which KV blocks hold it and where each
 new token's key and value go. A token's KV slot is block * block_size + offset; how a layer's
-cache tensors are laid out is the attention backend's choice (`new_kv_cache`).
+cache tensors are laid out is the attention backend's choice (`kv_cache_shape`).
 """
 
 from __future__ import annotations

@@ -46,13 +46,11 @@ class HybridSequences:
         cfg = model.config
         self.model, self.backend, self.block_size = model, backend, block_size
         per_seq = -(-capacity // block_size)
-        shape = (num_seqs * per_seq, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = backend.kv_cache_shape(
+            num_seqs * per_seq, block_size, cfg.num_kv_heads, cfg.head_dim
+        )
         self.caches = [
-            (
-                backend.new_kv_cache(*shape, torch.float32, CPU),
-                backend.new_kv_cache(*shape, torch.float32, CPU),
-            )
-            for _ in range(model.num_attention_layers)
+            (torch.zeros(shape), torch.zeros(shape)) for _ in range(model.num_attention_layers)
         ]
         self.states = MambaStates.allocate(cfg, num_seqs, torch.float32, CPU)
         self.tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)]

@@ -48,10 +48,9 @@ class _Sequence:
         cfg = model.config
         self.model, self.backend, self.block_size = model, backend, block_size
         self.table = list(range(-(-capacity // block_size)))
-        shape = (len(self.table), block_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU)
+        shape = backend.kv_cache_shape(len(self.table), block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv = [
-            (backend.new_kv_cache(*shape), backend.new_kv_cache(*shape))
-            for _ in range(model.num_attention_layers)
+            (torch.zeros(shape), torch.zeros(shape)) for _ in range(model.num_attention_layers)
         ]
         self.states = MambaStates.allocate(cfg, 1, torch.float32, CPU)
         self.length = 0

@@ -138,10 +138,8 @@ def test_rows_of_three_adapters_and_the_base_in_one_step(family, form):
     prompts = [[(7 * i + 3 * j) % cfg.vocab_size for j in range(n)] for i, n in enumerate(lengths)]
     tokens = [11, 22, 33, 44, 55, 66]
     block_size, blocks = 16, 2
-    shape = (len(slots) * blocks, block_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU)
-    caches = [
-        (backend.new_kv_cache(*shape), backend.new_kv_cache(*shape)) for _ in range(cfg.num_layers)
-    ]
+    shape = backend.kv_cache_shape(len(slots) * blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(len(slots))]
 
     def step(rows):

@@ -109,56 +109,6 @@ def test_the_backend_stores_the_step_and_attends_like_the_torch_backend(
         assert _rel(got[lo:hi], want[lo:hi]) < bound, (lo, hi)
 
 
-def _laid_head_major(cache: torch.Tensor) -> torch.Tensor:
-    """The same values as cache [blocks, block_size, kv heads, dim] over memory laid out
-    [blocks, kv heads, block_size, dim], as the backend allocates a float8 cache."""
-    blocks, block_size, kv_heads, dim = cache.shape
-    under = torch.empty(blocks, kv_heads, block_size, dim, dtype=cache.dtype)
-    return under.permute(0, 2, 1, 3).copy_(cache)
-
-
-def test_the_backend_lays_a_float8_cache_head_major_under_the_token_major_shape():
-    backend = TritonAttentionBackend()
-    cpu = torch.device("cpu")
-    fp8 = backend.new_kv_cache(5, 16, 4, 128, torch.float8_e4m3fn, cpu)
-    assert fp8.shape == (5, 16, 4, 128) and fp8.stride() == (4 * 16 * 128, 128, 16 * 128, 1)
-    half = backend.new_kv_cache(5, 16, 4, 128, torch.float16, cpu)
-    assert half.shape == (5, 16, 4, 128) and half.is_contiguous()
-    assert not fp8.view(torch.uint8).any() and not half.any()
-
-
-@pytest.mark.parametrize("splits", [None, 4])
-def test_a_head_major_cache_is_stored_and_read_through_its_strides_as_a_token_major_one(
-    splits, monkeypatch
-):
-    """The float8 cache's layout, checked in float16 (the interpreter's float8 is not the
-    GPU's): the backend's stores (`forward`'s and rope_store's) land on the same values and
-    its prefill and decode rows attend to the same bits as over a token-major cache."""
-    monkeypatch.setattr(attention, "multiprocessors", lambda device: H200_SMS)
-    heads, kv_heads, dim = 8, 2, 32
-    meta, caches = _step(SHAPES, kv_heads, dim, torch.float16)
-    tokens = sum(q for q, _ in SHAPES)
-    q = torch.randn(tokens, heads, dim).to(torch.float16)
-    k, v = (torch.randn(tokens, kv_heads, dim).to(torch.float16) for _ in range(2))
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(torch.float16)
-    angle = torch.rand(tokens, 1, dim) * 40
-    cos, sin = angle.cos().to(torch.float16), angle.sin().to(torch.float16)
-    results = []
-    for layout in (lambda c: c.clone(), _laid_head_major):
-        k_cache, v_cache = (layout(c) for c in caches)
-        backend = TritonAttentionBackend()
-        backend.plan(meta)
-        out = backend.forward(q, k, v, (k_cache, v_cache), meta, dim**-0.5)
-        rotated = rope.rope_store(qkv, heads, kv_heads, (cos, sin), meta.slot_mapping,
-                                  k_cache, v_cache)  # fmt: skip
-        out_qkv = attention.paged_attention(
-            rotated, k_cache, v_cache, meta, dim**-0.5, splits=splits
-        )
-        results.append((out, out_qkv, k_cache.contiguous(), v_cache.contiguous()))
-    for token_major, head_major in zip(*results, strict=True):
-        assert torch.equal(token_major, head_major)
-
-
 @pytest.mark.parametrize("splits", [1, 2, 4, 16])
 def test_decode_rows_split_their_keys_and_merge_to_the_same_output(splits):
     """Flash decoding: each row's keys walked in `splits` parts (some empty for short rows),

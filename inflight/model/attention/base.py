@@ -16,17 +16,10 @@ class AttentionBackend(Protocol):
     # over whole heads) on the way.
     takes_qkv: bool
 
-    def new_kv_cache(
-        self,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor:
-        """One layer's key (or value) cache, zeroed, shaped and laid out as this backend reads
-        it."""
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        """The shape of one layer's key (and value) cache tensor."""
         ...
 
     def plan(self, meta: AttentionMetadata) -> None:

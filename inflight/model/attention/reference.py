@@ -21,19 +21,10 @@ class TorchAttentionBackend:
 
     takes_qkv = False
 
-    def new_kv_cache(
-        self,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor:
-        """[KV heads, slots, D]: a head's keys in slot order."""
-        return torch.zeros(
-            num_kv_heads, num_blocks * block_size, head_dim, dtype=dtype, device=device
-        )
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (num_kv_heads, num_blocks * block_size, head_dim)
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Nothing to derive: every sequence is attended on its own."""

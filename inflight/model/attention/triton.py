@@ -2,11 +2,9 @@
 cache.
 
 Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] per layer (a block holds every
-head's keys for `block_size` consecutive positions); a float8 cache is that shape over
-head-major memory (`new_kv_cache`), which every kernel reads through its strides. Decode rows
-go to a kernel with one program per (row, KV head), the rows taken longest first; prefill
-chunks to one with a program per (BLOCK_M queries, query head). Both are planned once per step
-(`kernels/triton/plan.py`).
+head's keys for `block_size` consecutive positions). Decode rows go to a kernel with one program
+per (row, KV head), the rows taken longest first; prefill chunks to one with a program per
+(BLOCK_M queries, query head). Both are planned once per step (`kernels/triton/plan.py`).
 `forward_qkv` takes a layer's fused projection instead of its rotated q and k: one kernel norms
 and rotates them and stores k, v.
 """
@@ -32,26 +30,10 @@ class TritonAttentionBackend:
     def __init__(self, batch_invariant: bool = False) -> None:
         self.splits = 1 if batch_invariant else None
 
-    def new_kv_cache(
-        self,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor:
-        """[blocks, block_size, KV heads, D]; a float8 cache lies head-major underneath (a
-        strided view of [blocks, KV heads, block_size, D]), so that the decode kernel reads a
-        head's keys of a block as one run of 2 KB (bench/RESULTS.md, session 24)."""
-        if dtype == torch.float8_e4m3fn:
-            cache = torch.zeros(
-                num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device
-            )
-            return cache.permute(0, 2, 1, 3)
-        return torch.zeros(
-            num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
-        )
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (num_blocks, block_size, num_kv_heads, head_dim)
 
     def plan(self, meta: AttentionMetadata) -> None:
         meta.plan = plan_step(
@@ -70,14 +52,13 @@ class TritonAttentionBackend:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        block_size = k_cache.shape[1]
-        blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
+        _, _, num_kv_heads, head_dim = k_cache.shape
         for x, cache in ((k, k_cache), (v, v_cache)):
             bound = cache_max(cache.dtype)
-            if bound:  # float8: clamped, and stored as bytes (index_put_ has no float8 kernel)
+            if bound:  # float8: clamped, and copied as bytes (index_copy_ has no float8 kernel)
                 x = x.clamp(-bound, bound).to(cache.dtype).view(torch.uint8)
                 cache = cache.view(torch.uint8)
-            cache.index_put_((blocks, offsets), x)
+            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, x)
         return paged_attention(
             q, k_cache, v_cache, meta, scale, self.splits, window=window, sinks=sinks
         )

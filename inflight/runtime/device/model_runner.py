@@ -70,11 +70,11 @@ def allocate_kv_cache(
         blocks = num_blocks
         if window_blocks is not None and config.window(layer) is not None:
             blocks = window_blocks
-        shape = (blocks, block_size, config.num_kv_heads, config.head_dim)
+        shape = backend.kv_cache_shape(blocks, block_size, config.num_kv_heads, config.head_dim)
         caches.append(
             (
-                backend.new_kv_cache(*shape, dtype, device),
-                backend.new_kv_cache(*shape, dtype, device),
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
             )
         )
     return caches

@@ -24,17 +24,6 @@ def _to_cache(x, CACHE, CACHE_MAX: tl.constexpr):
     return x.to(CACHE.dtype.element_ty)
 
 
-@triton.jit
-def _slot_offsets(
-    SLOTS, t, live, kv_head, stride_block, stride_offset, stride_head, BLOCK_SIZE: tl.constexpr
-):
-    """Where tokens t's KV head `kv_head` lies in a cache [blocks, block_size, KV heads, D] of
-    the given strides (a column, for the head's values along the row)."""
-    slot = tl.load(SLOTS + t, mask=live, other=0).to(tl.int64)[:, None]
-    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-    return block * stride_block + offset * stride_offset + kv_head * stride_head
-
-
 # Tokens per program. One token a program (a head of 64 values for 128 threads) left a prefill
 # of 8,192 tokens at ~200 us a layer, mostly in launching 270k programs. Fixed whatever the step's
 # size, so that a token's norm sums its values in the same order in a prefill as in a decode.
@@ -44,9 +33,9 @@ BLOCK_T = 16
 @triton.jit(do_not_specialize=["tokens"])
 def _rope_store_kernel(
     QKV, Q, K_CACHE, V_CACHE, COS, SIN, SLOTS, Q_NORM, K_NORM, eps, tokens,
-    stride_t, stride_cos, stride_qt, stride_block, stride_offset, stride_head,
+    stride_t, stride_cos, stride_qt, stride_slot,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    NORM: tl.constexpr, CACHE_MAX: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+    NORM: tl.constexpr, CACHE_MAX: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
@@ -60,10 +49,8 @@ def _rope_store_kernel(
     dtype = lo.dtype
     is_q = head < NUM_HEADS
     if head >= NUM_HEADS + NUM_KV_HEADS:
-        dst = V_CACHE + _slot_offsets(
-            SLOTS, t, live, head - NUM_HEADS - NUM_KV_HEADS, stride_block, stride_offset,
-            stride_head, BLOCK_SIZE,
-        ) + i  # fmt: skip
+        slot = tl.load(SLOTS + t, mask=live, other=0).to(tl.int64)[:, None]
+        dst = V_CACHE + slot * stride_slot + (head - NUM_HEADS - NUM_KV_HEADS) * (2 * HALF) + i
         tl.store(dst, _to_cache(lo, V_CACHE, CACHE_MAX), mask=inside)
         tl.store(dst + HALF, _to_cache(hi, V_CACHE, CACHE_MAX), mask=inside)
     else:
@@ -92,10 +79,8 @@ def _rope_store_kernel(
             tl.store(q_dst, out1.to(dtype), mask=inside)
             tl.store(q_dst + HALF, out2.to(dtype), mask=inside)
         else:
-            k_dst = K_CACHE + _slot_offsets(
-                SLOTS, t, live, head - NUM_HEADS, stride_block, stride_offset, stride_head,
-                BLOCK_SIZE,
-            ) + i  # fmt: skip
+            slot = tl.load(SLOTS + t, mask=live, other=0).to(tl.int64)[:, None]
+            k_dst = K_CACHE + slot * stride_slot + (head - NUM_HEADS) * (2 * HALF) + i
             tl.store(k_dst, _to_cache(out1, K_CACHE, CACHE_MAX), mask=inside)
             tl.store(k_dst + HALF, _to_cache(out2, K_CACHE, CACHE_MAX), mask=inside)
 
@@ -117,8 +102,8 @@ def rope_store(
 ) -> torch.Tensor:
     """The rotated queries [T, num_heads, D] of qkv [T, (num_heads + 2 kv heads) * D] (q's heads,
     then k's, then v's); the rotated keys and the values are stored in k_cache and v_cache
-    ([blocks, block_size, kv heads, D] of any strides with D's 1, the two alike; float8 e4m3
-    caches take them clamped to +-448) at `slots` [T]. `angles`: cos and sin
+    ([blocks, block_size, kv heads, D], contiguous; float8 e4m3 caches take them clamped to
+    +-448) at `slots` [T]. `angles`: cos and sin
     [T, 1, D] (`RotaryEmbedding.angles`, RoPE over whole heads); `norms`: q's and k's RMSNorm
     weights [D] and their epsilon, applied per head before RoPE."""
     tokens = qkv.shape[0]
@@ -130,9 +115,8 @@ def rope_store(
         grid = (triton.cdiv(tokens, BLOCK_T), num_heads + 2 * num_kv_heads)
         _rope_store_kernel[grid](
             qkv, q, k_cache, v_cache, cos, sin, slots, q_norm, k_norm, eps, tokens,
-            qkv.stride(0), cos.stride(0), q.stride(0), *k_cache.stride()[:3],
+            qkv.stride(0), cos.stride(0), q.stride(0), k_cache.stride(1),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,
-            NORM=norms is not None, CACHE_MAX=cache_max(k_cache.dtype),
-            BLOCK_SIZE=k_cache.shape[1], BLOCK_T=BLOCK_T,
+            NORM=norms is not None, CACHE_MAX=cache_max(k_cache.dtype), BLOCK_T=BLOCK_T,
         )  # fmt: skip
     return q

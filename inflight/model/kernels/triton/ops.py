@@ -117,9 +117,9 @@ def _fp8_scale(top, FP8_MAX: tl.constexpr):
 @triton.jit
 def _fp8_store(OUT, cols, size, x, scale, FP8_MAX: tl.constexpr):
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-    # Stored 8 bytes at a time, as a bfloat16 row is 16: left to itself, Triton lays the whole
-    # kernel out for 16-byte stores of float8, 16 values a thread where the float norm has 8, and
-    # the norm's sum of squares then adds in another order (a bit apart, an H100, 2026-12-05).
+    # Stored in runs of 8 values, as the float norm stores its bf16 rows: left to itself, Triton
+    # lays the whole kernel out for 16-byte stores of float8, 16 values a thread where the float
+    # norm has 8, and the sum of squares then adds in another order (a bit apart on an H100).
     eights = (cols // 8) * 8 + cols % 8  # cols, seen as runs of 8
     tl.store(OUT + eights, q.to(tl.float8e4nv), mask=cols < size)
 

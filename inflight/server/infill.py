@@ -32,10 +32,16 @@ def fim_markers(tokenizer: Tokenizer) -> tuple[int, int, int] | None:
     return None
 
 
-def infill_prompt(tokenizer: Tokenizer, prefix: str, suffix: str) -> list[int]:
-    """The prompt that asks for the text between `prefix` and `suffix` (the tokens the
-    tokenizer puts in front of any text, such as a BOS, first); a 400 naming `suffix` where
-    the model has no markers."""
+def infill_prompts(
+    prompts: list[str | dict[str, Any]], suffix: str, echo: bool, tokenizer: Tokenizer
+) -> list[dict[str, Any]]:
+    """A completion's prompts, each the prefix of a gap that ends where `suffix` begins, as
+    token ids; a 400 naming the field for token-id prompts and for echo (OpenAI's API refuses it
+    beside a suffix), and naming `suffix` where the model has no markers."""
+    if echo:
+        raise ServerError(400, "echo cannot be used with suffix", "echo")
+    if not all(isinstance(p, str) for p in prompts):
+        raise ServerError(400, "suffix needs text prompts, not token ids", "prompt")
     markers = fim_markers(tokenizer)
     if markers is None:
         raise ServerError(
@@ -44,24 +50,19 @@ def infill_prompt(tokenizer: Tokenizer, prefix: str, suffix: str) -> list[int]:
             f"({', '.join(' '.join(m) for m in FIM_MARKERS)}); this one has none",
             "suffix",
         )
+    after = tokenizer.encode(suffix, add_special_tokens=False)
+    return [{"prompt_token_ids": _framed(tokenizer, markers, str(p), after)} for p in prompts]
+
+
+def _framed(
+    tokenizer: Tokenizer, markers: tuple[int, int, int], prefix: str, after: list[int]
+) -> list[int]:
+    """The prompt asking for the text between `prefix` and the suffix's tokens `after`, the
+    tokens the tokenizer puts in front of any text (a BOS) first."""
     pre, suf, mid = markers
     text = tokenizer.encode(prefix, add_special_tokens=False)
     # What the tokenizer puts in front of the text (a BOS), and nothing it appends.
     full = tokenizer.encode(prefix, add_special_tokens=True)
     starts = range(len(full) - len(text) + 1)
     lead = full[: next((k for k in starts if full[k : k + len(text)] == text), 0)]
-    after = tokenizer.encode(suffix, add_special_tokens=False)
     return [*lead, pre, *text, suf, *after, mid]
-
-
-def infill_prompts(
-    prompts: list[str | dict[str, Any]], suffix: str, echo: bool, tokenizer: Tokenizer
-) -> list[dict[str, Any]]:
-    """A completion's prompts, each the prefix of a gap that ends where `suffix` begins, as
-    token ids (a 400 naming the field for token-id prompts and for echo, as OpenAI's API
-    refuses it beside a suffix)."""
-    if echo:
-        raise ServerError(400, "echo cannot be used with suffix", "echo")
-    if not all(isinstance(p, str) for p in prompts):
-        raise ServerError(400, "suffix needs text prompts, not token ids", "prompt")
-    return [{"prompt_token_ids": infill_prompt(tokenizer, str(p), suffix)} for p in prompts]

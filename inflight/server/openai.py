@@ -202,10 +202,12 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
         return vllm_constraint(body.structured_outputs)
     if response_format is None:
         return None
-    return _response_format(response_format, kind)
+    return _response_format(response_format)
 
 
-def _response_format(spec: dict[str, Any], kind: Any) -> StructuredOutputs | None:
+def _response_format(spec: dict[str, Any]) -> StructuredOutputs | None:
+    """The constraint of a `response_format` body (OpenAI's, TGI's or llama.cpp's types)."""
+    kind = spec.get("type", "text")
     if not isinstance(kind, str) or kind not in RESPONSE_FORMAT_FIELDS:
         raise ServerError(
             400,

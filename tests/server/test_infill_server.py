@@ -8,7 +8,7 @@ import pytest
 
 from inflight import LLM, SamplingParams
 from inflight.server.errors import ServerError
-from inflight.server.infill import FIM_MARKERS, fim_markers, infill_prompt
+from inflight.server.infill import FIM_MARKERS, fim_markers, infill_prompts
 
 from server_harness import serve
 from tiny_models import make_tiny_model
@@ -79,7 +79,7 @@ def test_a_model_without_markers_refuses_a_suffix_by_name(server_llm):
     """The default model's vocabulary has no FIM markers."""
     assert fim_markers(server_llm.tokenizer) is None
     with pytest.raises(ServerError) as refused:
-        infill_prompt(server_llm.tokenizer, PREFIX, SUFFIX)
+        infill_prompts([PREFIX], SUFFIX, False, server_llm.tokenizer)
     assert refused.value.param == "suffix" and refused.value.status == 400
 
 
@@ -109,4 +109,5 @@ def test_each_family_frames_the_gap_after_a_bos_and_before_no_eos(markers, bos, 
     tok = _CharTokenizer(markers, bos, eos)
     pre, suf, mid = (tok.special[m] for m in markers)
     assert fim_markers(tok) == (pre, suf, mid)
-    assert infill_prompt(tok, "ab", "c") == [1] * bos + [pre, 97, 98, suf, 99, mid]
+    (framed,) = infill_prompts(["ab"], "c", False, tok)
+    assert framed == {"prompt_token_ids": [1] * bos + [pre, 97, 98, suf, 99, mid]}

@@ -166,6 +166,15 @@ def test_decode_rows_taken_longest_first_keep_their_bits():
     assert torch.equal(ordered, attention.paged_attention(q, *caches, meta, dim**-0.5, splits=1))
 
 
+def test_decode_rows_past_the_launch_grid_are_refused_by_name():
+    """Rows are the decode grid's second axis, which CUDA caps at 65,535 programs."""
+    q = torch.zeros(1, 8, 32)
+    cache = torch.zeros(1, 16, 2, 32)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="at most 65535 rows a step, not 65536"):
+        attention.decode_attention(q, cache, cache, tables, lens, q, 65_536, 1.0)
+
+
 def test_the_batch_invariant_backend_gives_a_decode_row_its_bits_alone_or_among_80(monkeypatch):
     """By default the step's row count picks how many parts a row's keys are split in (here 16
     alone, 4 among 80 rows), so the order its sums run in; the batch-invariant backend never

@@ -45,6 +45,7 @@ from inflight.model.metadata import AttentionMetadata
 DECODE_BLOCK_N = 128
 SPLIT_BLOCK_N = 64
 PREFILL_BLOCK_N = 64
+MAX_GRID_ROWS = 65_535  # CUDA's limit on a grid's y and z axes
 
 
 @triton.jit
@@ -158,10 +159,12 @@ def _decode_kernel(
     WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, ORDER, ORDERED: tl.constexpr,
     HALVES: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
+    # A row's KV heads are neighbours in the launch order, so the programs reading a block's
+    # tokens of every head run together (4-9 % faster than rows first on an H200).
+    kv_head = tl.program_id(0)
+    row = tl.program_id(1)
     if ORDERED:  # programs take the rows longest first: the last wave is of short ones
         row = tl.load(ORDER + row)
-    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + row)
     lo = 0  # the first key the row's query sees
@@ -375,6 +378,8 @@ def decode_attention(
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     heads = q.shape[1]
     group = heads // num_kv_heads
+    if rows > MAX_GRID_ROWS:  # the launch grid's second axis
+        raise ValueError(f"decode attention takes at most {MAX_GRID_ROWS} rows a step, not {rows}")
     if splits is None:
         splits = decode_splits(rows, num_kv_heads, multiprocessors(q.device))
     cuda = None
@@ -396,7 +401,7 @@ def decode_attention(
             block_n = DECODE_BLOCK_N if splits <= 2 else SPLIT_BLOCK_N
         if halves is None:
             halves = k_cache.dtype == torch.float8_e4m3fn
-        _decode_kernel[(rows, num_kv_heads, splits)](
+        _decode_kernel[(num_kv_heads, rows, splits)](
             q, k_cache, v_cache, out, parts, stats, block_tables, seq_lens, scale, sinks,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),

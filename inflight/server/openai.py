@@ -119,8 +119,7 @@ def diffusion_params(body: SamplingFields) -> DiffusionParams | None:
 
 def field_params(body: SamplingFields, choice: ToolChoice | None = None) -> dict[str, str]:
     """The HTTP field each request field a refusal may name came from."""
-    response_format = isinstance(body, ChatCompletionRequest) and body.response_format
-    constraint = "response_format" if response_format else "structured_outputs"
+    constraint = next(iter(_constraint_fields(body)), "structured_outputs")
     if choice is not None and choice.forced:
         constraint = "tools"
     diffusion = next((name for name in DIFFUSION_FIELDS if getattr(body, name) is not None), "")
@@ -189,17 +188,36 @@ RESPONSE_FORMAT_FIELDS = {
 JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}
 
 
-def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
-    """The output constraint of `response_format` (chat) or vLLM's `structured_outputs` field;
-    a 400 naming the field when it is malformed."""
+def _constraint_fields(body: SamplingFields) -> list[str]:
+    """The fields of `body` that constrain its output (a text response_format does not)."""
     response_format = body.response_format if isinstance(body, ChatCompletionRequest) else None
-    kind = (response_format or {}).get("type", "text")
-    if kind != "text" and body.structured_outputs is not None:
+    sent = {
+        "response_format": (response_format or {}).get("type", "text") != "text",
+        "structured_outputs": body.structured_outputs is not None,
+        "regex": body.regex is not None,
+        "ebnf": body.ebnf is not None,
+    }
+    return [name for name, given in sent.items() if given]
+
+
+def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
+    """The output constraint of `response_format` (chat), vLLM's `structured_outputs` field or
+    SGLang's `regex` and `ebnf`; a 400 naming the field when it is malformed."""
+    fields = _constraint_fields(body)
+    if len(fields) > 1:
         raise ServerError(
-            400, "send response_format or structured_outputs, not both", "structured_outputs"
+            400, f"send one output constraint, not {' and '.join(fields)}", fields[1]
         )
     if body.structured_outputs is not None:
         return vllm_constraint(body.structured_outputs)
+    for name, kind in (("regex", "regex"), ("ebnf", "grammar")):
+        value = getattr(body, name)
+        if value is not None:
+            try:
+                return StructuredOutputs(**{kind: value})
+            except ValueError as exc:
+                raise ServerError(400, f"{name} must be a non-empty string", name) from exc
+    response_format = body.response_format if isinstance(body, ChatCompletionRequest) else None
     if response_format is None:
         return None
     return _response_format(response_format)

@@ -185,6 +185,10 @@ class SamplingFields(VllmExtensions):
     return_token_ids: bool = False
     # Pin the KV of the prompt's system turn (a text prompt: all of it) in the context cache.
     save_system_prompt_kv_cache: bool = False
+    # SGLang's constraint fields: a regular expression (matched whole), an EBNF grammar (GBNF or
+    # Lark).
+    regex: str | None = None
+    ebnf: str | None = None
     # A block-diffusion model's denoising (DiffusionParams; unset: the model's defaults).
     max_denoising_steps: int | None = None
     t_min: float | None = None

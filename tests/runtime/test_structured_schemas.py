@@ -198,3 +198,18 @@ def test_a_schema_that_is_not_json_is_refused_naming_the_field(grammars):
 def test_strict_is_a_boolean_of_a_json_schema(spec):
     with pytest.raises(ValueError, match="strict"):
         StructuredOutputs(**spec)
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        'start: n "+" n\nn: /[0-9]+/',
+        '\n?start: expr\n?expr: n "+" n\nn: /[0-9]+/\n',  # outlines' inlined rules
+        'root ::= n "+" n\nn ::= [0-9]+',  # GBNF
+    ],
+    ids=["lark", "lark inlined start", "gbnf"],
+)
+def test_a_grammar_compiles_in_lark_or_gbnf(grammars, grammar):
+    spec = StructuredOutputs(grammar=grammar)
+    assert _accepts(grammars, spec, "12+7")
+    assert not _accepts(grammars, spec, "12+")

@@ -1,5 +1,6 @@
-"""Structured outputs over HTTP with the official `openai` client: `response_format` and vLLM's
-`structured_outputs`, on chat and completions, streamed and not; bad constraints are 400s."""
+"""Structured outputs over HTTP with the official `openai` client: `response_format`, vLLM's
+`structured_outputs` and SGLang's `regex` and `ebnf`, on chat and completions, streamed and not;
+bad constraints are 400s."""
 
 import json
 import re
@@ -150,6 +151,30 @@ def test_structured_outputs_field_on_completions(oa):
     assert "".join(c.choices[0].text for c in choice if c.choices) in (" yes", " no")
 
 
+def test_sglang_regex_and_ebnf_fields(oa):
+    """As outlines' SGLang model sends them (extra_body), the grammar in Lark with an inlined
+    start rule, as outlines writes its grammars."""
+    regex = oa.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "A phone number?"}],
+        max_tokens=16,
+        temperature=0.8,
+        extra_body={"regex": "\\([0-9]{3}\\) [0-9]{3}-[0-9]{4}"},
+    )
+    assert re.fullmatch(r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}", regex.choices[0].message.content)
+    grammar = '\n?start: sum\n?sum: NUMBER "+" NUMBER\nNUMBER: /[0-9]{1,3}/\n'
+    stream = oa.completions.create(
+        model=MODEL,
+        prompt="An addition:",
+        max_tokens=16,
+        temperature=0.8,
+        stream=True,
+        extra_body={"ebnf": grammar},
+    )
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert re.fullmatch("[0-9]{1,3}[+][0-9]{1,3}", text), text
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "needle"),
     [
@@ -160,6 +185,10 @@ def test_structured_outputs_field_on_completions(oa):
         ),
         ({"structured_outputs": {"regex": r"[^\s\S]"}}, "structured_outputs", "no string"),
         ({"structured_outputs": {"grammar": "start: nothing_here"}}, "structured_outputs", ""),
+        ({"ebnf": "start: nothing_here"}, "ebnf", "does not compile"),
+        ({"regex": ""}, "regex", "non-empty"),
+        ({"structured_outputs": {"regex": "a"}, "regex": "b"}, "regex", "one output constraint"),
+        ({"response_format": {"type": "json_object"}, "ebnf": "start: x"}, "ebnf", "not response"),
     ],
 )
 def test_a_bad_constraint_is_a_400_and_nothing_is_queued(server, server_llm, extra, param, needle):

@@ -19,6 +19,7 @@ import functools
 import json
 import logging
 import os
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -37,6 +38,9 @@ from inflight.runtime.host.rows import ScheduledRow
 log = logging.getLogger(__name__)
 
 _GRAMMAR_CACHE_SIZE = 256
+# A Lark grammar's start rule, also inlined (`?start:`, as outlines writes its grammars) or kept
+# (`!start:`): llguidance's own test for Lark knows only `start:` and reads the rest as GBNF.
+_LARK_START = re.compile(r"^\s*[?!]?start\s*:", re.MULTILINE)
 # Mask rows computed at once, on llguidance's own threads (while the device runs a forward).
 _FILL_THREADS = min(8, os.cpu_count() or 1)
 
@@ -68,7 +72,8 @@ def _grammar_source(spec: StructuredOutputs) -> tuple[str, str]:
         return "choice", json.dumps(list(spec.choice or ()))
     if kind == "regex":
         return "regex", spec.regex or ""
-    return "grammar", spec.grammar or ""
+    grammar = spec.grammar or ""
+    return ("lark" if _LARK_START.search(grammar) else "grammar"), grammar
 
 
 class GrammarCompiler:

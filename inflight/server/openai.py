@@ -205,9 +205,7 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
     SGLang's `regex` and `ebnf`; a 400 naming the field when it is malformed."""
     fields = _constraint_fields(body)
     if len(fields) > 1:
-        raise ServerError(
-            400, f"send one output constraint, not {' and '.join(fields)}", fields[1]
-        )
+        raise ServerError(400, f"send one output constraint, not {' and '.join(fields)}", fields[1])
     if body.structured_outputs is not None:
         return vllm_constraint(body.structured_outputs)
     for name, kind in (("regex", "regex"), ("ebnf", "grammar")):

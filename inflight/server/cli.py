@@ -143,7 +143,7 @@ def _serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # e.g. a tensor-parallel rank that could not start
         print(f"inflight: the model could not start: {exc}", file=sys.stderr)
         return 1
-    name = args.served_model_name or llm.model_name
+    names = args.served_model_name or [llm.model_name]
     client = EngineClient(
         llm,
         max_queued_requests=options.max_queued_requests,
@@ -152,7 +152,8 @@ def _serve(args: argparse.Namespace) -> int:
         metrics=ServerMetrics(llm),
     )
     settings = ServerSettings(
-        served_model_name=name,
+        served_model_name=names[0],
+        model_aliases=tuple(names[1:]),
         api_key=args.api_key,
         chat_template=chat_template,
         tool_call_parser=args.tool_call_parser,
@@ -175,7 +176,7 @@ def _serve(args: argparse.Namespace) -> int:
         else "blocking path, one request at a time"
     )
     print(
-        f"inflight: serving {name} at http://{args.host}:{args.port}/v1 "
+        f"inflight: serving {names[0]} at http://{args.host}:{args.port}/v1 "
         f"({mode}; max_model_len {llm.max_model_len}; queue {options.max_queued_requests}"
         f"{'; context cache' if options.enable_context_reuse else ''}"
         f"; quantization {options.quantization}"
@@ -346,7 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, seconds running requests get to finish before they are cancelled",
     )
     serve.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key)")
-    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the model's name in the API (replies carry the first); requests may use any",
+    )
     serve.add_argument(
         "--max-input-len",
         type=_positive,

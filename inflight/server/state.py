@@ -18,7 +18,9 @@ from inflight.server.warmup import WarmUp
 
 @dataclass(frozen=True)
 class ServerSettings:
-    served_model_name: str
+    served_model_name: str  # the name replies carry
+    # --served-model-name's further names (vLLM's): a request may name the model by any of them.
+    model_aliases: tuple[str, ...] = ()
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     chat_template: str | None = None  # the text of --chat-template
@@ -26,6 +28,10 @@ class ServerSettings:
     reasoning_parser: str | None = None  # --reasoning-parser
     # --warmup-prompts: prefilled and pinned before the server reports ready.
     warmup_prompts: list[Any] = field(default_factory=list)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.model_aliases)
 
 
 @dataclass(frozen=True)
@@ -54,8 +60,9 @@ def check_body(state: ServerState, body: BaseModel, model: str | None) -> str | 
             400, f"{served} is a text-to-speech model: send text to POST /v1/audio/speech", "model"
         )
     adapters = llm.lora_adapters
-    if model is not None and model != served and model not in adapters:
-        raise not_served(model, [served, *adapters])
+    names = state.settings.model_names
+    if model is not None and model not in names and model not in adapters:
+        raise not_served(model, [*names, *adapters])
     refusal = unsupported(body)
     if refusal is not None:
         raise ServerError(400, refusal[1], refusal[0])

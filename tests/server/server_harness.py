@@ -36,6 +36,7 @@ def running(
     api_key=None,
     lifespan="off",
     name="test-model",
+    aliases=(),
     max_body_bytes=8 * 1024 * 1024,
     shutdown_timeout=30.0,
     **chat,
@@ -54,7 +55,11 @@ def running(
         metrics=ServerMetrics(llm),
     )
     settings = ServerSettings(
-        served_model_name=name, api_key=api_key, max_body_bytes=max_body_bytes, **chat
+        served_model_name=name,
+        model_aliases=aliases,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        **chat,
     )
     app = build_app(client, settings)
     port = free_port()

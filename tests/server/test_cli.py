@@ -60,6 +60,9 @@ def test_defaults_are_auto_quantization_and_the_context_cache_on():
     assert options.kv_cache_dtype == "auto"
     assert args.host == "127.0.0.1"  # reachable from elsewhere only when --host says so
     assert args.shutdown_timeout == 30.0
+    assert args.served_model_name is None
+    named = parser.parse_args(["serve", "--served-model-name", "smol", "gpt-4.1"])
+    assert named.served_model_name == ["smol", "gpt-4.1"]
     args = parser.parse_args(["serve", "--no-enable-context-reuse", "--quantization", "none"])
     options = deployment_options(args)
     assert options.quantization == "none" and options.enable_context_reuse is False

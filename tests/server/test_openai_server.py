@@ -121,6 +121,19 @@ def test_models_lists_the_served_model(oa, server_llm):
     assert [m.id for m in models] == [MODEL]
 
 
+def test_the_model_answers_to_each_of_its_served_names(server_llm):
+    """vLLM's `--served-model-name a b`: a request may name either, replies carry the first, the
+    list shows both, and any other name is a 404 naming them."""
+    with serve(server_llm, name="smol", aliases=("gpt-4.1",)) as (url, _):
+        oa = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        assert [m.id for m in oa.models.list().data] == ["smol", "gpt-4.1"]
+        assert oa.models.retrieve("gpt-4.1").id == "gpt-4.1"
+        reply = oa.chat.completions.create(model="gpt-4.1", messages=MESSAGES, max_tokens=2)
+        assert reply.model == "smol" and reply.choices[0].message.content
+        with pytest.raises(openai.NotFoundError, match="served: 'smol', 'gpt-4.1'"):
+            oa.completions.create(model="gpt-5", prompt="Hi", max_tokens=2)
+
+
 def test_client_disconnect_cancels_inside_the_engine(server, server_llm):
     _idle(server_llm)
     url = server[0]

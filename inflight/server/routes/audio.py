@@ -28,7 +28,7 @@ from inflight.server.errors import ServerError, openai_error_payload
 from inflight.server.protocol import Strict, TopP
 from inflight.server.routes import READ
 from inflight.server.routes.openai import IGNORED_HEADER, SSE_HEADERS
-from inflight.server.state import State
+from inflight.server.state import State, not_served
 
 router = APIRouter()
 
@@ -82,11 +82,9 @@ async def voices(state: State) -> dict[str, Any]:
 @router.post("/v1/audio/speech")
 async def speech(body: SpeechRequest, request: Request, state: State) -> Response:
     facts = _speech(state)
-    served = state.settings.served_model_name
-    if body.model is not None and body.model != served:
-        raise ServerError(
-            404, f"model {body.model!r} is not served here; served: {served!r}", "model"
-        )
+    names = state.settings.model_names
+    if body.model is not None and body.model not in names:
+        raise not_served(body.model, list(names))
     if body.response_format not in FORMATS:
         raise ServerError(
             400,

@@ -19,8 +19,8 @@ async def load_lora_adapter(body: LoadLoRARequest, state: State) -> Response:
     """Serve a PEFT adapter under a name (then a `model` of requests); 400 with the reason when
     it cannot be served (LoRA off, a name taken, another base model's shapes, a rank too high)."""
     llm = state.client.llm
-    if body.lora_name == state.settings.served_model_name:
-        raise ServerError(400, "lora_name is the base model's name", "lora_name")
+    if body.lora_name in state.settings.model_names:
+        raise ServerError(400, "lora_name is a name of the base model", "lora_name")
     try:
         # Reading the adapter's files does not touch the model: off the event loop.
         await asyncio.get_running_loop().run_in_executor(

@@ -187,13 +187,16 @@ def _model_cards(state: State) -> list[dict[str, Any]]:
     llm = state.client.llm
     entry = {"object": "model", "created": _STARTED, "owned_by": "inflight"}
     return [
-        {
-            "id": base,
-            **entry,
-            "max_model_len": llm.max_model_len,
-            "input_modalities": llm.input_modalities,
-            "output_modalities": llm.output_modalities,
-        },
+        *(
+            {
+                "id": name,
+                **entry,
+                "max_model_len": llm.max_model_len,
+                "input_modalities": llm.input_modalities,
+                "output_modalities": llm.output_modalities,
+            }
+            for name in state.settings.model_names
+        ),
         *({"id": name, **entry, "parent": base, "root": name} for name in llm.lora_adapters),
     ]
 

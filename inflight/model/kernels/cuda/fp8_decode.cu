@@ -87,7 +87,8 @@ struct Args {
 
 // grid (KV heads, rows, splits), 4 warps. G: query heads a KV head (at most 8). A row's KV heads
 // are neighbours in the launch order, so the programs reading a block's 16 tokens of every head
-// run together: 8-20 % faster than rows first on an H200 (bench/RESULTS.md, session 25).
+// run together: on an H200 8-20 % faster than rows first over blocks scattered through the cache,
+// 1-2 % in the FP8 workload, whose rows hold mostly adjacent blocks (bench/RESULTS.md).
 template <int G>
 __global__ void __launch_bounds__(kWarps * 32, 4) fp8_decode(const Args a) {
     const int row = a.order ? (int)a.order[blockIdx.y] : (int)blockIdx.y;

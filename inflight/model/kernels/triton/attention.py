@@ -160,7 +160,8 @@ def _decode_kernel(
     HALVES: tl.constexpr,
 ):  # fmt: skip
     # A row's KV heads are neighbours in the launch order, so the programs reading a block's
-    # tokens of every head run together (4-9 % faster than rows first on an H200).
+    # tokens of every head run together (on an H200 4-9 % faster than rows first over blocks
+    # scattered through the cache; bench/RESULTS.md).
     kv_head = tl.program_id(0)
     row = tl.program_id(1)
     if ORDERED:  # programs take the rows longest first: the last wave is of short ones

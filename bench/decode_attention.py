@@ -3,7 +3,9 @@
 One layer's decode attention over a paged cache, as a step of the nano-vllm workload sees it:
 `--rows` rows whose contexts are a prompt uniform in [100, 1024] plus a part, uniform, of an
 output uniform in [100, 1024] (mean ~840 tokens); their blocks scattered over the cache as after
-churn. The bytes counted are the keys and values each row reads (its context x KV heads x head
+churn, or (`--blocks runs`) each row's blocks one run, the rows' runs in random order, as the
+engine's first-fit allocation lays out the workload's requests (admitted at once, nothing
+after). The bytes counted are the keys and values each row reads (its context x KV heads x head
 size x 2); the ceilings beside them are a device-to-device copy (bytes read + written) and a
 kernel that only reads the same blocks through the same block tables.
 
@@ -16,7 +18,7 @@ layout the backend uses ([blocks, block_size, KV heads, head size]) and a head-m
 ([blocks, KV heads, block_size, head size], read through a permuted view).
 
     python3 bench/decode_attention.py [--shapes qwen3-0.6b llama-3.1-8b] [--rows 256 64 16]
-        [--sweep]   (prints the figures; writes JSON to $OUT or bench/out)
+        [--blocks scattered|runs] [--sweep]   (prints the figures; writes JSON to $OUT or bench/out)
     python3 bench/decode_attention.py --splits [ROWS ...]   (key splits by row count only)
 """
 
@@ -46,22 +48,41 @@ def contexts(rows: int, seed: int = 0) -> list[int]:
     return [rng.randint(100, 1024) + rng.randint(0, rng.randint(100, 1024)) for _ in range(rows)]
 
 
+def block_tables(lens: list[int], runs: bool, seed: int = 1) -> torch.Tensor:
+    """Rows' block tables over a cache of exactly their blocks (zeros past a row's last):
+    every block placed at random, or (`runs`) each row's blocks consecutive, the runs in a
+    random order."""
+    need = [-(-n // BLOCK_SIZE) for n in lens]
+    rng = random.Random(seed)
+    if runs:
+        order = list(range(len(need)))
+        rng.shuffle(order)
+        starts, at = {}, 0
+        for row in order:
+            starts[row] = at
+            at += need[row]
+        blocks = [b for row, n in enumerate(need) for b in range(starts[row], starts[row] + n)]
+    else:
+        blocks = list(range(sum(need)))
+        rng.shuffle(blocks)
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    at = 0
+    for row, n in enumerate(need):
+        table[row, :n] = torch.tensor(blocks[at : at + n])
+        at += n
+    return table
+
+
 class Case:
     """One layer's caches, queries and block tables for `rows` rows of the given contexts."""
 
-    def __init__(self, shape: str, lens: list[int], dtype: torch.dtype, head_major: bool):
+    def __init__(
+        self, shape: str, lens: list[int], dtype: torch.dtype, head_major: bool, runs: bool = False
+    ):
         heads, kv_heads, dim = SHAPES[shape]
         device = torch.device("cuda")
-        need = [-(-n // BLOCK_SIZE) for n in lens]
-        blocks = list(range(sum(need)))
-        random.Random(1).shuffle(blocks)
-        width = max(need)
-        table = torch.zeros(len(lens), width, dtype=torch.int32)
-        at = 0
-        for row, n in enumerate(need):
-            table[row, :n] = torch.tensor(blocks[at : at + n])
-            at += n
-        self.block_tables = table.to(device)
+        self.block_tables = block_tables(lens, runs).to(device)
+        blocks = int(sum(-(-n // BLOCK_SIZE) for n in lens))
         self.seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
         self.order = torch.argsort(self.seq_lens, descending=True)
         self.q = torch.randn(len(lens), heads, dim, device=device, dtype=torch.bfloat16)
@@ -69,9 +90,9 @@ class Case:
 
         def cache() -> torch.Tensor:
             if head_major:
-                c = torch.randn(len(blocks), kv_heads, BLOCK_SIZE, dim, device=device)
+                c = torch.randn(blocks, kv_heads, BLOCK_SIZE, dim, device=device)
                 return c.to(dtype).permute(0, 2, 1, 3)
-            return torch.randn(len(blocks), BLOCK_SIZE, kv_heads, dim, device=device).to(dtype)
+            return torch.randn(blocks, BLOCK_SIZE, kv_heads, dim, device=device).to(dtype)
 
         self.k, self.v = cache(), cache()
         self.bytes = sum(lens) * kv_heads * dim * 2 * self.k.element_size()
@@ -165,14 +186,14 @@ def sweep(case: Case, reference: torch.Tensor) -> list[dict]:
     return results
 
 
-def splits_sweep(shapes: list[str], rows_list: list[int]) -> list[dict]:
+def splits_sweep(shapes: list[str], rows_list: list[int], runs: bool) -> list[dict]:
     """Each row count's time with its keys in 1, 2 and 4 parts (keys an iteration as the kernel
     takes them for that many), at the workload's contexts and at 1.5x them (a step late in the
     run holds the longer requests), beside the parts `plan.decode_splits` picks."""
     results = []
     for shape, rows, stretch in itertools.product(shapes, rows_list, (1.0, 1.5)):
         lens = [int(n * stretch) for n in contexts(rows)]
-        case = Case(shape, lens, torch.bfloat16, False)
+        case = Case(shape, lens, torch.bfloat16, False, runs)
         reference = case.run().clone()
         picked = decode_splits(
             rows, case.k.shape[2], torch.cuda.get_device_properties(0).multi_processor_count
@@ -196,21 +217,29 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[256, 64, 16])
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument(
+        "--blocks",
+        choices=["scattered", "runs"],
+        default="scattered",
+        help="each block of the rows at random in the cache, or each row's blocks in one run",
+    )
+    parser.add_argument(
         "--splits", nargs="*", type=int, help="only time key splits at these row counts"
     )
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    runs = args.blocks == "runs"
     if args.splits is not None:
-        record = {"splits": splits_sweep(args.shapes, args.splits or [32, 64, 96, 128, 192])}
+        rows = args.splits or [32, 64, 96, 128, 192]
+        record = {"blocks": args.blocks, "splits": splits_sweep(args.shapes, rows, runs)}
         write_report(report_path("decode_splits.json"), **record)
         return
-    record: dict = {"copy_tbs": copy_tbs(), "cases": []}
+    record: dict = {"copy_tbs": copy_tbs(), "blocks": args.blocks, "cases": []}
     print(f"device-to-device copy: {record['copy_tbs']:.2f} TB/s (read + written)", flush=True)
     for shape, rows in itertools.product(args.shapes, args.rows):
         lens = contexts(rows)
         for kv, layout in itertools.product(("bf16", "fp8"), ("token-major", "head-major")):
             dtype = torch.bfloat16 if kv == "bf16" else torch.float8_e4m3fn
-            case = Case(shape, lens, dtype, layout == "head-major")
+            case = Case(shape, lens, dtype, layout == "head-major", runs)
             reference = case.run(native=False).clone()
             ms = do_bench(lambda case=case: case.run(order=case.order))
             read = read_only_ms(case)

@@ -132,6 +132,15 @@ def _serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         print("inflight: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
         return 2
+    # --served-model-name takes every word after it: a model path given after it lands there.
+    stray = next((n for n in args.served_model_name or [] if os.path.exists(n)), None)
+    if args.model is None and stray is not None:
+        print(
+            f"inflight: --served-model-name took {stray!r}, a path: give the model first "
+            "(inflight serve MODEL --served-model-name NAME ...)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         chat_template = read_template(args.chat_template) if args.chat_template else None
         warmup = read_warmup_prompts(args.warmup_prompts) if args.warmup_prompts else []

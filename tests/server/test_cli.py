@@ -50,6 +50,15 @@ def test_a_bad_option_is_a_clear_error(tiny_dirs):
     assert result.returncode == 2 and "max-batch-size" in result.stderr
 
 
+def test_a_model_path_after_served_model_names_is_a_clear_error(tiny_dirs, capsys):
+    """`--served-model-name` takes every word after it, as vLLM's does: a model path put there
+    would serve the default model under the path's name; it is refused, naming the fix."""
+    from inflight.server.cli import main
+
+    assert main(["serve", "--served-model-name", "smol", str(tiny_dirs["llama"])]) == 2
+    assert "give the model first" in capsys.readouterr().err
+
+
 def test_defaults_are_auto_quantization_and_the_context_cache_on():
     from inflight.server.cli import build_parser, deployment_options
 

@@ -82,7 +82,7 @@ class Case:
         heads, kv_heads, dim = SHAPES[shape]
         device = torch.device("cuda")
         self.block_tables = block_tables(lens, runs).to(device)
-        blocks = int(sum(-(-n // BLOCK_SIZE) for n in lens))
+        blocks = sum(-(-n // BLOCK_SIZE) for n in lens)
         self.seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
         self.order = torch.argsort(self.seq_lens, descending=True)
         self.q = torch.randn(len(lens), heads, dim, device=device, dtype=torch.bfloat16)

@@ -61,6 +61,7 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
+from decode_attention import BLOCK_SIZE, block_tables
 from PIL import Image
 
 from inflight.bench.random_model import random_checkpoint
@@ -162,25 +163,19 @@ def check_fp8_decode_cuda(device: torch.device, seed: int) -> tuple[bool, str]:
         return False, "the kernel was not built (see the warning above)"
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    kv_heads, dim, block_size = 4, 128, 16
+    kv_heads, dim, block_size = 4, 128, BLOCK_SIZE
     lens = [1, 2, 15, 16, 17, 100, 999, 1500] + [rng.randint(1, 1200) for _ in range(24)]
     need = [-(-n // block_size) for n in lens]
-    blocks = list(range(sum(need)))
-    rng.shuffle(blocks)
-    tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
-    at = 0
-    for row, n in enumerate(need):
-        tables[row, :n] = torch.tensor(blocks[at : at + n])
-        at += n
-    tables, seq_lens = tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
+    host_tables = block_tables(lens, runs=False, seed=seed)  # blocks scattered over the cache
+    tables, seq_lens = host_tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
     fp8 = torch.float8_e4m3fn
-    shape = (len(blocks), block_size, kv_heads, dim)
+    shape = (sum(need), block_size, kv_heads, dim)
     cache_k = (torch.randn(shape, device=device) * 2).to(fp8)
     cache_v = torch.randn(shape, device=device).to(fp8)
     # The slots of a row's last block past its end hold a NaN's bytes: none may leak out.
     for row, n in enumerate(lens):
         if n % block_size:
-            last = blocks[sum(need[:row]) + need[row] - 1]
+            last = int(host_tables[row, need[row] - 1])
             for cache in (cache_k, cache_v):
                 cache.view(torch.uint8)[last, n % block_size :] = 0x7F
     order = torch.argsort(seq_lens, descending=True)

@@ -33,6 +33,21 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     assert out[2].token_id == int(logits[2].argmax())
 
 
+def test_greedy_only_steps_pick_their_argmax_from_the_logits_as_given():
+    # bf16 logits (ties among them), as a GPU's LM head gives them: the picks of a step whose
+    # rows only take the argmax are those of the float32 path, which a logprobs row takes.
+    logits = (_logits(16, 2000) * 20).to(torch.bfloat16)
+    want = logits.float().argmax(-1).tolist()
+    plain = Sampler(seed=1)(logits, [_row(temperature=0) for _ in range(16)])
+    assert [o.token_id for o in plain] == want
+    assert all(o.logprob is None for o in plain)
+    mixed = Sampler(seed=1)(
+        logits, [_row(temperature=0) for _ in range(15)] + [_row(temperature=0, logprobs=0)]
+    )
+    assert [o.token_id for o in mixed] == want
+    assert mixed[-1].logprob is not None
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy():
     logits = _logits(2)
     for _ in range(20):

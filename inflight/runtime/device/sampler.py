@@ -94,15 +94,23 @@ class Sampler:
         [rows, ceil(vocab / 32)] of the tokens each may take (bit i of word j: token 32 j + i).
         They are masked after bias and penalties, before sampling's filters; logprobs stay
         those of the raw logits."""
+        banned = _min_tokens_bans(rows, self._eos)
+        edited = (
+            masks is not None
+            or bool(banned)
+            or any(r.params.logit_bias or r.params.penalized for r in rows)
+        )
+        if not edited and all(_argmax_only(r) for r in rows):
+            # A widening is exact, so the argmax of the model's bf16 logits is their float32
+            # copy's: on CUDA the copy (a read and two writes of every logit) is not made (the
+            # CPU's native argmax reads float32).
+            tokens = self._argmax(logits if logits.is_cuda else logits.float())
+            host: list[torch.Tensor | None] = [_to_host(tokens), None, None, None]
+            return Sampled(tokens, host, wanted=[], top_n=[], ready=_event(logits.device))
         logits = logits.float()
         biased = logits
         # One copy for bias, penalties and masks to write: the raw logits give the logprobs.
-        banned = _min_tokens_bans(rows, self._eos)
-        if (
-            masks is not None
-            or banned
-            or any(r.params.logit_bias or r.params.penalized for r in rows)
-        ):
+        if edited:
             biased = logits.clone()
             _apply_bias(biased, rows, banned)
             _apply_penalties(biased, rows)
@@ -397,3 +405,8 @@ def _cut(
     mass = before[:, -1] + probs[:, -1]
     reaches = (limit.squeeze(1) == vocab) & (mass < nucleus.squeeze(1))
     return [todo[j] for j in reaches.nonzero().flatten().tolist()]
+
+
+def _argmax_only(row: SamplingRow) -> bool:
+    """Whether the row's pick is its logits' argmax and nothing else of them is returned."""
+    return row.params.greedy and row.params.logprobs is None

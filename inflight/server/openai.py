@@ -188,37 +188,67 @@ RESPONSE_FORMAT_FIELDS = {
 JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}
 
 
+# The constraint fields that carry one kind of `StructuredOutputs` each: SGLang's and vLLM's
+# older ones.
+KIND_FIELDS = {
+    "regex": "regex",
+    "ebnf": "grammar",
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+# vLLM's names for its constraint backends (an option may follow a colon).
+GUIDED_BACKENDS = ("auto", "guidance", "xgrammar", "outlines", "lm-format-enforcer")
+
+
 def _constraint_fields(body: SamplingFields) -> list[str]:
     """The fields of `body` that constrain its output (a text response_format does not)."""
     response_format = body.response_format if isinstance(body, ChatCompletionRequest) else None
     sent = {
         "response_format": (response_format or {}).get("type", "text") != "text",
         "structured_outputs": body.structured_outputs is not None,
-        "regex": body.regex is not None,
-        "ebnf": body.ebnf is not None,
+        **{name: getattr(body, name) is not None for name in KIND_FIELDS},
     }
     return [name for name, given in sent.items() if given]
 
 
 def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
-    """The output constraint of `response_format` (chat), vLLM's `structured_outputs` field or
-    SGLang's `regex` and `ebnf`; a 400 naming the field when it is malformed."""
+    """The output constraint of `response_format` (chat), vLLM's `structured_outputs` field (or
+    its older `guided_*` ones) or SGLang's `regex` and `ebnf`; a 400 naming the field when it is
+    malformed, or when two fields give different constraints."""
+    backend = body.guided_decoding_backend
+    if backend is not None and backend.split(":")[0] not in GUIDED_BACKENDS:
+        raise ServerError(
+            400,
+            f"guided_decoding_backend must be one of {', '.join(GUIDED_BACKENDS)}, got {backend!r}",
+            "guided_decoding_backend",
+        )
     fields = _constraint_fields(body)
-    if len(fields) > 1:
+    constraints = [_constraint_of(body, name) for name in fields]
+    if any(c != constraints[0] for c in constraints[1:]):
         raise ServerError(400, f"send one output constraint, not {' and '.join(fields)}", fields[1])
-    if body.structured_outputs is not None:
+    return constraints[0] if constraints else None
+
+
+def _constraint_of(body: SamplingFields, field: str) -> StructuredOutputs:
+    """The constraint the (sent) field `field` of `body` gives."""
+    if field == "structured_outputs":
+        assert body.structured_outputs is not None
         return vllm_constraint(body.structured_outputs)
-    for name, kind in (("regex", "regex"), ("ebnf", "grammar")):
-        value = getattr(body, name)
-        if value is not None:
-            try:
-                return StructuredOutputs(**{kind: value})
-            except ValueError as exc:
-                raise ServerError(400, f"{name} must be a non-empty string", name) from exc
-    response_format = body.response_format if isinstance(body, ChatCompletionRequest) else None
-    if response_format is None:
-        return None
-    return _response_format(response_format)
+    if field == "response_format":
+        assert isinstance(body, ChatCompletionRequest) and body.response_format is not None
+        constraint = _response_format(body.response_format)
+        assert constraint is not None  # a text format is no constraint field
+        return constraint
+    kind = KIND_FIELDS[field]
+    try:
+        return StructuredOutputs(**{kind: getattr(body, field)})
+    except ValueError as exc:
+        shape = {"json": "a JSON schema object or its text", "choice": "a list of strings"}
+        raise ServerError(
+            400, f"{field} must be {shape.get(kind, 'a non-empty string')}", field
+        ) from exc
 
 
 def _response_format(spec: dict[str, Any]) -> StructuredOutputs | None:

@@ -189,6 +189,14 @@ class SamplingFields(VllmExtensions):
     # Lark).
     regex: str | None = None
     ebnf: str | None = None
+    # vLLM's constraint fields before `structured_outputs` (0.11 and older), each one of its
+    # kinds; guidance's vLLM model sends one beside `structured_outputs`, the same constraint.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # The backend vLLM would constrain with; llguidance serves every one of them.
+    guided_decoding_backend: str | None = None
     # A block-diffusion model's denoising (DiffusionParams; unset: the model's defaults).
     max_denoising_steps: int | None = None
     t_min: float | None = None

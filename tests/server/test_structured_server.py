@@ -1,6 +1,6 @@
 """Structured outputs over HTTP with the official `openai` client: `response_format`, vLLM's
-`structured_outputs` and SGLang's `regex` and `ebnf`, on chat and completions, streamed and not;
-bad constraints are 400s."""
+`structured_outputs` (and its older `guided_*` fields) and SGLang's `regex` and `ebnf`, on chat
+and completions, streamed and not; bad constraints are 400s."""
 
 import json
 import re
@@ -175,6 +175,47 @@ def test_sglang_regex_and_ebnf_fields(oa):
     assert re.fullmatch("[0-9]{1,3}[+][0-9]{1,3}", text), text
 
 
+def test_vllms_older_guided_fields(oa):
+    """vLLM's `guided_*` fields, each one constraint; as guidance's vLLM model sends them, a
+    grammar in `guided_grammar` and again in `structured_outputs`, with a backend's name."""
+    grammar = '\n?start: sum\n?sum: NUMBER "+" NUMBER\nNUMBER: /[0-9]{1,3}/\n'
+    both = oa.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "An addition?"}],
+        max_tokens=16,
+        temperature=0.8,
+        extra_body={
+            "guided_decoding_backend": "guidance",
+            "guided_grammar": grammar,
+            "structured_outputs": {"grammar": grammar},
+        },
+    )
+    assert re.fullmatch("[0-9]{1,3}[+][0-9]{1,3}", both.choices[0].message.content)
+    city = oa.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        temperature=0,
+        max_tokens=64,
+        extra_body={"guided_json": SCHEMA, "guided_decoding_backend": "xgrammar"},
+    )
+    jsonschema.validate(json.loads(city.choices[0].message.content), SCHEMA)
+    phone = oa.completions.create(
+        model=MODEL,
+        prompt="My phone number is",
+        max_tokens=16,
+        temperature=0.8,
+        extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"},
+    )
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", phone.choices[0].text)
+    answer = oa.completions.create(
+        model=MODEL,
+        prompt="Is Paris in France? Answer:",
+        max_tokens=4,
+        extra_body={"guided_choice": [" yes", " no"]},
+    )
+    assert answer.choices[0].text in (" yes", " no")
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "needle"),
     [
@@ -189,6 +230,14 @@ def test_sglang_regex_and_ebnf_fields(oa):
         ({"regex": ""}, "regex", "non-empty"),
         ({"structured_outputs": {"regex": "a"}, "regex": "b"}, "regex", "one output constraint"),
         ({"response_format": {"type": "json_object"}, "ebnf": "start: x"}, "ebnf", "not response"),
+        ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex", "one output"),
+        ({"guided_choice": []}, "guided_choice", "a list of strings"),
+        ({"guided_json": "{not json"}, "guided_json", ""),
+        (
+            {"guided_regex": "a", "guided_decoding_backend": "mine"},
+            "guided_decoding_backend",
+            "one",
+        ),
     ],
 )
 def test_a_bad_constraint_is_a_400_and_nothing_is_queued(server, server_llm, extra, param, needle):

@@ -188,6 +188,19 @@ def test_a_strict_schema_closes_every_object(grammars):
     assert not _accepts(grammars, StructuredOutputs(json=CITY, strict=True), '{"city":"a","b":1}')
 
 
+def test_a_root_id_that_is_no_uri_is_ignored_as_openai_ignores_it(grammars):
+    """The `schema` package writes its title as the root `$id` ("Output Format", a space in
+    it), which llguidance refuses as a base URI: the schema compiles without it; a URI stays."""
+    titled = {**CITY, "$id": "Output Format", "$schema": "http://json-schema.org/draft-07/schema#"}
+    assert _accepts(grammars, StructuredOutputs(json=titled), '{"city":"Paris"}')
+    assert not _accepts(grammars, StructuredOutputs(json=titled), '{"city":"Paris","x":1}')
+    with_uri = {**CITY, "$id": "https://example.com/city.json"}
+    assert _accepts(grammars, StructuredOutputs(json=with_uri), '{"city":"Paris"}')
+    assert grammars.compile(StructuredOutputs(json=with_uri)) != grammars.compile(
+        StructuredOutputs(json=CITY)
+    )
+
+
 def test_a_schema_that_is_not_json_is_refused_naming_the_field(grammars):
     with pytest.raises(RequestFieldError, match="json does not compile") as refused:
         grammars.compile(StructuredOutputs(json="{not json"))

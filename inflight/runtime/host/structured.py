@@ -41,6 +41,10 @@ _GRAMMAR_CACHE_SIZE = 256
 # A Lark grammar's start rule, also inlined (`?start:`, as outlines writes its grammars) or kept
 # (`!start:`): llguidance's own test for Lark knows only `start:` and reads the rest as GBNF.
 _LARK_START = re.compile(r"^\s*[?!]?start\s*:", re.MULTILINE)
+# The characters of a URI reference (RFC 3986). A root `$id` of others is no base any `$ref`
+# could resolve against: OpenAI ignores it, where llguidance refuses the schema (the `schema`
+# package writes a title there, "Output Format", which griptape sends).
+_URI_REFERENCE = re.compile(r"[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=%]*")
 # Mask rows computed at once, on llguidance's own threads (while the device runs a forward).
 _FILL_THREADS = min(8, os.cpu_count() or 1)
 
@@ -64,6 +68,9 @@ def _grammar_source(spec: StructuredOutputs) -> tuple[str, str]:
             raise RequestFieldError(
                 f"structured_outputs json does not compile: {exc}", "structured_outputs"
             ) from exc
+        root_id = schema.get("$id") if isinstance(schema, dict) else None
+        if isinstance(root_id, str) and not _URI_REFERENCE.fullmatch(root_id):
+            schema = {key: value for key, value in schema.items() if key != "$id"}
         # Key order kept: the schema's property order is the output's.
         return "json", json.dumps(forbid_undeclared_properties(schema, strict=spec.strict))
     if kind == "json_object":

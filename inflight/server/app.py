@@ -67,10 +67,22 @@ async def _on_server_error(request: Request, exc: Exception) -> Response:
     return error_response(exc, _is_anthropic(request))
 
 
+# The names pydantic gives a union's members in an error's location (`stop.constrained-str`,
+# `tool_choice.literal['none','auto']`, `guided_json.dict[str,any]`, `tool_choice.NamedToolChoice`):
+# the API's param names the request's fields and indices alone, as OpenAI's does.
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "bytes"}
+
+
+def _is_union_member(part: object) -> bool:
+    return isinstance(part, str) and (
+        part in _TYPE_NAMES or part[:1].isupper() or any(c in part for c in "[]-,'")
+    )
+
+
 async def _on_invalid(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_member(p)]
     message = first.get("msg", "invalid request")
     if first.get("type") == "extra_forbidden":
         message = f"unknown field {loc[-1]!r}" if loc else "unknown field"

@@ -298,6 +298,27 @@ def test_errors_use_the_openai_body(server, body, status, param):
         assert error["param"] is not None and error["param"].startswith(param)
 
 
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"stop": 5}, "stop"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice"),
+        ({"guided_json": 7}, "guided_json"),
+    ],
+)
+def test_a_field_of_several_types_is_named_without_pydantics_member_names(server, extra, param):
+    """pydantic names the member of a union a value failed (`stop.constrained-str`): the error
+    names the field as OpenAI does."""
+    r = httpx.post(
+        server[0] + "/v1/chat/completions", json={"messages": MESSAGES, **extra}, timeout=30
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param + ": ")
+
+
 def test_an_endpoint_the_server_lacks_is_named_in_the_api_body(server, oa):
     with pytest.raises(openai.NotFoundError, match="POST /v1/embeddings"):
         oa.embeddings.create(model=MODEL, input="a")

@@ -251,6 +251,8 @@ class MessageReply:
         self.id = f"msg_{uuid.uuid4().hex}"
         self.model = model
         self.reader = reader
+        # The content blocks of a stream that ended with message_stop (a thread keeps them).
+        self.streamed: list[dict[str, Any]] | None = None
 
     def _message(
         self, content: list[dict], stop_reason: str | None, stop: str | None, usage: dict[str, int]
@@ -324,15 +326,28 @@ class MessageReply:
             },
         )
         yield _event("message_stop", {})
+        self.streamed = blocks.content()
 
 
 class _BlockStream:
     """Content blocks opened as their kind of output arrives (thinking, text, one per tool
-    call), each closed when the next opens; a message without any gets one empty text block."""
+    call), each closed when the next opens; a message without any gets one empty text block.
+    The blocks are also gathered whole, as `MessageReply.whole` would give them."""
 
     def __init__(self) -> None:
         self.index = -1
         self.kind: str | None = None
+        self.blocks: list[dict[str, Any]] = []
+        self.arguments: dict[int, str] = {}  # a tool_use block's streamed input JSON, by index
+
+    def content(self) -> list[dict[str, Any]] | None:
+        """The blocks whole; None where a tool call's input is no JSON (cut by max_tokens)."""
+        for index, text in self.arguments.items():
+            try:
+                self.blocks[index]["input"] = json.loads(text) if text else {}
+            except ValueError:
+                return None
+        return self.blocks
 
     def events(self, delta: MessageDelta) -> list[str]:
         out: list[str] = []
@@ -369,9 +384,17 @@ class _BlockStream:
         self.index += 1
         self.kind = kind
         out.append(_event("content_block_start", {"index": self.index, "content_block": block}))
+        self.blocks.append(dict(block))
         if self.index == 0:
             out.append(_event("ping", {}))
         return out
 
     def _delta(self, delta: dict[str, Any]) -> str:
+        block = self.blocks[self.index]
+        if delta["type"] == "text_delta":
+            block["text"] += delta["text"]
+        elif delta["type"] == "thinking_delta":
+            block["thinking"] += delta["thinking"]
+        else:
+            self.arguments[self.index] = self.arguments.get(self.index, "") + delta["partial_json"]
         return _event("content_block_delta", {"index": self.index, "delta": delta})

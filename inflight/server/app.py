@@ -20,6 +20,7 @@ from inflight.server.errors import ServerError, error_response
 from inflight.server.responses import ResponseStore
 from inflight.server.routes import anthropic, audio, lora, openai, ops, pins, responses, tokenize
 from inflight.server.state import ServerSettings, ServerState
+from inflight.server.threads import ThreadStore
 from inflight.server.warmup import WarmUp
 
 log = logging.getLogger("inflight.server")
@@ -45,6 +46,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     warm_up = WarmUp(settings.warmup_prompts)
     app.state.inflight = ServerState(client, settings, chat, warm_up)
     app.state.responses = ResponseStore()
+    app.state.threads = ThreadStore()
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(_ApiKey, key=settings.api_key)

@@ -28,11 +28,21 @@ _ANTHROPIC_TYPES = {
 
 
 class ServerError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    """`details`: the Anthropic error's machine-readable `details` (an `error_code` a client
+    acts on), where it has them."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        details: dict[str, object] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.details = details
 
 
 def overloaded(message: str = "server request queue is full; retry later") -> ServerError:
@@ -50,10 +60,13 @@ def error_response(error: ServerError, anthropic: bool) -> JSONResponse:
     if anthropic:
         if status == 429:
             status = 529  # Anthropic's "overloaded"
-        body = {
-            "type": "error",
-            "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": error.message},
+        detail: dict[str, object] = {
+            "type": _ANTHROPIC_TYPES.get(status, "api_error"),
+            "message": error.message,
         }
+        if error.details:
+            detail["details"] = error.details
+        body = {"type": "error", "error": detail}
     else:
         body = {
             "error": {

@@ -402,8 +402,24 @@ class AnthropicCountTokensRequest(Strict):
     context_management: dict[str, Any] | None = None  # the hosted service's context edits
 
 
+class AnthropicThreadCreate(Strict):
+    type: Literal["create"]
+
+
+class AnthropicThreadContinue(Strict):
+    type: Literal["continue"]
+    previous_message_id: Annotated[str, Field(min_length=1)]
+
+
+AnthropicThread = Annotated[
+    AnthropicThreadCreate | AnthropicThreadContinue, Field(discriminator="type")
+]
+
+
 class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     max_tokens: Annotated[int, Field(ge=1)]
+    # A message thread: the conversation held by the server between turns (threads.py).
+    thread: AnthropicThread | None = None
     stop_sequences: StopStrings | None = None
     # Pin the KV of the system prompt in the context cache (this server's extension).
     save_system_prompt_kv_cache: bool = False

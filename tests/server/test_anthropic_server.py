@@ -257,3 +257,94 @@ def test_documented_fields_without_meaning_are_accepted_and_named(client):
         client.messages.create(
             model=MODEL, max_tokens=2, messages=MESSAGES, extra_body={"bogus": True}
         )
+
+
+def continue_raw(url, previous, **fields):
+    """A continue of `previous` sent by hand (the SDKs' helpers recover from its rejections)."""
+    body = {
+        "model": MODEL,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "And then?"}],
+        "thread": {"type": "continue", "previous_message_id": previous},
+        **fields,
+    }
+    return httpx.post(url + "/v1/messages", json=body)
+
+
+def test_a_message_thread_holds_the_conversation_between_turns(client, server):
+    thread = client.beta.messages.thread(model=MODEL, max_tokens=12, system="Be brief.", **GREEDY)
+    first = thread.send({"role": "user", "content": "Name a primary color."})
+    second = thread.send({"role": "user", "content": "Name another."})
+    # The second turn was served from the whole conversation, which the server rebuilt...
+    whole = [
+        *MESSAGES,
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": "Name another."},
+    ]
+    counted = client.messages.count_tokens(model=MODEL, system="Be brief.", messages=whole)
+    assert second.usage.input_tokens == counted.input_tokens
+    # ... as a continue of the first reply, which cannot be continued again.
+    r = continue_raw(server, first.id)
+    assert r.status_code == 400
+    assert r.json()["error"]["details"] == {"error_code": "thread_already_continued"}
+    assert continue_raw(server, second.id).status_code == 200
+
+
+def test_a_streamed_thread_turn_is_kept_once_its_stream_is_whole(client, server):
+    thread = client.beta.messages.thread(model=MODEL, max_tokens=12, **GREEDY)
+    with thread.stream({"role": "user", "content": "Name a primary color."}) as stream:
+        first = stream.get_final_message()
+    second = thread.send({"role": "user", "content": "Name another."})
+    whole = [
+        *MESSAGES,
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": "Name another."},
+    ]
+    assert (
+        second.usage.input_tokens
+        == client.messages.count_tokens(model=MODEL, messages=whole).input_tokens
+    )
+
+
+def test_the_tool_runner_continues_its_thread_with_the_tool_results(client, server):
+    calls = []
+
+    @anthropic.beta_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city.
+
+        Args:
+            city: the city's name
+        """
+        calls.append(city)
+        return "sunny"
+
+    runner = client.beta.messages.tool_runner(
+        model=MODEL,
+        max_tokens=40,
+        max_iterations=2,
+        tools=[get_weather],
+        tool_choice={"type": "any"},
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        **GREEDY,
+    )
+    replies = list(runner)
+    # tool_choice any: each reply calls the tool, and the runner answers each call.
+    assert [r.stop_reason for r in replies] == ["tool_use", "tool_use"] and len(calls) == 2
+    # The second request continued the first reply's thread, the tool's result its message.
+    assert continue_raw(server, replies[0].id).json()["error"]["details"] == {
+        "error_code": "thread_already_continued"
+    }
+
+
+def test_thread_rejections_carry_the_apis_error_codes(server):
+    r = continue_raw(server, "msg_unknown")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert r.json()["error"]["details"] == {"error_code": "thread_not_found"}
+    created = httpx.post(
+        server + "/v1/messages",
+        json={"model": MODEL, "max_tokens": 4, "messages": MESSAGES, "thread": {"type": "create"}},
+    ).json()
+    r = continue_raw(server, created["id"], system="Other.")
+    assert r.status_code == 400 and "leave system out" in r.json()["error"]["message"]
+    assert continue_raw(server, created["id"]).status_code == 200  # the refusal kept it open

@@ -1,8 +1,11 @@
-"""Anthropic-compatible routes: messages and token counting."""
+"""Anthropic-compatible routes: messages (in message threads or not) and token counting."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inflight.server import anthropic
@@ -13,14 +16,42 @@ from inflight.server.protocol import (
 )
 from inflight.server.routes.openai import SSE_HEADERS, ignored_headers, started
 from inflight.server.state import State, check_body
+from inflight.server.threads import ThreadStore, ThreadTurn
 from inflight.server.tools import ToolChoice
 
 router = APIRouter()
 
 
+async def thread_store(request: Request) -> ThreadStore:
+    """The store `build_app` put on the app (async, so that FastAPI runs it on the loop)."""
+    return request.app.state.threads
+
+
+Threads = Annotated[ThreadStore, Depends(thread_store)]
+
+
 @router.post("/v1/messages")
-async def messages(body: AnthropicMessagesRequest, request: Request, state: State) -> Response:
+async def messages(
+    body: AnthropicMessagesRequest, request: Request, state: State, threads: Threads
+) -> Response:
     lora_name = check_body(state, body, body.model)
+    turn = threads.begin(body)
+    if turn is None:
+        return await _reply(body, lora_name, request, state, None)
+    try:
+        return await _reply(turn.request(body), lora_name, request, state, turn)
+    except BaseException:
+        turn.release()
+        raise
+
+
+async def _reply(
+    body: AnthropicMessagesRequest,
+    lora_name: str | None,
+    request: Request,
+    state: State,
+    turn: ThreadTurn | None,
+) -> Response:
     client, chat = state.client, state.chat
     choice = anthropic.messages_tool_choice(body, chat)
     conversation = anthropic.chat_messages(body.system, body.messages)
@@ -46,13 +77,31 @@ async def messages(body: AnthropicMessagesRequest, request: Request, state: Stat
     reply = anthropic.MessageReply(lora_name or state.settings.served_model_name, reader)
     if body.stream:
         run = await started(client.run(prepared))
+        events = reply.stream(run, len(prepared.prompt_token_ids))
         return StreamingResponse(
-            reply.stream(run, len(prepared.prompt_token_ids)),
+            events if turn is None else _threaded(events, reply, turn),
             media_type="text/event-stream",
             headers={**SSE_HEADERS, **headers},
         )
     output = await client.generate(prepared, request.is_disconnected)
-    return JSONResponse(reply.whole(output), headers=headers)
+    message = reply.whole(output)
+    if turn is not None:
+        turn.keep(reply.id, message["content"])
+    return JSONResponse(message, headers=headers)
+
+
+async def _threaded(
+    events: AsyncIterator[str], reply: anthropic.MessageReply, turn: ThreadTurn
+) -> AsyncIterator[str]:
+    """A threaded reply's events: the conversation is kept once the stream is whole, and the
+    turn released if it never is (an error event, a client gone)."""
+    try:
+        async for event in events:
+            yield event
+        if reply.streamed is not None:
+            turn.keep(reply.id, reply.streamed)
+    finally:
+        turn.release()
 
 
 @router.post("/v1/messages/count_tokens")

@@ -437,6 +437,10 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     container: Any = None
     diagnostics: Any = None
     inference_geo: str | None = None
+    billing_policy: dict[str, Any] | None = None
+    fallback_credit_token: str | None = None
+    # Substitute models for a request the model declines on policy: this server's never does.
+    fallbacks: Any = None
 
 
 # Fields of the OpenAI and Anthropic request bodies that mean nothing to this server (billing,
@@ -462,6 +466,9 @@ IGNORED_FIELDS = (
     "prompt_cache_options",
     "image",
     "access_programs",
+    "billing_policy",
+    "fallback_credit_token",
+    "fallbacks",
 )
 
 

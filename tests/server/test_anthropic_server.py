@@ -253,6 +253,20 @@ def test_documented_fields_without_meaning_are_accepted_and_named(client):
     assert raw.http_response.headers["x-inflight-ignored-fields"] == (
         "metadata, service_tier, thinking"
     )
+    # The beta API's billing fields and server-side fallbacks (for a model that declines on
+    # policy, which this server's never does).
+    raw = client.beta.messages.with_raw_response.create(
+        model=MODEL,
+        max_tokens=2,
+        messages=MESSAGES,
+        billing_policy={"type": "billing_policy", "bill_to": "self"},
+        fallbacks="default",
+        fallback_credit_token="token",
+    )
+    assert raw.http_response.status_code == 200
+    assert raw.http_response.headers["x-inflight-ignored-fields"] == (
+        "billing_policy, fallback_credit_token, fallbacks"
+    )
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(
             model=MODEL, max_tokens=2, messages=MESSAGES, extra_body={"bogus": True}

@@ -20,6 +20,7 @@ from inflight.server.protocol import (
     AnthropicMessagesRequest,
     AnthropicTextBlock,
     AnthropicThinkingBlock,
+    AnthropicTool,
     AnthropicToolResultBlock,
     AnthropicToolUseBlock,
 )
@@ -103,7 +104,7 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
         if parts:
             out.append({"role": "user", "content": parts})
             parts = []
-        result = _text(block.content or "", where)
+        result = _result_text(block.content or "", f"{where}.{j}.content")
         out.append(
             {
                 "role": "tool",
@@ -114,6 +115,39 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     if parts or not out:
         out.append({"role": "user", "content": parts})
     return out
+
+
+def _result_text(content: str | list[Any], where: str) -> str:
+    """A tool result's text; a `tool_reference` block (a tool search's answer, which loads a
+    deferred tool: `offered_tools`) is read as the name of the tool it loads."""
+    if isinstance(content, str) or not any(_referenced_tool(b) for b in content):
+        return _text(content, where)
+    return "\n".join(
+        f"Tool loaded: {name}" if (name := _referenced_tool(b)) else _text([b], f"{where}.{i}")
+        for i, b in enumerate(content)
+    )
+
+
+def _referenced_tool(block: Any) -> str | None:
+    """The tool a `tool_reference` block names, or None for another block."""
+    if getattr(block, "type", None) != "tool_reference":
+        return None
+    name = getattr(block, "tool_name", None)
+    if not isinstance(name, str) or not name:
+        raise ServerError(400, "a tool_reference block needs the tool_name it loads", "messages")
+    return name
+
+
+def _loaded_tools(messages: list[AnthropicMessage]) -> set[str]:
+    """The tools named by `tool_reference` blocks in the conversation's tool results."""
+    loaded = set()
+    for m in messages:
+        if isinstance(m.content, str):
+            continue
+        for block in m.content:
+            if isinstance(block, AnthropicToolResultBlock) and isinstance(block.content, list):
+                loaded.update(n for b in block.content if (n := _referenced_tool(b)))
+    return loaded
 
 
 def _image_url(block: AnthropicImageBlock, where: str, index: int) -> str:
@@ -132,7 +166,31 @@ def _image_url(block: AnthropicImageBlock, where: str, index: int) -> str:
 
 
 def offered_tools(body: AnthropicCountTokensRequest) -> list[FunctionTool]:
-    return [FunctionTool(t.name, t.description, t.input_schema) for t in body.tools or []]
+    """The tools the model is shown and may call: a deferred tool (`defer_loading`) only once
+    a `tool_reference` in a tool result has loaded it, as the API's tool search does (a
+    reference to a tool the request does not define is a 400). `input_examples` are shown
+    after the description."""
+    tools = body.tools or []
+    loaded = _loaded_tools(body.messages)
+    unknown = sorted(loaded - {t.name for t in tools})
+    if unknown:
+        raise ServerError(
+            400,
+            f"tool_reference names {unknown[0]!r}, which is not one of the request's tools",
+            "messages",
+        )
+    return [
+        FunctionTool(t.name, _described(t), t.input_schema, strict=t.strict)
+        for t in tools
+        if not t.defer_loading or t.name in loaded
+    ]
+
+
+def _described(tool: AnthropicTool) -> str | None:
+    if not tool.input_examples:
+        return tool.description
+    examples = "\n".join(json.dumps(e, ensure_ascii=False) for e in tool.input_examples)
+    return f"{tool.description or ''}\n\nInput examples:\n{examples}".lstrip()
 
 
 def messages_tool_choice(body: AnthropicCountTokensRequest, chat: ChatSetup) -> ToolChoice | None:

@@ -366,6 +366,14 @@ class AnthropicTool(Strict):
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
     cache_control: dict[str, Any] | None = None
+    strict: bool = False  # every object of its input closed, as OpenAI's strict tools
+    # Left out of the prompt until a tool_reference block in a tool result loads it.
+    defer_loading: bool = False
+    input_examples: list[dict[str, Any]] | None = None  # shown with the description
+    # Accepted without effect: the input streams as it is generated whatever this says, and a
+    # tool is only ever called by the model directly (no code execution here).
+    eager_input_streaming: bool | None = None
+    allowed_callers: list[str] | None = None
 
 
 class AnthropicToolChoice(Strict):

@@ -395,3 +395,57 @@ def test_auto_parses_a_hermes_call_the_model_writes_whole_and_streamed(oa):
         got.function.name,
         got.function.arguments,
     )
+
+
+def test_anthropic_deferred_tool_is_called_once_a_tool_search_loaded_it(server):
+    """The API's tool search: a `defer_loading` tool is neither shown nor callable until a
+    `tool_reference` block in a tool result loads it (as Claude Code's ToolSearch answers)."""
+    client = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0)
+    search = {"name": "search_tools", "input_schema": {"type": "object"}}
+    deferred = {**ANTHROPIC_TOOLS[0], "defer_loading": True}
+    placeholder = {"name": "Placeholder", "input_schema": {"type": "object"}, "defer_loading": True}
+    tools = [search, deferred, placeholder]
+    forced = {"type": "tool", "name": "get_weather"}
+    with pytest.raises(anthropic.BadRequestError):  # not loaded: no such tool to call
+        client.messages.create(
+            model=MODEL, max_tokens=40, messages=MESSAGES, tools=tools, tool_choice=forced
+        )
+    # Unloaded deferred tools are not rendered at all.
+    assert (
+        client.messages.count_tokens(model=MODEL, messages=MESSAGES, tools=tools).input_tokens
+        == client.messages.count_tokens(model=MODEL, messages=MESSAGES, tools=[search]).input_tokens
+    )
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_s", "name": "search_tools", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_s",
+                    "content": [{"type": "tool_reference", "tool_name": "get_weather"}],
+                }
+            ],
+        },
+    ]
+    message = client.messages.create(
+        model=MODEL,
+        max_tokens=40,
+        messages=history,
+        tools=tools,
+        tool_choice=forced,
+        extra_body={"temperature": 0},
+    )
+    (use,) = [b for b in message.content if b.type == "tool_use"]
+    assert use.name == "get_weather"
+    jsonschema.validate(use.input, PARAMETERS)
+    # Loaded, it is rendered as a tool sent without deferral.
+    plain = [search, ANTHROPIC_TOOLS[0]]
+    assert (
+        client.messages.count_tokens(model=MODEL, messages=history, tools=tools).input_tokens
+        == client.messages.count_tokens(model=MODEL, messages=history, tools=plain).input_tokens
+    )

@@ -54,12 +54,17 @@ def chat_messages(
     out: list[dict[str, Any]] = []
     if system:
         out.append({"role": "system", "content": _text(system, "system")})
+    last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
     for i, m in enumerate(messages):
         where = f"messages.{i}.content"
+        if m.clear_at is not None and m.role != "system":
+            raise ServerError(400, "clear_at is only permitted on system messages", where)
+        if m.clear_at == "next_user_message" and i < last_user:
+            continue  # its turn is over: kept in the array, no longer shown
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
         elif m.role == "system":
-            out.append({"role": "system", "content": _text(m.content, where)})
+            out.append({"role": "system", "content": _system_text(m.content, where)})
         elif m.role == "assistant":
             out.append(_assistant(m.content, where))
         else:
@@ -117,6 +122,45 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     return out
 
 
+def _system_text(blocks: list[Any], where: str) -> str:
+    """A system message's text; a `tool_addition` / `tool_removal` block (the API's
+    mid-conversation tool changes: `offered_tools`) is read as the change it makes."""
+    changes = [_tool_change(b, f"{where}.{j}") for j, b in enumerate(blocks)]
+    if not any(changes):
+        return _text(blocks, where)
+    return "\n".join(
+        f"Tool {'added' if c[0] else 'removed'}: {c[1]}" if c else _text([b], f"{where}.{j}")
+        for j, (b, c) in enumerate(zip(blocks, changes, strict=True))
+    )
+
+
+def _tool_change(block: Any, where: str) -> tuple[bool, str, AnthropicTool | None] | None:
+    """(added, the tool's name, its definition where the block gives one) of a tool_addition
+    or tool_removal block, None for another block; a 400 naming what cannot be served."""
+    kind = getattr(block, "type", None)
+    if kind not in ("tool_addition", "tool_removal"):
+        return None
+    tool = getattr(block, "tool", None)
+    kind_of_tool = tool.get("type") if isinstance(tool, dict) else None
+    if kind_of_tool == "tool_reference" and isinstance(tool.get("name"), str):
+        return kind == "tool_addition", tool["name"], None
+    if kind == "tool_addition" and kind_of_tool == "tool_definition":
+        try:
+            definition = AnthropicTool.model_validate(tool.get("definition"))
+        except ValueError as exc:
+            raise ServerError(
+                400, f"a tool_definition needs a custom tool's definition: {exc}", where
+            ) from exc
+        return True, definition.name, definition
+    raise ServerError(
+        400,
+        f"a {kind} block's tool must be a tool_reference by name"
+        + (" or a tool_definition" if kind == "tool_addition" else "")
+        + f" (MCP tools are not served); got {kind_of_tool!r}",
+        where,
+    )
+
+
 def _result_text(content: str | list[Any], where: str) -> str:
     """A tool result's text; a `tool_reference` block (a tool search's answer, which loads a
     deferred tool: `offered_tools`) is read as the name of the tool it loads."""
@@ -167,22 +211,37 @@ def _image_url(block: AnthropicImageBlock, where: str, index: int) -> str:
 
 def offered_tools(body: AnthropicCountTokensRequest) -> list[FunctionTool]:
     """The tools the model is shown and may call: a deferred tool (`defer_loading`) only once
-    a `tool_reference` in a tool result has loaded it, as the API's tool search does (a
-    reference to a tool the request does not define is a 400). `input_examples` are shown
-    after the description."""
+    a `tool_reference` in a tool result has loaded it, as the API's tool search does; then
+    the `tool_addition` / `tool_removal` blocks of system messages in order (a tool named by
+    reference must be the request's or defined by an earlier addition: a 400 otherwise).
+    `input_examples` are shown after the description."""
     tools = body.tools or []
+    changes = [
+        change
+        for i, m in enumerate(body.messages)
+        if m.role == "system" and not isinstance(m.content, str)
+        for j, block in enumerate(m.content)
+        if (change := _tool_change(block, f"messages.{i}.content.{j}"))
+    ]
+    declared = {t.name: t for t in tools} | {c[1]: c[2] for c in changes if c[2] is not None}
     loaded = _loaded_tools(body.messages)
-    unknown = sorted(loaded - {t.name for t in tools})
-    if unknown:
+    named = sorted((loaded | {c[1] for c in changes}) - declared.keys())
+    if named:
         raise ServerError(
             400,
-            f"tool_reference names {unknown[0]!r}, which is not one of the request's tools",
+            f"{named[0]!r} is referenced but is not one of the request's tools",
             "messages",
         )
+    offered = {t.name: t for t in tools if not t.defer_loading or t.name in loaded}
+    # The system messages' changes in order: the last one for a tool stands at the reply.
+    for added, name, _ in changes:
+        if added:
+            offered[name] = declared[name]
+        else:
+            offered.pop(name, None)
     return [
         FunctionTool(t.name, _described(t), t.input_schema, strict=t.strict)
-        for t in tools
-        if not t.defer_loading or t.name in loaded
+        for t in offered.values()
     ]
 
 

@@ -355,9 +355,11 @@ AnthropicBlock = Annotated[
 
 class AnthropicMessage(Strict):
     # "system": instructions given later in a conversation (Claude Code sends them), rendered
-    # where they stand.
+    # where they stand; their `tool_addition` / `tool_removal` blocks change the tools offered.
     role: Literal["user", "assistant", "system"]
     content: str | list[AnthropicBlock]
+    # A system message's life: "next_user_message" shows it only until a later user message.
+    clear_at: Literal["next_user_message", "never"] | None = None
 
 
 class AnthropicTool(Strict):

@@ -82,3 +82,65 @@ def test_strict_and_input_examples_reach_the_function_tool():
     )
     assert t.strict
     assert t.description == ('The lookup tool\n\nInput examples:\n{"q": "weather"}\n{"q": "time"}')
+
+
+def system(*blocks, **fields):
+    return {"role": "system", "content": list(blocks), **fields}
+
+
+def change(kind, **tool):
+    return {"type": kind, "tool": tool}
+
+
+def test_system_messages_add_and_remove_tools_from_where_they_stand():
+    tools = [tool("search"), tool("lookup", defer_loading=True)]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        system(
+            {"type": "text", "text": "More tools now."},
+            change("tool_addition", type="tool_reference", name="lookup"),
+            change("tool_addition", type="tool_definition", definition=tool("inline")),
+        ),
+        {"role": "user", "content": "Go on"},
+        system(change("tool_removal", type="tool_reference", name="search")),
+    ]
+    request = body(tools, messages)
+    assert [t.name for t in offered_tools(request)] == ["lookup", "inline"]
+    rendered = chat_messages(None, request.messages)
+    assert [m["content"] for m in rendered if m["role"] == "system"] == [
+        "More tools now.\nTool added: lookup\nTool added: inline",
+        "Tool removed: search",
+    ]
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        change("tool_removal", type="tool_reference", name="missing"),
+        change("tool_addition", type="mcp_toolset_reference", mcp_server_name="s"),
+        change("tool_removal", type="tool_definition", definition=tool("x")),
+    ],
+)
+def test_a_tool_change_that_cannot_be_served_is_refused(block):
+    with pytest.raises(ServerError) as info:
+        offered_tools(body([tool("search")], [{"role": "user", "content": "Hi"}, system(block)]))
+    assert info.value.status == 400
+
+
+def test_a_system_message_cleared_at_the_next_user_message_is_shown_for_its_turn_only():
+    note = system({"type": "text", "text": "Answer in French."}, clear_at="next_user_message")
+    first = [{"role": "user", "content": "Hi"}, note]
+    assert [m["role"] for m in chat_messages(None, body([], first).messages)] == [
+        "user",
+        "system",
+    ]
+    later = [*first, {"role": "assistant", "content": "Salut"}, {"role": "user", "content": "?"}]
+    assert [m["role"] for m in chat_messages(None, body([], later).messages)] == [
+        "user",
+        "assistant",
+        "user",
+    ]
+    with pytest.raises(ServerError):
+        chat_messages(
+            None, body([], [{"role": "user", "content": "Hi", "clear_at": "never"}]).messages
+        )

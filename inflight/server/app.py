@@ -16,9 +16,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient
+from inflight.server.conversations import ConversationStore
 from inflight.server.errors import ServerError, error_response
 from inflight.server.responses import ResponseStore
-from inflight.server.routes import anthropic, audio, lora, openai, ops, pins, responses, tokenize
+from inflight.server.routes import (
+    anthropic,
+    audio,
+    conversations,
+    lora,
+    openai,
+    ops,
+    pins,
+    responses,
+    tokenize,
+)
 from inflight.server.state import ServerSettings, ServerState
 from inflight.server.threads import ThreadStore
 from inflight.server.warmup import WarmUp
@@ -47,6 +58,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     app.state.inflight = ServerState(client, settings, chat, warm_up)
     app.state.responses = ResponseStore()
     app.state.threads = ThreadStore()
+    app.state.conversations = ConversationStore()
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(_ApiKey, key=settings.api_key)
@@ -54,7 +66,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _on_invalid)
     app.add_exception_handler(HTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_crash)
-    for routes in (openai, responses, anthropic, tokenize, audio, lora, pins, ops):
+    for routes in (openai, responses, conversations, anthropic, tokenize, audio, lora, pins, ops):
         app.include_router(routes.router)
     warm_up.start(client.llm)
     return app

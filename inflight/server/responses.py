@@ -27,6 +27,7 @@ from inflight.protocol.tokenizer import Tokenizer
 from inflight.server import openai
 from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient, Run
+from inflight.server.conversations import Conversation, item_object
 from inflight.server.errors import ServerError
 from inflight.server.parsers import MessageDelta, MessageParser
 from inflight.server.protocol import SamplingFields, VllmExtensions
@@ -103,13 +104,23 @@ class Turn:
     ignored: list[str]  # fields accepted without effect (a text.format beside a forced call)
     namespaced: dict[str, tuple[str, str]]  # a function's name as the model sees it: its
     # namespace and its own name (`NamespaceToolSpec`)
+    given: list[Any]  # the request's own input items
 
 
-def chat_turn(body: ResponsesRequest, chat: ChatSetup, store: ResponseStore) -> Turn:
+def chat_turn(
+    body: ResponsesRequest,
+    chat: ChatSetup,
+    store: ResponseStore,
+    held: Conversation | None = None,
+) -> Turn:
     """The chat turn of a request (400 naming the field for what cannot be served; 400 for a
-    previous_response_id that is not stored)."""
+    previous_response_id that is not stored): its input after `held`'s items where the request
+    names a conversation."""
     earlier: list[Any] = []
-    if body.previous_response_id is not None:
+    earlier_from = "previous_response_id"
+    if held is not None:
+        earlier, earlier_from = held.input_items(), "conversation"
+    elif body.previous_response_id is not None:
         stored = store.get(body.previous_response_id)
         if stored is None:
             raise ServerError(
@@ -126,7 +137,7 @@ def chat_turn(body: ResponsesRequest, chat: ChatSetup, store: ResponseStore) -> 
     if isinstance(given, str):
         given = [MessageItem(role="user", content=given)]
     conversation = [*earlier, *given]
-    messages = chat_messages(body.instructions, conversation, len(earlier))
+    messages = chat_messages(body.instructions, conversation, len(earlier), earlier_from)
     choice, namespaced, dropped = responses_tool_choice(body, chat)
     forced = choice is not None and choice.forced
     format_field = "text.format" if body.structured_outputs is None else "structured_outputs"
@@ -140,6 +151,7 @@ def chat_turn(body: ResponsesRequest, chat: ChatSetup, store: ResponseStore) -> 
         {"structured_outputs": "tool_choice" if forced else format_field},
         dropped + ignored,
         namespaced,
+        list(given),
     )
 
 
@@ -151,18 +163,22 @@ def _thinking(body: ResponsesRequest, chat: ChatSetup) -> dict[str, Any] | None:
 
 
 def chat_messages(
-    instructions: str | None, items: list[Any], first_input: int
+    instructions: str | None,
+    items: list[Any],
+    first_input: int,
+    earlier_from: str = "previous_response_id",
 ) -> list[dict[str, Any]]:
     """Chat messages for the template: `instructions` as the system message in front; a
     reply's items (reasoning, text, function calls) as one assistant message, its calls'
     arguments as objects (what templates read); function call outputs as tool messages.
-    Items from `first_input` on came with the request, the ones before from the store."""
+    Items from `first_input` on came with the request, the ones before from the field
+    `earlier_from` names (a stored response, or a conversation)."""
     out: list[dict[str, Any]] = []
     if instructions:
         out.append({"role": "system", "content": instructions})
     reasoning: list[str] = []  # for the assistant message that follows
     for i, item in enumerate(items):
-        where = f"input.{i - first_input}" if i >= first_input else "previous_response_id"
+        where = f"input.{i - first_input}" if i >= first_input else earlier_from
         if isinstance(item, ReasoningItem):
             reasoning += [c.text for c in item.content or []] or [s.text for s in item.summary]
             continue
@@ -444,8 +460,12 @@ class ResponseReply:
         reader: MessageParser,
         tokenizer: Tokenizer,
         store: ResponseStore,
+        held: Conversation | None = None,
     ) -> None:
         self.id = _new_id("resp")
+        # The conversation the finished response's input and output items are added to.
+        self.held = held
+        self.given = [item_object(item, f"input.{i}") for i, item in enumerate(turn.given)]
         self.created_at = int(time.time())
         self.reader = reader
         self.tokenizer = tokenizer
@@ -491,6 +511,7 @@ class ResponseReply:
             "background": False,
             "top_logprobs": body.top_logprobs or 0,
             "max_tool_calls": body.max_tool_calls,
+            "conversation": None if held is None else {"id": held.id},
         }
 
     def _object(
@@ -543,15 +564,17 @@ class ResponseReply:
         }
         status = "incomplete" if result.finish_reason == "length" else "completed"
         response = self._object(status, output, usage)
+        # A call cut off mid-arguments is no call to send back.
+        kept = [
+            item
+            for item in output
+            if not (item["type"] == "function_call" and item["status"] == "incomplete")
+        ]
         if self.store is not None:
-            # A call cut off mid-arguments is no call to send back.
-            kept = [
-                item
-                for item in output
-                if not (item["type"] == "function_call" and item["status"] == "incomplete")
-            ]
             conversation = [*self.conversation, *(INPUT_ITEM.validate_python(i) for i in kept)]
             self.store.put(self.id, StoredResponse(response, conversation))
+        if self.held is not None:
+            self.held.add([*self.given, *kept])
         return response
 
     def whole(self, result: RequestOutput) -> dict[str, Any]:

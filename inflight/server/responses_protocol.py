@@ -231,6 +231,14 @@ class ResponsesStreamOptions(Strict):
     include_obfuscation: bool = True  # the padding field is never sent here
 
 
+class ConversationRef(Strict):
+    id: str
+
+
+def conversation_id(value: str | ConversationRef) -> str:
+    return value if isinstance(value, str) else value.id
+
+
 class ResponsesRequest(VllmExtensions):
     model: str | None = None
     input: str | list[InputItem] | None = None
@@ -274,8 +282,10 @@ class ResponsesRequest(VllmExtensions):
     # Accepted by the schema, refused (`refusal`) when set.
     background: bool | None = None
     background_options: dict[str, Any] | None = None
-    conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
+    # A conversation of the Conversations API (its id, or {"id": ...}): read before the input,
+    # the input and output items added to it once the response finishes (conversations.py).
+    conversation: str | ConversationRef | None = None
 
 
 class InputTokensRequest(Strict):
@@ -293,8 +303,7 @@ class InputTokensRequest(Strict):
     previous_response_id: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # Accepted by the schema, refused as /v1/responses refuses it.
-    conversation: str | dict[str, Any] | None = None
+    conversation: str | ConversationRef | None = None
 
     def as_response(self) -> ResponsesRequest:
         """The Responses request these fields belong to."""
@@ -317,8 +326,8 @@ def refusal(body: ResponsesRequest) -> ServerError | None:
         ),
         (
             "conversation",
-            body.conversation is not None,
-            "conversations are not supported; continue with previous_response_id",
+            body.conversation is not None and body.previous_response_id is not None,
+            "conversation and previous_response_id cannot both be given",
         ),
         ("prompt", body.prompt is not None, "stored prompt templates are not supported"),
         (
@@ -329,3 +338,22 @@ def refusal(body: ResponsesRequest) -> ServerError | None:
         ),
     ]
     return next((ServerError(400, m, f) for f, bad, m in checks if bad), None)
+
+
+class ConversationCreate(Strict):
+    """POST /v1/conversations."""
+
+    items: list[InputItem] | None = None
+    metadata: dict[str, str] | None = None
+
+
+class ConversationUpdate(Strict):
+    """POST /v1/conversations/{id}: the metadata, replaced."""
+
+    metadata: dict[str, str]
+
+
+class ConversationItemsCreate(Strict):
+    """POST /v1/conversations/{id}/items."""
+
+    items: list[InputItem]

@@ -16,6 +16,7 @@ from test_tools_server import PARAMETERS
 from inflight import SamplingParams
 from inflight.protocol.outputs import StreamChunk
 from inflight.server.chat_templates import HERMES_TEMPLATE
+from inflight.server.conversations import ConversationStore
 from inflight.server.errors import ServerError
 from inflight.server.parsers import MessageParser
 from inflight.server.responses import (
@@ -413,12 +414,94 @@ def test_input_tokens_count_the_prompt_a_response_runs(oa, server):
     assert counted.input_tokens == reply.usage.input_tokens > first.usage.input_tokens
     for extra, param in (
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
-        ({"conversation": "conv_1"}, "conversation"),
         ({"max_output_tokens": 5}, "max_output_tokens"),  # not a field of the count
     ):
         r = httpx.post(server + "/v1/responses/input_tokens", json={"input": QUESTION, **extra})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param
+    body = {"input": QUESTION, "conversation": "conv_unknown"}
+    r = httpx.post(server + "/v1/responses/input_tokens", json=body)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "conversation"
+
+
+def test_a_conversation_holds_the_items_of_the_responses_that_name_it(oa, server_llm):
+    """The Conversations API: a response naming a conversation is generated from its items,
+    then its input and output items are added to it (whole and streamed alike)."""
+    conversation = oa.conversations.create(
+        items=[{"type": "message", "role": "user", "content": QUESTION}], metadata={"k": "v"}
+    )
+    assert conversation.metadata == {"k": "v"}
+    first = oa.responses.create(
+        model=MODEL, input="Answer in one word.", conversation=conversation.id, **GREEDY
+    )
+    assert first.conversation.id == conversation.id
+    history = [
+        {"role": "user", "content": QUESTION},
+        {"role": "user", "content": "Answer in one word."},
+    ]
+    expected = _expected(server_llm, history)
+    assert first.usage.input_tokens == expected.prompt_tokens
+    assert first.output_text == expected.text
+    stream = oa.responses.create(
+        model=MODEL,
+        input="And of Italy?",
+        conversation={"id": conversation.id},
+        stream=True,
+        **GREEDY,
+    )
+    (done,) = [
+        e.response for e in stream if e.type in ("response.completed", "response.incomplete")
+    ]
+    history += [
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    assert done.usage.input_tokens == _expected(server_llm, history).prompt_tokens
+    listed = oa.conversations.items.list(conversation.id, order="asc")
+    assert [(i.type, i.role) for i in listed.data] == [
+        ("message", "user"),
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+        ("message", "assistant"),
+    ]
+    assert listed.data[2].content[0].text == first.output_text and not listed.has_more
+    assert listed.data[4].content[0].text == done.output_text
+    newest = oa.conversations.items.list(conversation.id, limit=2)
+    assert [i.id for i in newest.data] == [listed.data[4].id, listed.data[3].id]
+    assert newest.has_more
+    after = oa.conversations.items.list(conversation.id, after=newest.last_id, limit=100)
+    assert [i.id for i in after.data] == [i.id for i in reversed(listed.data[:3])]
+    # Items added by hand, read back, deleted; the metadata replaced.
+    added = oa.conversations.items.create(
+        conversation.id, items=[{"type": "message", "role": "user", "content": "Thanks."}]
+    )
+    (item,) = added.data
+    assert oa.conversations.items.retrieve(item.id, conversation_id=conversation.id).id == item.id
+    assert oa.conversations.items.delete(item.id, conversation_id=conversation.id).id == (
+        conversation.id
+    )
+    with pytest.raises(openai.NotFoundError):
+        oa.conversations.items.retrieve(item.id, conversation_id=conversation.id)
+    assert oa.conversations.update(conversation.id, metadata={"x": "y"}).metadata == {"x": "y"}
+    # The count of a response's input reads the conversation too.
+    counted = oa.responses.input_tokens.count(
+        model=MODEL, input="And of Spain?", conversation=conversation.id
+    )
+    history += [
+        {"role": "assistant", "content": done.output_text},
+        {"role": "user", "content": "And of Spain?"},
+    ]
+    assert counted.input_tokens == _expected(server_llm, history).prompt_tokens
+    with pytest.raises(openai.BadRequestError):
+        oa.responses.create(
+            model=MODEL, input="x", conversation=conversation.id, previous_response_id=first.id
+        )
+    assert oa.conversations.delete(conversation.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        oa.conversations.retrieve(conversation.id)
+    with pytest.raises(openai.NotFoundError):
+        oa.responses.create(model=MODEL, input="x", conversation=conversation.id)
 
 
 def test_stored_responses_are_retrieved_and_deleted(oa, server):
@@ -761,9 +844,17 @@ class _FailingRun:
 
 def test_a_failed_stream_ends_with_an_error_event_and_response_failed():
     store = ResponseStore()
-    turn = Turn([], [], None, None, None, {}, [], {})
+    held = ConversationStore().create([], {})
+    turn = Turn([], [], None, None, None, {}, [], {}, [])
     reply = ResponseReply(
-        ResponsesRequest(input="Hi"), MODEL, SamplingParams(), turn, MessageParser(), None, store
+        ResponsesRequest(input="Hi"),
+        MODEL,
+        SamplingParams(),
+        turn,
+        MessageParser(),
+        None,
+        store,
+        held,
     )
 
     async def read() -> list[str]:
@@ -784,3 +875,4 @@ def test_a_failed_stream_ends_with_an_error_event_and_response_failed():
     assert "boom" in events[-2].message and events[-1].response.status == "failed"
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert store.get(reply.id) is None
+    assert held.items == []  # a failed response adds nothing to its conversation

@@ -9,11 +9,18 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inflight.server import responses
+from inflight.server.conversations import Conversation, ConversationStore
 from inflight.server.errors import ServerError
 from inflight.server.protocol import ignored_fields
 from inflight.server.responses import ResponseStore
-from inflight.server.responses_protocol import InputTokensRequest, ResponsesRequest, refusal
+from inflight.server.responses_protocol import (
+    InputTokensRequest,
+    ResponsesRequest,
+    conversation_id,
+    refusal,
+)
 from inflight.server.routes import READ
+from inflight.server.routes.conversations import Conversations
 from inflight.server.routes.openai import SSE_HEADERS, ignored_headers, started
 from inflight.server.state import State, check_body
 
@@ -28,16 +35,30 @@ async def response_store(request: Request) -> ResponseStore:
 Store = Annotated[ResponseStore, Depends(response_store)]
 
 
+def _held(
+    body: ResponsesRequest | InputTokensRequest, conversations: ConversationStore
+) -> Conversation | None:
+    """The conversation the request names, if any (a 404 naming `conversation` if none)."""
+    if body.conversation is None:
+        return None
+    return conversations.get(conversation_id(body.conversation), "conversation")
+
+
 @router.post("/v1/responses")
 async def create_response(
-    body: ResponsesRequest, request: Request, state: State, store: Store
+    body: ResponsesRequest,
+    request: Request,
+    state: State,
+    store: Store,
+    conversations: Conversations,
 ) -> Response:
     lora_name = check_body(state, body, body.model)
     refused = refusal(body)
     if refused is not None:
         raise refused
     client, chat = state.client, state.chat
-    turn = responses.chat_turn(body, chat, store)
+    held = _held(body, conversations)
+    turn = responses.chat_turn(body, chat, store, held)
     params = chat.reply_params(
         responses.sampling_params(body, client.llm.get_default_sampling_params(), turn.constraint)
     )
@@ -61,6 +82,7 @@ async def create_response(
         chat.reader(turn.choice, client.llm.tokenizer, prepared.prompt_token_ids),
         client.llm.tokenizer,
         store,
+        held,
     )
     # Here `store` keeps the response and `metadata` is kept and echoed with it: both served.
     served = ("store", "metadata")
@@ -77,7 +99,7 @@ async def create_response(
 
 @router.post("/v1/responses/input_tokens")
 async def count_input_tokens(
-    body: InputTokensRequest, state: State, store: Store
+    body: InputTokensRequest, state: State, store: Store, conversations: Conversations
 ) -> dict[str, Any]:
     """The tokens of the prompt a response to these fields would run (a previous response's
     conversation, instructions and tools included)."""
@@ -87,7 +109,7 @@ async def count_input_tokens(
     if refused is not None:
         raise refused
     chat = state.chat
-    turn = responses.chat_turn(request, chat, store)
+    turn = responses.chat_turn(request, chat, store, _held(body, conversations))
     template = chat.template_args(
         turn.messages, turn.choice, request.chat_template_kwargs, turn.template_kwargs
     )

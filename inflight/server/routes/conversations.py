@@ -1,0 +1,115 @@
+"""OpenAI Conversations API routes: conversations and their items (conversations.py)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+
+from inflight.server.conversations import ConversationStore, item_objects
+from inflight.server.errors import ServerError
+from inflight.server.responses_protocol import (
+    ConversationCreate,
+    ConversationItemsCreate,
+    ConversationUpdate,
+)
+from inflight.server.routes import READ
+
+router = APIRouter()
+
+
+async def conversation_store(request: Request) -> ConversationStore:
+    """The store `build_app` put on the app (async, so that FastAPI runs it on the loop)."""
+    return request.app.state.conversations
+
+
+Conversations = Annotated[ConversationStore, Depends(conversation_store)]
+
+
+@router.post("/v1/conversations")
+async def create_conversation(
+    body: ConversationCreate, conversations: Conversations
+) -> dict[str, Any]:
+    items = item_objects(body.items or [], "items")
+    return conversations.create(items, body.metadata or {}).as_object()
+
+
+@router.api_route("/v1/conversations/{conversation_id}", methods=READ)
+async def retrieve_conversation(
+    conversation_id: str, conversations: Conversations
+) -> dict[str, Any]:
+    return conversations.get(conversation_id).as_object()
+
+
+@router.post("/v1/conversations/{conversation_id}")
+async def update_conversation(
+    conversation_id: str, body: ConversationUpdate, conversations: Conversations
+) -> dict[str, Any]:
+    conversation = conversations.get(conversation_id)
+    conversation.metadata = body.metadata
+    return conversation.as_object()
+
+
+@router.delete("/v1/conversations/{conversation_id}")
+async def delete_conversation(conversation_id: str, conversations: Conversations) -> dict[str, Any]:
+    conversations.delete(conversation_id)
+    return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+
+@router.api_route("/v1/conversations/{conversation_id}/items", methods=READ)
+async def list_items(
+    conversation_id: str,
+    conversations: Conversations,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+    # Which extra fields items carry (logprobs, say): this server's items carry what it keeps.
+    include: Annotated[list[str] | None, Query()] = None,
+) -> dict[str, Any]:
+    items = list(conversations.get(conversation_id).items)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if at is None:
+            raise ServerError(
+                404, f"conversation {conversation_id!r} has no item {after!r}", "after"
+            )
+        items = items[at + 1 :]
+    return _listed(items[:limit], has_more=len(items) > limit)
+
+
+@router.post("/v1/conversations/{conversation_id}/items")
+async def create_items(
+    conversation_id: str, body: ConversationItemsCreate, conversations: Conversations
+) -> dict[str, Any]:
+    conversation = conversations.get(conversation_id)
+    items = item_objects(body.items, "items")
+    conversation.add(items)
+    return _listed(items, has_more=False)
+
+
+@router.api_route("/v1/conversations/{conversation_id}/items/{item_id}", methods=READ)
+async def retrieve_item(
+    conversation_id: str, item_id: str, conversations: Conversations
+) -> dict[str, Any]:
+    return conversations.get(conversation_id).find(item_id)
+
+
+@router.delete("/v1/conversations/{conversation_id}/items/{item_id}")
+async def delete_item(
+    conversation_id: str, item_id: str, conversations: Conversations
+) -> dict[str, Any]:
+    conversation = conversations.get(conversation_id)
+    conversation.items.remove(conversation.find(item_id))
+    return conversation.as_object()
+
+
+def _listed(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": items,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+        "has_more": has_more,
+    }

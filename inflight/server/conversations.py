@@ -127,3 +127,24 @@ class ConversationStore:
     def delete(self, conversation_id: str) -> None:
         self.get(conversation_id)
         del self._entries[conversation_id]
+
+
+def item_page(
+    items: list[dict[str, Any]], limit: int, order: str, after: str | None
+) -> dict[str, Any]:
+    """A page of `items` (oldest first) as the API lists them: `order` "desc" newest first,
+    from the item after `after` (a 404 naming `after` where there is none), `limit` of them."""
+    items = list(reversed(items)) if order == "desc" else list(items)
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if at is None:
+            raise ServerError(404, f"no item {after!r} to list after", "after")
+        items = items[at + 1 :]
+    shown = items[:limit]
+    return {
+        "object": "list",
+        "data": shown,
+        "first_id": shown[0]["id"] if shown else None,
+        "last_id": shown[-1]["id"] if shown else None,
+        "has_more": len(items) > limit,
+    }

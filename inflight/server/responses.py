@@ -15,7 +15,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -63,6 +63,8 @@ STORE_CAPACITY = 1024
 class StoredResponse:
     body: dict[str, Any]  # the response object, as it was returned
     conversation: list[Any]  # input items a continuation starts from (instructions left out)
+    # Its input items as `GET /v1/responses/{id}/input_items` lists them (ids given once).
+    input_items: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ResponseStore:
@@ -572,7 +574,9 @@ class ResponseReply:
         ]
         if self.store is not None:
             conversation = [*self.conversation, *(INPUT_ITEM.validate_python(i) for i in kept)]
-            self.store.put(self.id, StoredResponse(response, conversation))
+            earlier = self.conversation[: len(self.conversation) - len(self.given)]
+            inputs = [*(item_object(i, "input") for i in earlier), *self.given]
+            self.store.put(self.id, StoredResponse(response, conversation, inputs))
         if self.held is not None:
             self.held.add([*self.given, *kept])
         return response

@@ -399,6 +399,21 @@ def test_previous_response_id_continues_the_conversation(oa, server_llm):
     expected = _expected(server_llm, history)
     assert reply.usage.input_tokens == expected.prompt_tokens > first.usage.input_tokens
     assert reply.output_text == expected.text
+    # Its input items: the earlier turn's, then its own (newest first unless asked).
+    items = oa.responses.input_items.list(reply.id, order="asc")
+    assert [(i.type, i.role) for i in items.data] == [
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
+    assert items.data[1].id == first.output[0].id
+    assert items.data[2].content[0].text == follow_up and not items.has_more
+    newest = oa.responses.input_items.list(reply.id, limit=1)
+    assert [i.id for i in newest.data] == [items.data[2].id] and newest.has_more
+    rest = oa.responses.input_items.list(reply.id, after=newest.last_id)
+    assert [i.id for i in rest.data] == [items.data[1].id, items.data[0].id]
+    with pytest.raises(openai.NotFoundError):
+        oa.responses.input_items.list("resp_unknown")
 
 
 def test_input_tokens_count_the_prompt_a_response_runs(oa, server):

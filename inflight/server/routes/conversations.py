@@ -6,8 +6,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from inflight.server.conversations import ConversationStore, item_objects
-from inflight.server.errors import ServerError
+from inflight.server.conversations import ConversationStore, item_objects, item_page
 from inflight.server.responses_protocol import (
     ConversationCreate,
     ConversationItemsCreate,
@@ -66,17 +65,7 @@ async def list_items(
     # Which extra fields items carry (logprobs, say): this server's items carry what it keeps.
     include: Annotated[list[str] | None, Query()] = None,
 ) -> dict[str, Any]:
-    items = list(conversations.get(conversation_id).items)
-    if order == "desc":
-        items.reverse()
-    if after is not None:
-        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
-        if at is None:
-            raise ServerError(
-                404, f"conversation {conversation_id!r} has no item {after!r}", "after"
-            )
-        items = items[at + 1 :]
-    return _listed(items[:limit], has_more=len(items) > limit)
+    return item_page(conversations.get(conversation_id).items, limit, order, after)
 
 
 @router.post("/v1/conversations/{conversation_id}/items")
@@ -86,7 +75,7 @@ async def create_items(
     conversation = conversations.get(conversation_id)
     items = item_objects(body.items, "items")
     conversation.add(items)
-    return _listed(items, has_more=False)
+    return item_page(items, len(items) or 1, "asc", None)
 
 
 @router.api_route("/v1/conversations/{conversation_id}/items/{item_id}", methods=READ)
@@ -103,13 +92,3 @@ async def delete_item(
     conversation = conversations.get(conversation_id)
     conversation.items.remove(conversation.find(item_id))
     return conversation.as_object()
-
-
-def _listed(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": items,
-        "first_id": items[0]["id"] if items else None,
-        "last_id": items[-1]["id"] if items else None,
-        "has_more": has_more,
-    }

@@ -14,6 +14,7 @@ from inflight.server.protocol import (
     AnthropicMessagesRequest,
     ignored_fields,
 )
+from inflight.server.routes import app_store
 from inflight.server.routes.openai import SSE_HEADERS, ignored_headers, started
 from inflight.server.state import State, check_body
 from inflight.server.threads import ThreadStore, ThreadTurn
@@ -22,12 +23,7 @@ from inflight.server.tools import ToolChoice
 router = APIRouter()
 
 
-async def thread_store(request: Request) -> ThreadStore:
-    """The store `build_app` put on the app (async, so that FastAPI runs it on the loop)."""
-    return request.app.state.threads
-
-
-Threads = Annotated[ThreadStore, Depends(thread_store)]
+Threads = Annotated[ThreadStore, Depends(app_store("threads"))]
 
 
 @router.post("/v1/messages")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query
 
 from inflight.server.conversations import ConversationStore, item_objects, item_page
 from inflight.server.responses_protocol import (
@@ -12,17 +12,12 @@ from inflight.server.responses_protocol import (
     ConversationItemsCreate,
     ConversationUpdate,
 )
-from inflight.server.routes import READ
+from inflight.server.routes import READ, app_store
 
 router = APIRouter()
 
 
-async def conversation_store(request: Request) -> ConversationStore:
-    """The store `build_app` put on the app (async, so that FastAPI runs it on the loop)."""
-    return request.app.state.conversations
-
-
-Conversations = Annotated[ConversationStore, Depends(conversation_store)]
+Conversations = Annotated[ConversationStore, Depends(app_store("conversations"))]
 
 
 @router.post("/v1/conversations")

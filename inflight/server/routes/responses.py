@@ -19,7 +19,7 @@ from inflight.server.responses_protocol import (
     conversation_id,
     refusal,
 )
-from inflight.server.routes import READ
+from inflight.server.routes import READ, app_store
 from inflight.server.routes.conversations import Conversations
 from inflight.server.routes.openai import SSE_HEADERS, ignored_headers, started
 from inflight.server.state import State, check_body
@@ -27,12 +27,7 @@ from inflight.server.state import State, check_body
 router = APIRouter()
 
 
-async def response_store(request: Request) -> ResponseStore:
-    """The store `build_app` put on the app (async, so that FastAPI runs it on the loop)."""
-    return request.app.state.responses
-
-
-Store = Annotated[ResponseStore, Depends(response_store)]
+Store = Annotated[ResponseStore, Depends(app_store("responses"))]
 
 
 def _held(

@@ -50,17 +50,31 @@ async def delete_conversation(conversation_id: str, conversations: Conversations
     return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
 
+class PageQuery:
+    """The query of a listing of items: `limit` of them in `order` after the item `after`."""
+
+    def __init__(
+        self,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+        # Which extra fields items carry (logprobs, say): these items carry what is kept.
+        include: Annotated[list[str] | None, Query()] = None,
+    ) -> None:
+        self.limit, self.order, self.after = limit, order, after
+
+    def page(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        return item_page(items, self.limit, self.order, self.after)
+
+
+Page = Annotated[PageQuery, Depends()]
+
+
 @router.api_route("/v1/conversations/{conversation_id}/items", methods=READ)
 async def list_items(
-    conversation_id: str,
-    conversations: Conversations,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    order: Literal["asc", "desc"] = "desc",
-    after: str | None = None,
-    # Which extra fields items carry (logprobs, say): this server's items carry what it keeps.
-    include: Annotated[list[str] | None, Query()] = None,
+    conversation_id: str, conversations: Conversations, page: Page
 ) -> dict[str, Any]:
-    return item_page(conversations.get(conversation_id).items, limit, order, after)
+    return page.page(conversations.get(conversation_id).items)
 
 
 @router.post("/v1/conversations/{conversation_id}/items")

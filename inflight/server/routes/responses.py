@@ -3,13 +3,13 @@ tokens."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inflight.server import responses
-from inflight.server.conversations import Conversation, ConversationStore, item_page
+from inflight.server.conversations import Conversation, ConversationStore
 from inflight.server.errors import ServerError
 from inflight.server.protocol import ignored_fields
 from inflight.server.responses import ResponseStore
@@ -20,7 +20,7 @@ from inflight.server.responses_protocol import (
     refusal,
 )
 from inflight.server.routes import READ, app_store
-from inflight.server.routes.conversations import Conversations
+from inflight.server.routes.conversations import Conversations, Page
 from inflight.server.routes.openai import SSE_HEADERS, ignored_headers, started
 from inflight.server.state import State, check_body
 
@@ -121,21 +121,13 @@ async def retrieve_response(response_id: str, store: Store) -> dict[str, Any]:
 
 
 @router.api_route("/v1/responses/{response_id}/input_items", methods=READ)
-async def list_input_items(
-    response_id: str,
-    store: Store,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    order: Literal["asc", "desc"] = "desc",
-    after: str | None = None,
-    # Which extra fields items carry: this server's items carry what it keeps.
-    include: Annotated[list[str] | None, Query()] = None,
-) -> dict[str, Any]:
+async def list_input_items(response_id: str, store: Store, page: Page) -> dict[str, Any]:
     """The input items of a stored response (those its previous response or conversation
     gave included), paged as conversation items are."""
     stored = store.get(response_id)
     if stored is None:
         raise _not_found(response_id)
-    return item_page(stored.input_items, limit, order, after)
+    return page.page(stored.input_items)
 
 
 @router.delete("/v1/responses/{response_id}")

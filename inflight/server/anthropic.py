@@ -13,6 +13,7 @@ from inflight.server.chat import ChatSetup
 from inflight.server.client import Run
 from inflight.server.errors import ServerError
 from inflight.server.parsers import MessageDelta, MessageParser
+from inflight.server.parsers.json_scan import partial_value
 from inflight.server.protocol import (
     AnthropicCountTokensRequest,
     AnthropicImageBlock,
@@ -352,6 +353,12 @@ def _stop_reason(output_reason: str | None, stop: str | int | None, called: bool
     return "stop_sequence" if isinstance(stop, str) else "end_turn"
 
 
+def _input(arguments: str) -> dict[str, Any]:
+    """A tool_use block's input from the call's arguments, whole or cut short."""
+    value = partial_value(arguments)
+    return value if isinstance(value, dict) else {}
+
+
 def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
@@ -399,7 +406,8 @@ class MessageReply:
                     "type": "tool_use",
                     "id": tool_use_id(),
                     "name": call.name,
-                    "input": json.loads(call.arguments),
+                    # A call cut by max_tokens: its input as far as written.
+                    "input": _input(call.arguments),
                 }
             )
         return self._message(
@@ -457,13 +465,10 @@ class _BlockStream:
         self.blocks: list[dict[str, Any]] = []
         self.arguments: dict[int, str] = {}  # a tool_use block's streamed input JSON, by index
 
-    def content(self) -> list[dict[str, Any]] | None:
-        """The blocks whole; None where a tool call's input is no JSON (cut by max_tokens)."""
+    def content(self) -> list[dict[str, Any]]:
+        """The blocks whole (a tool call cut by max_tokens with its input as far as written)."""
         for index, text in self.arguments.items():
-            try:
-                self.blocks[index]["input"] = json.loads(text) if text else {}
-            except ValueError:
-                return None
+            self.blocks[index]["input"] = _input(text)
         return self.blocks
 
     def events(self, delta: MessageDelta) -> list[str]:

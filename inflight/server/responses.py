@@ -593,8 +593,8 @@ class ResponseReply:
             output.append(_message(parsed.content or "", "completed", logprobs=logprobs))
         for call in parsed.tool_calls:
             output.append(_function_call(call.name, call.arguments, "completed", self.namespaced))
-        # The text written last was cut off (the calls a whole reply returns all parse).
-        if result.finish_reason == "length" and output[-1]["type"] != "function_call":
+        # The item written last was cut off (a call with its arguments as far as written).
+        if result.finish_reason == "length":
             output[-1]["status"] = "incomplete"
         return self._finished(output, result)
 

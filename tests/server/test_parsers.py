@@ -9,6 +9,7 @@ from inflight.server.parsers import MessageParser, ThinkTags, ToolCall
 from inflight.server.parsers.forced import ForcedCallsSyntax
 from inflight.server.parsers.harmony import HarmonyCalls, HarmonyChannels
 from inflight.server.parsers.hermes import HermesSyntax
+from inflight.server.parsers.json_scan import partial_value
 from inflight.server.parsers.llama3_json import Llama3JsonSyntax
 
 HERMES = MessageParser(tools=HermesSyntax())
@@ -110,11 +111,21 @@ def test_hermes_accepts_parameters_for_arguments_and_text_after_the_calls():
     every_cut(HERMES, text)
 
 
-def test_a_cut_off_call_streams_what_was_written_but_is_content_when_whole():
-    text = '<tool_call>{"name": "f", "arguments": {"a": "unfini'
-    assert HERMES.whole(text).tool_calls == [] and HERMES.whole(text).content == text
-    _, _, calls = reassemble(HERMES, [text])
-    assert calls == [ToolCall("f", '{"a": "unfini')]
+def test_a_cut_off_call_is_the_call_as_written_whole_and_streamed():
+    """A reply cut by max_tokens inside a call (its name written) returns the call with its
+    arguments as far as written, as OpenAI does; a whole reply as its stream."""
+    text = 'Sure. <tool_call>{"name": "f", "arguments": {"a": "unfini'
+    whole = HERMES.whole(text)
+    assert whole.tool_calls == [ToolCall("f", '{"a": "unfini')] and whole.content == "Sure."
+    _, content, calls = reassemble(HERMES, [text])
+    assert calls == whole.tool_calls and content == whole.content
+    # Cut before the name is whole: no call yet, the text as written.
+    early = '<tool_call>{"name": "f'
+    assert HERMES.whole(early).tool_calls == [] and HERMES.whole(early).content == early
+    # A forced choice's array cut inside its second call: both calls.
+    forced = MessageParser(tools=ForcedCallsSyntax("arguments", array=True))
+    cut = '[{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"x": [1, 2'
+    assert forced.whole(cut).tool_calls == [ToolCall("f", "{}"), ToolCall("g", '{"x": [1, 2')]
 
 
 def test_max_calls_keeps_the_first_call_only():
@@ -287,3 +298,31 @@ def test_a_delta_keeps_content_and_calls_in_the_order_written():
     stream = HERMES.stream()
     delta = stream.feed('A <tool_call>{"name": "f", "arguments": {}}</tool_call> B')
     assert [p if isinstance(p, str) else p.name for p in delta.parts] == ["A", "f", "B"]
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ('{"city": "Pa', {"city": "Pa"}),
+        ('{"city": "Paris", "unit": "cel', {"city": "Paris", "unit": "cel"}),
+        ('{"a": [1, 2, {"b": tr', {"a": [1, 2, {}]}),
+        ('{"a": 12', {"a": 12}),
+        ('{"a": 1.', {}),
+        ('{"a"', {}),
+        ('{"a":', {}),
+        ("", None),
+        ('[1, "x\\', [1, "x"]),
+        ('"ab\\u00', "ab"),
+        ('{"q": "a\\\\', {"q": "a\\"}),
+        ('{"a": "x\\"y', {"a": 'x"y'}),
+        ('{"x": null, "y": [true]}', {"x": None, "y": [True]}),
+    ],
+)
+def test_partial_value_closes_what_a_cut_reply_left_open(text, value):
+    assert partial_value(text) == value
+
+
+def test_partial_value_refuses_what_is_no_json():
+    for text in ('{"a" 1', "{1: 2}", '{"a": nope, "b": 1}'):
+        with pytest.raises(ValueError):
+            partial_value(text)

@@ -449,3 +449,71 @@ def test_anthropic_deferred_tool_is_called_once_a_tool_search_loaded_it(server):
         client.messages.count_tokens(model=MODEL, messages=history, tools=tools).input_tokens
         == client.messages.count_tokens(model=MODEL, messages=history, tools=plain).input_tokens
     )
+
+
+def test_a_call_cut_by_max_tokens_is_the_call_as_written_on_every_api(oa, server):
+    """A forced call cut by max_tokens comes back as a call whose arguments stop where the
+    reply did (OpenAI's finish_reason "length"), whole as streamed; the Responses API marks it
+    incomplete; Anthropic's tool_use block holds the input as far as written."""
+    full = oa.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=60
+    )
+    whole_arguments = full.choices[0].message.tool_calls[0].function.arguments
+    cut = full.usage.completion_tokens - 3
+    reply = oa.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=NAMED,
+        temperature=0,
+        max_tokens=cut,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    arguments = call.function.arguments
+    assert whole_arguments.startswith(arguments) and len(arguments) < len(whole_arguments)
+    stream = oa.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=NAMED,
+        temperature=0,
+        max_tokens=cut,
+        stream=True,
+    )
+    streamed = "".join(
+        c.choices[0].delta.tool_calls[0].function.arguments or ""
+        for c in stream
+        if c.choices and c.choices[0].delta.tool_calls
+    )
+    assert streamed == arguments
+    responses = oa.responses.create(
+        model=MODEL,
+        input=MESSAGES[0]["content"],
+        tools=[{"type": "function", **TOOLS[0]["function"]}],
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0,
+        max_output_tokens=cut,
+    )
+    assert responses.status == "incomplete"
+    (item,) = responses.output
+    assert item.type == "function_call" and item.status == "incomplete"
+    assert item.arguments == arguments
+    client = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0)
+    message = client.messages.create(
+        model=MODEL,
+        max_tokens=cut,
+        messages=MESSAGES,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body={"temperature": 0},
+    )
+    assert message.stop_reason == "max_tokens"
+    (use,) = message.content
+    assert use.type == "tool_use" and use.name == "get_weather"
+    written = json.loads(whole_arguments)
+    assert use.input and all(
+        written[k].startswith(v) or written[k] == v for k, v in use.input.items()
+    )

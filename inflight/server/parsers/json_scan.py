@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 _WHITESPACE = " \t\r\n"
 _SCALAR_END = ",}]" + _WHITESPACE
@@ -112,3 +113,83 @@ def _string(quoted: str) -> str | None:
     except ValueError:
         return None
     return value if isinstance(value, str) else None
+
+
+_MISSING = object()
+# An escape cut short at the end of a string: a lone backslash, or \u with under 4 digits.
+_CUT_ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{0,3})?$")
+
+
+def partial_value(text: str) -> Any:
+    """The value a JSON text holds as far as it is written (a reply cut by max_tokens): open
+    strings, arrays and objects closed where the text ends, a member or element whose value has
+    not begun (or is a literal or number cut short) left out; None where no value has begun.
+    A complete text gives what `json.loads` gives. Malformed text: ValueError."""
+    value, _ = _partial(text, 0)
+    return None if value is _MISSING else value
+
+
+def _partial(text: str, i: int) -> tuple[Any, int]:
+    i = skip_whitespace(text, i)
+    if i >= len(text):
+        return _MISSING, i
+    if text[i] == '"':
+        end = string_end(text, i)
+        if end is not None:
+            return json.loads(text[i:end]), end
+        rest = text[i + 1 :]
+        cut = _CUT_ESCAPE.search(rest)
+        if cut is not None:
+            before = rest[: cut.start()]
+            # The backslash begins an escape unless an odd run of them ends before it.
+            if (len(before) - len(before.rstrip("\\"))) % 2 == 0:
+                rest = before
+        return json.loads(f'"{rest}"'), len(text)
+    if text[i] in "{[":
+        return _container(text, i)
+    end = i
+    while end < len(text) and text[end] not in _SCALAR_END:
+        end += 1
+    try:
+        return json.loads(text[i:end]), end
+    except ValueError:
+        if end == len(text):
+            return _MISSING, end  # a literal or number cut short
+        raise
+
+
+def _container(text: str, i: int) -> tuple[Any, int]:
+    is_object = text[i] == "{"
+    out: Any = {} if is_object else []
+    close = "}" if is_object else "]"
+    i += 1
+    while True:
+        i = skip_whitespace(text, i)
+        if i >= len(text):
+            return out, i
+        if text[i] == close:
+            return out, i + 1
+        if text[i] == ",":
+            i += 1
+            continue
+        key = None
+        if is_object:
+            key_end = string_end(text, i) if text[i] == '"' else -1
+            if key_end == -1:
+                raise ValueError(f"an object key expected at {i}")
+            if key_end is None:
+                return out, len(text)  # the key cut short
+            key = json.loads(text[i:key_end])
+            i = skip_whitespace(text, key_end)
+            if i >= len(text):
+                return out, i
+            if text[i] != ":":
+                raise ValueError(f"':' expected at {i}")
+            i += 1
+        value, i = _partial(text, i)
+        if value is _MISSING:
+            return out, i
+        if is_object:
+            out[key] = value
+        else:
+            out.append(value)

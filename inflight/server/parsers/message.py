@@ -103,7 +103,8 @@ class MessageParser:
 
     def _read(self, text: str, final: bool, strict: bool) -> tuple[str, list[_Call]]:
         """The content and the calls of `text`: in a whole reply (`strict`) the calls that are
-        valid, in a stream those whose name is known."""
+        valid and the one the reply was cut inside, its name known (arguments as far as
+        written, as a stream sent them); in a stream those whose name is known."""
         if self.tools is None:
             return text, []
         runs: list[list[str]] = [[]]  # content between calls
@@ -115,7 +116,7 @@ class MessageParser:
                 continue
             call = read_call(piece)
             if strict:
-                is_call = call.valid
+                is_call = call.valid or (final and not call.closed and call.name is not None)
             else:
                 # A stream sends a call as soon as its name is known; a span without one is
                 # held back while it may still get it.

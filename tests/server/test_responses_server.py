@@ -4,6 +4,7 @@ as output items or typed stream events, and stored responses continue conversati
 
 import asyncio
 import json
+import time
 
 import httpx
 import jsonschema
@@ -20,6 +21,7 @@ from inflight.server.conversations import ConversationStore
 from inflight.server.errors import ServerError
 from inflight.server.parsers import MessageParser
 from inflight.server.responses import (
+    BackgroundJob,
     ResponseReply,
     ResponseStore,
     StoredResponse,
@@ -535,6 +537,61 @@ def test_stored_responses_are_retrieved_and_deleted(oa, server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
 
 
+def _settled(oa, response_id):
+    """The background response once it left queued / in_progress."""
+    deadline = time.monotonic() + 60
+    while True:
+        response = oa.responses.retrieve(response_id)
+        if response.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return response
+        time.sleep(0.05)
+
+
+def test_a_background_response_is_queued_then_polled_to_the_same_reply(oa):
+    queued = oa.responses.create(model=MODEL, input=QUESTION, background=True, **GREEDY)
+    assert queued.status == "queued" and queued.background and queued.output == []
+    done = _settled(oa, queued.id)
+    direct = oa.responses.create(model=MODEL, input=QUESTION, **GREEDY)
+    assert done.status == direct.status and done.output_text == direct.output_text
+    assert done.usage.output_tokens == direct.usage.output_tokens and done.background
+    # It continues a conversation as any stored response does, once it is done.
+    follow = oa.responses.create(
+        model=MODEL, input="And of Italy?", previous_response_id=done.id, **GREEDY
+    )
+    assert follow.usage.input_tokens > done.usage.input_tokens
+    assert oa.responses.cancel(done.id).status == done.status  # over: returned as it is
+    with pytest.raises(openai.BadRequestError):
+        oa.responses.cancel(direct.id)  # only background responses
+
+
+def test_a_background_response_is_cancelled_and_the_engine_freed(oa, server):
+    body = {"input": "Tell a long story.", "max_output_tokens": 400, "temperature": 0}
+    running = oa.responses.create(
+        model=MODEL, background=True, extra_body={"ignore_eos": True}, **body
+    )
+    with pytest.raises(openai.BadRequestError) as info:  # not a finished response yet
+        oa.responses.create(model=MODEL, input="And?", previous_response_id=running.id)
+    assert "only a completed or incomplete response" in info.value.message
+    cancelled = oa.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and cancelled.output == []
+    assert oa.responses.retrieve(running.id).status == "cancelled"
+    assert oa.responses.cancel(running.id).status == "cancelled"
+    # Deleting one that runs stops it too.
+    deleted = oa.responses.create(
+        model=MODEL, background=True, extra_body={"ignore_eos": True}, **body
+    )
+    oa.responses.delete(deleted.id)
+    with pytest.raises(openai.NotFoundError):
+        oa.responses.retrieve(deleted.id)
+    deadline = time.monotonic() + 30
+    while httpx.get(server + "/health").json()["scheduling"]["resident"]:
+        assert time.monotonic() < deadline, "a cancelled background response stayed resident"
+        time.sleep(0.05)
+    body = {"input": "x", "background": True, "store": False}
+    r = httpx.post(server + "/v1/responses", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "store"
+
+
 def test_a_response_not_stored_is_not_found(oa):
     reply = oa.responses.create(model=MODEL, input=QUESTION, store=False, **GREEDY)
     assert reply.store is False
@@ -715,7 +772,8 @@ def test_reasoning_items_sent_back_are_accepted(oa):
             "JSON object",
         ),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id", "resp_unknown"),
-        ({"background": True}, "background", "background"),
+        ({"background": True, "stream": True}, "stream", "polled"),
+        ({"background_options": {"x": 1}}, "background_options", "background"),
         (
             {"include": ["message.output_text.logprobs"], "tools": TOOLS},
             "include",
@@ -891,3 +949,18 @@ def test_a_failed_stream_ends_with_an_error_event_and_response_failed():
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert store.get(reply.id) is None
     assert held.items == []  # a failed response adds nothing to its conversation
+
+
+def test_a_failed_background_response_is_stored_as_failed():
+    store = ResponseStore()
+    held = ConversationStore().create([], {})
+    body = ResponsesRequest(input="Hi", background=True)
+    turn = Turn([], [], None, None, None, {}, [], {}, [])
+    reply = ResponseReply(body, MODEL, SamplingParams(), turn, MessageParser(), None, store, held)
+    run = _FailingRun()
+    assert reply.queued()["status"] == "queued"
+    asyncio.run(reply.background(run, BackgroundJob(run)))
+    stored = store.get(reply.id).body
+    assert stored["status"] == "failed" and stored["background"]
+    assert "boom" in stored["error"]["message"] and stored["output"] == []
+    assert held.items == []  # nothing added to its conversation

@@ -3,6 +3,7 @@ tokens."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -83,6 +84,13 @@ async def create_response(
     served = ("store", "metadata")
     ignored = [f for f in ignored_fields(body) if f not in served]
     headers = ignored_headers(ignored + turn.ignored)
+    if body.background:
+        # Started here, so that a full server is a 429 now rather than a failed job later.
+        job = responses.BackgroundJob(await started(client.run(prepared)))
+        queued = reply.queued()
+        store.jobs[reply.id] = job
+        job.task = asyncio.create_task(_background(reply, job, store))
+        return JSONResponse(queued, headers=headers)
     if body.stream:
         run = await started(client.run(prepared))
         return StreamingResponse(
@@ -90,6 +98,31 @@ async def create_response(
         )
     output = await client.generate(prepared, request.is_disconnected)
     return JSONResponse(reply.whole(output), headers=headers)
+
+
+async def _background(
+    reply: responses.ResponseReply, job: responses.BackgroundJob, store: ResponseStore
+) -> None:
+    try:
+        await reply.background(job.run, job)
+    finally:
+        store.jobs.pop(reply.id, None)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, store: Store) -> dict[str, Any]:
+    """Stop a background response (one that already ended is returned as it is)."""
+    stored = store.get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    if not stored.body.get("background"):
+        raise ServerError(400, "only background responses can be cancelled", "response_id")
+    job = store.jobs.get(response_id)
+    if job is not None:
+        await job.cancel()
+    stored = store.get(response_id)
+    assert stored is not None
+    return stored.body
 
 
 @router.post("/v1/responses/input_tokens")
@@ -132,6 +165,9 @@ async def list_input_items(response_id: str, store: Store, page: Page) -> dict[s
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, store: Store) -> dict[str, Any]:
+    job = store.jobs.get(response_id)
+    if job is not None:  # a background response still running stops first
+        await job.cancel()
     if not store.delete(response_id):
         raise _not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}

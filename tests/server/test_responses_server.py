@@ -560,6 +560,8 @@ def test_a_background_response_is_queued_then_polled_to_the_same_reply(oa):
     )
     assert follow.usage.input_tokens > done.usage.input_tokens
     assert oa.responses.cancel(done.id).status == done.status  # over: returned as it is
+    with pytest.raises(openai.BadRequestError):  # its events are not replayed
+        oa.responses.retrieve(done.id, stream=True)
     with pytest.raises(openai.BadRequestError):
         oa.responses.cancel(direct.id)  # only background responses
 

@@ -146,7 +146,13 @@ async def count_input_tokens(
 
 
 @router.api_route("/v1/responses/{response_id}", methods=READ)
-async def retrieve_response(response_id: str, store: Store) -> dict[str, Any]:
+async def retrieve_response(
+    response_id: str, store: Store, stream: bool = False, starting_after: int | None = None
+) -> dict[str, Any]:
+    if stream or starting_after is not None:
+        raise ServerError(
+            400, "a stored response is read whole here (its events are not replayed)", "stream"
+        )
     stored = store.get(response_id)
     if stored is None:
         raise _not_found(response_id)

@@ -499,6 +499,9 @@ class ResponseReply:
         # The conversation the finished response's input and output items are added to.
         self.held = held
         self.given = [item_object(item, f"input.{i}") for i, item in enumerate(turn.given)]
+        # Every input item as the response lists them, ids given once for all its states.
+        earlier = turn.conversation[: len(turn.conversation) - len(turn.given)]
+        self.input_items = [*(item_object(i, "input") for i in earlier), *self.given]
         self.created_at = int(time.time())
         self.reader = reader
         self.tokenizer = tokenizer
@@ -605,20 +608,16 @@ class ResponseReply:
         ]
         if self.store is not None:
             conversation = [*self.conversation, *(INPUT_ITEM.validate_python(i) for i in kept)]
-            self.store.put(self.id, StoredResponse(response, conversation, self._input_items()))
+            self.store.put(self.id, StoredResponse(response, conversation, self.input_items))
         if self.held is not None:
             self.held.add([*self.given, *kept])
         return response
-
-    def _input_items(self) -> list[dict[str, Any]]:
-        earlier = self.conversation[: len(self.conversation) - len(self.given)]
-        return [*(item_object(i, "input") for i in earlier), *self.given]
 
     def _keep(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
         """Store the response as it stands in a background run (no continuation from it)."""
         response = self._object(status, [], None, error)
         assert self.store is not None
-        self.store.put(self.id, StoredResponse(response, [], self._input_items()))
+        self.store.put(self.id, StoredResponse(response, [], self.input_items))
         return response
 
     async def background(self, run: Run, job: BackgroundJob) -> None:

@@ -332,7 +332,7 @@ def refusal(body: ResponsesRequest) -> ServerError | None:
         (
             "background_options",
             body.background_options is not None,
-            "background responses are not supported",
+            "background_options are not supported (background: true is)",
         ),
         (
             "conversation",

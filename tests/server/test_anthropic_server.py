@@ -362,3 +362,12 @@ def test_thread_rejections_carry_the_apis_error_codes(server):
     r = continue_raw(server, created["id"], system="Other.")
     assert r.status_code == 400 and "leave system out" in r.json()["error"]["message"]
     assert continue_raw(server, created["id"]).status_code == 200  # the refusal kept it open
+
+
+def test_models_read_as_the_anthropic_models_api(client):
+    listed = client.models.list()
+    (model,) = listed.data
+    assert model.id == MODEL and model.type == "model" and model.display_name == MODEL
+    assert model.created_at.year >= 2026 and model.max_input_tokens == model.max_tokens > 0
+    assert listed.has_more is False and listed.first_id == listed.last_id == MODEL
+    assert client.models.retrieve(MODEL).created_at == model.created_at

@@ -7,6 +7,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -26,6 +27,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "Connection": "keep-alive"}
 IGNORED_HEADER = "X-Inflight-Ignored-Fields"
 log = logging.getLogger(__name__)
 _STARTED = int(time.time())
+_STARTED_AT = datetime.fromtimestamp(_STARTED, UTC).isoformat().replace("+00:00", "Z")
 
 router = APIRouter()
 
@@ -167,8 +169,16 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
 
 @router.api_route("/v1/models", methods=READ)
 async def models(state: State) -> dict[str, Any]:
-    """The base model, and each LoRA adapter with the base as its parent."""
-    return {"object": "list", "data": _model_cards(state)}
+    """The base model, and each LoRA adapter with the base as its parent (in the shape of both
+    the OpenAI and the Anthropic Models API: the one's fields beside the other's)."""
+    cards = _model_cards(state)
+    return {
+        "object": "list",
+        "data": cards,
+        "has_more": False,
+        "first_id": cards[0]["id"],
+        "last_id": cards[-1]["id"],
+    }
 
 
 # A path: served names may hold slashes ("meta-llama/Llama-3.1-8B").
@@ -185,11 +195,21 @@ async def retrieve_model(model: str, state: State) -> dict[str, Any]:
 def _model_cards(state: State) -> list[dict[str, Any]]:
     base = state.settings.served_model_name
     llm = state.client.llm
-    entry = {"object": "model", "created": _STARTED, "owned_by": "inflight"}
+    entry = {
+        "object": "model",
+        "created": _STARTED,
+        "owned_by": "inflight",
+        # The Anthropic Models API's fields.
+        "type": "model",
+        "created_at": _STARTED_AT,
+        "max_input_tokens": llm.max_model_len,
+        "max_tokens": llm.max_model_len,
+    }
     return [
         *(
             {
                 "id": name,
+                "display_name": name,
                 **entry,
                 "max_model_len": llm.max_model_len,
                 "input_modalities": llm.input_modalities,
@@ -197,7 +217,10 @@ def _model_cards(state: State) -> list[dict[str, Any]]:
             }
             for name in state.settings.model_names
         ),
-        *({"id": name, **entry, "parent": base, "root": name} for name in llm.lora_adapters),
+        *(
+            {"id": name, "display_name": name, **entry, "parent": base, "root": name}
+            for name in llm.lora_adapters
+        ),
     ]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from inflight.protocol.outputs import RequestOutput
@@ -65,7 +65,7 @@ def chat_messages(
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
         elif m.role == "system":
-            out.append({"role": "system", "content": _system_text(m.content, where)})
+            out.append({"role": "system", "content": _marked_text(m.content, where, _change_line)})
         elif m.role == "assistant":
             out.append(_assistant(m.content, where))
         else:
@@ -110,7 +110,7 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
         if parts:
             out.append({"role": "user", "content": parts})
             parts = []
-        result = _result_text(block.content or "", f"{where}.{j}.content")
+        result = _marked_text(block.content or "", f"{where}.{j}.content", _loaded_line)
         out.append(
             {
                 "role": "tool",
@@ -123,16 +123,32 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _system_text(blocks: list[Any], where: str) -> str:
-    """A system message's text; a `tool_addition` / `tool_removal` block (the API's
-    mid-conversation tool changes: `offered_tools`) is read as the change it makes."""
-    changes = [_tool_change(b, f"{where}.{j}") for j, b in enumerate(blocks)]
-    if not any(changes):
-        return _text(blocks, where)
+def _marked_text(
+    content: str | list[Any], where: str, line: Callable[[Any, str], str | None]
+) -> str:
+    """The text of `content`; where `line` reads some of its blocks as lines of their own (a
+    tool change, a tool loaded: `offered_tools`), the blocks' texts one a line."""
+    if isinstance(content, str):
+        return content
+    lines = [line(b, f"{where}.{j}") for j, b in enumerate(content)]
+    if not any(lines):
+        return _text(content, where)
     return "\n".join(
-        f"Tool {'added' if c[0] else 'removed'}: {c[1]}" if c else _text([b], f"{where}.{j}")
-        for j, (b, c) in enumerate(zip(blocks, changes, strict=True))
+        read or _text([b], f"{where}.{j}")
+        for j, (b, read) in enumerate(zip(content, lines, strict=True))
     )
+
+
+def _change_line(block: Any, where: str) -> str | None:
+    """A system message's `tool_addition` / `tool_removal` block as the change it makes."""
+    change = _tool_change(block, where)
+    return None if change is None else f"Tool {'added' if change[0] else 'removed'}: {change[1]}"
+
+
+def _loaded_line(block: Any, where: str) -> str | None:
+    """A tool result's `tool_reference` block (a tool search's answer) as the tool it loads."""
+    name = _referenced_tool(block)
+    return None if name is None else f"Tool loaded: {name}"
 
 
 def _tool_change(block: Any, where: str) -> tuple[bool, str, AnthropicTool | None] | None:
@@ -159,17 +175,6 @@ def _tool_change(block: Any, where: str) -> tuple[bool, str, AnthropicTool | Non
         + (" or a tool_definition" if kind == "tool_addition" else "")
         + f" (MCP tools are not served); got {kind_of_tool!r}",
         where,
-    )
-
-
-def _result_text(content: str | list[Any], where: str) -> str:
-    """A tool result's text; a `tool_reference` block (a tool search's answer, which loads a
-    deferred tool: `offered_tools`) is read as the name of the tool it loads."""
-    if isinstance(content, str) or not any(_referenced_tool(b) for b in content):
-        return _text(content, where)
-    return "\n".join(
-        f"Tool loaded: {name}" if (name := _referenced_tool(b)) else _text([b], f"{where}.{i}")
-        for i, b in enumerate(content)
     )
 
 

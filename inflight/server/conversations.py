@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from inflight.server.errors import ServerError
+from inflight.server.lru import Lru
 from inflight.server.responses_protocol import (
-    INPUT_ITEM,
     FunctionCallItem,
     FunctionCallOutputItem,
     MessageItem,
@@ -53,10 +52,6 @@ class Conversation:
             "created_at": self.created_at,
             "metadata": self.metadata,
         }
-
-    def input_items(self) -> list[Any]:
-        """The items as a response's input reads them."""
-        return [INPUT_ITEM.validate_python(item) for item in self.items]
 
     def add(self, items: list[dict[str, Any]]) -> None:
         self.items += items
@@ -100,15 +95,12 @@ class ConversationStore:
     """Conversations by id, at most `capacity`; the least recently used goes first."""
 
     def __init__(self, capacity: int = CAPACITY) -> None:
-        self.capacity = capacity
-        self._entries: OrderedDict[str, Conversation] = OrderedDict()
+        self._entries: Lru[Conversation] = Lru(capacity)
 
     def create(self, items: list[dict[str, Any]], metadata: dict[str, str]) -> Conversation:
         conversation = Conversation(f"conv_{uuid.uuid4().hex}", int(time.time()), metadata)
         conversation.add(items)
-        self._entries[conversation.id] = conversation
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        self._entries.put(conversation.id, conversation)
         return conversation
 
     def get(self, conversation_id: str, param: str = "conversation_id") -> Conversation:
@@ -118,15 +110,14 @@ class ConversationStore:
             raise ServerError(
                 404,
                 f"no conversation with id {conversation_id!r} (unknown, deleted, or evicted "
-                f"from the server's store of {self.capacity})",
+                f"from the server's store of {self._entries.capacity})",
                 param,
             )
-        self._entries.move_to_end(conversation_id)
         return conversation
 
     def delete(self, conversation_id: str) -> None:
         self.get(conversation_id)
-        del self._entries[conversation_id]
+        self._entries.delete(conversation_id)
 
 
 def item_page(

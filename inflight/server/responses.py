@@ -17,9 +17,8 @@ import itertools
 import json
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -33,6 +32,7 @@ from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient, Run
 from inflight.server.conversations import Conversation, item_object
 from inflight.server.errors import ServerError
+from inflight.server.lru import Lru
 from inflight.server.parsers import MessageDelta, MessageParser
 from inflight.server.protocol import SamplingFields, VllmExtensions
 from inflight.server.responses_protocol import (
@@ -66,9 +66,21 @@ STORE_CAPACITY = 1024
 @dataclass(frozen=True)
 class StoredResponse:
     body: dict[str, Any]  # the response object, as it was returned
-    conversation: list[Any]  # input items a continuation starts from (instructions left out)
-    # Its input items as `GET /v1/responses/{id}/input_items` lists them (ids given once).
-    input_items: list[dict[str, Any]] = field(default_factory=list)
+    # Its input items (ids given once), as `GET /v1/responses/{id}/input_items` lists them.
+    input_items: list[dict[str, Any]]
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The items a continuation starts from (instructions left out): the input, then the
+        output less a call cut off mid-arguments, which is no call to send back."""
+        return [*self.input_items, *_carried(self.body["output"])]
+
+
+def _carried(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        item
+        for item in output
+        if not (item["type"] == "function_call" and item["status"] == "incomplete")
+    ]
 
 
 @dataclass
@@ -88,29 +100,13 @@ class BackgroundJob:
             await asyncio.shield(asyncio.wait({self.task}))
 
 
-class ResponseStore:
+class ResponseStore(Lru[StoredResponse]):
     """Stored responses by id, at most `capacity`; the least recently used goes first. `jobs`:
     the background responses still being generated, by id."""
 
     def __init__(self, capacity: int = STORE_CAPACITY) -> None:
-        self.capacity = capacity
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        super().__init__(capacity)
         self.jobs: dict[str, BackgroundJob] = {}
-
-    def get(self, response_id: str) -> StoredResponse | None:
-        entry = self._entries.get(response_id)
-        if entry is not None:
-            self._entries.move_to_end(response_id)
-        return entry
-
-    def put(self, response_id: str, entry: StoredResponse) -> None:
-        self._entries[response_id] = entry
-        self._entries.move_to_end(response_id)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
-
-    def delete(self, response_id: str) -> bool:
-        return self._entries.pop(response_id, None) is not None
 
 
 # -- the request as a chat turn ----------------------------------------------------------------
@@ -121,7 +117,8 @@ class Turn:
     """A Responses request as the chat path takes it."""
 
     messages: list[dict[str, Any]]  # the conversation the prompt renders
-    conversation: list[Any]  # its input items (instructions left out), which the store keeps
+    # The item objects of the turns before (a stored response's or a conversation's).
+    earlier: list[dict[str, Any]]
     choice: ToolChoice | None
     constraint: StructuredOutputs | None
     template_kwargs: dict[str, Any] | None  # the chat template's variables (thinking)
@@ -141,10 +138,10 @@ def chat_turn(
     """The chat turn of a request (400 naming the field for what cannot be served; 400 for a
     previous_response_id that is not stored): its input after `held`'s items where the request
     names a conversation."""
-    earlier: list[Any] = []
+    earlier: list[dict[str, Any]] = []
     earlier_from = "previous_response_id"
     if held is not None:
-        earlier, earlier_from = held.input_items(), "conversation"
+        earlier, earlier_from = list(held.items), "conversation"
     elif body.previous_response_id is not None:
         stored = store.get(body.previous_response_id)
         if stored is None:
@@ -163,13 +160,13 @@ def chat_turn(
                 "completed or incomplete response can be continued",
                 "previous_response_id",
             )
-        earlier = stored.conversation
+        earlier = stored.conversation()
     if body.input is None and not earlier:
         raise ServerError(400, "input is required", "input")
     given = body.input or []
     if isinstance(given, str):
         given = [MessageItem(role="user", content=given)]
-    conversation = [*earlier, *given]
+    conversation = [*(INPUT_ITEM.validate_python(item) for item in earlier), *given]
     messages = chat_messages(body.instructions, conversation, len(earlier), earlier_from)
     choice, namespaced, dropped = responses_tool_choice(body, chat)
     forced = choice is not None and choice.forced
@@ -177,7 +174,7 @@ def chat_turn(
     constraint, ignored = chat.constraint(choice, text_constraint(body), format_field)
     return Turn(
         messages,
-        conversation,
+        earlier,
         choice,
         constraint,
         _thinking(body, chat),
@@ -499,13 +496,10 @@ class ResponseReply:
         # The conversation the finished response's input and output items are added to.
         self.held = held
         self.given = [item_object(item, f"input.{i}") for i, item in enumerate(turn.given)]
-        # Every input item as the response lists them, ids given once for all its states.
-        earlier = turn.conversation[: len(turn.conversation) - len(turn.given)]
-        self.input_items = [*(item_object(i, "input") for i in earlier), *self.given]
+        self.input_items = [*turn.earlier, *self.given]
         self.created_at = int(time.time())
         self.reader = reader
         self.tokenizer = tokenizer
-        self.conversation = turn.conversation
         self.namespaced = turn.namespaced
         # With `include` asking: the message carries every generated token's logprob (the
         # reasoning's too, as a chat completion's `logprobs.content` does).
@@ -600,24 +594,17 @@ class ResponseReply:
         }
         status = "incomplete" if result.finish_reason == "length" else "completed"
         response = self._object(status, output, usage)
-        # A call cut off mid-arguments is no call to send back.
-        kept = [
-            item
-            for item in output
-            if not (item["type"] == "function_call" and item["status"] == "incomplete")
-        ]
         if self.store is not None:
-            conversation = [*self.conversation, *(INPUT_ITEM.validate_python(i) for i in kept)]
-            self.store.put(self.id, StoredResponse(response, conversation, self.input_items))
+            self.store.put(self.id, StoredResponse(response, self.input_items))
         if self.held is not None:
-            self.held.add([*self.given, *kept])
+            self.held.add([*self.given, *_carried(output)])
         return response
 
     def _keep(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
         """Store the response as it stands in a background run (no continuation from it)."""
         response = self._object(status, [], None, error)
         assert self.store is not None
-        self.store.put(self.id, StoredResponse(response, [], self.input_items))
+        self.store.put(self.id, StoredResponse(response, self.input_items))
         return response
 
     async def background(self, run: Run, job: BackgroundJob) -> None:

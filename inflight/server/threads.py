@@ -16,12 +16,12 @@ memory, bounded (least recently used out) and forgotten on restart.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from inflight.server.errors import ServerError
+from inflight.server.lru import Lru
 from inflight.server.protocol import AnthropicMessage, AnthropicMessagesRequest, AnthropicTool
 
 # How long a kept conversation can be continued, counted from when it was kept (the API's 5
@@ -54,10 +54,9 @@ class ThreadStore:
         ttl_s: float = TTL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.capacity = capacity
         self.ttl_s = ttl_s
         self._clock = clock
-        self._entries: OrderedDict[str, _Kept] = OrderedDict()
+        self._entries: Lru[_Kept] = Lru(capacity)
 
     def begin(self, body: AnthropicMessagesRequest) -> ThreadTurn | None:
         """The thread turn of a request (None without `thread`); a continue is checked against
@@ -84,7 +83,7 @@ class ThreadStore:
                 "thread_not_found",
                 f"no thread is held for previous_message_id {previous!r} (unknown, expired "
                 f"{self.ttl_s:.0f} s after it was kept, or evicted from the server's "
-                f"{self.capacity}): send the whole conversation with thread type create",
+                f"{self._entries.capacity}): send the whole conversation with thread type create",
             )
         if kept.continued:
             raise _rejection(
@@ -105,12 +104,9 @@ class ThreadStore:
 
     def _live(self, message_id: str) -> _Kept | None:
         kept = self._entries.get(message_id)
-        if kept is None:
+        if kept is not None and self._clock() - kept.kept_at > self.ttl_s:
+            self._entries.delete(message_id)
             return None
-        if self._clock() - kept.kept_at > self.ttl_s:
-            del self._entries[message_id]
-            return None
-        self._entries.move_to_end(message_id)
         return kept
 
     def keep(
@@ -121,10 +117,7 @@ class ThreadStore:
         messages: list[AnthropicMessage],
     ) -> None:
         """Hold a conversation under the id of its last reply."""
-        self._entries[message_id] = _Kept(system, tools, messages, self._clock())
-        self._entries.move_to_end(message_id)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        self._entries.put(message_id, _Kept(system, tools, messages, self._clock()))
 
     def settle(self, previous: str, continued: bool) -> None:
         """End the continue from `previous`: served (it cannot be continued again) or not."""

@@ -62,6 +62,11 @@ def oa(server):
     return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
 
 
+@pytest.fixture
+def ac(server):
+    return anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0)
+
+
 def _valid_call(call) -> dict:
     assert call.type == "function" and call.id.startswith("call_")
     arguments = json.loads(call.function.arguments)
@@ -320,10 +325,9 @@ ANTHROPIC_TOOLS = [
 ]
 
 
-def test_anthropic_tool_use_round_trip(server):
-    client = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0)
+def test_anthropic_tool_use_round_trip(ac):
     forced = {"type": "tool", "name": "get_weather"}
-    message = client.messages.create(
+    message = ac.messages.create(
         model=MODEL,
         max_tokens=40,
         messages=MESSAGES,
@@ -335,7 +339,7 @@ def test_anthropic_tool_use_round_trip(server):
     (use,) = [b for b in message.content if b.type == "tool_use"]
     assert use.name == "get_weather" and use.id.startswith("toolu_")
     jsonschema.validate(use.input, PARAMETERS)
-    with client.messages.stream(
+    with ac.messages.stream(
         model=MODEL,
         max_tokens=40,
         messages=MESSAGES,
@@ -360,7 +364,7 @@ def test_anthropic_tool_use_round_trip(server):
             "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C"}],
         },
     ]
-    reply = client.messages.create(
+    reply = ac.messages.create(
         model=MODEL,
         max_tokens=20,
         messages=history,
@@ -369,7 +373,7 @@ def test_anthropic_tool_use_round_trip(server):
     )
     assert reply.stop_reason in ("end_turn", "max_tokens")
     assert [b.type for b in reply.content] == ["text"] and reply.content[0].text
-    counted = client.messages.count_tokens(model=MODEL, messages=history, tools=ANTHROPIC_TOOLS)
+    counted = ac.messages.count_tokens(model=MODEL, messages=history, tools=ANTHROPIC_TOOLS)
     assert counted.input_tokens == reply.usage.input_tokens
 
 
@@ -397,23 +401,22 @@ def test_auto_parses_a_hermes_call_the_model_writes_whole_and_streamed(oa):
     )
 
 
-def test_anthropic_deferred_tool_is_called_once_a_tool_search_loaded_it(server):
+def test_anthropic_deferred_tool_is_called_once_a_tool_search_loaded_it(ac):
     """The API's tool search: a `defer_loading` tool is neither shown nor callable until a
     `tool_reference` block in a tool result loads it (as Claude Code's ToolSearch answers)."""
-    client = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0)
     search = {"name": "search_tools", "input_schema": {"type": "object"}}
     deferred = {**ANTHROPIC_TOOLS[0], "defer_loading": True}
     placeholder = {"name": "Placeholder", "input_schema": {"type": "object"}, "defer_loading": True}
     tools = [search, deferred, placeholder]
     forced = {"type": "tool", "name": "get_weather"}
     with pytest.raises(anthropic.BadRequestError):  # not loaded: no such tool to call
-        client.messages.create(
+        ac.messages.create(
             model=MODEL, max_tokens=40, messages=MESSAGES, tools=tools, tool_choice=forced
         )
     # Unloaded deferred tools are not rendered at all.
     assert (
-        client.messages.count_tokens(model=MODEL, messages=MESSAGES, tools=tools).input_tokens
-        == client.messages.count_tokens(model=MODEL, messages=MESSAGES, tools=[search]).input_tokens
+        ac.messages.count_tokens(model=MODEL, messages=MESSAGES, tools=tools).input_tokens
+        == ac.messages.count_tokens(model=MODEL, messages=MESSAGES, tools=[search]).input_tokens
     )
     history = [
         *MESSAGES,
@@ -432,7 +435,7 @@ def test_anthropic_deferred_tool_is_called_once_a_tool_search_loaded_it(server):
             ],
         },
     ]
-    message = client.messages.create(
+    message = ac.messages.create(
         model=MODEL,
         max_tokens=40,
         messages=history,
@@ -446,12 +449,12 @@ def test_anthropic_deferred_tool_is_called_once_a_tool_search_loaded_it(server):
     # Loaded, it is rendered as a tool sent without deferral.
     plain = [search, ANTHROPIC_TOOLS[0]]
     assert (
-        client.messages.count_tokens(model=MODEL, messages=history, tools=tools).input_tokens
-        == client.messages.count_tokens(model=MODEL, messages=history, tools=plain).input_tokens
+        ac.messages.count_tokens(model=MODEL, messages=history, tools=tools).input_tokens
+        == ac.messages.count_tokens(model=MODEL, messages=history, tools=plain).input_tokens
     )
 
 
-def test_a_call_cut_by_max_tokens_is_the_call_as_written_on_every_api(oa, server):
+def test_a_call_cut_by_max_tokens_is_the_call_as_written_on_every_api(oa, ac):
     """A forced call cut by max_tokens comes back as a call whose arguments stop where the
     reply did (OpenAI's finish_reason "length"), whole as streamed; the Responses API marks it
     incomplete; Anthropic's tool_use block holds the input as far as written."""
@@ -501,8 +504,7 @@ def test_a_call_cut_by_max_tokens_is_the_call_as_written_on_every_api(oa, server
     (item,) = responses.output
     assert item.type == "function_call" and item.status == "incomplete"
     assert item.arguments == arguments
-    client = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0)
-    message = client.messages.create(
+    message = ac.messages.create(
         model=MODEL,
         max_tokens=cut,
         messages=MESSAGES,

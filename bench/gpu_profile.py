@@ -2,7 +2,8 @@
 
 Seats `--batch` residents of random prompts on a random-weight model, runs their prefill, then
 profiles `--steps` decode steps with cProfile (host) and times the forward alone with CUDA
-events (device).
+events (device), then the device's idle time between kernels inside a forward (a graph replay)
+and a whole step.
 
     python3 bench/gpu_profile.py [--shape qwen3-0.6b] [--batch 256] [--prompt 512]
         [--kv-cache-dtype fp8] [--quantization fp8]
@@ -13,11 +14,16 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
+import json
 import pstats
 import random
+import tempfile
 import time
 import traceback
+from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -48,6 +54,54 @@ def kernel_table(run: Callable[[], T]) -> tuple[T, str]:
         sort_by="cuda_time_total", row_limit=20, max_name_column_width=70
     )
     return result, table
+
+
+def kernel_gaps(run: Callable[[], object], repeats: int = 5) -> str:
+    """Run `run()` `repeats` times under the profiler and describe the middle run's device
+    timeline (`timeline_gaps`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            run()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        events = json.loads(Path(trace.name).read_text())["traceEvents"]
+    return timeline_gaps(events, repeats)
+
+
+def timeline_gaps(events: list[dict], repeats: int) -> str:
+    """Of a trace's device events (`ts`, `dur` in us) from `repeats` runs one after another: the
+    middle run's kernels, their summed time against the span from the first's start to the
+    last's end (the difference: the device idle between kernels, inside a graph too), and the
+    pairs of kernels whose gaps add up to most."""
+    kernels = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+        key=lambda e: e["ts"],
+    )
+    # The runs are told apart by the widest gaps between kernels (the host's waits).
+    gaps = [b["ts"] - a["ts"] - a["dur"] for a, b in itertools.pairwise(kernels)]
+    cuts = sorted(sorted(range(len(gaps)), key=gaps.__getitem__)[len(gaps) - repeats + 1 :])
+    bounds = [0, *(c + 1 for c in cuts), len(kernels)]
+    run_kernels = kernels[bounds[repeats // 2] : bounds[repeats // 2 + 1]]
+    span = run_kernels[-1]["ts"] + run_kernels[-1]["dur"] - run_kernels[0]["ts"]
+    busy = sum(k["dur"] for k in run_kernels)
+    by_pair: defaultdict[tuple[str, str], list[float]] = defaultdict(list)
+    for a, b in itertools.pairwise(run_kernels):
+        by_pair[a["name"][:45], b["name"][:45]].append(b["ts"] - a["ts"] - a["dur"])
+    lines = [
+        f"{len(run_kernels)} kernels, span {span / 1000:.3f} ms, kernels {busy / 1000:.3f} ms, "
+        f"between them {(span - busy) / 1000:.3f} ms ({(span - busy) / len(run_kernels):.2f} us "
+        "a kernel)"
+    ]
+    for (a, b), pair_gaps in sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:12]:
+        lines.append(
+            f"  {sum(pair_gaps):8.1f} us over {len(pair_gaps):4d} gaps "
+            f"({sum(pair_gaps) / len(pair_gaps):5.2f} each): {a} -> {b}"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -133,6 +187,10 @@ def main() -> None:
         build_ragged_batch(rows, runtime.blocks.block_size, device)
     print(f"build_ragged_batch: {(time.perf_counter() - t) / 10 * 1000:.2f} ms")
     print(kernel_table(lambda: [runner.logits(runner.execute(batch)) for _ in range(5)])[1])
+    print("forward + LM head (a graph replay where captured), the device between kernels:")
+    print(kernel_gaps(lambda: runner.logits(runner.execute(batch))))
+    print("whole decode steps, the device between kernels:")
+    print(kernel_gaps(session.step))
     # Two mixed steps: the host's work for the first (cProfile), the device's for the second.
     admit(MIXED_PROMPTS)
     torch.cuda.synchronize()

@@ -30,6 +30,7 @@ from inflight.model.kernels.triton import (
     ops,
     rope,
 )
+from inflight.model.kernels.triton.plan import plan_prefill
 from inflight.model.layers.activation import torch_silu_mul
 from inflight.model.layers.mamba import ssm_decode as torch_ssm_decode
 from inflight.model.layers.moe import Experts
@@ -164,6 +165,32 @@ def test_decode_rows_taken_longest_first_keep_their_bits():
     ordered = attention.paged_attention(q, *caches, meta, dim**-0.5, splits=1)
     meta.plan = None
     assert torch.equal(ordered, attention.paged_attention(q, *caches, meta, dim**-0.5, splits=1))
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 64)])
+def test_prefill_programs_of_other_sizes_attend_alike(block_m, block_n):
+    """The prefill kernel's launch settings (bench/prefill_attention.py sweeps them) change
+    which program serves which queries and how many keys an iteration takes, not the output."""
+    heads, kv_heads, dim = 8, 2, 32
+    meta, caches = _step(SHAPES, kv_heads, dim, torch.float32)
+    q = torch.randn(meta.slot_mapping.shape[0], heads, dim)
+    backend = TritonAttentionBackend()
+    backend.plan(meta)
+    want = attention.paged_attention(q, *caches, meta, dim**-0.5)
+    plan = plan_prefill(meta.query_lens_host, meta.num_decodes, q.device, block_m)
+    got = torch.zeros_like(q)
+    attention.prefill_attention(q, *caches, meta, plan, got, dim**-0.5, block_n=block_n)
+    first = meta.num_decodes
+    assert got[:first].eq(0).all()  # decode rows are not the prefill kernel's
+    assert _rel(got[first:], want[first:]) < 1e-6
+
+
+def test_a_windowed_prefill_refuses_programs_longer_than_their_key_tiles():
+    meta, caches = _step([(37, 0)], 2, 32, torch.float32)
+    q = torch.randn(37, 8, 32)
+    plan = plan_prefill(meta.query_lens_host, 0, q.device, 64)
+    with pytest.raises(ValueError, match="block_m <= block_n"):
+        attention.prefill_attention(q, *caches, meta, plan, q, 1.0, window=8, block_n=32)
 
 
 def test_decode_rows_past_the_launch_grid_are_refused_by_name():

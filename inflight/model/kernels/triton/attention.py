@@ -32,7 +32,7 @@ import triton.language as tl
 
 from inflight.model.kernels.cuda import fp8_decode
 from inflight.model.kernels.triton.plan import (
-    PREFILL_BLOCK_M,
+    PrefillPlan,
     StepPlan,
     decode_splits,
     multiprocessors,
@@ -333,20 +333,46 @@ def paged_attention(
             splits=splits, window=window, sinks=sinks,
             order=None if step is None else step.decode_order,
         )  # fmt: skip
-    plan = None if step is None else step.prefill
-    if plan is not None:
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
-        _prefill_kernel[(plan.programs, q.shape[1])](
-            q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc,
-            meta.seq_lens, plan.query_lens, plan.rows, plan.starts, scale,
-            out if sinks is None else sinks,  # unread without sinks
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            meta.block_tables.stride(0), out.stride(0), out.stride(1),
-            GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, WINDOW=window or 0,
-            HAS_SINKS=sinks is not None,
-        )  # fmt: skip
+    if step is not None and step.prefill is not None:
+        prefill_attention(q, k_cache, v_cache, meta, step.prefill, out, scale, window, sinks)
     return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    plan: PrefillPlan,
+    out: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    block_n: int = PREFILL_BLOCK_N,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+) -> None:
+    """Write into `out` the causal attention of the prefill chunks' queries, by the programs
+    `plan` lays out (`plan.block_m` queries each). The default launch settings are those the
+    backend serves with (bench/prefill_attention.py sweeps them; `num_stages` None: Triton's
+    default)."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if window and plan.block_m > block_n:
+        # A program's first keys must hold some that each of its queries sees (`_prefill_kernel`).
+        raise ValueError(
+            f"a windowed prefill takes block_m <= block_n, not {plan.block_m} > {block_n}"
+        )
+    stages = {} if num_stages is None else {"num_stages": num_stages}
+    _prefill_kernel[(plan.programs, q.shape[1])](
+        q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc,
+        meta.seq_lens, plan.query_lens, plan.rows, plan.starts, scale,
+        out if sinks is None else sinks,  # unread without sinks
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        meta.block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=plan.block_m, BLOCK_N=block_n, WINDOW=window or 0,
+        HAS_SINKS=sinks is not None, num_warps=num_warps, **stages,
+    )  # fmt: skip
 
 
 def decode_attention(

@@ -40,9 +40,10 @@ def decode_splits(rows: int, kv_heads: int, multiprocessors: int) -> int:
 
 @dataclass(frozen=True)
 class PrefillPlan:
-    """Program p attends queries [starts[p], starts[p] + BLOCK_M) of chunk rows[p]."""
+    """Program p attends queries [starts[p], starts[p] + block_m) of chunk rows[p]."""
 
     programs: int
+    block_m: int
     rows: torch.Tensor  # [programs] int32: the ragged batch row of each program
     starts: torch.Tensor  # [programs] int32: its first query, counted within the row's chunk
     query_lens: torch.Tensor  # [rows] int32: every row's query length
@@ -62,7 +63,7 @@ def plan_prefill(
     def tensor(values: list[int]) -> torch.Tensor:
         return to_device(values, torch.int32, device)
 
-    return PrefillPlan(len(rows), tensor(rows), tensor(starts), tensor(query_lens))
+    return PrefillPlan(len(rows), block_m, tensor(rows), tensor(starts), tensor(query_lens))
 
 
 @dataclass(frozen=True)

@@ -320,11 +320,6 @@ def refusal(body: ResponsesRequest) -> ServerError | None:
     """A 400 naming the first option of this request the server does not serve."""
     checks = [
         (
-            "stream",
-            bool(body.background) and body.stream,
-            "a background response is polled (GET /v1/responses/{id}), not streamed, here",
-        ),
-        (
             "store",
             bool(body.background) and body.store is False,
             "a background response is stored to be polled: store cannot be false",

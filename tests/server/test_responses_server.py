@@ -22,6 +22,7 @@ from inflight.server.errors import ServerError
 from inflight.server.parsers import MessageParser
 from inflight.server.responses import (
     BackgroundJob,
+    EventLog,
     ResponseReply,
     ResponseStore,
     StoredResponse,
@@ -560,8 +561,9 @@ def test_a_background_response_is_queued_then_polled_to_the_same_reply(oa):
     )
     assert follow.usage.input_tokens > done.usage.input_tokens
     assert oa.responses.cancel(done.id).status == done.status  # over: returned as it is
-    with pytest.raises(openai.BadRequestError):  # its events are not replayed
+    with pytest.raises(openai.BadRequestError) as info:  # created without stream
         oa.responses.retrieve(done.id, stream=True)
+    assert "background: true and stream: true" in info.value.message
     with pytest.raises(openai.BadRequestError):
         oa.responses.cancel(direct.id)  # only background responses
 
@@ -592,6 +594,92 @@ def test_a_background_response_is_cancelled_and_the_engine_freed(oa, server):
     body = {"input": "x", "background": True, "store": False}
     r = httpx.post(server + "/v1/responses", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "store"
+
+
+def _stream_text(events):
+    return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+def test_a_streamed_background_response_is_replayed_from_any_event(oa):
+    direct = oa.responses.create(model=MODEL, input=QUESTION, **GREEDY)
+    with oa.responses.create(
+        model=MODEL, input=QUESTION, background=True, stream=True, **GREEDY
+    ) as stream:
+        events = list(stream)
+    types = [e.type for e in events]
+    assert types[:3] == ["response.created", "response.queued", "response.in_progress"]
+    assert types[3:5] == MESSAGE_OPENING[2:] and types[-1] == f"response.{direct.status}"
+    assert events[0].response.status == "queued" and events[0].response.background
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert _stream_text(events) == direct.output_text
+    response_id = events[0].response.id
+    stored = oa.responses.retrieve(response_id)
+    assert stored.status == direct.status and stored == events[-1].response
+    # Replayed whole, or after any event: the same events.
+    dumped = [e.model_dump() for e in events]
+    again = oa.responses.retrieve(response_id, stream=True)
+    assert [e.model_dump() for e in again] == dumped
+    for after in (0, 5, len(events) - 2, len(events) - 1):
+        tail = oa.responses.retrieve(response_id, stream=True, starting_after=after)
+        assert [e.model_dump() for e in tail] == dumped[after + 1 :]
+    # The SDK's stream helper resumes by response id.
+    with oa.responses.stream(response_id=response_id, starting_after=4) as resumed:
+        got = list(resumed)
+    assert [e.sequence_number for e in got] == list(range(5, len(events)))
+    assert got[-1].response.output_text == direct.output_text
+    for query, param in (
+        ("starting_after=3", "starting_after"),  # without stream
+        ("stream=true&starting_after=-2", "query.starting_after"),
+    ):
+        r = httpx.get(f"{oa.base_url}responses/{response_id}?{query}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, query
+    with pytest.raises(openai.BadRequestError):  # not a background response
+        oa.responses.retrieve(direct.id, stream=True)
+
+
+def test_a_dropped_background_stream_goes_on_and_resumes_where_it_stopped(oa):
+    body = {"input": "Tell a long story.", "max_output_tokens": 120, "temperature": 0}
+    extra = {"extra_body": {"ignore_eos": True}}
+    stream = oa.responses.create(model=MODEL, background=True, stream=True, **body, **extra)
+    seen = []
+    for event in stream:
+        seen.append(event)
+        if event.type == "response.output_text.delta":
+            break
+    stream.close()  # the connection dropped
+    rest = list(
+        oa.responses.retrieve(
+            seen[0].response.id, stream=True, starting_after=seen[-1].sequence_number
+        )
+    )
+    events = seen + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == "response.incomplete"  # cut at max_output_tokens: it ran on
+    assert events[-1].response.usage.output_tokens == 120
+    assert _stream_text(events) == events[-1].response.output_text
+
+
+def test_a_streamed_background_response_is_cancelled_and_its_streams_end(oa, server):
+    body = {"input": "Tell a long story.", "max_output_tokens": 400, "temperature": 0}
+    extra = {"extra_body": {"ignore_eos": True}}
+    stream = oa.responses.create(model=MODEL, background=True, stream=True, **body, **extra)
+    events = []
+    for event in stream:
+        events.append(event)
+        if event.type == "response.output_text.delta":
+            break
+    response_id = events[0].response.id
+    assert oa.responses.cancel(response_id).status == "cancelled"
+    events += list(stream)  # the creating stream ends, without a last response event
+    ends = {"response.completed", "response.incomplete", "response.failed"}
+    assert not ends & {e.type for e in events}
+    replay = oa.responses.retrieve(response_id, stream=True)
+    assert [e.model_dump() for e in replay] == [e.model_dump() for e in events]
+    assert oa.responses.retrieve(response_id).status == "cancelled"
+    deadline = time.monotonic() + 30
+    while httpx.get(server + "/health").json()["scheduling"]["resident"]:
+        assert time.monotonic() < deadline, "a cancelled background response stayed resident"
+        time.sleep(0.05)
 
 
 def test_a_response_not_stored_is_not_found(oa):
@@ -774,7 +862,6 @@ def test_reasoning_items_sent_back_are_accepted(oa):
             "JSON object",
         ),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id", "resp_unknown"),
-        ({"background": True, "stream": True}, "stream", "polled"),
         ({"background_options": {"x": 1}}, "background_options", "background"),
         (
             {"include": ["message.output_text.logprobs"], "tools": TOOLS},
@@ -959,10 +1046,59 @@ def test_a_failed_background_response_is_stored_as_failed():
     body = ResponsesRequest(input="Hi", background=True)
     turn = Turn([], [], None, None, None, {}, [], {}, [])
     reply = ResponseReply(body, MODEL, SamplingParams(), turn, MessageParser(), None, store, held)
-    run = _FailingRun()
-    assert reply.queued()["status"] == "queued"
-    asyncio.run(reply.background(run, BackgroundJob(run)))
+    job = BackgroundJob(_FailingRun())
+    assert reply.queued(job)["status"] == "queued"
+    asyncio.run(reply.background(job))
     stored = store.get(reply.id).body
     assert stored["status"] == "failed" and stored["background"]
     assert "boom" in stored["error"]["message"] and stored["output"] == []
     assert held.items == []  # nothing added to its conversation
+
+
+def test_a_failed_streamed_background_response_logs_its_failure_and_stores_it():
+    store = ResponseStore()
+    body = ResponsesRequest(input="Hi", background=True, stream=True)
+    turn = Turn([], [], None, None, None, {}, [], {}, [])
+    reply = ResponseReply(body, MODEL, SamplingParams(), turn, MessageParser(), None, store)
+    job = BackgroundJob(_FailingRun(), events=EventLog())
+    reply.queued(job)
+    asyncio.run(reply.background(job))
+    assert job.events.closed
+    events = [json.loads(e.split("\ndata: ")[1]) for e in job.events.events]
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.queued",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "error",
+        "response.failed",
+    ]
+    assert events[0]["response"]["status"] == "queued"
+    stored = store.get(reply.id)
+    assert stored.body == events[-1]["response"] and stored.body["status"] == "failed"
+    assert stored.events is job.events  # kept for a replay
+
+
+def test_an_event_log_replays_after_any_event_and_follows_until_closed():
+    async def scenario():
+        log = EventLog()
+        log.add("e0")
+        log.add("e1")
+        got = {}
+
+        async def read(after):
+            got[after] = [e async for e in log.follow(after)]
+
+        readers = [asyncio.create_task(read(after)) for after in (None, 0, 1, 5)]
+        await asyncio.sleep(0)
+        assert not any(r.done() for r in readers)  # waiting for what comes next
+        log.add("e2")
+        await asyncio.sleep(0)
+        log.close()
+        await asyncio.gather(*readers)
+        assert got == {None: ["e0", "e1", "e2"], 0: ["e1", "e2"], 1: ["e2"], 5: []}
+        assert [e async for e in log.follow(0)] == ["e1", "e2"]  # closed: replayed at once
+
+    asyncio.run(scenario())

@@ -1,12 +1,13 @@
-"""OpenAI Responses API routes: create, retrieve and delete responses; count a request's input
-tokens."""
+"""OpenAI Responses API routes: create, retrieve (a streamed background response's events
+replayed too), cancel and delete responses; list a response's input items; count a request's
+input tokens."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inflight.server import responses
@@ -87,9 +88,14 @@ async def create_response(
     if body.background:
         # Started here, so that a full server is a 429 now rather than a failed job later.
         job = responses.BackgroundJob(await started(client.run(prepared)))
-        queued = reply.queued()
+        if body.stream:
+            job.events = responses.EventLog()
+        queued = reply.queued(job)
         store.jobs[reply.id] = job
         job.task = asyncio.create_task(_background(reply, job, store))
+        if job.events is not None:
+            # The stream follows the job's log: a client that drops it stops nothing.
+            return _event_stream(job.events, None, headers)
         return JSONResponse(queued, headers=headers)
     if body.stream:
         run = await started(client.run(prepared))
@@ -104,7 +110,7 @@ async def _background(
     reply: responses.ResponseReply, job: responses.BackgroundJob, store: ResponseStore
 ) -> None:
     try:
-        await reply.background(job.run, job)
+        await reply.background(job)
     finally:
         store.jobs.pop(reply.id, None)
 
@@ -147,16 +153,38 @@ async def count_input_tokens(
 
 @router.api_route("/v1/responses/{response_id}", methods=READ)
 async def retrieve_response(
-    response_id: str, store: Store, stream: bool = False, starting_after: int | None = None
-) -> dict[str, Any]:
-    if stream or starting_after is not None:
-        raise ServerError(
-            400, "a stored response is read whole here (its events are not replayed)", "stream"
-        )
+    response_id: str,
+    store: Store,
+    stream: bool = False,
+    starting_after: Annotated[int | None, Query(ge=-1)] = None,
+) -> Response:
+    """The stored response; with `stream`, a streamed background response's events after
+    `starting_after` (all without it), then the rest as they are written."""
     stored = store.get(response_id)
     if stored is None:
         raise _not_found(response_id)
-    return stored.body
+    if not stream:
+        if starting_after is not None:
+            raise ServerError(400, "starting_after is read with stream=true only", "starting_after")
+        return JSONResponse(stored.body)
+    if stored.events is None:
+        raise ServerError(
+            400,
+            "only a response created with background: true and stream: true can be streamed "
+            "again (its events are kept); this one is read whole",
+            "stream",
+        )
+    return _event_stream(stored.events, starting_after)
+
+
+def _event_stream(
+    log: responses.EventLog, starting_after: int | None, headers: dict[str, str] | None = None
+) -> StreamingResponse:
+    return StreamingResponse(
+        log.follow(starting_after),
+        media_type="text/event-stream",
+        headers={**SSE_HEADERS, **(headers or {})},
+    )
 
 
 @router.api_route("/v1/responses/{response_id}/input_items", methods=READ)

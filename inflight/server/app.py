@@ -95,14 +95,38 @@ def _is_union_member(part: object) -> bool:
 
 async def _on_invalid(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
-    first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_member(p)]
+    # A field of several types reports one error per type; the deepest is that of the type the
+    # value has (a list of input items, not a string), which names the part that is wrong.
+    first = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
+    where = list(first.get("loc", ()))
+    if where[:1] == ["body"]:
+        loc = _located(where[1:], exc.body)
+    else:
+        loc = [str(p) for p in where if not _is_union_member(p)]
     message = first.get("msg", "invalid request")
     if first.get("type") == "extra_forbidden":
         message = f"unknown field {loc[-1]!r}" if loc else "unknown field"
     param = ".".join(loc) or None
     text = f"{param}: {message}" if param else message
     return error_response(ServerError(400, text, param), _is_anthropic(request))
+
+
+def _located(loc: list[object], body: object) -> list[str]:
+    """The parts of a body error's location that name the request's own fields and indices,
+    found by walking the body: the names pydantic gives a union's members and a tagged
+    union's tags (`input.0.message.role`) are no keys of the value they stand under. The last
+    part, unfound, is kept where it stands under an object (a field missing from it)."""
+    out: list[str] = []
+    value = body
+    for i, part in enumerate(loc):
+        keyed = isinstance(value, dict) and part in value
+        indexed = isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value)
+        if keyed or indexed:
+            value = value[part]  # type: ignore[index]
+        elif i < len(loc) - 1 or not isinstance(value, dict) or _is_union_member(part):
+            continue
+        out.append(str(part))
+    return out
 
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:

@@ -1,9 +1,10 @@
 """The OpenAI Conversations API: conversations the server holds, whose items a response reads.
 
-A conversation is a list of items (messages, function calls and their outputs, reasoning), each
-with an id, created empty or with items, added to by `POST .../items` and by every response
-whose request names it (`conversation`): the response is generated from the conversation's
-items followed by its own input, and once it finishes its input and output items are appended.
+A conversation is a list of items (messages, function calls and their outputs, reasoning,
+compactions), each with an id, created empty or with items, added to by `POST .../items` and by
+every response whose request names it (`conversation`): the response is generated from the
+conversation's items followed by its own input, and once it finishes its input and output items
+are appended.
 Conversations are kept in a bounded in-memory store (least recently used out); a restart
 forgets them.
 """
@@ -18,6 +19,7 @@ from typing import Any
 from inflight.server.errors import ServerError
 from inflight.server.lru import Lru
 from inflight.server.responses_protocol import (
+    CompactionItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     MessageItem,
@@ -34,8 +36,9 @@ _PREFIXES = {
     "function_call": "fc",
     "function_call_output": "fco",
     "reasoning": "rs",
+    "compaction": "cmp",
 }
-_KEPT = (MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem)
+_KEPT = (MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem, CompactionItem)
 
 
 @dataclass
@@ -66,18 +69,20 @@ class Conversation:
 
 def item_object(item: Any, where: str) -> dict[str, Any]:
     """An input item as the conversation keeps and lists it: with an id (its own or a new one)
-    and a status, a message's text as content parts; a 400 for an item of another type."""
+    and a status (but a compaction, which has none), a message's text as content parts; a 400
+    for an item of another type."""
     if not isinstance(item, _KEPT):
         raise ServerError(
             400,
             f"items of type {getattr(item, 'type', None)!r} are not supported; this server keeps "
-            "message, function_call, function_call_output and reasoning items",
+            "message, function_call, function_call_output, reasoning and compaction items",
             where,
         )
     kept = item.model_dump(exclude_none=True, by_alias=True)
     kept["type"] = item.type
     kept.setdefault("id", f"{_PREFIXES[item.type]}_{uuid.uuid4().hex}")
-    kept.setdefault("status", "completed")
+    if not isinstance(item, CompactionItem):
+        kept.setdefault("status", "completed")
     if isinstance(item, MessageItem) and isinstance(item.content, str):
         part = "output_text" if item.role == "assistant" else "input_text"
         kept["content"] = [{"type": part, "text": item.content}]

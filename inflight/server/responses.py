@@ -30,7 +30,7 @@ from pydantic import BaseModel
 from inflight.protocol.outputs import LogprobEntry, RequestOutput
 from inflight.protocol.request import GenerationRequest, SamplingParams, StructuredOutputs
 from inflight.protocol.tokenizer import Tokenizer
-from inflight.server import openai
+from inflight.server import compaction, openai
 from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient, Run
 from inflight.server.conversations import Conversation, item_object
@@ -40,6 +40,8 @@ from inflight.server.parsers import MessageDelta, MessageParser
 from inflight.server.protocol import SamplingFields, VllmExtensions
 from inflight.server.responses_protocol import (
     INPUT_ITEM,
+    CompactionItem,
+    CompactionTriggerItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionChoice,
@@ -167,6 +169,9 @@ class Turn:
     namespaced: dict[str, tuple[str, str]]  # a function's name as the model sees it: its
     # namespace and its own name (`NamespaceToolSpec`)
     given: list[Any]  # the request's own input items
+    # The input ended with a compaction trigger: the reply is a compaction of the
+    # conversation (`compaction.py`), `messages` ending with the request for its summary.
+    compacts: bool = False
 
 
 def chat_turn(
@@ -174,10 +179,12 @@ def chat_turn(
     chat: ChatSetup,
     store: ResponseStore,
     held: Conversation | None = None,
+    compact: bool = False,
 ) -> Turn:
     """The chat turn of a request (400 naming the field for what cannot be served; 400 for a
     previous_response_id that is not stored): its input after `held`'s items where the request
-    names a conversation."""
+    names a conversation; a compaction of it where the input ends with a compaction trigger,
+    or with `compact`."""
     earlier: list[dict[str, Any]] = []
     earlier_from = "previous_response_id"
     if held is not None:
@@ -206,6 +213,17 @@ def chat_turn(
     given = body.input or []
     if isinstance(given, str):
         given = [MessageItem(role="user", content=given)]
+    triggers = [i for i, item in enumerate(given) if isinstance(item, CompactionTriggerItem)]
+    if triggers and triggers[0] != len(given) - 1:
+        raise ServerError(
+            400,
+            "a compaction_trigger item comes last in the input: it asks for a compaction of "
+            "everything before it",
+            f"input.{triggers[0]}",
+        )
+    if triggers or compact:
+        kept = given[: len(given) - len(triggers)]
+        return _compaction_turn(body, chat, earlier, earlier_from, kept)
     conversation = [*(INPUT_ITEM.validate_python(item) for item in earlier), *given]
     messages = chat_messages(body.instructions, conversation, len(earlier), earlier_from)
     choice, namespaced, dropped = responses_tool_choice(body, chat)
@@ -223,6 +241,26 @@ def chat_turn(
         namespaced,
         list(given),
     )
+
+
+def _compaction_turn(
+    body: ResponsesRequest,
+    chat: ChatSetup,
+    earlier: list[dict[str, Any]],
+    earlier_from: str,
+    given: list[Any],
+) -> Turn:
+    """The turn of a request for a compaction: the conversation, then the request for its
+    summary; no tools offered nor output constrained (what asks for them is named back)."""
+    conversation = [*(INPUT_ITEM.validate_python(item) for item in earlier), *given]
+    messages = chat_messages(body.instructions, conversation, len(earlier), earlier_from)
+    messages.append({"role": "user", "content": compaction.SUMMARY_REQUEST})
+    unread = [
+        name
+        for name in ("tools", "tool_choice", "text", "structured_outputs")
+        if getattr(body, name) is not None
+    ]
+    return Turn(messages, earlier, None, None, _thinking(body, chat), {}, unread, {}, given, True)
 
 
 def _thinking(body: ResponsesRequest, chat: ChatSetup) -> dict[str, Any] | None:
@@ -275,11 +313,14 @@ def chat_messages(
         elif isinstance(item, FunctionCallOutputItem):
             content = _text(item.output, f"{where}.output")
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": content})
+        elif isinstance(item, CompactionItem):
+            content = item.encrypted_content
+            out.append(compaction.summary_message(content, f"{where}.encrypted_content"))
         else:
             raise ServerError(
                 400,
                 f"input items of type {item.type!r} are not supported; this server reads "
-                "message, function_call, function_call_output and reasoning items",
+                "message, function_call, function_call_output, reasoning and compaction items",
                 where,
             )
         reasoning = []
@@ -398,19 +439,19 @@ def responses_tool_choice(
     return checked, namespaced, dropped
 
 
-def sampling_params(
-    body: ResponsesRequest, defaults: SamplingParams, constraint: StructuredOutputs | None
-) -> SamplingParams:
-    """The request's sampling fields over the model's defaults, as a chat completion's."""
+def sampling_params(body: ResponsesRequest, defaults: SamplingParams, turn: Turn) -> SamplingParams:
+    """The request's sampling fields over the model's defaults, as a chat completion's (a
+    compaction's summary at most compaction.SUMMARY_MAX_TOKENS long unless the request says)."""
     shared = {name: getattr(body, name) for name in VllmExtensions.model_fields}
     fields = SamplingFields(temperature=body.temperature, top_p=body.top_p, **shared)
     return openai.sampling_params(
         fields,
         defaults,
-        max_tokens=body.max_output_tokens,
+        max_tokens=body.max_output_tokens
+        or (compaction.SUMMARY_MAX_TOKENS if turn.compacts else None),
         logprobs=(body.top_logprobs or 0) if output_logprobs(body) else None,
         skip_special_tokens=body.skip_special_tokens,
-        constraint=constraint,
+        constraint=turn.constraint,
     )
 
 
@@ -541,6 +582,7 @@ class ResponseReply:
         self.reader = reader
         self.tokenizer = tokenizer
         self.namespaced = turn.namespaced
+        self.compacts = turn.compacts
         # With `include` asking: the message carries every generated token's logprob (the
         # reasoning's too, as a chat completion's `logprobs.content` does).
         self.logprobs = output_logprobs(body)
@@ -607,7 +649,8 @@ class ResponseReply:
         }
 
     def _finished(self, output: list[dict[str, Any]], result: RequestOutput) -> dict[str, Any]:
-        """The response object of a finished generation, kept in the store if asked."""
+        """The response object of a finished generation, kept in the store if asked (a
+        compaction is completed whatever ended its summary: its one item is whole)."""
         reasoning = "".join(
             part["text"]
             for item in output
@@ -633,7 +676,8 @@ class ResponseReply:
             },
             "total_tokens": result.prompt_tokens + output_tokens,
         }
-        status = "incomplete" if result.finish_reason == "length" else "completed"
+        cut = result.finish_reason == "length" and not self.compacts
+        status = "incomplete" if cut else "completed"
         response = self._object(status, output, usage)
         if self.store is not None:
             self.store.put(self.id, StoredResponse(response, self.input_items, self.events))
@@ -686,6 +730,8 @@ class ResponseReply:
 
     def whole(self, result: RequestOutput) -> dict[str, Any]:
         parsed = self.reader.whole(result.text)
+        if self.compacts:
+            return self._finished([compaction.item(parsed.content or "")], result)
         output: list[dict[str, Any]] = []
         if parsed.reasoning:
             output.append(_reasoning(parsed.reasoning, "completed"))
@@ -726,11 +772,17 @@ class ResponseReply:
         reading = self.reader.stream()
         finish = None
         begun = job is None  # a background response is in progress from its first tokens
+        placeholder = {"id": f"cmp_{uuid.uuid4().hex}", "type": "compaction"}
+        if self.compacts:  # one opaque item, whole once the summary is written
+            added = {**placeholder, "encrypted_content": ""}
+            yield event("response.output_item.added", {"output_index": 0, "item": added})
         try:
             async for chunk in run:
                 if not begun:
                     begun = True
                     yield event("response.in_progress", {"response": self._keep("in_progress")})
+                if self.compacts:
+                    continue
                 items.read(chunk.logprobs or ())
                 for kind, data in items.events(reading.feed(chunk.text)):
                     yield event(kind, data)
@@ -748,9 +800,15 @@ class ResponseReply:
                 failed = self._object("failed", items.done, None, error)
             yield event("response.failed", {"response": failed})
             return
-        for kind, data in items.close(reading.finish(), cut=finish == "length"):
-            yield event(kind, data)
         assert run.output is not None
+        if self.compacts:
+            summary = self.reader.whole(run.output.text).content or ""
+            done = compaction.item(summary, placeholder["id"])
+            yield event("response.output_item.done", {"output_index": 0, "item": done})
+            items.done.append(done)
+        else:
+            for kind, data in items.close(reading.finish(), cut=finish == "length"):
+                yield event(kind, data)
         response = self._finished(items.done, run.output)
         yield event(f"response.{response['status']}", {"response": response})
 

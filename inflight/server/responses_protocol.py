@@ -73,7 +73,15 @@ ContentPart = Annotated[
 ]
 
 
-class MessageItem(Strict):
+class Item(Strict):
+    """What every input item may carry beside its own fields."""
+
+    # The Codex CLI's metadata of a message on the OpenAI provider (its turn, when it was
+    # written), which the hosted service passes through: kept with the item, unread.
+    internal_chat_message_metadata_passthrough: dict[str, Any] | None = None
+
+
+class MessageItem(Item):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[ContentPart]
@@ -82,7 +90,7 @@ class MessageItem(Strict):
     phase: Literal["commentary", "final_answer"] | None = None
 
 
-class FunctionCallItem(Strict):
+class FunctionCallItem(Item):
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -93,7 +101,7 @@ class FunctionCallItem(Strict):
     caller: dict[str, Any] | None = None
 
 
-class FunctionCallOutputItem(Strict):
+class FunctionCallOutputItem(Item):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[ContentPart]
@@ -114,7 +122,7 @@ class ReasoningText(Strict):
     text: str
 
 
-class ReasoningItem(Strict):
+class ReasoningItem(Item):
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[SummaryText] = Field(default_factory=list)
@@ -123,7 +131,32 @@ class ReasoningItem(Strict):
     status: ItemStatus | None = None
 
 
-_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+class CompactionItem(Item):
+    """What `POST /v1/responses/compact` returned for the conversation it summarized."""
+
+    type: Literal["compaction"]
+    encrypted_content: str
+    id: str | None = None
+    created_by: str | None = None
+
+
+class CompactionTriggerItem(Item):
+    """The last input item of a request whose response is a compaction of the conversation
+    (what the Codex CLI sends instead of calling /v1/responses/compact)."""
+
+    type: Literal["compaction_trigger"]
+    id: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+_ITEM_TYPES = (
+    "message",
+    "function_call",
+    "function_call_output",
+    "reasoning",
+    "compaction",
+    "compaction_trigger",
+)
 
 
 def _item_type(value: Any) -> str:
@@ -138,6 +171,8 @@ InputItem = Annotated[
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
     | Annotated[ReasoningItem, Tag("reasoning")]
+    | Annotated[CompactionItem, Tag("compaction")]
+    | Annotated[CompactionTriggerItem, Tag("compaction_trigger")]
     | Annotated[OpenObject, Tag("other")],
     Discriminator(_item_type),  # a message may leave out its type
 ]
@@ -287,6 +322,40 @@ class ResponsesRequest(VllmExtensions):
     # A conversation of the Conversations API (its id, or {"id": ...}): read before the input,
     # the input and output items added to it once the response finishes (conversations.py).
     conversation: str | ConversationRef | None = None
+
+
+class CompactRequest(Strict):
+    """POST /v1/responses/compact: the conversation to compact (its input, instructions and
+    previous response, as a Responses request has them; reasoning and chat_template_kwargs
+    set the template's thinking switch; max_output_tokens bounds the summary); what Codex
+    sends beside them for the model's next turn (tools, text, caching and tier hints) is
+    accepted and named back."""
+
+    model: str | None = None
+    input: str | list[InputItem] | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    reasoning: ReasoningConfig | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # This server's: the summary's length at most (compaction.SUMMARY_MAX_TOKENS by default).
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    image: dict[str, Any] | None = None
+
+    def as_response(self) -> ResponsesRequest:
+        """The Responses request whose conversation this compacts."""
+        fields = ("input", "instructions", "previous_response_id", "reasoning", "max_output_tokens")
+        return ResponsesRequest(
+            **{name: getattr(self, name) for name in fields if name in self.model_fields_set},
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
 
 
 class InputTokensRequest(Strict):

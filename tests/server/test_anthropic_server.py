@@ -120,6 +120,12 @@ def test_errors_use_the_anthropic_body(server):
     body = r.json()
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in body["error"]["message"]
+    # A block's field named once, though its type's tag is the same word.
+    block = {"role": "user", "content": [{"type": "text", "text": 5}]}
+    r = httpx.post(
+        server + "/v1/messages", json={"model": MODEL, "messages": [block], "max_tokens": 5}
+    )
+    assert r.json()["error"]["message"].startswith("messages.0.content.0.text: ")
     r = httpx.post(
         server + "/v1/messages", json={"model": "claude-x", "messages": MESSAGES, "max_tokens": 5}
     )

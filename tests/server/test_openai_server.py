@@ -304,7 +304,8 @@ def test_errors_use_the_openai_body(server, body, status, param):
         ({"stop": 5}, "stop"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice"),
+        # The member the value has (a named choice) names what it lacks.
+        ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name"),
         ({"guided_json": 7}, "guided_json"),
     ],
 )

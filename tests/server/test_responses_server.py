@@ -16,6 +16,7 @@ from test_tools_server import PARAMETERS
 
 from inflight import SamplingParams
 from inflight.protocol.outputs import StreamChunk
+from inflight.server import compaction
 from inflight.server.chat_templates import HERMES_TEMPLATE
 from inflight.server.conversations import ConversationStore
 from inflight.server.errors import ServerError
@@ -682,6 +683,106 @@ def test_a_streamed_background_response_is_cancelled_and_its_streams_end(oa, ser
         time.sleep(0.05)
 
 
+def _input_tokens(server, items):
+    r = httpx.post(server + "/v1/responses/input_tokens", json={"model": MODEL, "input": items})
+    assert r.status_code == 200, r.text
+    return r.json()["input_tokens"]
+
+
+def test_a_conversation_is_compacted_to_its_user_messages_and_a_summary_that_stands_for_it(
+    oa, server
+):
+    first = oa.responses.create(model=MODEL, input="My name is Ada. I write a parser.", **GREEDY)
+    history = [
+        {"role": "user", "content": "My name is Ada. I write a parser."},
+        *[item.model_dump(exclude_none=True) for item in first.output],
+        {"role": "developer", "content": "Prefer Rust."},
+        {"role": "user", "content": "It reads JSON."},
+    ]
+    raw = oa.responses.with_raw_response.compact(
+        model=MODEL,
+        input=history,
+        instructions="You help with code.",
+        extra_body={"max_output_tokens": 16, "tools": [], "text": {"verbosity": "low"}},
+    )
+    assert raw.headers["x-inflight-ignored-fields"] == "tools, text"
+    compacted = raw.parse()
+    assert compacted.object == "response.compaction" and compacted.id.startswith("resp_")
+    *users, item = raw.http_response.json()["output"]  # as a client sends them back
+    assert [(u["role"], u["content"][0]["text"]) for u in users] == [
+        ("user", "My name is Ada. I write a parser."),
+        ("user", "It reads JSON."),
+    ]
+    assert item["type"] == "compaction" and item["id"].startswith("cmp_")
+    assert 0 < compacted.usage.output_tokens <= 16
+    assert compacted.usage.input_tokens > _input_tokens(server, history)  # + the request
+    # Sent back, the item is read as a user message holding the summary.
+    summary = compaction.summary_of(item["encrypted_content"], "-")
+    nxt = {"role": "user", "content": "What is my name?"}
+    as_summary = {"role": "user", "content": f"{compaction.SUMMARY_HEADER}\n\n{summary}"}
+    assert _input_tokens(server, [*users, item, nxt]) == _input_tokens(
+        server, [*users, as_summary, nxt]
+    )
+    follow = oa.responses.create(model=MODEL, input=[*users, item, nxt], **GREEDY)
+    assert follow.status in ("completed", "incomplete")
+    # A stored response's conversation compacts too, and a stored input keeps the item.
+    again = oa.responses.compact(
+        model=MODEL, previous_response_id=follow.id, extra_body={"max_output_tokens": 8}
+    )
+    texts = [o.content[0].text for o in again.output[:-1]]
+    assert texts == ["My name is Ada. I write a parser.", "It reads JSON.", "What is my name?"]
+    kept = oa.responses.input_items.list(follow.id, order="asc").data
+    assert [i.type for i in kept].count("compaction") == 1
+    # Another service's compaction is refused by name.
+    foreign = {"type": "compaction", "encrypted_content": "gAAAAABfb3JlaWdu"}
+    with pytest.raises(openai.BadRequestError) as info:
+        oa.responses.create(model=MODEL, input=[foreign, nxt], **GREEDY)
+    assert info.value.body["param"] == "input.0.encrypted_content"
+
+
+def test_a_compaction_trigger_makes_the_response_one_compaction_item(oa, server):
+    """Codex's compaction on the OpenAI provider: the input ends with a compaction_trigger,
+    and the (streamed) response's one output item is the compaction, completed even where
+    the summary ran to its bound."""
+    history = [
+        {"role": "user", "content": "My name is Ada. I write a parser."},
+        {"role": "assistant", "content": "Nice to meet you, Ada."},
+        {"role": "user", "content": "It reads JSON."},
+    ]
+    body = {"model": MODEL, "store": False, "max_output_tokens": 12, "temperature": 0}
+    trigger = {"type": "compaction_trigger"}
+    raw = oa.responses.with_raw_response.create(
+        input=[*history, trigger], stream=True, tools=TOOLS, **body
+    )
+    assert raw.headers["x-inflight-ignored-fields"] == "tools"
+    events = list(raw.parse())
+    assert [e.type for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    item = events[3].item
+    assert item.type == "compaction" and item.id == events[2].item.id
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["compaction"] and final.status == "completed"
+    assert final.usage.output_tokens == 12  # cut at its bound, whole all the same
+    summary = compaction.summary_of(item.encrypted_content, "-")
+    whole = oa.responses.create(input=[*history, trigger], **body)
+    assert whole.status == "completed" and [o.type for o in whole.output] == ["compaction"]
+    assert compaction.summary_of(whole.output[0].encrypted_content, "-") == summary  # greedy
+    # The compaction stands for the conversation in what follows.
+    nxt = {"role": "user", "content": "What is my name?"}
+    users = [history[0], history[2]]
+    as_summary = {"role": "user", "content": f"{compaction.SUMMARY_HEADER}\n\n{summary}"}
+    assert _input_tokens(server, [*users, item.model_dump(), nxt]) == _input_tokens(
+        server, [*users, as_summary, nxt]
+    )
+    r = httpx.post(server + "/v1/responses", json={**body, "input": [trigger, *history]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.0"
+
+
 def test_a_response_not_stored_is_not_found(oa):
     reply = oa.responses.create(model=MODEL, input=QUESTION, store=False, **GREEDY)
     assert reply.store is False
@@ -856,6 +957,14 @@ def test_reasoning_items_sent_back_are_accepted(oa):
             "input.0.content.0",
             "input_file",
         ),
+        # Named by the request's own keys, not pydantic's names of the item types.
+        ({"input": [{"role": "user", "content": "x", "bogus": 1}]}, "input.0.bogus", "bogus"),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f"}]},
+            "input.0.arguments",
+            "required",
+        ),
+        ({"input": [{"type": "compaction_trigger"}, "x"]}, "input.1", "valid"),
         (
             {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "1"}]},
             "input.0.arguments",
@@ -880,7 +989,7 @@ def test_reasoning_items_sent_back_are_accepted(oa):
         ({"top_k": -2}, "top_k", "greater than or equal"),
         (
             {"text": {"format": {"type": "json_schema", "name": "x"}}},
-            "text.format.json_schema.schema",
+            "text.format.schema",
             "required",
         ),
     ],
@@ -892,6 +1001,22 @@ def test_bad_requests_are_400s_naming_the_field(server, server_llm, change, para
     error = r.json()["error"]
     assert error["param"] == param and named in error["message"]
     assert server_llm.get_scheduling_metrics()["submitted"] == before
+
+
+def test_codex_message_metadata_on_the_openai_provider_is_accepted(oa):
+    """Codex on the OpenAI provider tags its messages with metadata the hosted service passes
+    through: served, and kept with the stored input."""
+    metadata = {"turn_id": "t1", "create_time": 1.5, "content_item_kinds": ["user.text"]}
+    item = {"role": "user", "content": QUESTION}
+    reply = oa.responses.create(
+        model=MODEL,
+        input=[{**item, "internal_chat_message_metadata_passthrough": metadata}],
+        **GREEDY,
+    )
+    direct = oa.responses.create(model=MODEL, input=[item], **GREEDY)
+    assert reply.output_text == direct.output_text
+    kept = oa.responses.input_items.list(reply.id).data[0].model_dump()
+    assert kept["internal_chat_message_metadata_passthrough"] == metadata
 
 
 def test_openai_sdk_parses_a_bad_request_error(oa):

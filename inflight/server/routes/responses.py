@@ -1,6 +1,6 @@
 """OpenAI Responses API routes: create, retrieve (a streamed background response's events
-replayed too), cancel and delete responses; list a response's input items; count a request's
-input tokens."""
+replayed too), cancel and delete responses; list a response's input items; compact a
+conversation; count a request's input tokens."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from inflight.server import responses
-from inflight.server.conversations import Conversation, ConversationStore
+from inflight.server import compaction, responses
+from inflight.server.conversations import Conversation, ConversationStore, item_object
 from inflight.server.errors import ServerError
 from inflight.server.protocol import ignored_fields
 from inflight.server.responses import ResponseStore
 from inflight.server.responses_protocol import (
+    CompactRequest,
     InputTokensRequest,
     ResponsesRequest,
     conversation_id,
@@ -57,13 +58,13 @@ async def create_response(
     held = _held(body, conversations)
     turn = responses.chat_turn(body, chat, store, held)
     params = chat.reply_params(
-        responses.sampling_params(body, client.llm.get_default_sampling_params(), turn.constraint)
+        responses.sampling_params(body, client.llm.get_default_sampling_params(), turn)
     )
     prepared = await responses.prepare(
         client,
         turn.messages,
         params,
-        truncate=body.truncation == "auto",
+        truncate=body.truncation == "auto" or turn.compacts,  # a summary is of what fits
         params_of=turn.params_of,
         **chat.template_args(
             turn.messages, turn.choice, body.chat_template_kwargs, turn.template_kwargs
@@ -129,6 +130,49 @@ async def cancel_response(response_id: str, store: Store) -> dict[str, Any]:
     stored = store.get(response_id)
     assert stored is not None
     return stored.body
+
+
+@router.post("/v1/responses/compact")
+async def compact_response(
+    body: CompactRequest, request: Request, state: State, store: Store
+) -> Response:
+    """The conversation compacted: its user messages, then a compaction item holding the
+    model's summary of it (`compaction.py`). Oldest turns that leave no room for the summary
+    are dropped from what the model reads, as with `truncation: auto`."""
+    lora_name = check_body(state, body, body.model)
+    client, chat = state.client, state.chat
+    conversation = body.as_response()
+    turn = responses.chat_turn(conversation, chat, store, compact=True)
+    params = responses.sampling_params(conversation, client.llm.get_default_sampling_params(), turn)
+    prepared = await responses.prepare(
+        client,
+        turn.messages,
+        chat.reply_params(params),
+        truncate=True,
+        **chat.template_args(turn.messages, None, body.chat_template_kwargs, turn.template_kwargs),
+        lora_name=lora_name,
+    )
+    output = await client.generate(prepared, request.is_disconnected)
+    reader = chat.reader(None, client.llm.tokenizer, prepared.prompt_token_ids)
+    summary = reader.whole(output.text).content or ""
+    given = [item_object(item, f"input.{i}") for i, item in enumerate(turn.given)]
+    users = [
+        item
+        for item in [*turn.earlier, *given]
+        if item["type"] == "message" and item["role"] == "user"
+    ]
+    output_tokens = len(output.token_ids)
+    usage = {
+        "input_tokens": output.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": output.cached_tokens},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": output.prompt_tokens + output_tokens,
+    }
+    # What Codex sends for the model's next turn has no part in a summary.
+    unread = [f for f in ("tools", "parallel_tool_calls", "text") if f in body.model_fields_set]
+    headers = ignored_headers(unread + ignored_fields(body))
+    return JSONResponse(compaction.compacted(users, summary, usage), headers=headers)
 
 
 @router.post("/v1/responses/input_tokens")

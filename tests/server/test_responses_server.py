@@ -638,15 +638,28 @@ def test_a_streamed_background_response_is_replayed_from_any_event(oa):
         oa.responses.retrieve(direct.id, stream=True)
 
 
-def test_a_dropped_background_stream_goes_on_and_resumes_where_it_stopped(oa):
-    body = {"input": "Tell a long story.", "max_output_tokens": 120, "temperature": 0}
-    extra = {"extra_body": {"ignore_eos": True}}
-    stream = oa.responses.create(model=MODEL, background=True, stream=True, **body, **extra)
+def _background_stream_to_first_text(oa, max_output_tokens):
+    """A streamed background story (no end but its bound), and its events up to its first
+    text delta."""
+    stream = oa.responses.create(
+        model=MODEL,
+        input="Tell a long story.",
+        max_output_tokens=max_output_tokens,
+        temperature=0,
+        background=True,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     seen = []
     for event in stream:
         seen.append(event)
         if event.type == "response.output_text.delta":
-            break
+            return stream, seen
+    raise AssertionError("the stream ended before any text")
+
+
+def test_a_dropped_background_stream_goes_on_and_resumes_where_it_stopped(oa):
+    stream, seen = _background_stream_to_first_text(oa, 120)
     stream.close()  # the connection dropped
     rest = list(
         oa.responses.retrieve(
@@ -661,14 +674,7 @@ def test_a_dropped_background_stream_goes_on_and_resumes_where_it_stopped(oa):
 
 
 def test_a_streamed_background_response_is_cancelled_and_its_streams_end(oa, server):
-    body = {"input": "Tell a long story.", "max_output_tokens": 400, "temperature": 0}
-    extra = {"extra_body": {"ignore_eos": True}}
-    stream = oa.responses.create(model=MODEL, background=True, stream=True, **body, **extra)
-    events = []
-    for event in stream:
-        events.append(event)
-        if event.type == "response.output_text.delta":
-            break
+    stream, events = _background_stream_to_first_text(oa, 400)
     response_id = events[0].response.id
     assert oa.responses.cancel(response_id).status == "cancelled"
     events += list(stream)  # the creating stream ends, without a last response event

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient
 from inflight.server.conversations import ConversationStore
-from inflight.server.errors import ServerError, error_response
+from inflight.server.errors import ServerError, error_response, invalid_request
 from inflight.server.responses import ResponseStore
 from inflight.server.routes import (
     anthropic,
@@ -81,52 +81,9 @@ async def _on_server_error(request: Request, exc: Exception) -> Response:
     return error_response(exc, _is_anthropic(request))
 
 
-# The names pydantic gives a union's members in an error's location (`stop.constrained-str`,
-# `tool_choice.literal['none','auto']`, `guided_json.dict[str,any]`, `tool_choice.NamedToolChoice`):
-# the API's param names the request's fields and indices alone, as OpenAI's does.
-_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "bytes"}
-
-
-def _is_union_member(part: object) -> bool:
-    return isinstance(part, str) and (
-        part in _TYPE_NAMES or part[:1].isupper() or any(c in part for c in "[]-,'")
-    )
-
-
 async def _on_invalid(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
-    # A field of several types reports one error per type; the deepest is that of the type the
-    # value has (a list of input items, not a string), which names the part that is wrong.
-    first = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
-    where = list(first.get("loc", ()))
-    if where[:1] == ["body"]:
-        loc = _located(where[1:], exc.body)
-    else:
-        loc = [str(p) for p in where if not _is_union_member(p)]
-    message = first.get("msg", "invalid request")
-    if first.get("type") == "extra_forbidden":
-        message = f"unknown field {loc[-1]!r}" if loc else "unknown field"
-    param = ".".join(loc) or None
-    text = f"{param}: {message}" if param else message
-    return error_response(ServerError(400, text, param), _is_anthropic(request))
-
-
-def _located(loc: list[object], body: object) -> list[str]:
-    """The parts of a body error's location that name the request's own fields and indices,
-    found by walking the body: the names pydantic gives a union's members and a tagged
-    union's tags (`input.0.message.role`) are no keys of the value they stand under. The last
-    part, unfound, is kept where it stands under an object (a field missing from it)."""
-    out: list[str] = []
-    value = body
-    for i, part in enumerate(loc):
-        keyed = isinstance(value, dict) and part in value
-        indexed = isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value)
-        if keyed or indexed:
-            value = value[part]  # type: ignore[index]
-        elif i < len(loc) - 1 or not isinstance(value, dict) or _is_union_member(part):
-            continue
-        out.append(str(part))
-    return out
+    return error_response(invalid_request(exc.errors(), exc.body), _is_anthropic(request))
 
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:
@@ -169,13 +126,16 @@ class _ApiKey:
         self.key = key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+        if scope["type"] in ("http", "websocket") and scope["path"] not in _OPEN_PATHS:
             headers = dict(scope.get("headers") or [])
             offered = headers.get(b"x-api-key", b"")
             bearer = headers.get(b"authorization", b"")
             if not offered and bearer[:7].lower() == b"bearer ":
                 offered = bearer[7:]
             if not hmac.compare_digest(offered, self.key):
+                if scope["type"] == "websocket":  # refused before the handshake: a 403
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
                 error = ServerError(401, "invalid or missing API key")
                 response = error_response(error, scope["path"].startswith("/v1/messages"))
                 await response(scope, _no_receive, send)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from fastapi.responses import JSONResponse
 
 # OpenAI error type per status; the Anthropic API has its own names (and 529 for overload).
@@ -89,3 +92,51 @@ def openai_error_payload(error: ServerError) -> dict:
             "code": error.status,
         }
     }
+
+
+# The names pydantic gives a union's members in an error's location (`stop.constrained-str`,
+# `tool_choice.literal['none','auto']`, `guided_json.dict[str,any]`, `tool_choice.NamedToolChoice`):
+# the API's param names the request's fields and indices alone, as OpenAI's does.
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "bytes"}
+
+
+def invalid_request(errors: Sequence[Any], body: Any) -> ServerError:
+    """The 400 of a request that failed validation (pydantic's `errors()`), naming the field
+    as the request wrote it. A field of several types reports one error per type; the deepest
+    is that of the type the value has (a list of input items, not a string), which names the
+    part that is wrong."""
+    first = max(errors, key=lambda e: len(e.get("loc", ())), default={})
+    where = list(first.get("loc", ()))
+    if where[:1] == ["body"]:
+        loc = _located(where[1:], body)
+    else:
+        loc = [str(p) for p in where if not _is_union_member(p)]
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "extra_forbidden":
+        message = f"unknown field {loc[-1]!r}" if loc else "unknown field"
+    param = ".".join(loc) or None
+    return ServerError(400, f"{param}: {message}" if param else message, param)
+
+
+def _is_union_member(part: object) -> bool:
+    return isinstance(part, str) and (
+        part in _TYPE_NAMES or part[:1].isupper() or any(c in part for c in "[]-,'")
+    )
+
+
+def _located(loc: list[object], body: object) -> list[str]:
+    """The parts of a body error's location that name the request's own fields and indices,
+    found by walking the body: the names pydantic gives a union's members and a tagged
+    union's tags (`input.0.message.role`) are no keys of the value they stand under. The last
+    part, unfound, is kept where it stands under an object (a field missing from it)."""
+    out: list[str] = []
+    value = body
+    for i, part in enumerate(loc):
+        keyed = isinstance(value, dict) and part in value
+        indexed = isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value)
+        if keyed or indexed:
+            value = value[part]  # type: ignore[index]
+        elif i < len(loc) - 1 or not isinstance(value, dict) or _is_union_member(part):
+            continue
+        out.append(str(part))
+    return out

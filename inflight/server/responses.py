@@ -21,6 +21,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -64,6 +65,8 @@ from inflight.server.tools import FunctionTool, ToolChoice, tool_choice
 
 # How many stored responses the server keeps.
 STORE_CAPACITY = 1024
+# How many responses a WebSocket connection keeps for continuation (`SocketStore`).
+SOCKET_CAPACITY = 256
 
 # -- the store ---------------------------------------------------------------------------------
 
@@ -149,6 +152,32 @@ class ResponseStore(Lru[StoredResponse]):
     def __init__(self, capacity: int = STORE_CAPACITY) -> None:
         super().__init__(capacity)
         self.jobs: dict[str, BackgroundJob] = {}
+
+    def keeps(self, body: ResponsesRequest) -> bool:
+        """Whether a response to `body` is kept here."""
+        return body.store is not False
+
+
+class SocketStore(ResponseStore):
+    """The responses made on one WebSocket connection, kept whatever their `store` (the
+    connection continues them by `previous_response_id`, as OpenAI's WebSocket mode does), in
+    front of the server's store: read through for other ids, written for responses stored."""
+
+    def __init__(self, shared: ResponseStore, capacity: int = SOCKET_CAPACITY) -> None:
+        super().__init__(capacity)
+        self.shared = shared
+        self.jobs = shared.jobs
+
+    def keeps(self, body: ResponsesRequest) -> bool:
+        return True
+
+    def get(self, key: str) -> StoredResponse | None:
+        return super().get(key) or self.shared.get(key)
+
+    def put(self, key: str, value: StoredResponse) -> None:
+        super().put(key, value)
+        if value.body["store"]:
+            self.shared.put(key, value)
 
 
 # -- the request as a chat turn ----------------------------------------------------------------
@@ -508,6 +537,16 @@ def _without_oldest_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
 # -- the response ------------------------------------------------------------------------------
 
 
+def _usage(prompt: int, cached: int, output: int, reasoning: int) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": reasoning},
+        "total_tokens": prompt + output,
+    }
+
+
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -586,8 +625,8 @@ class ResponseReply:
         # With `include` asking: the message carries every generated token's logprob (the
         # reasoning's too, as a chat completion's `logprobs.content` does).
         self.logprobs = output_logprobs(body)
-        self.store = store if body.store is not False else None
-        self.events: EventLog | None = None  # a streamed background response's, once queued
+        self.store = store if store.keeps(body) else None
+        self.event_log: EventLog | None = None  # a streamed background response's, once queued
         text_format = body.text.format if body.text else None
         reasoning = body.reasoning or ReasoningConfig()
         # What every state of the response object says the same way: the request's settings.
@@ -658,32 +697,38 @@ class ResponseReply:
             for part in item["content"]
         )
         output_tokens = len(result.token_ids)
-        usage = {
-            "input_tokens": result.prompt_tokens,
-            "input_tokens_details": {
-                "cached_tokens": result.cached_tokens,
-                "cache_write_tokens": 0,
-            },
-            "output_tokens": output_tokens,
-            "output_tokens_details": {
-                # The reasoning text tokenized again: the tokens the model spent on it.
-                "reasoning_tokens": min(
-                    output_tokens,
-                    len(self.tokenizer.encode(reasoning, add_special_tokens=False))
-                    if reasoning
-                    else 0,
-                ),
-            },
-            "total_tokens": result.prompt_tokens + output_tokens,
-        }
+        # The reasoning text tokenized again: the tokens the model spent on it.
+        reasoning_tokens = 0
+        if reasoning:
+            reasoning_tokens = len(self.tokenizer.encode(reasoning, add_special_tokens=False))
+        usage = _usage(
+            result.prompt_tokens,
+            result.cached_tokens,
+            output_tokens,
+            min(output_tokens, reasoning_tokens),
+        )
         cut = result.finish_reason == "length" and not self.compacts
         status = "incomplete" if cut else "completed"
-        response = self._object(status, output, usage)
+        return self._settle(self._object(status, output, usage))
+
+    def _settle(self, response: dict[str, Any]) -> dict[str, Any]:
+        """Keep a finished response where the request asked (the store; its conversation)."""
         if self.store is not None:
-            self.store.put(self.id, StoredResponse(response, self.input_items, self.events))
+            self.store.put(self.id, StoredResponse(response, self.input_items, self.event_log))
         if self.held is not None:
-            self.held.add([*self.given, *_carried(output)])
+            self.held.add([*self.given, *_carried(response["output"])])
         return response
+
+    def unanswered(self, prompt_tokens: int) -> list[dict[str, Any]]:
+        """The events of a response asked to generate nothing (a WebSocket's `generate: false`,
+        which prepares a continuation): created, then completed without output, kept as any
+        finished response so that a later request continues from its input."""
+        started = self._object("in_progress", [])
+        done = self._settle(self._object("completed", [], _usage(prompt_tokens, 0, 0, 0)))
+        return [
+            {"type": "response.created", "response": started, "sequence_number": 0},
+            {"type": "response.completed", "response": done, "sequence_number": 1},
+        ]
 
     def _keep(
         self,
@@ -694,7 +739,7 @@ class ResponseReply:
         """Store the response as it stands in a background run (no continuation from it)."""
         response = self._object(status, output or [], None, error)
         assert self.store is not None
-        self.store.put(self.id, StoredResponse(response, self.input_items, self.events))
+        self.store.put(self.id, StoredResponse(response, self.input_items, self.event_log))
         return response
 
     async def background(self, job: BackgroundJob) -> None:
@@ -725,7 +770,7 @@ class ResponseReply:
     def queued(self, job: BackgroundJob) -> dict[str, Any]:
         """A background response's first state, stored (with the job's event log, which
         every later state keeps)."""
-        self.events = job.events
+        self.event_log = job.events
         return self._keep("queued")
 
     def whole(self, result: RequestOutput) -> dict[str, Any]:
@@ -748,6 +793,15 @@ class ResponseReply:
         return self._finished(output, result)
 
     async def stream(self, run: Run, job: BackgroundJob | None = None) -> AsyncIterator[str]:
+        """`events` as server-sent events."""
+        async with aclosing(self.events(run, job)) as events:
+            async for payload in events:
+                kind = payload["type"]
+                yield f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    async def events(
+        self, run: Run, job: BackgroundJob | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
         """response.created, response.in_progress, the output items as they are written
         (`_ItemStream`), then response.completed (or response.incomplete, cut by
         max_output_tokens); an error ends it with an error event and response.failed. A
@@ -756,9 +810,8 @@ class ResponseReply:
         of those states; a cancel ends it there (stored as cancelled)."""
         numbers = itertools.count()
 
-        def event(kind: str, data: dict[str, Any]) -> str:
-            payload = {"type": kind, **data, "sequence_number": next(numbers)}
-            return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        def event(kind: str, data: dict[str, Any]) -> dict[str, Any]:
+            return {"type": kind, **data, "sequence_number": next(numbers)}
 
         if job is None:
             started = self._object("in_progress", [])

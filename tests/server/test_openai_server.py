@@ -7,6 +7,7 @@ import time
 import httpx
 import openai
 import pytest
+import websockets.sync.client
 from prometheus_client.parser import text_string_to_metric_families
 
 from inflight import SamplingParams
@@ -369,6 +370,18 @@ def test_api_key(server_llm):
         assert r.status_code == 401
         client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
         assert client.models.list().data[0].id == MODEL
+        # The Responses API's WebSocket too: refused at the handshake without the key.
+        socket_url = url.replace("http", "ws") + "/v1/responses"
+        with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
+            websockets.sync.client.connect(socket_url)
+        assert refused.value.response.status_code == 403
+        with websockets.sync.client.connect(
+            socket_url, additional_headers={"Authorization": "Bearer sekret"}
+        ) as socket:
+            socket.send(
+                json.dumps({"type": "response.create", "input": "Hi", "max_output_tokens": 1})
+            )
+            assert json.loads(socket.recv())["type"] == "response.created"
 
 
 def test_streams_are_read_on_the_event_loop(server_llm):

@@ -789,6 +789,63 @@ def test_a_compaction_trigger_makes_the_response_one_compaction_item(oa, server)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input.0"
 
 
+def _socket_response(connection, **fields):
+    """Send one response.create over a Responses WebSocket; its events, to the last."""
+    connection.send({"type": "response.create", "model": MODEL, **fields})
+    events = []
+    for event in connection:
+        events.append(event)
+        if event.type in ("response.completed", "response.incomplete", "response.failed", "error"):
+            return events
+    raise AssertionError("the socket closed mid-response")
+
+
+def test_the_responses_websocket_streams_and_continues_on_the_connection(oa):
+    """OpenAI's WebSocket mode (`responses.connect()`; the Codex CLI's first try on the OpenAI
+    provider): the SSE stream's events as frames; responses continued on the connection
+    whatever their `store`; `generate: false` prepares a continuation; a bad frame answered
+    with an error frame, the connection kept."""
+    direct = oa.responses.create(model=MODEL, input=QUESTION, **GREEDY)
+    with oa.responses.connect() as connection:
+        events = _socket_response(connection, input=QUESTION, store=False, **GREEDY)
+        streamed = list(oa.responses.create(model=MODEL, input=QUESTION, stream=True, **GREEDY))
+        assert [e.type for e in events] == [e.type for e in streamed]
+        first = events[-1].response
+        assert first.output_text == direct.output_text and first.store is False
+        with pytest.raises(openai.NotFoundError):  # not stored: kept by the connection only
+            oa.responses.retrieve(first.id)
+        follow = {"role": "user", "content": "And of Italy?"}
+        events = _socket_response(
+            connection, input=[follow], previous_response_id=first.id, store=False, **GREEDY
+        )
+        whole = [
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": first.output_text},
+            follow,
+        ]
+        over_http = oa.responses.create(model=MODEL, input=whole, **GREEDY)
+        assert events[-1].response.usage.input_tokens == over_http.usage.input_tokens
+        assert events[-1].response.output_text == over_http.output_text
+        # Prepared without generating, then continued from.
+        events = _socket_response(connection, input=QUESTION, generate=False, stream_id="a")
+        assert [e.type for e in events] == ["response.created", "response.completed"]
+        assert events[-1].response.output == [] and events[-1].stream_id == "a"
+        events = _socket_response(
+            connection, input=[follow], previous_response_id=events[-1].response.id, **GREEDY
+        )
+        asked = [{"role": "user", "content": QUESTION}, follow]
+        alike = oa.responses.create(model=MODEL, input=asked, **GREEDY)
+        assert events[-1].response.usage.input_tokens == alike.usage.input_tokens
+        # A bad frame is answered and the connection stays.
+        error = _socket_response(connection, input=QUESTION, temperature="hot")[-1]
+        assert error.type == "error" and error.status == 400
+        assert error.error.param == "temperature"
+        connection.send({"type": "response.steer", "input": "x"})
+        error = next(iter(connection))
+        assert error.status == 400 and error.error.param == "type"
+        assert _socket_response(connection, input="Hi", **GREEDY)[-1].type.startswith("response.")
+
+
 def test_a_response_not_stored_is_not_found(oa):
     reply = oa.responses.create(model=MODEL, input=QUESTION, store=False, **GREEDY)
     assert reply.store is False

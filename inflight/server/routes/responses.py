@@ -5,14 +5,18 @@ conversation; count a request's input tokens."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 
+from inflight.protocol.request import GenerationRequest
 from inflight.server import compaction, responses
 from inflight.server.conversations import Conversation, ConversationStore, item_object
-from inflight.server.errors import ServerError
+from inflight.server.errors import ServerError, invalid_request, openai_error_payload
 from inflight.server.protocol import ignored_fields
 from inflight.server.responses import ResponseStore
 from inflight.server.responses_protocol import (
@@ -25,7 +29,7 @@ from inflight.server.responses_protocol import (
 from inflight.server.routes import READ, app_store
 from inflight.server.routes.conversations import Conversations, Page
 from inflight.server.routes.openai import SSE_HEADERS, ignored_headers, started
-from inflight.server.state import State, check_body
+from inflight.server.state import ServerState, State, check_body
 
 router = APIRouter()
 
@@ -42,14 +46,14 @@ def _held(
     return conversations.get(conversation_id(body.conversation), "conversation")
 
 
-@router.post("/v1/responses")
-async def create_response(
+async def _reply(
     body: ResponsesRequest,
-    request: Request,
-    state: State,
-    store: Store,
-    conversations: Conversations,
-) -> Response:
+    state: ServerState,
+    store: ResponseStore,
+    conversations: ConversationStore,
+) -> tuple[responses.ResponseReply, GenerationRequest, dict[str, str]]:
+    """A request's reply, its prepared generation and the headers naming what it ignored (a
+    ServerError for what cannot be served)."""
     lora_name = check_body(state, body, body.model)
     refused = refusal(body)
     if refused is not None:
@@ -85,7 +89,19 @@ async def create_response(
     # Here `store` keeps the response and `metadata` is kept and echoed with it: both served.
     served = ("store", "metadata")
     ignored = [f for f in ignored_fields(body) if f not in served]
-    headers = ignored_headers(ignored + turn.ignored)
+    return reply, prepared, ignored_headers(ignored + turn.ignored)
+
+
+@router.post("/v1/responses")
+async def create_response(
+    body: ResponsesRequest,
+    request: Request,
+    state: State,
+    store: Store,
+    conversations: Conversations,
+) -> Response:
+    client = state.client
+    reply, prepared, headers = await _reply(body, state, store, conversations)
     if body.background:
         # Started here, so that a full server is a 429 now rather than a failed job later.
         job = responses.BackgroundJob(await started(client.run(prepared)))
@@ -130,6 +146,85 @@ async def cancel_response(response_id: str, store: Store) -> dict[str, Any]:
     stored = store.get(response_id)
     assert stored is not None
     return stored.body
+
+
+@router.websocket("/v1/responses")
+async def responses_socket(socket: WebSocket) -> None:
+    """The Responses API over one WebSocket (OpenAI's WebSocket mode, which the Codex CLI tries
+    first on the OpenAI provider and the SDKs open with `responses.connect()`): each
+    `response.create` frame, a create request's fields, is answered with the response's stream
+    events as JSON frames, one response after another in the order asked (events echo the
+    frame's `stream_id`); `generate: false` prepares a continuation without generating;
+    `response.processed` acknowledgements are read and dropped; a bad frame is answered with
+    an `error` frame (`status`, `error`) and the connection stays. Responses made on the
+    connection are continued by `previous_response_id` on it whatever their `store`."""
+    await socket.accept()
+    app = socket.app.state
+    store = responses.SocketStore(app.responses)
+    while True:
+        try:
+            frame = await socket.receive_json()
+        except WebSocketDisconnect:
+            return
+        except ValueError:
+            await socket.send_json(_socket_error(ServerError(400, "frames are JSON objects")))
+            continue
+        lane = frame.get("stream_id") if isinstance(frame, dict) else None
+        echo = {} if lane is None else {"stream_id": lane}
+        reply = _socket_reply(frame, app.inflight, store, app.conversations)
+        try:
+            async with aclosing(reply) as events:
+                async for event in events:
+                    await socket.send_json({**event, **echo})
+        except ServerError as exc:
+            await socket.send_json({**_socket_error(exc), **echo})
+        except WebSocketDisconnect:
+            return  # the stream closed above: its run is cancelled
+
+
+async def _socket_reply(
+    frame: Any, state: ServerState, store: ResponseStore, conversations: ConversationStore
+) -> AsyncIterator[dict[str, Any]]:
+    """The events answering one client frame."""
+    kind = frame.get("type") if isinstance(frame, dict) else None
+    if kind == "response.processed":
+        return
+    if kind != "response.create":
+        raise ServerError(
+            400,
+            f"frames of type {kind!r} are not served here: send response.create "
+            "(response.processed is read and dropped)",
+            "type",
+        )
+    fields = {k: v for k, v in frame.items() if k not in _SOCKET_ONLY}
+    try:
+        body = ResponsesRequest.model_validate(fields)
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+        raise invalid_request(errors, fields) from exc
+    if body.background:
+        raise ServerError(
+            400, "background responses are not served over a WebSocket: POST them", "background"
+        )
+    reply, prepared, _ = await _reply(body, state, store, conversations)
+    if frame.get("generate") is False:
+        for event in reply.unanswered(len(prepared.prompt_token_ids)):
+            yield event
+        return
+    run = await started(state.client.run(prepared))
+    async with aclosing(reply.events(run)) as events:
+        async for event in events:
+            yield event
+
+
+# A response.create frame's fields that are the socket's, not a create request's: the frame's
+# type, its lane, whether to generate; `stream`, which a socket always does.
+_SOCKET_ONLY = ("type", "stream_id", "generate", "stream")
+
+
+def _socket_error(exc: ServerError) -> dict[str, Any]:
+    error = {**openai_error_payload(exc)["error"], "code": None}
+    return {"type": "error", "status": exc.status, "error": error}
 
 
 @router.post("/v1/responses/compact")

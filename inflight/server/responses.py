@@ -537,7 +537,8 @@ def _without_oldest_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
 # -- the response ------------------------------------------------------------------------------
 
 
-def _usage(prompt: int, cached: int, output: int, reasoning: int) -> dict[str, Any]:
+def usage(prompt: int, cached: int, output: int, reasoning: int) -> dict[str, Any]:
+    """A response's `usage` object from its token counts."""
     return {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
@@ -701,7 +702,7 @@ class ResponseReply:
         reasoning_tokens = 0
         if reasoning:
             reasoning_tokens = len(self.tokenizer.encode(reasoning, add_special_tokens=False))
-        usage = _usage(
+        counts = usage(
             result.prompt_tokens,
             result.cached_tokens,
             output_tokens,
@@ -709,7 +710,7 @@ class ResponseReply:
         )
         cut = result.finish_reason == "length" and not self.compacts
         status = "incomplete" if cut else "completed"
-        return self._settle(self._object(status, output, usage))
+        return self._settle(self._object(status, output, counts))
 
     def _settle(self, response: dict[str, Any]) -> dict[str, Any]:
         """Keep a finished response where the request asked (the store; its conversation)."""
@@ -724,7 +725,7 @@ class ResponseReply:
         which prepares a continuation): created, then completed without output, kept as any
         finished response so that a later request continues from its input."""
         started = self._object("in_progress", [])
-        done = self._settle(self._object("completed", [], _usage(prompt_tokens, 0, 0, 0)))
+        done = self._settle(self._object("completed", [], usage(prompt_tokens, 0, 0, 0)))
         return [
             {"type": "response.created", "response": started, "sequence_number": 0},
             {"type": "response.completed", "response": done, "sequence_number": 1},

@@ -256,14 +256,7 @@ async def compact_response(
         for item in [*turn.earlier, *given]
         if item["type"] == "message" and item["role"] == "user"
     ]
-    output_tokens = len(output.token_ids)
-    usage = {
-        "input_tokens": output.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": output.cached_tokens},
-        "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": output.prompt_tokens + output_tokens,
-    }
+    usage = responses.usage(output.prompt_tokens, output.cached_tokens, len(output.token_ids), 0)
     # What Codex sends for the model's next turn has no part in a summary.
     unread = [f for f in ("tools", "parallel_tool_calls", "text") if f in body.model_fields_set]
     headers = ignored_headers(unread + ignored_fields(body))

@@ -59,23 +59,24 @@ def summary_message(content: str, where: str) -> dict[str, Any]:
     return {"role": "user", "content": f"{SUMMARY_HEADER}\n\n{summary_of(content, where)}"}
 
 
-def item(summary: str, item_id: str | None = None) -> dict[str, Any]:
-    """The compaction item of a summary (`item_id`: one given before it was written)."""
+def item(summary: str | None, item_id: str | None = None) -> dict[str, Any]:
+    """The compaction item of a summary (None: not yet written, its content empty; `item_id`:
+    the id given it before)."""
     return {
         "id": item_id or f"cmp_{uuid.uuid4().hex}",
         "type": "compaction",
-        "encrypted_content": encode(summary),
+        "encrypted_content": "" if summary is None else encode(summary),
     }
 
 
 def compacted(
-    user_messages: list[dict[str, Any]], summary: str, usage: dict[str, Any]
+    user_messages: list[dict[str, Any]], compaction: dict[str, Any], usage: dict[str, Any]
 ) -> dict[str, Any]:
     """The compacted response: the conversation's user messages, then the compaction item."""
     return {
         "id": f"resp_{uuid.uuid4().hex}",
         "object": "response.compaction",
         "created_at": int(time.time()),
-        "output": [*user_messages, item(summary)],
+        "output": [*user_messages, compaction],
         "usage": usage,
     }

@@ -166,7 +166,6 @@ class SocketStore(ResponseStore):
     def __init__(self, shared: ResponseStore, capacity: int = SOCKET_CAPACITY) -> None:
         super().__init__(capacity)
         self.shared = shared
-        self.jobs = shared.jobs
 
     def keeps(self, body: ResponsesRequest) -> bool:
         return True
@@ -208,12 +207,10 @@ def chat_turn(
     chat: ChatSetup,
     store: ResponseStore,
     held: Conversation | None = None,
-    compact: bool = False,
 ) -> Turn:
     """The chat turn of a request (400 naming the field for what cannot be served; 400 for a
     previous_response_id that is not stored): its input after `held`'s items where the request
-    names a conversation; a compaction of it where the input ends with a compaction trigger,
-    or with `compact`."""
+    names a conversation; a compaction of it where the input ends with a compaction trigger."""
     earlier: list[dict[str, Any]] = []
     earlier_from = "previous_response_id"
     if held is not None:
@@ -250,11 +247,13 @@ def chat_turn(
             "everything before it",
             f"input.{triggers[0]}",
         )
-    if triggers or compact:
-        kept = given[: len(given) - len(triggers)]
-        return _compaction_turn(body, chat, earlier, earlier_from, kept)
+    given = given[: len(given) - len(triggers)]
+    if triggers and not earlier and not given:
+        raise ServerError(400, "input is required: a compaction needs a conversation", "input")
     conversation = [*(INPUT_ITEM.validate_python(item) for item in earlier), *given]
     messages = chat_messages(body.instructions, conversation, len(earlier), earlier_from)
+    if triggers:
+        return _compaction_turn(body, chat, messages, earlier, given)
     choice, namespaced, dropped = responses_tool_choice(body, chat)
     forced = choice is not None and choice.forced
     format_field = "text.format" if body.structured_outputs is None else "structured_outputs"
@@ -275,20 +274,19 @@ def chat_turn(
 def _compaction_turn(
     body: ResponsesRequest,
     chat: ChatSetup,
+    messages: list[dict[str, Any]],
     earlier: list[dict[str, Any]],
-    earlier_from: str,
     given: list[Any],
 ) -> Turn:
-    """The turn of a request for a compaction: the conversation, then the request for its
-    summary; no tools offered nor output constrained (what asks for them is named back)."""
-    conversation = [*(INPUT_ITEM.validate_python(item) for item in earlier), *given]
-    messages = chat_messages(body.instructions, conversation, len(earlier), earlier_from)
-    messages.append({"role": "user", "content": compaction.SUMMARY_REQUEST})
+    """The turn of a request for a compaction: the conversation's `messages`, then the request
+    for its summary; no tools offered nor output constrained (what asks for them is named
+    back)."""
     unread = [
         name
         for name in ("tools", "tool_choice", "text", "structured_outputs")
         if getattr(body, name) is not None
     ]
+    messages = [*messages, {"role": "user", "content": compaction.SUMMARY_REQUEST}]
     return Turn(messages, earlier, None, None, _thinking(body, chat), {}, unread, {}, given, True)
 
 
@@ -715,7 +713,7 @@ class ResponseReply:
     def _settle(self, response: dict[str, Any]) -> dict[str, Any]:
         """Keep a finished response where the request asked (the store; its conversation)."""
         if self.store is not None:
-            self.store.put(self.id, StoredResponse(response, self.input_items, self.event_log))
+            self._put(response)
         if self.held is not None:
             self.held.add([*self.given, *_carried(response["output"])])
         return response
@@ -739,9 +737,12 @@ class ResponseReply:
     ) -> dict[str, Any]:
         """Store the response as it stands in a background run (no continuation from it)."""
         response = self._object(status, output or [], None, error)
+        self._put(response)
+        return response
+
+    def _put(self, response: dict[str, Any]) -> None:
         assert self.store is not None
         self.store.put(self.id, StoredResponse(response, self.input_items, self.event_log))
-        return response
 
     async def background(self, job: BackgroundJob) -> None:
         """Generate a background response: stored as in_progress once its first tokens
@@ -826,9 +827,8 @@ class ResponseReply:
         reading = self.reader.stream()
         finish = None
         begun = job is None  # a background response is in progress from its first tokens
-        placeholder = {"id": f"cmp_{uuid.uuid4().hex}", "type": "compaction"}
         if self.compacts:  # one opaque item, whole once the summary is written
-            added = {**placeholder, "encrypted_content": ""}
+            added = compaction.item(None)
             yield event("response.output_item.added", {"output_index": 0, "item": added})
         try:
             async for chunk in run:
@@ -857,7 +857,7 @@ class ResponseReply:
         assert run.output is not None
         if self.compacts:
             summary = self.reader.whole(run.output.text).content or ""
-            done = compaction.item(summary, placeholder["id"])
+            done = compaction.item(summary, added["id"])
             yield event("response.output_item.done", {"output_index": 0, "item": done})
             items.done.append(done)
         else:

@@ -350,11 +350,17 @@ class CompactRequest(Strict):
     image: dict[str, Any] | None = None
 
     def as_response(self) -> ResponsesRequest:
-        """The Responses request whose conversation this compacts."""
-        fields = ("input", "instructions", "previous_response_id", "reasoning", "max_output_tokens")
+        """The Responses request asking for the same compaction: the input ended with a
+        compaction trigger, not stored."""
+        fields = ("model", "instructions", "previous_response_id", "reasoning", "max_output_tokens")
+        given = self.input or []
+        if isinstance(given, str):
+            given = [MessageItem(role="user", content=given)]
         return ResponsesRequest(
             **{name: getattr(self, name) for name in fields if name in self.model_fields_set},
+            input=[*given, CompactionTriggerItem(type="compaction_trigger")],
             chat_template_kwargs=self.chat_template_kwargs,
+            store=False,
         )
 
 

@@ -739,6 +739,8 @@ def test_a_conversation_is_compacted_to_its_user_messages_and_a_summary_that_sta
     assert texts == ["My name is Ada. I write a parser.", "It reads JSON.", "What is my name?"]
     kept = oa.responses.input_items.list(follow.id, order="asc").data
     assert [i.type for i in kept].count("compaction") == 1
+    r = httpx.post(server + "/v1/responses/compact", json={"model": MODEL})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"  # nothing to compact
     # Another service's compaction is refused by name.
     foreign = {"type": "compaction", "encrypted_content": "gAAAAABfb3JlaWdu"}
     with pytest.raises(openai.BadRequestError) as info:

@@ -325,28 +325,25 @@ ANTHROPIC_TOOLS = [
 ]
 
 
-def test_anthropic_tool_use_round_trip(ac):
-    forced = {"type": "tool", "name": "get_weather"}
-    message = ac.messages.create(
+def _forced_weather(messages=MESSAGES, tools=ANTHROPIC_TOOLS, max_tokens=40):
+    """A greedy Messages request that must call get_weather."""
+    return dict(
         model=MODEL,
-        max_tokens=40,
-        messages=MESSAGES,
-        tools=ANTHROPIC_TOOLS,
-        tool_choice=forced,
+        max_tokens=max_tokens,
+        messages=messages,
+        tools=tools,
+        tool_choice={"type": "tool", "name": "get_weather"},
         extra_body={"temperature": 0},
     )
+
+
+def test_anthropic_tool_use_round_trip(ac):
+    message = ac.messages.create(**_forced_weather())
     assert message.stop_reason == "tool_use"
     (use,) = [b for b in message.content if b.type == "tool_use"]
     assert use.name == "get_weather" and use.id.startswith("toolu_")
     jsonschema.validate(use.input, PARAMETERS)
-    with ac.messages.stream(
-        model=MODEL,
-        max_tokens=40,
-        messages=MESSAGES,
-        tools=ANTHROPIC_TOOLS,
-        tool_choice=forced,
-        extra_body={"temperature": 0},
-    ) as stream:
+    with ac.messages.stream(**_forced_weather()) as stream:
         events = list(stream)
         streamed = stream.get_final_message()
     starts = [e.content_block.type for e in events if e.type == "content_block_start"]
@@ -408,11 +405,8 @@ def test_anthropic_deferred_tool_is_called_once_a_tool_search_loaded_it(ac):
     deferred = {**ANTHROPIC_TOOLS[0], "defer_loading": True}
     placeholder = {"name": "Placeholder", "input_schema": {"type": "object"}, "defer_loading": True}
     tools = [search, deferred, placeholder]
-    forced = {"type": "tool", "name": "get_weather"}
     with pytest.raises(anthropic.BadRequestError):  # not loaded: no such tool to call
-        ac.messages.create(
-            model=MODEL, max_tokens=40, messages=MESSAGES, tools=tools, tool_choice=forced
-        )
+        ac.messages.create(**_forced_weather(tools=tools))
     # Unloaded deferred tools are not rendered at all.
     assert (
         ac.messages.count_tokens(model=MODEL, messages=MESSAGES, tools=tools).input_tokens
@@ -435,14 +429,7 @@ def test_anthropic_deferred_tool_is_called_once_a_tool_search_loaded_it(ac):
             ],
         },
     ]
-    message = ac.messages.create(
-        model=MODEL,
-        max_tokens=40,
-        messages=history,
-        tools=tools,
-        tool_choice=forced,
-        extra_body={"temperature": 0},
-    )
+    message = ac.messages.create(**_forced_weather(history, tools))
     (use,) = [b for b in message.content if b.type == "tool_use"]
     assert use.name == "get_weather"
     jsonschema.validate(use.input, PARAMETERS)
@@ -458,34 +445,18 @@ def test_a_call_cut_by_max_tokens_is_the_call_as_written_on_every_api(oa, ac):
     """A forced call cut by max_tokens comes back as a call whose arguments stop where the
     reply did (OpenAI's finish_reason "length"), whole as streamed; the Responses API marks it
     incomplete; Anthropic's tool_use block holds the input as far as written."""
-    full = oa.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=60
-    )
+    request = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, temperature=0)
+    full = oa.chat.completions.create(**request, max_tokens=60)
     whole_arguments = full.choices[0].message.tool_calls[0].function.arguments
     cut = full.usage.completion_tokens - 3
-    reply = oa.chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        tools=TOOLS,
-        tool_choice=NAMED,
-        temperature=0,
-        max_tokens=cut,
-    )
+    reply = oa.chat.completions.create(**request, max_tokens=cut)
     choice = reply.choices[0]
     assert choice.finish_reason == "length" and choice.message.content is None
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather"
     arguments = call.function.arguments
     assert whole_arguments.startswith(arguments) and len(arguments) < len(whole_arguments)
-    stream = oa.chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        tools=TOOLS,
-        tool_choice=NAMED,
-        temperature=0,
-        max_tokens=cut,
-        stream=True,
-    )
+    stream = oa.chat.completions.create(**request, max_tokens=cut, stream=True)
     streamed = "".join(
         c.choices[0].delta.tool_calls[0].function.arguments or ""
         for c in stream
@@ -504,14 +475,7 @@ def test_a_call_cut_by_max_tokens_is_the_call_as_written_on_every_api(oa, ac):
     (item,) = responses.output
     assert item.type == "function_call" and item.status == "incomplete"
     assert item.arguments == arguments
-    message = ac.messages.create(
-        model=MODEL,
-        max_tokens=cut,
-        messages=MESSAGES,
-        tools=ANTHROPIC_TOOLS,
-        tool_choice={"type": "tool", "name": "get_weather"},
-        extra_body={"temperature": 0},
-    )
+    message = ac.messages.create(**_forced_weather(max_tokens=cut))
     assert message.stop_reason == "max_tokens"
     (use,) = message.content
     assert use.type == "tool_use" and use.name == "get_weather"

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from inflight.protocol.request import GenerationRequest
 from inflight.server import compaction, responses
-from inflight.server.conversations import Conversation, ConversationStore, item_object
+from inflight.server.conversations import Conversation, ConversationStore
 from inflight.server.errors import ServerError, invalid_request, openai_error_payload
 from inflight.server.protocol import ignored_fields
 from inflight.server.responses import ResponseStore
@@ -229,38 +229,24 @@ def _socket_error(exc: ServerError) -> dict[str, Any]:
 
 @router.post("/v1/responses/compact")
 async def compact_response(
-    body: CompactRequest, request: Request, state: State, store: Store
+    body: CompactRequest,
+    request: Request,
+    state: State,
+    store: Store,
+    conversations: Conversations,
 ) -> Response:
     """The conversation compacted: its user messages, then a compaction item holding the
-    model's summary of it (`compaction.py`). Oldest turns that leave no room for the summary
-    are dropped from what the model reads, as with `truncation: auto`."""
-    lora_name = check_body(state, body, body.model)
-    client, chat = state.client, state.chat
-    conversation = body.as_response()
-    turn = responses.chat_turn(conversation, chat, store, compact=True)
-    params = responses.sampling_params(conversation, client.llm.get_default_sampling_params(), turn)
-    prepared = await responses.prepare(
-        client,
-        turn.messages,
-        chat.reply_params(params),
-        truncate=True,
-        **chat.template_args(turn.messages, None, body.chat_template_kwargs, turn.template_kwargs),
-        lora_name=lora_name,
-    )
-    output = await client.generate(prepared, request.is_disconnected)
-    reader = chat.reader(None, client.llm.tokenizer, prepared.prompt_token_ids)
-    summary = reader.whole(output.text).content or ""
-    given = [item_object(item, f"input.{i}") for i, item in enumerate(turn.given)]
-    users = [
-        item
-        for item in [*turn.earlier, *given]
-        if item["type"] == "message" and item["role"] == "user"
-    ]
-    usage = responses.usage(output.prompt_tokens, output.cached_tokens, len(output.token_ids), 0)
+    model's summary of it, as a response to the same input ended with a compaction trigger
+    gives it (`compaction.py`)."""
+    reply, prepared, _ = await _reply(body.as_response(), state, store, conversations)
+    output = await state.client.generate(prepared, request.is_disconnected)
+    response = reply.whole(output)
+    users = [i for i in reply.input_items if i["type"] == "message" and i["role"] == "user"]
     # What Codex sends for the model's next turn has no part in a summary.
     unread = [f for f in ("tools", "parallel_tool_calls", "text") if f in body.model_fields_set]
     headers = ignored_headers(unread + ignored_fields(body))
-    return JSONResponse(compaction.compacted(users, summary, usage), headers=headers)
+    compacted = compaction.compacted(users, response["output"][0], response["usage"])
+    return JSONResponse(compacted, headers=headers)
 
 
 @router.post("/v1/responses/input_tokens")

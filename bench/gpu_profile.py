@@ -6,13 +6,17 @@ events (device), then the device's idle time between kernels inside a forward (a
 and a whole step.
 
     python3 bench/gpu_profile.py [--shape qwen3-0.6b] [--batch 256] [--prompt 512]
-        [--kv-cache-dtype fp8] [--quantization fp8]
+        [--kv-cache-dtype fp8] [--quantization fp8] [--trace DIR]
+
+`--trace DIR` writes the whole decode steps' trace, host calls included, to DIR/steps.json.gz
+(chrome://tracing or Perfetto reads it).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gzip
 import io
 import itertools
 import json
@@ -56,20 +60,31 @@ def kernel_table(run: Callable[[], T]) -> tuple[T, str]:
     return result, table
 
 
-def kernel_gaps(run: Callable[[], object], repeats: int = 5) -> str:
+def kernel_gaps(
+    run: Callable[[], object], repeats: int = 5, apart: bool = False, trace: Path | None = None
+) -> str:
     """Run `run()` `repeats` times under the profiler and describe the middle run's device
-    timeline (`timeline_gaps`)."""
+    timeline (`timeline_gaps`). `apart`: the device finishes each run before the next is
+    queued (graph replays queue back to back, with no gap wider than those inside one to tell
+    them apart by; steps must not be, the next one's host work overlaps this one's forward).
+    With `trace`, the host's calls are recorded too and the whole trace written there (gzipped
+    chrome trace JSON)."""
     from torch.profiler import ProfilerActivity, profile
 
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=activities) as prof:
         for _ in range(repeats):
             run()
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
-        prof.export_chrome_trace(trace.name)
-        events = json.loads(Path(trace.name).read_text())["traceEvents"]
-    return timeline_gaps(events, repeats)
+            if apart:
+                torch.cuda.synchronize()
+                time.sleep(0.002)
+    with tempfile.NamedTemporaryFile(suffix=".json") as file:
+        prof.export_chrome_trace(file.name)
+        text = Path(file.name).read_text()
+    if trace is not None:
+        trace.write_bytes(gzip.compress(text.encode()))
+    return timeline_gaps(json.loads(text)["traceEvents"], repeats)
 
 
 def timeline_gaps(events: list[dict], repeats: int) -> str:
@@ -101,6 +116,18 @@ def timeline_gaps(events: list[dict], repeats: int) -> str:
             f"  {sum(pair_gaps):8.1f} us over {len(pair_gaps):4d} gaps "
             f"({sum(pair_gaps) / len(pair_gaps):5.2f} each): {a} -> {b}"
         )
+    # The widest single gaps, where in the run they fall (a step's prelude, its graph, its end).
+    start = run_kernels[0]["ts"]
+    single = [
+        (b["ts"] - a["ts"] - a["dur"], i, a, b)
+        for i, (a, b) in enumerate(itertools.pairwise(run_kernels))
+    ]
+    lines.append("  widest gaps:")
+    for gap, i, a, b in sorted(single, key=lambda g: -g[0])[:8]:
+        lines.append(
+            f"  {gap:8.1f} us after kernel {i + 1} of {len(run_kernels)} "
+            f"(at {(b['ts'] - start) / 1000:.3f} ms): {a['name'][:45]} -> {b['name'][:45]}"
+        )
     return "\n".join(lines)
 
 
@@ -112,6 +139,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--quantization", default="none", choices=["none", "fp8"])
+    parser.add_argument(
+        "--trace", type=Path, default=None, help="a folder for the decode steps' chrome trace"
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     runtime = Runtime(
@@ -188,9 +218,9 @@ def main() -> None:
     print(f"build_ragged_batch: {(time.perf_counter() - t) / 10 * 1000:.2f} ms")
     print(kernel_table(lambda: [runner.logits(runner.execute(batch)) for _ in range(5)])[1])
     print("forward + LM head (a graph replay where captured), the device between kernels:")
-    print(kernel_gaps(lambda: runner.logits(runner.execute(batch))))
+    print(kernel_gaps(lambda: runner.logits(runner.execute(batch)), apart=True))
     print("whole decode steps, the device between kernels:")
-    print(kernel_gaps(session.step))
+    print(kernel_gaps(session.step, trace=args.trace and args.trace / "steps.json.gz"))
     # Two mixed steps: the host's work for the first (cProfile), the device's for the second.
     admit(MIXED_PROMPTS)
     torch.cuda.synchronize()

@@ -31,3 +31,5 @@ def test_the_middle_run_is_read_and_its_gaps_summed_by_pair():
     )
     assert "4.0 us over    2 gaps ( 2.00 each): norm -> gemm" in pairs[0]
     assert "3.0 us over    1 gaps ( 3.00 each): gemm -> norm" in pairs[1]
+    widest = pairs[pairs.index("  widest gaps:") + 1]
+    assert "3.0 us after kernel 2 of 4 (at 0.065 ms): gemm -> norm" in widest

@@ -14,14 +14,17 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from inflight.server.batches import BatchStore
 from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient
 from inflight.server.conversations import ConversationStore
 from inflight.server.errors import ServerError, error_response, invalid_request
+from inflight.server.files import FileStore
 from inflight.server.responses import ResponseStore
 from inflight.server.routes import (
     anthropic,
     audio,
+    batches,
     conversations,
     lora,
     openai,
@@ -59,6 +62,8 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     app.state.responses = ResponseStore()
     app.state.threads = ThreadStore()
     app.state.conversations = ConversationStore()
+    app.state.files = FileStore()
+    app.state.batches = BatchStore(app, client, app.state.files, settings.api_key)
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(_ApiKey, key=settings.api_key)
@@ -66,7 +71,18 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _on_invalid)
     app.add_exception_handler(HTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_crash)
-    for routes in (openai, responses, conversations, anthropic, tokenize, audio, lora, pins, ops):
+    for routes in (
+        openai,
+        responses,
+        conversations,
+        anthropic,
+        batches,
+        tokenize,
+        audio,
+        lora,
+        pins,
+        ops,
+    ):
         app.include_router(routes.router)
     warm_up.start(client.llm)
     return app

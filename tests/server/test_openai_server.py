@@ -329,7 +329,7 @@ def test_an_endpoint_the_server_lacks_is_named_in_the_api_body(server, oa):
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert "GET /v1/chat/completions" in error["message"]
-    r = httpx.post(server[0] + "/v1/messages/batches", json={})
+    r = httpx.post(server[0] + "/v1/messages/nothing", json={})
     assert r.status_code == 404
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
 

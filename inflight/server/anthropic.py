@@ -9,8 +9,9 @@ from typing import Any
 
 from inflight.protocol.outputs import RequestOutput
 from inflight.protocol.request import SamplingParams, StructuredOutputs
+from inflight.server import context_edits
 from inflight.server.chat import ChatSetup
-from inflight.server.client import Run
+from inflight.server.client import EngineClient, Run
 from inflight.server.errors import ServerError
 from inflight.server.parsers import MessageDelta, MessageParser
 from inflight.server.parsers.json_scan import partial_value
@@ -329,6 +330,47 @@ def thinking_switch(
     return None, [name for name, v in (("thinking", kind), ("output_config.effort", effort)) if v]
 
 
+def prompt_counter(
+    body: AnthropicCountTokensRequest,
+    client: EngineClient,
+    chat: ChatSetup,
+    choice: ToolChoice | None,
+    thinking: dict[str, Any] | None,
+) -> context_edits.Count:
+    """The prompt tokens of the body's conversation with other messages (the edits'), rendered
+    and tokenized as the prompt of `choice` and `thinking` is."""
+
+    async def count(messages: list[AnthropicMessage]) -> int:
+        conversation = chat_messages(body.system, messages)
+        template = template_args(chat, conversation, choice, thinking)
+        return len(await client.prompt_tokens(conversation, **template))
+
+    return count
+
+
+async def edited_messages(
+    body: AnthropicCountTokensRequest, count: context_edits.Count
+) -> context_edits.Edited | None:
+    """The conversation with the edits of `context_management` applied (None: none asked; a
+    400 naming a bad edit). The tools offered stay those of the conversation as sent: a cleared
+    tool result does not unload the tool it loaded."""
+    if body.context_management is None:
+        return None
+    config, ignored = context_edits.parse(body.context_management)
+    try:
+        edited = await context_edits.apply(config, body.messages, count)
+    except ServerError as exc:
+        if exc.status != 413:
+            raise
+        # The edits count the conversation as sent, which must fit the model's context.
+        raise ServerError(
+            413,
+            f"context_management counts the conversation as sent, before its edits: {exc.message}",
+        ) from exc
+    edited.ignored = ignored
+    return edited
+
+
 def sampling_params(
     body: AnthropicMessagesRequest,
     defaults: SamplingParams,
@@ -376,10 +418,18 @@ class MessageReply:
     """A message, whole or streamed; `reader` splits the generated text into thinking, text
     and tool_use blocks."""
 
-    def __init__(self, model: str, reader: MessageParser) -> None:
+    def __init__(
+        self,
+        model: str,
+        reader: MessageParser,
+        context_management: dict[str, Any] | None = None,
+    ) -> None:
         self.id = f"msg_{uuid.uuid4().hex}"
         self.model = model
         self.reader = reader
+        # The edits applied to the conversation (`{"applied_edits": [...]}`), where it asked
+        # for any: on the message, and streamed on message_delta.
+        self.context_management = context_management
         # The content blocks of a stream that ended with message_stop (a thread keeps them).
         self.streamed: list[dict[str, Any]] | None = None
 
@@ -396,6 +446,12 @@ class MessageReply:
             "stop_sequence": stop,
             "usage": usage,
         }
+
+    def _edits(self) -> dict[str, Any]:
+        """The message's `context_management` field, where the request asked for edits."""
+        if self.context_management is None:
+            return {}
+        return {"context_management": self.context_management}
 
     def whole(self, output: RequestOutput) -> dict[str, Any]:
         stop = output.stop_reason if isinstance(output.stop_reason, str) else None
@@ -415,11 +471,14 @@ class MessageReply:
                     "input": _input(call.arguments),
                 }
             )
-        return self._message(
-            content,
-            _stop_reason(output.finish_reason, output.stop_reason, bool(parsed.tool_calls)),
-            stop,
-            {"input_tokens": output.prompt_tokens, "output_tokens": len(output.token_ids)},
+        return (
+            self._message(
+                content,
+                _stop_reason(output.finish_reason, output.stop_reason, bool(parsed.tool_calls)),
+                stop,
+                {"input_tokens": output.prompt_tokens, "output_tokens": len(output.token_ids)},
+            )
+            | self._edits()
         )
 
     async def stream(self, run: Run, prompt_tokens: int) -> AsyncIterator[str]:
@@ -453,6 +512,7 @@ class MessageReply:
                     "stop_sequence": stop if isinstance(stop, str) else None,
                 },
                 "usage": {"output_tokens": output_tokens},
+                **self._edits(),
             },
         )
         yield _event("message_stop", {})

@@ -405,11 +405,13 @@ class AnthropicCountTokensRequest(Strict):
     output_format: AnthropicJSONFormat | None = None  # the beta's name for output_config.format
     # The context cache reuses every shared prefix by content, marked or not.
     cache_control: dict[str, Any] | None = None
+    # Context editing: its edits applied to the conversation (checked in `context_edits.py`;
+    # named in IGNORED_FIELDS for the Responses API's, which is not served).
+    context_management: dict[str, Any] | None = None
     # Accepted and ignored (IGNORED_FIELDS).
     speed: str | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
-    context_management: dict[str, Any] | None = None  # the hosted service's context edits
 
 
 class AnthropicThreadCreate(Strict):

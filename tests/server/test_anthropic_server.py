@@ -239,7 +239,9 @@ def test_a_system_message_in_the_conversation_is_rendered_where_it_stands(client
             "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
         },
     )
-    assert raw.http_response.headers["x-inflight-ignored-fields"] == "context_management"
+    # Claude Code's edit keeps all thinking: applied, it changes nothing, and is not ignored.
+    assert "x-inflight-ignored-fields" not in raw.http_response.headers
+    assert raw.http_response.json()["context_management"] == {"applied_edits": []}
     message = raw.parse()
     assert message.content[0].text == expected.text
     assert message.usage.input_tokens == expected.prompt_tokens

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -50,7 +50,12 @@ async def _reply(
 ) -> Response:
     client, chat = state.client, state.chat
     choice = anthropic.messages_tool_choice(body, chat)
-    conversation = anthropic.chat_messages(body.system, body.messages)
+    thinking, ignored = anthropic.thinking_switch(body, chat)
+    # The thread (if any) keeps the conversation as sent; the model reads it edited.
+    count = anthropic.prompt_counter(body, client, chat, choice, thinking)
+    edited = await anthropic.edited_messages(body, count)
+    messages = body.messages if edited is None else edited.messages
+    conversation = anthropic.chat_messages(body.system, messages)
     constraint, overridden = chat.constraint(
         choice,
         anthropic.structured_outputs(body),
@@ -58,7 +63,6 @@ async def _reply(
     )
     params = anthropic.sampling_params(body, client.llm.get_default_sampling_params(), constraint)
     params = chat.reply_params(params)
-    thinking, ignored = anthropic.thinking_switch(body, chat)
     forced = choice is not None and choice.forced
     prepared = await client.prepare_chat(
         conversation,
@@ -68,9 +72,17 @@ async def _reply(
         lora_name=lora_name,
         save_system_prompt_kv_cache=body.save_system_prompt_kv_cache,
     )
-    headers = ignored_headers(ignored_fields(body) + ignored + overridden)
+    # `context_management` is applied (the shared list names the Responses API's, ignored).
+    unread = [f for f in ignored_fields(body) if f != "context_management"]
+    if edited is not None:
+        unread += edited.ignored
+    headers = ignored_headers(unread + ignored + overridden)
     reader = chat.reader(choice, client.llm.tokenizer, prepared.prompt_token_ids)
-    reply = anthropic.MessageReply(lora_name or state.settings.served_model_name, reader)
+    reply = anthropic.MessageReply(
+        lora_name or state.settings.served_model_name,
+        reader,
+        None if edited is None else {"applied_edits": edited.applied_edits},
+    )
     if body.stream:
         run = await started(client.run(prepared))
         events = reply.stream(run, len(prepared.prompt_token_ids))
@@ -101,12 +113,18 @@ async def _threaded(
 
 
 @router.post("/v1/messages/count_tokens")
-async def count_tokens(body: AnthropicCountTokensRequest, state: State) -> dict[str, int]:
+async def count_tokens(body: AnthropicCountTokensRequest, state: State) -> dict[str, Any]:
     check_body(state, body, body.model)
     # Counting renders the tools whatever the choice would be.
     tools = anthropic.offered_tools(body)
-    conversation = anthropic.chat_messages(body.system, body.messages)
     thinking, _ = anthropic.thinking_switch(body, state.chat)
     choice = ToolChoice(tools, "none") if tools else None
-    template = anthropic.template_args(state.chat, conversation, choice, thinking)
-    return {"input_tokens": len(await state.client.prompt_tokens(conversation, **template))}
+    count = anthropic.prompt_counter(body, state.client, state.chat, choice, thinking)
+    edited = await anthropic.edited_messages(body, count)
+    if edited is None:
+        return {"input_tokens": await count(body.messages)}
+    # The count after the edits, and that of the conversation as sent (the same where no edit
+    # had it counted: none changed it).
+    tokens = await count(edited.messages) if edited.input_tokens is None else edited.input_tokens
+    original = tokens if edited.original_input_tokens is None else edited.original_input_tokens
+    return {"input_tokens": tokens, "context_management": {"original_input_tokens": original}}

@@ -53,31 +53,43 @@ def _attend_keys(
     q, q_pos, K, V, block_table, kv_head, start, end, m_i, l_i, acc, scale,
     stride_kb, stride_ks, stride_kh,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax update over keys [start, start + BLOCK_N) (those below `end`), read
     through the sequence's block table; with CAUSAL, query i sees keys up to q_pos[i], and with
-    a WINDOW too, only those above q_pos[i] - WINDOW (without CAUSAL, q_pos is not read)."""
+    a WINDOW too, only those above q_pos[i] - WINDOW (without CAUSAL, q_pos is not read).
+    Without MASKED the caller knows every query sees every key of the tile (below `end` too):
+    nothing is masked, the same scores as masking none."""
     d = tl.arange(0, HEAD_DIM)
     tok = start + tl.arange(0, BLOCK_N)
-    valid = tok < end
-    block = tl.load(block_table + tok // BLOCK_SIZE, mask=valid, other=0)
+    if MASKED:
+        valid = tok < end
+        block = tl.load(block_table + tok // BLOCK_SIZE, mask=valid, other=0)
+    else:
+        block = tl.load(block_table + tok // BLOCK_SIZE)
     offs = block.to(tl.int64) * stride_kb + (tok % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
     # A float8 cache is read up to q's dtype (a no-op for a cache in q's).
-    k = tl.load(K + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
-    s = tl.dot(q, tl.trans(k)) * scale
-    if CAUSAL:
-        seen = (tok[None, :] <= q_pos[:, None]) & valid[None, :]
-        if WINDOW > 0:
-            seen &= tok[None, :] > q_pos[:, None] - WINDOW
-        s = tl.where(seen, s, float("-inf"))
+    if MASKED:
+        k = tl.load(K + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
     else:
-        s = tl.where(valid[None, :], s, float("-inf"))
+        k = tl.load(K + offs[:, None] + d[None, :]).to(q.dtype)
+    s = tl.dot(q, tl.trans(k)) * scale
+    if MASKED:
+        if CAUSAL:
+            seen = (tok[None, :] <= q_pos[:, None]) & valid[None, :]
+            if WINDOW > 0:
+                seen &= tok[None, :] > q_pos[:, None] - WINDOW
+            s = tl.where(seen, s, float("-inf"))
+        else:
+            s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(V + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
+    if MASKED:
+        v = tl.load(V + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
+    else:
+        v = tl.load(V + offs[:, None] + d[None, :]).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
     return m_new, l_i, acc
 
@@ -219,6 +231,7 @@ def _decode_kernel(
                 q, seq_len, K, V, table, kv_head, start, end,
                 m_i, l_i, acc, scale, stride_kb, stride_ks, stride_kh,
                 CAUSAL=False, WINDOW=0, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
+                MASKED=True,
             )  # fmt: skip
         _finish_decode(
             m_i, l_i, acc, d, Out, PARTS, SINKS, row, heads, g, split, stride_ot, stride_oh,
@@ -292,15 +305,28 @@ def _prefill_kernel(
     end = tl.minimum(seq_len, past + q_start + BLOCK_M)
     # From the first key of the program's first query: with BLOCK_M <= BLOCK_N, the first
     # BLOCK_N keys hold some that each query sees (its running max is finite from there on).
+    table = block_tables + row * stride_bt
     lo = 0
     if WINDOW > 0:
         lo = tl.maximum(past + q_start - WINDOW + 1, 0)
+    else:
+        # Keys up to past + q_start are seen by every query of the program: the whole tiles of
+        # them go without masks (most of a long prompt's), the rest with.
+        whole = (past + q_start + 1) // BLOCK_N * BLOCK_N
+        for start in range(0, whole, BLOCK_N):
+            m_i, l_i, acc = _attend_keys(
+                q, q_pos, K, V, table, kv_head, start, end,
+                m_i, l_i, acc, scale, stride_kb, stride_ks, stride_kh,
+                CAUSAL=True, WINDOW=WINDOW, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE,
+                BLOCK_N=BLOCK_N, MASKED=False,
+            )  # fmt: skip
+        lo = whole
     for start in range(lo, end, BLOCK_N):
         m_i, l_i, acc = _attend_keys(
-            q, q_pos, K, V, block_tables + row * stride_bt, kv_head, start, end,
+            q, q_pos, K, V, table, kv_head, start, end,
             m_i, l_i, acc, scale, stride_kb, stride_ks, stride_kh,
             CAUSAL=True, WINDOW=WINDOW, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE,
-            BLOCK_N=BLOCK_N,
+            BLOCK_N=BLOCK_N, MASKED=True,
         )  # fmt: skip
     out = _normalize(m_i, l_i, acc, SINKS, head + tl.zeros([BLOCK_M], tl.int32), HAS_SINKS)
     tl.store(

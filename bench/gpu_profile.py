@@ -61,12 +61,17 @@ def kernel_table(run: Callable[[], T]) -> tuple[T, str]:
 
 
 def kernel_gaps(
-    run: Callable[[], object], repeats: int = 5, apart: bool = False, trace: Path | None = None
+    run: Callable[[], object],
+    repeats: int = 5,
+    apart: bool = False,
+    last: str | None = None,
+    trace: Path | None = None,
 ) -> str:
     """Run `run()` `repeats` times under the profiler and describe the middle run's device
     timeline (`timeline_gaps`). `apart`: the device finishes each run before the next is
     queued (graph replays queue back to back, with no gap wider than those inside one to tell
-    them apart by; steps must not be, the next one's host work overlaps this one's forward).
+    them apart by; steps must not be, the next one's host work overlaps this one's forward:
+    they are told apart by `last`, a name their last event holds).
     With `trace`, the host's calls are recorded too and the whole trace written there (gzipped
     chrome trace JSON)."""
     from torch.profiler import ProfilerActivity, profile
@@ -84,21 +89,25 @@ def kernel_gaps(
         text = Path(file.name).read_text()
     if trace is not None:
         trace.write_bytes(gzip.compress(text.encode()))
-    return timeline_gaps(json.loads(text)["traceEvents"], repeats)
+    return timeline_gaps(json.loads(text)["traceEvents"], repeats, last)
 
 
-def timeline_gaps(events: list[dict], repeats: int) -> str:
+def timeline_gaps(events: list[dict], repeats: int, last: str | None = None) -> str:
     """Of a trace's device events (`ts`, `dur` in us) from `repeats` runs one after another: the
     middle run's kernels, their summed time against the span from the first's start to the
     last's end (the difference: the device idle between kernels, inside a graph too), and the
-    pairs of kernels whose gaps add up to most."""
+    pairs of kernels whose gaps add up to most. `last`: a name each run's last event holds
+    (runs queued back to back are told apart by it); else the runs are told apart by the
+    widest gaps between events (the host's waits between runs timed apart)."""
     kernels = sorted(
         (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
         key=lambda e: e["ts"],
     )
-    # The runs are told apart by the widest gaps between kernels (the host's waits).
-    gaps = [b["ts"] - a["ts"] - a["dur"] for a, b in itertools.pairwise(kernels)]
-    cuts = sorted(sorted(range(len(gaps)), key=gaps.__getitem__)[len(gaps) - repeats + 1 :])
+    if last is not None:
+        cuts = [i for i, e in enumerate(kernels) if last in e["name"]][:-1]
+    else:
+        gaps = [b["ts"] - a["ts"] - a["dur"] for a, b in itertools.pairwise(kernels)]
+        cuts = sorted(sorted(range(len(gaps)), key=gaps.__getitem__)[len(gaps) - repeats + 1 :])
     bounds = [0, *(c + 1 for c in cuts), len(kernels)]
     run_kernels = kernels[bounds[repeats // 2] : bounds[repeats // 2 + 1]]
     span = run_kernels[-1]["ts"] + run_kernels[-1]["dur"] - run_kernels[0]["ts"]
@@ -220,7 +229,9 @@ def main() -> None:
     print("forward + LM head (a graph replay where captured), the device between kernels:")
     print(kernel_gaps(lambda: runner.logits(runner.execute(batch)), apart=True))
     print("whole decode steps, the device between kernels:")
-    print(kernel_gaps(session.step, trace=args.trace and args.trace / "steps.json.gz"))
+    # A step ends with its sampled tokens' copy to the host.
+    trace = args.trace and args.trace / "steps.json.gz"
+    print(kernel_gaps(session.step, last="Memcpy DtoH", trace=trace))
     # Two mixed steps: the host's work for the first (cProfile), the device's for the second.
     admit(MIXED_PROMPTS)
     torch.cuda.synchronize()

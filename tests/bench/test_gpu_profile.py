@@ -33,3 +33,18 @@ def test_the_middle_run_is_read_and_its_gaps_summed_by_pair():
     assert "3.0 us over    1 gaps ( 3.00 each): gemm -> norm" in pairs[1]
     widest = pairs[pairs.index("  widest gaps:") + 1]
     assert "3.0 us after kernel 2 of 4 (at 0.065 ms): gemm -> norm" in widest
+
+
+def test_runs_back_to_back_are_told_apart_by_their_last_event():
+    events = []
+    for run in range(3):
+        at = run * 100.0  # no gap between runs wider than those inside one
+        events += [
+            _kernel("copy in", at, 10),
+            _kernel("gemm", at + 30, 50),
+            {"cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": at + 90, "dur": 10},
+        ]
+    first = timeline_gaps(events, 3, last="Memcpy DtoH").splitlines()[0]
+    assert first == (
+        "3 kernels, span 0.100 ms, kernels 0.070 ms, between them 0.030 ms (10.00 us a kernel)"
+    )

@@ -19,7 +19,7 @@ from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient
 from inflight.server.conversations import ConversationStore
 from inflight.server.errors import ServerError, error_response, invalid_request
-from inflight.server.files import FileStore
+from inflight.server.files import UPLOAD_MAX_BYTES, FileStore
 from inflight.server.responses import ResponseStore
 from inflight.server.routes import (
     anthropic,
@@ -89,7 +89,10 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
 
 
 def _is_anthropic(request: Request) -> bool:
-    return request.url.path.startswith("/v1/messages")
+    """Whether an error is answered in Anthropic's body: on its API's routes, and to any
+    request of its SDKs (which send `anthropic-version` with every call, to `/v1/models` and
+    `/v1/files` too, where the OpenAI SDKs never do)."""
+    return request.url.path.startswith("/v1/messages") or "anthropic-version" in request.headers
 
 
 async def _on_server_error(request: Request, exc: Exception) -> Response:
@@ -160,7 +163,8 @@ class _ApiKey:
 
 
 class _BodyLimit:
-    """Refuse request bodies over `limit` bytes with 413, declared or streamed."""
+    """Refuse request bodies over `limit` bytes with 413, declared or streamed; a file upload
+    (`POST /v1/files`) may be as large as a batch's input file may be (`UPLOAD_MAX_BYTES`)."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
@@ -170,10 +174,13 @@ class _BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.limit
+        if scope["method"] == "POST" and scope["path"] == "/v1/files":
+            limit = max(limit, UPLOAD_MAX_BYTES)
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._refuse(scope, send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._refuse(scope, send, limit)
             return
         seen = 0
 
@@ -182,17 +189,17 @@ class _BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
+                if seen > limit:
                     raise _TooLarge
             return message
 
         try:
             await self.app(scope, counting_receive, send)
         except _TooLarge:
-            await self._refuse(scope, send)
+            await self._refuse(scope, send, limit)
 
-    async def _refuse(self, scope: Scope, send: Send) -> None:
-        error = ServerError(413, f"request body is larger than {self.limit} bytes")
+    async def _refuse(self, scope: Scope, send: Send, limit: int) -> None:
+        error = ServerError(413, f"request body is larger than {limit} bytes")
         response = error_response(error, scope["path"].startswith("/v1/messages"))
         await response(scope, _no_receive, send)
 

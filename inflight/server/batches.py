@@ -67,6 +67,53 @@ class Line:
         return self.status_code is not None and 200 <= self.status_code < 300
 
 
+# The usage fields of chat and completions answers, and those of the Responses API's.
+_CHAT_USAGE = (
+    "prompt_tokens",
+    "completion_tokens",
+    "prompt_tokens_details",
+    "completion_tokens_details",
+)
+_RESPONSES_USAGE = (
+    "input_tokens",
+    "output_tokens",
+    "input_tokens_details",
+    "output_tokens_details",
+)
+
+
+@dataclass
+class BatchUsage:
+    """The tokens of a batch's answers, whichever endpoint's usage fields they come in."""
+
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    def add(self, answer: Any) -> None:
+        """Count an answer's usage: chat and completions' `prompt_tokens` and
+        `completion_tokens`, or the Responses API's `input_tokens` and `output_tokens`."""
+        usage = answer.get("usage") if isinstance(answer, dict) else None
+        if not isinstance(usage, dict):
+            return
+        names = _CHAT_USAGE if "prompt_tokens" in usage else _RESPONSES_USAGE
+        inputs, outputs, input_details, output_details = (usage.get(n) for n in names)
+        self.input_tokens += inputs or 0
+        self.output_tokens += outputs or 0
+        self.cached_tokens += (input_details or {}).get("cached_tokens") or 0
+        self.reasoning_tokens += (output_details or {}).get("reasoning_tokens") or 0
+
+    def as_object(self) -> dict[str, Any]:
+        return {
+            "input_tokens": self.input_tokens,
+            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "output_tokens": self.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+            "total_tokens": self.input_tokens + self.output_tokens,
+        }
+
+
 @dataclass
 class Batch:
     """A batch of either API. `status` takes OpenAI's names (validating, in_progress,
@@ -93,6 +140,9 @@ class Batch:
     errors: list[dict[str, Any]] = field(default_factory=list)
     output_file_id: str | None = None
     error_file_id: str | None = None
+    # The tokens its answered requests used, as OpenAI's batch `usage` counts them: added as
+    # each answer comes (a poll of a large batch reads no lines).
+    usage: BatchUsage = field(default_factory=BatchUsage)
 
     @property
     def ended(self) -> bool:
@@ -348,6 +398,8 @@ class BatchStore:
         if status == 503 and self._client.gate.closing:
             return
         line.status_code, line.response = status, answer
+        if line.succeeded:
+            batch.usage.add(answer)
 
     def _write_files(self, batch: Batch) -> None:
         """OpenAI's output file (the requests answered 2xx) and error file (the others, and
@@ -505,6 +557,7 @@ def openai_object(batch: Batch) -> dict[str, Any]:
             "completed": succeeded,
             "failed": failed,
         },
+        "usage": batch.usage.as_object(),
         "metadata": batch.metadata,
     }
 

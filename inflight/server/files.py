@@ -19,6 +19,9 @@ from inflight.server.errors import ServerError
 
 # The total bytes of the files kept.
 CAPACITY_BYTES = 512 * 1024 * 1024
+# The largest upload (its multipart body): OpenAI's bound on a batch's input file. Other
+# request bodies keep the server's body limit (8 MiB).
+UPLOAD_MAX_BYTES = 200 * 1024 * 1024
 # The purposes an upload may have: a batch's input, and OpenAI's purpose for any other use.
 # The others OpenAI documents feed APIs this server does not serve (see `check_purpose`).
 UPLOAD_PURPOSES = ("batch", "user_data")

@@ -391,6 +391,13 @@ def output_logprobs(body: ResponsesRequest) -> bool:
     return "message.output_text.logprobs" in (body.include or [])
 
 
+def offers_functions(body: ResponsesRequest) -> bool:
+    """Whether the model is offered functions to call: not with no tools, an empty list (the
+    agents SDK sends `tools: []` with every request) or only hosted tools left out of the
+    prompt (web search)."""
+    return any(isinstance(t, FunctionToolSpec | NamespaceToolSpec) for t in body.tools or [])
+
+
 def refusal(body: ResponsesRequest) -> ServerError | None:
     """A 400 naming the first option of this request the server does not serve."""
     checks = [
@@ -412,7 +419,7 @@ def refusal(body: ResponsesRequest) -> ServerError | None:
         ("prompt", body.prompt is not None, "stored prompt templates are not supported"),
         (
             "include",
-            output_logprobs(body) and body.tools is not None and body.tool_choice != "none",
+            output_logprobs(body) and offers_functions(body) and body.tool_choice != "none",
             "output logprobs are served for replies without tools: a message's tokens are "
             "told from its calls' only as the reply is read",
         ),

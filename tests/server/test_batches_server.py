@@ -18,6 +18,7 @@ from openai.types.responses import Response
 from inflight.server import batches as batches_module
 from inflight.server.errors import ServerError
 from inflight.server.files import FileStore
+from inflight.server.routes.batches import _form
 
 from server_harness import running
 
@@ -98,6 +99,7 @@ def test_a_batch_is_answered_as_each_endpoint_answers_its_requests(oa):
     lines.append(_line("streamed", _chat("Hi", stream=True)))
     created = _batch(oa, lines)
     assert created.status == "validating" and created.id.startswith("batch_")
+    assert created.usage.total_tokens == 0  # OpenAI's usage, counted as requests are answered
     done = _ended(oa, created.id)
     assert done.status == "completed" and done.endpoint == CHAT and done.model == MODEL
     assert done.request_counts.model_dump() == {"total": 5, "completed": 3, "failed": 2}
@@ -113,6 +115,14 @@ def test_a_batch_is_answered_as_each_endpoint_answers_its_requests(oa):
         # (Its prompt's blocks may now come from the context cache: compare the counts.)
         assert reply.usage.prompt_tokens == expected.usage.prompt_tokens
         assert reply.usage.completion_tokens == expected.usage.completion_tokens
+    # The batch's usage: the tokens of its answered requests (as litellm and aibrix read it).
+    used = [ChatCompletion.model_validate(line["response"]["body"]).usage for line in output]
+    assert done.usage.input_tokens == sum(u.prompt_tokens for u in used)
+    assert done.usage.output_tokens == sum(u.completion_tokens for u in used)
+    assert done.usage.input_tokens_details.cached_tokens == sum(
+        u.prompt_tokens_details.cached_tokens for u in used
+    )
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
     errors = {e["custom_id"]: e["response"] for e in _read(oa, done.error_file_id)}
     assert errors["unknown-model"]["status_code"] == 404  # the route's own answer
     assert errors["unknown-model"]["body"]["error"]["param"] == "model"
@@ -140,6 +150,8 @@ def test_completions_and_responses_batches_equal_their_endpoints(oa):
     done = _ended(oa, _batch(oa, [_line("r", asked, "/v1/responses")], "/v1/responses").id)
     [line] = _read(oa, done.output_file_id)
     assert Response.model_validate(line["response"]["body"]).output_text == direct.output_text
+    assert done.usage.output_tokens == direct.usage.output_tokens  # the Responses API's names
+    assert done.usage.input_tokens == direct.usage.input_tokens
 
 
 def test_bad_lines_fail_the_batch_naming_their_line_numbers(oa):
@@ -227,6 +239,33 @@ def test_files_are_kept_listed_and_bounded(oa, handle):
         store.capacity = capacity
 
 
+def test_a_batch_file_past_the_body_limit_is_uploaded(oa):
+    # A batch input file larger than the 8 MiB that bounds other bodies (OpenAI takes 200 MB),
+    # sent as bespokelabs-curator sends it: bytes, which the SDK names "upload".
+    line = json.dumps(_line("x", _chat("a" * 1000))).encode() + b"\n"
+    content = line * (9 * 1024 * 1024 // len(line) + 1)
+    uploaded = oa.files.create(file=content, purpose="batch")
+    assert uploaded.bytes == len(content) and uploaded.filename == "upload"
+    assert oa.files.content(uploaded.id).content == content
+    oa.files.delete(uploaded.id)
+
+
+def test_anthropics_files_api_is_refused_by_name(claude, oa):
+    # Anthropic's Files API shares the paths (its SDKs' beta.files, litellm's Anthropic
+    # files): answered with OpenAI's file objects, litellm failed reading one.
+    kept = oa.files.create(file=("k.txt", b"k"), purpose="user_data")
+    for call in (
+        lambda: claude.beta.files.upload(file=("notes.txt", b"notes", "text/plain")),
+        claude.beta.files.list,
+        lambda: claude.beta.files.retrieve_metadata(kept.id),
+    ):
+        with pytest.raises(anthropic.BadRequestError) as info:
+            call()
+        assert info.value.body["error"]["type"] == "invalid_request_error"
+        assert "Anthropic's Files API is not served" in info.value.message
+    assert oa.files.delete(kept.id).deleted
+
+
 def test_the_file_store_counts_what_it_holds():
     store = FileStore(capacity=10)
     a = store.add(b"12345", "a", "batch")
@@ -236,6 +275,22 @@ def test_the_file_store_counts_what_it_holds():
     store.add(b"1234567890", "out", "batch_output", written=True)  # a batch's output always fits
     store.delete(a.id)
     assert store.used == 10
+
+
+def test_multipart_forms_are_split_at_their_boundaries():
+    parts = (
+        b'--XX\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        b'--XX\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n'
+        b"Content-Type: application/octet-stream\r\n\r\nline 1\r\nline 2\r\n--XX--\r\n"
+    )
+    expected = {"purpose": (None, b"batch"), "file": ("a.jsonl", b"line 1\r\nline 2")}
+    for preamble in (b"", b"\r\n", b"a preamble\r\n"):  # RFC 2046 allows one
+        assert _form("multipart/form-data; boundary=XX", preamble + parts) == expected
+    for unreadable in (b"no boundary here", parts[:-8], parts.replace(b"\r\n\r\n", b"\r\n")):
+        with pytest.raises(ServerError, match="could not be read"):
+            _form("multipart/form-data; boundary=XX", unreadable)
+    with pytest.raises(ServerError, match="no boundary"):
+        _form("multipart/form-data", parts)
 
 
 def test_a_cancelled_batch_keeps_what_finished_and_the_server_serves_on(oa, handle):

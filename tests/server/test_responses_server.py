@@ -953,6 +953,17 @@ def test_output_logprobs_are_the_chat_paths_whole_and_streamed(oa, server_llm):
     assert plain.output[0].content[0].logprobs == []
 
 
+def test_output_logprobs_beside_no_functions_to_call(oa):
+    # openai-agents 0.24 sends `tools: []` with every request (here its ModelSettings with
+    # top_logprobs, streamed), and a web search is left out of the prompt: neither offers the
+    # model a function, so the logprobs are served (each a 400 "without tools" before).
+    asked = {"include": ["message.output_text.logprobs"], "top_logprobs": 2, **GREEDY}
+    for tools in ([], [{"type": "web_search"}]):
+        stream = oa.responses.create(model=MODEL, input=QUESTION, stream=True, tools=tools, **asked)
+        final = _checked(list(stream))[-1].response.output[0].content[0]
+        assert final.logprobs and len(final.logprobs[0].top_logprobs) == 2
+
+
 def test_max_output_tokens_cut_is_incomplete(oa):
     reply = _checked(
         oa.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=4)

@@ -9,7 +9,7 @@ from typing import Any
 
 from inflight.protocol.outputs import RequestOutput
 from inflight.protocol.request import SamplingParams, StructuredOutputs
-from inflight.server import context_edits
+from inflight.server import context_edits, documents
 from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient, Run
 from inflight.server.errors import ServerError
@@ -17,6 +17,7 @@ from inflight.server.parsers import MessageDelta, MessageParser
 from inflight.server.parsers.json_scan import partial_value
 from inflight.server.protocol import (
     AnthropicCountTokensRequest,
+    AnthropicDocumentBlock,
     AnthropicImageBlock,
     AnthropicMessage,
     AnthropicMessagesRequest,
@@ -105,23 +106,79 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
         if isinstance(block, AnthropicImageBlock):
             parts.append({"type": "image_url", "image_url": {"url": _image_url(block, where, j)}})
             continue
+        if isinstance(block, AnthropicDocumentBlock):
+            parts.append(documents.part(_document(block, f"{where}.{j}")))
+            continue
         if not isinstance(block, AnthropicToolResultBlock):
             parts.append({"type": "text", "text": _text([block], where)})
             continue
         if parts:
             out.append({"role": "user", "content": parts})
             parts = []
-        result = _marked_text(block.content or "", f"{where}.{j}.content", _loaded_line)
-        out.append(
-            {
-                "role": "tool",
-                "tool_call_id": block.tool_use_id,
-                "content": f"Error: {result}" if block.is_error else result,
-            }
-        )
+        result = _result(block.content or "", f"{where}.{j}.content")
+        if block.is_error:  # the error said in words, as templates know no error results
+            result = f"Error: {result}" if isinstance(result, str) else [_ERROR, *result]
+        out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": result})
     if parts or not out:
         out.append({"role": "user", "content": parts})
     return out
+
+
+_ERROR = {"type": "text", "text": "Error: "}
+
+
+def _result(content: str | list[Any], where: str) -> str | list[dict[str, Any]]:
+    """A tool result as a tool message's content: its text; with documents, parts (the text
+    and the documents, which are read to text as the prompt is prepared)."""
+    if isinstance(content, str) or not any(isinstance(b, AnthropicDocumentBlock) for b in content):
+        return _marked_text(content, where, _loaded_line)
+    return [
+        documents.part(_document(b, f"{where}.{j}"))
+        if isinstance(b, AnthropicDocumentBlock)
+        else {"type": "text", "text": _marked_text([b], f"{where}.{j}", _loaded_line)}
+        for j, b in enumerate(content)
+    ]
+
+
+def _document(block: AnthropicDocumentBlock, where: str) -> documents.Document:
+    """A document block's file: a PDF or text by value (base64, text, or text blocks)."""
+    source, where = block.source, f"{where}.source"
+    named = {"name": block.title, "context": block.context}
+    if source.type in ("base64", "text") and source.data is None:
+        raise ServerError(400, f"a {source.type} document source needs its data", where)
+    if source.type == "base64":
+        return documents.Document(where, base64=source.data, media_type=source.media_type, **named)
+    if source.type == "text":
+        data = (source.data or "").encode()
+        return documents.Document(where, data=data, media_type="text/plain", **named)
+    if source.type == "content":
+        content = source.content if source.content is not None else ""
+        if not isinstance(content, str):
+            content = "\n".join(_text([b], f"{where}.content.{k}") for k, b in enumerate(content))
+        return documents.Document(where, data=content.encode(), media_type="text/plain", **named)
+    if source.type == "url":
+        raise ServerError(
+            400, "documents are not fetched from URLs here; send the PDF as base64", where
+        )
+    raise ServerError(
+        400,
+        "Anthropic's Files API is not served here, so a document cannot name a file_id; send "
+        "the PDF as base64 or the text as a text source",
+        where,
+    )
+
+
+def unread_citations(messages: list[AnthropicMessage]) -> list[str]:
+    """The documents asking for citations, which replies do not give (named as ignored)."""
+    found = []
+    for i, m in enumerate(messages):
+        for j, block in enumerate(m.content if isinstance(m.content, list) else []):
+            inner = block.content if isinstance(block, AnthropicToolResultBlock) else None
+            nested = enumerate(inner if isinstance(inner, list) else [])
+            for at, b in [(str(j), block), *((f"{j}.content.{k}", b) for k, b in nested)]:
+                if isinstance(b, AnthropicDocumentBlock) and (b.citations or {}).get("enabled"):
+                    found.append(f"messages.{i}.content.{at}.citations")
+    return found
 
 
 def _marked_text(

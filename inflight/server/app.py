@@ -19,7 +19,7 @@ from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient
 from inflight.server.conversations import ConversationStore
 from inflight.server.errors import ServerError, error_response, invalid_request
-from inflight.server.files import UPLOAD_MAX_BYTES, FileStore
+from inflight.server.files import UPLOAD_MAX_BYTES
 from inflight.server.responses import ResponseStore
 from inflight.server.routes import (
     anthropic,
@@ -62,7 +62,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     app.state.responses = ResponseStore()
     app.state.threads = ThreadStore()
     app.state.conversations = ConversationStore()
-    app.state.files = FileStore()
+    app.state.files = client.files
     app.state.batches = BatchStore(app, client, app.state.files, settings.api_key)
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     if settings.api_key:

@@ -31,7 +31,9 @@ from inflight.protocol.request import (
     RequestFieldError,
     SamplingParams,
 )
+from inflight.server.documents import DocumentReader
 from inflight.server.errors import ServerError, overloaded
+from inflight.server.files import FileStore
 from inflight.server.metrics import ServerMetrics
 
 
@@ -116,6 +118,9 @@ class EngineClient:
             llm.in_flight_batching, llm.max_batch_size, max_queued_requests, queue_timeout
         )
         self.runs: set[Run] = set()  # started and not yet finished
+        # The Files API's store, which prompts' documents may name by id.
+        self.files = FileStore()
+        self.documents = DocumentReader(self.files)
 
     # -- preparing ------------------------------------------------------------------------------
 
@@ -130,9 +135,10 @@ class EngineClient:
         """Tokenize and validate; bad input is a 400 naming the problem, a long prompt a 413.
         `options` are request options (`GenerationRequest` fields) and chat-template arguments
         (`tools`, `chat_template`, `chat_template_kwargs`), as `LLM.prepare` takes them;
-        `params_of` maps an option to the HTTP field it came from, which a refusal names."""
+        `params_of` maps an option to the HTTP field it came from, which a refusal names.
+        A conversation's documents are read to text here (`documents.DocumentReader`)."""
         try:
-            request = self.llm.prepare(prompt, params, **options)
+            request = self.llm.prepare(self._read_documents(prompt), params, **options)
         except PromptTooLongError as exc:
             raise ServerError(413, str(exc), "messages") from exc
         except RequestFieldError as exc:
@@ -163,6 +169,7 @@ class EngineClient:
 
     def _prompt_tokens(self, prompt: object, template: dict[str, Any]) -> list[int]:
         try:
+            prompt = self._read_documents(prompt)
             request = self.llm.prepare(prompt, SamplingParams(max_tokens=1), **template)
             return list(request.prompt_token_ids)
         except PromptTooLongError as exc:
@@ -171,6 +178,11 @@ class EngineClient:
             raise ServerError(400, str(exc), exc.field) from exc
         except ValueError as exc:
             raise ServerError(400, str(exc)) from exc
+
+    def _read_documents(self, prompt: object) -> object:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            return self.documents.read(prompt)
+        return prompt
 
     # -- running --------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from inflight.protocol.request import (
 )
 from inflight.protocol.speech import SpeechFacts
 from inflight.protocol.tokenizer import Tokenizer
+from inflight.server import documents
 from inflight.server.chat import ChatSetup
 from inflight.server.client import Run
 from inflight.server.errors import ServerError
@@ -30,6 +31,8 @@ from inflight.server.protocol import (
     ChatMessage,
     ChatTool,
     CompletionRequest,
+    FileData,
+    FilePart,
     ImagePart,
     InputAudioPart,
     NamedFunction,
@@ -403,14 +406,20 @@ def _content_parts(parts: list[Any], where: str) -> list[dict[str, Any]]:
             out.append({"type": "input_audio", "input_audio": audio})
         elif isinstance(part, AudioURLPart):
             out.append({"type": "audio_url", "audio_url": {"url": part.audio_url.url}})
+        elif isinstance(part, FilePart):
+            out.append(documents.part(_file_document(part.file, f"{where}.{j}.file")))
         else:
             raise ServerError(
                 400,
                 f"content of type {part.type!r} is not supported; this server reads text, "
-                "images (image_url) and audio (input_audio, audio_url)",
+                "images (image_url), audio (input_audio, audio_url) and files (file)",
                 f"{where}.{j}",
             )
     return out
+
+
+def _file_document(file: FileData, where: str) -> documents.Document:
+    return documents.sent_file(where, file.file_data, file.file_id, file.filename)
 
 
 def call_arguments(text: str, field: str) -> dict[str, Any]:

@@ -75,8 +75,22 @@ class AudioURLPart(Strict):
     audio_url: AudioURL
 
 
+class FileData(Strict):
+    """A file sent in a message: its bytes (`file_data`: a data URL, `data:application/pdf;
+    base64,...`, or bare base64) or an uploaded file's id."""
+
+    file_data: str | None = None
+    file_id: str | None = None
+    filename: str | None = None
+
+
+class FilePart(Strict):
+    type: Literal["file"]
+    file: FileData
+
+
 class OtherPart(BaseModel):
-    """A content part of another type (a file): accepted by the schema, refused."""
+    """A content part of another type: accepted by the schema, refused by name."""
 
     model_config = ConfigDict(extra="allow")
     type: str
@@ -96,9 +110,11 @@ class AssistantToolCall(Strict):
 class ChatMessage(Strict):
     # "function": a legacy function's result (read as a tool result).
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart | ImagePart | InputAudioPart | AudioURLPart | OtherPart] | None = (
-        None
-    )
+    content: (
+        str
+        | list[TextPart | ImagePart | InputAudioPart | AudioURLPart | FilePart | OtherPart]
+        | None
+    ) = None
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None
     function_call: FunctionCall | None = None  # a legacy function call, an assistant's
@@ -315,6 +331,47 @@ class AnthropicOtherBlock(BaseModel):
     type: str
 
 
+class AnthropicDocumentSource(Strict):
+    """A PDF (`base64`), plain text (`text`), text blocks (`content`), or a URL or file id
+    (both refused: nothing is fetched, and Anthropic's Files API is not served)."""
+
+    type: Literal["base64", "text", "content", "url", "file"]
+    media_type: str | None = None
+    data: str | None = None
+    content: str | list[AnthropicTextBlock | AnthropicOtherBlock] | None = None
+    url: str | None = None
+    file_id: str | None = None
+
+
+class AnthropicDocumentBlock(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. cache_control
+    type: Literal["document"]
+    source: AnthropicDocumentSource
+    title: str | None = None
+    context: str | None = None
+    citations: dict[str, Any] | None = None  # read, never given: named as ignored
+
+
+def _block_type(block: Any) -> str:
+    kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
+    known = ("text", "image", "document", "tool_use", "tool_result", "thinking")
+    return kind if kind in known else "other"
+
+
+def _result_block_type(block: Any) -> str:
+    kind = _block_type(block)
+    return kind if kind in ("text", "document") else "other"
+
+
+# A tool result's blocks: text, documents, and blocks read by type (a tool reference).
+AnthropicResultBlock = Annotated[
+    Annotated[AnthropicTextBlock, Tag("text")]
+    | Annotated[AnthropicDocumentBlock, Tag("document")]
+    | Annotated[AnthropicOtherBlock, Tag("other")],
+    Discriminator(_result_block_type),
+]
+
+
 class AnthropicToolUseBlock(BaseModel):
     model_config = ConfigDict(extra="allow")  # e.g. cache_control
     type: Literal["tool_use"]
@@ -327,7 +384,7 @@ class AnthropicToolResultBlock(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[AnthropicTextBlock | AnthropicOtherBlock] | None = None
+    content: str | list[AnthropicResultBlock] | None = None
     is_error: bool = False
 
 
@@ -337,14 +394,10 @@ class AnthropicThinkingBlock(BaseModel):
     thinking: str
 
 
-def _block_type(block: Any) -> str:
-    kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
-    return kind if kind in ("text", "image", "tool_use", "tool_result", "thinking") else "other"
-
-
 AnthropicBlock = Annotated[
     Annotated[AnthropicTextBlock, Tag("text")]
     | Annotated[AnthropicImageBlock, Tag("image")]
+    | Annotated[AnthropicDocumentBlock, Tag("document")]
     | Annotated[AnthropicToolUseBlock, Tag("tool_use")]
     | Annotated[AnthropicToolResultBlock, Tag("tool_result")]
     | Annotated[AnthropicThinkingBlock, Tag("thinking")]

@@ -31,7 +31,7 @@ from pydantic import BaseModel
 from inflight.protocol.outputs import LogprobEntry, RequestOutput
 from inflight.protocol.request import GenerationRequest, SamplingParams, StructuredOutputs
 from inflight.protocol.tokenizer import Tokenizer
-from inflight.server import compaction, openai
+from inflight.server import compaction, documents, openai
 from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient, Run
 from inflight.server.conversations import Conversation, item_object
@@ -47,6 +47,7 @@ from inflight.server.responses_protocol import (
     FunctionCallOutputItem,
     FunctionChoice,
     FunctionToolSpec,
+    InputFile,
     InputImage,
     InputText,
     MessageItem,
@@ -338,7 +339,7 @@ def chat_messages(
                 out.append(_assistant("", reasoning))
             out[-1].setdefault("tool_calls", []).append(call)
         elif isinstance(item, FunctionCallOutputItem):
-            content = _text(item.output, f"{where}.output")
+            content = _tool_output(item.output, f"{where}.output")
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": content})
         elif isinstance(item, CompactionItem):
             content = item.encrypted_content
@@ -371,13 +372,38 @@ def _parts(content: str | list[Any], where: str) -> str | list[dict[str, Any]]:
             if part.image_url is None:
                 raise ServerError(
                     400,
-                    "an input_image needs its image_url (uploaded files are not served)",
+                    "an input_image needs its image_url (images are not read from uploaded "
+                    "files; an input_file is)",
                     f"{where}.{j}",
                 )
             out.append({"type": "image_url", "image_url": {"url": part.image_url}})
+        elif isinstance(part, InputFile):
+            out.append(documents.part(_file_document(part, f"{where}.{j}")))
         else:
             out.append({"type": "text", "text": _text([part], f"{where}.{j}")})
     return out
+
+
+def _tool_output(output: str | list[Any], where: str) -> str | list[dict[str, Any]]:
+    """A function call's output as a tool message's content: its text, with its files read
+    as documents (images are refused: a tool message is text)."""
+    if isinstance(output, str) or not any(isinstance(p, InputFile) for p in output):
+        return _text(output, where)
+    return [
+        documents.part(_file_document(p, f"{where}.{j}"))
+        if isinstance(p, InputFile)
+        else {"type": "text", "text": _text([p], f"{where}.{j}")}
+        for j, p in enumerate(output)
+    ]
+
+
+def _file_document(part: InputFile, where: str) -> documents.Document:
+    if part.file_url is not None:
+        raise ServerError(
+            400, "files are not fetched from URLs here; send file_data or a file_id",
+            f"{where}.file_url",
+        )  # fmt: skip
+    return documents.sent_file(where, part.file_data, part.file_id, part.filename)
 
 
 def _text(content: str | list[Any], where: str) -> str:
@@ -393,7 +419,7 @@ def _text(content: str | list[Any], where: str) -> str:
             raise ServerError(
                 400,
                 f"content of type {part.type!r} is not supported here; send input_text or "
-                "output_text (and input_image in user messages)",
+                "output_text (and input_image and input_file in user messages)",
                 where,
             )
     return "".join(text)

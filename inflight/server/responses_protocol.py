@@ -48,6 +48,19 @@ class InputImage(Strict):
     prompt_cache_breakpoint: dict[str, Any] | None = None
 
 
+class InputFile(Strict):
+    """A file in a message: its bytes (`file_data`, a data URL or bare base64), an uploaded
+    file's id, or a URL (refused: files are not fetched)."""
+
+    type: Literal["input_file"]
+    file_data: str | None = None
+    file_id: str | None = None
+    file_url: str | None = None
+    filename: str | None = None
+    detail: str | None = None
+    prompt_cache_breakpoint: dict[str, Any] | None = None
+
+
 class OutputText(Strict):
     """An assistant's text, as a response returned it and a client sends it back."""
 
@@ -62,10 +75,11 @@ class Refusal(Strict):
     refusal: str
 
 
-_PART_TYPES = ("input_text", "input_image", "output_text", "refusal")
+_PART_TYPES = ("input_text", "input_image", "input_file", "output_text", "refusal")
 ContentPart = Annotated[
     Annotated[InputText, Tag("input_text")]
     | Annotated[InputImage, Tag("input_image")]
+    | Annotated[InputFile, Tag("input_file")]
     | Annotated[OutputText, Tag("output_text")]
     | Annotated[Refusal, Tag("refusal")]
     | Annotated[OpenObject, Tag("other")],

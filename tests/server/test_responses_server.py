@@ -1029,9 +1029,10 @@ def test_reasoning_items_sent_back_are_accepted(oa):
         ({"tool_choice": "required"}, "tool_choice", "required"),
         ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input.0", "computer"),
         (
-            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+            # (Files are read: tests/server/test_documents.py; images not from uploads.)
+            {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
             "input.0.content.0",
-            "input_file",
+            "input_image",
         ),
         # Named by the request's own keys, not pydantic's names of the item types.
         ({"input": [{"role": "user", "content": "x", "bogus": 1}]}, "input.0.bogus", "bogus"),

@@ -114,7 +114,7 @@ class DocumentReader:
         """The document's bytes, name and declared media type."""
         name, media_type = document.name, document.media_type
         if document.file_id is not None:
-            stored = self.files.get(document.file_id, document.where)
+            stored = self.files.find(document.file_id, document.where)
             data, name = stored.content, name or stored.filename
         elif document.base64 is not None:
             try:

@@ -115,8 +115,13 @@ class FileStore:
     def get(self, file_id: str, param: str = "file_id") -> StoredFile:
         """The file (a 404 naming `param` where none is kept under that id)."""
         self._expire()
+        return self.find(file_id, param)
+
+    def find(self, file_id: str, param: str = "file_id") -> StoredFile:
+        """`get` without forgetting the expired files, for a worker thread (a prompt's
+        documents): only the event loop changes the store."""
         stored = self._files.get(file_id)
-        if stored is None:
+        if stored is None or (stored.expires_at is not None and stored.expires_at <= time.time()):
             raise ServerError(
                 404, f"no file with id {file_id!r} (unknown, deleted or expired)", param
             )

@@ -105,6 +105,9 @@ def test_an_uploaded_file_is_read_under_its_name():
     # A name sent with the part is the one shown.
     shown = DocumentReader(store).text(Document("f", file_id=stored.id, name="q3.pdf"))
     assert shown == READ.replace("report.pdf", "q3.pdf")
+    # An expired file is gone, though the store forgets it only on the event loop.
+    stored.expires_at = 1
+    assert "no file with id" in _refusal(Document("f", file_id=stored.id), 404, store)
 
 
 def test_a_pdf_is_parsed_once_for_a_conversations_several_counts(monkeypatch):

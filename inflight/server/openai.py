@@ -7,7 +7,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from inflight.protocol.outputs import CompletionOutput, LogprobEntry, RequestOutput, StreamChunk
@@ -418,6 +418,28 @@ def _content_parts(parts: list[Any], where: str) -> list[dict[str, Any]]:
     return out
 
 
+@dataclass(frozen=True)
+class ThinkingAsked:
+    """A chat's wish for the template's thinking switch, and the field it came in."""
+
+    field: str
+    enabled: bool
+    effort: str | None
+
+
+def thinking_asked(body: ChatCompletionRequest) -> ThinkingAsked | None:
+    """`reasoning_effort` ("none" turns thinking off), else Ollama's `think` (true / false, or
+    an effort, as Open WebUI sends it)."""
+    if body.reasoning_effort is not None:
+        effort = body.reasoning_effort
+        return ThinkingAsked("reasoning_effort", effort != "none", effort)
+    if body.think is None:
+        return None
+    if isinstance(body.think, str):
+        return ThinkingAsked("think", body.think != "none", body.think)
+    return ThinkingAsked("think", body.think, None)
+
+
 def _file_document(file: FileData, where: str) -> documents.Document:
     return documents.sent_file(where, file.file_data, file.file_id, file.filename)
 
@@ -660,7 +682,9 @@ class ChatReply:
         if options is not None and options.include_usage:
             chunk = self._chunk({})
             chunk["choices"] = []
-            chunk["usage"] = _usage(prompt_tokens, completion_tokens)
+            # The context cache's hits are known once the run ended, as the whole reply has them.
+            cached = run.output.cached_tokens if run.output is not None else 0
+            chunk["usage"] = _usage(prompt_tokens, completion_tokens, cached)
             if self.audio is not None:
                 self._count_audio(chunk["usage"], frames)
             yield chunk
@@ -833,7 +857,8 @@ class CompletionReply:
             if options is not None and options.include_usage:
                 chunk = self._chunk(0, "")
                 chunk["choices"] = []
-                chunk["usage"] = _usage(*usage)
+                cached = sum(r.output.cached_tokens for r in runs if r.output is not None)
+                chunk["usage"] = _usage(*usage, cached)
                 yield chunk
         finally:
             for task in tasks:

@@ -256,6 +256,26 @@ class ChatCompletionRequest(SamplingFields):
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     skip_special_tokens: bool = True
+    # Ollama's thinking switch (true / false, or an effort): as `reasoning_effort`, under it.
+    think: bool | str | None = None
+    # Open WebUI's chat controls for Ollama and llama.cpp, which it sends to any OpenAI server
+    # as set: accepted and ignored (OLLAMA_CONTROLS), so that its chats are served.
+    repeat_penalty: Any = None
+    repeat_last_n: Any = None
+    mirostat: Any = None
+    mirostat_eta: Any = None
+    mirostat_tau: Any = None
+    tfs_z: Any = None
+    num_ctx: Any = None
+    num_batch: Any = None
+    num_keep: Any = None
+    num_thread: Any = None
+    num_gpu: Any = None
+    num_predict: Any = None
+    use_mmap: Any = None
+    use_mlock: Any = None
+    keep_alive: Any = None
+    format: Any = None
     # vLLM's field: {"keep_ratio": r} keeps that share of each image's tokens (the pruner).
     mm_processor_kwargs: dict[str, Any] | None = None
     # Variables of the chat template (vLLM's field), e.g. {"enable_thinking": false}.
@@ -537,11 +557,35 @@ IGNORED_FIELDS = (
 )
 
 
+# Open WebUI's chat controls for Ollama and llama.cpp (its "advanced params" beside OpenAI's):
+# sampling and runtime knobs of those engines with no counterpart here (llama.cpp's
+# `repeat_penalty` looks at the last `repeat_last_n` tokens, vLLM's `repetition_penalty` at all
+# of them), and Ollama's `format` and `num_predict`, whose OpenAI fields Open WebUI sends itself.
+OLLAMA_CONTROLS = (
+    "repeat_penalty",
+    "repeat_last_n",
+    "mirostat",
+    "mirostat_eta",
+    "mirostat_tau",
+    "tfs_z",
+    "num_ctx",
+    "num_batch",
+    "num_keep",
+    "num_thread",
+    "num_gpu",
+    "num_predict",
+    "use_mmap",
+    "use_mlock",
+    "keep_alive",
+    "format",
+)
+
+
 def ignored_fields(body: BaseModel) -> list[str]:
     """The fields of this request that were sent and that this server ignores."""
     return [
         name
-        for name in IGNORED_FIELDS
+        for name in (*IGNORED_FIELDS, *OLLAMA_CONTROLS)
         if name in body.model_fields_set and getattr(body, name) is not None
     ]
 

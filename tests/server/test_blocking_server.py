@@ -1,5 +1,6 @@
 """The server on the blocking path: one generation slot and a bounded wait queue."""
 
+import json
 import threading
 import time
 
@@ -106,4 +107,19 @@ def test_context_cache_in_health_metrics_and_usage(tiny_dirs):
             f.name for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)
         }
         assert {"inflight_context_cache_hit_tokens", "inflight_context_cache_hit_ratio"} <= families
+        # Streamed, the usage chunk counts the hits as the whole reply does.
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", url + "/v1/completions", json=streamed) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
+        assert json.loads(events[-1])["usage"]["prompt_tokens_details"]["cached_tokens"] == 72
+        chat = {
+            "messages": [{"role": "user", "content": "hello " * 40}],
+            "max_tokens": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        for _ in range(2):
+            with httpx.stream("POST", url + "/v1/chat/completions", json=chat) as r:
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
+        assert json.loads(events[-1])["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     llm.close()

@@ -682,6 +682,19 @@ def test_documented_fields_without_meaning_are_accepted_and_named_in_a_header(oa
         model=MODEL, messages=MESSAGES, max_tokens=1, reasoning_effort="low"
     )
     assert effort.http_response.headers["x-inflight-ignored-fields"] == "reasoning_effort"
+    # Open WebUI's chat controls for Ollama and llama.cpp, as it sends them (0.12.4, its
+    # advanced params set): served, each named.
+    controls = {
+        "repeat_penalty": 1.1, "repeat_last_n": 64, "mirostat": 0, "mirostat_eta": 0.1,
+        "mirostat_tau": 5.0, "tfs_z": 1, "num_ctx": 2048, "num_batch": 512, "num_keep": 24,
+        "num_thread": 4, "num_gpu": 1, "num_predict": 40, "use_mmap": True, "use_mlock": False,
+        "keep_alive": "5m", "format": "json", "think": False,
+    }  # fmt: skip
+    webui = oa.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, max_tokens=1, extra_body=controls
+    )
+    named = webui.http_response.headers["x-inflight-ignored-fields"].split(", ")
+    assert sorted(named) == sorted(controls)  # `think` too: this template has no switch
     # A name in no API stays a 400, and so does a feature not served.
     with pytest.raises(openai.BadRequestError) as info:
         oa.chat.completions.create(

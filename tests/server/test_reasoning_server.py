@@ -108,6 +108,16 @@ def test_reasoning_effort_and_anthropic_thinking_set_the_templates_switch(oa, se
     # chat_template_kwargs, the more specific, wins over the effort.
     kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
     assert prompt_tokens(reasoning_effort="high", extra_body=kwargs) == off
+    # Ollama's `think`, as Open WebUI sends it: the same switch, under reasoning_effort.
+    assert prompt_tokens(extra_body={"think": True}) == on
+    assert prompt_tokens(extra_body={"think": False}) == off
+    assert prompt_tokens(extra_body={"think": "high"}) == on
+    both = oa.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, max_tokens=1, reasoning_effort="none",
+        extra_body={"think": True},
+    )  # fmt: skip
+    assert both.parse().usage.prompt_tokens == off
+    assert both.http_response.headers["x-inflight-ignored-fields"] == "think"
     url = str(oa.base_url).removesuffix("/v1/")
     counted = {
         kind: httpx.post(

@@ -53,12 +53,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         "structured_outputs" if body.structured_outputs is not None else "response_format",
     )
     ignored = ignored_fields(body) + ignored
-    effort = body.reasoning_effort
-    thinking = None
-    if effort is not None:
-        thinking = chat.thinking_switch(effort != "none", effort)
+    asked, thinking = openai.thinking_asked(body), None
+    if asked is not None:
+        thinking = chat.thinking_switch(asked.enabled, asked.effort)
         if thinking is None:
-            ignored.append("reasoning_effort")
+            ignored.append(asked.field)
+    if body.think is not None and (asked is None or asked.field != "think"):
+        ignored.append("think")  # under reasoning_effort
     params = openai.sampling_params(
         body,
         llm.get_default_sampling_params(),

@@ -178,7 +178,9 @@ class DeploymentOptions:
         parse="json",
         metavar="JSON",
     )
-    allow_media_fetch: bool = knob(False, "fetch http(s) image and audio URLs (default: data URLs)")
+    allow_media_fetch: bool = knob(
+        False, "fetch http(s) image, audio and document URLs (default: data URLs)"
+    )
     encoder_cache_mb: int = knob(256, "MiB of encoder outputs kept for media seen again")
     speech: bool = knob(
         True,

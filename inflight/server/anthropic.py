@@ -141,7 +141,8 @@ def _result(content: str | list[Any], where: str) -> str | list[dict[str, Any]]:
 
 
 def _document(block: AnthropicDocumentBlock, where: str) -> documents.Document:
-    """A document block's file: a PDF or text by value (base64, text, or text blocks)."""
+    """A document block's file: a PDF or text by value (base64, text, or text blocks) or by
+    URL."""
     source, where = block.source, f"{where}.source"
     named = {"name": block.title, "context": block.context}
     if source.type in ("base64", "text") and source.data is None:
@@ -157,9 +158,9 @@ def _document(block: AnthropicDocumentBlock, where: str) -> documents.Document:
             content = "\n".join(_text([b], f"{where}.content.{k}") for k, b in enumerate(content))
         return documents.Document(where, data=content.encode(), media_type="text/plain", **named)
     if source.type == "url":
-        raise ServerError(
-            400, "documents are not fetched from URLs here; send the PDF as base64", where
-        )
+        if not source.url:
+            raise ServerError(400, "a url document source needs its url", where)
+        return documents.Document(f"{where}.url", url=source.url, **named)
     raise ServerError(
         400,
         "Anthropic's Files API is not served here, so a document cannot name a file_id; send "

@@ -159,6 +159,7 @@ def _serve(args: argparse.Namespace) -> int:
         queue_timeout=args.queue_timeout,
         max_input_len=args.max_input_len,
         metrics=ServerMetrics(llm),
+        allow_fetch=options.allow_media_fetch,
     )
     settings = ServerSettings(
         served_model_name=names[0],

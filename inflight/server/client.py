@@ -110,7 +110,9 @@ class EngineClient:
         queue_timeout: float,
         max_input_len: int | None,
         metrics: ServerMetrics,
+        allow_fetch: bool = False,
     ) -> None:
+        """`allow_fetch`: documents by http(s) URL are fetched (`--allow-media-fetch`)."""
         self.llm = llm
         self.max_input_len = max_input_len
         self.metrics = metrics
@@ -120,7 +122,7 @@ class EngineClient:
         self.runs: set[Run] = set()  # started and not yet finished
         # The Files API's store, which prompts' documents may name by id.
         self.files = FileStore()
-        self.documents = DocumentReader(self.files)
+        self.documents = DocumentReader(self.files, allow_fetch)
 
     # -- preparing ------------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ The APIs' translations put a `document` part (`part`) where a file stands in a m
 turns each into a text part on the worker thread that prepares the prompt, so that a PDF's text
 is extracted off the event loop. The model reads each file in a `<document>` element naming it.
 A PDF is read as its pages' text: what is drawn and not written (a scanned page, a chart) is
-not seen, and a PDF with no text at all is refused by name rather than shown as nothing.
+not seen, and a PDF with no text at all is refused by name rather than shown as nothing. A
+document by http(s) URL is fetched only where the server fetches media (`--allow-media-fetch`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import hashlib
 import io
 import mimetypes
 import threading
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -33,14 +37,17 @@ MAX_PAGES = 100
 # Texts of the PDFs read last, by their bytes' digest: a context edit counts a conversation's
 # tokens several times, and a chat sends its files again with every turn.
 CACHED_PDFS = 16
+# Seconds a document's URL may take, as an image's.
+FETCH_TIMEOUT = 10.0
 # Media types read as text beside text/*.
 _TEXT_TYPES = {"application/json", "application/xml", "application/x-yaml", "application/yaml"}
 
 
 @dataclass(frozen=True)
 class Document:
-    """A file in a message: its bytes (`data`, or `base64` decoded when read) or an uploaded
-    file's id; `media_type` as declared (None: a PDF told by its first bytes, else UTF-8 text);
+    """A file in a message: its bytes (`data`, or `base64` decoded when read), an uploaded
+    file's id, or an http(s) URL; `media_type` as declared (None: a PDF told by its first
+    bytes, else UTF-8 text);
     `name` (file name or title) and `context` shown to the model with it; `where` the request's
     field, which a refusal names."""
 
@@ -48,6 +55,7 @@ class Document:
     data: bytes | None = None
     base64: str | None = None
     file_id: str | None = None
+    url: str | None = None
     media_type: str | None = None
     name: str | None = None
     context: str | None = None
@@ -75,10 +83,12 @@ def sent_file(where: str, file_data: str | None, file_id: str | None, name: str 
 
 
 class DocumentReader:
-    """Reads documents to text, uploaded ones from `files`."""
+    """Reads documents to text, uploaded ones from `files`, those by URL only where
+    `allow_fetch`."""
 
-    def __init__(self, files: FileStore) -> None:
+    def __init__(self, files: FileStore, allow_fetch: bool = False) -> None:
         self.files = files
+        self.allow_fetch = allow_fetch
         self._pdfs: OrderedDict[bytes, str] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -116,6 +126,10 @@ class DocumentReader:
         if document.file_id is not None:
             stored = self.files.find(document.file_id, document.where)
             data, name = stored.content, name or stored.filename
+        elif document.url is not None:
+            data, served_type = self._fetch(document.url, document.where)
+            name = name or urllib.parse.urlsplit(document.url).path.rsplit("/", 1)[-1] or None
+            media_type = media_type or served_type
         elif document.base64 is not None:
             try:
                 data = base64.b64decode(document.base64, validate=True)
@@ -133,6 +147,28 @@ class DocumentReader:
         if media_type is None and name:
             media_type = mimetypes.guess_type(name)[0]
         return data, name, media_type
+
+    def _fetch(self, url: str, where: str) -> tuple[bytes, str | None]:
+        """The bytes at an http(s) URL and the media type it was served as (None where that
+        says nothing: octet-stream)."""
+        if not url.startswith(("http://", "https://")):
+            raise ServerError(400, "a document's URL must be an http(s) URL", where)
+        if not self.allow_fetch:
+            raise ServerError(
+                400,
+                "fetching document URLs is disabled on this server (start it with "
+                "--allow-media-fetch); send the file's data",
+                where,
+            )
+        try:
+            with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT) as reply:
+                data = reply.read(MAX_BYTES + 1)
+                served = reply.headers.get_content_type()
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            raise ServerError(400, f"cannot fetch the document at {url}: {exc}", where) from exc
+        if len(data) > MAX_BYTES:
+            raise ServerError(413, f"the document at {url} is over {MAX_BYTES} bytes", where)
+        return data, None if served == "application/octet-stream" else served
 
     def _content(self, data: bytes, media_type: str | None, where: str) -> str:
         if media_type == "application/pdf" or data.startswith(b"%PDF-"):

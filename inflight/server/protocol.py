@@ -352,8 +352,8 @@ class AnthropicOtherBlock(BaseModel):
 
 
 class AnthropicDocumentSource(Strict):
-    """A PDF (`base64`), plain text (`text`), text blocks (`content`), or a URL or file id
-    (both refused: nothing is fetched, and Anthropic's Files API is not served)."""
+    """A PDF (`base64`), plain text (`text`), text blocks (`content`), a URL (fetched where
+    the server fetches media), or a file id (refused: Anthropic's Files API is not served)."""
 
     type: Literal["base64", "text", "content", "url", "file"]
     media_type: str | None = None

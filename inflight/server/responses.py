@@ -399,10 +399,11 @@ def _tool_output(output: str | list[Any], where: str) -> str | list[dict[str, An
 
 def _file_document(part: InputFile, where: str) -> documents.Document:
     if part.file_url is not None:
-        raise ServerError(
-            400, "files are not fetched from URLs here; send file_data or a file_id",
-            f"{where}.file_url",
-        )  # fmt: skip
+        if part.file_data is not None or part.file_id is not None:
+            raise ServerError(
+                400, "an input_file needs one of file_data, file_id and file_url", where
+            )
+        return documents.Document(f"{where}.file_url", url=part.file_url, name=part.filename)
     return documents.sent_file(where, part.file_data, part.file_id, part.filename)
 
 

@@ -50,7 +50,7 @@ class InputImage(Strict):
 
 class InputFile(Strict):
     """A file in a message: its bytes (`file_data`, a data URL or bare base64), an uploaded
-    file's id, or a URL (refused: files are not fetched)."""
+    file's id, or a URL (fetched where the server fetches media)."""
 
     type: Literal["input_file"]
     file_data: str | None = None

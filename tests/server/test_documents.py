@@ -2,6 +2,8 @@
 through the three APIs by the official clients, as data and as uploaded files."""
 
 import base64
+import http.server
+import threading
 
 import anthropic
 import httpx
@@ -96,6 +98,53 @@ def test_what_cannot_be_read_is_refused_naming_the_part(monkeypatch):
     monkeypatch.setattr(documents, "MAX_BYTES", 10)
     assert "limit is 10" in _refusal(Document("m.7", data=b"x" * 11), 413)
     assert "no file with id 'file-x'" in _refusal(Document("m.8", file_id="file-x"), 404)
+
+
+@pytest.fixture(scope="module")
+def files_at():
+    """An http server on loopback serving the report (as a PDF, and as octet-stream bytes under
+    a name) and a text file: its base URL."""
+    served = {
+        "/report.pdf": ("application/pdf", REPORT),
+        "/download?id=7": ("application/octet-stream", REPORT),
+        "/notes": ("text/plain; charset=utf-8", b"line one"),
+    }
+
+    class Files(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            kind, body = served.get(self.path, ("text/plain", b""))
+            self.send_response(200 if self.path in served else 404)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Files)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_document_by_url_is_fetched_only_where_media_are(files_at):
+    reader = DocumentReader(FileStore(), allow_fetch=True)
+    # Named by its URL's last segment, typed as served (or, served as bytes, by its first bytes).
+    assert reader.text(Document("u", url=f"{files_at}/report.pdf")) == READ
+    assert reader.text(Document("u", url=f"{files_at}/download?id=7", name="report.pdf")) == READ
+    assert reader.text(Document("u", url=f"{files_at}/notes")) == (
+        '<document name="notes">\nline one\n</document>\n'
+    )
+    for url, refusal in (
+        (f"{files_at}/missing", "cannot fetch the document"),
+        ("file:///etc/passwd", r"must be an http\(s\) URL"),
+    ):
+        with pytest.raises(ServerError, match=refusal) as info:
+            reader.text(Document("u", url=url))
+        assert info.value.status == 400 and info.value.param == "u"
+    assert "--allow-media-fetch" in _refusal(Document("u", url=f"{files_at}/report.pdf"))
 
 
 def test_an_uploaded_file_is_read_under_its_name():
@@ -231,7 +280,7 @@ def test_responses_read_input_files_in_messages_and_tool_outputs(oa):
         return counted(model=MODEL, input=items, tools=[tool], tool_choice="none").input_tokens
 
     assert count(as_file) == count(as_text)
-    with pytest.raises(openai.BadRequestError, match="not fetched") as info:
+    with pytest.raises(openai.BadRequestError, match="--allow-media-fetch") as info:
         url = [{"type": "input_file", "file_url": "https://example.com/report.pdf"}]
         oa.responses.create(input=[{"role": "user", "content": url}], **greedy)
     assert info.value.body["param"] == "input.0.content.0.file_url"
@@ -303,9 +352,29 @@ def test_anthropic_document_blocks_are_read(claude, handle):
         counted_with_tools(result(READ)).input_tokens
     )
     for source, named in (
-        ({"type": "url", "url": "https://example.com/r.pdf"}, "not fetched"),
+        ({"type": "url", "url": "https://example.com/r.pdf"}, "--allow-media-fetch"),
         ({"type": "file", "file_id": "file_011"}, "Files API is not served"),
     ):
         with pytest.raises(anthropic.BadRequestError, match=named) as info:
             claude.messages.create(messages=asked({"type": "document", "source": source}), **greedy)
         assert info.value.body["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.slow
+def test_documents_by_url_where_the_server_fetches_media(oa, claude, handle, files_at):
+    # As `inflight serve --allow-media-fetch` has it.
+    handle.client.documents.allow_fetch = True
+    try:
+        inline = [{"role": "user", "content": READ + QUESTION}]
+        by_url = {"type": "input_file", "file_url": f"{files_at}/report.pdf"}
+        asked = [{"role": "user", "content": [by_url, {"type": "input_text", "text": QUESTION}]}]
+        count = oa.responses.input_tokens.count
+        assert count(model=MODEL, input=asked).input_tokens == (
+            count(model=MODEL, input=inline).input_tokens
+        )
+        block = {"type": "document", "source": {"type": "url", "url": f"{files_at}/report.pdf"}}
+        messages = [{"role": "user", "content": [block, {"type": "text", "text": QUESTION}]}]
+        counted = claude.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+        assert counted == claude.messages.count_tokens(model=MODEL, messages=inline).input_tokens
+    finally:
+        handle.client.documents.allow_fetch = False

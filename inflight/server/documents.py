@@ -4,7 +4,8 @@ to the Files API, read to text for the model.
 
 The APIs' translations put a `document` part (`part`) where a file stands in a message; `read`
 turns each into a text part on the worker thread that prepares the prompt, so that a PDF's text
-is extracted off the event loop. The model reads each file in a `<document>` element naming it.
+is extracted off the event loop. An image named by an uploaded file's id (`image_part`) becomes
+an image part of its bytes there too. The model reads each file in a `<document>` element naming it.
 A PDF is read as its pages' text: what is drawn and not written (a scanned page, a chart) is
 not seen, and a PDF with no text at all is refused by name rather than shown as nothing. A
 document by http(s) URL is fetched only where the server fetches media (`--allow-media-fetch`).
@@ -66,6 +67,12 @@ def part(document: Document) -> dict[str, Any]:
     return {"type": "document", "document": document}
 
 
+def image_part(document: Document) -> dict[str, Any]:
+    """A content part holding an uploaded image (`document.file_id`), for `read` to turn into
+    an image part of its bytes."""
+    return {"type": "uploaded_image", "document": document}
+
+
 def sent_file(where: str, file_data: str | None, file_id: str | None, name: str | None) -> Document:
     """The document of OpenAI's file fields: `file_data` (a data URL,
     `data:application/pdf;base64,...`, or bare base64) or an uploaded file's `file_id`."""
@@ -93,24 +100,33 @@ class DocumentReader:
         self._lock = threading.Lock()
 
     def read(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The messages with each document part as a text part of the document; a tool
-        message's parts joined into its text (templates render a tool result as a string).
-        Messages without documents come back as they are."""
+        """The messages with each document part as a text part of the document, and each
+        uploaded image as an image part of its bytes; a tool message's parts joined into its
+        text (templates render a tool result as a string). Messages without either come back
+        as they are."""
         out = []
         for message in messages:
             content = message.get("content")
-            if not isinstance(content, list) or not any(_is_document(p) for p in content):
+            if not isinstance(content, list) or not any(_kind(p) for p in content):
                 out.append(message)
                 continue
-            parts = [
-                {"type": "text", "text": self.text(p["document"])} if _is_document(p) else p
-                for p in content
-            ]
+            parts = [self._part(p) if _kind(p) else p for p in content]
             if message.get("role") == "tool":
                 out.append({**message, "content": "".join(p["text"] for p in parts)})
             else:
                 out.append({**message, "content": parts})
         return out
+
+    def _part(self, part: dict[str, Any]) -> dict[str, Any]:
+        document = part["document"]
+        if _kind(part) == "document":
+            return {"type": "text", "text": self.text(document)}
+        stored = self.files.find(document.file_id, document.where)
+        # The image's own bytes tell its format (the type in the URL is not read).
+        kind = mimetypes.guess_type(stored.filename)[0] or ""
+        kind = kind if kind.startswith("image/") else "image/png"
+        encoded = base64.b64encode(stored.content).decode()
+        return {"type": "image_url", "image_url": {"url": f"data:{kind};base64,{encoded}"}}
 
     def text(self, document: Document) -> str:
         """The document as the model reads it: its text in a `<document>` element."""
@@ -225,8 +241,10 @@ def _pdf_text(data: bytes, where: str) -> str:
     return "\n\n".join(t.strip("\n") for t in texts)
 
 
-def _is_document(value: Any) -> bool:
-    return isinstance(value, dict) and value.get("type") == "document"
+def _kind(part: Any) -> str | None:
+    """ "document" or "uploaded_image" for the parts `read` reads, else None."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    return kind if kind in ("document", "uploaded_image") else None
 
 
 def _is_text(media_type: str) -> bool:

@@ -369,14 +369,15 @@ def _parts(content: str | list[Any], where: str) -> str | list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         if isinstance(part, InputImage):
-            if part.image_url is None:
+            if (part.image_url is None) == (part.file_id is None):
                 raise ServerError(
-                    400,
-                    "an input_image needs its image_url (images are not read from uploaded "
-                    "files; an input_file is)",
-                    f"{where}.{j}",
+                    400, "an input_image needs one of image_url and file_id", f"{where}.{j}"
                 )
-            out.append({"type": "image_url", "image_url": {"url": part.image_url}})
+            if part.file_id is not None:
+                upload = documents.Document(f"{where}.{j}.file_id", file_id=part.file_id)
+                out.append(documents.image_part(upload))
+            else:
+                out.append({"type": "image_url", "image_url": {"url": part.image_url}})
         elif isinstance(part, InputFile):
             out.append(documents.part(_file_document(part, f"{where}.{j}")))
         else:

@@ -95,6 +95,31 @@ def test_an_image_url_through_the_openai_client(setup):
     assert reply.usage.prompt_tokens > text_only.usage.prompt_tokens + 16
 
 
+def test_an_uploaded_image_by_file_id_on_the_responses_api(setup):
+    url, llm = setup
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+    image = picture(3)
+    uploaded = client.files.create(
+        file=("picture.png", base64.b64decode(png_base64(image))), purpose="user_data"
+    )
+    content = [
+        {"type": "input_image", "file_id": uploaded.id},
+        {"type": "input_text", "text": "What is in the picture?"},
+    ]
+    reply = client.responses.create(
+        model="llava",
+        input=[{"role": "user", "content": content}],
+        temperature=0,
+        max_output_tokens=12,
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.output_text == _expected(llm, image)
+    client.files.delete(uploaded.id)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.create(model="llava", input=[{"role": "user", "content": content}])
+    assert info.value.body["param"] == "input.0.content.0.file_id"
+
+
 def test_a_template_that_renders_image_parts(setup):
     """A chat template that renders image parts puts the placeholder where the part is; one
     that renders text only gets it on a line before the message's text."""

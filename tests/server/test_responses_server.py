@@ -1029,8 +1029,8 @@ def test_reasoning_items_sent_back_are_accepted(oa):
         ({"tool_choice": "required"}, "tool_choice", "required"),
         ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input.0", "computer"),
         (
-            # (Files are read: tests/server/test_documents.py; images not from uploads.)
-            {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+            # (Files are read: tests/server/test_documents.py; uploaded images too.)
+            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
             "input.0.content.0",
             "input_image",
         ),

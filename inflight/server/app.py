@@ -89,10 +89,15 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
 
 
 def _is_anthropic(request: Request) -> bool:
+    return _anthropic_scope(request.scope)
+
+
+def _anthropic_scope(scope: Scope) -> bool:
     """Whether an error is answered in Anthropic's body: on its API's routes, and to any
     request of its SDKs (which send `anthropic-version` with every call, to `/v1/models` and
     `/v1/files` too, where the OpenAI SDKs never do)."""
-    return request.url.path.startswith("/v1/messages") or "anthropic-version" in request.headers
+    headers = dict(scope.get("headers") or [])
+    return scope["path"].startswith("/v1/messages") or b"anthropic-version" in headers
 
 
 async def _on_server_error(request: Request, exc: Exception) -> Response:
@@ -156,7 +161,7 @@ class _ApiKey:
                     await send({"type": "websocket.close", "code": 1008})
                     return
                 error = ServerError(401, "invalid or missing API key")
-                response = error_response(error, scope["path"].startswith("/v1/messages"))
+                response = error_response(error, _anthropic_scope(scope))
                 await response(scope, _no_receive, send)
                 return
         await self.app(scope, receive, send)
@@ -200,7 +205,7 @@ class _BodyLimit:
 
     async def _refuse(self, scope: Scope, send: Send, limit: int) -> None:
         error = ServerError(413, f"request body is larger than {limit} bytes")
-        response = error_response(error, scope["path"].startswith("/v1/messages"))
+        response = error_response(error, _anthropic_scope(scope))
         await response(scope, _no_receive, send)
 
 

@@ -4,11 +4,12 @@ to the Files API, read to text for the model.
 
 The APIs' translations put a `document` part (`part`) where a file stands in a message; `read`
 turns each into a text part on the worker thread that prepares the prompt, so that a PDF's text
-is extracted off the event loop. An image named by an uploaded file's id (`image_part`) becomes
-an image part of its bytes there too. The model reads each file in a `<document>` element naming it.
-A PDF is read as its pages' text: what is drawn and not written (a scanned page, a chart) is
-not seen, and a PDF with no text at all is refused by name rather than shown as nothing. A
-document by http(s) URL is fetched only where the server fetches media (`--allow-media-fetch`).
+is extracted off the event loop; an image named by an uploaded file's id (`image_part`) becomes
+an image part of its bytes there too. The model reads each file in a `<document>` element
+naming it. A PDF is read as its pages' text: what is drawn and not written (a scanned page, a
+chart) is not seen, and a PDF with no text at all is refused by name rather than shown as
+nothing. A document by http(s) URL is fetched only where the server fetches media
+(`--allow-media-fetch`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ import urllib.request
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
-
-from pypdf import PdfReader
 
 from inflight.server.errors import ServerError
 from inflight.server.files import FileStore
@@ -73,13 +72,22 @@ def image_part(document: Document) -> dict[str, Any]:
     return {"type": "uploaded_image", "document": document}
 
 
-def sent_file(where: str, file_data: str | None, file_id: str | None, name: str | None) -> Document:
+def sent_file(
+    where: str,
+    file_data: str | None,
+    file_id: str | None,
+    name: str | None,
+    file_url: str | None = None,
+) -> Document:
     """The document of OpenAI's file fields: `file_data` (a data URL,
-    `data:application/pdf;base64,...`, or bare base64) or an uploaded file's `file_id`."""
-    if (file_data is None) == (file_id is None):
-        raise ServerError(400, "a file needs one of file_data and file_id", where)
+    `data:application/pdf;base64,...`, or bare base64), an uploaded file's `file_id`, or (the
+    Responses API's) a `file_url`."""
+    if sum(field is not None for field in (file_data, file_id, file_url)) != 1:
+        raise ServerError(400, "a file needs one of file_data and file_id (or file_url)", where)
     if file_id is not None:
         return Document(f"{where}.file_id", file_id=file_id, name=name)
+    if file_url is not None:
+        return Document(f"{where}.file_url", url=file_url, name=name)
     where = f"{where}.file_data"
     if not (file_data or "").startswith("data:"):
         return Document(where, base64=file_data, name=name)
@@ -220,6 +228,8 @@ class DocumentReader:
 
 def _pdf_text(data: bytes, where: str) -> str:
     """A PDF's pages' text, blank lines between them."""
+    from pypdf import PdfReader  # ~0.16 s: paid by the first PDF rather than at every start
+
     try:
         reader = PdfReader(io.BytesIO(data))
         if reader.is_encrypted and not reader.decrypt(""):
@@ -242,7 +252,7 @@ def _pdf_text(data: bytes, where: str) -> str:
 
 
 def _kind(part: Any) -> str | None:
-    """ "document" or "uploaded_image" for the parts `read` reads, else None."""
+    """The type of a part `read` reads (a document, an uploaded image), else None."""
     kind = part.get("type") if isinstance(part, dict) else None
     return kind if kind in ("document", "uploaded_image") else None
 

@@ -31,7 +31,6 @@ from inflight.server.protocol import (
     ChatMessage,
     ChatTool,
     CompletionRequest,
-    FileData,
     FilePart,
     ImagePart,
     InputAudioPart,
@@ -407,7 +406,9 @@ def _content_parts(parts: list[Any], where: str) -> list[dict[str, Any]]:
         elif isinstance(part, AudioURLPart):
             out.append({"type": "audio_url", "audio_url": {"url": part.audio_url.url}})
         elif isinstance(part, FilePart):
-            out.append(documents.part(_file_document(part.file, f"{where}.{j}.file")))
+            file, at = part.file, f"{where}.{j}.file"
+            document = documents.sent_file(at, file.file_data, file.file_id, file.filename)
+            out.append(documents.part(document))
         else:
             raise ServerError(
                 400,
@@ -438,10 +439,6 @@ def thinking_asked(body: ChatCompletionRequest) -> ThinkingAsked | None:
     if isinstance(body.think, str):
         return ThinkingAsked("think", body.think != "none", body.think)
     return ThinkingAsked("think", body.think, None)
-
-
-def _file_document(file: FileData, where: str) -> documents.Document:
-    return documents.sent_file(where, file.file_data, file.file_id, file.filename)
 
 
 def call_arguments(text: str, field: str) -> dict[str, Any]:

@@ -399,13 +399,7 @@ def _tool_output(output: str | list[Any], where: str) -> str | list[dict[str, An
 
 
 def _file_document(part: InputFile, where: str) -> documents.Document:
-    if part.file_url is not None:
-        if part.file_data is not None or part.file_id is not None:
-            raise ServerError(
-                400, "an input_file needs one of file_data, file_id and file_url", where
-            )
-        return documents.Document(f"{where}.file_url", url=part.file_url, name=part.filename)
-    return documents.sent_file(where, part.file_data, part.file_id, part.filename)
+    return documents.sent_file(where, part.file_data, part.file_id, part.filename, part.file_url)
 
 
 def _text(content: str | list[Any], where: str) -> str:

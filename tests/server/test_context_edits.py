@@ -58,25 +58,24 @@ def edit(messages, *edits):
     return edited, count
 
 
-def results(messages: list[AnthropicMessage]) -> list[str]:
-    """The tool results' contents, in order."""
+def _fields(messages: list[AnthropicMessage], kind: str, name: str) -> list:
+    """The field `name` of the blocks of type `kind`, in order."""
     return [
-        b.content
+        getattr(b, name)
         for m in messages
         if not isinstance(m.content, str)
         for b in m.content
-        if b.type == "tool_result"
+        if b.type == kind
     ]
+
+
+def results(messages: list[AnthropicMessage]) -> list[str]:
+    """The tool results' contents, in order."""
+    return _fields(messages, "tool_result", "content")
 
 
 def inputs(messages: list[AnthropicMessage]) -> list[dict]:
-    return [
-        b.input
-        for m in messages
-        if not isinstance(m.content, str)
-        for b in m.content
-        if b.type == "tool_use"
-    ]
+    return _fields(messages, "tool_use", "input")
 
 
 def tool_edit(trigger=0, **fields):

@@ -14,7 +14,7 @@ from inflight.server.chat import ChatSetup
 from inflight.server.client import EngineClient, Run
 from inflight.server.errors import ServerError
 from inflight.server.parsers import MessageDelta, MessageParser
-from inflight.server.parsers.json_scan import partial_value
+from inflight.server.parsers.json_scan import arguments_object
 from inflight.server.protocol import (
     AnthropicCountTokensRequest,
     AnthropicDocumentBlock,
@@ -458,10 +458,16 @@ def _stop_reason(output_reason: str | None, stop: str | int | None, called: bool
     return "stop_sequence" if isinstance(stop, str) else "end_turn"
 
 
-def _input(arguments: str) -> dict[str, Any]:
-    """A tool_use block's input from the call's arguments, whole or cut short."""
-    value = partial_value(arguments)
-    return value if isinstance(value, dict) else {}
+def _usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, int]:
+    """A message's usage as Anthropic counts it: the prompt tokens read from the context cache
+    apart from `input_tokens` (which they would otherwise be part of); none are written to a
+    cache on request (`cache_control` is not read), so `cache_creation_input_tokens` is 0."""
+    return {
+        "input_tokens": prompt_tokens - cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached_tokens,
+        "output_tokens": output_tokens,
+    }
 
 
 def _event(kind: str, data: dict[str, Any]) -> str:
@@ -526,7 +532,7 @@ class MessageReply:
                     "id": tool_use_id(),
                     "name": call.name,
                     # A call cut by max_tokens: its input as far as written.
-                    "input": _input(call.arguments),
+                    "input": arguments_object(call.arguments),
                 }
             )
         return (
@@ -534,7 +540,7 @@ class MessageReply:
                 content,
                 _stop_reason(output.finish_reason, output.stop_reason, bool(parsed.tool_calls)),
                 stop,
-                {"input_tokens": output.prompt_tokens, "output_tokens": len(output.token_ids)},
+                _usage(output.prompt_tokens, output.cached_tokens, len(output.token_ids)),
             )
             | self._edits()
         )
@@ -543,8 +549,10 @@ class MessageReply:
         """message_start, the content blocks (content_block_start, ping after the first, its
         deltas, content_block_stop), message_delta (stop reason, usage), message_stop; an error
         event if it fails."""
-        usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
-        yield _event("message_start", {"message": self._message([], None, None, usage)})
+        # The cache's hits are known once the run ends: message_delta's usage, cumulative as
+        # Anthropic's is, gives the final split (clients read it there, langchain only there).
+        start = _usage(prompt_tokens, 0, 0)
+        yield _event("message_start", {"message": self._message([], None, None, start)})
         blocks = _BlockStream()
         reading = self.reader.stream()
         output_tokens, finish = 0, None
@@ -562,6 +570,7 @@ class MessageReply:
         for event in blocks.close(reading.finish()):
             yield event
         stop = run.output.stop_reason if run.output is not None else None
+        cached = run.output.cached_tokens if run.output is not None else 0
         yield _event(
             "message_delta",
             {
@@ -569,7 +578,7 @@ class MessageReply:
                     "stop_reason": _stop_reason(finish, stop, reading.calls_made > 0),
                     "stop_sequence": stop if isinstance(stop, str) else None,
                 },
-                "usage": {"output_tokens": output_tokens},
+                "usage": _usage(prompt_tokens, cached, output_tokens),
                 **self._edits(),
             },
         )
@@ -591,7 +600,7 @@ class _BlockStream:
     def content(self) -> list[dict[str, Any]]:
         """The blocks whole (a tool call cut by max_tokens with its input as far as written)."""
         for index, text in self.arguments.items():
-            self.blocks[index]["input"] = _input(text)
+            self.blocks[index]["input"] = arguments_object(text)
         return self.blocks
 
     def events(self, delta: MessageDelta) -> list[str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -25,6 +24,7 @@ from inflight.server.chat import ChatSetup
 from inflight.server.client import Run
 from inflight.server.errors import ServerError
 from inflight.server.parsers import MessageDelta, MessageParser
+from inflight.server.parsers.json_scan import arguments_object
 from inflight.server.protocol import (
     AudioURLPart,
     ChatCompletionRequest,
@@ -345,7 +345,7 @@ def chat_messages(
                     f"messages.{i}.function_call",
                 )
             call = m.function_call
-            arguments = call_arguments(call.arguments, f"messages.{i}.function_call.arguments")
+            arguments = arguments_object(call.arguments)
             # A legacy result names its function, not a call id: the function's name is both.
             message["tool_calls"] = [
                 {
@@ -371,13 +371,10 @@ def chat_messages(
                     "type": "function",
                     "function": {
                         "name": call.function.name,
-                        "arguments": call_arguments(
-                            call.function.arguments,
-                            f"messages.{i}.tool_calls.{j}.function.arguments",
-                        ),
+                        "arguments": arguments_object(call.function.arguments),
                     },
                 }
-                for j, call in enumerate(m.tool_calls)
+                for call in m.tool_calls
             ]
         if m.role == "tool":
             if m.tool_call_id is None:
@@ -439,18 +436,6 @@ def thinking_asked(body: ChatCompletionRequest) -> ThinkingAsked | None:
     if isinstance(body.think, str):
         return ThinkingAsked("think", body.think != "none", body.think)
     return ThinkingAsked("think", body.think, None)
-
-
-def call_arguments(text: str, field: str) -> dict[str, Any]:
-    """A call's arguments sent back in a conversation, as the object templates read (a 400
-    naming `field` when they are no JSON object)."""
-    try:
-        arguments = json.loads(text)
-    except ValueError:
-        arguments = None
-    if not isinstance(arguments, dict):
-        raise ServerError(400, "a call's arguments must be a JSON object", field)
-    return arguments
 
 
 def completion_prompts(prompt: Any) -> list[str | dict[str, Any]]:

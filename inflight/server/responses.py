@@ -38,6 +38,7 @@ from inflight.server.conversations import Conversation, item_object
 from inflight.server.errors import ServerError
 from inflight.server.lru import Lru
 from inflight.server.parsers import MessageDelta, MessageParser
+from inflight.server.parsers.json_scan import arguments_object
 from inflight.server.protocol import SamplingFields, VllmExtensions
 from inflight.server.responses_protocol import (
     INPUT_ITEM,
@@ -324,14 +325,12 @@ def chat_messages(
         elif isinstance(item, MessageItem):
             out.append(_assistant(_text(item.content, f"{where}.content"), reasoning))
         elif isinstance(item, FunctionCallItem):
-            # A call without arguments may send them empty.
-            text = item.arguments if item.arguments.strip() else "{}"
             call = {
                 "id": item.call_id,
                 "type": "function",
                 "function": {
                     "name": flat_name(item.namespace, item.name) if item.namespace else item.name,
-                    "arguments": openai.call_arguments(text, f"{where}.arguments"),
+                    "arguments": arguments_object(item.arguments),
                 },
             }
             # The calls of one reply join the message its text began.

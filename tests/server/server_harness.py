@@ -91,6 +91,13 @@ def serve(llm, **options):
         yield handle.url, handle.client
 
 
+def prompt_of(usage) -> int:
+    """An Anthropic message's prompt tokens: its `input_tokens` leave out those read from the
+    context cache, as Anthropic's do (none are written to a cache on request)."""
+    assert usage.cache_creation_input_tokens == 0
+    return usage.input_tokens + usage.cache_read_input_tokens
+
+
 @contextmanager
 def held_streams(url: str, path: str, body: dict, count: int):
     """Open `count` streaming requests and keep them open (yields their status codes);

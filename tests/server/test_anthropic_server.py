@@ -8,7 +8,7 @@ import pytest
 
 from inflight import SamplingParams
 
-from server_harness import held_streams, serve
+from server_harness import held_streams, prompt_of, serve
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,14 @@ def test_message_equals_python_api(client, server_llm):
     assert (
         message.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[expected.finish_reason]
     )
-    assert message.usage.input_tokens == expected.prompt_tokens
+    assert prompt_of(message.usage) == expected.prompt_tokens
+    # The Python call just ran the same prompt: the server reads from the context cache what
+    # a second Python call does.
+    again = server_llm.chat(
+        [{"role": "system", "content": "Be brief."}, *MESSAGES],
+        SamplingParams(temperature=0, max_tokens=1),
+    )[0]
+    assert message.usage.cache_read_input_tokens == again.cached_tokens > 0
     assert message.usage.output_tokens == len(expected.token_ids)
 
 
@@ -87,7 +94,7 @@ def test_a_final_assistant_message_is_continued(client, server_llm):
     )[0]
     message = client.messages.create(model=MODEL, messages=prefill, max_tokens=12, **GREEDY)
     assert message.content[0].text == expected.text
-    assert message.usage.input_tokens == expected.prompt_tokens
+    assert prompt_of(message.usage) == expected.prompt_tokens
     counted = client.messages.count_tokens(model=MODEL, messages=prefill)
     assert counted.input_tokens == expected.prompt_tokens
     # As the API refuses it: a prefill ending with whitespace.
@@ -106,6 +113,14 @@ def test_stream_event_order(client, server_llm):
     assert set(events[2:-3]) <= {"text", "content_block_delta", "ping"}
     assert final.content[0].text == expected.text
     assert final.usage.output_tokens == len(expected.token_ids)
+    # message_delta's usage is the final one, input and cache reads too (langchain reads only
+    # it): the same as the whole message's for the same prompt, now cached alike.
+    assert prompt_of(final.usage) == expected.prompt_tokens
+    whole = client.messages.create(model=MODEL, messages=MESSAGES, max_tokens=12, **GREEDY)
+    assert final.usage == whole.usage
+    with client.messages.stream(model=MODEL, messages=MESSAGES, max_tokens=12, **GREEDY) as stream:
+        delta = next(e for e in stream if e.type == "message_delta")
+    assert delta.usage.model_dump(exclude_none=True) == whole.usage.model_dump(exclude_none=True)
 
 
 def test_count_tokens(client, server_llm):
@@ -244,7 +259,7 @@ def test_a_system_message_in_the_conversation_is_rendered_where_it_stands(client
     assert raw.http_response.json()["context_management"] == {"applied_edits": []}
     message = raw.parse()
     assert message.content[0].text == expected.text
-    assert message.usage.input_tokens == expected.prompt_tokens
+    assert prompt_of(message.usage) == expected.prompt_tokens
 
 
 def test_documented_fields_without_meaning_are_accepted_and_named(client):
@@ -304,7 +319,7 @@ def test_a_message_thread_holds_the_conversation_between_turns(client, server):
         {"role": "user", "content": "Name another."},
     ]
     counted = client.messages.count_tokens(model=MODEL, system="Be brief.", messages=whole)
-    assert second.usage.input_tokens == counted.input_tokens
+    assert prompt_of(second.usage) == counted.input_tokens
     # ... as a continue of the first reply, which cannot be continued again.
     r = continue_raw(server, first.id)
     assert r.status_code == 400
@@ -323,7 +338,7 @@ def test_a_streamed_thread_turn_is_kept_once_its_stream_is_whole(client, server)
         {"role": "user", "content": "Name another."},
     ]
     assert (
-        second.usage.input_tokens
+        prompt_of(second.usage)
         == client.messages.count_tokens(model=MODEL, messages=whole).input_tokens
     )
 

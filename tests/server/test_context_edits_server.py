@@ -7,7 +7,7 @@ import pytest
 
 from inflight.server.context_edits import CLEARED_TOOL_RESULT
 
-from server_harness import serve
+from server_harness import prompt_of, serve
 
 pytestmark = pytest.mark.slow
 
@@ -115,7 +115,7 @@ def test_old_tool_results_are_cleared_before_the_model_reads_them(client):
     )
     assert "x-inflight-ignored-fields" not in raw.http_response.headers  # applied, not ignored
     message = raw.parse()
-    assert message.usage.input_tokens == edited < original
+    assert prompt_of(message.usage) == edited < original
     (applied,) = message.context_management.applied_edits
     assert applied.type == "clear_tool_uses_20250919"
     assert (applied.cleared_tool_uses, applied.cleared_input_tokens) == (2, original - edited)
@@ -139,7 +139,7 @@ def test_old_tool_results_are_cleared_before_the_model_reads_them(client):
         final = stream.get_final_message()
     (delta,) = [e for e in events if e.type == "message_delta"]
     assert delta.context_management.applied_edits == message.context_management.applied_edits
-    assert final.usage.input_tokens == edited
+    assert prompt_of(final.usage) == edited
     assert final.context_management == message.context_management
     assert final.content[0].text == message.content[0].text
     # Counted: the size after the edits, and the conversation's as sent.
@@ -151,7 +151,7 @@ def test_old_tool_results_are_cleared_before_the_model_reads_them(client):
     # Not past the trigger: the conversation is read as sent, and no edit is reported.
     untriggered = {**edit, "trigger": {"type": "input_tokens", "value": original}}
     message = create(client, sent, [untriggered])
-    assert message.usage.input_tokens == original
+    assert prompt_of(message.usage) == original
     assert message.context_management.applied_edits == []
     # Server-side compaction beside it: left out and named, the clearing applied all the same.
     raw = client.beta.messages.with_raw_response.create(
@@ -164,7 +164,7 @@ def test_old_tool_results_are_cleared_before_the_model_reads_them(client):
         **GREEDY,
     )
     assert raw.http_response.headers["x-inflight-ignored-fields"] == "context_management.edits.0"
-    assert raw.parse().usage.input_tokens == edited
+    assert prompt_of(raw.parse().usage) == edited
 
 
 def test_thinking_inputs_and_excluded_tools_as_edited_together(client):
@@ -186,7 +186,7 @@ def test_thinking_inputs_and_excluded_tools_as_edited_together(client):
         },
     ]
     message = create(client, sent, edits)
-    assert message.usage.input_tokens == sizes[2]
+    assert prompt_of(message.usage) == sizes[2]
     assert [e.model_dump() for e in message.context_management.applied_edits] == [
         {
             "type": "clear_thinking_20251015",
@@ -204,7 +204,7 @@ def test_thinking_inputs_and_excluded_tools_as_edited_together(client):
     # With clear_at_least more than the tool edit frees, it clears nothing.
     least = {"type": "input_tokens", "value": sizes[1] - sizes[2] + 1}
     message = create(client, sent, [edits[0], {**edits[1], "clear_at_least": least}])
-    assert message.usage.input_tokens == sizes[1]
+    assert prompt_of(message.usage) == sizes[1]
     assert [e.type for e in message.context_management.applied_edits] == ["clear_thinking_20251015"]
 
 

@@ -16,7 +16,7 @@ from inflight.server.errors import ServerError
 from inflight.server.files import FileStore
 
 from pdfs import pdf
-from server_harness import running
+from server_harness import prompt_of, running
 
 MODEL = "test-model"
 REPORT = pdf([["Quarterly revenue was 42 units.", "Costs (fixed) were 7."], ["Page two: hello."]])
@@ -316,7 +316,7 @@ def test_anthropic_document_blocks_are_read(claude, handle):
         "title": "report.pdf",
     }
     for block in (pdf_block, text_block):
-        assert counted(asked(block)) == want.usage.input_tokens
+        assert counted(asked(block)) == prompt_of(want.usage)
         reply = claude.messages.create(messages=asked(block), **greedy)
         assert reply.content[0].text == want.content[0].text
     # Text blocks one a line; a context shown before the text.

@@ -13,9 +13,10 @@ import openai
 import pytest
 
 from inflight.server.chat_templates import HERMES_TEMPLATE
+from inflight.server.parsers.json_scan import partial_value
 from inflight.server.tools import FunctionTool, ToolChoice, forced_constraint
 
-from server_harness import serve
+from server_harness import prompt_of, serve
 
 pytestmark = pytest.mark.slow
 
@@ -240,6 +241,37 @@ def test_a_tool_result_in_the_history_gets_a_normal_reply(oa, server_llm):
     assert "<tool_response>\n18 C\n</tool_response>" in rendered
 
 
+def test_a_call_cut_short_is_sent_back_and_rendered_as_far_as_written(oa, server_llm):
+    # pydantic-ai, kani and marvin tell the model its call's JSON was broken and replay the
+    # call: a 400 there would end the conversation, since every later turn replays it too.
+    cut = oa.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=16
+    ).choices[0]
+    assert cut.finish_reason == "length"
+    text = cut.message.tool_calls[0].function.arguments
+    with pytest.raises(ValueError):
+        json.loads(text)
+    calls = [
+        # (id, arguments as sent, the object the template renders)
+        (cut.message.tool_calls[0].id, text, partial_value(text)),
+        ("c2", '{"city": "Par', {"city": "Par"}),
+        ("c3", '{"city": Paris}', {}),  # malformed: an empty object
+        ("c4", "[1]", {}),  # no object: an empty one
+    ]
+    sent, rendered = [*MESSAGES], [*MESSAGES]
+    for call_id, arguments, read in calls:
+        result = {"role": "tool", "tool_call_id": call_id, "content": "Invalid JSON, try again."}
+        for history, args in ((sent, arguments), (rendered, read)):
+            call = {"id": call_id, "type": "function", "function": {"name": "get_weather"}}
+            call["function"]["arguments"] = args
+            history += [{"role": "assistant", "content": "", "tool_calls": [call]}, result]
+    assert isinstance(calls[0][2], dict)
+    reply = oa.chat.completions.create(model=MODEL, messages=sent, tools=TOOLS, **GREEDY)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    prepared = server_llm.prepare(rendered, tools=TOOLS, chat_template=HERMES_TEMPLATE.read_text())
+    assert reply.usage.prompt_tokens == len(prepared.prompt_token_ids)
+
+
 def test_auto_reads_what_the_model_writes_and_none_never_calls(oa):
     # The untrained model answers in prose: auto finds no call in it, and returns the text.
     auto = oa.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, **GREEDY)
@@ -284,17 +316,6 @@ def test_a_missing_tool_is_a_400_naming_it_and_nothing_is_submitted(server, serv
                 ]
             },
             "messages",
-        ),
-        (
-            {
-                "messages": [
-                    {
-                        "role": "assistant",
-                        "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1]"}}],
-                    }
-                ]
-            },
-            "messages.0.tool_calls.0.function.arguments",
         ),
         ({"messages": [{"role": "tool", "content": "18 C"}]}, "messages.0"),
     ],
@@ -371,7 +392,7 @@ def test_anthropic_tool_use_round_trip(ac):
     assert reply.stop_reason in ("end_turn", "max_tokens")
     assert [b.type for b in reply.content] == ["text"] and reply.content[0].text
     counted = ac.messages.count_tokens(model=MODEL, messages=history, tools=ANTHROPIC_TOOLS)
-    assert counted.input_tokens == reply.usage.input_tokens
+    assert counted.input_tokens == prompt_of(reply.usage)
 
 
 def test_auto_parses_a_hermes_call_the_model_writes_whole_and_streamed(oa):

@@ -129,6 +129,20 @@ def partial_value(text: str) -> Any:
     return None if value is _MISSING else value
 
 
+def arguments_object(text: str) -> dict[str, Any]:
+    """The object a tool call's arguments hold: whole, or as far as written where they were cut
+    short (max_tokens); an empty one where they hold no object (malformed text, another JSON
+    value), which chat templates could not render as a call's arguments. Conversations that
+    send such a call back (the model's own, cut by max_tokens) are served, not refused: OpenAI
+    takes arguments as opaque text, and the clients that tell the model its JSON was broken
+    replay the call on every later turn, so a 400 would end the conversation for good."""
+    try:
+        value = partial_value(text)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def _partial(text: str, i: int) -> tuple[Any, int]:
     i = skip_whitespace(text, i)
     if i >= len(text):

@@ -105,9 +105,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 # The arithmetic of `fp8_rows`, bit for bit: the scale is the largest magnitude times the
-# float32 reciprocal of FP8_MAX, and each value is divided by it rounding to nearest (`div_rn`:
-# Triton's `/` on float32 is NVIDIA's approximate division, up to 2 ulp off, which put values of
-# some rows across an e4m3 rounding boundary from `fp8_rows`; an H100, 2026-12-05).
+# float32 reciprocal of FP8_MAX, and each value is multiplied by the scale's reciprocal, rounded
+# to nearest once a row (`div_rn`: Triton's `/` on float32 is NVIDIA's approximate division, up
+# to 2 ulp off, which put values of some rows across an e4m3 rounding boundary from `fp8_rows`;
+# an H100, 2026-12-05).
 @triton.jit
 def _fp8_scale(top, FP8_MAX: tl.constexpr):
     """The scale of a row whose largest magnitude is `top` (an all-zero row: 1)."""
@@ -116,7 +117,8 @@ def _fp8_scale(top, FP8_MAX: tl.constexpr):
 
 @triton.jit
 def _fp8_store(OUT, cols, size, x, scale, FP8_MAX: tl.constexpr):
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+    inverse = tl.math.div_rn(1.0, scale)
+    q = tl.minimum(tl.maximum(x * inverse, -FP8_MAX), FP8_MAX)
     # Stored in runs of 8 values, as the float norm stores its bf16 rows: left to itself, Triton
     # lays the whole kernel out for 16-byte stores of float8, 16 values a thread where the float
     # norm has 8, and the sum of squares then adds in another order (a bit apart on an H100).

@@ -10,7 +10,7 @@ all of a request's sequences ended, `materialize` turns their snapshots into the
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from inflight.protocol.request import GenerationRequest
@@ -66,6 +66,7 @@ class StreamChunk:
     # Block diffusion asked for drafts: the canvas being denoised, as its last step's argmax
     # (each draft replaces the one before; the canvas's tokens, once it ends, replace both).
     draft: list[int] | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the context cache
 
 
 def merge_chunks(chunks: Iterable[StreamChunk]) -> list[StreamChunk]:
@@ -76,17 +77,11 @@ def merge_chunks(chunks: Iterable[StreamChunk]) -> list[StreamChunk]:
         last = merged[-1] if merged else None
         if last is None or last.index != chunk.index or last.finished:
             merged.append(
-                StreamChunk(
-                    list(chunk.token_ids),
-                    chunk.text,
-                    None if chunk.logprobs is None else list(chunk.logprobs),
-                    chunk.prompt_tokens,
-                    chunk.finished,
-                    chunk.finish_reason,
-                    chunk.index,
-                    chunk.audio,
-                    list(chunk.codes),
-                    chunk.draft,
+                replace(
+                    chunk,
+                    token_ids=list(chunk.token_ids),
+                    logprobs=None if chunk.logprobs is None else list(chunk.logprobs),
+                    codes=list(chunk.codes),
                 )
             )
             continue

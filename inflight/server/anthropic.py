@@ -545,32 +545,41 @@ class MessageReply:
             | self._edits()
         )
 
+    def _start(self, prompt_tokens: int, cached_tokens: int) -> str:
+        usage = _usage(prompt_tokens, cached_tokens, 0)
+        return _event("message_start", {"message": self._message([], None, None, usage)})
+
     async def stream(self, run: Run, prompt_tokens: int) -> AsyncIterator[str]:
         """message_start, the content blocks (content_block_start, ping after the first, its
         deltas, content_block_stop), message_delta (stop reason, usage), message_stop; an error
         event if it fails."""
-        # The cache's hits are known once the run ends: message_delta's usage, cumulative as
-        # Anthropic's is, gives the final split (clients read it there, langchain only there).
-        start = _usage(prompt_tokens, 0, 0)
-        yield _event("message_start", {"message": self._message([], None, None, start)})
         blocks = _BlockStream()
         reading = self.reader.stream()
-        output_tokens, finish = 0, None
+        output_tokens, finish, started = 0, None, False
         try:
             async for chunk in run:
+                if not started:
+                    # The first chunk knows what the context cache held: message_start gives
+                    # the split, as Anthropic's does (LangChain.js reads cache reads only there).
+                    started = True
+                    yield self._start(prompt_tokens, chunk.cached_tokens)
                 output_tokens += len(chunk.token_ids)
                 for event in blocks.events(reading.feed(chunk.text)):
                     yield event
                 if chunk.finished:
                     finish = chunk.finish_reason
         except ServerError as exc:
+            if not started:
+                yield self._start(prompt_tokens, 0)
             kind = _ANTHROPIC_ERRORS.get(exc.status, "api_error")
             yield _event("error", {"error": {"type": kind, "message": exc.message}})
             return
+        cached = run.output.cached_tokens if run.output is not None else 0
+        if not started:
+            yield self._start(prompt_tokens, cached)
         for event in blocks.close(reading.finish()):
             yield event
         stop = run.output.stop_reason if run.output is not None else None
-        cached = run.output.cached_tokens if run.output is not None else 0
         yield _event(
             "message_delta",
             {
@@ -578,6 +587,7 @@ class MessageReply:
                     "stop_reason": _stop_reason(finish, stop, reading.calls_made > 0),
                     "stop_sequence": stop if isinstance(stop, str) else None,
                 },
+                # Cumulative, as Anthropic's (langchain reads the usage only here).
                 "usage": _usage(prompt_tokens, cached, output_tokens),
                 **self._edits(),
             },

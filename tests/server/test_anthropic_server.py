@@ -119,8 +119,15 @@ def test_stream_event_order(client, server_llm):
     whole = client.messages.create(model=MODEL, messages=MESSAGES, max_tokens=12, **GREEDY)
     assert final.usage == whole.usage
     with client.messages.stream(model=MODEL, messages=MESSAGES, max_tokens=12, **GREEDY) as stream:
-        delta = next(e for e in stream if e.type == "message_delta")
-    assert delta.usage.model_dump(exclude_none=True) == whole.usage.model_dump(exclude_none=True)
+        events = list(stream)
+    start = events[0].message.usage
+    delta = next(e for e in events if e.type == "message_delta").usage
+    assert delta.model_dump(exclude_none=True) == whole.usage.model_dump(exclude_none=True)
+    # message_start gives the same split (LangChain.js reads the cache reads only there).
+    assert (start.input_tokens, start.cache_read_input_tokens) == (
+        whole.usage.input_tokens,
+        whole.usage.cache_read_input_tokens,
+    )
 
 
 def test_count_tokens(client, server_llm):

@@ -136,7 +136,7 @@ class OutputProcessor:
             chunk = result.deltas.get(r.ref)
             if chunk is None:
                 chunk = result.deltas[r.ref] = StreamChunk(
-                    prompt_tokens=r.prompt_len, index=r.index
+                    prompt_tokens=r.prompt_len, cached_tokens=r.kv.cached_tokens, index=r.index
                 )
             chunk.finished, chunk.finish_reason = True, reason.value
         elif reason is FinishReason.ERROR:
@@ -198,7 +198,9 @@ class OutputProcessor:
         chunk = result.deltas.get(r.ref)
         if chunk is None:
             prompt_tokens = len(r.request.prompt_token_ids)  # not the property: every row
-            chunk = result.deltas[r.ref] = StreamChunk(prompt_tokens=prompt_tokens, index=r.index)
+            chunk = result.deltas[r.ref] = StreamChunk(
+                prompt_tokens=prompt_tokens, cached_tokens=r.kv.cached_tokens, index=r.index
+            )
         chunk.token_ids.append(token)
         if text.logprobs is not None:
             entry = self._logprob_entry(sampled)

@@ -1,7 +1,9 @@
 """Assertions and set-ups shared by the tests."""
 
 import contextlib
+import http.server
 import random
+import threading
 import time
 from collections.abc import Iterator
 
@@ -365,3 +367,31 @@ def random_blocks(
     else:
         raw[..., 0:2], raw[..., 2:4] = half(), half()
     return raw.reshape(rows, -1)
+
+
+@contextlib.contextmanager
+def serving_files(files: dict[str, tuple[str, bytes]]) -> Iterator[str]:
+    """A real HTTP server on loopback answering GET `path` with `files[path]` (its content type
+    and body) and a 404 for anything else; yields its base URL."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path not in files:
+                self.send_error(404)
+                return
+            kind, body = files[self.path]
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()

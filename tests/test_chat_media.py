@@ -3,10 +3,8 @@
 count limits, each refusal naming the part."""
 
 import base64
-import http.server
 import io
 import re
-import threading
 import wave
 
 import numpy as np
@@ -20,6 +18,8 @@ from inflight.runtime.inputs.chat_media import (
     image_from_url,
     take_media,
 )
+
+from helpers import serving_files
 
 
 def png(width=20, height=10) -> bytes:
@@ -36,27 +36,8 @@ def data_url(data: bytes) -> str:
 @pytest.fixture(scope="module")
 def image_server():
     """A real HTTP server on loopback serving /cat.png (and a 404 for anything else)."""
-    body = png()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            if self.path != "/cat.png":
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with serving_files({"/cat.png": ("image/png", png())}) as url:
+        yield url
 
 
 def test_a_data_url_is_read():

@@ -29,22 +29,6 @@ QUESTIONS = ["Name a primary color.", "What is 2 + 2?", "Say hello."]
 CHAT = "/v1/chat/completions"
 
 
-@pytest.fixture(scope="module")
-def handle(server_llm):
-    with running(server_llm) as handle:
-        yield handle
-
-
-@pytest.fixture
-def oa(handle):
-    return openai.OpenAI(base_url=handle.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def claude(handle):
-    return anthropic.Anthropic(base_url=handle.url, api_key="unused", max_retries=0)
-
-
 def _chat(question, max_tokens=8, **extra):
     return {
         "model": MODEL,

@@ -2,8 +2,6 @@
 through the three APIs by the official clients, as data and as uploaded files."""
 
 import base64
-import http.server
-import threading
 
 import anthropic
 import httpx
@@ -15,8 +13,9 @@ from inflight.server.documents import Document, DocumentReader
 from inflight.server.errors import ServerError
 from inflight.server.files import FileStore
 
+from helpers import serving_files
 from pdfs import pdf
-from server_harness import prompt_of, running
+from server_harness import prompt_of
 
 MODEL = "test-model"
 REPORT = pdf([["Quarterly revenue was 42 units.", "Costs (fixed) were 7."], ["Page two: hello."]])
@@ -109,24 +108,8 @@ def files_at():
         "/download?id=7": ("application/octet-stream", REPORT),
         "/notes": ("text/plain; charset=utf-8", b"line one"),
     }
-
-    class Files(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            kind, body = served.get(self.path, ("text/plain", b""))
-            self.send_response(200 if self.path in served else 404)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Files)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with serving_files(served) as url:
+        yield url
 
 
 def test_a_document_by_url_is_fetched_only_where_media_are(files_at):
@@ -185,22 +168,6 @@ def test_messages_get_their_documents_as_text():
 
 
 # -- through the APIs --------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def handle(server_llm):
-    with running(server_llm) as handle:
-        yield handle
-
-
-@pytest.fixture
-def oa(handle):
-    return openai.OpenAI(base_url=handle.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def claude(handle):
-    return anthropic.Anthropic(base_url=handle.url, api_key="unused", max_retries=0)
 
 
 def _tokens(handle, messages):

@@ -58,8 +58,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         thinking = chat.thinking_switch(asked.enabled, asked.effort)
         if thinking is None:
             ignored.append(asked.field)
-    if body.think is not None and (asked is None or asked.field != "think"):
-        ignored.append("think")  # under reasoning_effort
+        if asked.field != "think" and body.think is not None:
+            ignored.append("think")  # under reasoning_effort
     params = openai.sampling_params(
         body,
         llm.get_default_sampling_params(),

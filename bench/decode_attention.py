@@ -19,7 +19,8 @@ layout the backend uses ([blocks, block_size, KV heads, head size]) and a head-m
 
     python3 bench/decode_attention.py [--shapes qwen3-0.6b llama-3.1-8b] [--rows 256 64 16]
         [--blocks scattered|runs] [--sweep]   (prints the figures; writes JSON to $OUT or bench/out)
-    python3 bench/decode_attention.py --splits [ROWS ...]   (key splits by row count only)
+    python3 bench/decode_attention.py --splits [ROWS ...] [--splits-cache bf16|fp8]
+        (key splits by row count only)
 """
 
 from __future__ import annotations
@@ -186,14 +187,17 @@ def sweep(case: Case, reference: torch.Tensor) -> list[dict]:
     return results
 
 
-def splits_sweep(shapes: list[str], rows_list: list[int], runs: bool) -> list[dict]:
+def splits_sweep(
+    shapes: list[str], rows_list: list[int], runs: bool, dtype: torch.dtype
+) -> list[dict]:
     """Each row count's time with its keys in 1, 2 and 4 parts (keys an iteration as the kernel
     takes them for that many), at the workload's contexts and at 1.5x them (a step late in the
-    run holds the longer requests), beside the parts `plan.decode_splits` picks."""
+    run holds the longer requests), beside the parts `plan.decode_splits` picks; over a cache of
+    `dtype` (float8: the CUDA kernel where it was built)."""
     results = []
     for shape, rows, stretch in itertools.product(shapes, rows_list, (1.0, 1.5)):
         lens = [int(n * stretch) for n in contexts(rows)]
-        case = Case(shape, lens, torch.bfloat16, False, runs)
+        case = Case(shape, lens, dtype, False, runs)
         reference = case.run().clone()
         picked = decode_splits(
             rows, case.k.shape[2], torch.cuda.get_device_properties(0).multi_processor_count
@@ -225,12 +229,17 @@ def main() -> None:
     parser.add_argument(
         "--splits", nargs="*", type=int, help="only time key splits at these row counts"
     )
+    parser.add_argument(
+        "--splits-cache", choices=["bf16", "fp8"], default="bf16", help="the cache --splits reads"
+    )
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     runs = args.blocks == "runs"
     if args.splits is not None:
         rows = args.splits or [32, 64, 96, 128, 192]
-        record = {"blocks": args.blocks, "splits": splits_sweep(args.shapes, rows, runs)}
+        dtype = torch.float8_e4m3fn if args.splits_cache == "fp8" else torch.bfloat16
+        sweep = splits_sweep(args.shapes, rows, runs, dtype)
+        record = {"blocks": args.blocks, "cache": args.splits_cache, "splits": sweep}
         write_report(report_path("decode_splits.json"), **record)
         return
     record: dict = {"copy_tbs": copy_tbs(), "blocks": args.blocks, "cases": []}

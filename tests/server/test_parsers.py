@@ -11,6 +11,7 @@ from inflight.server.parsers.harmony import HarmonyCalls, HarmonyChannels
 from inflight.server.parsers.hermes import HermesSyntax
 from inflight.server.parsers.json_scan import partial_value
 from inflight.server.parsers.llama3_json import Llama3JsonSyntax
+from inflight.server.parsers.message import ToolCallDelta
 
 HERMES = MessageParser(tools=HermesSyntax())
 LLAMA = MessageParser(tools=Llama3JsonSyntax())
@@ -326,3 +327,24 @@ def test_partial_value_refuses_what_is_no_json():
     for text in ('{"a" 1', "{1: 2}", '{"a": nope, "b": 1}'):
         with pytest.raises(ValueError):
             partial_value(text)
+
+
+def test_a_forced_choice_of_one_function_is_that_call_from_its_first_character():
+    named = MessageParser(tools=ForcedCallsSyntax("arguments", False, "get_weather"))
+    for cut in ('{"', '{"na', '{"name": "get_w', '{"name": "get_weather", "argu'):
+        assert named.whole(cut).tool_calls == [ToolCall("get_weather", "")]
+        assert named.whole(cut).content is None
+    cut = '{"name": "get_weather", "arguments": {"city": "Pa'
+    assert named.whole(cut).tool_calls == [ToolCall("get_weather", '{"city": "Pa')]
+    text = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    every_cut(named, text)
+    stream = named.stream()
+    (first,) = stream.feed('{"').parts
+    assert isinstance(first, ToolCallDelta) and first.name == "get_weather"
+    required = MessageParser(tools=ForcedCallsSyntax("arguments", True, "get_weather"))
+    cut = f'[{text}, {{"na'
+    assert required.whole(cut).tool_calls == [
+        ToolCall("get_weather", '{"city": "Paris"}'),
+        ToolCall("get_weather", ""),
+    ]
+    every_cut(required, f"[{text}, {text}]")

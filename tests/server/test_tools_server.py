@@ -504,3 +504,37 @@ def test_a_call_cut_by_max_tokens_is_the_call_as_written_on_every_api(oa, ac):
     assert use.input and all(
         written[k].startswith(v) or written[k] == v for k, v in use.input.items()
     )
+
+
+def test_a_forced_call_cut_inside_its_name_is_still_that_call_on_every_api(oa, ac):
+    """A choice that leaves one function (named, or `required` with one tool) cut by max_tokens
+    before the model has written the name is that function's call with the arguments written
+    (none), as OpenAI sends a forced call's name first; not the fragment as content."""
+    request = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=2)
+    for tools, tool_choice in ((TOOLS, NAMED), (TOOLS[:1], "required")):
+        reply = oa.chat.completions.create(**request, tools=tools, tool_choice=tool_choice)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert (call.function.name, call.function.arguments) == ("get_weather", "")
+        stream = oa.chat.completions.create(
+            **request, tools=tools, tool_choice=tool_choice, stream=True
+        )
+        deltas = [c.choices[0].delta for c in stream if c.choices]
+        assert not any(d.content for d in deltas)
+        calls = [call for d in deltas for call in d.tool_calls or []]
+        assert [c.function.name for c in calls if c.function.name] == ["get_weather"]
+    responses = oa.responses.create(
+        model=MODEL,
+        input=MESSAGES[0]["content"],
+        tools=[{"type": "function", **TOOLS[0]["function"]}],
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0,
+        max_output_tokens=2,
+    )
+    (item,) = responses.output
+    assert (item.type, item.name, item.status) == ("function_call", "get_weather", "incomplete")
+    message = ac.messages.create(**_forced_weather(max_tokens=2))
+    (use,) = message.content
+    assert (use.type, use.name, use.input) == ("tool_use", "get_weather", {})
+    assert message.stop_reason == "max_tokens"

@@ -23,10 +23,13 @@ class ToolCall:
 @dataclass(frozen=True)
 class CallSpan:
     """Where the output holds (or starts) one call: `raw` is its text as written, markers
-    included (it is content again if it turns out to be no call); `body` the JSON object."""
+    included (it is content again if it turns out to be no call); `body` the JSON object;
+    `name` the call's name where the syntax knows it before the model has written it (a forced
+    choice of one function), so that a reply cut inside the name is still that call."""
 
     raw: str
     body: str
+    name: str | None = None
 
 
 class ToolSyntax(Protocol):
@@ -53,12 +56,12 @@ def read_call(span: CallSpan) -> CallReading:
     body = span.body
     start = skip_whitespace(body, 0)
     if start >= len(body):
-        return CallReading(None, "", False, False)
+        return CallReading(span.name, "", False, False)
     if body[start] != "{":
         return CallReading(None, "", True, False)
     scan = scan_object(body, start)
     name_member = scan.members.get("name")
-    name = None
+    name = span.name
     if name_member is not None and name_member.complete:
         value = _loads(name_member.raw)
         name = value if isinstance(value, str) and value else None

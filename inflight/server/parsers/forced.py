@@ -1,5 +1,8 @@
 """The output of a forced tool choice: a JSON constraint makes the model write one call object
-(a named function) or an array of them (`required`), with no text around them."""
+(a named function) or an array of them (`required`), with no text around them. Where the choice
+leaves one function to call (a named one, or `required` with one tool), every call is that
+function's from its first character, as OpenAI sends a forced call's name before its arguments:
+a reply cut by `max_tokens` inside the name is still the call."""
 
 from __future__ import annotations
 
@@ -8,9 +11,10 @@ from inflight.server.parsers.json_scan import skip_whitespace, value_end
 
 
 class ForcedCallsSyntax:
-    def __init__(self, arguments_key: str, array: bool) -> None:
+    def __init__(self, arguments_key: str, array: bool, function: str | None = None) -> None:
         self.arguments_key = arguments_key
         self.array = array
+        self.function = function  # the one function the choice leaves, if one
 
     def split(self, text: str, final: bool) -> list[str | CallSpan]:
         i = skip_whitespace(text, 0)
@@ -22,9 +26,9 @@ class ForcedCallsSyntax:
         while i < len(text) and text[i] == "{":
             end = value_end(text, i)
             if end is None:
-                pieces.append(CallSpan(text[i:], text[i:]))
+                pieces.append(CallSpan(text[i:], text[i:], self.function))
                 break
-            pieces.append(CallSpan(text[i:end], text[i:end]))
+            pieces.append(CallSpan(text[i:end], text[i:end], self.function))
             if not self.array:
                 break
             i = skip_whitespace(text, end)

@@ -135,7 +135,7 @@ def chat_tools(tools: list[ChatTool] | None) -> list[FunctionTool]:
             t.function.name,
             t.function.description,
             t.function.parameters,
-            strict=t.function.strict is True,
+            strict=(t.strict if t.function.strict is None else t.function.strict) is True,
         )
         for t in tools or []
     ]

@@ -140,6 +140,9 @@ class FunctionDefinition(Strict):
 class ChatTool(Strict):
     type: Literal["function"]
     function: FunctionDefinition
+    # Beside the function, as TensorZero sends it (and as the Responses API's tools carry it):
+    # the function's own `strict` where that says nothing.
+    strict: bool | None = None
 
 
 class NamedFunction(Strict):

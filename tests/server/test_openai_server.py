@@ -299,6 +299,20 @@ def test_errors_use_the_openai_body(server, body, status, param):
         assert error["param"] is not None and error["param"].startswith(param)
 
 
+def test_a_context_overflow_opens_with_the_words_clients_classify(server):
+    """OpenAI's and vLLM's opening words, which litellm and any-llm match to raise their
+    context-window errors (a prompt too long is the seed's 413; with max_tokens, a 400)."""
+    long = [{"role": "user", "content": "word " * 600}]
+    for body, status in (
+        ({"messages": long}, 413),
+        ({"messages": MESSAGES, "max_tokens": 600}, 400),
+    ):
+        r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == status, r.text
+        message = r.json()["error"]["message"]
+        assert message.startswith("This model's maximum context length is 512 tokens"), message
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [

@@ -13,7 +13,9 @@ import openai
 import pytest
 
 from inflight.server.chat_templates import HERMES_TEMPLATE
+from inflight.server.openai import chat_tools
 from inflight.server.parsers.json_scan import partial_value
+from inflight.server.protocol import ChatTool
 from inflight.server.tools import FunctionTool, ToolChoice, forced_constraint
 
 from server_harness import prompt_of, serve
@@ -178,6 +180,29 @@ def test_a_strict_tool_makes_its_forced_call_strict():
     ]:
         constraint = forced_constraint(ToolChoice(tools, mode, function), "arguments")
         assert constraint.strict is want, (mode, function)
+
+
+def test_strict_beside_the_function_is_the_functions_own_where_that_says_nothing():
+    """TensorZero sends `strict` beside `function` (the Responses API's place for it)."""
+    function = {"name": "f", "parameters": PARAMETERS}
+
+    def strict(tool: dict) -> bool:
+        (read,) = chat_tools([ChatTool.model_validate({"type": "function", **tool})])
+        return read.strict
+
+    assert strict({"function": function, "strict": True})
+    assert not strict({"function": function, "strict": False})
+    assert not strict({"function": {**function, "strict": False}, "strict": True})
+    assert strict({"function": {**function, "strict": True}})
+
+
+def test_tensorzeros_tools_are_served(oa):
+    tools = [{**tool, "strict": False} for tool in TOOLS]
+    reply = oa.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=tools, tool_choice="required", **GREEDY
+    )
+    for call in reply.choices[0].message.tool_calls:
+        _valid_call(call)
 
 
 def test_streamed_call_reassembles_to_the_non_streamed_one(oa):

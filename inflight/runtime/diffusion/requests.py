@@ -175,8 +175,9 @@ class DiffusionChecks:
         room = (limit - prompt) // canvas
         if room < 1:
             raise PromptTooLongError(
-                f"prompt is {prompt} tokens; max_model_len is {limit}, which leaves room for "
-                f"prompts of at most {limit - canvas} tokens beside one canvas of {canvas}"
+                f"This model's maximum context length is {limit} tokens (max_model_len), and "
+                f"the prompt is {prompt} tokens: prompts may have at most {limit - canvas} "
+                f"beside one canvas of {canvas}"
             )
         max_tokens = request.params.max_tokens
         if max_tokens is None:
@@ -184,8 +185,9 @@ class DiffusionChecks:
         wanted = -(-max_tokens // canvas)
         if wanted > room:
             raise RequestFieldError(
-                f"prompt ({prompt} tokens) plus max_tokens ({max_tokens}, rounded up to "
-                f"{wanted} canvases of {canvas} tokens) exceeds max_model_len ({limit})",
+                f"This model's maximum context length is {limit} tokens (max_model_len), and "
+                f"the prompt ({prompt} tokens) plus max_tokens ({max_tokens}, rounded up to "
+                f"{wanted} canvases of {canvas} tokens) asks for {prompt + wanted * canvas}",
                 "max_tokens",
             )
         return wanted

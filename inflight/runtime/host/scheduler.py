@@ -152,9 +152,10 @@ class Scheduler:
             bad = next(t for t in prompt if not 0 <= t < vocab)
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
         if len(prompt) >= limit:
+            # OpenAI's and vLLM's opening words, which clients' error classifiers look for.
             raise PromptTooLongError(
-                f"prompt is {len(prompt)} tokens; max_model_len is {limit}, which leaves room "
-                f"for prompts of at most {limit - 1} tokens"
+                f"This model's maximum context length is {limit} tokens (max_model_len), and "
+                f"the prompt is {len(prompt)} tokens: prompts may have at most {limit - 1}"
             )
         for name, ids in (
             ("logit_bias", params.logit_bias.keys()),
@@ -174,8 +175,9 @@ class Scheduler:
         room = limit - len(prompt)
         if params.max_tokens is not None and params.max_tokens > room:
             raise RequestFieldError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len ({limit})",
+                f"This model's maximum context length is {limit} tokens (max_model_len), and "
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) asks "
+                f"for {len(prompt) + params.max_tokens}",
                 "max_tokens",
             )
         max_new = room if params.max_tokens is None else params.max_tokens

@@ -177,7 +177,7 @@ class DiffusionChecks:
             raise PromptTooLongError(
                 f"This model's maximum context length is {limit} tokens (max_model_len), and "
                 f"the prompt is {prompt} tokens: prompts may have at most {limit - canvas} "
-                f"beside one canvas of {canvas}"
+                f"tokens beside one canvas of {canvas}"
             )
         max_tokens = request.params.max_tokens
         if max_tokens is None:

@@ -155,7 +155,7 @@ class Scheduler:
             # OpenAI's and vLLM's opening words, which clients' error classifiers look for.
             raise PromptTooLongError(
                 f"This model's maximum context length is {limit} tokens (max_model_len), and "
-                f"the prompt is {len(prompt)} tokens: prompts may have at most {limit - 1}"
+                f"the prompt is {len(prompt)} tokens: prompts may have at most {limit - 1} tokens"
             )
         for name, ids in (
             ("logit_bias", params.logit_bias.keys()),

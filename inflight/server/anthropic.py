@@ -128,16 +128,22 @@ _ERROR = {"type": "text", "text": "Error: "}
 
 
 def _result(content: str | list[Any], where: str) -> str | list[dict[str, Any]]:
-    """A tool result as a tool message's content: its text; with documents, parts (the text
-    and the documents, which are read to text as the prompt is prepared)."""
-    if isinstance(content, str) or not any(isinstance(b, AnthropicDocumentBlock) for b in content):
+    """A tool result as a tool message's content: its text; with images or documents, parts
+    (the text, the images, and the documents, which are read to text as the prompt is
+    prepared), as Claude Code sends an image file its Read tool opened."""
+    media = AnthropicDocumentBlock | AnthropicImageBlock
+    if isinstance(content, str) or not any(isinstance(b, media) for b in content):
         return _marked_text(content, where, _loaded_line)
-    return [
-        documents.part(_document(b, f"{where}.{j}"))
-        if isinstance(b, AnthropicDocumentBlock)
-        else {"type": "text", "text": _marked_text([b], f"{where}.{j}", _loaded_line)}
-        for j, b in enumerate(content)
-    ]
+    parts: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        if isinstance(block, AnthropicDocumentBlock):
+            parts.append(documents.part(_document(block, f"{where}.{j}")))
+        elif isinstance(block, AnthropicImageBlock):
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block, where, j)}})
+        else:
+            text = _marked_text([block], f"{where}.{j}", _loaded_line)
+            parts.append({"type": "text", "text": text})
+    return parts
 
 
 def _document(block: AnthropicDocumentBlock, where: str) -> documents.Document:

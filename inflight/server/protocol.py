@@ -383,12 +383,13 @@ def _block_type(block: Any) -> str:
 
 def _result_block_type(block: Any) -> str:
     kind = _block_type(block)
-    return kind if kind in ("text", "document") else "other"
+    return kind if kind in ("text", "image", "document") else "other"
 
 
-# A tool result's blocks: text, documents, and blocks read by type (a tool reference).
+# A tool result's blocks: text, images, documents, and blocks read by type (a tool reference).
 AnthropicResultBlock = Annotated[
     Annotated[AnthropicTextBlock, Tag("text")]
+    | Annotated[AnthropicImageBlock, Tag("image")]
     | Annotated[AnthropicDocumentBlock, Tag("document")]
     | Annotated[AnthropicOtherBlock, Tag("other")],
     Discriminator(_result_block_type),

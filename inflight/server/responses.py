@@ -385,16 +385,12 @@ def _parts(content: str | list[Any], where: str) -> str | list[dict[str, Any]]:
 
 
 def _tool_output(output: str | list[Any], where: str) -> str | list[dict[str, Any]]:
-    """A function call's output as a tool message's content: its text, with its files read
-    as documents (images are refused: a tool message is text)."""
-    if isinstance(output, str) or not any(isinstance(p, InputFile) for p in output):
+    """A function call's output as a tool message's content: its text; with images or files,
+    parts as a user message's (its files read as documents), which a model of image input
+    sees where the template puts the tool's output."""
+    if isinstance(output, str) or not any(isinstance(p, InputImage | InputFile) for p in output):
         return _text(output, where)
-    return [
-        documents.part(_file_document(p, f"{where}.{j}"))
-        if isinstance(p, InputFile)
-        else {"type": "text", "text": _text([p], f"{where}.{j}")}
-        for j, p in enumerate(output)
-    ]
+    return _parts(output, where)
 
 
 def _file_document(part: InputFile, where: str) -> documents.Document:

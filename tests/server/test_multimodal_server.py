@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 from inflight import LLM, SamplingParams
+from inflight.server.chat_templates import HERMES_TEMPLATE
 
 from server_harness import serve
 from tiny_models import IMAGE_TOKEN_ID
@@ -257,3 +258,84 @@ def test_the_pruner_over_http(setup):
     )
     assert reply.status_code == 400
     assert reply.json()["error"]["param"] == "mm_processor_kwargs"
+
+
+def test_an_image_a_tool_returned_on_the_anthropic_and_responses_apis(setup):
+    """A tool result holding an image (Claude Code's Read of an image file; a Responses
+    function_call_output with an input_image) is the tool message with the image where the
+    result has it: the reply `LLM.chat` gives for that conversation."""
+    url, llm = setup
+    image = picture(3)
+    question = "What did the camera see?"
+    call = {"id": "call_1", "type": "function", "function": {"name": "camera", "arguments": {}}}
+    messages = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {
+            "role": "tool",
+            "tool_call_id": "call_1",
+            "content": [
+                {"type": "text", "text": "The picture:"},
+                {"type": "image", "image": image},
+            ],
+        },
+    ]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    # The server renders a conversation with tools in its hermes template where the model's
+    # reads no tools; that template joins content to strings, so the image goes on a line
+    # before the result's text.
+    hermes = HERMES_TEMPLATE.read_text()
+    expected = llm.chat(messages, params, chat_template=hermes)[0].outputs[0].text
+    prompt = llm.prepare(messages, chat_template=hermes).prompt_token_ids
+    assert list(prompt).count(IMAGE_TOKEN_ID) == 16  # the image's tokens, in the tool's turn
+    assert "<tool_response>\n\nThe picture:" in llm.tokenizer.decode(list(prompt))
+    claude = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    source = {"type": "base64", "media_type": "image/png", "data": png_base64(image)}
+    message = claude.messages.create(
+        model="llava",
+        max_tokens=12,
+        messages=[
+            {"role": "user", "content": question},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "call_1", "name": "camera", "input": {}}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "call_1",
+                        "content": [
+                            {"type": "text", "text": "The picture:"},
+                            {"type": "image", "source": source},
+                        ],
+                    }
+                ],
+            },
+        ],
+        extra_body={"temperature": 0},
+    )
+    assert message.content[0].text == expected
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    response = client.responses.create(
+        model="llava",
+        input=[
+            {"role": "user", "content": question},
+            {"type": "function_call", "call_id": "call_1", "name": "camera", "arguments": "{}"},
+            {
+                "type": "function_call_output",
+                "call_id": "call_1",
+                "output": [
+                    {"type": "input_text", "text": "The picture:"},
+                    {
+                        "type": "input_image",
+                        "image_url": f"data:image/png;base64,{png_base64(image)}",
+                    },
+                ],
+            },
+        ],
+        temperature=0,
+        max_output_tokens=12,
+    )
+    assert response.output_text == expected

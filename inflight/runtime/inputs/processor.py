@@ -111,8 +111,13 @@ class InputProcessor:
             return self._render(as_text(messages, {}), template), None
         placeholders = {kind: self.placeholder(kind) for kind in media}
         # A template of a media model renders media parts as their placeholders; one that
-        # renders text only gets each placeholder's text on a line before the message's text.
-        ids = self._render(messages, template)
+        # renders text only gets each placeholder's text on a line before the message's text,
+        # as does one that fails on parts (it joins a message's content to strings: the
+        # hermes template the server renders tool conversations with).
+        try:
+            ids = self._render(messages, template)
+        except ValueError:
+            ids = []
         counts = {kind: sum(1 for t in ids if t == token) for kind, token in placeholders.items()}
         if any(counts[kind] != len(items) for kind, items in media.items()):
             texts = {

@@ -487,6 +487,18 @@ def test_anthropic_deferred_tool_is_called_once_a_tool_search_loaded_it(ac):
     )
 
 
+def _forced_weather_response(oa, max_output_tokens: int):
+    """A greedy Responses request that must call get_weather."""
+    return oa.responses.create(
+        model=MODEL,
+        input=MESSAGES[0]["content"],
+        tools=[{"type": "function", **TOOLS[0]["function"]}],
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0,
+        max_output_tokens=max_output_tokens,
+    )
+
+
 def test_a_call_cut_by_max_tokens_is_the_call_as_written_on_every_api(oa, ac):
     """A forced call cut by max_tokens comes back as a call whose arguments stop where the
     reply did (OpenAI's finish_reason "length"), whole as streamed; the Responses API marks it
@@ -509,14 +521,7 @@ def test_a_call_cut_by_max_tokens_is_the_call_as_written_on_every_api(oa, ac):
         if c.choices and c.choices[0].delta.tool_calls
     )
     assert streamed == arguments
-    responses = oa.responses.create(
-        model=MODEL,
-        input=MESSAGES[0]["content"],
-        tools=[{"type": "function", **TOOLS[0]["function"]}],
-        tool_choice={"type": "function", "name": "get_weather"},
-        temperature=0,
-        max_output_tokens=cut,
-    )
+    responses = _forced_weather_response(oa, cut)
     assert responses.status == "incomplete"
     (item,) = responses.output
     assert item.type == "function_call" and item.status == "incomplete"
@@ -549,14 +554,7 @@ def test_a_forced_call_cut_inside_its_name_is_still_that_call_on_every_api(oa, a
         assert not any(d.content for d in deltas)
         calls = [call for d in deltas for call in d.tool_calls or []]
         assert [c.function.name for c in calls if c.function.name] == ["get_weather"]
-    responses = oa.responses.create(
-        model=MODEL,
-        input=MESSAGES[0]["content"],
-        tools=[{"type": "function", **TOOLS[0]["function"]}],
-        tool_choice={"type": "function", "name": "get_weather"},
-        temperature=0,
-        max_output_tokens=2,
-    )
+    responses = _forced_weather_response(oa, 2)
     (item,) = responses.output
     assert (item.type, item.name, item.status) == ("function_call", "get_weather", "incomplete")
     message = ac.messages.create(**_forced_weather(max_tokens=2))

@@ -348,3 +348,5 @@ def test_a_forced_choice_of_one_function_is_that_call_from_its_first_character()
         ToolCall("get_weather", ""),
     ]
     every_cut(required, f"[{text}, {text}]")
+    assert required.whole("[").tool_calls == [ToolCall("get_weather", "")]
+    assert required.whole("[").content is None

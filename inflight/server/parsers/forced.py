@@ -34,4 +34,6 @@ class ForcedCallsSyntax:
             i = skip_whitespace(text, end)
             if i < len(text) and text[i] == ",":
                 i = skip_whitespace(text, i + 1)
+        if final and self.array and not pieces and self.function and i == len(text):
+            pieces.append(CallSpan("", "", self.function))  # cut right after the array opened
         return pieces

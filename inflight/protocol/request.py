@@ -18,6 +18,12 @@ class PromptTooLongError(ValueError):
     """The prompt does not fit the deployment's context (HTTP 413)."""
 
 
+def context_overflow(limit: int, detail: str) -> str:
+    """A refusal of a request past the context of `limit` tokens, opening with OpenAI's and
+    vLLM's words, which clients' error classifiers match (litellm's, any-llm's)."""
+    return f"This model's maximum context length is {limit} tokens (max_model_len), and {detail}"
+
+
 class RequestFieldError(ValueError):
     """A request field this runtime cannot take (an option it does not serve, a constraint that
     does not compile); `field` names it."""

@@ -103,11 +103,9 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     # The content parts of the user message being gathered (`LLM.chat` joins their text).
     parts: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
-        if isinstance(block, AnthropicImageBlock):
-            parts.append({"type": "image_url", "image_url": {"url": _image_url(block, where, j)}})
-            continue
-        if isinstance(block, AnthropicDocumentBlock):
-            parts.append(documents.part(_document(block, f"{where}.{j}")))
+        media = _media_part(block, where, j)
+        if media is not None:
+            parts.append(media)
             continue
         if not isinstance(block, AnthropicToolResultBlock):
             parts.append({"type": "text", "text": _text([block], where)})
@@ -131,19 +129,25 @@ def _result(content: str | list[Any], where: str) -> str | list[dict[str, Any]]:
     """A tool result as a tool message's content: its text; with images or documents, parts
     (the text, the images, and the documents, which are read to text as the prompt is
     prepared), as Claude Code sends an image file its Read tool opened."""
-    media = AnthropicDocumentBlock | AnthropicImageBlock
-    if isinstance(content, str) or not any(isinstance(b, media) for b in content):
+    if isinstance(content, str) or not any(isinstance(b, _MEDIA_BLOCKS) for b in content):
         return _marked_text(content, where, _loaded_line)
-    parts: list[dict[str, Any]] = []
-    for j, block in enumerate(content):
-        if isinstance(block, AnthropicDocumentBlock):
-            parts.append(documents.part(_document(block, f"{where}.{j}")))
-        elif isinstance(block, AnthropicImageBlock):
-            parts.append({"type": "image_url", "image_url": {"url": _image_url(block, where, j)}})
-        else:
-            text = _marked_text([block], f"{where}.{j}", _loaded_line)
-            parts.append({"type": "text", "text": text})
-    return parts
+    return [
+        _media_part(b, where, j)
+        or {"type": "text", "text": _marked_text([b], f"{where}.{j}", _loaded_line)}
+        for j, b in enumerate(content)
+    ]
+
+
+_MEDIA_BLOCKS = (AnthropicImageBlock, AnthropicDocumentBlock)
+
+
+def _media_part(block: Any, where: str, index: int) -> dict[str, Any] | None:
+    """An image or document block as a message's content part (None for another block)."""
+    if isinstance(block, AnthropicImageBlock):
+        return {"type": "image_url", "image_url": {"url": _image_url(block, where, index)}}
+    if isinstance(block, AnthropicDocumentBlock):
+        return documents.part(_document(block, f"{where}.{index}"))
+    return None
 
 
 def _document(block: AnthropicDocumentBlock, where: str) -> documents.Document:

@@ -140,10 +140,8 @@ class ChatSetup:
         """How the reply to this prompt is read. A forced choice's output is the constrained
         call JSON, from its first token: no reasoning comes before it."""
         if choice is not None and choice.forced:
-            function = choice.function
-            if choice.mode == "required" and len(choice.tools) == 1:
-                function = choice.tools[0].name
-            syntax = ForcedCallsSyntax(self.arguments_key, choice.mode == "required", function)
+            array = choice.mode == "required"
+            syntax = ForcedCallsSyntax(self.arguments_key, array, choice.sole_function)
             return MessageParser(tools=syntax)
         thinking = False
         if self.reasoning is not None:

@@ -52,6 +52,14 @@ class ToolChoice:
     def forced(self) -> bool:
         return self.mode in ("required", "named")
 
+    @property
+    def sole_function(self) -> str | None:
+        """The one function a forced choice leaves to call: the named one, or `required`'s
+        only tool."""
+        if self.mode == "required" and len(self.tools) == 1:
+            return self.tools[0].name
+        return self.function if self.mode == "named" else None
+
 
 def tool_choice(
     tools: list[FunctionTool],

@@ -22,6 +22,7 @@ from inflight.protocol.request import (
     PromptTooLongError,
     RequestFieldError,
     SamplingParams,
+    context_overflow,
 )
 from inflight.runtime.host.media import MediaSpec, check_media
 
@@ -175,9 +176,11 @@ class DiffusionChecks:
         room = (limit - prompt) // canvas
         if room < 1:
             raise PromptTooLongError(
-                f"This model's maximum context length is {limit} tokens (max_model_len), and "
-                f"the prompt is {prompt} tokens: prompts may have at most {limit - canvas} "
-                f"tokens beside one canvas of {canvas}"
+                context_overflow(
+                    limit,
+                    f"the prompt is {prompt} tokens: prompts may have at most {limit - canvas} "
+                    f"tokens beside one canvas of {canvas}",
+                )
             )
         max_tokens = request.params.max_tokens
         if max_tokens is None:
@@ -185,9 +188,11 @@ class DiffusionChecks:
         wanted = -(-max_tokens // canvas)
         if wanted > room:
             raise RequestFieldError(
-                f"This model's maximum context length is {limit} tokens (max_model_len), and "
-                f"the prompt ({prompt} tokens) plus max_tokens ({max_tokens}, rounded up to "
-                f"{wanted} canvases of {canvas} tokens) asks for {prompt + wanted * canvas}",
+                context_overflow(
+                    limit,
+                    f"the prompt ({prompt} tokens) plus max_tokens ({max_tokens}, rounded up to "
+                    f"{wanted} canvases of {canvas} tokens) asks for {prompt + wanted * canvas}",
+                ),
                 "max_tokens",
             )
         return wanted

@@ -36,6 +36,7 @@ from inflight.protocol.request import (
     GenerationRequest,
     PromptTooLongError,
     RequestFieldError,
+    context_overflow,
 )
 from inflight.protocol.stepped import ResidentRef
 from inflight.runtime.host.context_cache import ContextCache, root_digest
@@ -152,10 +153,12 @@ class Scheduler:
             bad = next(t for t in prompt if not 0 <= t < vocab)
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
         if len(prompt) >= limit:
-            # OpenAI's and vLLM's opening words, which clients' error classifiers look for.
             raise PromptTooLongError(
-                f"This model's maximum context length is {limit} tokens (max_model_len), and "
-                f"the prompt is {len(prompt)} tokens: prompts may have at most {limit - 1} tokens"
+                context_overflow(
+                    limit,
+                    f"the prompt is {len(prompt)} tokens: prompts may have at most {limit - 1} "
+                    "tokens",
+                )
             )
         for name, ids in (
             ("logit_bias", params.logit_bias.keys()),
@@ -175,9 +178,11 @@ class Scheduler:
         room = limit - len(prompt)
         if params.max_tokens is not None and params.max_tokens > room:
             raise RequestFieldError(
-                f"This model's maximum context length is {limit} tokens (max_model_len), and "
-                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) asks "
-                f"for {len(prompt) + params.max_tokens}",
+                context_overflow(
+                    limit,
+                    f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) "
+                    f"asks for {len(prompt) + params.max_tokens}",
+                ),
                 "max_tokens",
             )
         max_new = room if params.max_tokens is None else params.max_tokens

@@ -158,7 +158,8 @@ def check_fp8_decode_cuda(device: torch.device, seed: int) -> tuple[bool, str]:
     """The CUDA decode kernel of a float8 cache (`kernels/cuda/fp8_decode.cu`) against a
     float32 reference on the same float8 values, beside Triton's decode kernel on the same
     case: 1, 2, 4 and 8 query heads a KV head, keys in 1, 4 and 16 parts, the rows in order
-    and longest first, contexts of 1 to 1,500 keys (partial blocks), output poisoned first."""
+    and longest first, contexts of 1 to 1,500 keys (partial blocks), output poisoned first;
+    and its reads through the tensor memory accelerator bit for bit against its direct loads."""
     capability = torch.cuda.get_device_capability(device)
     if fp8_decode.library(capability) is None:
         return False, "the kernel was not built (see the warning above)"
@@ -181,6 +182,7 @@ def check_fp8_decode_cuda(device: torch.device, seed: int) -> tuple[bool, str]:
                 cache.view(torch.uint8)[last, n % block_size :] = 0x7F
     order = torch.argsort(seq_lens, descending=True)
     worst = worst_triton = 0.0
+    apart = []  # cases where the TMA kernel's bits differ from the direct loads'
     for group in fp8_decode.GROUPS:
         q = torch.randn(len(lens), group * kv_heads, dim, device=device, dtype=torch.bfloat16)
         expected = torch.empty(q.shape, device=device)
@@ -205,8 +207,36 @@ def check_fp8_decode_cuda(device: torch.device, seed: int) -> tuple[bool, str]:
             if any(o.isnan().any().item() for o in outs):
                 return False, f"NaN in the output (group {group}, {splits} parts)"
             worst, worst_triton = max(worst, rel[0]), max(worst_triton, rel[1])
-    ok = worst < 1e-2
-    return ok, f"rel err at most {worst:.2e} (Triton's on the same cases {worst_triton:.2e})"
+        for splits, rows_order in itertools.product((1, 4), (None, order)):
+            case = (q, cache_k, cache_v, tables, seq_lens, splits, rows_order)
+            if not _fp8_decode_paths_agree(*case):
+                apart.append((group, splits, rows_order is not None))
+    ok = worst < 1e-2 and not apart
+    paths = f"apart at (group, parts, ordered) {apart}" if apart else "bit-identical"
+    return ok, (
+        f"rel err at most {worst:.2e} (Triton's on the same cases {worst_triton:.2e}); "
+        f"TMA and direct loads {paths}"
+    )
+
+
+def _fp8_decode_paths_agree(q, cache_k, cache_v, tables, seq_lens, splits, order) -> bool:
+    """Whether the CUDA kernel's two ways of reading the cache (the tensor memory accelerator
+    from compute capability 9.0, direct loads before it) give the same bits: the same arithmetic
+    in the same order. Before 9.0 both calls take the direct loads."""
+    lib = fp8_decode.library(torch.cuda.get_device_capability(q.device))
+    rows, heads, dim = q.shape
+    results = []
+    for tma in (True, False):
+        out = torch.full_like(q, float("nan"))
+        parts = torch.full((rows, heads, splits, dim), float("nan"), device=q.device)
+        stats = torch.full((rows, heads, splits, 2), float("nan"), device=q.device)
+        fp8_decode.decode(
+            lib, q, cache_k, cache_v, tables, seq_lens, out, rows, dim**-0.5, splits, parts,
+            stats, order, tma=tma,
+        )  # fmt: skip
+        results.append(out if splits == 1 else torch.cat([parts.flatten(), stats.flatten()]))
+    # Compared as bytes: a part with no keys leaves -inf either way.
+    return torch.equal(results[0].view(torch.uint8), results[1].view(torch.uint8))
 
 
 def _greedy(runtime: Runtime, prompts: list[list[int]], n: int) -> list[tuple[int, ...]]:

@@ -2,11 +2,17 @@
 //
 // The cache is the Triton backend's: [blocks, 16 tokens, KV heads, 128] bytes for keys and for
 // values alike. A program takes one (row, KV head, part of the row's blocks); its 4 warps take
-// the part's blocks in turn, 16 tokens at a time, and merge at the end. Each thread loads its
-// `mma.sync` m16n8k16 operand fragments straight from the cache (128-bit loads) and widens the
-// bytes in registers: Triton moves them through 16-bit tensor-core operands at ~2.5 TB/s of
-// float8 bytes on an H200, where this reads ~3.2 (bench/RESULTS.md, session 15).
-//
+// the part's blocks in turn, 16 tokens at a time, and merge at the end. Each thread takes its
+// `mma.sync` m16n8k16 operand fragments in 128-bit words and widens the bytes in registers:
+// Triton moves them through 16-bit tensor-core operands at ~2.5 TB/s of float8 bytes on an
+// H200, where this reads ~3.2 (bench/RESULTS.md, session 15). The words come
+// - on Hopper and later (`fp8_decode_tma`), from shared memory that the tensor memory
+//   accelerator fills: each warp keeps its next kStages blocks in flight, a block's 16 key rows
+//   and 16 value rows of its KV head two 2D copies (16 x 128 bytes, 128-byte swizzled) on one
+//   mbarrier, so that the loads in flight cost no registers (bench/RESULTS.md, session 33);
+// - before Hopper, or over a cache whose blocks are not 16 evenly spaced rows
+//   (`fp8_decode_ldg`), straight from the cache, one block a warp at a time.
+// Both give the same bits (bench/gpu_check.py "fp8 decode"). The products:
 // - scores S = Q K^T: the group's query heads are A's rows (padded to 16); a thread's B
 //   fragments are 32 bytes of one key, the dot's dimensions taken in the order the bytes lie
 //   (the query's fragments in the same order). Column n of the block's two 8-token tiles is
@@ -19,6 +25,7 @@
 //   token by token with byte permutes.
 // Products in float16, sums in float32, the softmax in base 2.
 
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -85,26 +92,32 @@ struct Args {
     int heads, splits;
 };
 
-// grid (KV heads, rows, splits), 4 warps. G: query heads a KV head (at most 8). A row's KV heads
-// are neighbours in the launch order, so the programs reading a block's 16 tokens of every head
-// run together: on an H200 8-20 % faster than rows first over blocks scattered through the cache,
-// 1-2 % in the FP8 workload, whose rows hold mostly adjacent blocks (bench/RESULTS.md).
-template <int G>
-__global__ void __launch_bounds__(kWarps * 32, 4) fp8_decode(const Args a) {
-    const int row = a.order ? (int)a.order[blockIdx.y] : (int)blockIdx.y;
-    const int kvh = blockIdx.x, split = blockIdx.z;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int len = a.lens[row], blocks = (len + kBlockSize - 1) / kBlockSize;
+// A program's row, KV head and part of the row's blocks [first, end).
+struct Work {
+    int row, kvh, split, len, first, end;
+};
+
+__device__ __forceinline__ Work work_of(const Args& a) {
+    Work w;
+    w.row = a.order ? (int)a.order[blockIdx.y] : (int)blockIdx.y;
+    w.kvh = blockIdx.x;
+    w.split = blockIdx.z;
+    w.len = a.lens[w.row];
+    const int blocks = (w.len + kBlockSize - 1) / kBlockSize;
     const int per = (blocks + a.splits - 1) / a.splits;
-    const int first_block = split * per, end_block = min(blocks, first_block + per);
-    const int* table = a.tables + (int64_t)row * a.sbt;
-    // Query fragments (scaled into log2 units): head g, dims 32 c + 4 j + {0, 1} and {2, 3}.
-    uint32_t qa[8][2];
+    w.first = w.split * per;
+    w.end = min(blocks, w.first + per);
+    return w;
+}
+
+// Query fragments (scaled into log2 units): head g, dims 32 c + 4 j + {0, 1} and {2, 3}.
+template <int G>
+__device__ __forceinline__ void load_query(const Args& a, const Work& w, int g, int c, uint32_t qa[8][2]) {
 #pragma unroll
     for (int j = 0; j < 8; j++) {
         qa[j][0] = qa[j][1] = 0u;
         if (g < G) {
-            const __nv_bfloat16* p = a.q + (int64_t)row * a.sqt + (kvh * G + g) * a.sqh + 32 * c + 4 * j;
+            const __nv_bfloat16* p = a.q + (int64_t)w.row * a.sqt + (w.kvh * G + g) * a.sqh + 32 * c + 4 * j;
             float x[4];
 #pragma unroll
             for (int e = 0; e < 4; e++) x[e] = __bfloat162float(p[e]) * a.scale_log2;
@@ -112,105 +125,110 @@ __global__ void __launch_bounds__(kWarps * 32, 4) fp8_decode(const Args a) {
             qa[j][1] = half2_of(x[2], x[3]);
         }
     }
-    const int tok0 = 4 * (g >> 1) + (g & 1);
-    const int64_t key0 = (int64_t)tok0 * a.sks + (int64_t)kvh * a.skh + 32 * c;
-    const int64_t key1 = key0 + 2 * a.sks;
-    const int64_t val0 = (int64_t)(4 * c) * a.svs + (int64_t)kvh * a.svh + 16 * g;
-    float o[8][4];  // O^T tiles: dims 16 g + t and 16 g + 8 + t, heads 2 c and 2 c + 1
+}
+
+// A warp's running state over its blocks: head g's max and (this lane's part of the) sum, and
+// the O^T tiles (dims 16 g + t and 16 g + 8 + t, heads 2 c and 2 c + 1).
+struct Running {
+    float m, l;
+    float o[8][4];
+};
+
+// One block of 16 tokens into the running state. ka, kc: bytes 32 c .. 32 c + 31 of token
+// 4 (g / 2) + g % 2's key; kd, ke: the same of the token 2 on. vt[i]: bytes 16 g .. 16 g + 15 of
+// token 4 c + i's value. `first`: the block's first token index plus 4 c.
+__device__ __forceinline__ void attend(const uint32_t qa[8][2], const uint4& ka, const uint4& kc,
+                                       const uint4& kd, const uint4& ke, uint4 vt[4], int first,
+                                       int len, int c, Running& r) {
+    // Values past the row's end as 0 (their probabilities are 0, but the bytes there may be a
+    // NaN's).
 #pragma unroll
-    for (int t = 0; t < 8; t++) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
-    float m = -CUDART_INF_F, l = 0.f;  // head g's running max and (this lane's part of the) sum
-    // Each block's cache index is read one iteration ahead, off the loads' critical path.
-    int next = first_block + warp < end_block ? table[first_block + warp] : 0;
-    for (int blk = first_block + warp; blk < end_block; blk += kWarps) {
-        const int64_t at = (int64_t)next;
-        if (blk + kWarps < end_block) next = table[blk + kWarps];
-        const uint8_t* kb = a.k + at * a.skb;
-        const uint8_t* vb = a.v + at * a.svb + val0;
-        const uint4 ka = __ldg(reinterpret_cast<const uint4*>(kb + key0));
-        const uint4 kc = __ldg(reinterpret_cast<const uint4*>(kb + key0 + 16));
-        const uint4 kd = __ldg(reinterpret_cast<const uint4*>(kb + key1));
-        const uint4 ke = __ldg(reinterpret_cast<const uint4*>(kb + key1 + 16));
-        // This thread's 4 tokens' values (loaded whatever the row's length, which keeps the
-        // loads unpredicated: 2-3 % faster on an H200); those past the row's end as 0 (their
-        // probabilities are 0, but the bytes there may be a NaN's).
-        const int first = blk * kBlockSize + 4 * c;
-        uint4 vt[4];
+    for (int i = 0; i < 4; i++)
+        if (first + i >= len) vt[i] = make_uint4(0u, 0u, 0u, 0u);
+    const uint32_t k0[8] = {ka.x, ka.y, ka.z, ka.w, kc.x, kc.y, kc.z, kc.w};
+    const uint32_t k1[8] = {kd.x, kd.y, kd.z, kd.w, ke.x, ke.y, ke.z, ke.w};
+    float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int i = 0; i < 4; i++) vt[i] = __ldg(reinterpret_cast<const uint4*>(vb + i * a.svs));
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            if (first + i >= len) vt[i] = make_uint4(0u, 0u, 0u, 0u);
-        const uint32_t k0[8] = {ka.x, ka.y, ka.z, ka.w, kc.x, kc.y, kc.z, kc.w};
-        const uint32_t k1[8] = {kd.x, kd.y, kd.z, kd.w, ke.x, ke.y, ke.z, ke.w};
-        float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            mma(s0, qa[j][0], 0u, qa[j][1], 0u, widen2(k0[j]), widen2(k0[j] >> 16));
-            mma(s1, qa[j][0], 0u, qa[j][1], 0u, widen2(k1[j]), widen2(k1[j] >> 16));
-        }
-        float s[4] = {s0[0], s0[1], s1[0], s1[1]};
-#pragma unroll
-        for (int b = 0; b < 4; b++)
-            if (first + b >= len) s[b] = -CUDART_INF_F;
-        float top = fmaxf(fmaxf(s[0], s[1]), fmaxf(s[2], s[3]));
-        top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, 1));
-        top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, 2));
-        const float m_new = fmaxf(m, top);
-        const float alpha = exp2f(m - m_new);
-        float p[4];
-#pragma unroll
-        for (int b = 0; b < 4; b++) p[b] = exp2f(s[b] - m_new);
-        l = l * alpha + (p[0] + p[1] + p[2] + p[3]);
-        m = m_new;
-        const uint32_t pb0 = half2_of(p[0], p[1]), pb1 = half2_of(p[2], p[3]);
-        const float alpha_lo = __shfl_sync(0xffffffff, alpha, 8 * c);
-        const float alpha_hi = __shfl_sync(0xffffffff, alpha, 8 * c + 4);
-        uint32_t v01[16], v23[16];
-        pair_up(vt[0], vt[1], v01);
-        pair_up(vt[2], vt[3], v23);
-#pragma unroll
-        for (int t = 0; t < 8; t++) {
-            o[t][0] *= alpha_lo; o[t][1] *= alpha_hi; o[t][2] *= alpha_lo; o[t][3] *= alpha_hi;
-            mma(o[t], widen2(v01[t]), widen2(v01[8 + t]), widen2(v23[t]), widen2(v23[8 + t]),
-                pb0, pb1);
-        }
+    for (int j = 0; j < 8; j++) {
+        mma(s0, qa[j][0], 0u, qa[j][1], 0u, widen2(k0[j]), widen2(k0[j] >> 16));
+        mma(s1, qa[j][0], 0u, qa[j][1], 0u, widen2(k1[j]), widen2(k1[j] >> 16));
     }
-    l += __shfl_xor_sync(0xffffffff, l, 1);
-    l += __shfl_xor_sync(0xffffffff, l, 2);
-    __shared__ float wm[kWarps][8], wl[kWarps][8], wo[kWarps][G][kHeadDim];
+    float s[4] = {s0[0], s0[1], s1[0], s1[1]};
+#pragma unroll
+    for (int b = 0; b < 4; b++)
+        if (first + b >= len) s[b] = -CUDART_INF_F;
+    float top = fmaxf(fmaxf(s[0], s[1]), fmaxf(s[2], s[3]));
+    top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, 1));
+    top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, 2));
+    const float m_new = fmaxf(r.m, top);
+    const float alpha = exp2f(r.m - m_new);
+    float p[4];
+#pragma unroll
+    for (int b = 0; b < 4; b++) p[b] = exp2f(s[b] - m_new);
+    r.l = r.l * alpha + (p[0] + p[1] + p[2] + p[3]);
+    r.m = m_new;
+    const uint32_t pb0 = half2_of(p[0], p[1]), pb1 = half2_of(p[2], p[3]);
+    const float alpha_lo = __shfl_sync(0xffffffff, alpha, 8 * c);
+    const float alpha_hi = __shfl_sync(0xffffffff, alpha, 8 * c + 4);
+    uint32_t v01[16], v23[16];
+    pair_up(vt[0], vt[1], v01);
+    pair_up(vt[2], vt[3], v23);
+#pragma unroll
+    for (int t = 0; t < 8; t++) {
+        r.o[t][0] *= alpha_lo; r.o[t][1] *= alpha_hi; r.o[t][2] *= alpha_lo; r.o[t][3] *= alpha_hi;
+        mma(r.o[t], widen2(v01[t]), widen2(v01[8 + t]), widen2(v23[t]), widen2(v23[8 + t]),
+            pb0, pb1);
+    }
+}
+
+__device__ __forceinline__ void start(Running& r) {
+    r.m = -CUDART_INF_F;
+    r.l = 0.f;
+#pragma unroll
+    for (int t = 0; t < 8; t++) r.o[t][0] = r.o[t][1] = r.o[t][2] = r.o[t][3] = 0.f;
+}
+
+// The warps' states merged into the program's output: each warp's tiles into wo (warp w's
+// [G][128] floats at wo + w * wo_stride), then every output element summed over the warps.
+template <int G>
+__device__ __forceinline__ void finish(const Args& a, const Work& w, Running& r, float* wo,
+                                       int wo_stride, float (*wm)[8], float (*wl)[8]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    r.l += __shfl_xor_sync(0xffffffff, r.l, 1);
+    r.l += __shfl_xor_sync(0xffffffff, r.l, 2);
     if (c == 0 && g < G) {
-        wm[warp][g] = m;
-        wl[warp][g] = l;
+        wm[warp][g] = r.m;
+        wl[warp][g] = r.l;
     }
+    float* mine = wo + warp * wo_stride;
 #pragma unroll
     for (int t = 0; t < 8; t++) {
         if (2 * c < G) {
-            wo[warp][2 * c][16 * g + t] = o[t][0];
-            wo[warp][2 * c][16 * g + 8 + t] = o[t][2];
+            mine[(2 * c) * kHeadDim + 16 * g + t] = r.o[t][0];
+            mine[(2 * c) * kHeadDim + 16 * g + 8 + t] = r.o[t][2];
         }
         if (2 * c + 1 < G) {
-            wo[warp][2 * c + 1][16 * g + t] = o[t][1];
-            wo[warp][2 * c + 1][16 * g + 8 + t] = o[t][3];
+            mine[(2 * c + 1) * kHeadDim + 16 * g + t] = r.o[t][1];
+            mine[(2 * c + 1) * kHeadDim + 16 * g + 8 + t] = r.o[t][3];
         }
     }
     __syncthreads();
     for (int i = threadIdx.x; i < G * kHeadDim; i += kWarps * 32) {
-        const int h = i / kHeadDim, d = i % kHeadDim, head = kvh * G + h;
+        const int h = i / kHeadDim, d = i % kHeadDim, head = w.kvh * G + h;
         float top = -CUDART_INF_F, num = 0.f, den = 0.f;
-        for (int w = 0; w < kWarps; w++) top = fmaxf(top, wm[w][h]);
-        for (int w = 0; w < kWarps; w++) {
-            const float weight = wm[w][h] == -CUDART_INF_F ? 0.f : exp2f(wm[w][h] - top);
-            num += weight * wo[w][h][d];
-            den += weight * wl[w][h];
+        for (int v = 0; v < kWarps; v++) top = fmaxf(top, wm[v][h]);
+        for (int v = 0; v < kWarps; v++) {
+            const float weight = wm[v][h] == -CUDART_INF_F ? 0.f : exp2f(wm[v][h] - top);
+            num += weight * wo[v * wo_stride + i];
+            den += weight * wl[v][h];
         }
         if (a.splits == 1) {
             const float x = den > 0.f ? num / den : 0.f;  // a row of no keys: 0
-            a.out[(int64_t)row * a.sot + head * a.soh + d] = __float2bfloat16(x);
+            a.out[(int64_t)w.row * a.sot + head * a.soh + d] = __float2bfloat16(x);
         } else {
             // The part unnormalized, as the Triton decode kernel leaves it for its merge
             // kernel: the max in natural-log units (an empty part's -inf weighs 0 there).
-            const int64_t at = ((int64_t)row * a.heads + head) * a.splits + split;
+            const int64_t at = ((int64_t)w.row * a.heads + head) * a.splits + w.split;
             a.parts[at * kHeadDim + d] = num;
             if (d == 0) {
                 a.stats[at * 2] = top * 0.69314718055994531f;
@@ -220,25 +238,254 @@ __global__ void __launch_bounds__(kWarps * 32, 4) fp8_decode(const Args a) {
     }
 }
 
+// grid (KV heads, rows, splits), 4 warps. G: query heads a KV head (at most 8). A row's KV heads
+// are neighbours in the launch order, so the programs reading a block's 16 tokens of every head
+// run together: on an H200 8-20 % faster than rows first over blocks scattered through the cache,
+// 1-2 % in the FP8 workload, whose rows hold mostly adjacent blocks (bench/RESULTS.md).
+template <int G>
+__global__ void __launch_bounds__(kWarps * 32, 4) fp8_decode_ldg(const Args a) {
+    const Work w = work_of(a);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int* table = a.tables + (int64_t)w.row * a.sbt;
+    uint32_t qa[8][2];
+    load_query<G>(a, w, g, c, qa);
+    const int tok0 = 4 * (g >> 1) + (g & 1);
+    const int64_t key0 = (int64_t)tok0 * a.sks + (int64_t)w.kvh * a.skh + 32 * c;
+    const int64_t key1 = key0 + 2 * a.sks;
+    const int64_t val0 = (int64_t)(4 * c) * a.svs + (int64_t)w.kvh * a.svh + 16 * g;
+    Running r;
+    start(r);
+    // Each block's cache index is read one iteration ahead, off the loads' critical path.
+    int next = w.first + warp < w.end ? table[w.first + warp] : 0;
+    for (int blk = w.first + warp; blk < w.end; blk += kWarps) {
+        const int64_t at = (int64_t)next;
+        if (blk + kWarps < w.end) next = table[blk + kWarps];
+        const uint8_t* kb = a.k + at * a.skb;
+        const uint8_t* vb = a.v + at * a.svb + val0;
+        const uint4 ka = __ldg(reinterpret_cast<const uint4*>(kb + key0));
+        const uint4 kc = __ldg(reinterpret_cast<const uint4*>(kb + key0 + 16));
+        const uint4 kd = __ldg(reinterpret_cast<const uint4*>(kb + key1));
+        const uint4 ke = __ldg(reinterpret_cast<const uint4*>(kb + key1 + 16));
+        // Loaded whatever the row's length, which keeps the loads unpredicated: 2-3 % faster on
+        // an H200.
+        uint4 vt[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) vt[i] = __ldg(reinterpret_cast<const uint4*>(vb + i * a.svs));
+        attend(qa, ka, kc, kd, ke, vt, blk * kBlockSize + 4 * c, w.len, c, r);
+    }
+    __shared__ float wm[kWarps][8], wl[kWarps][8], wo[kWarps * G * kHeadDim];
+    finish<G>(a, w, r, wo, G * kHeadDim, wm, wl);
+}
+
+// Blocks a warp keeps in flight on the TMA path: 2 beat 3 and 4 on an H100 (bench/RESULTS.md,
+// session 33).
+constexpr int kStages = 2;
+constexpr int kStageBytes = 2 * kBlockSize * kHeadDim;  // a block's keys, then its values
+// The dynamic shared memory of a TMA program: its warps' stages, 1024-byte aligned (the
+// swizzle's period).
+constexpr int kTmaShared = kWarps * kStages * kStageBytes + 1024;
+
+// Hopper's copy engine and barriers, compiled only where they exist (the launcher takes the TMA
+// kernel from compute capability 9.0 on; before it, the kernel is empty).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define INFLIGHT_TMA_DEVICE 1
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void barrier_init(uint64_t* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)));
+}
+
+__device__ __forceinline__ void barrier_expect(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)),
+                 "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void barrier_wait(uint64_t* bar, uint32_t parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" ::"r"(shared_address(bar)), "r"(parity) : "memory");
+}
+
+// 16 rows x 128 bytes at (x bytes, row y) of the tensor `map` describes, into `dst`.
+__device__ __forceinline__ void copy_box(void* dst, const CUtensorMap* map, int x, int y, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+        ::"r"(shared_address(dst)), "l"(map), "r"(x), "r"(y), "r"(shared_address(bar)) : "memory");
+}
+
+// Byte offset of 16-byte word q of row r in a 128-byte-swizzled box of 128-byte rows.
+__device__ __forceinline__ int swizzled(int r, int q) { return r * 128 + ((q ^ (r & 7)) << 4); }
+#endif
+
+// As fp8_decode_ldg, the blocks through shared memory. `keys`, `values`: the caches as 2D
+// tensors of 128-byte rows (a token's KV heads side by side, the blocks' tokens one after
+// another), boxes of 16 x 128 bytes.
+template <int G>
+__global__ void __launch_bounds__(kWarps * 32, 4)
+    fp8_decode_tma(const Args a, const __grid_constant__ CUtensorMap keys,
+                   const __grid_constant__ CUtensorMap values) {
+#ifdef INFLIGHT_TMA_DEVICE
+    extern __shared__ uint8_t shared[];
+    __shared__ __align__(8) uint64_t bars[kWarps][kStages];
+    __shared__ float wm[kWarps][8], wl[kWarps][8];
+    const Work w = work_of(a);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    uint8_t* aligned = reinterpret_cast<uint8_t*>(
+        (reinterpret_cast<uintptr_t>(shared) + 1023) & ~static_cast<uintptr_t>(1023));
+    uint8_t* stages = aligned + warp * kStages * kStageBytes;
+    uint64_t* bar = bars[warp];
+    if (lane == 0) {
+#pragma unroll
+        for (int s = 0; s < kStages; s++) barrier_init(&bar[s]);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncwarp();
+    const int* table = a.tables + (int64_t)w.row * a.sbt;
+    auto fill = [&](int s, int at) {
+        if (lane == 0) {
+            barrier_expect(&bar[s], kStageBytes);
+            copy_box(stages + s * kStageBytes, &keys, w.kvh * kHeadDim, at * kBlockSize, &bar[s]);
+            copy_box(stages + s * kStageBytes + kStageBytes / 2, &values, w.kvh * kHeadDim,
+                     at * kBlockSize, &bar[s]);
+        }
+    };
+    {
+        int at[kStages];
+#pragma unroll
+        for (int s = 0; s < kStages; s++) {
+            const int blk = w.first + warp + s * kWarps;
+            at[s] = blk < w.end ? table[blk] : 0;
+        }
+#pragma unroll
+        for (int s = 0; s < kStages; s++)
+            if (w.first + warp + s * kWarps < w.end) fill(s, at[s]);
+    }
+    uint32_t qa[8][2];
+    load_query<G>(a, w, g, c, qa);
+    const int tok0 = 4 * (g >> 1) + (g & 1);
+    Running r;
+    start(r);
+    // The cache index of the block a stage is refilled with, read an iteration ahead.
+    const int ahead = w.first + warp + kStages * kWarps;
+    int refill_at = ahead < w.end ? table[ahead] : 0;
+    int s = 0;
+    uint32_t parity = 0;
+    for (int blk = w.first + warp; blk < w.end; blk += kWarps) {
+        barrier_wait(&bar[s], parity);
+        const uint8_t* kb = stages + s * kStageBytes;
+        const uint8_t* vb = kb + kStageBytes / 2;
+        const uint4 ka = *reinterpret_cast<const uint4*>(kb + swizzled(tok0, 2 * c));
+        const uint4 kc = *reinterpret_cast<const uint4*>(kb + swizzled(tok0, 2 * c + 1));
+        const uint4 kd = *reinterpret_cast<const uint4*>(kb + swizzled(tok0 + 2, 2 * c));
+        const uint4 ke = *reinterpret_cast<const uint4*>(kb + swizzled(tok0 + 2, 2 * c + 1));
+        uint4 vt[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) vt[i] = *reinterpret_cast<const uint4*>(vb + swizzled(4 * c + i, g));
+        attend(qa, ka, kc, kd, ke, vt, blk * kBlockSize + 4 * c, w.len, c, r);
+        // The stage's words are used: every lane is past its reads before the copy engine
+        // writes the block kStages on into it.
+        __syncwarp();
+        const int refill = blk + kStages * kWarps;
+        if (refill < w.end) {
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            fill(s, refill_at);
+            if (refill + kWarps < w.end) refill_at = table[refill + kWarps];
+        }
+        if (++s == kStages) {
+            s = 0;
+            parity ^= 1;
+        }
+    }
+    // Each warp's tiles over its own stages, drained by now.
+    finish<G>(a, w, r, reinterpret_cast<float*>(aligned), kStages * kStageBytes / 4, wm, wl);
+#endif
+}
+
+// cuTensorMapEncodeTiled, from the driver the runtime has loaded (no link to libcuda).
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiled encode_tiled() {
+    static EncodeTiled encode = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                             &found) != cudaSuccess)
+            fn = nullptr;
+#else
+        if (cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found) != cudaSuccess)
+            fn = nullptr;
+#endif
+        return found == cudaDriverEntryPointSuccess ? reinterpret_cast<EncodeTiled>(fn) : nullptr;
+    }();
+    return encode;
+}
+
+// A cache [blocks, 16, KV heads, 128] whose token rows are `row_stride` bytes apart as `map`:
+// rows of KV heads x 128 bytes, boxes of a block's 16 rows of one head. False where the driver
+// refuses it.
+bool cache_map(CUtensorMap* map, const void* cache, int kv_heads, int blocks, int64_t row_stride) {
+    const EncodeTiled encode = encode_tiled();
+    if (!encode) return false;
+    const cuuint64_t dims[2] = {(cuuint64_t)kv_heads * kHeadDim, (cuuint64_t)blocks * kBlockSize};
+    const cuuint64_t strides[1] = {(cuuint64_t)row_stride};
+    const cuuint32_t box[2] = {kHeadDim, kBlockSize};
+    const cuuint32_t steps[2] = {1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(cache), dims, strides,
+                  box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <int G>
+void launch(const Args& a, dim3 grid, cudaStream_t stream, bool tma, const CUtensorMap& keys,
+            const CUtensorMap& values) {
+    if (tma)
+        fp8_decode_tma<G><<<grid, kWarps * 32, kTmaShared, stream>>>(a, keys, values);
+    else
+        fp8_decode_ldg<G><<<grid, kWarps * 32, 0, stream>>>(a);
+}
+
 }  // namespace
 
-// Launch on `stream` (a cudaStream_t) over `rows` rows; returns the launch's cudaError_t.
+// Launch on `stream` (a cudaStream_t) over `rows` rows of a cache of `blocks` blocks; `tma`: the
+// TMA kernel where the device and the cache allow it. Returns the launch's cudaError_t.
 extern "C" int fp8_decode_attention(
     const void* q, const void* k, const void* v, void* out, void* parts, void* stats,
     const void* tables, const void* lens, const void* order, int rows, int kv_heads, int group,
     int splits, float scale, int64_t sqt, int64_t sqh, int64_t skb, int64_t sks, int64_t skh,
-    int64_t svb, int64_t svs, int64_t svh, int64_t sbt, int64_t sot, int64_t soh, void* stream) {
+    int64_t svb, int64_t svs, int64_t svh, int64_t sbt, int64_t sot, int64_t soh, int blocks,
+    int tma, void* stream) {
     const Args a{(const __nv_bfloat16*)q, (const uint8_t*)k, (const uint8_t*)v,
                  (__nv_bfloat16*)out, (float*)parts, (float*)stats, (const int*)tables,
                  (const int*)lens, (const int64_t*)order, scale * 1.4426950408889634f,
                  sqt, sqh, skb, sks, skh, svb, svs, svh, sbt, sot, soh, group * kv_heads, splits};
     const dim3 grid(kv_heads, rows, splits);
     cudaStream_t s = (cudaStream_t)stream;
+    int device = 0, major = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    // The boxes need a block's 16 token rows evenly spaced and a head's 128 bytes in a row.
+    CUtensorMap keys, values;
+    const bool boxed = tma && major >= 9 && skb == kBlockSize * sks && svb == kBlockSize * svs &&
+                       skh == kHeadDim && svh == kHeadDim &&
+                       cache_map(&keys, k, kv_heads, blocks, sks) &&
+                       cache_map(&values, v, kv_heads, blocks, svs);
     switch (group) {
-        case 1: fp8_decode<1><<<grid, kWarps * 32, 0, s>>>(a); break;
-        case 2: fp8_decode<2><<<grid, kWarps * 32, 0, s>>>(a); break;
-        case 4: fp8_decode<4><<<grid, kWarps * 32, 0, s>>>(a); break;
-        case 8: fp8_decode<8><<<grid, kWarps * 32, 0, s>>>(a); break;
+        case 1: launch<1>(a, grid, s, boxed, keys, values); break;
+        case 2: launch<2>(a, grid, s, boxed, keys, values); break;
+        case 4: launch<4>(a, grid, s, boxed, keys, values); break;
+        case 8: launch<8>(a, grid, s, boxed, keys, values); break;
         default: return (int)cudaErrorInvalidValue;
     }
     return (int)cudaGetLastError();

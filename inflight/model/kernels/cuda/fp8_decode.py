@@ -56,7 +56,7 @@ def library(capability: tuple[int, int]) -> ctypes.CDLL | None:
         return None
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.fp8_decode_attention.argtypes = [
-        p, p, p, p, p, p, p, p, p, i32, i32, i32, i32, ctypes.c_float, *[i64] * 11, p,
+        p, p, p, p, p, p, p, p, p, i32, i32, i32, i32, ctypes.c_float, *[i64] * 11, i32, i32, p,
     ]  # fmt: skip
     lib.fp8_decode_attention.restype = i32
     return lib
@@ -72,6 +72,7 @@ def serves(
     _, block_size, kv_heads, head_dim = k_cache.shape
     return (
         q.is_cuda
+        and k_cache.shape == v_cache.shape
         and k_cache.dtype == v_cache.dtype == torch.float8_e4m3fn
         and q.dtype == torch.bfloat16
         and block_size == BLOCK_SIZE
@@ -102,18 +103,21 @@ def decode(
     parts: torch.Tensor,
     stats: torch.Tensor,
     order: torch.Tensor | None,
+    tma: bool = True,
 ) -> None:
     """Queue the attention of the first `rows` queries of q over their rows' keys (as
     `serves` requires) on the current stream: into `out` where `splits` is 1, else each row's
     keys in `splits` parts into `parts` and `stats` (float32, contiguous, the Triton decode
-    kernel's layout) for its merge kernel."""
+    kernel's layout) for its merge kernel. On compute capability 9.0 and later the blocks come
+    through the tensor memory accelerator where the cache's layout allows (`tma=False`: read
+    straight from the cache, as before Hopper; the same bits)."""
     kv_heads = k_cache.shape[2]
     error = lib.fp8_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         parts.data_ptr(), stats.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         None if order is None else order.data_ptr(), rows, kv_heads, q.shape[1] // kv_heads,
         splits, scale, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), k_cache.shape[0], int(tma),
         torch.cuda.current_stream(q.device).cuda_stream,
     )  # fmt: skip
     if error:

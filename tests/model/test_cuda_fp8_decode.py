@@ -65,6 +65,7 @@ def test_it_serves_a_float8_cache_of_16_token_blocks_and_128_wide_heads_without_
     assert not fp8_decode.serves(*_case(q_dtype=torch.float16), None, None)
     assert not fp8_decode.serves(*_case(fp8=False), None, None)
     assert not fp8_decode.serves(q.as_subclass(torch.Tensor), k, v, None, None)  # on the CPU
+    assert not fp8_decode.serves(q, k, v[:4], None, None)  # keys and values of other caches
     # A view whose heads are not 16-byte aligned rows of the cache.
     wide = torch.zeros(8, 16, 8, 136, dtype=torch.float8_e4m3fn)[..., :128]
     assert not fp8_decode.serves(q, wide, wide, None, None)

@@ -62,6 +62,7 @@ def test_a_request_may_opt_out_over_http(setup):
             "temperature": 0,
             "speculative": False,
         },
+        timeout=60,  # httpx's 5 s default, not the subject here: a loaded 2-core box ran past it
     )
     assert r.status_code == 200
     assert llm.get_speculative_metrics()["verifications"] == before

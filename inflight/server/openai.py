@@ -134,7 +134,7 @@ def chat_tools(tools: list[ChatTool] | None) -> list[FunctionTool]:
         FunctionTool(
             t.function.name,
             t.function.description,
-            t.function.parameters,
+            t.function.arguments_schema,
             strict=(t.strict if t.function.strict is None else t.function.strict) is True,
         )
         for t in tools or []
@@ -150,7 +150,7 @@ def chat_tool_choice(body: ChatCompletionRequest, chat: ChatSetup) -> ToolChoice
                 400, "send tools and tool_choice or the legacy functions, not both", "functions"
             )
         functions = [
-            FunctionTool(f.name, f.description, f.parameters, strict=f.strict is True)
+            FunctionTool(f.name, f.description, f.arguments_schema, strict=f.strict is True)
             for f in body.functions
         ]
         legacy = body.function_call
@@ -318,7 +318,8 @@ def chat_messages(
 ) -> list[dict[str, Any]]:
     """Chat messages for the template: text content, an assistant's tool calls (arguments as
     objects, which is what templates read) and reasoning, and tool results. An assistant's
-    spoken reply sent back by its audio id (and no text) is its transcript (`recall`)."""
+    spoken reply sent back by its audio id (and no text) is its transcript (`recall`), and a
+    refusal sent back (and no text) is its text."""
     out = []
     for i, m in enumerate(messages):
         content: Any = m.content
@@ -335,6 +336,8 @@ def chat_messages(
                 )
         if isinstance(content, list):
             content = _content_parts(content, f"messages.{i}.content")
+        if m.refusal and not content and m.role == "assistant":
+            content = m.refusal
         role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
         message: dict[str, Any] = {"role": role, "content": content or ""}
         if m.function_call is not None:

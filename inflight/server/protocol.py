@@ -107,7 +107,11 @@ class AssistantToolCall(Strict):
     function: FunctionCall
 
 
-class ChatMessage(Strict):
+class ChatMessage(BaseModel):
+    # Other keys are ignored, as OpenAI's Chat Completions ignores them: clients send a returned
+    # message back whole (its `annotations`) and keep their own bookkeeping in messages (OpenAI
+    # Swarm's `sender` and `tool_name`).
+    model_config = ConfigDict(extra="ignore")
     # "function": a legacy function's result (read as a tool result).
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: (
@@ -123,6 +127,8 @@ class ChatMessage(Strict):
     reasoning_content: str | None = None
     reasoning: str | None = None
     audio: AssistantAudio | None = None  # a spoken reply sent back by its audio id
+    # An assistant's refusal as OpenAI returns it, sent back: the message's text where it has none.
+    refusal: str | None = None
 
 
 class AssistantAudio(Strict):
@@ -135,6 +141,16 @@ class FunctionDefinition(Strict):
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
     # Closes every object of a forced call's arguments; auto calls are read, not constrained.
     strict: bool | None = None
+    # Beside the parameters, as guardrails' function-calling tool sends it (OpenAI takes it):
+    # the names the arguments must hold where the parameters' schema names none.
+    required: list[str] | None = None
+
+    @property
+    def arguments_schema(self) -> dict[str, Any] | None:
+        """The arguments' JSON schema."""
+        if self.required is None or self.parameters is None or "required" in self.parameters:
+            return self.parameters
+        return {**self.parameters, "required": self.required}
 
 
 class ChatTool(Strict):

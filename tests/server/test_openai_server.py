@@ -733,6 +733,37 @@ WEATHER = {
 }
 
 
+def test_a_returned_message_sent_back_whole_and_a_clients_own_keys_are_read_as_without_them(
+    oa, server_llm
+):
+    """OpenAI Swarm sends each reply back as the SDK returned it (`refusal`, `annotations`,
+    ...) with its own `sender`, and `tool_name` on tool results: OpenAI ignores what it does
+    not read; a refusal sent back without content is the assistant's text."""
+    plain = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Say it again."},
+    ]
+    returned = {
+        "refusal": None, "annotations": [], "audio": None, "function_call": None,
+        "tool_calls": None, "sender": "Agent A",
+    }  # fmt: skip
+    sent = [plain[0], {**plain[1], **returned}, {**plain[2], "sender": None}]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    expected = server_llm.chat(plain, params)[0].text
+    reply = oa.chat.completions.create(model=MODEL, messages=sent, temperature=0, max_tokens=12)
+    assert reply.choices[0].message.content == expected
+    refused = "I can't help with that."
+    with_refusal = [plain[0], {"role": "assistant", "content": None, "refusal": refused}, plain[2]]
+    expected = server_llm.chat(
+        [plain[0], {"role": "assistant", "content": refused}, plain[2]], params
+    )[0].text
+    reply = oa.chat.completions.create(
+        model=MODEL, messages=with_refusal, temperature=0, max_tokens=12
+    )
+    assert reply.choices[0].message.content == expected
+
+
 def test_legacy_functions_are_served_as_one_function_call(oa):
     question = [{"role": "user", "content": "What is the weather in Paris?"}]
     request = dict(

@@ -196,6 +196,46 @@ def test_strict_beside_the_function_is_the_functions_own_where_that_says_nothing
     assert strict({"function": {**function, "strict": True}})
 
 
+def test_required_beside_the_parameters_is_the_schemas_where_that_names_none():
+    """guardrails' function-calling tool repeats the parameters' `required` beside them."""
+
+    def schema(function: dict) -> dict | None:
+        (read,) = chat_tools([ChatTool.model_validate({"type": "function", "function": function})])
+        return read.parameters
+
+    said = {"name": "f", "parameters": OPEN_PARAMETERS, "required": ["x"]}
+    assert schema(said) == OPEN_PARAMETERS  # the schema's own list stands
+    unsaid = {"type": "object", "properties": {"city": {"type": "string"}}}
+    assert schema({"name": "f", "parameters": unsaid, "required": ["city"]}) == {
+        **unsaid,
+        "required": ["city"],
+    }
+    assert schema({"name": "f", "parameters": unsaid}) == unsaid
+
+
+def test_guardrails_function_calling_tool_is_served_and_its_required_names_hold(oa):
+    properties = {
+        "city": {"type": "string", "maxLength": 20},
+        "note": {"type": "string", "maxLength": 20},
+    }
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "gd_response_tool",
+            "description": "The answer as a structured object",
+            "parameters": {"type": "object", "properties": properties},
+            "required": ["city", "note"],
+        },
+    }
+    reply = oa.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=[tool], tool_choice="required", max_tokens=80,
+        temperature=0,
+    )  # fmt: skip
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "gd_response_tool"
+    assert json.loads(call.function.arguments).keys() >= {"city", "note"}
+
+
 def test_tensorzeros_tools_are_served(oa):
     tools = [{**tool, "strict": False} for tool in TOOLS]
     reply = oa.chat.completions.create(

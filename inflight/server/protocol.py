@@ -39,7 +39,15 @@ class Strict(BaseModel):
 # -- OpenAI ------------------------------------------------------------------------------------
 
 
-class TextPart(Strict):
+class ContentPart(BaseModel):
+    """A chat message's content part of a type read here. Its other keys are ignored, as the
+    message's are: LiteLLM keeps Anthropic's `cache_control` on the parts it sends to
+    OpenAI-compatible servers."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(ContentPart):
     type: Literal["text"]
     text: str
 
@@ -49,7 +57,7 @@ class ImageURL(Strict):
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class ImagePart(Strict):
+class ImagePart(ContentPart):
     type: Literal["image_url"]
     image_url: ImageURL
 
@@ -59,7 +67,7 @@ class InputAudio(Strict):
     format: str  # "wav" is read; others are refused naming the format
 
 
-class InputAudioPart(Strict):
+class InputAudioPart(ContentPart):
     type: Literal["input_audio"]
     input_audio: InputAudio
 
@@ -68,7 +76,7 @@ class AudioURL(Strict):
     url: str  # a data:audio/...;base64 URL, or http(s) where the server fetches
 
 
-class AudioURLPart(Strict):
+class AudioURLPart(ContentPart):
     """vLLM's audio part."""
 
     type: Literal["audio_url"]
@@ -84,7 +92,7 @@ class FileData(Strict):
     filename: str | None = None
 
 
-class FilePart(Strict):
+class FilePart(ContentPart):
     type: Literal["file"]
     file: FileData
 

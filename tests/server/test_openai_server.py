@@ -280,6 +280,26 @@ def test_health_counts_mid_flight_joins_and_metrics_parse(server, server_llm):
         ({"messages": MESSAGES, "structured_outputs": {"yaml": "x"}}, 400, "structured_outputs"),
         ({"messages": MESSAGES, "model": "gpt-4"}, 404, "model"),
         ({"messages": MESSAGES, "priority": 1}, 400, "priority"),  # under fcfs
+        # A malformed part of a type read here: its field, not "type 'text' is not supported".
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            400,
+            "messages.0.content.0.text",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": "x", "detail": "max"}}
+                        ],
+                    }
+                ]
+            },
+            400,
+            "messages.0.content.0.image_url.detail",
+        ),
         ({"messages": [{"role": "user", "content": "word " * 600}]}, 413, None),
         # Bounds on what one request may ask for, each named.
         ({"messages": MESSAGES, "max_tokens": 10**9}, 400, "max_tokens"),
@@ -737,8 +757,9 @@ def test_a_returned_message_sent_back_whole_and_a_clients_own_keys_are_read_as_w
     oa, server_llm
 ):
     """OpenAI Swarm sends each reply back as the SDK returned it (`refusal`, `annotations`,
-    ...) with its own `sender`, and `tool_name` on tool results: OpenAI ignores what it does
-    not read; a refusal sent back without content is the assistant's text."""
+    ...) with its own `sender`, and `tool_name` on tool results, LiteLLM a part's
+    `cache_control`: OpenAI ignores what it does not read; a refusal sent back without content
+    is the assistant's text."""
     plain = [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello! How can I help?"},
@@ -748,7 +769,9 @@ def test_a_returned_message_sent_back_whole_and_a_clients_own_keys_are_read_as_w
         "refusal": None, "annotations": [], "audio": None, "function_call": None,
         "tool_calls": None, "sender": "Agent A",
     }  # fmt: skip
-    sent = [plain[0], {**plain[1], **returned}, {**plain[2], "sender": None}]
+    # LiteLLM keeps Anthropic's cache_control on the parts it sends.
+    part = {"type": "text", "text": plain[2]["content"], "cache_control": {"type": "ephemeral"}}
+    sent = [plain[0], {**plain[1], **returned}, {"role": "user", "content": [part], "sender": None}]
     params = SamplingParams(temperature=0, max_tokens=12)
     expected = server_llm.chat(plain, params)[0].text
     reply = oa.chat.completions.create(model=MODEL, messages=sent, temperature=0, max_tokens=12)

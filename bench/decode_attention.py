@@ -8,8 +8,8 @@ engine's first-fit allocation lays out the workload's requests (admitted at once
 after). The bytes counted are the keys and values each row reads (its context x KV heads x head
 size x 2); the ceilings beside them are a device-to-device copy (bytes read + written) and a
 kernel that only reads the same blocks through the same block tables. Each case is timed by
-`do_bench` (the L2 flushed before each launch) and back to back in a CUDA graph, as a step's
-layers run.
+`do_bench` (the L2 flushed before each launch) and back to back in a CUDA graph
+(`do_bench_cudagraph`, as `fp8_linear.py` times), as a step's layers run.
 
 The figures are the kernel as the backend launches it (its rows longest first, as
 `plan.decode_order` gives them; a float8 cache through the CUDA kernel of `kernels/cuda` where
@@ -34,7 +34,7 @@ import random
 import torch
 import triton
 import triton.language as tl
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from inflight.bench.report import report_path, write_report
 from inflight.model.kernels.triton.attention import decode_attention
@@ -153,31 +153,6 @@ def read_only_ms(case: Case) -> float:
     )
 
 
-def back_to_back_ms(fn, reps: int = 20) -> float:
-    """A launch's time with `reps` of them replayed back to back in one CUDA graph, the best of
-    five replays: as a step runs its layers, where do_bench's L2 flush before each launch also
-    leaves the flush's dirty lines to be written back during it (~10 us at 256 rows on an H100,
-    bench/RESULTS.md). The cases' caches (hundreds of MB at 256 rows) outgrow the L2 either way."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiled and warm before the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / reps)
-    return best
-
-
 def copy_tbs() -> float:
     x = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
     y = torch.empty_like(x)
@@ -278,7 +253,10 @@ def main() -> None:
             case = Case(shape, lens, dtype, layout == "head-major", runs)
             reference = case.run(native=False).clone()
             ms = do_bench(lambda case=case: case.run(order=case.order))
-            in_step = back_to_back_ms(lambda case=case: case.run(order=case.order))
+            # Back to back in a CUDA graph, as a step runs its layers: do_bench's L2 flush before
+            # each launch also leaves its dirty lines to be written back during it (~10 us at 256
+            # rows on an H100, bench/RESULTS.md); the caches outgrow the L2 either way.
+            in_step = do_bench_cudagraph(lambda case=case: case.run(order=case.order))
             read = read_only_ms(case)
             entry = {
                 "shape": shape, "rows": rows, "kv": kv, "layout": layout,

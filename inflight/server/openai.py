@@ -9,8 +9,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pydantic import ValidationError
-
 from inflight.protocol.outputs import CompletionOutput, LogprobEntry, RequestOutput, StreamChunk
 from inflight.protocol.request import (
     DiffusionParams,
@@ -33,13 +31,11 @@ from inflight.server.protocol import (
     ChatMessage,
     ChatTool,
     CompletionRequest,
-    ContentPart,
     FilePart,
     ImagePart,
     InputAudioPart,
     NamedFunction,
     NamedToolChoice,
-    OtherPart,
     SamplingFields,
     StreamOptions,
     TextPart,
@@ -414,7 +410,6 @@ def _content_parts(parts: list[Any], where: str) -> list[dict[str, Any]]:
             document = documents.sent_file(at, file.file_data, file.file_id, file.filename)
             out.append(documents.part(document))
         else:
-            _malformed_part(part, f"{where}.{j}")
             raise ServerError(
                 400,
                 f"content of type {part.type!r} is not supported; this server reads text, "
@@ -422,29 +417,6 @@ def _content_parts(parts: list[Any], where: str) -> list[dict[str, Any]]:
                 f"{where}.{j}",
             )
     return out
-
-
-_PARTS: dict[str, type[ContentPart]] = {
-    "text": TextPart,
-    "image_url": ImagePart,
-    "input_audio": InputAudioPart,
-    "audio_url": AudioURLPart,
-    "file": FilePart,
-}
-
-
-def _malformed_part(part: OtherPart, where: str) -> None:
-    """A 400 naming the field where a part of a type read here is malformed (the schema
-    took it as a part of another type)."""
-    kind = _PARTS.get(part.type)
-    if kind is None:
-        return
-    try:
-        kind.model_validate(part.model_dump())
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        field = ".".join(str(name) for name in error["loc"])
-        raise ServerError(400, f"{field}: {error['msg']}", f"{where}.{field}") from exc
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,28 @@ class OtherPart(BaseModel):
     type: str
 
 
+def _type_of(value: Any) -> Any:
+    return value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+
+
+def _part_type(part: Any) -> str:
+    kind = _type_of(part)
+    return kind if kind in ("text", "image_url", "input_audio", "audio_url", "file") else "other"
+
+
+# A chat message's content parts by their type, so that a malformed part of a type read here is
+# refused naming its field (`messages.0.content.0.text`), not taken for a part of another type.
+ChatContentPart = Annotated[
+    Annotated[TextPart, Tag("text")]
+    | Annotated[ImagePart, Tag("image_url")]
+    | Annotated[InputAudioPart, Tag("input_audio")]
+    | Annotated[AudioURLPart, Tag("audio_url")]
+    | Annotated[FilePart, Tag("file")]
+    | Annotated[OtherPart, Tag("other")],
+    Discriminator(_part_type),
+]
+
+
 class FunctionCall(Strict):
     name: str
     arguments: str  # a JSON object's text
@@ -122,11 +144,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     # "function": a legacy function's result (read as a tool result).
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: (
-        str
-        | list[TextPart | ImagePart | InputAudioPart | AudioURLPart | FilePart | OtherPart]
-        | None
-    ) = None
+    content: str | list[ChatContentPart] | None = None
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None
     function_call: FunctionCall | None = None  # a legacy function call, an assistant's
@@ -400,7 +418,7 @@ class AnthropicDocumentBlock(BaseModel):
 
 
 def _block_type(block: Any) -> str:
-    kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
+    kind = _type_of(block)
     known = ("text", "image", "document", "tool_use", "tool_result", "thinking")
     return kind if kind in known else "other"
 

@@ -10,6 +10,7 @@ the runtime (`runtime/options.py`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
@@ -34,6 +35,17 @@ LogitBias = Annotated[
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def tagged(known: Sequence[str]) -> Discriminator:
+    """A tagged union's discriminator: the object's `type` when it is one of `known`, else
+    "other" (the union's catch-all member, refused by name where it is read)."""
+
+    def kind(value: Any) -> str:
+        found = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        return found if found in known else "other"
+
+    return Discriminator(kind)
 
 
 # -- OpenAI ------------------------------------------------------------------------------------
@@ -104,15 +116,6 @@ class OtherPart(BaseModel):
     type: str
 
 
-def _type_of(value: Any) -> Any:
-    return value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-
-
-def _part_type(part: Any) -> str:
-    kind = _type_of(part)
-    return kind if kind in ("text", "image_url", "input_audio", "audio_url", "file") else "other"
-
-
 # A chat message's content parts by their type, so that a malformed part of a type read here is
 # refused naming its field (`messages.0.content.0.text`), not taken for a part of another type.
 ChatContentPart = Annotated[
@@ -122,7 +125,7 @@ ChatContentPart = Annotated[
     | Annotated[AudioURLPart, Tag("audio_url")]
     | Annotated[FilePart, Tag("file")]
     | Annotated[OtherPart, Tag("other")],
-    Discriminator(_part_type),
+    tagged(("text", "image_url", "input_audio", "audio_url", "file")),
 ]
 
 
@@ -417,24 +420,13 @@ class AnthropicDocumentBlock(BaseModel):
     citations: dict[str, Any] | None = None  # read, never given: named as ignored
 
 
-def _block_type(block: Any) -> str:
-    kind = _type_of(block)
-    known = ("text", "image", "document", "tool_use", "tool_result", "thinking")
-    return kind if kind in known else "other"
-
-
-def _result_block_type(block: Any) -> str:
-    kind = _block_type(block)
-    return kind if kind in ("text", "image", "document") else "other"
-
-
 # A tool result's blocks: text, images, documents, and blocks read by type (a tool reference).
 AnthropicResultBlock = Annotated[
     Annotated[AnthropicTextBlock, Tag("text")]
     | Annotated[AnthropicImageBlock, Tag("image")]
     | Annotated[AnthropicDocumentBlock, Tag("document")]
     | Annotated[AnthropicOtherBlock, Tag("other")],
-    Discriminator(_result_block_type),
+    tagged(("text", "image", "document")),
 ]
 
 
@@ -468,7 +460,7 @@ AnthropicBlock = Annotated[
     | Annotated[AnthropicToolResultBlock, Tag("tool_result")]
     | Annotated[AnthropicThinkingBlock, Tag("thinking")]
     | Annotated[AnthropicOtherBlock, Tag("other")],
-    Discriminator(_block_type),
+    tagged(("text", "image", "document", "tool_use", "tool_result", "thinking")),
 ]
 
 

@@ -5,13 +5,12 @@ does not serve (a built-in tool, another item or part type) are accepted by the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
 
 from inflight.server.errors import ServerError
-from inflight.server.protocol import Strict, Temperature, TopP, VllmExtensions
+from inflight.server.protocol import Strict, Temperature, TopP, VllmExtensions, tagged
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
@@ -22,16 +21,6 @@ class OpenObject(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     type: str | None = None
-
-
-def _tagged(known: Sequence[str]) -> Discriminator:
-    """A discriminator: the object's `type` when it is one of `known`, else "other"."""
-
-    def kind(value: Any) -> str:
-        found = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-        return found if found in known else "other"
-
-    return Discriminator(kind)
 
 
 class InputText(Strict):
@@ -83,7 +72,7 @@ ContentPart = Annotated[
     | Annotated[OutputText, Tag("output_text")]
     | Annotated[Refusal, Tag("refusal")]
     | Annotated[OpenObject, Tag("other")],
-    _tagged(_PART_TYPES),
+    tagged(_PART_TYPES),
 ]
 
 
@@ -203,7 +192,7 @@ class FunctionToolSpec(Strict):
 
 NamespaceMember = Annotated[
     Annotated[FunctionToolSpec, Tag("function")] | Annotated[OpenObject, Tag("other")],
-    _tagged(("function",)),
+    tagged(("function",)),
 ]
 
 
@@ -222,7 +211,7 @@ ResponsesTool = Annotated[
     Annotated[FunctionToolSpec, Tag("function")]
     | Annotated[NamespaceToolSpec, Tag("namespace")]
     | Annotated[OpenObject, Tag("other")],
-    _tagged(("function", "namespace")),
+    tagged(("function", "namespace")),
 ]
 
 
@@ -233,7 +222,7 @@ class FunctionChoice(Strict):
 
 NamedChoice = Annotated[
     Annotated[FunctionChoice, Tag("function")] | Annotated[OpenObject, Tag("other")],
-    _tagged(("function",)),
+    tagged(("function",)),
 ]
 
 

@@ -388,9 +388,9 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
         uint4 vt[4];
 #pragma unroll
         for (int i = 0; i < 4; i++) vt[i] = *reinterpret_cast<const uint4*>(vb + swizzled(4 * c + i, g));
-        attend(qa, ka, kc, kd, ke, vt, blk * kBlockSize + 4 * c, w.len, c, r);
-        // The stage's words are used: every lane is past its reads before the copy engine
-        // writes the block kStages on into it.
+        // The stage's words are in registers: once every lane is past its reads, the copy engine
+        // may write the block kStages on into it while the warp computes on this one (on an H200
+        // 1-3 % faster than refilling after the math; within 1 % on an H100: bench/RESULTS.md).
         __syncwarp();
         const int refill = blk + kStages * kWarps;
         if (refill < w.end) {
@@ -398,6 +398,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
             fill(s, refill_at);
             if (refill + kWarps < w.end) refill_at = table[refill + kWarps];
         }
+        attend(qa, ka, kc, kd, ke, vt, blk * kBlockSize + 4 * c, w.len, c, r);
         if (++s == kStages) {
             s = 0;
             parity ^= 1;

@@ -1,10 +1,11 @@
-"""The FastAPI app: the routers of `routes/`, the middleware (body limit, API key) and the
-error bodies of both APIs."""
+"""The FastAPI app: the routers of `routes/`, the middleware (request ids, body limit, API key)
+and the error bodies of both APIs."""
 
 from __future__ import annotations
 
 import hmac
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -67,6 +68,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(_ApiKey, key=settings.api_key)
+    app.add_middleware(_RequestId)  # the outermost: refusals by the others carry it too
     app.add_exception_handler(ServerError, _on_server_error)
     app.add_exception_handler(RequestValidationError, _on_invalid)
     app.add_exception_handler(HTTPException, _on_http_error)
@@ -130,8 +132,38 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _on_crash(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    request_id = getattr(request.state, "request_id", "-")
+    log.exception("unhandled error on %s (%s)", request.url.path, request_id, exc_info=exc)
     return error_response(ServerError(500, "internal server error"), _is_anthropic(request))
+
+
+class _RequestId:
+    """Every HTTP response names its request in `x-request-id` (OpenAI's header, and vLLM's), and
+    in `request-id` where the error body would be Anthropic's (its SDKs read that one): the
+    client's own `X-Request-Id` where it sent a usable one, as vLLM echoes it, else a new id.
+    The SDKs expose it (`_request_id`, `request_id`); an unhandled error's log line names it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"")
+        usable = 0 < len(given) <= 128 and all(0x21 <= c <= 0x7E for c in given)
+        request_id = given if usable else f"req_{uuid.uuid4().hex}".encode()
+        scope.setdefault("state", {})["request_id"] = request_id.decode()
+        added = [(b"x-request-id", request_id)]
+        if _anthropic_scope(scope):
+            added.append((b"request-id", request_id))
+
+        async def send_named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *added]}
+            await send(message)
+
+        await self.app(scope, receive, send_named)
 
 
 # Open without the API key: the probes of load balancers and orchestrators.

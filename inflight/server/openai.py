@@ -26,6 +26,7 @@ from inflight.server.errors import ServerError
 from inflight.server.parsers import MessageDelta, MessageParser
 from inflight.server.parsers.json_scan import arguments_object
 from inflight.server.protocol import (
+    AllowedToolsChoice,
     AudioURLPart,
     ChatCompletionRequest,
     ChatMessage,
@@ -41,7 +42,7 @@ from inflight.server.protocol import (
     TextPart,
 )
 from inflight.server.spoken import SpokenReply, audio_tokens
-from inflight.server.tools import FunctionTool, ToolChoice, tool_choice
+from inflight.server.tools import FunctionTool, ToolChoice, allowed_tools, tool_choice
 
 
 def sampling_params(
@@ -166,6 +167,11 @@ def chat_tool_choice(body: ChatCompletionRequest, chat: ChatSetup) -> ToolChoice
         raise ServerError(400, "function_call needs functions", "function_call")
     tools = chat_tools(body.tools)
     choice = "required" if body.tool_choice == "any" else body.tool_choice
+    if isinstance(choice, AllowedToolsChoice):
+        allowed = choice.allowed_tools
+        names = [t.function.name for t in allowed.tools]
+        tools = allowed_tools(tools, names, "tool_choice.allowed_tools.tools")
+        choice = allowed.mode
     named = isinstance(choice, NamedToolChoice)
     return tool_choice(
         tools,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
 Temperature = Annotated[float, Field(ge=0, le=2)]
@@ -199,6 +199,19 @@ class NamedToolChoice(Strict):
     function: NamedFunction
 
 
+class AllowedTools(Strict):
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[NamedToolChoice], Field(min_length=1)]
+
+
+class AllowedToolsChoice(Strict):
+    """OpenAI's choice among a subset of the tools: only those are offered to the model, as
+    `mode` says (`tools.allowed_tools`)."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
     # vLLM's: with include_usage, every chunk carries the usage so far.
@@ -279,7 +292,9 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     # "any": Mistral's client's name for "required".
-    tool_choice: Literal["none", "auto", "required", "any"] | NamedToolChoice | None = None
+    tool_choice: (
+        Literal["none", "auto", "required", "any"] | NamedToolChoice | AllowedToolsChoice | None
+    ) = None
     parallel_tool_calls: bool | None = None
     # Mistral's client's name for the seed.
     random_seed: int | None = None
@@ -474,6 +489,10 @@ class AnthropicMessage(Strict):
 
 
 class AnthropicTool(Strict):
+    """A custom tool. Anthropic's own tool types (a server tool such as `web_search_20250305`,
+    a client tool of Anthropic's schema such as `bash_20250124`) are refused by name: no hosted
+    tool runs here, and their schemas are not this server's to know."""
+
     name: Annotated[str, Field(min_length=1)]
     description: str | None = None
     input_schema: dict[str, Any]
@@ -487,6 +506,17 @@ class AnthropicTool(Strict):
     # tool is only ever called by the model directly (no code execution here).
     eager_input_streaming: bool | None = None
     allowed_callers: list[str] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _custom_only(cls, value: Any) -> Any:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind not in (None, "custom"):
+            raise ValueError(
+                f"tools of type {kind!r} are not supported; this server serves custom tools "
+                "(name, description, input_schema)"
+            )
+        return value
 
 
 class AnthropicToolChoice(Strict):

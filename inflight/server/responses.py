@@ -42,6 +42,7 @@ from inflight.server.parsers.json_scan import arguments_object
 from inflight.server.protocol import SamplingFields, VllmExtensions
 from inflight.server.responses_protocol import (
     INPUT_ITEM,
+    AllowedChoice,
     CompactionItem,
     CompactionTriggerItem,
     FunctionCallItem,
@@ -63,7 +64,7 @@ from inflight.server.responses_protocol import (
     TextFormatJsonSchema,
     output_logprobs,
 )
-from inflight.server.tools import FunctionTool, ToolChoice, tool_choice
+from inflight.server.tools import FunctionTool, ToolChoice, allowed_tools, tool_choice
 
 # How many stored responses the server keeps.
 STORE_CAPACITY = 1024
@@ -465,6 +466,18 @@ def responses_tool_choice(
                 f"tools.{i}",
             )
     choice = body.tool_choice
+    if isinstance(choice, AllowedChoice):
+        names = []
+        for i, ref in enumerate(choice.tools):
+            if not isinstance(ref, FunctionChoice):
+                raise ServerError(
+                    400,
+                    f"allowed_tools lists function tools here; got one of type {ref.type!r}",
+                    f"tool_choice.tools.{i}",
+                )
+            names.append(ref.name)
+        tools = allowed_tools(tools, names, "tool_choice.tools")
+        choice = choice.mode
     if isinstance(choice, OpenObject):
         raise ServerError(
             400,

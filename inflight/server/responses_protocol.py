@@ -220,9 +220,26 @@ class FunctionChoice(Strict):
     name: str
 
 
-NamedChoice = Annotated[
+ToolReference = Annotated[
     Annotated[FunctionChoice, Tag("function")] | Annotated[OpenObject, Tag("other")],
     tagged(("function",)),
+]
+
+
+class AllowedChoice(Strict):
+    """A choice among a subset of the tools: only those are offered to the model, as `mode`
+    says."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[ToolReference], Field(min_length=1)]
+
+
+ToolChoiceObject = Annotated[
+    Annotated[FunctionChoice, Tag("function")]
+    | Annotated[AllowedChoice, Tag("allowed_tools")]
+    | Annotated[OpenObject, Tag("other")],
+    tagged(("function", "allowed_tools")),
 ]
 
 
@@ -285,7 +302,7 @@ class ResponsesRequest(VllmExtensions):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     tools: list[ResponsesTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
@@ -375,7 +392,7 @@ class InputTokensRequest(Strict):
     input: str | list[InputItem] | None = None
     instructions: str | None = None
     tools: list[ResponsesTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None

@@ -101,6 +101,21 @@ def tool_choice(
     return ToolChoice(tools, mode, function if mode == "named" else None, parallel)
 
 
+def allowed_tools(tools: list[FunctionTool], names: list[str], field: str) -> list[FunctionTool]:
+    """The tools an `allowed_tools` choice keeps, in the request's order: the only ones the
+    model is shown and may call (a 400 naming an allowed function the request lacks)."""
+    offered = [t.name for t in tools]
+    for i, name in enumerate(names):
+        if name not in offered:
+            raise ServerError(
+                400,
+                f"tool_choice allows the function {name!r}, which is not among the tools "
+                f"({', '.join(offered)})",
+                f"{field}.{i}",
+            )
+    return [t for t in tools if t.name in names]
+
+
 def forced_constraint(choice: ToolChoice, arguments_key: str) -> StructuredOutputs:
     """The JSON schema a `required` or named choice constrains the output to; strict when one
     of the tools it may call is (the constraint is one schema: a non-strict tool beside a strict

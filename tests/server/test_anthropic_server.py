@@ -178,6 +178,16 @@ def test_errors_use_the_anthropic_body(server):
     assert "stop_sequences" in message and "32" in message
 
 
+def test_every_response_names_its_request_in_anthropics_header(client, server):
+    reply = client.messages.create(model=MODEL, max_tokens=1, messages=MESSAGES)
+    assert reply._request_id and reply._request_id.startswith("req_")
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(model=MODEL, max_tokens=1, messages=[])
+    assert refused.value.request_id.startswith("req_")
+    r = httpx.post(server + "/v1/messages", json={}, headers={"X-Request-Id": "trace-7"})
+    assert r.headers["request-id"] == r.headers["x-request-id"] == "trace-7"
+
+
 def test_overload_is_529(server_llm):
     with serve(server_llm, max_queued_requests=0) as (url, _):
         # The leases are shared by both APIs; OpenAI's `ignore_eos` keeps the holders from

@@ -392,6 +392,7 @@ def test_api_key(server_llm):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "nope"}):
             r = httpx.get(url + "/v1/models", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+            assert r.headers["x-request-id"].startswith("req_")
         assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sekret"}).is_success
         assert httpx.get(url + "/v1/models", headers={"x-api-key": "sekret"}).is_success
         # Every route but the health probes needs the key (metrics and the API docs too).
@@ -416,6 +417,21 @@ def test_api_key(server_llm):
                 json.dumps({"type": "response.create", "input": "Hi", "max_output_tokens": 1})
             )
             assert json.loads(socket.recv())["type"] == "response.created"
+
+
+def test_every_response_names_its_request_and_echoes_the_clients_id(server, oa):
+    reply = oa.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+    first = reply._request_id
+    assert first and first.startswith("req_")
+    assert oa.models.list()._request_id not in (None, first)
+    with pytest.raises(openai.NotFoundError) as missing:
+        oa.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=1)
+    assert missing.value.request_id.startswith("req_")
+    # The client's own id comes back, as vLLM's does; one no header may carry is replaced.
+    r = httpx.get(server[0] + "/v1/models", headers={"X-Request-Id": "trace-42"})
+    assert r.headers["x-request-id"] == "trace-42" and "request-id" not in r.headers
+    r = httpx.get(server[0] + "/v1/models", headers={"X-Request-Id": "x" * 500})
+    assert r.headers["x-request-id"].startswith("req_")
 
 
 def test_streams_are_read_on_the_event_loop(server_llm):

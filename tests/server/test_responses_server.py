@@ -238,6 +238,35 @@ def test_a_named_tool_choice_calls_that_function(oa):
     jsonschema.validate(json.loads(call.arguments), PARAMETERS)
 
 
+def test_allowed_tools_offer_only_the_tools_they_name(oa, server):
+    tools = [*TOOLS, {"type": "function", "name": "get_time", "description": "The time now"}]
+    choice = {
+        "type": "allowed_tools",
+        "mode": "required",
+        "tools": [{"type": "function", "name": "get_time"}],
+    }
+    reply = oa.responses.create(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        **GREEDY | {"max_output_tokens": 40},
+    )
+    (call,) = reply.output
+    assert call.type == "function_call" and call.name == "get_time"
+    assert reply.tool_choice.type == "allowed_tools"
+    for listed, param in (
+        ([{"type": "function", "name": "get_stock_price"}], "tool_choice.tools.0"),
+        ([{"type": "mcp", "server_label": "deepwiki"}], "tool_choice.tools.0"),
+    ):
+        r = httpx.post(
+            server + "/v1/responses",
+            json={"input": "Hi", "tools": tools, "tool_choice": choice | {"tools": listed}},
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_a_text_format_beside_a_forced_call_is_accepted_and_named(oa):
     # instructor's Responses tools mode sends the tool's schema both ways.
     text = {"format": {"type": "json_schema", "name": "weather", "schema": PARAMETERS}}

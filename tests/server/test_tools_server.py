@@ -349,6 +349,74 @@ def test_auto_reads_what_the_model_writes_and_none_never_calls(oa):
     assert auto.choices[0].message.content == none.choices[0].message.content
 
 
+def _allowed(names, mode):
+    return {
+        "type": "allowed_tools",
+        "allowed_tools": {
+            "mode": mode,
+            "tools": [{"type": "function", "function": {"name": n}} for n in names],
+        },
+    }
+
+
+def test_allowed_tools_offer_only_the_tools_they_name(oa, server_llm):
+    # "required" among get_time alone: the call is get_time, though get_weather is listed
+    # first and the question is about the weather.
+    reply = oa.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=_allowed(["get_time"], "required"),
+        parallel_tool_calls=False,
+        **GREEDY,
+    )
+    assert reply.choices[0].finish_reason == "tool_calls"
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_time"
+    # "auto" among them is auto over those tools: the prompt shows only them, so the reply
+    # is the one auto gives with the allowed tools alone.
+    allowed = oa.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=_allowed(["get_weather"], "auto"),
+        **GREEDY,
+    )
+    alone = oa.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS[:1], tool_choice="auto", **GREEDY
+    )
+    assert allowed.choices[0].message.content == alone.choices[0].message.content
+    assert allowed.usage.prompt_tokens == alone.usage.prompt_tokens
+
+
+def test_allowed_tools_naming_a_missing_tool_are_a_400_naming_it(server, server_llm):
+    before = server_llm.get_scheduling_metrics()["submitted"]
+    r = httpx.post(
+        server + "/v1/chat/completions",
+        json={
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "tool_choice": _allowed(["get_time", "get_stock_price"], "required"),
+        },
+    )
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "tool_choice.allowed_tools.tools.1"
+    assert "get_stock_price" in error["message"]
+    assert server_llm.get_scheduling_metrics()["submitted"] == before
+
+
+def test_anthropics_own_tool_types_are_refused_by_name(ac):
+    for tool in (
+        {"type": "web_search_20250305", "name": "web_search", "max_uses": 2},
+        {"type": "bash_20250124", "name": "bash"},
+    ):
+        with pytest.raises(anthropic.BadRequestError) as info:
+            ac.messages.create(model=MODEL, max_tokens=5, messages=MESSAGES, tools=[tool])
+        message = info.value.body["error"]["message"]
+        assert message.startswith("tools.0: ") and repr(tool["type"]) in message
+
+
 def test_a_missing_tool_is_a_400_naming_it_and_nothing_is_submitted(server, server_llm):
     before = server_llm.get_scheduling_metrics()["submitted"]
     r = httpx.post(

@@ -206,7 +206,7 @@ class AllowedTools(Strict):
 
 class AllowedToolsChoice(Strict):
     """OpenAI's choice among a subset of the tools: only those are offered to the model, as
-    `mode` says (`tools.allowed_tools`)."""
+    `mode` says."""
 
     type: Literal["allowed_tools"]
     allowed_tools: AllowedTools

@@ -467,7 +467,7 @@ def responses_tool_choice(
             )
     choice = body.tool_choice
     if isinstance(choice, AllowedChoice):
-        names = []
+        names: list[str] = []
         for i, ref in enumerate(choice.tools):
             if not isinstance(ref, FunctionChoice):
                 raise ServerError(

@@ -389,23 +389,6 @@ def test_allowed_tools_offer_only_the_tools_they_name(oa, server_llm):
     assert allowed.usage.prompt_tokens == alone.usage.prompt_tokens
 
 
-def test_allowed_tools_naming_a_missing_tool_are_a_400_naming_it(server, server_llm):
-    before = server_llm.get_scheduling_metrics()["submitted"]
-    r = httpx.post(
-        server + "/v1/chat/completions",
-        json={
-            "messages": MESSAGES,
-            "tools": TOOLS,
-            "tool_choice": _allowed(["get_time", "get_stock_price"], "required"),
-        },
-    )
-    assert r.status_code == 400
-    error = r.json()["error"]
-    assert error["param"] == "tool_choice.allowed_tools.tools.1"
-    assert "get_stock_price" in error["message"]
-    assert server_llm.get_scheduling_metrics()["submitted"] == before
-
-
 def test_anthropics_own_tool_types_are_refused_by_name(ac):
     for tool in (
         {"type": "web_search_20250305", "name": "web_search", "max_uses": 2},
@@ -417,19 +400,28 @@ def test_anthropics_own_tool_types_are_refused_by_name(ac):
         assert message.startswith("tools.0: ") and repr(tool["type"]) in message
 
 
-def test_a_missing_tool_is_a_400_naming_it_and_nothing_is_submitted(server, server_llm):
+@pytest.mark.parametrize(
+    ("choice", "param"),
+    [
+        ({"type": "function", "function": {"name": "get_stock_price"}}, "tool_choice"),
+        (
+            _allowed(["get_time", "get_stock_price"], "required"),
+            "tool_choice.allowed_tools.tools.1",
+        ),
+    ],
+    ids=["named", "allowed"],
+)
+def test_a_missing_tool_is_a_400_naming_it_and_nothing_is_submitted(
+    server, server_llm, choice, param
+):
     before = server_llm.get_scheduling_metrics()["submitted"]
     r = httpx.post(
         server + "/v1/chat/completions",
-        json={
-            "messages": MESSAGES,
-            "tools": TOOLS,
-            "tool_choice": {"type": "function", "function": {"name": "get_stock_price"}},
-        },
+        json={"messages": MESSAGES, "tools": TOOLS, "tool_choice": choice},
     )
     assert r.status_code == 400
     error = r.json()["error"]
-    assert error["param"] == "tool_choice" and "get_stock_price" in error["message"]
+    assert error["param"] == param and "get_stock_price" in error["message"]
     assert server_llm.get_scheduling_metrics()["submitted"] == before
 
 

@@ -277,6 +277,12 @@ __global__ void __launch_bounds__(kWarps * 32, 4) fp8_decode_ldg(const Args a) {
     finish<G>(a, w, r, wo, G * kHeadDim, wm, wl);
 }
 
+// Hopper's copy engine and barriers, and the kernel that uses them: compiled where the library
+// is built for compute capability 9.0 or later (`fp8_decode.py` builds it for the one GPU it
+// runs on, so the host's and the device's passes agree).
+#if defined(__CUDA_ARCH_LIST__) && __CUDA_ARCH_LIST__ >= 900
+#define INFLIGHT_TMA 1
+
 // Blocks a warp keeps in flight on the TMA path: 2 beat 3 and 4 on an H100 (bench/RESULTS.md,
 // session 33).
 constexpr int kStages = 2;
@@ -284,11 +290,6 @@ constexpr int kStageBytes = 2 * kBlockSize * kHeadDim;  // a block's keys, then 
 // The dynamic shared memory of a TMA program: its warps' stages, 1024-byte aligned (the
 // swizzle's period).
 constexpr int kTmaShared = kWarps * kStages * kStageBytes + 1024;
-
-// Hopper's copy engine and barriers, compiled only where they exist (the launcher takes the TMA
-// kernel from compute capability 9.0 on; before it, the kernel is empty).
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-#define INFLIGHT_TMA_DEVICE 1
 
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
     return (uint32_t)__cvta_generic_to_shared(p);
@@ -322,7 +323,6 @@ __device__ __forceinline__ void copy_box(void* dst, const CUtensorMap* map, int 
 
 // Byte offset of 16-byte word q of row r in a 128-byte-swizzled box of 128-byte rows.
 __device__ __forceinline__ int swizzled(int r, int q) { return r * 128 + ((q ^ (r & 7)) << 4); }
-#endif
 
 // As fp8_decode_ldg, the blocks through shared memory. `keys`, `values`: the caches as 2D
 // tensors of 128-byte rows (a token's KV heads side by side, the blocks' tokens one after
@@ -331,7 +331,6 @@ template <int G>
 __global__ void __launch_bounds__(kWarps * 32, 4)
     fp8_decode_tma(const Args a, const __grid_constant__ CUtensorMap keys,
                    const __grid_constant__ CUtensorMap values) {
-#ifdef INFLIGHT_TMA_DEVICE
     extern __shared__ uint8_t shared[];
     __shared__ __align__(8) uint64_t bars[kWarps][kStages];
     __shared__ float wm[kWarps][8], wl[kWarps][8];
@@ -406,7 +405,6 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
     }
     // Each warp's tiles over its own stages, drained by now.
     finish<G>(a, w, r, reinterpret_cast<float*>(aligned), kStages * kStageBytes / 4, wm, wl);
-#endif
 }
 
 // cuTensorMapEncodeTiled, from the driver the runtime has loaded (no link to libcuda).
@@ -447,20 +445,29 @@ bool cache_map(CUtensorMap* map, const void* cache, int kv_heads, int blocks, in
                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
+#endif  // INFLIGHT_TMA
 
+// The TMA kernel where it is built and `tma` asks for it (the boxes need a block's 16 token rows
+// evenly spaced and a head's 128 bytes in a row, and the driver must describe both caches), else
+// the direct loads.
 template <int G>
-void launch(const Args& a, dim3 grid, cudaStream_t stream, bool tma, const CUtensorMap& keys,
-            const CUtensorMap& values) {
-    if (tma)
+void launch(const Args& a, dim3 grid, cudaStream_t stream, bool tma, int kv_heads, int blocks) {
+#ifdef INFLIGHT_TMA
+    CUtensorMap keys, values;
+    if (tma && a.skb == kBlockSize * a.sks && a.svb == kBlockSize * a.svs && a.skh == kHeadDim &&
+        a.svh == kHeadDim && cache_map(&keys, a.k, kv_heads, blocks, a.sks) &&
+        cache_map(&values, a.v, kv_heads, blocks, a.svs)) {
         fp8_decode_tma<G><<<grid, kWarps * 32, kTmaShared, stream>>>(a, keys, values);
-    else
-        fp8_decode_ldg<G><<<grid, kWarps * 32, 0, stream>>>(a);
+        return;
+    }
+#endif
+    fp8_decode_ldg<G><<<grid, kWarps * 32, 0, stream>>>(a);
 }
 
 }  // namespace
 
 // Launch on `stream` (a cudaStream_t) over `rows` rows of a cache of `blocks` blocks; `tma`: the
-// TMA kernel where the device and the cache allow it. Returns the launch's cudaError_t.
+// TMA kernel where the library has it and the cache allows it. Returns the launch's cudaError_t.
 extern "C" int fp8_decode_attention(
     const void* q, const void* k, const void* v, void* out, void* parts, void* stats,
     const void* tables, const void* lens, const void* order, int rows, int kv_heads, int group,
@@ -473,20 +480,12 @@ extern "C" int fp8_decode_attention(
                  sqt, sqh, skb, sks, skh, svb, svs, svh, sbt, sot, soh, group * kv_heads, splits};
     const dim3 grid(kv_heads, rows, splits);
     cudaStream_t s = (cudaStream_t)stream;
-    int device = 0, major = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    // The boxes need a block's 16 token rows evenly spaced and a head's 128 bytes in a row.
-    CUtensorMap keys, values;
-    const bool boxed = tma && major >= 9 && skb == kBlockSize * sks && svb == kBlockSize * svs &&
-                       skh == kHeadDim && svh == kHeadDim &&
-                       cache_map(&keys, k, kv_heads, blocks, sks) &&
-                       cache_map(&values, v, kv_heads, blocks, svs);
+    const bool t = tma != 0;
     switch (group) {
-        case 1: launch<1>(a, grid, s, boxed, keys, values); break;
-        case 2: launch<2>(a, grid, s, boxed, keys, values); break;
-        case 4: launch<4>(a, grid, s, boxed, keys, values); break;
-        case 8: launch<8>(a, grid, s, boxed, keys, values); break;
+        case 1: launch<1>(a, grid, s, t, kv_heads, blocks); break;
+        case 2: launch<2>(a, grid, s, t, kv_heads, blocks); break;
+        case 4: launch<4>(a, grid, s, t, kv_heads, blocks); break;
+        case 8: launch<8>(a, grid, s, t, kv_heads, blocks); break;
         default: return (int)cudaErrorInvalidValue;
     }
     return (int)cudaGetLastError();

@@ -66,6 +66,12 @@ def test_it_serves_a_float8_cache_of_16_token_blocks_and_128_wide_heads_without_
     assert not fp8_decode.serves(*_case(fp8=False), None, None)
     assert not fp8_decode.serves(q.as_subclass(torch.Tensor), k, v, None, None)  # on the CPU
     assert not fp8_decode.serves(q, k, v[:4], None, None)  # keys and values of other caches
+    # Queries whose heads are not 16-byte aligned: the kernel reads them in 16-byte words.
+    flat = torch.zeros(4 * 16 * 136 + 8, dtype=torch.bfloat16).as_subclass(_Cuda)
+    assert fp8_decode.serves(flat.as_strided((4, 16, 128), (16 * 136, 136, 1), 8), k, v, None, None)
+    for strides, offset in (((16 * 132, 132, 1), 0), ((16 * 128 + 4, 128, 1), 0), (q.stride(), 4)):
+        misaligned = flat.as_strided((4, 16, 128), strides, offset)
+        assert not fp8_decode.serves(misaligned, k, v, None, None), (strides, offset)
     # A view whose heads are not 16-byte aligned rows of the cache.
     wide = torch.zeros(8, 16, 8, 136, dtype=torch.float8_e4m3fn)[..., :128]
     assert not fp8_decode.serves(q, wide, wide, None, None)

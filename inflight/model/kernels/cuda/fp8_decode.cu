@@ -110,20 +110,30 @@ __device__ __forceinline__ Work work_of(const Args& a) {
     return w;
 }
 
-// Query fragments (scaled into log2 units): head g, dims 32 c + 4 j + {0, 1} and {2, 3}.
+// Query fragments (scaled into log2 units): head g, dims 32 c + 4 j + {0, 1} and {2, 3}. A
+// thread's 32 dims are 64 contiguous bytes, read as four 16-byte words (`serves` requires the
+// alignment): as 32 two-byte loads they cost as many L1 wavefronts as a program's key and value
+// reads, and the kernel grew slower with the group (bench/RESULTS.md, session 35).
 template <int G>
 __device__ __forceinline__ void load_query(const Args& a, const Work& w, int g, int c, uint32_t qa[8][2]) {
+    uint4 words[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) words[k] = make_uint4(0u, 0u, 0u, 0u);
+    if (g < G) {
+        const uint4* p = reinterpret_cast<const uint4*>(
+            a.q + (int64_t)w.row * a.sqt + (w.kvh * G + g) * a.sqh + 32 * c);
+#pragma unroll
+        for (int k = 0; k < 4; k++) words[k] = __ldg(p + k);
+    }
 #pragma unroll
     for (int j = 0; j < 8; j++) {
-        qa[j][0] = qa[j][1] = 0u;
-        if (g < G) {
-            const __nv_bfloat16* p = a.q + (int64_t)w.row * a.sqt + (w.kvh * G + g) * a.sqh + 32 * c + 4 * j;
-            float x[4];
-#pragma unroll
-            for (int e = 0; e < 4; e++) x[e] = __bfloat162float(p[e]) * a.scale_log2;
-            qa[j][0] = half2_of(x[0], x[1]);
-            qa[j][1] = half2_of(x[2], x[3]);
-        }
+        const uint4& word = words[j / 2];
+        const uint32_t lo = j % 2 ? word.z : word.x, hi = j % 2 ? word.w : word.y;
+        // A bfloat16's bits are a float32's upper half.
+        const float x[4] = {__uint_as_float(lo << 16), __uint_as_float(lo & 0xffff0000u),
+                            __uint_as_float(hi << 16), __uint_as_float(hi & 0xffff0000u)};
+        qa[j][0] = half2_of(x[0] * a.scale_log2, x[1] * a.scale_log2);
+        qa[j][1] = half2_of(x[2] * a.scale_log2, x[3] * a.scale_log2);
     }
 }
 
@@ -188,8 +198,17 @@ __device__ __forceinline__ void start(Running& r) {
     for (int t = 0; t < 8; t++) r.o[t][0] = r.o[t][1] = r.o[t][2] = r.o[t][3] = 0.f;
 }
 
+// A warp's output tiles in shared memory for the merge: head h's dimension d at
+// tile_at(h, d). The gaps (one float every 16 dims, 8 a head) put the 8 dims 16 g + t that a
+// warp's lanes write at once, for two heads, in 16 different banks: unpadded, G = 4 wrote with
+// 8-way bank conflicts.
+constexpr int kTileStride = kHeadDim + 8;
+
+__device__ __forceinline__ int tile_at(int h, int d) { return h * kTileStride + d + (d >> 4); }
+
 // The warps' states merged into the program's output: each warp's tiles into wo (warp w's
-// [G][128] floats at wo + w * wo_stride), then every output element summed over the warps.
+// G x kTileStride floats at wo + w * wo_stride), then every output element summed over the
+// warps.
 template <int G>
 __device__ __forceinline__ void finish(const Args& a, const Work& w, Running& r, float* wo,
                                        int wo_stride, float (*wm)[8], float (*wl)[8]) {
@@ -204,12 +223,12 @@ __device__ __forceinline__ void finish(const Args& a, const Work& w, Running& r,
 #pragma unroll
     for (int t = 0; t < 8; t++) {
         if (2 * c < G) {
-            mine[(2 * c) * kHeadDim + 16 * g + t] = r.o[t][0];
-            mine[(2 * c) * kHeadDim + 16 * g + 8 + t] = r.o[t][2];
+            mine[tile_at(2 * c, 16 * g + t)] = r.o[t][0];
+            mine[tile_at(2 * c, 16 * g + 8 + t)] = r.o[t][2];
         }
         if (2 * c + 1 < G) {
-            mine[(2 * c + 1) * kHeadDim + 16 * g + t] = r.o[t][1];
-            mine[(2 * c + 1) * kHeadDim + 16 * g + 8 + t] = r.o[t][3];
+            mine[tile_at(2 * c + 1, 16 * g + t)] = r.o[t][1];
+            mine[tile_at(2 * c + 1, 16 * g + 8 + t)] = r.o[t][3];
         }
     }
     __syncthreads();
@@ -219,7 +238,7 @@ __device__ __forceinline__ void finish(const Args& a, const Work& w, Running& r,
         for (int v = 0; v < kWarps; v++) top = fmaxf(top, wm[v][h]);
         for (int v = 0; v < kWarps; v++) {
             const float weight = wm[v][h] == -CUDART_INF_F ? 0.f : exp2f(wm[v][h] - top);
-            num += weight * wo[v * wo_stride + i];
+            num += weight * wo[v * wo_stride + tile_at(h, d)];
             den += weight * wl[v][h];
         }
         if (a.splits == 1) {
@@ -273,8 +292,8 @@ __global__ void __launch_bounds__(kWarps * 32, 4) fp8_decode_ldg(const Args a) {
         for (int i = 0; i < 4; i++) vt[i] = __ldg(reinterpret_cast<const uint4*>(vb + i * a.svs));
         attend(qa, ka, kc, kd, ke, vt, blk * kBlockSize + 4 * c, w.len, c, r);
     }
-    __shared__ float wm[kWarps][8], wl[kWarps][8], wo[kWarps * G * kHeadDim];
-    finish<G>(a, w, r, wo, G * kHeadDim, wm, wl);
+    __shared__ float wm[kWarps][8], wl[kWarps][8], wo[kWarps * G * kTileStride];
+    finish<G>(a, w, r, wo, G * kTileStride, wm, wl);
 }
 
 // Hopper's copy engine and barriers, and the kernel that uses them: compiled where the library

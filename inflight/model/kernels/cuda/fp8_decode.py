@@ -67,8 +67,9 @@ def serves(
 ) -> bool:
     """Whether the kernel covers this decode: a float8 e4m3 cache of blocks of 16 tokens and
     heads of 128 (as [blocks, block_size, KV heads, head size], the head's bytes contiguous and
-    16-byte aligned), bfloat16 queries, 1, 2, 4 or 8 of them a KV head, no attention window and
-    no sinks."""
+    16-byte aligned), bfloat16 queries, 1, 2, 4 or 8 of them a KV head, each head's 128 values
+    contiguous and 16-byte aligned (the kernel reads them in 16-byte words), no attention window
+    and no sinks."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     return (
         q.is_cuda
@@ -82,6 +83,9 @@ def serves(
         and not window
         and sinks is None
         and q.stride(2) == 1
+        and q.stride(0) % 8 == 0
+        and q.stride(1) % 8 == 0
+        and q.data_ptr() % 16 == 0
         and all(
             c.stride(3) == 1 and all(s % 16 == 0 for s in c.stride()[:3]) and c.data_ptr() % 16 == 0
             for c in (k_cache, v_cache)

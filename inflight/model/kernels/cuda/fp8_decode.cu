@@ -232,8 +232,12 @@ __device__ __forceinline__ void finish(const Args& a, const Work& w, Running& r,
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < G * kHeadDim; i += kWarps * 32) {
-        const int h = i / kHeadDim, d = i % kHeadDim, head = w.kvh * G + h;
+    // A thread a dimension, of every head.
+    static_assert(kWarps * 32 == kHeadDim, "the merge takes a thread a dimension");
+    const int d = threadIdx.x;
+#pragma unroll
+    for (int h = 0; h < G; h++) {
+        const int head = w.kvh * G + h;
         float top = -CUDART_INF_F, num = 0.f, den = 0.f;
         for (int v = 0; v < kWarps; v++) top = fmaxf(top, wm[v][h]);
         for (int v = 0; v < kWarps; v++) {

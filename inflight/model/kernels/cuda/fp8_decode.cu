@@ -359,8 +359,11 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
     __shared__ float wm[kWarps][8], wl[kWarps][8];
     const Work w = work_of(a);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    uint8_t* aligned = reinterpret_cast<uint8_t*>(
-        (reinterpret_cast<uintptr_t>(shared) + 1023) & ~static_cast<uintptr_t>(1023));
+    // Aligned by an offset from `shared`, not through an integer: so the compiler still knows
+    // every pointer below as shared memory and reads it with LDS (through a uintptr_t it read
+    // the stages with generic 64-bit loads).
+    const uint32_t base = shared_address(shared);
+    uint8_t* aligned = shared + (((base + 1023u) & ~1023u) - base);
     uint8_t* stages = aligned + warp * kStages * kStageBytes;
     uint64_t* bar = bars[warp];
     if (lane == 0) {
@@ -392,6 +395,12 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
     uint32_t qa[8][2];
     load_query<G>(a, w, g, c, qa);
     const int tok0 = 4 * (g >> 1) + (g & 1);
+    // Where a thread's words lie in a stage, as two offsets: tok0 % 8 is 0, 1, 4 or 5, so row
+    // tok0 + 2 swizzles with word index bit 1 flipped; 4 c % 8 is 0 or 4, so row 4 c + i with
+    // bits i. Key words 2 c, 2 c + 1 of rows tok0, tok0 + 2 are `key` with 16, 32, 48 flipped
+    // (+ 256 for the row), value word g of row 4 c + i `value` with 16 i flipped (+ 128 i): eight
+    // offsets held apart spilled registers once the stages were read as shared memory.
+    const int key = swizzled(tok0, 2 * c), value = swizzled(4 * c, g);
     Running r;
     start(r);
     // The cache index of the block a stage is refilled with, read an iteration ahead.
@@ -403,13 +412,14 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
         barrier_wait(&bar[s], parity);
         const uint8_t* kb = stages + s * kStageBytes;
         const uint8_t* vb = kb + kStageBytes / 2;
-        const uint4 ka = *reinterpret_cast<const uint4*>(kb + swizzled(tok0, 2 * c));
-        const uint4 kc = *reinterpret_cast<const uint4*>(kb + swizzled(tok0, 2 * c + 1));
-        const uint4 kd = *reinterpret_cast<const uint4*>(kb + swizzled(tok0 + 2, 2 * c));
-        const uint4 ke = *reinterpret_cast<const uint4*>(kb + swizzled(tok0 + 2, 2 * c + 1));
+        const uint4 ka = *reinterpret_cast<const uint4*>(kb + key);
+        const uint4 kc = *reinterpret_cast<const uint4*>(kb + (key ^ 16));
+        const uint4 kd = *reinterpret_cast<const uint4*>(kb + (key ^ 32) + 256);
+        const uint4 ke = *reinterpret_cast<const uint4*>(kb + (key ^ 48) + 256);
         uint4 vt[4];
 #pragma unroll
-        for (int i = 0; i < 4; i++) vt[i] = *reinterpret_cast<const uint4*>(vb + swizzled(4 * c + i, g));
+        for (int i = 0; i < 4; i++)
+            vt[i] = *reinterpret_cast<const uint4*>(vb + (value ^ (16 * i)) + 128 * i);
         // The stage's words are in registers: once every lane is past its reads, the copy engine
         // may write the block kStages on into it while the warp computes on this one (on an H200
         // 1-3 % faster than refilling after the math; within 1 % on an H100: bench/RESULTS.md).

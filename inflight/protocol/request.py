@@ -15,7 +15,13 @@ PROCESSOR_FIELD = "mm_processor_kwargs"
 
 
 class PromptTooLongError(ValueError):
-    """The prompt does not fit the deployment's context (HTTP 413)."""
+    """The prompt does not fit the deployment's context: `tokens` where at most `maximum` fit
+    (HTTP 400, OpenAI's `context_length_exceeded`)."""
+
+    def __init__(self, message: str, tokens: int, maximum: int) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+        self.maximum = maximum
 
 
 def context_overflow(limit: int, detail: str) -> str:

@@ -428,12 +428,16 @@ async def edited_messages(
     try:
         edited = await context_edits.apply(config, body.messages, count)
     except ServerError as exc:
-        if exc.status != 413:
+        if exc.code != "context_length_exceeded":
             raise
         # The edits count the conversation as sent, which must fit the model's context.
+        prefix = "context_management counts the conversation as sent, before its edits: "
         raise ServerError(
-            413,
-            f"context_management counts the conversation as sent, before its edits: {exc.message}",
+            exc.status,
+            prefix + exc.message,
+            exc.param,
+            code=exc.code,
+            anthropic_message=prefix + (exc.anthropic_message or exc.message),
         ) from exc
     edited.ignored = ignored
     return edited

@@ -367,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-input-len",
         type=_positive,
         default=None,
-        help="longest prompt in tokens (413 beyond)",
+        help="longest prompt in tokens (a 400 beyond)",
     )
     serve.add_argument(
         "--chat-template",

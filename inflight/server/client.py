@@ -32,7 +32,7 @@ from inflight.protocol.request import (
     SamplingParams,
 )
 from inflight.server.documents import DocumentReader
-from inflight.server.errors import ServerError, overloaded
+from inflight.server.errors import ServerError, overloaded, prompt_too_long
 from inflight.server.files import FileStore
 from inflight.server.metrics import ServerMetrics
 
@@ -134,7 +134,8 @@ class EngineClient:
         params_of: dict[str, str] | None = None,
         **options: Any,
     ) -> GenerationRequest:
-        """Tokenize and validate; bad input is a 400 naming the problem, a long prompt a 413.
+        """Tokenize and validate; bad input is a 400 naming the problem (a long prompt as each
+        API says it: `errors.prompt_too_long`).
         `options` are request options (`GenerationRequest` fields) and chat-template arguments
         (`tools`, `chat_template`, `chat_template_kwargs`), as `LLM.prepare` takes them;
         `params_of` maps an option to the HTTP field it came from, which a refusal names.
@@ -142,18 +143,23 @@ class EngineClient:
         try:
             request = self.llm.prepare(self._read_documents(prompt), params, **options)
         except PromptTooLongError as exc:
-            raise ServerError(413, str(exc), "messages") from exc
+            raise prompt_too_long(exc, "messages") from exc
         except RequestFieldError as exc:
             if exc.field == "lora_name":  # an adapter unloaded since `model` was checked
-                raise ServerError(404, str(exc), "model") from exc
+                raise ServerError(404, str(exc), "model", code="model_not_found") from exc
             raise ServerError(400, str(exc), (params_of or {}).get(exc.field, exc.field)) from exc
         except ValueError as exc:
             raise ServerError(400, str(exc)) from exc
-        if self.max_input_len is not None and len(request.prompt_token_ids) > self.max_input_len:
-            raise ServerError(
-                413,
-                f"the prompt is {len(request.prompt_token_ids)} tokens, more than this server's "
-                f"--max-input-len of {self.max_input_len}",
+        tokens = len(request.prompt_token_ids)
+        if self.max_input_len is not None and tokens > self.max_input_len:
+            raise prompt_too_long(
+                PromptTooLongError(
+                    f"the prompt is {tokens} tokens, more than this server's --max-input-len of "
+                    f"{self.max_input_len}",
+                    tokens,
+                    self.max_input_len,
+                ),
+                "messages",
             )
         return request
 
@@ -165,7 +171,7 @@ class EngineClient:
         return await asyncio.to_thread(self.prepare, messages, params, **options)
 
     async def prompt_tokens(self, prompt: object, **template: Any) -> list[int]:
-        """The prompt's token ids (a 400 or 413 as for a request), rendered on a worker thread
+        """The prompt's token ids (a 400 as for a request), rendered on a worker thread
         as `prepare_chat` renders a conversation; `template`: chat-template arguments."""
         return await asyncio.to_thread(self._prompt_tokens, prompt, template)
 
@@ -175,7 +181,7 @@ class EngineClient:
             request = self.llm.prepare(prompt, SamplingParams(max_tokens=1), **template)
             return list(request.prompt_token_ids)
         except PromptTooLongError as exc:
-            raise ServerError(413, str(exc)) from exc
+            raise prompt_too_long(exc) from exc
         except RequestFieldError as exc:
             raise ServerError(400, str(exc), exc.field) from exc
         except ValueError as exc:

@@ -7,6 +7,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from inflight.protocol.request import PromptTooLongError
+
 # OpenAI error type per status; the Anthropic API has its own names (and 529 for overload).
 _OPENAI_TYPES = {
     400: "invalid_request_error",
@@ -32,7 +34,9 @@ _ANTHROPIC_TYPES = {
 
 class ServerError(Exception):
     """`details`: the Anthropic error's machine-readable `details` (an `error_code` a client
-    acts on), where it has them."""
+    acts on), where it has them. `code`: the OpenAI body's `code` where OpenAI names one that
+    clients act on (else the status, as vLLM's); `anthropic_message`: the Anthropic body's
+    message where that API words the error otherwise."""
 
     def __init__(
         self,
@@ -40,12 +44,31 @@ class ServerError(Exception):
         message: str,
         param: str | None = None,
         details: dict[str, object] | None = None,
+        *,
+        code: str | None = None,
+        anthropic_message: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.details = details
+        self.code = code
+        self.anthropic_message = anthropic_message
+
+
+def prompt_too_long(exc: PromptTooLongError, param: str | None = None) -> ServerError:
+    """A 400 for a prompt past the context, as each API says it: OpenAI's code
+    `context_length_exceeded` and Anthropic's "prompt is too long: N tokens > M maximum", which
+    clients match to compact or trim a conversation (LangChain's context-overflow errors, the
+    OpenAI SDK's BadRequestError, Claude Code)."""
+    return ServerError(
+        400,
+        str(exc),
+        param,
+        code="context_length_exceeded",
+        anthropic_message=f"prompt is too long: {exc.tokens} tokens > {exc.maximum} maximum",
+    )
 
 
 def overloaded(message: str = "server request queue is full; retry later") -> ServerError:
@@ -65,7 +88,7 @@ def error_response(error: ServerError, anthropic: bool) -> JSONResponse:
             status = 529  # Anthropic's "overloaded"
         detail: dict[str, object] = {
             "type": _ANTHROPIC_TYPES.get(status, "api_error"),
-            "message": error.message,
+            "message": error.anthropic_message or error.message,
         }
         if error.details:
             detail["details"] = error.details
@@ -76,7 +99,7 @@ def error_response(error: ServerError, anthropic: bool) -> JSONResponse:
                 "message": error.message,
                 "type": _OPENAI_TYPES.get(status, "internal_server_error"),
                 "param": error.param,
-                "code": status,
+                "code": error.code or status,
             }
         }
     return JSONResponse(body, status_code=status, headers=headers)
@@ -89,7 +112,7 @@ def openai_error_payload(error: ServerError) -> dict:
             "message": error.message,
             "type": _OPENAI_TYPES.get(error.status, "internal_server_error"),
             "param": error.param,
-            "code": error.status,
+            "code": error.code or error.status,
         }
     }
 

@@ -541,7 +541,8 @@ class ChatReply:
         if self.logprobs:
             logprobs = {"content": [chat_logprob(e) for e in output.logprobs or ()]}
         parsed = self.reader.whole(output.text)
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        # `refusal` null as OpenAI and vLLM send it (openai-node's type requires the key).
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
         if self.audio is not None:
             message["content"] = None
             message["audio"] = self.audio.whole(output, parsed.content or "")

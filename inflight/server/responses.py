@@ -542,7 +542,8 @@ async def prepare(
         try:
             return await client.prepare_chat(messages, params, **options)
         except ServerError as exc:
-            shorter = _without_oldest_turn(messages) if truncate and exc.status == 413 else None
+            too_long = exc.code == "context_length_exceeded"
+            shorter = _without_oldest_turn(messages) if truncate and too_long else None
             if shorter is None:
                 raise
             messages = shorter
@@ -707,7 +708,8 @@ class ResponseReply:
             "id": self.id,
             "object": "response",
             "created_at": self.created_at,
-            "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
+            # Only a completed response has one (the SDK's reading of the field).
+            "completed_at": int(time.time()) if status == "completed" else None,
             "status": status,
             "error": error,
             "incomplete_details": incomplete,
@@ -876,7 +878,8 @@ class ResponseReply:
             if job is not None and job.cancelled:
                 self._keep("cancelled", output=items.done)
                 return
-            yield event("error", {"code": str(exc.status), "message": exc.message, "param": None})
+            code = exc.code or str(exc.status)
+            yield event("error", {"code": code, "message": exc.message, "param": None})
             error = {"code": "server_error", "message": exc.message}
             if job is not None:
                 failed = self._keep("failed", error, items.done)

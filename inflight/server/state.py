@@ -72,7 +72,8 @@ def check_body(state: ServerState, body: BaseModel, model: str | None) -> str | 
 def not_served(model: str, names: list[str]) -> ServerError:
     """The 404 for a model name none of the served `names` has."""
     served = ", ".join(repr(n) for n in names)
-    return ServerError(404, f"model {model!r} is not served here; served: {served}", "model")
+    message = f"model {model!r} is not served here; served: {served}"
+    return ServerError(404, message, "model", code="model_not_found")
 
 
 # A route's parameter of this type receives the server's state.

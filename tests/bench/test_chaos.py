@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BAD_INPUT = {
-    "prompt-too-long": "413",
+    "prompt-too-long": "400",
     "body-too-large": "413",
     "malformed-json": "400",
     "wrong-types": "400",

@@ -178,6 +178,22 @@ def test_errors_use_the_anthropic_body(server):
     assert "stop_sequences" in message and "32" in message
 
 
+def test_a_prompt_too_long_is_worded_as_anthropics(client):
+    """A 400 reading "prompt is too long: N tokens > M maximum", as Anthropic's, which Claude
+    Code and LangChain's Anthropic model match to compact a conversation (the seed's server
+    answered 413, Anthropic's word for a body too large); count_tokens refuses it alike."""
+    long = [{"role": "user", "content": "word " * 600}]
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model=MODEL, messages=long, max_tokens=4)
+    error = info.value.body["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith("prompt is too long: ")
+    assert error["message"].endswith(" tokens > 511 maximum")
+    assert int(error["message"].split()[4]) > 511
+    with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):
+        client.messages.count_tokens(model=MODEL, messages=long)
+
+
 def test_every_response_names_its_request_in_anthropics_header(client, server):
     reply = client.messages.create(model=MODEL, max_tokens=1, messages=MESSAGES)
     assert reply._request_id and reply._request_id.startswith("req_")

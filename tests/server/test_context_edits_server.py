@@ -223,3 +223,16 @@ def test_a_bad_edit_is_a_400_naming_it(client):
             client.beta.messages.count_tokens(
                 model=MODEL, messages=trip(), context_management={"edits": edits}, betas=BETA
             )
+
+
+def test_a_conversation_too_long_as_sent_is_refused_before_its_edits(client):
+    """The edits count the conversation as sent, so it must fit the context: Anthropic's
+    "prompt is too long" 400, prefixed by what counted it."""
+    long = [{"role": "user", "content": "word " * 600}]
+    edit = {"type": "clear_tool_uses_20250919"}
+    with pytest.raises(anthropic.BadRequestError) as info:
+        create(client, long, [edit])
+    message = info.value.body["error"]["message"]
+    prefix = "context_management counts the conversation as sent, before its edits: "
+    assert message.startswith(prefix + "prompt is too long: ")
+    assert message.endswith(" tokens > 511 maximum")

@@ -40,7 +40,12 @@ def _idle(llm, timeout=10):
 
 def test_greedy_chat_equals_python_api(oa, server_llm):
     expected = server_llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=24))[0]
-    reply = oa.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24)
+    raw = oa.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24
+    )
+    # `refusal` sent as null, as OpenAI and vLLM send it (openai-node's type requires it).
+    assert raw.http_response.json()["choices"][0]["message"]["refusal"] is None
+    reply = raw.parse()
     assert reply.choices[0].message.content == expected.text
     assert reply.choices[0].finish_reason == expected.finish_reason
     assert reply.usage.prompt_tokens == expected.prompt_tokens
@@ -131,8 +136,9 @@ def test_the_model_answers_to_each_of_its_served_names(server_llm):
         assert oa.models.retrieve("gpt-4.1").id == "gpt-4.1"
         reply = oa.chat.completions.create(model="gpt-4.1", messages=MESSAGES, max_tokens=2)
         assert reply.model == "smol" and reply.choices[0].message.content
-        with pytest.raises(openai.NotFoundError, match="served: 'smol', 'gpt-4.1'"):
+        with pytest.raises(openai.NotFoundError, match="served: 'smol', 'gpt-4.1'") as info:
             oa.completions.create(model="gpt-5", prompt="Hi", max_tokens=2)
+        assert info.value.code == "model_not_found"  # OpenAI's code for it
 
 
 def test_client_disconnect_cancels_inside_the_engine(server, server_llm):
@@ -300,10 +306,10 @@ def test_health_counts_mid_flight_joins_and_metrics_parse(server, server_llm):
             400,
             "messages.0.content.0.image_url.detail",
         ),
-        ({"messages": [{"role": "user", "content": "word " * 600}]}, 413, None),
         # Bounds on what one request may ask for, each named.
         ({"messages": MESSAGES, "max_tokens": 10**9}, 400, "max_tokens"),
         ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        ({"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
         ({"messages": MESSAGES, "stop": ["s"] * 33}, 400, "stop"),
         ({"messages": MESSAGES, "stop": "x" * 513}, 400, "stop"),
         ({"messages": MESSAGES, "stop_token_ids": list(range(257))}, 400, "stop_token_ids"),
@@ -314,23 +320,34 @@ def test_errors_use_the_openai_body(server, body, status, param):
     r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == status, r.text
     error = r.json()["error"]
-    assert error["code"] == status and error["message"]
+    # The status, as vLLM's, but where OpenAI names a code that clients act on.
+    assert error["code"] == ("model_not_found" if status == 404 else status) and error["message"]
     if param is not None:
         assert error["param"] is not None and error["param"].startswith(param)
 
 
 def test_a_context_overflow_opens_with_the_words_clients_classify(server):
-    """OpenAI's and vLLM's opening words, which litellm and any-llm match to raise their
-    context-window errors (a prompt too long is the seed's 413; with max_tokens, a 400)."""
+    """A 400 opening with OpenAI's and vLLM's words, which litellm and any-llm match to raise
+    their context-window errors; a prompt too long carries OpenAI's `context_length_exceeded`
+    too, which the SDK raises as a BadRequestError and LangChain as its context-overflow error
+    (the seed's server answered 413, which the SDK raises as a bare APIStatusError)."""
     long = [{"role": "user", "content": "word " * 600}]
-    for body, status in (
-        ({"messages": long}, 413),
-        ({"messages": MESSAGES, "max_tokens": 600}, 400),
+    for body, param, code in (
+        ({"messages": long}, "messages", "context_length_exceeded"),
+        ({"messages": MESSAGES, "max_tokens": 600}, "max_tokens", 400),
     ):
         r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=30)
-        assert r.status_code == status, r.text
-        message = r.json()["error"]["message"]
-        assert message.startswith("This model's maximum context length is 512 tokens"), message
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["message"].startswith("This model's maximum context length is 512 tokens")
+        assert (error["type"], error["param"], error["code"]) == (
+            "invalid_request_error", param, code,
+        )  # fmt: skip
+    client = openai.OpenAI(base_url=server[0] + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=long, max_tokens=4)
+    assert info.value.code == "context_length_exceeded"
+    assert "the prompt is" in info.value.message and "at most 511 tokens" in info.value.message
 
 
 @pytest.mark.parametrize(

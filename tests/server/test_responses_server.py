@@ -122,10 +122,14 @@ def test_text_response_equals_the_chat_path(oa, server_llm):
     assert message.type == "message" and message.id.startswith("msg_")
     assert message.role == "assistant" and message.content[0].type == "output_text"
     assert reply.status == _status(expected.finish_reason)
+    # Only a completed response has a completion time (the SDK's reading of the field).
+    assert (reply.completed_at is not None) == (reply.status == "completed")
     assert reply.usage.input_tokens == expected.prompt_tokens
     assert reply.usage.output_tokens == len(expected.token_ids)
     assert reply.usage.total_tokens == expected.prompt_tokens + len(expected.token_ids)
     assert reply.model == MODEL and reply.temperature == 0 and reply.max_output_tokens == 24
+    cut = oa.responses.create(model=MODEL, input=QUESTION, **{**GREEDY, "max_output_tokens": 16})
+    assert cut.status == "incomplete" and cut.completed_at is None
 
 
 def test_streamed_events_add_up_to_the_whole_response(oa):
@@ -1049,7 +1053,7 @@ def test_auto_truncation_drops_the_oldest_turns_that_do_not_fit(oa, server, serv
     ]
     items = [*long_turns, {"role": "user", "content": QUESTION}]
     r = httpx.post(server + "/v1/responses", json={"input": items, **GREEDY})
-    assert r.status_code == 413
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     reply = oa.responses.create(model=MODEL, input=items, truncation="auto", **GREEDY)
     expected = _expected(server_llm, [{"role": "user", "content": QUESTION}])
     assert reply.truncation == "auto" and reply.output_text == expected.text

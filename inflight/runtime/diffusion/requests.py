@@ -180,7 +180,9 @@ class DiffusionChecks:
                     limit,
                     f"the prompt is {prompt} tokens: prompts may have at most {limit - canvas} "
                     f"tokens beside one canvas of {canvas}",
-                )
+                ),
+                prompt,
+                limit - canvas,
             )
         max_tokens = request.params.max_tokens
         if max_tokens is None:

@@ -158,7 +158,9 @@ class Scheduler:
                     limit,
                     f"the prompt is {len(prompt)} tokens: prompts may have at most {limit - 1} "
                     "tokens",
-                )
+                ),
+                len(prompt),
+                limit - 1,
             )
         for name, ids in (
             ("logit_bias", params.logit_bias.keys()),

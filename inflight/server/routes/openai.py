@@ -60,6 +60,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
             ignored.append(asked.field)
         if asked.field != "think" and body.think is not None:
             ignored.append("think")  # under reasoning_effort
+    if body.top_logprobs and not body.logprobs:
+        # As vLLM refuses it (0 alone passes, as there): alternatives come with the chosen
+        # tokens' logprobs only.
+        raise ServerError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
     params = openai.sampling_params(
         body,
         llm.get_default_sampling_params(),
@@ -226,11 +230,12 @@ def _model_cards(state: State) -> list[dict[str, Any]]:
 
 
 def ignored_headers(fields: list[str]) -> dict[str, str]:
-    """The response header naming the request's fields this server ignored (logged too), so
-    that a client can tell a field it sent had no effect."""
+    """The response header naming the request's fields that had no effect on it (logged too):
+    fields without meaning on this server, and those another field overrides (a format beside
+    a forced tool call), so that a client can tell."""
     if not fields:
         return {}
-    log.warning("request fields ignored (no meaning on this server): %s", ", ".join(fields))
+    log.warning("request fields without effect on this request: %s", ", ".join(fields))
     return {IGNORED_HEADER: ", ".join(fields)}
 
 

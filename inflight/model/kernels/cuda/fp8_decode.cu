@@ -39,10 +39,18 @@ constexpr int kWarps = 4;
 constexpr int kBlockSize = 16;
 constexpr int kHeadDim = 128;
 
-// Two e4m3 values (the low 16 bits) as a float16 pair.
-__device__ __forceinline__ uint32_t widen2(uint32_t pair) {
-    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(pair & 0xffff), __NV_E4M3);
+// Two e4m3 values as a float16 pair.
+__device__ __forceinline__ uint32_t widen2(uint16_t pair) {
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)pair, __NV_E4M3);
     return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// A word's two 16-bit halves, split as registers' halves rather than shifted: the widening then
+// reads the high half in place (on sm_90 its conversion takes the register's upper half, where
+// a shift cost one more instruction for every other pair: the TMA loop 354 -> 322 instructions,
+// as fast on an H100, whose HBM bounds it; bench/RESULTS.md, session 35).
+__device__ __forceinline__ void halves(uint32_t word, uint16_t& lo, uint16_t& hi) {
+    asm("mov.b32 {%0, %1}, %2;" : "=h"(lo), "=h"(hi) : "r"(word));
 }
 
 __device__ __forceinline__ uint32_t half2_of(float a, float b) {
@@ -64,16 +72,13 @@ __device__ __forceinline__ void mma(float c[4], uint32_t a0, uint32_t a1, uint32
 }
 
 // Dimension e (0..15) of two tokens' 16 value bytes (words a, b) as a pair: tokens in the low
-// and high byte, the pair in the low 16 bits.
-__device__ __forceinline__ void pair_up(const uint4& a, const uint4& b, uint32_t pairs[16]) {
+// and high byte.
+__device__ __forceinline__ void pair_up(const uint4& a, const uint4& b, uint16_t pairs[16]) {
     const uint32_t wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
     for (int j = 0; j < 4; j++) {
-        const uint32_t lo = permute(wa[j], wb[j], 0x5140), hi = permute(wa[j], wb[j], 0x7362);
-        pairs[4 * j] = lo;
-        pairs[4 * j + 1] = lo >> 16;
-        pairs[4 * j + 2] = hi;
-        pairs[4 * j + 3] = hi >> 16;
+        halves(permute(wa[j], wb[j], 0x5140), pairs[4 * j], pairs[4 * j + 1]);
+        halves(permute(wa[j], wb[j], 0x7362), pairs[4 * j + 2], pairs[4 * j + 3]);
     }
 }
 
@@ -160,8 +165,11 @@ __device__ __forceinline__ void attend(const uint32_t qa[8][2], const uint4& ka,
     float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < 8; j++) {
-        mma(s0, qa[j][0], 0u, qa[j][1], 0u, widen2(k0[j]), widen2(k0[j] >> 16));
-        mma(s1, qa[j][0], 0u, qa[j][1], 0u, widen2(k1[j]), widen2(k1[j] >> 16));
+        uint16_t a0, a1, b0, b1;
+        halves(k0[j], a0, a1);
+        halves(k1[j], b0, b1);
+        mma(s0, qa[j][0], 0u, qa[j][1], 0u, widen2(a0), widen2(a1));
+        mma(s1, qa[j][0], 0u, qa[j][1], 0u, widen2(b0), widen2(b1));
     }
     float s[4] = {s0[0], s0[1], s1[0], s1[1]};
 #pragma unroll
@@ -180,7 +188,7 @@ __device__ __forceinline__ void attend(const uint32_t qa[8][2], const uint4& ka,
     const uint32_t pb0 = half2_of(p[0], p[1]), pb1 = half2_of(p[2], p[3]);
     const float alpha_lo = __shfl_sync(0xffffffff, alpha, 8 * c);
     const float alpha_hi = __shfl_sync(0xffffffff, alpha, 8 * c + 4);
-    uint32_t v01[16], v23[16];
+    uint16_t v01[16], v23[16];
     pair_up(vt[0], vt[1], v01);
     pair_up(vt[2], vt[3], v23);
 #pragma unroll

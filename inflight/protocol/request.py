@@ -25,9 +25,12 @@ class PromptTooLongError(ValueError):
 
 
 def context_overflow(limit: int, detail: str) -> str:
-    """A refusal of a request past the context of `limit` tokens, opening with OpenAI's and
-    vLLM's words, which clients' error classifiers match (litellm's, any-llm's)."""
-    return f"This model's maximum context length is {limit} tokens (max_model_len), and {detail}"
+    """A refusal of a request past the context of `limit` tokens in OpenAI's and vLLM's words
+    ("This model's maximum context length is N tokens. However, you requested M tokens" or
+    "your prompt resulted in M tokens"), which clients' error classifiers match: litellm's and
+    any-llm's the opening, Crush's (fantasy's) the numbers after it."""
+    opening = f"This model's maximum context length is {limit} tokens (max_model_len)."
+    return f"{opening} However, {detail}"
 
 
 class RequestFieldError(ValueError):
@@ -37,6 +40,17 @@ class RequestFieldError(ValueError):
     def __init__(self, message: str, field: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+class ContextOverflowError(RequestFieldError):
+    """The prompt's `tokens` plus `max_tokens` outgrow the context of `limit` tokens (HTTP 400,
+    OpenAI's `context_length_exceeded`)."""
+
+    def __init__(self, message: str, tokens: int, max_tokens: int, limit: int) -> None:
+        super().__init__(message, "max_tokens")
+        self.tokens = tokens
+        self.max_tokens = max_tokens
+        self.limit = limit
 
 
 MAX_LOGIT_BIAS_ENTRIES = 1024

@@ -26,13 +26,14 @@ from inflight.api import LLM
 from inflight.engine import RequestCancelled, RequestFailed, RequestHandle, SubmitError
 from inflight.protocol.outputs import RequestOutput, StreamChunk
 from inflight.protocol.request import (
+    ContextOverflowError,
     GenerationRequest,
     PromptTooLongError,
     RequestFieldError,
     SamplingParams,
 )
 from inflight.server.documents import DocumentReader
-from inflight.server.errors import ServerError, overloaded, prompt_too_long
+from inflight.server.errors import ServerError, context_exceeded, overloaded, prompt_too_long
 from inflight.server.files import FileStore
 from inflight.server.metrics import ServerMetrics
 
@@ -140,14 +141,17 @@ class EngineClient:
         (`tools`, `chat_template`, `chat_template_kwargs`), as `LLM.prepare` takes them;
         `params_of` maps an option to the HTTP field it came from, which a refusal names.
         A conversation's documents are read to text here (`documents.DocumentReader`)."""
+        fields = params_of or {}
         try:
             request = self.llm.prepare(self._read_documents(prompt), params, **options)
         except PromptTooLongError as exc:
-            raise prompt_too_long(exc, "messages") from exc
+            raise prompt_too_long(exc, fields.get("prompt", "messages")) from exc
+        except ContextOverflowError as exc:
+            raise context_exceeded(exc, fields.get(exc.field, exc.field)) from exc
         except RequestFieldError as exc:
             if exc.field == "lora_name":  # an adapter unloaded since `model` was checked
                 raise ServerError(404, str(exc), "model", code="model_not_found") from exc
-            raise ServerError(400, str(exc), (params_of or {}).get(exc.field, exc.field)) from exc
+            raise ServerError(400, str(exc), fields.get(exc.field, exc.field)) from exc
         except ValueError as exc:
             raise ServerError(400, str(exc)) from exc
         tokens = len(request.prompt_token_ids)
@@ -159,7 +163,7 @@ class EngineClient:
                     tokens,
                     self.max_input_len,
                 ),
-                "messages",
+                fields.get("prompt", "messages"),
             )
         return request
 

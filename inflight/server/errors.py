@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from inflight.protocol.request import PromptTooLongError
+from inflight.protocol.request import ContextOverflowError, PromptTooLongError
 
 # OpenAI error type per status; the Anthropic API has its own names (and 529 for overload).
 _OPENAI_TYPES = {
@@ -55,6 +55,22 @@ class ServerError(Exception):
         self.details = details
         self.code = code
         self.anthropic_message = anthropic_message
+
+
+def context_exceeded(exc: ContextOverflowError, param: str) -> ServerError:
+    """A 400 for a prompt whose max_tokens outgrow the context, as each API says it: OpenAI's
+    code `context_length_exceeded`, and Anthropic's "input length and `max_tokens` exceed
+    context limit: N + M > L", from which Claude Code reads a max_tokens that fits."""
+    return ServerError(
+        400,
+        str(exc),
+        param,
+        code="context_length_exceeded",
+        anthropic_message=(
+            f"input length and `max_tokens` exceed context limit: {exc.tokens} + "
+            f"{exc.max_tokens} > {exc.limit}, decrease input length or `max_tokens` and try again"
+        ),
+    )
 
 
 def prompt_too_long(exc: PromptTooLongError, param: str | None = None) -> ServerError:

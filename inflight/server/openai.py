@@ -126,7 +126,15 @@ def field_params(body: SamplingFields, choice: ToolChoice | None = None) -> dict
     if choice is not None and choice.forced:
         constraint = "tools"
     diffusion = next((name for name in DIFFUSION_FIELDS if getattr(body, name) is not None), "")
-    return {"n": "n", "structured_outputs": constraint, "diffusion": diffusion}
+    chat = isinstance(body, ChatCompletionRequest)
+    newer = chat and body.max_completion_tokens is not None
+    return {
+        "n": "n",
+        "structured_outputs": constraint,
+        "diffusion": diffusion,
+        "prompt": "messages" if chat else "prompt",
+        "max_tokens": "max_completion_tokens" if newer else "max_tokens",
+    }
 
 
 def chat_tools(tools: list[ChatTool] | None) -> list[FunctionTool]:
@@ -385,11 +393,9 @@ def chat_messages(
                 }
                 for call in m.tool_calls
             ]
-        if m.role == "tool":
-            if m.tool_call_id is None:
-                raise ServerError(
-                    400, "a tool message needs the tool_call_id it answers", f"messages.{i}"
-                )
+        # A tool message without the id of the call it answers is rendered without one, as
+        # vLLM takes it (Llama Stack's vLLM adapter sends none); a template may still ask for it.
+        if m.role == "tool" and m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         reasoning = m.reasoning_content or m.reasoning
         if reasoning and m.role == "assistant":

@@ -267,7 +267,11 @@ def chat_turn(
         choice,
         constraint,
         _thinking(body, chat),
-        {"structured_outputs": "tool_choice" if forced else format_field},
+        {
+            "structured_outputs": "tool_choice" if forced else format_field,
+            "prompt": "input",
+            "max_tokens": "max_output_tokens",
+        },
         dropped + ignored,
         namespaced,
         list(given),
@@ -290,7 +294,9 @@ def _compaction_turn(
         if getattr(body, name) is not None
     ]
     messages = [*messages, {"role": "user", "content": compaction.SUMMARY_REQUEST}]
-    return Turn(messages, earlier, None, None, _thinking(body, chat), {}, unread, {}, given, True)
+    fields = {"prompt": "input", "max_tokens": "max_output_tokens"}
+    thinking = _thinking(body, chat)
+    return Turn(messages, earlier, None, None, thinking, fields, unread, {}, given, True)
 
 
 def _thinking(body: ResponsesRequest, chat: ChatSetup) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 """The Anthropic Messages API over a real uvicorn server, driven by the official client."""
 
 import json
+import re
 
 import anthropic
 import httpx
@@ -192,6 +193,17 @@ def test_a_prompt_too_long_is_worded_as_anthropics(client):
     assert int(error["message"].split()[4]) > 511
     with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):
         client.messages.count_tokens(model=MODEL, messages=long)
+    # With max_tokens past the room left, Anthropic's words, whose numbers Claude Code reads to
+    # retry with a max_tokens that fits.
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model=MODEL, messages=MESSAGES, max_tokens=600)
+    message = info.value.body["error"]["message"]
+    found = re.fullmatch(
+        r"input length and `max_tokens` exceed context limit: (\d+) \+ 600 > 512, decrease "
+        r"input length or `max_tokens` and try again",
+        message,
+    )
+    assert found and 0 < int(found[1]) < 512, message
 
 
 def test_every_response_names_its_request_in_anthropics_header(client, server):
@@ -424,6 +436,6 @@ def test_models_read_as_the_anthropic_models_api(client):
     listed = client.models.list()
     (model,) = listed.data
     assert model.id == MODEL and model.type == "model" and model.display_name == MODEL
-    assert model.created_at.year >= 2026 and model.max_input_tokens == model.max_tokens > 0
+    assert model.created_at.year >= 2026 and model.max_input_tokens == model.max_tokens == 511
     assert listed.has_more is False and listed.first_id == listed.last_id == MODEL
     assert client.models.retrieve(MODEL).created_at == model.created_at

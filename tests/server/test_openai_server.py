@@ -1,6 +1,7 @@
 """The OpenAI API over a real uvicorn server, driven by the official `openai` client."""
 
 import json
+import re
 import threading
 import time
 
@@ -307,7 +308,6 @@ def test_health_counts_mid_flight_joins_and_metrics_parse(server, server_llm):
             "messages.0.content.0.image_url.detail",
         ),
         # Bounds on what one request may ask for, each named.
-        ({"messages": MESSAGES, "max_tokens": 10**9}, 400, "max_tokens"),
         ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         ({"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
         ({"messages": MESSAGES, "stop": ["s"] * 33}, 400, "stop"),
@@ -326,28 +326,54 @@ def test_errors_use_the_openai_body(server, body, status, param):
         assert error["param"] is not None and error["param"].startswith(param)
 
 
-def test_a_context_overflow_opens_with_the_words_clients_classify(server):
-    """A 400 opening with OpenAI's and vLLM's words, which litellm and any-llm match to raise
-    their context-window errors; a prompt too long carries OpenAI's `context_length_exceeded`
-    too, which the SDK raises as a BadRequestError and LangChain as its context-overflow error
-    (the seed's server answered 413, which the SDK raises as a bare APIStatusError)."""
+def test_a_context_overflow_is_worded_as_openais_and_vllms(server):
+    """A 400 with OpenAI's code `context_length_exceeded` (the SDK's BadRequestError,
+    LangChain's context-overflow error; the seed's server answered a long prompt with 413,
+    which the SDK raises as a bare APIStatusError), its `param` the field the client sent, and
+    OpenAI's and vLLM's words: litellm and any-llm match the opening, Crush's library the
+    numbers after "resulted in" or "requested"."""
     long = [{"role": "user", "content": "word " * 600}]
-    for body, param, code in (
-        ({"messages": long}, "messages", "context_length_exceeded"),
-        ({"messages": MESSAGES, "max_tokens": 600}, "max_tokens", 400),
+    opening = "This model's maximum context length is 512 tokens (max_model_len). However, "
+    for route, body, param, words in (
+        ("chat/completions", {"messages": long}, "messages", r"your prompt resulted in \d+ "),
+        ("completions", {"prompt": "word " * 600}, "prompt", r"your prompt resulted in \d+ "),
+        (
+            "chat/completions",
+            {"messages": MESSAGES, "max_tokens": 600},
+            "max_tokens",
+            r"you requested 6\d\d tokens \(\d+ in the prompt, 600 in the completion\)",
+        ),
+        (
+            "chat/completions",
+            {"messages": MESSAGES, "max_completion_tokens": 600},
+            "max_completion_tokens",
+            "you requested",
+        ),
+        ("completions", {"prompt": "Hi", "max_tokens": 600}, "max_tokens", "you requested"),
+        ("chat/completions", {"messages": MESSAGES, "max_tokens": 10**9}, "max_tokens", "1000"),
     ):
-        r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=30)
+        r = httpx.post(f"{server[0]}/v1/{route}", json=body, timeout=30)
         assert r.status_code == 400, r.text
         error = r.json()["error"]
-        assert error["message"].startswith("This model's maximum context length is 512 tokens")
+        assert error["message"].startswith(opening) and re.search(words, error["message"])
         assert (error["type"], error["param"], error["code"]) == (
-            "invalid_request_error", param, code,
+            "invalid_request_error", param, "context_length_exceeded",
         )  # fmt: skip
     client = openai.OpenAI(base_url=server[0] + "/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=long, max_tokens=4)
     assert info.value.code == "context_length_exceeded"
-    assert "the prompt is" in info.value.message and "at most 511 tokens" in info.value.message
+    assert "where at most 511 leave room for a token of output" in info.value.message
+
+
+def test_max_completion_tokens_wins_over_max_tokens_and_names_it(oa):
+    """vLLM's reading of both fields: the current one counts, the deprecated one is named back
+    in the ignored-fields header."""
+    raw = oa.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, max_completion_tokens=3, temperature=0
+    )
+    assert raw.headers["x-inflight-ignored-fields"] == "max_tokens"
+    assert raw.parse().usage.completion_tokens <= 3
 
 
 @pytest.mark.parametrize(

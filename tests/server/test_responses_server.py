@@ -1046,6 +1046,18 @@ def test_max_output_tokens_cut_is_incomplete(oa):
     assert events[-1].response.output_text == reply.output_text
 
 
+def test_a_context_overflow_names_the_responses_fields(server):
+    """OpenAI's `context_length_exceeded`, its `param` the Responses API's own field."""
+    for body, param in (
+        ({"input": "word " * 600}, "input"),
+        ({"input": QUESTION, "max_output_tokens": 600}, "max_output_tokens"),
+    ):
+        r = httpx.post(server + "/v1/responses", json={"model": MODEL, **body})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["code"] == "context_length_exceeded"
+        assert error["param"] == param
+
+
 def test_auto_truncation_drops_the_oldest_turns_that_do_not_fit(oa, server, server_llm):
     long_turns = [
         {"role": "user", "content": "Tell me a story. " * 150},

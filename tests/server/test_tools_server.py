@@ -304,6 +304,12 @@ def test_a_tool_result_in_the_history_gets_a_normal_reply(oa, server_llm):
     rendered = server_llm.tokenizer.decode(prepared.prompt_token_ids, skip_special_tokens=False)
     assert '<tool_call>\n{"name": "get_weather"' in rendered
     assert "<tool_response>\n18 C\n</tool_response>" in rendered
+    # Without the call's id (Llama Stack's vLLM adapter sends none; vLLM takes it): served, and
+    # the same here, where the template renders no ids.
+    bare = [*MESSAGES, call.message, {"role": "tool", "content": "18 C"}]
+    again = oa.chat.completions.create(model=MODEL, messages=bare, tools=TOOLS, **GREEDY)
+    assert again.usage.prompt_tokens == reply.usage.prompt_tokens
+    assert again.choices[0].message.content == choice.message.content
 
 
 def test_a_call_cut_short_is_sent_back_and_rendered_as_far_as_written(oa, server_llm):
@@ -442,7 +448,6 @@ def test_a_missing_tool_is_a_400_naming_it_and_nothing_is_submitted(
             },
             "messages",
         ),
-        ({"messages": [{"role": "tool", "content": "18 C"}]}, "messages.0"),
     ],
 )
 def test_malformed_tool_requests_are_400_naming_the_field(server, change, param):

@@ -17,6 +17,7 @@ from inflight.protocol.request import (
     MEDIA_FIELD,
     PROCESSOR_FIELD,
     AdmissionIntent,
+    ContextOverflowError,
     DiffusionParams,
     GenerationRequest,
     PromptTooLongError,
@@ -178,8 +179,9 @@ class DiffusionChecks:
             raise PromptTooLongError(
                 context_overflow(
                     limit,
-                    f"the prompt is {prompt} tokens: prompts may have at most {limit - canvas} "
-                    f"tokens beside one canvas of {canvas}",
+                    f"your prompt resulted in {prompt} tokens, where at most {limit - canvas} "
+                    f"leave room for one canvas of {canvas}. Please reduce the length of the "
+                    "prompt.",
                 ),
                 prompt,
                 limit - canvas,
@@ -189,12 +191,15 @@ class DiffusionChecks:
             return room
         wanted = -(-max_tokens // canvas)
         if wanted > room:
-            raise RequestFieldError(
+            raise ContextOverflowError(
                 context_overflow(
                     limit,
-                    f"the prompt ({prompt} tokens) plus max_tokens ({max_tokens}, rounded up to "
-                    f"{wanted} canvases of {canvas} tokens) asks for {prompt + wanted * canvas}",
+                    f"you requested {prompt + wanted * canvas} tokens ({prompt} in the prompt, "
+                    f"{max_tokens} in the completion, rounded up to {wanted} canvases of "
+                    f"{canvas}). Please reduce the length of the prompt or max_tokens.",
                 ),
-                "max_tokens",
+                prompt,
+                wanted * canvas,
+                limit,
             )
         return wanted

@@ -33,6 +33,7 @@ import numpy as np
 from inflight.protocol.options import check_runtime_serves
 from inflight.protocol.request import (
     AdmissionIntent,
+    ContextOverflowError,
     GenerationRequest,
     PromptTooLongError,
     RequestFieldError,
@@ -156,8 +157,8 @@ class Scheduler:
             raise PromptTooLongError(
                 context_overflow(
                     limit,
-                    f"the prompt is {len(prompt)} tokens: prompts may have at most {limit - 1} "
-                    "tokens",
+                    f"your prompt resulted in {len(prompt)} tokens, where at most {limit - 1} "
+                    "leave room for a token of output. Please reduce the length of the prompt.",
                 ),
                 len(prompt),
                 limit - 1,
@@ -179,13 +180,16 @@ class Scheduler:
             )
         room = limit - len(prompt)
         if params.max_tokens is not None and params.max_tokens > room:
-            raise RequestFieldError(
+            raise ContextOverflowError(
                 context_overflow(
                     limit,
-                    f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) "
-                    f"asks for {len(prompt) + params.max_tokens}",
+                    f"you requested {len(prompt) + params.max_tokens} tokens ({len(prompt)} in "
+                    f"the prompt, {params.max_tokens} in the completion). Please reduce the "
+                    "length of the prompt or max_tokens.",
                 ),
-                "max_tokens",
+                len(prompt),
+                params.max_tokens,
+                limit,
             )
         max_new = room if params.max_tokens is None else params.max_tokens
         # KV for every token, the last output token's too: with overlap, the step launched

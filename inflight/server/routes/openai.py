@@ -36,14 +36,6 @@ router = APIRouter()
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: State) -> Response:
     lora_name = check_body(state, body, body.model)
     client, llm = state.client, state.client.llm
-    if (
-        body.max_tokens
-        and body.max_completion_tokens
-        and (body.max_tokens != body.max_completion_tokens)
-    ):
-        raise ServerError(
-            400, "max_tokens and max_completion_tokens differ; send one", "max_tokens"
-        )
     chat = state.chat
     spoken = chat_audio(body, llm.voice_facts)
     choice = openai.chat_tool_choice(body, chat)
@@ -53,6 +45,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         "structured_outputs" if body.structured_outputs is not None else "response_format",
     )
     ignored = ignored_fields(body) + ignored
+    if body.max_completion_tokens is not None and body.max_tokens not in (
+        None,
+        body.max_completion_tokens,
+    ):
+        # vLLM's reading: the current field wins, the deprecated one is named back.
+        ignored.append("max_tokens")
     asked, thinking = openai.thinking_asked(body), None
     if asked is not None:
         thinking = chat.thinking_switch(asked.enabled, asked.effort)
@@ -204,11 +202,12 @@ def _model_cards(state: State) -> list[dict[str, Any]]:
         "object": "model",
         "created": _STARTED,
         "owned_by": "inflight",
-        # The Anthropic Models API's fields.
+        # The Anthropic Models API's fields: a prompt and its output share the context, and
+        # each takes a token at least.
         "type": "model",
         "created_at": _STARTED_AT,
-        "max_input_tokens": llm.max_model_len,
-        "max_tokens": llm.max_model_len,
+        "max_input_tokens": llm.max_model_len - 1,
+        "max_tokens": llm.max_model_len - 1,
     }
     return [
         *(

@@ -500,6 +500,7 @@ class ChatReply:
         reader: MessageParser,
         reasoning_fields: bool,
         legacy_functions: bool = False,
+        named: bool = False,
         audio: SpokenReply | None = None,
         voices: SpeechFacts | None = None,
         prompt_token_ids: Sequence[int] | None = None,
@@ -512,6 +513,8 @@ class ChatReply:
         self.reasoning_fields = reasoning_fields
         # Asked with the legacy `functions`: its call comes back as `function_call`.
         self.legacy_functions = legacy_functions
+        # A named tool_choice's call ends as "stop", as OpenAI's and vLLM's do.
+        self.named = named
         # Asked spoken (`spoken.py`): the text is the audio's transcript.
         self.audio, self.voices = audio, voices
         # vLLM's return_token_ids: the prompt's ids, sent with each choice's (None: not asked).
@@ -579,8 +582,9 @@ class ChatReply:
 
     def _finish_reason(self, reason: str | None, called: bool) -> str | None:
         """A reply that ended by itself after calling tools finishes with "tool_calls" (with
-        "function_call", asked with the legacy functions)."""
-        if called and reason == "stop":
+        "function_call", asked with the legacy functions), but the call of a named choice,
+        which OpenAI and vLLM end with "stop"."""
+        if called and reason == "stop" and (self.legacy_functions or not self.named):
             return "function_call" if self.legacy_functions else "tool_calls"
         return reason
 

@@ -102,6 +102,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         reader,
         chat.reasoning is not None,
         legacy_functions=body.functions is not None,
+        named=choice is not None and choice.mode == "named",
         audio=audio,
         voices=None if spoken is None else llm.voice_facts,
         prompt_token_ids=prepared.prompt_token_ids if body.return_token_ids else None,

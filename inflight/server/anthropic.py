@@ -88,6 +88,10 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
             )
         elif isinstance(block, AnthropicThinkingBlock):
             reasoning.append(block.thinking)
+        elif block.type == "redacted_thinking":
+            # Thinking Anthropic's API encrypted, which clients must send back as it came: none
+            # of it is readable here, so it is left out of the prompt rather than refused.
+            continue
         else:
             text.append(_text([block], where))
     message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}

@@ -198,11 +198,14 @@ async def apply(
             continue
         before = await tokens()
         after_tokens = await count(after)
+        saved = before - after_tokens
         least = edit.clear_at_least if isinstance(edit, ClearToolUses) else None
-        if least is not None and before - after_tokens < least.value:
-            continue  # not worth breaking the prompt's cached prefix for
+        if saved <= 0 or (least is not None and saved < least.value):
+            # Nothing saved (results shorter than the placeholder), or not worth breaking the
+            # prompt's cached prefix for: the conversation stays as it was.
+            continue
         edited.messages, edited.input_tokens = after, after_tokens
-        edited.applied_edits.append({**record, "cleared_input_tokens": before - after_tokens})
+        edited.applied_edits.append({**record, "cleared_input_tokens": saved})
     return edited
 
 

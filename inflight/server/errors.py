@@ -151,6 +151,9 @@ def invalid_request(errors: Sequence[Any], body: Any) -> ServerError:
     else:
         loc = [str(p) for p in where if not _is_union_member(p)]
     message = first.get("msg", "invalid request")
+    if first.get("type") == "value_error":
+        # A validator's own words, without pydantic's "Value error, " before them.
+        message = str(first.get("ctx", {}).get("error", message))
     if first.get("type") == "extra_forbidden":
         message = f"unknown field {loc[-1]!r}" if loc else "unknown field"
     param = ".".join(loc) or None

@@ -84,6 +84,26 @@ def test_vllm_length_controls_apply_as_in_the_python_api(client, server_llm):
         assert message.usage.output_tokens == len(expected.token_ids) >= least
 
 
+def test_redacted_thinking_sent_back_is_left_out_of_the_prompt(client):
+    """Clients must send Anthropic's encrypted thinking back as it came (the AI SDK, replayed
+    Claude conversations): accepted, and, unreadable here, rendered as nothing."""
+
+    def history(*blocks):
+        return [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [*blocks, {"type": "text", "text": "hello"}]},
+            {"role": "user", "content": "again"},
+        ]
+
+    redacted = {"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix"}
+    with_it = client.messages.create(
+        model=MODEL, max_tokens=6, messages=history(redacted), **GREEDY
+    )
+    without = client.messages.create(model=MODEL, max_tokens=6, messages=history(), **GREEDY)
+    assert prompt_of(with_it.usage) == prompt_of(without.usage)
+    assert with_it.content[0].text == without.content[0].text
+
+
 def test_a_final_assistant_message_is_continued(client, server_llm):
     # The API's prefill: the reply goes on from the assistant's text, which it does not repeat.
     prefill = [*MESSAGES, {"role": "assistant", "content": "My favourite primary color is"}]

@@ -163,6 +163,26 @@ def test_clear_at_least_clears_nothing_unless_that_many_tokens_would_go():
     assert dumped(edited.messages) == dumped(whole.messages)
 
 
+def test_results_shorter_than_the_placeholder_are_not_cleared_to_a_larger_prompt():
+    """Replacing a short result by the placeholder would grow the prompt and report a negative
+    count of cleared tokens (the AI SDK surfaced -1): the edit is then not applied."""
+    raw = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t0", "name": "w", "input": {"c": "P"}}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "t0", "content": "ok"}],
+        },
+    ]
+    messages = [AnthropicMessage.model_validate(m) for m in raw]
+    edited, _ = edit(messages, tool_edit(keep=keep(0)))
+    assert edited.messages == messages and edited.applied_edits == []
+    assert edited.input_tokens == edited.original_input_tokens
+
+
 def test_a_tool_uses_trigger_counts_the_conversations_tool_uses():
     messages = conversation("a", "b", "c")
     trigger = {"type": "tool_uses", "value": 3}

@@ -584,9 +584,11 @@ class ChatReply:
         """A reply that ended by itself after calling tools finishes with "tool_calls" (with
         "function_call", asked with the legacy functions), but the call of a named choice,
         which OpenAI and vLLM end with "stop"."""
-        if called and reason == "stop" and (self.legacy_functions or not self.named):
-            return "function_call" if self.legacy_functions else "tool_calls"
-        return reason
+        if not called or reason != "stop":
+            return reason
+        if self.legacy_functions:
+            return "function_call"
+        return "stop" if self.named else "tool_calls"
 
     def _chunk(self, delta: dict[str, Any], index: int = 0, **choice: Any) -> dict[str, Any]:
         return {

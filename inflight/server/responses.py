@@ -68,6 +68,8 @@ from inflight.server.tools import FunctionTool, ToolChoice, allowed_tools, tool_
 
 # How many stored responses the server keeps.
 STORE_CAPACITY = 1024
+# The Responses API's own names of the fields a refusal may name.
+_FIELDS = {"prompt": "input", "max_tokens": "max_output_tokens"}
 # How many responses a WebSocket connection keeps for continuation (`SocketStore`).
 SOCKET_CAPACITY = 256
 
@@ -267,11 +269,7 @@ def chat_turn(
         choice,
         constraint,
         _thinking(body, chat),
-        {
-            "structured_outputs": "tool_choice" if forced else format_field,
-            "prompt": "input",
-            "max_tokens": "max_output_tokens",
-        },
+        {**_FIELDS, "structured_outputs": "tool_choice" if forced else format_field},
         dropped + ignored,
         namespaced,
         list(given),
@@ -294,9 +292,8 @@ def _compaction_turn(
         if getattr(body, name) is not None
     ]
     messages = [*messages, {"role": "user", "content": compaction.SUMMARY_REQUEST}]
-    fields = {"prompt": "input", "max_tokens": "max_output_tokens"}
     thinking = _thinking(body, chat)
-    return Turn(messages, earlier, None, None, thinking, fields, unread, {}, given, True)
+    return Turn(messages, earlier, None, None, thinking, dict(_FIELDS), unread, {}, given, True)
 
 
 def _thinking(body: ResponsesRequest, chat: ChatSetup) -> dict[str, Any] | None:

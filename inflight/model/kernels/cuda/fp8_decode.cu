@@ -13,16 +13,20 @@
 // - before Hopper, or over a cache whose blocks are not 16 evenly spaced rows
 //   (`fp8_decode_ldg`), straight from the cache, one block a warp at a time.
 // Both give the same bits (bench/gpu_check.py "fp8 decode"). The products:
-// - scores S = Q K^T: the group's query heads are A's rows (padded to 16); a thread's B
-//   fragments are 32 bytes of one key, the dot's dimensions taken in the order the bytes lie
-//   (the query's fragments in the same order). Column n of the block's two 8-token tiles is
-//   token 4 (n / 2) + n % 2 (+ 2 in the second), so that thread (g, c) (lane 4 g + c) holds
-//   head g's scores of tokens 4 c .. 4 c + 3.
-// - output O^T = V^T P^T: those four probabilities are the B fragment as they lie; the values
-//   are A, the product's k index running over the same tokens. Output tile t's rows g and
-//   g + 8 are dimensions 16 g + t and 16 g + 8 + t, so a thread's A fragments of all 8 tiles
-//   are bytes 16 g .. 16 g + 15 of its 4 tokens' values: four 128-bit loads, their bytes paired
-//   token by token with byte permutes.
+// - scores S^T = K Q^T: the block's 16 keys are A's rows, the group's query heads B's 8 columns
+//   (those past the group zero). A thread's A fragments are 32 bytes of each of two keys, the
+//   dot's dimensions taken in the order the bytes lie (the query's fragments in the same order).
+//   Row r of the tile is token 4 (r / 2) + r % 2 (+ 2 from row 8 on), so that thread (g, c)
+//   (lane 4 g + c) holds heads 2 c and 2 c + 1's scores of tokens 4 (g / 2) + g % 2 and + 2.
+//   (With the heads as A's rows instead, padded from at most 8 to 16, half of each product and
+//   the padding's zero registers were wasted: the TMA loop 321 -> 285 instructions.)
+// - output O^T = V^T P^T: the probabilities are B, their two 8 x 8 tiles transposed in registers
+//   (`movmatrix`) so that thread (g, c) holds head g's of tokens 4 c .. 4 c + 3; the values are
+//   A, the product's k index running over the same tokens. Output tile t's rows g and g + 8 are
+//   dimensions 16 g + t and 16 g + 8 + t, its columns 2 c and 2 c + 1 the heads whose maxima
+//   the thread holds, so a thread's A fragments of all 8 tiles are bytes 16 g .. 16 g + 15 of
+//   its 4 tokens' values: four 128-bit loads, their bytes paired token by token with byte
+//   permutes.
 // Products in float16, sums in float32, the softmax in base 2.
 
 #include <cuda.h>
@@ -115,12 +119,12 @@ __device__ __forceinline__ Work work_of(const Args& a) {
     return w;
 }
 
-// Query fragments (scaled into log2 units): head g, dims 32 c + 4 j + {0, 1} and {2, 3}. A
+// The query as B fragments (scaled into log2 units): head g, dims 32 c + 4 j + {0, 1} and {2, 3}. A
 // thread's 32 dims are 64 contiguous bytes, read as four 16-byte words (`serves` requires the
 // alignment): as 32 two-byte loads they cost as many L1 wavefronts as a program's key and value
 // reads, and the kernel grew slower with the group (bench/RESULTS.md, session 35).
 template <int G>
-__device__ __forceinline__ void load_query(const Args& a, const Work& w, int g, int c, uint32_t qa[8][2]) {
+__device__ __forceinline__ void load_query(const Args& a, const Work& w, int g, int c, uint32_t qb[8][2]) {
     uint4 words[4];
 #pragma unroll
     for (int k = 0; k < 4; k++) words[k] = make_uint4(0u, 0u, 0u, 0u);
@@ -137,71 +141,82 @@ __device__ __forceinline__ void load_query(const Args& a, const Work& w, int g, 
         // A bfloat16's bits are a float32's upper half.
         const float x[4] = {__uint_as_float(lo << 16), __uint_as_float(lo & 0xffff0000u),
                             __uint_as_float(hi << 16), __uint_as_float(hi & 0xffff0000u)};
-        qa[j][0] = half2_of(x[0] * a.scale_log2, x[1] * a.scale_log2);
-        qa[j][1] = half2_of(x[2] * a.scale_log2, x[3] * a.scale_log2);
+        qb[j][0] = half2_of(x[0] * a.scale_log2, x[1] * a.scale_log2);
+        qb[j][1] = half2_of(x[2] * a.scale_log2, x[3] * a.scale_log2);
     }
 }
 
-// A warp's running state over its blocks: head g's max and (this lane's part of the) sum, and
-// the O^T tiles (dims 16 g + t and 16 g + 8 + t, heads 2 c and 2 c + 1).
+// A warp's running state over its blocks: heads 2 c and 2 c + 1's max and (this lane's part of
+// the) sum, and the O^T tiles (dims 16 g + t and 16 g + 8 + t, the same heads).
 struct Running {
-    float m, l;
+    float m[2], l[2];
     float o[8][4];
 };
 
+// An 8 x 8 matrix of 16-bit values, a lane's word being row lane / 4, columns 2 (lane % 4) and
+// + 1 (an mma fragment's layout), transposed.
+__device__ __forceinline__ uint32_t transpose(uint32_t x) {
+    uint32_t y;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+}
+
 // One block of 16 tokens into the running state. ka, kc: bytes 32 c .. 32 c + 31 of token
 // 4 (g / 2) + g % 2's key; kd, ke: the same of the token 2 on. vt[i]: bytes 16 g .. 16 g + 15 of
-// token 4 c + i's value. `first`: the block's first token index plus 4 c.
-__device__ __forceinline__ void attend(const uint32_t qa[8][2], const uint4& ka, const uint4& kc,
-                                       const uint4& kd, const uint4& ke, uint4 vt[4], int first,
-                                       int len, int c, Running& r) {
+// token 4 c + i's value. `base`: the block's first token index.
+__device__ __forceinline__ void attend(const uint32_t qb[8][2], const uint4& ka, const uint4& kc,
+                                       const uint4& kd, const uint4& ke, uint4 vt[4], int base,
+                                       int len, int g, int c, Running& r) {
     // Values past the row's end as 0 (their probabilities are 0, but the bytes there may be a
     // NaN's).
 #pragma unroll
     for (int i = 0; i < 4; i++)
-        if (first + i >= len) vt[i] = make_uint4(0u, 0u, 0u, 0u);
+        if (base + 4 * c + i >= len) vt[i] = make_uint4(0u, 0u, 0u, 0u);
     const uint32_t k0[8] = {ka.x, ka.y, ka.z, ka.w, kc.x, kc.y, kc.z, kc.w};
     const uint32_t k1[8] = {kd.x, kd.y, kd.z, kd.w, ke.x, ke.y, ke.z, ke.w};
-    float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
+    // s: heads 2 c, 2 c + 1 of the first token, then of the second.
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < 8; j++) {
         uint16_t a0, a1, b0, b1;
         halves(k0[j], a0, a1);
         halves(k1[j], b0, b1);
-        mma(s0, qa[j][0], 0u, qa[j][1], 0u, widen2(a0), widen2(a1));
-        mma(s1, qa[j][0], 0u, qa[j][1], 0u, widen2(b0), widen2(b1));
+        mma(s, widen2(a0), widen2(b0), widen2(a1), widen2(b1), qb[j][0], qb[j][1]);
     }
-    float s[4] = {s0[0], s0[1], s1[0], s1[1]};
+    const int token = base + 4 * (g >> 1) + (g & 1);
+    if (token >= len) s[0] = s[1] = -CUDART_INF_F;
+    if (token + 2 >= len) s[2] = s[3] = -CUDART_INF_F;
+    // Each head's maximum over the block: its column is the 8 lanes of one c.
+    float top0 = fmaxf(s[0], s[2]), top1 = fmaxf(s[1], s[3]);
 #pragma unroll
-    for (int b = 0; b < 4; b++)
-        if (first + b >= len) s[b] = -CUDART_INF_F;
-    float top = fmaxf(fmaxf(s[0], s[1]), fmaxf(s[2], s[3]));
-    top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, 1));
-    top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, 2));
-    const float m_new = fmaxf(r.m, top);
-    const float alpha = exp2f(r.m - m_new);
-    float p[4];
-#pragma unroll
-    for (int b = 0; b < 4; b++) p[b] = exp2f(s[b] - m_new);
-    r.l = r.l * alpha + (p[0] + p[1] + p[2] + p[3]);
-    r.m = m_new;
-    const uint32_t pb0 = half2_of(p[0], p[1]), pb1 = half2_of(p[2], p[3]);
-    const float alpha_lo = __shfl_sync(0xffffffff, alpha, 8 * c);
-    const float alpha_hi = __shfl_sync(0xffffffff, alpha, 8 * c + 4);
+    for (int x = 4; x < 32; x *= 2) {
+        top0 = fmaxf(top0, __shfl_xor_sync(0xffffffff, top0, x));
+        top1 = fmaxf(top1, __shfl_xor_sync(0xffffffff, top1, x));
+    }
+    const float m0 = fmaxf(r.m[0], top0), m1 = fmaxf(r.m[1], top1);
+    const float alpha0 = exp2f(r.m[0] - m0), alpha1 = exp2f(r.m[1] - m1);
+    const float p[4] = {exp2f(s[0] - m0), exp2f(s[1] - m1), exp2f(s[2] - m0), exp2f(s[3] - m1)};
+    r.l[0] = r.l[0] * alpha0 + (p[0] + p[2]);
+    r.l[1] = r.l[1] * alpha1 + (p[1] + p[3]);
+    r.m[0] = m0;
+    r.m[1] = m1;
+    // P^T's B fragments: the probabilities' two tiles (tokens by heads) transposed, which gives
+    // thread (g, c) head g's probabilities of tokens 4 c .. 4 c + 3.
+    const uint32_t pb0 = transpose(half2_of(p[0], p[1])), pb1 = transpose(half2_of(p[2], p[3]));
     uint16_t v01[16], v23[16];
     pair_up(vt[0], vt[1], v01);
     pair_up(vt[2], vt[3], v23);
 #pragma unroll
     for (int t = 0; t < 8; t++) {
-        r.o[t][0] *= alpha_lo; r.o[t][1] *= alpha_hi; r.o[t][2] *= alpha_lo; r.o[t][3] *= alpha_hi;
+        r.o[t][0] *= alpha0; r.o[t][1] *= alpha1; r.o[t][2] *= alpha0; r.o[t][3] *= alpha1;
         mma(r.o[t], widen2(v01[t]), widen2(v01[8 + t]), widen2(v23[t]), widen2(v23[8 + t]),
             pb0, pb1);
     }
 }
 
 __device__ __forceinline__ void start(Running& r) {
-    r.m = -CUDART_INF_F;
-    r.l = 0.f;
+    r.m[0] = r.m[1] = -CUDART_INF_F;
+    r.l[0] = r.l[1] = 0.f;
 #pragma unroll
     for (int t = 0; t < 8; t++) r.o[t][0] = r.o[t][1] = r.o[t][2] = r.o[t][3] = 0.f;
 }
@@ -221,11 +236,17 @@ template <int G>
 __device__ __forceinline__ void finish(const Args& a, const Work& w, Running& r, float* wo,
                                        int wo_stride, float (*wm)[8], float (*wl)[8]) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    r.l += __shfl_xor_sync(0xffffffff, r.l, 1);
-    r.l += __shfl_xor_sync(0xffffffff, r.l, 2);
-    if (c == 0 && g < G) {
-        wm[warp][g] = r.m;
-        wl[warp][g] = r.l;
+#pragma unroll
+    for (int x = 4; x < 32; x *= 2) {
+        r.l[0] += __shfl_xor_sync(0xffffffff, r.l[0], x);
+        r.l[1] += __shfl_xor_sync(0xffffffff, r.l[1], x);
+    }
+    if (g == 0) {
+        for (int i = 0; i < 2; i++)
+            if (2 * c + i < G) {
+                wm[warp][2 * c + i] = r.m[i];
+                wl[warp][2 * c + i] = r.l[i];
+            }
     }
     float* mine = wo + warp * wo_stride;
 #pragma unroll
@@ -278,8 +299,8 @@ __global__ void __launch_bounds__(kWarps * 32, 4) fp8_decode_ldg(const Args a) {
     const Work w = work_of(a);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int* table = a.tables + (int64_t)w.row * a.sbt;
-    uint32_t qa[8][2];
-    load_query<G>(a, w, g, c, qa);
+    uint32_t qb[8][2];
+    load_query<G>(a, w, g, c, qb);
     const int tok0 = 4 * (g >> 1) + (g & 1);
     const int64_t key0 = (int64_t)tok0 * a.sks + (int64_t)w.kvh * a.skh + 32 * c;
     const int64_t key1 = key0 + 2 * a.sks;
@@ -302,7 +323,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) fp8_decode_ldg(const Args a) {
         uint4 vt[4];
 #pragma unroll
         for (int i = 0; i < 4; i++) vt[i] = __ldg(reinterpret_cast<const uint4*>(vb + i * a.svs));
-        attend(qa, ka, kc, kd, ke, vt, blk * kBlockSize + 4 * c, w.len, c, r);
+        attend(qb, ka, kc, kd, ke, vt, blk * kBlockSize, w.len, g, c, r);
     }
     __shared__ float wm[kWarps][8], wl[kWarps][8], wo[kWarps * G * kTileStride];
     finish<G>(a, w, r, wo, G * kTileStride, wm, wl);
@@ -400,8 +421,8 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
         for (int s = 0; s < kStages; s++)
             if (w.first + warp + s * kWarps < w.end) fill(s, at[s]);
     }
-    uint32_t qa[8][2];
-    load_query<G>(a, w, g, c, qa);
+    uint32_t qb[8][2];
+    load_query<G>(a, w, g, c, qb);
     const int tok0 = 4 * (g >> 1) + (g & 1);
     // Where a thread's words lie in a stage, as two offsets: tok0 % 8 is 0, 1, 4 or 5, so row
     // tok0 + 2 swizzles with word index bit 1 flipped; 4 c % 8 is 0 or 4, so row 4 c + i with
@@ -438,7 +459,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
             fill(s, refill_at);
             if (refill + kWarps < w.end) refill_at = table[refill + kWarps];
         }
-        attend(qa, ka, kc, kd, ke, vt, blk * kBlockSize + 4 * c, w.len, c, r);
+        attend(qb, ka, kc, kd, ke, vt, blk * kBlockSize, w.len, g, c, r);
         if (++s == kStages) {
             s = 0;
             parity ^= 1;

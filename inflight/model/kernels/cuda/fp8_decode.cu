@@ -42,6 +42,8 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kBlockSize = 16;
 constexpr int kHeadDim = 128;
+// How far (log2 units) a block's maximum may pass the running one before the state is rescaled.
+constexpr float kSlack = 8.f;
 
 // Two e4m3 values as a float16 pair.
 __device__ __forceinline__ uint32_t widen2(uint16_t pair) {
@@ -163,15 +165,19 @@ __device__ __forceinline__ uint32_t transpose(uint32_t x) {
 
 // One block of 16 tokens into the running state. ka, kc: bytes 32 c .. 32 c + 31 of token
 // 4 (g / 2) + g % 2's key; kd, ke: the same of the token 2 on. vt[i]: bytes 16 g .. 16 g + 15 of
-// token 4 c + i's value. `base`: the block's first token index.
-__device__ __forceinline__ void attend(const uint32_t qb[8][2], const uint4& ka, const uint4& kc,
+// token 4 c + i's value. `base`: the block's first token index; `tail`: whether the block may hold
+// tokens past the row's end, masked.
+template <bool tail>
+__device__ __forceinline__ void attend_block(const uint32_t qb[8][2], const uint4& ka, const uint4& kc,
                                        const uint4& kd, const uint4& ke, uint4 vt[4], int base,
                                        int len, int g, int c, Running& r) {
     // Values past the row's end as 0 (their probabilities are 0, but the bytes there may be a
     // NaN's).
+    if (tail) {
 #pragma unroll
-    for (int i = 0; i < 4; i++)
-        if (base + 4 * c + i >= len) vt[i] = make_uint4(0u, 0u, 0u, 0u);
+        for (int i = 0; i < 4; i++)
+            if (base + 4 * c + i >= len) vt[i] = make_uint4(0u, 0u, 0u, 0u);
+    }
     const uint32_t k0[8] = {ka.x, ka.y, ka.z, ka.w, kc.x, kc.y, kc.z, kc.w};
     const uint32_t k1[8] = {kd.x, kd.y, kd.z, kd.w, ke.x, ke.y, ke.z, ke.w};
     // s: heads 2 c, 2 c + 1 of the first token, then of the second.
@@ -183,9 +189,11 @@ __device__ __forceinline__ void attend(const uint32_t qb[8][2], const uint4& ka,
         halves(k1[j], b0, b1);
         mma(s, widen2(a0), widen2(b0), widen2(a1), widen2(b1), qb[j][0], qb[j][1]);
     }
-    const int token = base + 4 * (g >> 1) + (g & 1);
-    if (token >= len) s[0] = s[1] = -CUDART_INF_F;
-    if (token + 2 >= len) s[2] = s[3] = -CUDART_INF_F;
+    if (tail) {
+        const int token = base + 4 * (g >> 1) + (g & 1);
+        if (token >= len) s[0] = s[1] = -CUDART_INF_F;
+        if (token + 2 >= len) s[2] = s[3] = -CUDART_INF_F;
+    }
     // Each head's maximum over the block: its column is the 8 lanes of one c.
     float top0 = fmaxf(s[0], s[2]), top1 = fmaxf(s[1], s[3]);
 #pragma unroll
@@ -193,13 +201,26 @@ __device__ __forceinline__ void attend(const uint32_t qb[8][2], const uint4& ka,
         top0 = fmaxf(top0, __shfl_xor_sync(0xffffffff, top0, x));
         top1 = fmaxf(top1, __shfl_xor_sync(0xffffffff, top1, x));
     }
-    const float m0 = fmaxf(r.m[0], top0), m1 = fmaxf(r.m[1], top1);
-    const float alpha0 = exp2f(r.m[0] - m0), alpha1 = exp2f(r.m[1] - m1);
-    const float p[4] = {exp2f(s[0] - m0), exp2f(s[1] - m1), exp2f(s[2] - m0), exp2f(s[3] - m1)};
-    r.l[0] = r.l[0] * alpha0 + (p[0] + p[2]);
-    r.l[1] = r.l[1] * alpha1 + (p[1] + p[3]);
-    r.m[0] = m0;
-    r.m[1] = m1;
+    // The running maxima move only where a block's passes one by more than kSlack, as in
+    // FlashAttention-3: until then the probabilities are taken against the old maximum (at most
+    // 2^kSlack, far inside float16's range) and the outputs are not rescaled, which most blocks
+    // past a row's first need not be. A branch the warp takes together.
+    if (__any_sync(0xffffffff, top0 > r.m[0] + kSlack || top1 > r.m[1] + kSlack)) {
+        const float m0 = fmaxf(r.m[0], top0), m1 = fmaxf(r.m[1], top1);
+        const float alpha0 = exp2f(r.m[0] - m0), alpha1 = exp2f(r.m[1] - m1);
+        r.l[0] *= alpha0;
+        r.l[1] *= alpha1;
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+            r.o[t][0] *= alpha0; r.o[t][1] *= alpha1; r.o[t][2] *= alpha0; r.o[t][3] *= alpha1;
+        }
+        r.m[0] = m0;
+        r.m[1] = m1;
+    }
+    const float p[4] = {exp2f(s[0] - r.m[0]), exp2f(s[1] - r.m[1]), exp2f(s[2] - r.m[0]),
+                        exp2f(s[3] - r.m[1])};
+    r.l[0] += p[0] + p[2];
+    r.l[1] += p[1] + p[3];
     // P^T's B fragments: the probabilities' two tiles (tokens by heads) transposed, which gives
     // thread (g, c) head g's probabilities of tokens 4 c .. 4 c + 3.
     const uint32_t pb0 = transpose(half2_of(p[0], p[1])), pb1 = transpose(half2_of(p[2], p[3]));
@@ -207,11 +228,20 @@ __device__ __forceinline__ void attend(const uint32_t qb[8][2], const uint4& ka,
     pair_up(vt[0], vt[1], v01);
     pair_up(vt[2], vt[3], v23);
 #pragma unroll
-    for (int t = 0; t < 8; t++) {
-        r.o[t][0] *= alpha0; r.o[t][1] *= alpha1; r.o[t][2] *= alpha0; r.o[t][3] *= alpha1;
+    for (int t = 0; t < 8; t++)
         mma(r.o[t], widen2(v01[t]), widen2(v01[8 + t]), widen2(v23[t]), widen2(v23[8 + t]),
             pb0, pb1);
-    }
+}
+
+// A block through the masked math only where it is the row's last: the masks cost every block
+// ~20 instructions of the TMA loop's ~250, a branch the warp takes together costs two.
+__device__ __forceinline__ void attend(const uint32_t qb[8][2], const uint4& ka, const uint4& kc,
+                                       const uint4& kd, const uint4& ke, uint4 vt[4], int base,
+                                       int len, int g, int c, Running& r) {
+    if (base + kBlockSize > len)
+        attend_block<true>(qb, ka, kc, kd, ke, vt, base, len, g, c, r);
+    else
+        attend_block<false>(qb, ka, kc, kd, ke, vt, base, len, g, c, r);
 }
 
 __device__ __forceinline__ void start(Running& r) {

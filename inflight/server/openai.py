@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -631,9 +631,10 @@ class ChatReply:
     async def stream(
         self, run: Run, options: StreamOptions | None
     ) -> AsyncIterator[dict[str, Any]]:
-        """For each of the n choices: its role, its reasoning / content / tool-call deltas (as
-        they come, tagged with its index) and its finish reason; then usage (if asked for, and
-        on every chunk with vLLM's continuous_usage_stats). With token ids asked for, the
+        """For each of the n choices: its role (once the run has its first output), its
+        reasoning / content / tool-call deltas (as they come, tagged with its index) and its
+        finish reason; then usage (if asked for, and on every chunk with vLLM's
+        continuous_usage_stats). With token ids asked for, the
         first chunk carries the prompt's and each chunk its choice's new ones."""
         n = run.n
         every_chunk = options is not None and options.every_chunk
@@ -645,14 +646,24 @@ class ChatReply:
                 chunk["usage"] = _usage(prompt_tokens, completion_tokens)
             return chunk
 
-        for index in range(n):
-            opening = self._chunk({"role": "assistant", "content": ""}, index)
-            if self.prompt_token_ids is not None and index == 0:
-                opening["prompt_token_ids"] = list(self.prompt_token_ids)
-            yield counted(opening)
+        def openings() -> Iterator[dict[str, Any]]:
+            for index in range(n):
+                opening = self._chunk({"role": "assistant", "content": ""}, index)
+                if self.prompt_token_ids is not None and index == 0:
+                    opening["prompt_token_ids"] = list(self.prompt_token_ids)
+                yield counted(opening)
+
         finish_reasons: list[str | None] = [None] * n
         readings = [self.reader.stream() for _ in range(n)]
+        opened = False
         async for chunk in run:
+            if not opened:
+                # The roles go out with the first output, as vLLM's do, not on arrival: clients
+                # that time the first chunk take it for the first token (a queued or long
+                # prompt's wait would read as none).
+                opened = True
+                for opening in openings():
+                    yield opening
             index = chunk.index
             completion_tokens += len(chunk.token_ids)
             frames += len(chunk.codes)
@@ -673,6 +684,9 @@ class ChatReply:
             if token_ids:
                 extra["token_ids"] = list(chunk.token_ids)
             yield counted(self._chunk(delta or {"content": ""}, index, **extra))
+        if not opened:
+            for opening in openings():
+                yield opening
         for index in range(n):
             rest = self._delta(readings[index].finish())
             if self.audio is not None:
@@ -706,7 +720,12 @@ class CompletionReply:
         return self.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False)
 
     def _row(self, entry: LogprobEntry) -> tuple[str, float | None, dict[str, float] | None]:
-        top = {t.token: t.logprob for t in entry.top} if self.body.logprobs else None
+        """(token, logprob, top): `top` holds the token itself beside the `logprobs` likeliest,
+        up to logprobs + 1 entries, as OpenAI's legacy completions and vLLM's give them (one
+        entry at `logprobs: 0`)."""
+        top = None
+        if self.body.logprobs is not None:
+            top = {**{t.token: t.logprob for t in entry.top}, entry.token: entry.logprob}
         return entry.token, entry.logprob, top
 
     @staticmethod

@@ -102,6 +102,9 @@ def test_logprobs_agree_with_python_api(oa, server_llm):
         assert got.bytes == list(want.bytes)
 
 
+_ROWS = ("tokens", "token_logprobs", "top_logprobs")
+
+
 def test_completions_score_prompts_like_an_eval_harness(oa, server_llm):
     prompt = "The quick brown fox jumps over the lazy dog"
     reply = oa.completions.create(
@@ -117,6 +120,18 @@ def test_completions_score_prompts_like_an_eval_harness(oa, server_llm):
     want = [e.logprob for e in scored.prompt_logprobs[1:]]
     assert choice.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-5)
     assert len(choice.logprobs.tokens) == len(ids)
+    # Each entry of top_logprobs holds its token beside the likeliest (up to logprobs + 1), as
+    # OpenAI's and vLLM's do: a client may look the scored token up there.
+    for token, logprob, top in zip(*(getattr(choice.logprobs, f) for f in _ROWS), strict=True):
+        if logprob is None:
+            assert top is None
+            continue
+        assert top[token] == logprob and 1 <= len(top) <= 2
+    sampled = oa.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, logprobs=0, temperature=1.5, seed=3
+    ).choices[0]
+    for token, logprob, top in zip(*(getattr(sampled.logprobs, f) for f in _ROWS), strict=True):
+        assert top == {token: logprob}
     # Token-id prompts and several prompts in one request.
     many = oa.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=3, temperature=0)
     assert sorted(c.index for c in many.choices) == [0, 1]
@@ -656,6 +671,35 @@ def test_n_choices_whole_and_streamed(oa):
             if choice.finish_reason:
                 finished.add(choice.index)
     assert [streamed[i] for i in range(3)] == texts and finished == {0, 1, 2}
+
+
+def test_a_streamed_chat_opens_with_its_first_token_not_on_arrival(server, server_llm):
+    """The role chunk goes out with the first output, as vLLM's does: clients that time the
+    first chunk (Artificial Analysis's benchmark) take it for the first token. A request queued
+    behind a full batch gets nothing until it runs."""
+    url, _ = server
+    _idle(server_llm)
+    hold = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1000, "ignore_eos": True}
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "stream": True}
+    arrivals: list[tuple[float, dict]] = []
+
+    def queued() -> None:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append((time.monotonic(), json.loads(line[6:])))
+
+    thread = threading.Thread(target=queued)
+    with held_streams(url, "/v1/chat/completions", {**hold, "stream": True}, 4):  # batch of 4
+        thread.start()
+        time.sleep(0.5)
+        assert arrivals == []
+        released = time.monotonic()
+    thread.join(timeout=60)
+    at, first = arrivals[0]
+    assert at > released and first["choices"][0]["delta"]["role"] == "assistant"
+    assert arrivals[-1][1]["choices"][0]["finish_reason"] == "length"
+    _idle(server_llm)
 
 
 def test_n_completions_of_several_prompts(oa):

@@ -26,6 +26,7 @@ from inflight.server.protocol import (
     AnthropicTool,
     AnthropicToolResultBlock,
     AnthropicToolUseBlock,
+    AnthropicWebSearchTool,
 )
 from inflight.server.tools import FunctionTool, ToolChoice, ToolMode, tool_choice
 
@@ -294,7 +295,7 @@ def offered_tools(body: AnthropicCountTokensRequest) -> list[FunctionTool]:
     the `tool_addition` / `tool_removal` blocks of system messages in order (a tool named by
     reference must be the request's or defined by an earlier addition: a 400 otherwise).
     `input_examples` are shown after the description."""
-    tools = body.tools or []
+    tools = [t for t in body.tools or [] if isinstance(t, AnthropicTool)]
     changes = [
         change
         for i, m in enumerate(body.messages)
@@ -321,6 +322,15 @@ def offered_tools(body: AnthropicCountTokensRequest) -> list[FunctionTool]:
     return [
         FunctionTool(t.name, _described(t), t.input_schema, strict=t.strict)
         for t in offered.values()
+    ]
+
+
+def hosted_tools(body: AnthropicCountTokensRequest) -> list[str]:
+    """The hosted tools left out of the prompt (web search), named as ignored."""
+    return [
+        f"tools.{i} ({tool.type})"
+        for i, tool in enumerate(body.tools or [])
+        if isinstance(tool, AnthropicWebSearchTool)
     ]
 
 

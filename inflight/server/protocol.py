@@ -10,6 +10,7 @@ the runtime (`runtime/options.py`).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -308,6 +309,9 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    # xAI's live search, which grok-cli sends to every server ("off" where the model is not
+    # Grok's): off, accepted and named as ignored; any other mode a 400 (`unsupported`).
+    search_parameters: dict[str, Any] | None = None
     # Accepted and ignored (IGNORED_FIELDS).
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -489,9 +493,10 @@ class AnthropicMessage(Strict):
 
 
 class AnthropicTool(Strict):
-    """A custom tool. Anthropic's own tool types (a server tool such as `web_search_20250305`,
-    a client tool of Anthropic's schema such as `bash_20250124`) are refused by name: no hosted
-    tool runs here, and their schemas are not this server's to know."""
+    """A custom tool. Anthropic's own tool types but web search (a server tool such as
+    `code_execution_20250825`, a client tool of Anthropic's schema such as `bash_20250124`) are
+    refused by name: no hosted tool runs here, and their schemas are not this server's to
+    know."""
 
     name: Annotated[str, Field(min_length=1)]
     description: str | None = None
@@ -519,6 +524,32 @@ class AnthropicTool(Strict):
         return value
 
 
+_WEB_SEARCH_TOOL = re.compile(r"web_search_\d{8}")
+
+
+class AnthropicWebSearchTool(BaseModel):
+    """Anthropic's hosted web search (`web_search_20250305` and its later versions), which Cline
+    offers with every request on the Anthropic API: a hosted service runs it, this server
+    cannot, and a model may answer without it, so it is left out of the prompt and named back
+    as ignored, as the Responses API's `web_search` is (a tool_choice naming it stays a 400)."""
+
+    model_config = ConfigDict(extra="allow")  # its options (max_uses, allowed_domains, ...)
+    type: str
+    name: str
+
+
+def _tool_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    hosted = isinstance(kind, str) and _WEB_SEARCH_TOOL.fullmatch(kind)
+    return "WebSearch" if hosted else "Custom"  # capitalized: no field's name in an error's param
+
+
+AnthropicToolSpec = Annotated[
+    Annotated[AnthropicTool, Tag("Custom")] | Annotated[AnthropicWebSearchTool, Tag("WebSearch")],
+    Discriminator(_tool_kind),
+]
+
+
 class AnthropicToolChoice(Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
@@ -539,7 +570,7 @@ class AnthropicCountTokensRequest(Strict):
     model: str
     messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
     system: str | list[AnthropicTextBlock] | None = None
-    tools: list[AnthropicTool] | None = None
+    tools: list[AnthropicToolSpec] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: dict[str, Any] | None = None
     output_config: AnthropicOutputConfig | None = None
@@ -622,6 +653,7 @@ IGNORED_FIELDS = (
     "billing_policy",
     "fallback_credit_token",
     "fallbacks",
+    "search_parameters",
 )
 
 
@@ -667,6 +699,12 @@ def unsupported(body: BaseModel) -> tuple[str, str] | None:
                 "web_search_options",
                 body.web_search_options is not None,
                 "web search is not supported",
+            ),
+            (
+                "search_parameters",
+                body.search_parameters is not None
+                and body.search_parameters.get("mode", "auto") != "off",
+                'live search is not supported (search_parameters.mode other than "off")',
             ),
         ]
     if isinstance(body, CompletionRequest):

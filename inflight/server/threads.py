@@ -22,7 +22,7 @@ from typing import Any
 
 from inflight.server.errors import ServerError
 from inflight.server.lru import Lru
-from inflight.server.protocol import AnthropicMessage, AnthropicMessagesRequest, AnthropicTool
+from inflight.server.protocol import AnthropicMessage, AnthropicMessagesRequest, AnthropicToolSpec
 
 # How long a kept conversation can be continued, counted from when it was kept (the API's 5
 # minutes after a thread's last request).
@@ -34,7 +34,7 @@ CAPACITY = 1024
 @dataclass
 class _Kept:
     system: Any  # the create request's `system`, as sent
-    tools: list[AnthropicTool] | None
+    tools: list[AnthropicToolSpec] | None
     messages: list[AnthropicMessage]  # the whole conversation, the reply last
     kept_at: float
     continued: bool = False  # a continue from this reply was served: the conversation dropped
@@ -113,7 +113,7 @@ class ThreadStore:
         self,
         message_id: str,
         system: Any,
-        tools: list[AnthropicTool] | None,
+        tools: list[AnthropicToolSpec] | None,
         messages: list[AnthropicMessage],
     ) -> None:
         """Hold a conversation under the id of its last reply."""
@@ -142,7 +142,7 @@ class ThreadTurn:
         store: ThreadStore,
         previous: str | None,
         system: Any,
-        tools: list[AnthropicTool] | None,
+        tools: list[AnthropicToolSpec] | None,
         messages: list[AnthropicMessage],
     ) -> None:
         self._store = store

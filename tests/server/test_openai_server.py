@@ -843,6 +843,24 @@ def test_documented_fields_without_meaning_are_accepted_and_named_in_a_header(oa
             model=MODEL, messages=MESSAGES, max_tokens=1, web_search_options={}
         )
     assert info.value.body["param"] == "web_search_options"
+    # xAI's live search, which grok-cli sends to any server: off, it is named as ignored; on, it
+    # is a feature not served.
+    off = oa.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=1,
+        extra_body={"search_parameters": {"mode": "off"}},
+    )
+    assert off.http_response.headers["x-inflight-ignored-fields"] == "search_parameters"
+    for search in ({"mode": "auto"}, {}):
+        with pytest.raises(openai.BadRequestError) as info:
+            oa.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,
+                max_tokens=1,
+                extra_body={"search_parameters": search},
+            )
+        assert info.value.body["param"] == "search_parameters"
 
 
 WEATHER = {

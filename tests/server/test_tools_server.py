@@ -400,7 +400,7 @@ def test_allowed_tools_offer_only_the_tools_they_name(oa, server_llm):
 
 def test_anthropics_own_tool_types_are_refused_by_name(ac):
     for tool in (
-        {"type": "web_search_20250305", "name": "web_search", "max_uses": 2},
+        {"type": "code_execution_20250825", "name": "code_execution"},
         {"type": "bash_20250124", "name": "bash"},
     ):
         with pytest.raises(anthropic.BadRequestError) as info:
@@ -408,6 +408,24 @@ def test_anthropics_own_tool_types_are_refused_by_name(ac):
         message = info.value.body["error"]["message"]
         # The validator's words, not pydantic's "Value error, " before them.
         assert message.startswith(f"tools.0: tools of type {tool['type']!r} are not supported")
+
+
+def test_anthropics_web_search_is_left_out_and_named_but_not_choosable(ac):
+    """Cline's Anthropic provider offers the hosted web search with every request: the reply
+    is the one without it, which the response header names as ignored."""
+    search = {"type": "web_search_20250305", "name": "web_search", "max_uses": 2}
+    custom = [{"name": "get_time", "input_schema": {"type": "object"}}]
+    greedy = dict(model=MODEL, max_tokens=8, messages=MESSAGES, extra_body={"temperature": 0})
+    raw = ac.messages.with_raw_response.create(**greedy, tools=[search, *custom])
+    assert raw.headers["x-inflight-ignored-fields"] == "tools.0 (web_search_20250305)"
+    alone = ac.messages.create(**greedy, tools=custom)
+    reply = raw.parse()
+    assert reply.content == alone.content
+    assert prompt_of(reply.usage) == prompt_of(alone.usage)  # the same prompt
+    with pytest.raises(anthropic.BadRequestError):
+        ac.messages.create(
+            **greedy, tools=[search, *custom], tool_choice={"type": "tool", "name": "web_search"}
+        )
 
 
 @pytest.mark.parametrize(

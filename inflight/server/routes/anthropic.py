@@ -75,6 +75,7 @@ async def _reply(
     # `context_management` is applied (the shared list names the Responses API's, ignored).
     unread = [f for f in ignored_fields(body) if f != "context_management"]
     unread += anthropic.unread_citations(body.messages)
+    unread += anthropic.hosted_tools(body)
     if edited is not None:
         unread += edited.ignored
     headers = ignored_headers(unread + ignored + overridden)

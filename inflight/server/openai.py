@@ -634,8 +634,8 @@ class ChatReply:
         """For each of the n choices: its role (once the run has its first output), its
         reasoning / content / tool-call deltas (as they come, tagged with its index) and its
         finish reason; then usage (if asked for, and on every chunk with vLLM's
-        continuous_usage_stats). With token ids asked for, the
-        first chunk carries the prompt's and each chunk its choice's new ones."""
+        continuous_usage_stats). With token ids asked for, the first chunk carries the prompt's
+        and each chunk its choice's new ones."""
         n = run.n
         every_chunk = options is not None and options.every_chunk
         prompt_tokens = len(run.prompt_token_ids)

@@ -10,6 +10,7 @@ the runtime (`runtime/options.py`).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
@@ -275,6 +276,21 @@ class SamplingFields(VllmExtensions):
     guided_grammar: str | None = None
     # The backend vLLM would constrain with; llguidance serves every one of them.
     guided_decoding_backend: str | None = None
+    # vLLM's fields that ask for nothing at their defaults (VLLM_DEFAULTS): a client built for
+    # vLLM may send them so; any other value is a 400 naming the field (`unsupported`).
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    return_tokens_as_token_ids: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    logits_processors: Any = None
+    # vLLM's id for the request, for its logs (accepted and ignored: IGNORED_FIELDS).
+    request_id: str | None = None
     # A block-diffusion model's denoising (DiffusionParams; unset: the model's defaults).
     max_denoising_steps: int | None = None
     t_min: float | None = None
@@ -351,6 +367,13 @@ class ChatCompletionRequest(SamplingFields):
     # message's text (an assistant's prefill) instead of opening a new reply.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's chat fields that ask for nothing at their defaults (VLLM_CHAT_DEFAULTS).
+    include_reasoning: Any = None
+    echo: Any = None
+    add_special_tokens: Any = None
+    chat_template: Any = None
+    documents: Any = None
+    prompt_logprobs: Any = None
 
 
 class CompletionRequest(SamplingFields):
@@ -654,7 +677,33 @@ IGNORED_FIELDS = (
     "fallback_credit_token",
     "fallbacks",
     "search_parameters",
+    "request_id",
 )
+
+# vLLM's request fields this server does not serve, and the values at which they ask for
+# nothing (vLLM's defaults, which a client may send as they are): any other a 400 naming the
+# field (vLLM accepts unknown fields; here a field is served, ignored by name, or refused).
+VLLM_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "return_tokens_as_token_ids": (False,),
+    "cache_salt": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "logits_processors": (None,),
+}
+VLLM_CHAT_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "include_reasoning": (True,),
+    "echo": (False,),
+    "add_special_tokens": (False,),
+    "chat_template": (None,),
+    "documents": (None,),
+    "prompt_logprobs": (None,),
+}
 
 
 # Open WebUI's chat controls for Ollama and llama.cpp (its "advanced params" beside OpenAI's):
@@ -693,6 +742,19 @@ def ignored_fields(body: BaseModel) -> list[str]:
 def unsupported(body: BaseModel) -> tuple[str, str] | None:
     """(field, message) for the first option of this request the engine does not serve."""
     checks: list[tuple[str, bool, str]] = []
+    if isinstance(body, SamplingFields):
+        defaults = VLLM_DEFAULTS
+        if isinstance(body, ChatCompletionRequest):
+            defaults = {**VLLM_DEFAULTS, **VLLM_CHAT_DEFAULTS}
+        for name, values in defaults.items():
+            value = getattr(body, name)
+            checks.append(
+                (
+                    name,
+                    name in body.model_fields_set and value not in values,
+                    f"{name} is not supported (only {' or '.join(map(json.dumps, values))})",
+                )
+            )
     if isinstance(body, ChatCompletionRequest):
         checks += [
             (

@@ -861,6 +861,35 @@ def test_documented_fields_without_meaning_are_accepted_and_named_in_a_header(oa
                 extra_body={"search_parameters": search},
             )
         assert info.value.body["param"] == "search_parameters"
+    # vLLM's own fields, which a client built for vLLM may send at their defaults: served as
+    # without them (`request_id` named as ignored); any other value a 400 naming the field.
+    defaults = {
+        "use_beam_search": False,
+        "length_penalty": 1.0,
+        "bad_words": [],
+        "spaces_between_special_tokens": True,
+        "include_reasoning": True,
+        "echo": False,
+        "add_special_tokens": False,
+        "request_id": "trace-7",
+    }
+    greedy = dict(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
+    sent = oa.chat.completions.with_raw_response.create(**greedy, extra_body=defaults)
+    assert sent.http_response.headers["x-inflight-ignored-fields"] == "request_id"
+    plain = oa.chat.completions.create(**greedy)
+    assert sent.parse().choices[0].message.content == plain.choices[0].message.content
+    for field, value in (
+        ("use_beam_search", True),
+        ("include_reasoning", False),
+        ("truncate_prompt_tokens", 8),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            oa.chat.completions.create(**greedy, extra_body={field: value})
+        assert info.value.body["param"] == field
+        assert info.value.body["message"].startswith(f"{field} is not supported (only ")
+    with pytest.raises(openai.BadRequestError) as info:
+        oa.completions.create(model=MODEL, prompt="Hi", extra_body={"allowed_token_ids": [1]})
+    assert info.value.body["param"] == "allowed_token_ids"
 
 
 WEATHER = {

@@ -531,6 +531,8 @@ class ChatReply:
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
+            # null, as vLLM sends it: OpenAI's key, which strictly validating clients require.
+            "system_fingerprint": None,
             "choices": [self._choice(sequence) for sequence in output.outputs],
             "usage": usage,
         }
@@ -596,6 +598,7 @@ class ChatReply:
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": None,
             "choices": [
                 {"index": index, "delta": delta, "logprobs": None, "finish_reason": None, **choice}
             ],
@@ -791,6 +794,7 @@ class CompletionReply:
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": None,
             "choices": choices,
             "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
         }
@@ -802,6 +806,7 @@ class CompletionReply:
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": None,
             "choices": [choice],
         }
 

@@ -46,6 +46,9 @@ def test_greedy_chat_equals_python_api(oa, server_llm):
     )
     # `refusal` sent as null, as OpenAI and vLLM send it (openai-node's type requires it).
     assert raw.http_response.json()["choices"][0]["message"]["refusal"] is None
+    # `system_fingerprint` sent as null, as vLLM sends it (Cerebras's SDK requires the key).
+    assert "system_fingerprint" in raw.http_response.json()
+    assert raw.http_response.json()["system_fingerprint"] is None
     reply = raw.parse()
     assert reply.choices[0].message.content == expected.text
     assert reply.choices[0].finish_reason == expected.finish_reason

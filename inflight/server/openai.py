@@ -731,10 +731,21 @@ class CompletionReply:
             top = {**{t.token: t.logprob for t in entry.top}, entry.token: entry.logprob}
         return entry.token, entry.logprob, top
 
+    def _prompt_rows(
+        self, request: GenerationRequest, whole: RequestOutput
+    ) -> list[tuple[str, float | None, dict[str, float] | None]]:
+        """The echoed prompt's rows: nothing predicts its first token (a null logprob)."""
+        first = self.tokenizer.decode(request.prompt_token_ids[:1], skip_special_tokens=False)
+        prompt = [self._row(e) for e in (whole.prompt_logprobs or ())[1:]]
+        return [(first, None, None), *prompt]
+
     @staticmethod
-    def _logprobs(rows: list[tuple[str, float | None, dict[str, float] | None]]) -> dict:
-        """The legacy completions logprobs object over (token, logprob, top) rows."""
-        offsets, offset = [], 0
+    def _logprobs(
+        rows: list[tuple[str, float | None, dict[str, float] | None]], start: int = 0
+    ) -> dict:
+        """The legacy completions logprobs object over (token, logprob, top) rows, their text
+        offsets counted from `start` (a stream's rows sent before)."""
+        offsets, offset = [], start
         for token, _, _ in rows:
             offsets.append(offset)
             offset += len(token)
@@ -757,10 +768,7 @@ class CompletionReply:
         rows = [self._row(e) for e in output.logprobs or ()]
         if self.body.echo:
             text = self._prompt_text(request) + text
-            # The prompt's tokens come first; nothing predicts the first one (null logprob).
-            first = self.tokenizer.decode(request.prompt_token_ids[:1], skip_special_tokens=False)
-            prompt = [self._row(e) for e in (whole.prompt_logprobs or ())[1:]]
-            rows = [(first, None, None), *prompt, *rows]
+            rows = [*self._prompt_rows(request, whole), *rows]
         if self.body.logprobs is not None:
             logprobs = self._logprobs(rows)
         choice = {
@@ -816,7 +824,9 @@ class CompletionReply:
         """Each prompt's deltas, interleaved as they come, tagged with the choice index
         `prompt * n + sequence`; usage at the end if asked for (and on every chunk with vLLM's
         continuous_usage_stats). With token ids asked for, each choice's first chunk carries
-        its prompt's, and each chunk its new ones."""
+        its prompt's, and each chunk its new ones. Logprobs' text offsets run on over a
+        choice's chunks, as in the whole reply. An echo with logprobs carries the prompt's,
+        which come with the prompt's output: its choices' chunks go out once it has ended."""
         queue: asyncio.Queue[tuple[int, StreamChunk | BaseException | None]] = asyncio.Queue()
 
         async def pump(index: int, run: Run) -> None:
@@ -833,6 +843,10 @@ class CompletionReply:
         every_chunk = options is not None and options.every_chunk
         ids = self.body.return_token_ids
         opened: set[int] = set()  # choices whose first chunk went out
+        offsets: dict[int, int] = {}  # each choice's text so far, as its logprobs' tokens spell it
+        n = self.body.n
+        scored_echo = self.body.echo and self.body.logprobs is not None
+        held: dict[int, list[StreamChunk]] = {}  # with scored_echo: each prompt's, till its end
 
         def chunk_of(choice: int, text: str, request: GenerationRequest, **extra: Any) -> dict:
             if ids and choice not in opened:
@@ -843,9 +857,23 @@ class CompletionReply:
                 chunk["usage"] = _usage(*usage)
             return chunk
 
+        def logprobs_of(choice: int, rows: list) -> dict:
+            start = offsets.get(choice, 0)
+            offsets[choice] = start + sum(len(token) for token, _, _ in rows)
+            return self._logprobs(rows, start)
+
+        def deltas(index: int, item: StreamChunk) -> Iterator[dict]:
+            choice, request = index * n + item.index, requests[index]
+            if item.text or item.token_ids:
+                extra: dict[str, Any] = {"logprobs": None}
+                if self.body.logprobs is not None and item.logprobs:
+                    extra["logprobs"] = logprobs_of(choice, [self._row(e) for e in item.logprobs])
+                if ids:
+                    extra["token_ids"] = list(item.token_ids)
+                yield chunk_of(choice, item.text, request, **extra)
+
         try:
-            n = self.body.n
-            if self.body.echo:
+            if self.body.echo and not scored_echo:
                 for i, request in enumerate(requests):
                     for sequence in range(n):
                         yield chunk_of(i * n + sequence, self._prompt_text(request), request)
@@ -859,6 +887,18 @@ class CompletionReply:
                     running -= 1
                     output = runs[index].output
                     assert output is not None
+                    if scored_echo:
+                        request = requests[index]
+                        for sequence in range(n):
+                            choice = index * n + sequence
+                            rows = self._prompt_rows(request, output)
+                            text = self._prompt_text(request)
+                            yield chunk_of(
+                                choice, text, request, logprobs=logprobs_of(choice, rows)
+                            )
+                        for kept in held.pop(index, []):
+                            for chunk in deltas(index, kept):
+                                yield chunk
                     for last in ended.pop(index, []):
                         (sequence,) = (o for o in output.outputs if o.index == last.index)
                         yield chunk_of(
@@ -872,14 +912,11 @@ class CompletionReply:
                 if isinstance(item, BaseException):
                     raise item
                 usage[1] += len(item.token_ids)
-                choice, request = index * n + item.index, requests[index]
-                if item.text or item.token_ids:
-                    extra: dict[str, Any] = {"logprobs": None}
-                    if self.body.logprobs is not None and item.logprobs:
-                        extra["logprobs"] = self._logprobs([self._row(e) for e in item.logprobs])
-                    if ids:
-                        extra["token_ids"] = list(item.token_ids)
-                    yield chunk_of(choice, item.text, request, **extra)
+                if scored_echo:
+                    held.setdefault(index, []).append(item)
+                else:
+                    for chunk in deltas(index, item):
+                        yield chunk
                 if item.finished:
                     ended.setdefault(index, []).append(item)
             if options is not None and options.include_usage:

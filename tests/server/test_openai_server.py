@@ -135,6 +135,22 @@ def test_completions_score_prompts_like_an_eval_harness(oa, server_llm):
     ).choices[0]
     for token, logprob, top in zip(*(getattr(sampled.logprobs, f) for f in _ROWS), strict=True):
         assert top == {token: logprob}
+    # Streamed, the same rows: the echo carries the prompt's scores (they come with the
+    # prompt's output), and the text offsets run on over the chunks, as vLLM's do.
+    scoring = dict(model=MODEL, prompt=prompt, echo=True, logprobs=1, temperature=0)
+    for max_tokens in (0, 3):
+        whole = oa.completions.create(**scoring, max_tokens=max_tokens).choices[0].logprobs
+        streamed: dict[str, list] = {f: [] for f in (*_ROWS, "text_offset")}
+        for chunk in oa.completions.create(**scoring, max_tokens=max_tokens, stream=True):
+            for c in chunk.choices:
+                for f in streamed if c.logprobs else ():
+                    streamed[f] += getattr(c.logprobs, f)
+        assert streamed["tokens"] == whole.tokens
+        assert streamed["text_offset"] == whole.text_offset
+        assert streamed["token_logprobs"] == pytest.approx(whole.token_logprobs, abs=1e-5)
+        assert [t and set(t) for t in streamed["top_logprobs"]] == [
+            t and set(t) for t in whole.top_logprobs
+        ]
     # Token-id prompts and several prompts in one request.
     many = oa.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=3, temperature=0)
     assert sorted(c.index for c in many.choices) == [0, 1]
@@ -682,7 +698,8 @@ def test_a_streamed_chat_opens_with_its_first_token_not_on_arrival(server, serve
     behind a full batch gets nothing until it runs."""
     url, _ = server
     _idle(server_llm)
-    hold = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1000, "ignore_eos": True}
+    # Four replies that outlast the wait below (the context is 512 tokens).
+    hold = {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "ignore_eos": True}
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "stream": True}
     arrivals: list[tuple[float, dict]] = []
 
@@ -693,7 +710,8 @@ def test_a_streamed_chat_opens_with_its_first_token_not_on_arrival(server, serve
                     arrivals.append((time.monotonic(), json.loads(line[6:])))
 
     thread = threading.Thread(target=queued)
-    with held_streams(url, "/v1/chat/completions", {**hold, "stream": True}, 4):  # batch of 4
+    with held_streams(url, "/v1/chat/completions", {**hold, "stream": True}, 4) as opened:
+        assert opened == [200] * 4  # the batch of 4 full
         thread.start()
         time.sleep(0.5)
         assert arrivals == []

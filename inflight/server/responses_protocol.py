@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from inflight.server.errors import ServerError
 from inflight.server.protocol import Strict, Temperature, TopP, VllmExtensions, tagged
@@ -188,6 +188,18 @@ class FunctionToolSpec(Strict):
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
     strict: bool | None = None  # forced tool choices are always constrained; auto never
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat(cls, value: Any) -> Any:
+        # A tool in chat completions' shape, as code ported from that API sends it, would
+        # otherwise be refused for a missing `function.name`, which it has.
+        if isinstance(value, dict) and "function" in value and "name" not in value:
+            raise ValueError(
+                'a Responses API function tool is flat ({"type": "function", "name": ..., '
+                '"parameters": ...}); {"function": {...}} is the chat completions API\'s shape'
+            )
+        return value
 
 
 NamespaceMember = Annotated[

@@ -271,6 +271,16 @@ def test_allowed_tools_offer_only_the_tools_they_name(oa, server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_a_tool_in_chat_completions_shape_is_a_400_saying_so(server):
+    """Code ported from chat completions sends {"type": "function", "function": {...}}: the
+    refusal says the Responses API's tools are flat, not that a name is missing."""
+    chat_shaped = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+    r = httpx.post(server + "/v1/responses", json={"input": "Hi", "tools": [chat_shaped]})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "tools.0.function", r.text
+    assert "a Responses API function tool is flat" in error["message"]
+
+
 def test_a_text_format_beside_a_forced_call_is_accepted_and_named(oa):
     # instructor's Responses tools mode sends the tool's schema both ways.
     text = {"format": {"type": "json_schema", "name": "weather", "schema": PARAMETERS}}

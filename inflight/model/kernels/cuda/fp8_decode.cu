@@ -121,10 +121,10 @@ __device__ __forceinline__ Work work_of(const Args& a) {
     return w;
 }
 
-// The query as B fragments (scaled into log2 units): head g, dims 32 c + 4 j + {0, 1} and {2, 3}. A
-// thread's 32 dims are 64 contiguous bytes, read as four 16-byte words (`serves` requires the
-// alignment): as 32 two-byte loads they cost as many L1 wavefronts as a program's key and value
-// reads, and the kernel grew slower with the group (bench/RESULTS.md, session 35).
+// The query as B fragments (scaled into log2 units): head g, dims 32 c + 4 j + {0, 1} and
+// {2, 3}. A thread's 32 dims are 64 contiguous bytes, read as four 16-byte words (`serves`
+// requires the alignment): as 32 two-byte loads they cost as many L1 wavefronts as a program's
+// key and value reads, and the kernel grew slower with the group (bench/RESULTS.md, session 35).
 template <int G>
 __device__ __forceinline__ void load_query(const Args& a, const Work& w, int g, int c, uint32_t qb[8][2]) {
     uint4 words[4];
@@ -168,9 +168,10 @@ __device__ __forceinline__ uint32_t transpose(uint32_t x) {
 // token 4 c + i's value. `base`: the block's first token index; `tail`: whether the block may hold
 // tokens past the row's end, masked.
 template <bool tail>
-__device__ __forceinline__ void attend_block(const uint32_t qb[8][2], const uint4& ka, const uint4& kc,
-                                       const uint4& kd, const uint4& ke, uint4 vt[4], int base,
-                                       int len, int g, int c, Running& r) {
+__device__ __forceinline__ void attend_block(const uint32_t qb[8][2], const uint4& ka,
+                                             const uint4& kc, const uint4& kd, const uint4& ke,
+                                             uint4 vt[4], int base, int len, int g, int c,
+                                             Running& r) {
     // Values past the row's end as 0 (their probabilities are 0, but the bytes there may be a
     // NaN's).
     if (tail) {

@@ -740,9 +740,18 @@ def ignored_fields(body: BaseModel) -> list[str]:
 
 
 def unsupported(body: BaseModel) -> tuple[str, str] | None:
-    """(field, message) for the first option of this request the engine does not serve."""
+    """(field, message) for the first option of this request the engine does not serve, or
+    that the request's other fields leave without meaning."""
     checks: list[tuple[str, bool, str]] = []
     if isinstance(body, SamplingFields):
+        # As OpenAI and vLLM refuse it: a client sending it expects a stream.
+        checks.append(
+            (
+                "stream_options",
+                body.stream_options is not None and not body.stream,
+                "stream_options is only allowed when stream is true",
+            )
+        )
         defaults = VLLM_DEFAULTS
         if isinstance(body, ChatCompletionRequest):
             defaults = {**VLLM_DEFAULTS, **VLLM_CHAT_DEFAULTS}

@@ -911,6 +911,20 @@ def test_documented_fields_without_meaning_are_accepted_and_named_in_a_header(oa
     with pytest.raises(openai.BadRequestError) as info:
         oa.completions.create(model=MODEL, prompt="Hi", extra_body={"allowed_token_ids": [1]})
     assert info.value.body["param"] == "allowed_token_ids"
+    # Stream options without a stream, as OpenAI and vLLM refuse them.
+    for create in (oa.chat.completions.create, oa.completions.create):
+        with pytest.raises(openai.BadRequestError) as info:
+            create(
+                model=MODEL,
+                max_tokens=1,
+                stream_options={"include_usage": True},
+                **(
+                    {"messages": MESSAGES}
+                    if create == oa.chat.completions.create
+                    else {"prompt": "Hi"}
+                ),
+            )
+        assert info.value.body["param"] == "stream_options"
 
 
 WEATHER = {

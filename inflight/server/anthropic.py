@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -502,6 +504,13 @@ def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
 
+def signed(thinking: str) -> str:
+    """A thinking block's `signature`: opaque to clients, who send it back with the block (this
+    server reads none it is sent); not empty, which the AI SDK's Anthropic provider takes for a
+    missing one; a digest of the thinking, so that the stream and the whole reply agree."""
+    return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
+
+
 def tool_use_id() -> str:
     return f"toolu_{uuid.uuid4().hex[:24]}"
 
@@ -550,8 +559,12 @@ class MessageReply:
         parsed = self.reader.whole(output.text)
         content: list[dict[str, Any]] = []
         if parsed.reasoning:
-            content.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
-        if parsed.content or not parsed.tool_calls:
+            thinking = parsed.reasoning
+            content.append(
+                {"type": "thinking", "thinking": thinking, "signature": signed(thinking)}
+            )
+        # An empty text block only where there is no other (as the stream gives it).
+        if parsed.content or not (parsed.tool_calls or parsed.reasoning):
             content.append({"type": "text", "text": parsed.content or ""})
         for call in parsed.tool_calls:
             content.append(
@@ -664,6 +677,17 @@ class _BlockStream:
         out = self.events(delta)
         if self.kind is None:
             out += self._open("text", {"type": "text", "text": ""})
+        return out + self._stop()
+
+    def _stop(self) -> list[str]:
+        """The open block's end: a thinking block's signature first, as Anthropic's streams
+        give it (the AI SDK sends a streamed thinking block back only with one)."""
+        out = []
+        block = self.blocks[self.index]
+        if self.kind == "thinking":
+            block["signature"] = signed(block["thinking"])
+            delta = {"type": "signature_delta", "signature": block["signature"]}
+            out.append(_event("content_block_delta", {"index": self.index, "delta": delta}))
         out.append(_event("content_block_stop", {"index": self.index}))
         return out
 
@@ -672,7 +696,7 @@ class _BlockStream:
             return []
         out = []
         if self.kind is not None:
-            out.append(_event("content_block_stop", {"index": self.index}))
+            out += self._stop()
         self.index += 1
         self.kind = kind
         out.append(_event("content_block_start", {"index": self.index, "content_block": block}))

@@ -4,6 +4,7 @@ template that reads `enable_thinking` (from `chat_template_kwargs`) the way Qwen
 The embedded model does not think on its own; a constraint on the raw text makes it write the
 tags, which also shows the parser reading what a constrained request generates."""
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -127,3 +128,29 @@ def test_reasoning_effort_and_anthropic_thinking_set_the_templates_switch(oa, se
         for kind in ("enabled", "disabled")
     }
     assert counted["enabled"] == on and counted["disabled"] == off
+
+
+def test_anthropic_thinking_blocks_are_signed_alike_whole_and_streamed(oa):
+    """A thought cut by max_tokens: the reply is its thinking block alone (no empty text block
+    beside it, which Anthropic's API would refuse sent back), signed; the stream gives the same
+    block, its signature in a `signature_delta` before the block ends, as Anthropic's do (the AI
+    SDK sends a streamed thinking block back only with one)."""
+    url = str(oa.base_url).removesuffix("/v1/")
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    ask = dict(
+        model=MODEL,
+        max_tokens=8,
+        messages=MESSAGES,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        extra_body={"temperature": 0},
+    )
+    whole = claude.messages.create(**ask)
+    (block,) = whole.content
+    assert block.type == "thinking" and block.thinking and block.signature
+    with claude.messages.stream(**ask) as stream:
+        events = [e.type for e in stream]
+        streamed = stream.get_final_message()
+    assert [(b.type, b.thinking, b.signature) for b in streamed.content] == [
+        ("thinking", block.thinking, block.signature)
+    ]
+    assert events.index("signature") < events.index("content_block_stop")

@@ -24,13 +24,23 @@ class PromptTooLongError(ValueError):
         self.maximum = maximum
 
 
-def context_overflow(limit: int, detail: str) -> str:
+def _context_overflow(limit: int, detail: str) -> str:
     """A refusal of a request past the context of `limit` tokens in OpenAI's and vLLM's words
     ("This model's maximum context length is N tokens. However, you requested M tokens" or
     "your prompt resulted in M tokens"), which clients' error classifiers match: litellm's and
     any-llm's the opening, Crush's (fantasy's) the numbers after it."""
     opening = f"This model's maximum context length is {limit} tokens (max_model_len)."
     return f"{opening} However, {detail}"
+
+
+def prompt_past_context(limit: int, tokens: int, maximum: int, room: str) -> PromptTooLongError:
+    """A prompt of `tokens` where at most `maximum` leave room for `room` (the least output the
+    deployment must still write) in the context of `limit`."""
+    detail = (
+        f"your prompt resulted in {tokens} tokens, where at most {maximum} leave room for {room}. "
+        "Please reduce the length of the prompt."
+    )
+    return PromptTooLongError(_context_overflow(limit, detail), tokens, maximum)
 
 
 class RequestFieldError(ValueError):
@@ -51,6 +61,19 @@ class ContextOverflowError(RequestFieldError):
         self.tokens = tokens
         self.max_tokens = max_tokens
         self.limit = limit
+
+
+def completion_past_context(
+    limit: int, tokens: int, max_tokens: int, counted: int | None = None, how: str = ""
+) -> ContextOverflowError:
+    """A prompt of `tokens` whose `max_tokens` outgrow the context of `limit`; `counted`: the
+    completion's tokens as the deployment reserves them where that differs (`how` says why)."""
+    completion = max_tokens if counted is None else counted
+    detail = (
+        f"you requested {tokens + completion} tokens ({tokens} in the prompt, {max_tokens} in the "
+        f"completion{how}). Please reduce the length of the prompt or max_tokens."
+    )
+    return ContextOverflowError(_context_overflow(limit, detail), tokens, completion, limit)
 
 
 MAX_LOGIT_BIAS_ENTRIES = 1024

@@ -875,8 +875,9 @@ class CompletionReply:
         try:
             if self.body.echo and not scored_echo:
                 for i, request in enumerate(requests):
+                    text = self._prompt_text(request)
                     for sequence in range(n):
-                        yield chunk_of(i * n + sequence, self._prompt_text(request), request)
+                        yield chunk_of(i * n + sequence, text, request)
             running = len(runs)
             # Sequences that ended, by prompt: their last chunk goes out once the prompt's run
             # has its output (the stop reason is in it).
@@ -889,13 +890,11 @@ class CompletionReply:
                     assert output is not None
                     if scored_echo:
                         request = requests[index]
-                        for sequence in range(n):
-                            choice = index * n + sequence
-                            rows = self._prompt_rows(request, output)
-                            text = self._prompt_text(request)
-                            yield chunk_of(
-                                choice, text, request, logprobs=logprobs_of(choice, rows)
-                            )
+                        text = self._prompt_text(request)
+                        rows = self._prompt_rows(request, output)
+                        for choice in range(index * n, index * n + n):
+                            scores = logprobs_of(choice, rows)
+                            yield chunk_of(choice, text, request, logprobs=scores)
                         for kept in held.pop(index, []):
                             for chunk in deltas(index, kept):
                                 yield chunk

@@ -17,13 +17,12 @@ from inflight.protocol.request import (
     MEDIA_FIELD,
     PROCESSOR_FIELD,
     AdmissionIntent,
-    ContextOverflowError,
     DiffusionParams,
     GenerationRequest,
-    PromptTooLongError,
     RequestFieldError,
     SamplingParams,
-    context_overflow,
+    completion_past_context,
+    prompt_past_context,
 )
 from inflight.runtime.host.media import MediaSpec, check_media
 
@@ -176,30 +175,12 @@ class DiffusionChecks:
         prompt, limit, canvas = len(request.prompt_token_ids), self.max_model_len, self.canvas
         room = (limit - prompt) // canvas
         if room < 1:
-            raise PromptTooLongError(
-                context_overflow(
-                    limit,
-                    f"your prompt resulted in {prompt} tokens, where at most {limit - canvas} "
-                    f"leave room for one canvas of {canvas}. Please reduce the length of the "
-                    "prompt.",
-                ),
-                prompt,
-                limit - canvas,
-            )
+            raise prompt_past_context(limit, prompt, limit - canvas, f"one canvas of {canvas}")
         max_tokens = request.params.max_tokens
         if max_tokens is None:
             return room
         wanted = -(-max_tokens // canvas)
         if wanted > room:
-            raise ContextOverflowError(
-                context_overflow(
-                    limit,
-                    f"you requested {prompt + wanted * canvas} tokens ({prompt} in the prompt, "
-                    f"{max_tokens} in the completion, rounded up to {wanted} canvases of "
-                    f"{canvas}). Please reduce the length of the prompt or max_tokens.",
-                ),
-                prompt,
-                wanted * canvas,
-                limit,
-            )
+            how = f", rounded up to {wanted} canvases of {canvas}"
+            raise completion_past_context(limit, prompt, max_tokens, wanted * canvas, how)
         return wanted

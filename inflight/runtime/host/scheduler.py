@@ -33,11 +33,10 @@ import numpy as np
 from inflight.protocol.options import check_runtime_serves
 from inflight.protocol.request import (
     AdmissionIntent,
-    ContextOverflowError,
     GenerationRequest,
-    PromptTooLongError,
     RequestFieldError,
-    context_overflow,
+    completion_past_context,
+    prompt_past_context,
 )
 from inflight.protocol.stepped import ResidentRef
 from inflight.runtime.host.context_cache import ContextCache, root_digest
@@ -154,15 +153,7 @@ class Scheduler:
             bad = next(t for t in prompt if not 0 <= t < vocab)
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
         if len(prompt) >= limit:
-            raise PromptTooLongError(
-                context_overflow(
-                    limit,
-                    f"your prompt resulted in {len(prompt)} tokens, where at most {limit - 1} "
-                    "leave room for a token of output. Please reduce the length of the prompt.",
-                ),
-                len(prompt),
-                limit - 1,
-            )
+            raise prompt_past_context(limit, len(prompt), limit - 1, "a token of output")
         for name, ids in (
             ("logit_bias", params.logit_bias.keys()),
             ("stop_token_ids", params.stop_token_ids),
@@ -180,17 +171,7 @@ class Scheduler:
             )
         room = limit - len(prompt)
         if params.max_tokens is not None and params.max_tokens > room:
-            raise ContextOverflowError(
-                context_overflow(
-                    limit,
-                    f"you requested {len(prompt) + params.max_tokens} tokens ({len(prompt)} in "
-                    f"the prompt, {params.max_tokens} in the completion). Please reduce the "
-                    "length of the prompt or max_tokens.",
-                ),
-                len(prompt),
-                params.max_tokens,
-                limit,
-            )
+            raise completion_past_context(limit, len(prompt), params.max_tokens)
         max_new = room if params.max_tokens is None else params.max_tokens
         # KV for every token, the last output token's too: with overlap, the step launched
         # before the request is seen to finish still feeds that token back.

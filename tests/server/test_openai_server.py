@@ -1018,3 +1018,12 @@ def test_legacy_functions_are_served_as_one_function_call(oa):
             tools=[{"type": "function", "function": WEATHER}],
         )
     assert info.value.body["param"] == "functions"
+
+
+def test_speech_asked_of_a_text_model_is_a_400_naming_the_model(handle):
+    response = httpx.post(
+        handle.url + "/v1/audio/speech", json={"input": "hi", "voice": "alloy"}, timeout=30
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "model" and "text-to-speech" in error["message"]

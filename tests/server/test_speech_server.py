@@ -118,6 +118,32 @@ def test_sse_events_parse_and_carry_the_audio_and_usage(servers):
     assert usage["total_tokens"] == usage["input_tokens"] + 12 and usage["input_tokens"] > 0
 
 
+def test_vllm_omnis_stream_and_speaker_fields_give_the_same_events(servers):
+    url, _ = servers["custom_voice"]
+    streams = []
+    for fields in (
+        {"voice": "vivian", "stream_format": "sse"},
+        {"speaker": "vivian", "stream": True},
+    ):
+        body = {"input": TEXT, "response_format": "pcm", **fields, **GREEDY}
+        with httpx.stream("POST", url + "/v1/audio/speech", json=body) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            streams.append([line for line in response.iter_lines() if line])
+    assert streams[0] == streams[1]
+    assert json.loads(streams[0][-1][6:])["type"] == "speech.audio.done"
+
+
+def test_an_input_past_the_context_is_refused_by_name(servers):
+    url, llm = servers["custom_voice"]
+    response = httpx.post(
+        url + "/v1/audio/speech", json={"input": "word " * 300, "voice": "vivian"}
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "input" and "shorten the input" in error["message"]
+
+
 def test_voices_and_models_report_speech(servers):
     url, _ = servers["custom_voice"]
     voices = httpx.get(url + "/v1/audio/voices").json()
@@ -160,6 +186,7 @@ def test_a_clone_takes_a_base64_wav_and_ignores_openais_voice(servers):
         ("custom_voice", {"voice": "vivian", "task_type": "Base"}, "task_type"),
         ("custom_voice", {"voice": "vivian", "stream_format": "video"}, "stream_format"),
         ("custom_voice", {"voice": "vivian", "volume": 3}, "volume"),
+        ("custom_voice", {"voice": "vivian", "max_new_tokens": 1000}, "max_new_tokens"),
         ("base", {"voice": "alloy"}, "ref_audio"),
         ("base", {"voice": "alloy", "ref_audio": "not base64!"}, "ref_audio"),
     ],

@@ -198,10 +198,16 @@ class SpeechInputs:
         positions = prompt_positions(self.speech, request)
         room = self.max_model_len - positions
         asked = request.params.max_tokens
-        if room < 1 or (asked is not None and asked > room):
+        if room < 1:
+            raise RequestFieldError(
+                f"the input makes a prompt of {positions} positions, where the model has "
+                f"{self.max_model_len}: none are left to speak it. Please shorten the input.",
+                "input",
+            )
+        if asked is not None and asked > room:
             raise RequestFieldError(
                 f"the prompt takes {positions} of the model's {self.max_model_len} positions; "
-                f"max_tokens (frames) may be at most {max(room, 0)}",
+                f"max_tokens (frames) may be at most {room}",
                 "max_tokens",
             )
         frames = min(asked or DEFAULT_MAX_FRAMES, room)

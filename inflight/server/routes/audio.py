@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import Field
+from pydantic import AliasChoices, Field
 
 from inflight.protocol.request import RequestFieldError, SamplingParams
 from inflight.protocol.speech import SPEECH_SAMPLING, SpeechFacts
@@ -43,15 +43,19 @@ class VoiceId(Strict):
 
 class SpeechRequest(Strict):
     """OpenAI's fields, and vLLM-Omni's for Qwen3-TTS (`task_type`, `language`, `ref_audio`,
-    `max_new_tokens`), and the sampling of the talker and its code predictor."""
+    `max_new_tokens`, `speaker` for `voice`, `stream` for server-sent events), and the sampling
+    of the talker and its code predictor."""
 
     input: str
     model: str | None = None
-    voice: str | VoiceId | None = None
+    voice: str | VoiceId | None = Field(
+        default=None, validation_alias=AliasChoices("voice", "speaker")
+    )
     instructions: str | None = None
     response_format: str = "wav"
     speed: float | None = None
     stream_format: Literal["sse", "audio"] | None = None
+    stream: bool = False  # vLLM-Omni's: server-sent events unless stream_format says otherwise
     task_type: Literal["CustomVoice", "VoiceDesign", "Base"] | None = None
     language: str | None = None
     ref_audio: str | None = None  # a base model's voice to clone: a base64 WAV or a data URL
@@ -127,10 +131,11 @@ async def speech(body: SpeechRequest, request: Request, state: State) -> Respons
         raise ServerError(400, str(exc)) from exc
     headers = {IGNORED_HEADER: ", ".join(ignored)} if ignored else {}
     media_type, rate = MEDIA_TYPES[body.response_format], facts.sample_rate
-    if body.stream_format is not None:
+    stream_format = body.stream_format or ("sse" if body.stream else None)
+    if stream_format is not None:
         run = client.run(prepared)
         await run.start()
-        if body.stream_format == "sse":
+        if stream_format == "sse":
             events = _events(run, body.response_format, rate, len(prepared.prompt_token_ids))
             headers.update(SSE_HEADERS)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
@@ -160,6 +165,7 @@ def _speech(state: State) -> SpeechFacts:
             400,
             "this model writes text: serve a text-to-speech model (Qwen3-TTS) or one that "
             "speaks (Qwen3-Omni) for speech",
+            "model",
         )
     return facts
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -475,6 +475,12 @@ def chat_logprob(entry: LogprobEntry) -> dict[str, Any]:
     }
 
 
+def chat_logprobs(entries: Iterable[LogprobEntry]) -> dict[str, Any]:
+    """A chat choice's `logprobs`: `refusal` null beside the content, as OpenAI sends it (the
+    clients whose types come from its spec require the key)."""
+    return {"content": [chat_logprob(e) for e in entries], "refusal": None}
+
+
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -550,7 +556,7 @@ class ChatReply:
     def _choice(self, output: CompletionOutput) -> dict[str, Any]:
         logprobs = None
         if self.logprobs:
-            logprobs = {"content": [chat_logprob(e) for e in output.logprobs or ()]}
+            logprobs = chat_logprobs(output.logprobs or ())
         parsed = self.reader.whole(output.text)
         # `refusal` null as OpenAI and vLLM send it (openai-node's type requires the key).
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
@@ -683,7 +689,7 @@ class ChatReply:
                 continue
             extra: dict[str, Any] = {}
             if logprobs:
-                extra["logprobs"] = {"content": [chat_logprob(e) for e in chunk.logprobs]}
+                extra["logprobs"] = chat_logprobs(chunk.logprobs)
             if token_ids:
                 extra["token_ids"] = list(chunk.token_ids)
             yield counted(self._chunk(delta or {"content": ""}, index, **extra))

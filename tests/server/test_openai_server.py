@@ -105,6 +105,19 @@ def test_logprobs_agree_with_python_api(oa, server_llm):
         assert got.bytes == list(want.bytes)
 
 
+def test_chat_logprobs_carry_a_null_refusal_whole_and_streamed(handle):
+    # OpenAI sends the key; clients whose types come from its spec (Effect's) require it.
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "logprobs": True}
+    url = handle.url + "/v1/chat/completions"
+    whole = httpx.post(url, json=body, timeout=60).json()["choices"][0]["logprobs"]
+    assert whole["refusal"] is None and len(whole["content"]) >= 1
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as response:
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+    streamed = [c["choices"][0]["logprobs"] for c in map(json.loads, lines) if c["choices"]]
+    scored = [lp for lp in streamed if lp is not None]
+    assert scored and all(lp["refusal"] is None and lp["content"] for lp in scored)
+
+
 _ROWS = ("tokens", "token_logprobs", "top_logprobs")
 
 

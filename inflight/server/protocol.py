@@ -131,12 +131,16 @@ ChatContentPart = Annotated[
 ]
 
 
-class FunctionCall(Strict):
+class FunctionCall(BaseModel):
+    # Other keys ignored, as in a message: clients send calls back with their own keys beside
+    # these (tau2-bench a call's `name`, streamed deltas' `index`, Gemini's `thought_signature`).
+    model_config = ConfigDict(extra="ignore")
     name: str
     arguments: str  # a JSON object's text
 
 
-class AssistantToolCall(Strict):
+class AssistantToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall

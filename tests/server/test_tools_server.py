@@ -313,6 +313,16 @@ def test_a_tool_result_in_the_history_gets_a_normal_reply(oa, server_llm):
     again = oa.chat.completions.create(model=MODEL, messages=bare, tools=TOOLS, **GREEDY)
     assert again.usage.prompt_tokens == reply.usage.prompt_tokens
     assert again.choices[0].message.content == choice.message.content
+    # Keys of the client's own beside a call's (tau2-bench sends the call's `name`, clients
+    # that rebuild calls from streamed deltas their `index`): ignored, as vLLM does.
+    sent = call.message.model_dump(exclude_none=True)
+    sent["tool_calls"][0] |= {"name": "get_weather", "index": 0}
+    sent["tool_calls"][0]["function"]["thought_signature"] = "x"
+    kept = oa.chat.completions.create(
+        model=MODEL, messages=[*MESSAGES, sent, result], tools=TOOLS, **GREEDY
+    )
+    assert kept.usage.prompt_tokens == reply.usage.prompt_tokens
+    assert kept.choices[0].message.content == choice.message.content
 
 
 def test_a_call_cut_short_is_sent_back_and_rendered_as_far_as_written(oa, server_llm):

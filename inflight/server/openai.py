@@ -872,8 +872,9 @@ class CompletionReply:
             choice, request = index * n + item.index, requests[index]
             if item.text or item.token_ids:
                 extra: dict[str, Any] = {"logprobs": None}
-                if self.body.logprobs is not None and item.logprobs:
-                    extra["logprobs"] = logprobs_of(choice, [self._row(e) for e in item.logprobs])
+                if self.body.logprobs is not None:
+                    rows = [self._row(e) for e in item.logprobs or ()]
+                    extra["logprobs"] = logprobs_of(choice, rows)
                 if ids:
                     extra["token_ids"] = list(item.token_ids)
                 yield chunk_of(choice, item.text, request, **extra)
@@ -906,10 +907,15 @@ class CompletionReply:
                                 yield chunk
                     for last in ended.pop(index, []):
                         (sequence,) = (o for o in output.outputs if o.index == last.index)
+                        choice = index * n + last.index
+                        # Asked for, logprobs are an object on every chunk of a choice, rows
+                        # or none (LMQL indexes each chunk's `tokens`), as vLLM sends them.
+                        scores = None if self.body.logprobs is None else logprobs_of(choice, [])
                         yield chunk_of(
-                            index * n + last.index,
+                            choice,
                             "",
                             requests[index],
+                            logprobs=scores,
                             finish_reason=last.finish_reason,
                             stop_reason=sequence.stop_reason,
                         )

@@ -150,14 +150,21 @@ def test_completions_score_prompts_like_an_eval_harness(oa, server_llm):
         assert top == {token: logprob}
     # Streamed, the same rows: the echo carries the prompt's scores (they come with the
     # prompt's output), and the text offsets run on over the chunks, as vLLM's do.
-    scoring = dict(model=MODEL, prompt=prompt, echo=True, logprobs=1, temperature=0)
-    for max_tokens in (0, 3):
-        whole = oa.completions.create(**scoring, max_tokens=max_tokens).choices[0].logprobs
+    # Every chunk of a choice carries a logprobs object, its finish chunk's empty (LMQL reads
+    # each chunk's `tokens`).
+    scoring = dict(model=MODEL, prompt=prompt, logprobs=1, temperature=0)
+    for echo, max_tokens in ((True, 0), (True, 3), (False, 5)):
+        asked = dict(scoring, echo=echo, max_tokens=max_tokens)
+        whole = oa.completions.create(**asked).choices[0].logprobs
         streamed: dict[str, list] = {f: [] for f in (*_ROWS, "text_offset")}
-        for chunk in oa.completions.create(**scoring, max_tokens=max_tokens, stream=True):
+        finishes = 0
+        for chunk in oa.completions.create(**asked, stream=True):
             for c in chunk.choices:
-                for f in streamed if c.logprobs else ():
+                assert c.logprobs is not None
+                finishes += c.finish_reason is not None
+                for f in streamed:
                     streamed[f] += getattr(c.logprobs, f)
+        assert finishes == 1
         assert streamed["tokens"] == whole.tokens
         assert streamed["text_offset"] == whole.text_offset
         assert streamed["token_logprobs"] == pytest.approx(whole.token_logprobs, abs=1e-5)

@@ -871,7 +871,7 @@ class CompletionReply:
         def deltas(index: int, item: StreamChunk) -> Iterator[dict]:
             choice, request = index * n + item.index, requests[index]
             if item.text or item.token_ids:
-                extra: dict[str, Any] = {"logprobs": None}
+                extra: dict[str, Any] = {}
                 if self.body.logprobs is not None:
                     rows = [self._row(e) for e in item.logprobs or ()]
                     extra["logprobs"] = logprobs_of(choice, rows)

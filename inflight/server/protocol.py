@@ -39,6 +39,17 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class Lenient(BaseModel):
+    """A part of the conversation a client sends back (a message, its content parts, its tool
+    calls): keys not read here are ignored, as OpenAI's Chat Completions ignores them. Clients
+    send a returned message back whole (its `annotations`), keep their own bookkeeping there
+    (OpenAI Swarm's `sender` and `tool_name`, tau2-bench a call's `name`, streamed deltas'
+    `index`, Gemini's `thought_signature`), and LiteLLM keeps Anthropic's `cache_control` on
+    the parts it sends to OpenAI-compatible servers."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
 def tagged(known: Sequence[str]) -> Discriminator:
     """A tagged union's discriminator: the object's `type` when it is one of `known`, else
     "other" (the union's catch-all member, refused by name where it is read)."""
@@ -53,12 +64,8 @@ def tagged(known: Sequence[str]) -> Discriminator:
 # -- OpenAI ------------------------------------------------------------------------------------
 
 
-class ContentPart(BaseModel):
-    """A chat message's content part of a type read here. Its other keys are ignored, as the
-    message's are: LiteLLM keeps Anthropic's `cache_control` on the parts it sends to
-    OpenAI-compatible servers."""
-
-    model_config = ConfigDict(extra="ignore")
+class ContentPart(Lenient):
+    """A chat message's content part of a type read here."""
 
 
 class TextPart(ContentPart):
@@ -131,26 +138,18 @@ ChatContentPart = Annotated[
 ]
 
 
-class FunctionCall(BaseModel):
-    # Other keys ignored, as in a message: clients send calls back with their own keys beside
-    # these (tau2-bench a call's `name`, streamed deltas' `index`, Gemini's `thought_signature`).
-    model_config = ConfigDict(extra="ignore")
+class FunctionCall(Lenient):
     name: str
     arguments: str  # a JSON object's text
 
 
-class AssistantToolCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class AssistantToolCall(Lenient):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    # Other keys are ignored, as OpenAI's Chat Completions ignores them: clients send a returned
-    # message back whole (its `annotations`) and keep their own bookkeeping in messages (OpenAI
-    # Swarm's `sender` and `tool_name`).
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(Lenient):
     # "function": a legacy function's result (read as a tool result).
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ChatContentPart] | None = None
